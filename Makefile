@@ -1,0 +1,30 @@
+# The two entry points of the README: `make run` (a local swarm plus gateway on the bundled model) and
+# `make test` (the test suite). Both set everything up on a fresh machine: a venv, torch (the CPU wheel,
+# pinned first so that nothing pulls a CUDA build), then the project with its test extras.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test bench setup clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/swarmgate up --config configs/local.yaml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+bench: $(STAMP)
+	$(BIN)/python bench/run_all.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

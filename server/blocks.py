@@ -1,0 +1,125 @@
+"""Loading a span of transformer blocks and running hidden states through it.
+
+`BlockSpan.load` reads only the tensors of blocks [start, end) from the checkpoint (the other blocks are never
+materialized) into the family's decoder layers, built on the meta device and filled in place. `forward` runs
+`[batch, seq, hidden]` states through some or all of the span with explicit positions, either with a session's
+`SessionKV` (inference) or without a cache (a plain forward pass).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import nn
+
+from server.cache import SessionKV
+from swarm.checkpoint import Checkpoint
+from swarm.families import FamilySpec, family_for
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        configured = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(configured, str):
+            configured = DTYPES.get(configured)
+        if configured in (torch.float16, torch.bfloat16) and device.type == "cpu":
+            return torch.float32  # half-precision matmuls are slow on most CPUs
+        return configured if configured in DTYPES.values() else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown torch_dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+class BlockSpan(nn.Module):
+    def __init__(self, config, family: FamilySpec, start: int, end: int, layers: nn.ModuleList,
+                 rotary: Optional[nn.Module], dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.config, self.family = config, family
+        self.start, self.end = start, end
+        self.layers, self.rotary = layers, rotary
+        self.dtype, self.device = dtype, device
+        self.hidden_size = config.hidden_size
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    @classmethod
+    def load(cls, checkpoint: Checkpoint, start: int, end: int, dtype_name: str = "auto",
+             device: str = "cpu") -> "BlockSpan":
+        config = checkpoint.load_config()
+        family = family_for(config)
+        if not 0 <= start < end <= config.num_hidden_layers:
+            raise ValueError(f"blocks {start}:{end} are outside the model's 0:{config.num_hidden_layers}")
+        torch_device = torch.device(device)
+        dtype = resolve_dtype(dtype_name, config, torch_device)
+        config._attn_implementation = "sdpa"
+        layer_cls = family.import_class(family.layer_class)
+        prefixes = {i: family.block_tensor_prefix(i) for i in range(start, end)}
+        tensors = checkpoint.load_tensors(lambda name: any(name.startswith(p) for p in prefixes.values()), dtype)
+        layers = nn.ModuleList()
+        for index in range(start, end):
+            with torch.device("meta"):
+                layer = layer_cls(config, index)
+            prefix = prefixes[index]
+            state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            missing, unexpected = layer.load_state_dict(state, strict=False, assign=True)
+            if missing or unexpected:
+                raise ValueError(f"block {index}: missing tensors {missing}, unexpected {unexpected}")
+            for name, tensor in list(layer.named_parameters()) + list(layer.named_buffers()):
+                if tensor.is_meta:
+                    raise ValueError(f"block {index}: {name} was not loaded from the checkpoint")
+            layer.self_attn.layer_idx = index - start  # index into this span's SessionKV
+            layers.append(layer.to(torch_device, dtype).eval().requires_grad_(False))
+        rotary = None
+        if family.rotary_class is not None:
+            rotary = family.import_class(family.rotary_class)(config=config).to(torch_device)
+        logger.info(f"loaded blocks {start}:{end} of {checkpoint.name} ({dtype}, {device})")
+        return cls(config, family, start, end, layers, rotary, dtype, torch_device)
+
+    def new_session_kv(self, batch_size: int, max_length: int, first: int, last: int) -> SessionKV:
+        """KV buffers for a session that runs blocks [first, last) of this span."""
+        return SessionKV(last - first, batch_size, self.kv_heads, self.head_dim, max_length, self.dtype,
+                         self.device, layer_offset=first - self.start)
+
+    def cache_bytes_per_token(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * len(self.layers) * self.kv_heads * self.head_dim * itemsize
+
+    @torch.inference_mode()
+    def forward(self, hidden: torch.Tensor, start_position: int = 0, kv: Optional[SessionKV] = None,
+                first: Optional[int] = None, last: Optional[int] = None) -> torch.Tensor:
+        """hidden: [batch, seq, hidden] for positions start_position.. ; runs blocks [first, last) of the model."""
+        first = self.start if first is None else first
+        last = self.end if last is None else last
+        hidden = hidden.to(self.device, self.dtype)
+        batch, seq, _ = hidden.shape
+        positions = torch.arange(start_position, start_position + seq, device=self.device)
+        position_ids = positions.unsqueeze(0).expand(batch, -1)
+        mask = None
+        if seq > 1 and start_position > 0:
+            # queries at positions p..p+seq attend to keys 0..p+seq with key <= query: [1, 1, seq, p+seq]
+            keys = torch.arange(start_position + seq, device=self.device)
+            allowed = keys.unsqueeze(0) <= positions.unsqueeze(1)
+            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+            mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+            mask = mask[None, None]
+        # with mask None and seq > 1 (no cache before), SDPA applies its square causal mask, like transformers
+        position_embeddings = self.rotary(hidden, position_ids) if self.rotary is not None else None
+        if kv is not None:
+            kv.begin_step(start_position)
+        try:
+            for layer in self.layers[first - self.start:last - self.start]:
+                out = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=kv,
+                            use_cache=kv is not None, position_embeddings=position_embeddings)
+                hidden = out[0] if isinstance(out, tuple) else out
+        except BaseException:
+            if kv is not None:
+                kv.abort_step()
+            raise
+        if kv is not None:
+            kv.end_step(seq)
+        return hidden

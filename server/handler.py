@@ -1,0 +1,166 @@
+"""The RPC handlers of a block server: inference streams, forward passes and the info call.
+
+Every request is validated before any tensor work (message schema and version, block range, tensor dtype and
+shape, positions against the session's cache and `max_length`, finite values). A bad step gets an
+`ErrorReply` on its own stream and leaves the session as it was; other sessions and the server go on. A
+session's cache is reserved when its stream opens and released when the stream ends for any reason.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import torch
+from hivemind.p2p import P2PContext
+from hivemind.proto import runtime_pb2
+
+from server.blocks import BlockSpan
+from server.cache import CacheBudget, OutOfCacheError
+from server.scheduler import PRIORITY_FORWARD, PRIORITY_INFERENCE, TaskPool
+from swarm import protocol as P
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Counters:
+    inference_tokens: int = 0
+    inference_steps: int = 0
+    forward_tokens: int = 0
+
+
+class BlockHandler(P.BlockRPC):
+    def __init__(self, span: BlockSpan, model_name: str, version: str, budget: CacheBudget, pool: TaskPool,
+                 max_length: int, alloc_timeout: float, step_timeout: float, max_batch_tokens: int = 1 << 16):
+        self.span, self.model_name, self.version = span, model_name, version
+        self.budget, self.pool = budget, pool
+        self.max_length, self.alloc_timeout, self.step_timeout = max_length, alloc_timeout, step_timeout
+        self.max_batch_tokens = max_batch_tokens
+        self.counters = Counters()
+        self.accepting = True
+
+    # ---- validation -------------------------------------------------------------------------------------
+    def _check_range(self, start: int, end: int) -> None:
+        if not (self.span.start <= start < end <= self.span.end):
+            raise P.ProtocolError(
+                f"blocks {start}:{end} are not served here (this server holds {self.span.start}:{self.span.end})"
+            )
+
+    def _hidden_from(self, request: runtime_pb2.ExpertRequest) -> torch.Tensor:
+        if len(request.tensors) != 1:
+            raise P.ProtocolError(f"expected exactly 1 tensor (hidden states), got {len(request.tensors)}")
+        hidden = P.deserialize_tensor(request.tensors[0], max_elements=self.max_batch_tokens * self.span.hidden_size)
+        if hidden.ndim != 3 or hidden.shape[-1] != self.span.hidden_size or hidden.shape[1] == 0:
+            raise P.ProtocolError(
+                f"hidden states must have shape [batch, seq>0, {self.span.hidden_size}], got {list(hidden.shape)}"
+            )
+        if not torch.isfinite(hidden).all():
+            raise P.ProtocolError("hidden states contain NaN or infinite values")
+        return hidden
+
+    # ---- inference --------------------------------------------------------------------------------------
+    async def rpc_inference(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        handle = None
+        try:
+            try:
+                first = await asyncio.wait_for(requests.__anext__(), timeout=self.step_timeout)
+            except (StopAsyncIteration, asyncio.TimeoutError):
+                return
+            try:
+                opened = P.decode(first.metadata, P.OpenSession)
+                self._check_range(opened.start, opened.end)
+                if not self.accepting:
+                    raise OutOfCacheError("this server is shutting down and takes no new sessions")
+                if opened.max_length > self.max_length:
+                    raise P.ProtocolError(f"max_length {opened.max_length} exceeds this server's limit {self.max_length}")
+                handle = f"{context.remote_id}/{opened.session_id}/{uuid.uuid4().hex[:8]}"
+                await self.budget.reserve(handle, opened.batch_size * opened.max_length, self.alloc_timeout)
+            except OutOfCacheError as e:
+                handle = None
+                yield P.error_response("out_of_cache", str(e))
+                return
+            except (P.ProtocolError, ValueError) as e:
+                handle = None
+                yield P.error_response("bad_request", str(e))
+                return
+            kv = self.span.new_session_kv(opened.batch_size, opened.max_length, opened.start, opened.end)
+            yield P.make_response(P.StepResult(position=0))  # the session is open
+            while True:
+                try:
+                    request = await asyncio.wait_for(requests.__anext__(), timeout=self.step_timeout)
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    yield P.error_response("timeout", f"no step for {self.step_timeout:.0f}s; session closed")
+                    return
+                try:
+                    step = P.decode(request.metadata, P.Step)
+                    hidden = self._hidden_from(request)
+                    batch, seq = hidden.shape[:2]
+                    if batch != opened.batch_size:
+                        raise P.ProtocolError(f"batch size {batch} differs from the session's {opened.batch_size}")
+                    if step.start_position > kv.length:
+                        raise P.ProtocolError(
+                            f"start_position {step.start_position} is past the {kv.length} tokens this session holds"
+                        )
+                    if step.start_position + seq > opened.max_length:
+                        raise P.ProtocolError(
+                            f"positions up to {step.start_position + seq} exceed the session's max_length "
+                            f"{opened.max_length}"
+                        )
+                except P.ProtocolError as e:
+                    yield P.error_response("bad_request", str(e))
+                    continue
+                try:
+                    output = await self.pool.submit(
+                        PRIORITY_INFERENCE, self.span.forward, hidden, step.start_position, kv, opened.start, opened.end
+                    )
+                except Exception as e:
+                    logger.exception("inference step failed")
+                    yield P.error_response("internal", f"step failed: {type(e).__name__}: {e}")
+                    continue
+                self.counters.inference_tokens += batch * seq
+                self.counters.inference_steps += 1
+                yield P.make_response(P.StepResult(position=kv.length, step_id=step.step_id), [output])
+        finally:
+            if handle is not None:
+                await self.budget.release(handle)
+
+    # ---- forward (no cache) -----------------------------------------------------------------------------
+    async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        try:
+            message = P.decode(request.metadata, P.ForwardRequest)
+            self._check_range(message.start, message.end)
+            hidden = self._hidden_from(request)
+            if hidden.shape[1] > self.max_length:
+                raise P.ProtocolError(f"sequence of {hidden.shape[1]} exceeds this server's limit {self.max_length}")
+        except P.ProtocolError as e:
+            return P.error_response("bad_request", str(e))
+        try:
+            output = await self.pool.submit(
+                PRIORITY_FORWARD, self.span.forward, hidden, 0, None, message.start, message.end
+            )
+        except Exception as e:
+            logger.exception("forward failed")
+            return P.error_response("internal", f"forward failed: {type(e).__name__}: {e}")
+        self.counters.forward_tokens += hidden.shape[0] * hidden.shape[1]
+        return P.make_response(P.ForwardResult(), [output])
+
+    # ---- info -------------------------------------------------------------------------------------------
+    def stats(self) -> P.ServerStats:
+        return P.ServerStats(
+            version=self.version, model=self.model_name, start=self.span.start, end=self.span.end,
+            num_blocks_total=self.span.config.num_hidden_layers, dtype=str(self.span.dtype).replace("torch.", ""),
+            hidden_size=self.span.hidden_size, cache_tokens_total=self.budget.max_tokens,
+            cache_tokens_used=self.budget.used_tokens, sessions_open=self.budget.num_sessions,
+            inference_tokens_processed=self.counters.inference_tokens, inference_steps=self.counters.inference_steps,
+            forward_tokens_processed=self.counters.forward_tokens,
+        )
+
+    async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        return runtime_pb2.ExpertInfo(serialized_info=P.encode(self.stats()))

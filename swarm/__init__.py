@@ -1,0 +1,16 @@
+"""swarmgate's swarm library: protocol, DHT records, routing, client sessions and the client model.
+
+`from swarm import AutoDistributedModelForCausalLM` gives the Hugging Face-style client model; the heavy
+imports happen on first use so that servers and tools importing `swarm.*` modules stay light.
+"""
+__version__ = "0.1.0"
+
+__all__ = ["AutoDistributedModelForCausalLM", "DistributedModelForCausalLM", "__version__"]
+
+
+def __getattr__(name):
+    if name in ("AutoDistributedModelForCausalLM", "DistributedModelForCausalLM"):
+        from swarm import model
+
+        return getattr(model, name)
+    raise AttributeError(name)

@@ -1,0 +1,55 @@
+"""`swarmgate dht`: a bootstrap DHT peer that others join; it serves no blocks.
+
+It listens on `--host_maddrs` (optionally with a fixed `--identity_path`, so its address is known in advance),
+prints `SWARMGATE_READY {json}` with the multiaddrs others join with, and runs until SIGINT/SIGTERM.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+from typing import List, Optional
+
+import hivemind
+from pydantic import Field
+
+from swarm.config import ConfigError, ProcessConfig, build_parser, load_config
+
+logger = logging.getLogger("swarmgate.dht")
+
+
+class BootstrapConfig(ProcessConfig):
+    host_maddrs: List[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/31337"],
+                                   description="multiaddrs to listen on")
+    announce_maddrs: List[str] = Field(default_factory=list, description="multiaddrs to announce to others")
+    identity_path: Optional[str] = Field(default=None, description="private key file (created if missing) for a fixed peer id")
+    initial_peers: List[str] = Field(default_factory=list, description="other bootstrap peers to connect to")
+    log_level: str = Field(default="INFO", description="logging level")
+
+
+def main(argv=None) -> int:
+    parser = build_parser(BootstrapConfig, "swarmgate dht", "Run a bootstrap DHT peer for a private swarm.")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(BootstrapConfig, args, section="dht")
+    except ConfigError as e:
+        parser.error(str(e))
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        dht = hivemind.DHT(start=True, host_maddrs=config.host_maddrs, announce_maddrs=config.announce_maddrs or None,
+                           identity_path=config.identity_path, initial_peers=config.initial_peers)
+    except Exception as e:
+        print(f"error: cannot start the DHT peer: {e}", file=sys.stderr)
+        return 1
+    maddrs = [str(m) for m in dht.get_visible_maddrs()]
+    print("SWARMGATE_READY " + json.dumps({"peer_id": dht.peer_id.to_base58(), "maddrs": maddrs}), flush=True)
+    for m in maddrs:
+        print(f"join with: --initial_peers {m}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    dht.shutdown()
+    return 0

@@ -1,0 +1,140 @@
+"""Finding a model checkpoint and reading only selected tensors from it.
+
+A model is named by a local Hugging Face checkpoint directory, a bundled model name (see `swarm.prepare`),
+or a hub repo id. For a hub repo only the config, the tokenizer, the shard index and the shards that hold the
+requested tensors are downloaded (into the Hugging Face cache, or `cache_dir`). Tensors are read one by one
+from safetensors files (or, failing that, PyTorch `.bin` files), so a block server never holds other blocks.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional
+
+import torch
+from safetensors import safe_open
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoint cannot be found or does not hold what was asked for."""
+
+
+class Checkpoint:
+    """A local directory or hub repo; `load_tensors` fetches and reads only the files it needs."""
+
+    def __init__(self, name_or_path: str, cache_dir: Optional[str] = None, revision: Optional[str] = None):
+        from swarm.prepare import bundled_model_path
+
+        self.name = name_or_path
+        self.cache_dir, self.revision = cache_dir, revision
+        bundled = bundled_model_path(name_or_path, create=True)
+        if bundled is not None:
+            self.local_dir: Optional[Path] = bundled
+        elif Path(name_or_path).is_dir():
+            self.local_dir = Path(name_or_path)
+        elif Path(name_or_path).exists():
+            raise CheckpointError(f"{name_or_path!r} is a file, not a checkpoint directory")
+        else:
+            self.local_dir = None  # a hub repo id
+        self._weight_map: Optional[Dict[str, str]] = None
+
+    # ---- files -------------------------------------------------------------------------------------------
+    def file(self, filename: str, required: bool = True) -> Optional[Path]:
+        if self.local_dir is not None:
+            path = self.local_dir / filename
+            if path.is_file():
+                return path
+            if required:
+                raise CheckpointError(f"{filename} not found in {self.local_dir}")
+            return None
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.utils import EntryNotFoundError
+
+        try:
+            return Path(hf_hub_download(self.name, filename, cache_dir=self.cache_dir, revision=self.revision))
+        except EntryNotFoundError:
+            if required:
+                raise CheckpointError(f"{filename} not found in hub repo {self.name}") from None
+            return None
+        except Exception as e:  # network errors, missing repo, auth
+            if required:
+                raise CheckpointError(f"cannot fetch {filename} of {self.name!r} from the hub: {e}") from None
+            return None
+
+    @property
+    def config_dir(self) -> str:
+        """A path or repo id that `AutoConfig` / `AutoTokenizer.from_pretrained` accept."""
+        return str(self.local_dir) if self.local_dir is not None else self.name
+
+    def load_config(self):
+        from transformers import AutoConfig
+
+        try:
+            return AutoConfig.from_pretrained(self.config_dir, cache_dir=self.cache_dir, revision=self.revision)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read the model config of {self.name!r}: {e}") from None
+
+    def weight_map(self) -> Dict[str, str]:
+        """tensor name -> file name within the checkpoint."""
+        if self._weight_map is not None:
+            return self._weight_map
+        for index_name in INDEX_FILES:
+            index_path = self.file(index_name, required=False)
+            if index_path is not None:
+                self._weight_map = dict(json.loads(index_path.read_text())["weight_map"])
+                return self._weight_map
+        for single in SINGLE_FILES:
+            path = self.file(single, required=False)
+            if path is not None:
+                self._weight_map = {name: single for name in _tensor_names(path)}
+                return self._weight_map
+        raise CheckpointError(f"no safetensors or PyTorch weights found in {self.name!r}")
+
+    # ---- tensors ----------------------------------------------------------------------------------------
+    def load_tensors(
+        self, select: Callable[[str], bool], dtype: Optional[torch.dtype] = None
+    ) -> Dict[str, torch.Tensor]:
+        """Read the tensors whose names `select` accepts, opening only the files that hold them."""
+        by_file: Dict[str, List[str]] = {}
+        for name, filename in self.weight_map().items():
+            if select(name):
+                by_file.setdefault(filename, []).append(name)
+        result: Dict[str, torch.Tensor] = {}
+        for filename, names in sorted(by_file.items()):
+            path = self.file(filename)
+            for name, tensor in _read_tensors(path, names):
+                if dtype is not None and tensor.is_floating_point():
+                    tensor = tensor.to(dtype)
+                result[name] = tensor
+        return result
+
+
+def _tensor_names(path: Path) -> Iterable[str]:
+    if path.suffix == ".safetensors":
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+    return list(torch.load(str(path), map_location="cpu", weights_only=True, mmap=True).keys())
+
+
+def _read_tensors(path: Path, names: List[str]):
+    if path.suffix == ".safetensors":
+        with safe_open(str(path), framework="pt") as f:
+            for name in names:
+                yield name, f.get_tensor(name)
+    else:
+        state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        for name in names:
+            yield name, state[name].clone()
+        del state
+
+
+def default_cache_root() -> Path:
+    root = os.environ.get("SWARMGATE_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "swarmgate"

@@ -1,0 +1,32 @@
+"""The `swarmgate` command: one entry point, a subcommand per process kind (imported lazily)."""
+from __future__ import annotations
+
+import sys
+
+COMMANDS = {
+    "prepare-model": ("swarm.prepare", "convert the bundled model into a safetensors checkpoint, print its path"),
+    "dht": ("swarm.bootstrap", "run a bootstrap DHT peer"),
+    "server": ("server.server", "serve a range of a model's blocks"),
+    "gateway": ("gateway.app", "serve the OpenAI-compatible HTTP API over the swarm"),
+    "up": ("swarm.local_swarm", "start a local swarm (bootstrap, servers, gateway) from a YAML file"),
+}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: swarmgate {" + ",".join(COMMANDS) + "} ...\n")
+        for name, (_, text) in COMMANDS.items():
+            print(f"  {name:14s} {text}")
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\nerror: unknown command {argv[0]!r}", file=sys.stderr)
+            return 2
+        return 0 if argv else 2
+    import importlib
+
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    return module.main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Model families: where each family keeps its blocks and its client-side parts.
+
+Client and server must agree on how a checkpoint is cut: which tensors belong to block i (the server loads
+those), and which are the embeddings, final norm and LM head (the client loads those). One `FamilySpec` per
+supported `config.model_type`; the classes are looked up in the family's `transformers` modeling module.
+Llama-style decoder layers (Llama, Mistral, Qwen2, Mixtral) share one calling convention:
+`layer(hidden, attention_mask, position_ids, past_key_values, position_embeddings=(cos, sin))`.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Optional
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    model_type: str
+    block_prefix: str  # format with the block index: the prefix of that block's tensor names
+    embed_key: str
+    norm_key: str  # prefix of the final norm's tensors
+    head_key: str  # LM head weight (may be absent when tied to the embeddings)
+    layer_class: str
+    rotary_class: Optional[str]
+    norm_class: str
+    module: str  # transformers modeling module
+
+    def block_tensor_prefix(self, index: int) -> str:
+        return self.block_prefix.format(index)
+
+    def import_class(self, name: str):
+        return getattr(importlib.import_module(self.module), name)
+
+
+def _llama_like(model_type: str, camel: str) -> FamilySpec:
+    return FamilySpec(
+        model_type=model_type,
+        block_prefix="model.layers.{}.",
+        embed_key="model.embed_tokens.weight",
+        norm_key="model.norm.",
+        head_key="lm_head.weight",
+        layer_class=f"{camel}DecoderLayer",
+        rotary_class=f"{camel}RotaryEmbedding",
+        norm_class=f"{camel}RMSNorm",
+        module=f"transformers.models.{model_type}.modeling_{model_type}",
+    )
+
+
+FAMILIES = {
+    spec.model_type: spec
+    for spec in (
+        _llama_like("llama", "Llama"),
+        _llama_like("mistral", "Mistral"),
+        _llama_like("qwen2", "Qwen2"),
+        _llama_like("mixtral", "Mixtral"),
+    )
+}
+
+
+def family_for(config) -> FamilySpec:
+    spec = FAMILIES.get(getattr(config, "model_type", None))
+    if spec is None:
+        raise UnsupportedModelError(
+            f"model type {getattr(config, 'model_type', None)!r} is not supported; supported: {sorted(FAMILIES)}"
+        )
+    return spec

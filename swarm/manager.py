@@ -1,0 +1,112 @@
+"""The client's view of one model's swarm: its DHT peer, the servers' spans, bans, routing and stubs.
+
+`SwarmManager` joins the DHT as a client, reads the block records (refreshing them periodically, and at once
+when a route cannot be built), and turns them into chains of servers with `swarm.routing`. Servers that failed
+are banned with exponential back-off so that routing avoids them for a while.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Dict, List, Optional, Sequence
+
+import hivemind
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
+from pydantic import BaseModel, ConfigDict, Field
+
+from swarm import aio
+from swarm import protocol as P
+from swarm.records import ServerSpan, fetch_block_records, online_spans
+from swarm.routing import RouteHop, RoutingError, choose_forward_chain, find_inference_chain
+
+logger = logging.getLogger(__name__)
+
+
+class ClientConfig(BaseModel):
+    """How a client talks to the swarm (given to `from_pretrained` as keyword arguments)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    initial_peers: List[str] = Field(default_factory=list, description="multiaddrs of DHT peers to join")
+    dht_prefix: Optional[str] = Field(default=None, description="DHT key prefix (default: from the model name)")
+    request_timeout: float = Field(default=60.0, gt=0, description="seconds for a forward or info call")
+    step_timeout: float = Field(default=120.0, gt=0, description="seconds for one inference step")
+    update_period: float = Field(default=30.0, gt=0, description="seconds between refreshes of the swarm view")
+    max_retries: int = Field(default=3, ge=0, description="times a failed step is re-routed before giving up")
+    ban_timeout: float = Field(default=15.0, gt=0, description="first ban of a failed server, doubled each time")
+    max_chunk_bytes: int = Field(default=2 << 20, gt=0, description="largest hidden-state message sent at once")
+
+
+class SwarmManager:
+    def __init__(self, config: ClientConfig, prefix: str, num_blocks: int, dht: Optional[hivemind.DHT] = None):
+        if not config.initial_peers and dht is None:
+            raise ValueError("initial_peers is required: the multiaddr(s) of a peer of the swarm")
+        self.config, self.prefix, self.num_blocks = config, prefix, num_blocks
+        self.dht = dht or hivemind.DHT(initial_peers=config.initial_peers, client_mode=True, start=True)
+        self._own_dht = dht is None
+        self.p2p: P2P = aio.run(self.dht.replicate_p2p(), timeout=60)
+        self.spans: List[ServerSpan] = []
+        self._last_update = 0.0
+        self._bans: Dict[str, tuple[float, int]] = {}  # peer id -> (banned until, consecutive failures)
+        self._lock = threading.Lock()
+
+    # ---- swarm view ---------------------------------------------------------------------------------------
+    def update(self, force: bool = False) -> List[ServerSpan]:
+        with self._lock:
+            if force or time.monotonic() - self._last_update > self.config.update_period or not self.spans:
+                records = fetch_block_records(self.dht, self.prefix, self.num_blocks)
+                self.spans = online_spans(records)
+                self._last_update = time.monotonic()
+            return self.spans
+
+    def banned(self) -> List[str]:
+        now = time.monotonic()
+        return [peer for peer, (until, _) in self._bans.items() if until > now]
+
+    def ban(self, peer_id: str) -> float:
+        _, failures = self._bans.get(peer_id, (0.0, 0))
+        duration = self.config.ban_timeout * (2 ** failures)
+        self._bans[peer_id] = (time.monotonic() + duration, failures + 1)
+        logger.warning(f"banning server {peer_id} for {duration:.0f}s")
+        return duration
+
+    def mark_ok(self, peer_id: str) -> None:
+        self._bans.pop(peer_id, None)
+
+    def _route(self, fn, start: int, end: int, **kwargs) -> List[RouteHop]:
+        try:
+            return fn(self.update(), start, end, banned=self.banned(), **kwargs)
+        except RoutingError:
+            return fn(self.update(force=True), start, end, banned=self.banned(), **kwargs)
+
+    def make_inference_chain(self, start: int = 0, end: Optional[int] = None, cache_tokens_needed: int = 0
+                             ) -> List[RouteHop]:
+        end = self.num_blocks if end is None else end
+        return self._route(find_inference_chain, start, end, cache_tokens_needed=cache_tokens_needed)
+
+    def make_forward_chain(self, start: int = 0, end: Optional[int] = None) -> List[RouteHop]:
+        end = self.num_blocks if end is None else end
+        return self._route(choose_forward_chain, start, end)
+
+    # ---- RPC ----------------------------------------------------------------------------------------------
+    def stub(self, peer_id: str):
+        return P.BlockRPC.get_stub(self.p2p, PeerID.from_base58(peer_id))
+
+    async def info(self, peer_id: str) -> P.ServerStats:
+        response = await self.stub(peer_id).rpc_info(runtime_pb2.ExpertUID(uid=""), timeout=self.config.request_timeout)
+        return P.parse_stats(response)
+
+    def server_info(self, peer_id: str) -> P.ServerStats:
+        return aio.run(self.info(peer_id), timeout=self.config.request_timeout + 5)
+
+    async def forward(self, hop: RouteHop, hidden) -> "torch.Tensor":  # noqa: F821
+        request = P.make_request(P.ForwardRequest(start=hop.start, end=hop.end), [hidden])
+        response = await self.stub(hop.peer_id).rpc_forward(request, timeout=self.config.request_timeout)
+        _, tensors = P.unpack_reply(response, hop.peer_id, forward=True)
+        return tensors[0]
+
+    def shutdown(self) -> None:
+        if self._own_dht:
+            self.dht.shutdown()

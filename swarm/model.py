@@ -1,0 +1,270 @@
+"""The Hugging Face-style client model: local embeddings, final norm and LM head; remote blocks.
+
+`AutoDistributedModelForCausalLM.from_pretrained(name_or_path, initial_peers=[...])` reads only the embedding,
+final norm and LM head tensors of the checkpoint; the transformer blocks run on the swarm. `model(input_ids)`
+returns logits through plain forward passes. `model.inference_session(max_length=N)` opens a `ModelSession`
+that remembers which tokens the servers' caches hold, so `model.generate(..., session=s)` across several calls
+(a multi-turn chat) sends only new tokens, rewinding the servers when the new input diverges from what they
+hold. Generation uses Hugging Face `GenerationConfig` and logits processors (greedy, sampling with
+temperature / top-k / top-p / min-p, repetition penalty) and accepts a `streamer`.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import List, Optional, Union
+
+import torch
+from torch import nn
+from transformers import GenerationConfig
+from transformers.generation.logits_process import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
+                                                    MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+from swarm import aio
+from swarm.checkpoint import Checkpoint
+from swarm.families import FamilySpec, family_for
+from swarm.manager import ClientConfig, SwarmManager
+from swarm.records import dht_prefix_for
+from swarm.session import InferenceSession, SessionError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor  # [batch, seq, vocab]
+    hidden_states: Optional[torch.Tensor] = None  # [batch, seq, hidden] after the final norm
+
+
+class ModelSession:
+    """An inference session plus the token ids `[batch, n]` whose states the servers hold."""
+
+    def __init__(self, model: "DistributedModelForCausalLM", max_length: int):
+        self.model = model
+        self.session = InferenceSession(model.manager, max_length)
+        self.token_ids: Optional[torch.Tensor] = None
+
+    @property
+    def max_length(self) -> int:
+        return self.session.max_length
+
+    @property
+    def position(self) -> int:
+        return self.session.position
+
+    def reusable_prefix(self, input_ids: torch.Tensor) -> int:
+        """How many leading tokens of `input_ids` the servers already hold (at most len - 1: the last token
+        is always sent again, as its logits are needed)."""
+        if self.token_ids is None or self.token_ids.shape[0] != input_ids.shape[0]:
+            return 0
+        n = min(self.token_ids.shape[1], input_ids.shape[1] - 1)
+        if n <= 0:
+            return 0
+        same = (self.token_ids[:, :n] == input_ids[:, :n]).all(dim=0)
+        mismatch = (~same).nonzero()
+        return int(mismatch[0]) if len(mismatch) else n
+
+    def feed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Make the servers hold exactly `input_ids` [batch, n]; returns the last position's logits [batch, vocab]."""
+        reuse = self.reusable_prefix(input_ids)
+        if reuse < self.session.position:
+            self.session.rewind(reuse)
+        new_ids = input_ids[:, reuse:]
+        hidden = self.model.embed(new_ids)
+        out = self.session.step(hidden)
+        self.token_ids = input_ids.clone()
+        return self.model.head(out[:, -1:])[:, -1]
+
+    def close(self) -> None:
+        self.session.close()
+
+    def __enter__(self) -> "ModelSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class DistributedModelForCausalLM(nn.Module):
+    def __init__(self, config, family: FamilySpec, manager: SwarmManager, embed_tokens: nn.Embedding,
+                 norm: nn.Module, lm_head: nn.Linear, generation_config: GenerationConfig):
+        super().__init__()
+        self.config, self.family, self.manager = config, family, manager
+        self.embed_tokens, self.norm, self.lm_head = embed_tokens, norm, lm_head
+        self.generation_config = generation_config
+
+    # ---- loading ------------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, *, torch_dtype: Union[str, torch.dtype] = torch.float32,
+                        cache_dir: Optional[str] = None, dht=None, **client_kwargs) -> "DistributedModelForCausalLM":
+        client_config = ClientConfig(**client_kwargs)
+        checkpoint = Checkpoint(name_or_path, cache_dir=cache_dir)
+        config = checkpoint.load_config()
+        family = family_for(config)
+        dtype = getattr(torch, torch_dtype) if isinstance(torch_dtype, str) else torch_dtype
+        head_key = family.head_key
+        wanted = {family.embed_key, head_key, family.norm_key + "weight", family.norm_key + "bias"}
+        tensors = checkpoint.load_tensors(lambda name: name in wanted, dtype)
+        if family.embed_key not in tensors:
+            raise ValueError(f"{name_or_path}: no {family.embed_key} in the checkpoint")
+        embed = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=None, dtype=dtype)
+        embed.weight = nn.Parameter(tensors[family.embed_key], requires_grad=False)
+        norm_cls = family.import_class(family.norm_class)
+        norm = norm_cls(config.hidden_size, eps=getattr(config, "rms_norm_eps", 1e-6)).to(dtype)
+        norm.load_state_dict({k[len(family.norm_key):]: v for k, v in tensors.items()
+                              if k.startswith(family.norm_key)})
+        lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        if head_key in tensors and not getattr(config, "tie_word_embeddings", False):
+            lm_head.weight = nn.Parameter(tensors[head_key], requires_grad=False)
+        else:
+            lm_head.weight = embed.weight  # tied
+        try:
+            generation_config = GenerationConfig.from_pretrained(checkpoint.config_dir, cache_dir=cache_dir)
+        except (OSError, ValueError):
+            generation_config = GenerationConfig.from_model_config(config)
+        prefix = client_config.dht_prefix or dht_prefix_for(name_or_path)
+        manager = SwarmManager(client_config, prefix, config.num_hidden_layers, dht=dht)
+        model = cls(config, family, manager, embed, norm, lm_head, generation_config).eval()
+        model.requires_grad_(False)
+        model.name_or_path = name_or_path
+        return model
+
+    # ---- pieces -------------------------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)  # [batch, seq] -> [batch, seq, hidden]
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[batch, seq, hidden] from the last block -> logits [batch, seq, vocab] (float32)."""
+        return self.lm_head(self.norm(hidden.to(self.dtype))).float()
+
+    def inference_session(self, max_length: int) -> ModelSession:
+        return ModelSession(self, max_length)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> CausalLMOutput:
+        """Logits for every position of `input_ids` [batch, seq] through the swarm (no cache)."""
+        _reject_padding(attention_mask)
+        hidden = self.embed(input_ids)
+        hidden = aio.run(self._forward_chain(hidden))
+        normed = self.norm(hidden.to(self.dtype))
+        return CausalLMOutput(logits=self.lm_head(normed).float(), hidden_states=normed)
+
+    async def _forward_chain(self, hidden: torch.Tensor) -> torch.Tensor:
+        import asyncio
+
+        last_error: Optional[BaseException] = None
+        for _ in range(self.manager.config.max_retries + 1):
+            hops = await asyncio.get_running_loop().run_in_executor(None, self.manager.make_forward_chain)
+            x = hidden
+            try:
+                for hop in hops:
+                    x = await self.manager.forward(hop, x)
+                return x
+            except Exception as e:  # a failed server: ban it and route again
+                last_error = e
+                self.manager.ban(hop.peer_id)
+        raise SessionError(f"forward pass failed after {self.manager.config.max_retries + 1} tries: {last_error}")
+
+    # ---- generation ---------------------------------------------------------------------------------------
+    def _generation_config(self, generation_config: Optional[GenerationConfig], kwargs: dict) -> GenerationConfig:
+        config = copy.deepcopy(generation_config or self.generation_config)
+        unused = config.update(**kwargs)
+        if unused:
+            raise TypeError(f"generate() got unexpected arguments: {sorted(unused)}")
+        return config
+
+    @staticmethod
+    def logits_processors(config: GenerationConfig, prompt_len: int = 0) -> LogitsProcessorList:
+        processors = LogitsProcessorList()
+        if config.min_new_tokens and config.eos_token_id is not None:
+            processors.append(MinNewTokensLengthLogitsProcessor(prompt_len, config.min_new_tokens, config.eos_token_id))
+        if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
+            processors.append(RepetitionPenaltyLogitsProcessor(penalty=config.repetition_penalty))
+        if config.do_sample:
+            if config.temperature is not None and config.temperature != 1.0:
+                processors.append(TemperatureLogitsWarper(config.temperature))
+            if config.top_k is not None and config.top_k != 0:
+                processors.append(TopKLogitsWarper(top_k=config.top_k, min_tokens_to_keep=1))
+            if config.top_p is not None and config.top_p < 1.0:
+                processors.append(TopPLogitsWarper(top_p=config.top_p, min_tokens_to_keep=1))
+            if getattr(config, "min_p", None) is not None:
+                processors.append(MinPLogitsWarper(min_p=config.min_p, min_tokens_to_keep=1))
+        return processors
+
+    @torch.inference_mode()
+    def generate(self, input_ids: torch.Tensor, *, session: Optional[ModelSession] = None,
+                 attention_mask: Optional[torch.Tensor] = None, generation_config: Optional[GenerationConfig] = None,
+                 logits_processor: Optional[LogitsProcessorList] = None, streamer=None, **kwargs) -> torch.Tensor:
+        """Like `transformers` generate: returns [batch, prompt + new] token ids."""
+        if input_ids is None or input_ids.ndim != 2 or input_ids.shape[1] == 0:
+            raise ValueError("input_ids must be a non-empty [batch, seq] tensor")
+        _reject_padding(attention_mask)
+        config = self._generation_config(generation_config, kwargs)
+        if config.num_beams not in (None, 1):
+            raise NotImplementedError("beam search is not supported yet; use num_beams=1")
+        prompt_len = input_ids.shape[1]
+        max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt_len
+        if max_new <= 0:
+            return input_ids
+        processors = self.logits_processors(config, prompt_len)
+        if logits_processor is not None:
+            processors.extend(logits_processor)
+        eos = config.eos_token_id
+        eos_ids = torch.tensor([eos] if isinstance(eos, int) else (eos or []), dtype=torch.long)
+        pad = config.pad_token_id if config.pad_token_id is not None else (int(eos_ids[0]) if len(eos_ids) else 0)
+
+        own_session = session is None
+        if own_session:
+            session = self.inference_session(max_length=prompt_len + max_new)
+        elif prompt_len + max_new - 1 > session.max_length:
+            raise SessionError(
+                f"prompt ({prompt_len}) + max_new_tokens ({max_new}) exceeds the session's max_length "
+                f"{session.max_length}"
+            )
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        ids = input_ids
+        finished = torch.zeros(ids.shape[0], dtype=torch.bool)
+        try:
+            for step in range(max_new):
+                logits = session.feed(ids)  # [batch, vocab]
+                scores = processors(ids, logits)
+                if config.do_sample:
+                    next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+                else:
+                    next_tokens = scores.argmax(dim=-1)
+                next_tokens = torch.where(finished, torch.full_like(next_tokens, pad), next_tokens)
+                ids = torch.cat([ids, next_tokens[:, None]], dim=1)
+                if streamer is not None:
+                    streamer.put(next_tokens.cpu())
+                if len(eos_ids):
+                    finished |= torch.isin(next_tokens, eos_ids)
+                    if finished.all():
+                        break
+        finally:
+            if streamer is not None:
+                streamer.end()
+            if own_session:
+                session.close()
+        return ids
+
+    def shutdown(self) -> None:
+        self.manager.shutdown()
+
+
+def _reject_padding(attention_mask: Optional[torch.Tensor]) -> None:
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise NotImplementedError("padded batches are not supported: send sequences of equal length")
+
+
+class AutoDistributedModelForCausalLM:
+    """Picks the client model for a checkpoint's family (all supported families share one class today)."""
+
+    @staticmethod
+    def from_pretrained(name_or_path: str, **kwargs) -> DistributedModelForCausalLM:
+        return DistributedModelForCausalLM.from_pretrained(name_or_path, **kwargs)

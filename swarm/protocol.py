@@ -1,0 +1,225 @@
+"""The wire protocol between clients and block servers: RPC names, typed versioned messages, tensors.
+
+Transport: hivemind P2P protobuf handlers. Each request/response is a `runtime_pb2.ExpertRequest` /
+`ExpertResponse` whose `metadata` holds one JSON-encoded pydantic message (with a protocol version `v` and a
+`type` tag) and whose `tensors` carry raw tensors in their own dtype. Every message rejects unknown fields and
+wrong versions, and tensors are checked (dtype, byte size, element count) before they are materialized.
+
+RPCs (see `BlockRPC`):
+- `rpc_inference`: a bidirectional stream per session. The first request is `OpenSession`; then each
+  `Step` carries hidden states `[batch, seq, hidden]` starting at `start_position`; each gets a `StepResult`
+  (the output hidden states) or an `ErrorReply`. Closing the stream frees the session's KV cache.
+- `rpc_forward`: one pass of hidden states through a block range, no cache.
+- `rpc_info`: `ServerStats`.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import AsyncIterator, List, Literal, Optional, Sequence, Tuple, Type, TypeVar, Union
+
+import torch
+from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.proto import runtime_pb2
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+PROTOCOL_VERSION = 1
+MAX_SESSION_ID_LEN = 128
+ALLOWED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+INDEX_DTYPES = {"int64": torch.int64}
+_ALL_DTYPES = {**ALLOWED_DTYPES, **INDEX_DTYPES}
+
+M = TypeVar("M", bound="Message")
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the protocol; the text is safe to send back to the peer."""
+
+
+class RemoteError(RuntimeError):
+    """An error reply from a server (carries the server's error code)."""
+
+    def __init__(self, code: str, message: str, peer_id: Optional[str] = None):
+        super().__init__(f"[{code}] {message}" + (f" (server {peer_id})" if peer_id else ""))
+        self.code, self.message, self.peer_id = code, message, peer_id
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    v: Literal[1] = PROTOCOL_VERSION
+
+
+class OpenSession(Message):
+    type: Literal["open"] = "open"
+    session_id: str = Field(min_length=1, max_length=MAX_SESSION_ID_LEN)
+    start: int = Field(ge=0, description="first block of this server's part of the chain")
+    end: int = Field(gt=0, description="one past the last block")
+    max_length: int = Field(gt=0, description="most tokens (positions) this session will hold")
+    batch_size: int = Field(default=1, gt=0, le=1024)
+
+
+class Step(Message):
+    type: Literal["step"] = "step"
+    start_position: int = Field(ge=0, description="position of the first token in this step")
+    step_id: int = Field(default=0, ge=0)
+
+
+class StepResult(Message):
+    type: Literal["result"] = "result"
+    position: int = Field(ge=0, description="tokens held in the session's cache after this step")
+    step_id: int = 0
+
+
+class ErrorReply(Message):
+    type: Literal["error"] = "error"
+    code: str
+    message: str
+
+
+class ForwardRequest(Message):
+    type: Literal["forward"] = "forward"
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+
+
+class ForwardResult(Message):
+    type: Literal["forward_result"] = "forward_result"
+
+
+class ServerStats(Message):
+    type: Literal["info"] = "info"
+    version: str
+    model: str
+    start: int
+    end: int
+    num_blocks_total: int
+    dtype: str
+    hidden_size: int
+    cache_tokens_total: int
+    cache_tokens_used: int
+    sessions_open: int
+    inference_tokens_processed: int = Field(description="tokens received by inference steps since start")
+    inference_steps: int
+    forward_tokens_processed: int
+
+
+ReplyMessage = Union[StepResult, ErrorReply]
+_reply_adapter = TypeAdapter(ReplyMessage)
+_forward_reply_adapter = TypeAdapter(Union[ForwardResult, ErrorReply])
+
+
+def encode(message: Message) -> bytes:
+    return message.model_dump_json().encode()
+
+
+def decode(data: bytes, message_type: Type[M]) -> M:
+    """Parse bytes into `message_type`, raising ProtocolError with a readable reason otherwise."""
+    try:
+        raw = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        raise ProtocolError("metadata is not valid JSON") from None
+    if not isinstance(raw, dict):
+        raise ProtocolError("metadata must be a JSON object")
+    if raw.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {raw.get('v')!r}; this peer speaks {PROTOCOL_VERSION}")
+    try:
+        return message_type.model_validate(raw)
+    except ValidationError as e:
+        reasons = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise ProtocolError(f"invalid {message_type.__name__}: {reasons}") from None
+
+
+def decode_reply(data: bytes, forward: bool = False) -> Union[StepResult, ForwardResult, ErrorReply]:
+    try:
+        return (_forward_reply_adapter if forward else _reply_adapter).validate_json(data)
+    except ValidationError as e:
+        raise ProtocolError(f"invalid reply from server: {e.errors()[0]['msg']}") from None
+
+
+def serialize_tensor(tensor: torch.Tensor) -> runtime_pb2.Tensor:
+    """Raw bytes in the tensor's own dtype (no casts); bfloat16 travels as its 2-byte pattern."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    tensor = tensor.contiguous()
+    dtype_name = str(tensor.dtype).replace("torch.", "")
+    if dtype_name not in _ALL_DTYPES:
+        raise ProtocolError(f"dtype {dtype_name} cannot be sent")
+    raw = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
+    return runtime_pb2.Tensor(buffer=raw.numpy().tobytes(), size=list(tensor.shape), dtype=dtype_name)
+
+
+def deserialize_tensor(
+    proto: runtime_pb2.Tensor, max_elements: int = 1 << 28, allowed: Optional[dict] = None
+) -> torch.Tensor:
+    """Rebuild a tensor after checking its dtype, shape and byte size; ProtocolError on any mismatch."""
+    allowed = ALLOWED_DTYPES if allowed is None else allowed
+    if proto.compression != runtime_pb2.CompressionType.NONE:
+        raise ProtocolError("compressed tensors are not accepted")
+    dtype = allowed.get(proto.dtype)
+    if dtype is None:
+        raise ProtocolError(f"dtype {proto.dtype!r} is not accepted here (allowed: {sorted(allowed)})")
+    shape = tuple(proto.size)
+    if any(d < 0 for d in shape):
+        raise ProtocolError(f"negative dimension in shape {shape}")
+    numel = math.prod(shape)
+    if numel > max_elements:
+        raise ProtocolError(f"tensor of {numel} elements exceeds the limit of {max_elements}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if len(proto.buffer) != numel * itemsize:
+        raise ProtocolError(f"tensor buffer has {len(proto.buffer)} bytes, shape {shape} needs {numel * itemsize}")
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    storage_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
+    flat = torch.frombuffer(bytearray(proto.buffer), dtype=storage_dtype)
+    if dtype == torch.bfloat16:
+        flat = flat.view(torch.bfloat16)
+    return flat.view(shape)
+
+
+def make_request(message: Message, tensors: Sequence[torch.Tensor] = (), uid: str = "") -> runtime_pb2.ExpertRequest:
+    return runtime_pb2.ExpertRequest(uid=uid, metadata=encode(message), tensors=[serialize_tensor(t) for t in tensors])
+
+
+def make_response(message: Message, tensors: Sequence[torch.Tensor] = ()) -> runtime_pb2.ExpertResponse:
+    return runtime_pb2.ExpertResponse(metadata=encode(message), tensors=[serialize_tensor(t) for t in tensors])
+
+
+def error_response(code: str, message: str) -> runtime_pb2.ExpertResponse:
+    return make_response(ErrorReply(code=code, message=message))
+
+
+def unpack_reply(
+    response: runtime_pb2.ExpertResponse, peer_id: Optional[str] = None, forward: bool = False
+) -> Tuple[Union[StepResult, ForwardResult], List[torch.Tensor]]:
+    """Decode a server reply; raises RemoteError for an error reply."""
+    reply = decode_reply(response.metadata, forward=forward)
+    if isinstance(reply, ErrorReply):
+        raise RemoteError(reply.code, reply.message, peer_id)
+    tensors = [deserialize_tensor(t, max_elements=1 << 31) for t in response.tensors]
+    return reply, tensors
+
+
+class BlockRPC(ServicerBase):
+    """The RPC surface of a block server. Servers subclass it; clients use `BlockRPC.get_stub(p2p, peer)`."""
+
+    @classmethod
+    def _get_handle_name(cls, namespace: Optional[str], method_name: str) -> str:
+        name = f"swarmgate.v{PROTOCOL_VERSION}.{method_name}"
+        return f"{namespace}::{name}" if namespace is not None else name
+
+    async def rpc_inference(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError
+        yield  # pragma: no cover  (makes this an async generator)
+
+    async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        raise NotImplementedError
+
+    async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        raise NotImplementedError
+
+
+def parse_stats(info: runtime_pb2.ExpertInfo) -> ServerStats:
+    return decode(info.serialized_info, ServerStats)

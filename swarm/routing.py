@@ -1,0 +1,307 @@
+"""Client-side routing: which servers run which blocks of a request.
+
+This module owns the choice of a *chain* of servers for a range of transformer blocks, given the spans the
+swarm announces (`swarm.records.ServerSpan`). It is pure: no network, no DHT access, no clocks.
+
+* `find_inference_chain` picks the chain with the least expected time per decode step (latency-oriented,
+  used for generation sessions). The cost model, in seconds:
+
+  - client -> first server: RTT/2 (from `client_rtts`, else `RoutingCosts.default_rtt`) + `hop_overhead`;
+  - server A -> server B: `A.info.next_pings[B]`/2 if A measured it, else `default_rtt`/2, + `hop_overhead`;
+  - last server -> client: RTT/2 + `hop_overhead`;
+  - each block: 1/throughput of the server running it, plus `cache_penalty` per block run on a server whose
+    free KV cache is smaller than `cache_tokens_needed` (so such servers are used only for blocks that
+    nothing else covers).
+
+  The search is a shortest path over (server, block) nodes. Because blocks only move forward, the graph is
+  layered by block boundary and is solved exactly layer by layer (Dijkstra on a DAG reduces to this). At
+  each boundary only servers covering that boundary are considered, and transfers over unmeasured links
+  (all with the same default cost) are relaxed through the cheapest sender instead of all pairs, so a
+  boundary costs O(k log k + measured pings) for k covering servers rather than O(k^2).
+
+* `choose_forward_chain` spreads training forward/backward traffic over the swarm: at each boundary it
+  picks one covering server at random, weighted by throughput, and uses it as far as it reaches.
+
+Only ONLINE spans are used, banned peers are skipped; a block that no usable server covers raises
+`RoutingError` naming the blocks.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Collection, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from swarm.records import ServerSpan, ServerState
+
+__all__ = [
+    "RoutingError",
+    "RouteHop",
+    "RoutingCosts",
+    "find_inference_chain",
+    "choose_forward_chain",
+    "chain_cost",
+]
+
+_EMPTY_RTTS: Mapping[str, float] = MappingProxyType({})
+_CLIENT: Optional[str] = None  # "parent" marker: the activations came from the client
+
+
+class RoutingError(RuntimeError):
+    """Some blocks of the requested range are not covered by any usable server."""
+
+    def __init__(self, message: str, missing_blocks: Sequence[int] = ()):
+        super().__init__(message)
+        self.missing_blocks: Tuple[int, ...] = tuple(missing_blocks)
+
+
+@dataclass(frozen=True)
+class RouteHop:
+    """One hop of a chain: run blocks [start, end) on `peer_id`."""
+
+    peer_id: str
+    start: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class RoutingCosts:
+    """Constants of the inference cost model (all in seconds)."""
+
+    hop_overhead: float = 0.002  # fixed cost of every network hop (client->server, server->server, server->client)
+    default_rtt: float = 0.01  # used when no RTT measurement is known for a link
+    cache_penalty: float = 1000.0  # added per block run on a server whose free cache is too small
+
+
+def _format_blocks(blocks: Sequence[int]) -> str:
+    """[3, 4, 5, 9] -> '3-5, 9'."""
+    parts: List[str] = []
+    i = 0
+    while i < len(blocks):
+        j = i
+        while j + 1 < len(blocks) and blocks[j + 1] == blocks[j] + 1:
+            j += 1
+        parts.append(str(blocks[i]) if i == j else f"{blocks[i]}-{blocks[j]}")
+        i = j + 1
+    return ", ".join(parts)
+
+
+def _check_range(start: int, end: int) -> None:
+    if start < 0 or end <= start:
+        raise ValueError(f"invalid block range [{start}, {end})")
+
+
+def _clean_rtt(value: object) -> Optional[float]:
+    """A usable RTT measurement (inf = unreachable is kept), or None for garbage from a bad peer."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    if math.isnan(value) or value < 0:
+        return None
+    return value
+
+
+def _usable_spans(
+    spans: Sequence[ServerSpan], start: int, end: int, banned: Collection[str]
+) -> Dict[str, ServerSpan]:
+    """ONLINE, non-banned spans that intersect [start, end), one per peer (the one covering most of the range)."""
+    banned_set = set(banned)
+    chosen: Dict[str, ServerSpan] = {}
+    for span in spans:
+        if span.info.state != ServerState.ONLINE or span.peer_id in banned_set:
+            continue
+        overlap = min(span.end, end) - max(span.start, start)
+        if overlap <= 0:
+            continue
+        previous = chosen.get(span.peer_id)
+        if previous is None or overlap > min(previous.end, end) - max(previous.start, start):
+            chosen[span.peer_id] = span
+    return chosen
+
+
+def _raise_if_uncovered(usable: Mapping[str, ServerSpan], start: int, end: int) -> None:
+    delta = [0] * (end - start + 1)
+    for span in usable.values():
+        delta[max(span.start, start) - start] += 1
+        delta[min(span.end, end) - start] -= 1
+    missing: List[int] = []
+    running = 0
+    for offset in range(end - start):
+        running += delta[offset]
+        if running <= 0:
+            missing.append(start + offset)
+    if missing:
+        raise RoutingError(
+            f"no usable (online, not banned) server covers block(s) {_format_blocks(missing)} "
+            f"of the requested range [{start}, {end})",
+            missing,
+        )
+
+
+def _block_cost(span: ServerSpan, cache_tokens_needed: int, costs: RoutingCosts) -> float:
+    cost = 1.0 / span.info.throughput
+    if cache_tokens_needed > 0 and span.info.cache_tokens_left < cache_tokens_needed:
+        cost += costs.cache_penalty
+    return cost
+
+
+def _half_client_rtt(peer_id: str, client_rtts: Mapping[str, float], costs: RoutingCosts) -> float:
+    rtt = _clean_rtt(client_rtts.get(peer_id))
+    return (costs.default_rtt if rtt is None else rtt) / 2
+
+
+def find_inference_chain(
+    spans: Sequence[ServerSpan],
+    start: int,
+    end: int,
+    *,
+    client_rtts: Mapping[str, float] = _EMPTY_RTTS,
+    cache_tokens_needed: int = 0,
+    banned: Collection[str] = (),
+    costs: RoutingCosts = RoutingCosts(),
+) -> List[RouteHop]:
+    """The chain covering blocks [start, end) with the least expected time per decode step (see module doc).
+
+    Consecutive hops are always on different servers. Ties are broken deterministically (fewer hops first,
+    then peer id order). Raises RoutingError if a block is not covered by any ONLINE, non-banned server.
+    """
+    _check_range(start, end)
+    usable = _usable_spans(spans, start, end, banned)
+    _raise_if_uncovered(usable, start, end)
+
+    num = end - start
+    covering: List[List[str]] = [[] for _ in range(num)]
+    for peer_id in sorted(usable):
+        span = usable[peer_id]
+        for offset in range(max(span.start, start) - start, min(span.end, end) - start):
+            covering[offset].append(peer_id)
+    block_cost = {peer_id: _block_cost(span, cache_tokens_needed, costs) for peer_id, span in usable.items()}
+
+    # incoming[t] = {s: measured RTT s->t}, only for usable s != t
+    incoming: Dict[str, Dict[str, float]] = {}
+    for sender in sorted(usable):  # sorted: ties between measured links go to the lowest peer id
+        for receiver, raw_rtt in usable[sender].info.next_pings.items():
+            rtt = _clean_rtt(raw_rtt)
+            if rtt is None or receiver == sender or receiver not in usable:
+                continue
+            incoming.setdefault(receiver, {})[sender] = rtt
+
+    default_transfer = costs.default_rtt / 2 + costs.hop_overhead
+    # parents[offset][t]: who held the activations before t ran block start+offset (t itself, another peer,
+    # or _CLIENT); arrive[t]: least cost for t to have just computed the previous block
+    parents: List[Dict[str, Optional[str]]] = []
+    arrive: Dict[str, float] = {}
+    for offset in range(num):
+        enter: Dict[str, float] = {}
+        parent: Dict[str, Optional[str]] = {}
+        if offset == 0:
+            for t in covering[0]:
+                enter[t] = _half_client_rtt(t, client_rtts, costs) + costs.hop_overhead
+                parent[t] = _CLIENT
+        else:
+            order = sorted(arrive.items(), key=lambda item: (item[1], item[0]))
+            for t in covering[offset]:
+                best, source = math.inf, _CLIENT
+                if t in arrive:  # stay on the same server: no network cost
+                    best, source = arrive[t], t
+                known = incoming.get(t)
+                for s, cost in order:  # cheapest sender over an unmeasured link
+                    if s == t or (known is not None and s in known):
+                        continue
+                    if cost + default_transfer < best:
+                        best, source = cost + default_transfer, s
+                    break
+                if known is not None:
+                    for s, rtt in known.items():
+                        cost = arrive.get(s)
+                        if cost is None:
+                            continue
+                        if cost + rtt / 2 + costs.hop_overhead < best:
+                            best, source = cost + rtt / 2 + costs.hop_overhead, s
+                if source is _CLIENT:  # unreachable (e.g. only infinite measured RTTs)
+                    continue
+                enter[t] = best
+                parent[t] = source
+        parents.append(parent)
+        arrive = {t: cost + block_cost[t] for t, cost in enter.items()}
+
+    best_total, last = math.inf, None
+    for peer_id in sorted(arrive):
+        total = arrive[peer_id] + _half_client_rtt(peer_id, client_rtts, costs) + costs.hop_overhead
+        if total < best_total:
+            best_total, last = total, peer_id
+    if last is None:
+        raise RoutingError(f"no finite-cost chain covers blocks [{start}, {end}) (all links unreachable)")
+
+    hops: List[RouteHop] = []
+    current: Optional[str] = last
+    hop_end = end
+    for offset in range(num - 1, -1, -1):
+        assert current is not None
+        source = parents[offset][current]
+        if source != current:  # `current` received the activations right before block start+offset
+            hops.append(RouteHop(current, start + offset, hop_end))
+            hop_end = start + offset
+            current = source
+    hops.reverse()
+    return hops
+
+
+def chain_cost(
+    chain: Sequence[RouteHop],
+    spans: Sequence[ServerSpan],
+    *,
+    client_rtts: Mapping[str, float] = _EMPTY_RTTS,
+    cache_tokens_needed: int = 0,
+    costs: RoutingCosts = RoutingCosts(),
+) -> float:
+    """Expected seconds per decode step of `chain` under the same model as `find_inference_chain`."""
+    if not chain:
+        return 0.0
+    by_peer: Dict[str, ServerSpan] = {}
+    for span in spans:
+        by_peer.setdefault(span.peer_id, span)
+    total = _half_client_rtt(chain[0].peer_id, client_rtts, costs) + costs.hop_overhead
+    for index, hop in enumerate(chain):
+        span = by_peer[hop.peer_id]
+        total += hop.length * _block_cost(span, cache_tokens_needed, costs)
+        if index + 1 < len(chain):
+            rtt = _clean_rtt(span.info.next_pings.get(chain[index + 1].peer_id))
+            total += (costs.default_rtt if rtt is None else rtt) / 2 + costs.hop_overhead
+    total += _half_client_rtt(chain[-1].peer_id, client_rtts, costs) + costs.hop_overhead
+    return total
+
+
+def choose_forward_chain(
+    spans: Sequence[ServerSpan],
+    start: int,
+    end: int,
+    *,
+    banned: Collection[str] = (),
+    rng: Optional[random.Random] = None,
+) -> List[RouteHop]:
+    """A chain for training traffic that spreads load: at each boundary, a covering server chosen at random
+    with probability proportional to its throughput, used as far as it covers. Raises RoutingError on gaps."""
+    _check_range(start, end)
+    usable = _usable_spans(spans, start, end, banned)
+    _raise_if_uncovered(usable, start, end)
+    rng = rng if rng is not None else random.Random()
+    ordered = sorted(usable.values(), key=lambda span: (span.start, span.peer_id))
+
+    hops: List[RouteHop] = []
+    position = start
+    while position < end:
+        candidates = [span for span in ordered if span.start <= position < span.end]
+        if hops:  # never twice in a row (can only happen with duplicate announcements)
+            candidates = [span for span in candidates if span.peer_id != hops[-1].peer_id] or candidates
+        weights = [span.info.throughput for span in candidates]
+        chosen = rng.choices(candidates, weights=weights)[0]
+        hop_end = min(chosen.end, end)
+        hops.append(RouteHop(chosen.peer_id, position, hop_end))
+        position = hop_end
+    return hops

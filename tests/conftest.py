@@ -1,0 +1,66 @@
+"""Shared fixtures: the bundled model checkpoint, a bootstrap peer, swarms of real server processes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.procs import start_bootstrap, start_servers
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    from swarm.prepare import prepare_model
+
+    return str(prepare_model(MODEL))
+
+
+@pytest.fixture(scope="session")
+def bootstrap():
+    proc = start_bootstrap()
+    yield proc
+    proc.terminate()
+
+
+class SwarmFactory:
+    """Starts (once per test session) a set of servers for a topology under its own DHT prefix."""
+
+    def __init__(self, model_path: str, bootstrap):
+        self.model_path, self.bootstrap = model_path, bootstrap
+        self.swarms: dict = {}
+
+    def get(self, spans: tuple, extra: tuple = ()) -> dict:
+        key = (spans, extra)
+        if key not in self.swarms:
+            prefix = "t" + "-".join(s.replace(":", "_") for s in spans) + ("-x" + str(abs(hash(extra)) % 10**6) if extra else "")
+            servers = start_servers(self.model_path, self.bootstrap.maddr, list(spans), prefix, list(extra))
+            self.swarms[key] = {"prefix": prefix, "servers": servers, "initial_peers": [self.bootstrap.maddr]}
+        return self.swarms[key]
+
+    def close(self) -> None:
+        for swarm in self.swarms.values():
+            for server in swarm["servers"]:
+                server.terminate()
+
+
+@pytest.fixture(scope="session")
+def swarms(model_path, bootstrap):
+    factory = SwarmFactory(model_path, bootstrap)
+    yield factory
+    factory.close()
+
+
+@pytest.fixture(scope="session")
+def reference_model(model_path):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)

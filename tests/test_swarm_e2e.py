@@ -1,0 +1,150 @@
+"""End to end on real processes: a bootstrap peer, block servers, the client model; compared with transformers."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from swarm import AutoDistributedModelForCausalLM
+from swarm.session import SessionError
+
+TOPOLOGIES = [("0:15", "15:30"), ("0:20", "10:30"), ("0:10", "10:20", "20:30")]
+PROMPTS = [
+    "The history of the Roman Empire begins",
+    "def fibonacci(n):\n    ",
+    "Three things every gardener should know about soil are",
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def clients(swarms, model_path):
+    made = {}
+
+    def get(spans):
+        if spans not in made:
+            swarm = swarms.get(spans)
+            made[spans] = AutoDistributedModelForCausalLM.from_pretrained(
+                model_path, initial_peers=swarm["initial_peers"], dht_prefix=swarm["prefix"]
+            )
+        return made[spans]
+
+    yield get
+    for model in made.values():
+        model.shutdown()
+
+
+def _server_stats(model, swarm):
+    return {s.peer_id: model.manager.server_info(s.peer_id) for s in swarm["servers"]}
+
+
+@pytest.mark.parametrize("spans", TOPOLOGIES, ids=["+".join(t) for t in TOPOLOGIES])
+def test_greedy_generation_matches_transformers(spans, clients, reference_model, tokenizer):
+    model = clients(spans)
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        ours = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+        ref = reference_model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+        assert ours.shape[1] == ids.shape[1] + NEW_TOKENS
+        assert ours.tolist() == ref.tolist(), (tokenizer.decode(ours[0]), tokenizer.decode(ref[0]))
+        with torch.no_grad():
+            ref_logits = reference_model(ours).logits[:, -1]
+        our_logits = model(ours).logits[:, -1]
+        assert (our_logits - ref_logits).abs().max().item() < 1e-3
+        # the same last-position logits through an inference session (cached path)
+        with model.inference_session(max_length=ours.shape[1]) as session:
+            session.feed(ours[:, :-5])
+            cached_logits = session.feed(ours)
+        assert (cached_logits - ref_logits).abs().max().item() < 1e-3
+
+
+def test_session_reuse_sends_only_new_tokens(clients, swarms, reference_model, tokenizer):
+    spans = TOPOLOGIES[0]
+    model, swarm = clients(spans), swarms.get(spans)
+    turn1 = tokenizer.apply_chat_template([{"role": "user", "content": "Name a fruit."}], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True)["input_ids"]
+    with model.inference_session(max_length=256) as session:
+        out1 = model.generate(turn1, session=session, max_new_tokens=12, do_sample=False)
+        follow = tokenizer("<|im_end|>\n<|im_start|>user\nAnd a vegetable?<|im_end|>\n<|im_start|>assistant\n",
+                           return_tensors="pt", add_special_tokens=False)["input_ids"]
+        turn2 = torch.cat([out1, follow], dim=1)
+        before = _server_stats(model, swarm)
+        out2 = model.generate(turn2, session=session, max_new_tokens=12, do_sample=False)
+        after = _server_stats(model, swarm)
+    one_call = model.generate(turn2, max_new_tokens=12, do_sample=False)
+    assert out2.tolist() == one_call.tolist()
+    ref = reference_model.generate(turn2, max_new_tokens=12, do_sample=False)
+    assert out2.tolist() == ref.tolist()
+    new_generated = out2.shape[1] - turn2.shape[1]
+    # the session held out1 minus its last token; the second call sends the rest of turn2, then one token a step
+    expected = (turn2.shape[1] - (out1.shape[1] - 1)) + (new_generated - 1)
+    for peer_id in before:
+        sent = after[peer_id].inference_tokens_processed - before[peer_id].inference_tokens_processed
+        assert sent == expected, (peer_id, sent, expected)
+
+
+def test_rewind_on_diverging_input(clients, reference_model, tokenizer):
+    model = clients(TOPOLOGIES[0])
+    a = tokenizer("My favourite colour is blue because", return_tensors="pt")["input_ids"]
+    b = tokenizer("My favourite colour is green because", return_tensors="pt")["input_ids"]
+    with model.inference_session(max_length=64) as session:
+        model.generate(a, session=session, max_new_tokens=4, do_sample=False)
+        out = model.generate(b, session=session, max_new_tokens=8, do_sample=False)
+    ref = reference_model.generate(b, max_new_tokens=8, do_sample=False)
+    assert out.tolist() == ref.tolist()
+
+
+def test_closing_a_session_frees_server_cache(clients, swarms):
+    spans = TOPOLOGIES[0]
+    model, swarm = clients(spans), swarms.get(spans)
+    session = model.inference_session(max_length=100)
+    session.feed(torch.tensor([[1, 2, 3, 4]]))
+    during = _server_stats(model, swarm)
+    assert all(s.cache_tokens_used >= 100 and s.sessions_open >= 1 for s in during.values())
+    session.close()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        after = _server_stats(model, swarm)
+        if all(a.cache_tokens_used == d.cache_tokens_used - 100 for a, d in zip(after.values(), during.values())):
+            break
+        time.sleep(0.2)
+    assert all(a.cache_tokens_used == d.cache_tokens_used - 100 for a, d in zip(after.values(), during.values()))
+    assert all(a.sessions_open == d.sessions_open - 1 for a, d in zip(after.values(), during.values()))
+
+
+def test_exceeding_max_length_is_a_clear_error(clients):
+    model = clients(TOPOLOGIES[0])
+    with model.inference_session(max_length=8) as session:
+        session.feed(torch.tensor([[1, 2, 3, 4, 5, 6]]))
+        with pytest.raises(SessionError, match="max_length"):
+            session.feed(torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]))
+        # the session is still usable after the refused step
+        logits = session.feed(torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]]))
+        assert logits.shape == (1, model.config.vocab_size)
+    with model.inference_session(max_length=8) as session:
+        with pytest.raises(SessionError, match="max_length"):
+            model.generate(torch.tensor([[1, 2, 3, 4, 5, 6]]), session=session, max_new_tokens=10)
+
+
+def test_client_holds_no_block_weights(clients):
+    model = clients(TOPOLOGIES[0])
+    config = model.config
+    total = sum(p.numel() for p in model.parameters())
+    # tied embeddings / LM head + final norm, nothing else
+    assert total == config.vocab_size * config.hidden_size + config.hidden_size
+    assert not any("layers" in name for name, _ in model.named_parameters())
+
+
+def test_sampling_is_seeded_and_valid(clients):
+    model = clients(TOPOLOGIES[0])
+    ids = torch.tensor([[1, 504, 3458, 314]])
+    torch.manual_seed(7)
+    a = model.generate(ids, max_new_tokens=6, do_sample=True, temperature=0.8, top_k=20, top_p=0.9,
+                       repetition_penalty=1.1)
+    torch.manual_seed(7)
+    b = model.generate(ids, max_new_tokens=6, do_sample=True, temperature=0.8, top_k=20, top_p=0.9,
+                       repetition_penalty=1.1)
+    assert a.tolist() == b.tolist() and a.shape[1] <= ids.shape[1] + 6
+    with pytest.raises(TypeError, match="unexpected"):
+        model.generate(ids, max_new_tokens=2, no_such_argument=3)
