@@ -32,6 +32,16 @@ class Counters:
     forward_tokens: int = 0
 
 
+async def _drain(requests: AsyncIterator, timeout: float = 2.0, max_messages: int = 64) -> None:
+    """After refusing a session, read what the client already sent (bounded) so that closing the stream does
+    not reset it before the client has read the error reply."""
+    try:
+        for _ in range(max_messages):
+            await asyncio.wait_for(requests.__anext__(), timeout=timeout)
+    except (StopAsyncIteration, asyncio.TimeoutError, Exception):
+        return
+
+
 class BlockHandler(P.BlockRPC):
     def __init__(self, span: BlockSpan, model_name: str, version: str, budget: CacheBudget, pool: TaskPool,
                  max_length: int, alloc_timeout: float, step_timeout: float, max_batch_tokens: int = 1 << 16):
@@ -83,10 +93,12 @@ class BlockHandler(P.BlockRPC):
             except OutOfCacheError as e:
                 handle = None
                 yield P.error_response("out_of_cache", str(e))
+                await _drain(requests)
                 return
             except (P.ProtocolError, ValueError) as e:
                 handle = None
                 yield P.error_response("bad_request", str(e))
+                await _drain(requests)
                 return
             kv = self.span.new_session_kv(opened.batch_size, opened.max_length, opened.start, opened.end)
             yield P.make_response(P.StepResult(position=0))  # the session is open

@@ -91,7 +91,8 @@ def declare_blocks(
 
 
 async def _get_records(dht: DHT, node, *, keys):
-    return await node.get_many(keys)
+    # latest values, not whatever this node cached: a server's offline record must replace its online one
+    return await node.get_many(keys, sufficient_expiration_time=float("inf"))
 
 
 def fetch_block_records(dht: DHT, prefix: str, num_blocks: int) -> List[Dict[str, ServerInfo]]:

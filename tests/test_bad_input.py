@@ -1,0 +1,173 @@
+"""Bad input to a real block server: each gets a clear error on its own session; the server and others go on."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from hivemind.proto import runtime_pb2
+
+from swarm import aio
+from swarm import protocol as P
+from swarm.manager import ClientConfig, SwarmManager
+from swarm.records import ServerState, fetch_block_records, server_states
+from tests.procs import start_servers
+
+SPANS = ("0:15", "15:30")
+HIDDEN = 576
+
+
+@pytest.fixture(scope="module")
+def manager(swarms):
+    swarm = swarms.get(SPANS)
+    m = SwarmManager(ClientConfig(initial_peers=swarm["initial_peers"]), swarm["prefix"], 30)
+    yield m, swarm
+    m.shutdown()
+
+
+async def _conversation(manager: SwarmManager, peer_id: str, requests):
+    """Send raw requests on one inference stream; return the decoded replies (errors included)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    for r in requests:
+        queue.put_nowait(r)
+    queue.put_nowait(None)
+
+    async def gen():
+        while (item := await queue.get()) is not None:
+            yield item
+
+    responses = await manager.stub(peer_id).rpc_inference(gen())
+    replies = []
+    try:
+        async for response in responses:
+            replies.append(P.decode_reply(response.metadata))
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the server ended the stream (after an error at open) while we were still writing
+    return replies
+
+
+def _open(**kw):
+    fields = dict(session_id="s1", start=0, end=15, max_length=16, batch_size=1)
+    fields.update(kw)
+    return P.make_request(P.OpenSession(**fields))
+
+
+def _step(hidden, start_position=0):
+    return P.make_request(P.Step(start_position=start_position), [hidden])
+
+
+def talk(manager, peer_id, *requests):
+    return aio.run(asyncio.wait_for(_conversation(manager, peer_id, list(requests)), 60))
+
+
+def test_bad_steps_get_errors_and_the_session_goes_on(manager):
+    m, swarm = manager
+    peer = swarm["servers"][0].peer_id
+    good = torch.randn(1, 3, HIDDEN)
+    bad_dtype = P.make_request(P.Step(start_position=3))  # a peer sending float64, which our client never does
+    bad_dtype.tensors.append(runtime_pb2.Tensor(buffer=torch.randn(1, 1, HIDDEN, dtype=torch.float64).numpy().tobytes(),
+                                                size=[1, 1, HIDDEN], dtype="float64"))
+    replies = talk(
+        m, peer, _open(),
+        _step(torch.randn(1, 3, HIDDEN + 1)),                   # wrong hidden size
+        bad_dtype,                                              # wrong dtype
+        _step(torch.randn(1, 3, HIDDEN), start_position=5),     # a position past what the session holds
+        _step(torch.randn(2, 3, HIDDEN)),                       # wrong batch size
+        _step(torch.full((1, 2, HIDDEN), float("nan"))),        # non-finite values
+        _step(good),                                            # a good step still works
+        _step(torch.randn(1, 14, HIDDEN), start_position=3),    # past max_length 16
+        _step(torch.randn(1, 1, HIDDEN), start_position=3),     # and the session still works
+    )
+    kinds = [type(r).__name__ for r in replies]
+    assert kinds == ["StepResult", "ErrorReply", "ErrorReply", "ErrorReply", "ErrorReply", "ErrorReply",
+                     "StepResult", "ErrorReply", "StepResult"]
+    messages = [r.message for r in replies if isinstance(r, P.ErrorReply)]
+    assert "576" in messages[0] and "float64" in messages[1] and "start_position" in messages[2]
+    assert "batch size" in messages[3] and "NaN" in messages[4] and "max_length" in messages[5]
+    assert replies[6].position == 3 and replies[8].position == 4
+
+
+def test_bad_session_openings(manager):
+    m, swarm = manager
+    peer = swarm["servers"][0].peer_id
+    [unknown_range] = talk(m, peer, _open(start=10, end=20))
+    assert isinstance(unknown_range, P.ErrorReply) and "not served" in unknown_range.message
+    [too_big] = talk(m, peer, _open(max_length=10**6))
+    assert isinstance(too_big, P.ErrorReply) and "max_length" in too_big.message
+    [over_cache] = talk(m, peer, _open(max_length=8000, batch_size=64))
+    assert isinstance(over_cache, P.ErrorReply) and over_cache.code == "out_of_cache"
+    bad_version = runtime_pb2.ExpertRequest(metadata=b'{"v": 99, "type": "open"}')
+    [reply] = talk(m, peer, bad_version)
+    assert isinstance(reply, P.ErrorReply) and "version" in reply.message
+    not_json = runtime_pb2.ExpertRequest(metadata=b"\xff\x00garbage")
+    [reply] = talk(m, peer, not_json)
+    assert isinstance(reply, P.ErrorReply) and "JSON" in reply.message
+    extra_field = runtime_pb2.ExpertRequest(
+        metadata=b'{"v": 1, "type": "open", "session_id": "x", "start": 0, "end": 15, "max_length": 4, "evil": 1}'
+    )
+    [reply] = talk(m, peer, extra_field)
+    assert isinstance(reply, P.ErrorReply) and "evil" in reply.message
+    # a truncated tensor buffer
+    broken = _step(torch.randn(1, 2, HIDDEN))
+    broken.tensors[0].buffer = broken.tensors[0].buffer[:-4]
+    replies = talk(m, peer, _open(), broken)
+    assert isinstance(replies[1], P.ErrorReply) and "bytes" in replies[1].message
+    # after all that, the server serves a normal session and reports no leaked cache
+    replies = talk(m, peer, _open(session_id="after"), _step(torch.randn(1, 2, HIDDEN)))
+    assert isinstance(replies[-1], P.StepResult) and replies[-1].position == 2
+    stats = m.server_info(peer)
+    assert stats.sessions_open == 0 or stats.cache_tokens_used <= stats.cache_tokens_total
+
+
+def test_bad_forward_requests(manager):
+    m, swarm = manager
+    peer = swarm["servers"][1].peer_id
+    stub = m.stub(peer)
+
+    def call(request):
+        response = aio.run(stub.rpc_forward(request, timeout=60))
+        return P.decode_reply(response.metadata, forward=True)
+
+    ok = call(P.make_request(P.ForwardRequest(start=15, end=30), [torch.randn(1, 4, HIDDEN)]))
+    assert isinstance(ok, P.ForwardResult)
+    wrong = call(P.make_request(P.ForwardRequest(start=0, end=30), [torch.randn(1, 4, HIDDEN)]))
+    assert isinstance(wrong, P.ErrorReply) and "not served" in wrong.message
+    two = call(P.make_request(P.ForwardRequest(start=15, end=30), [torch.randn(1, 4, HIDDEN)] * 2))
+    assert isinstance(two, P.ErrorReply) and "exactly 1" in two.message
+
+
+def test_sigterm_announces_offline_and_exits_zero(model_path, bootstrap):
+    prefix = "tsigterm"
+    [server] = start_servers(model_path, bootstrap.maddr, ["0:30"], prefix, ["--update_period", "5"])
+    m = SwarmManager(ClientConfig(initial_peers=[bootstrap.maddr]), prefix, 30)
+    try:
+        states = server_states(fetch_block_records(m.dht, prefix, 30))
+        assert states.get(server.peer_id) == ServerState.ONLINE
+        assert server.terminate(timeout=60) == 0
+        states = server_states(fetch_block_records(m.dht, prefix, 30))
+        assert states.get(server.peer_id) == ServerState.OFFLINE
+    finally:
+        server.kill()
+        m.shutdown()
+
+
+def test_cli_rejects_bad_flags(model_path, bootstrap):
+    import subprocess
+    import sys
+
+    from tests.procs import REPO
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "swarm.cli", *args], cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
+
+    r = run("server", model_path, "--new_swarm", "--block_indices", "20:10")
+    assert r.returncode != 0 and "start < end" in r.stderr
+    r = run("server", model_path, "--new_swarm", "--torch_dtype", "float8")
+    assert r.returncode != 0 and "torch_dtype" in r.stderr
+    r = run("server", model_path, "--new_swarm", "--block_indices", "0:99", "--host_maddrs", "/ip4/127.0.0.1/tcp/0")
+    assert r.returncode == 1 and "outside" in r.stderr
+    r = run("server", model_path)  # neither --new_swarm nor --initial_peers
+    assert r.returncode == 1 and "initial_peers" in r.stderr
+    r = run("nonsense")
+    assert r.returncode == 2 and "unknown command" in r.stderr

@@ -1,0 +1,107 @@
+"""Unit tests of pure pieces: tensor serialization, message validation, config precedence, the KV cache."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from server.cache import SessionKV
+from swarm import protocol as P
+from swarm.config import ConfigError, load_config, parse_span
+from swarm.records import ServerInfo, ServerState, dht_prefix_for, online_spans
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_tensor_roundtrip_keeps_dtype_and_values(dtype):
+    t = torch.randn(2, 3, 5).to(dtype)
+    back = P.deserialize_tensor(P.serialize_tensor(t))
+    assert back.dtype == dtype and back.shape == t.shape and torch.equal(back, t)
+
+
+def test_tensor_validation():
+    proto = P.serialize_tensor(torch.randn(2, 3))
+    proto.size[:] = [2, 4]
+    with pytest.raises(P.ProtocolError, match="bytes"):
+        P.deserialize_tensor(proto)
+    proto = P.serialize_tensor(torch.ones(3, dtype=torch.int64))
+    with pytest.raises(P.ProtocolError, match="int64"):
+        P.deserialize_tensor(proto)
+    with pytest.raises(P.ProtocolError, match="exceeds"):
+        P.deserialize_tensor(P.serialize_tensor(torch.zeros(10, 10)), max_elements=50)
+
+
+def test_messages_reject_unknown_fields_and_versions():
+    ok = P.decode(P.encode(P.Step(start_position=3)), P.Step)
+    assert ok.start_position == 3
+    with pytest.raises(P.ProtocolError, match="version"):
+        P.decode(b'{"v": 2, "type": "step", "start_position": 0}', P.Step)
+    with pytest.raises(P.ProtocolError, match="Extra inputs"):
+        P.decode(b'{"v": 1, "type": "step", "start_position": 0, "x": 1}', P.Step)
+    with pytest.raises(P.ProtocolError, match="start_position"):
+        P.decode(b'{"v": 1, "type": "step", "start_position": -1}', P.Step)
+    with pytest.raises(P.ProtocolError):
+        P.decode(b'{"v": 1, "type": "open", "session_id": "", "start": 0, "end": 1, "max_length": 1}', P.OpenSession)
+
+
+def test_error_reply_raises_remote_error():
+    response = P.error_response("bad_request", "nope")
+    with pytest.raises(P.RemoteError, match="nope") as info:
+        P.unpack_reply(response, "peer")
+    assert info.value.code == "bad_request"
+
+
+def test_config_precedence(tmp_path):
+    from server.server import ServerConfig
+
+    yaml_file = tmp_path / "server.yaml"
+    yaml_file.write_text("model: from-yaml\nnum_blocks: 3\nupdate_period: 7\n")
+    env = {"SWARMGATE_NUM_BLOCKS": "5", "SWARMGATE_ALLOC_TIMEOUT": "9", "SWARMGATE_INITIAL_PEERS": "a,b"}
+    cli = argparse.Namespace(config=str(yaml_file), num_blocks="11")
+    config = load_config(ServerConfig, cli, environ=env)
+    assert config.num_blocks == 11  # CLI beats YAML and env
+    assert config.update_period == 7  # YAML beats the default
+    assert config.alloc_timeout == 9  # env beats the default
+    assert config.initial_peers == ["a", "b"] and config.model == "from-yaml"
+    yaml_file.write_text("model: m\nnum_blockz: 3\n")
+    with pytest.raises(ConfigError, match="num_blockz"):
+        load_config(ServerConfig, argparse.Namespace(config=str(yaml_file)), environ={})
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(ServerConfig, argparse.Namespace(config=str(tmp_path / "missing.yaml")), environ={})
+    with pytest.raises(ConfigError, match="block_indices"):
+        load_config(ServerConfig, argparse.Namespace(model="m", block_indices="3"), environ={})
+
+
+def test_parse_span():
+    assert parse_span("0:15") == (0, 15)
+    for bad in ("15:0", "a:b", "3", "-1:2"):
+        with pytest.raises(ValueError):
+            parse_span(bad)
+
+
+def test_session_kv_writes_in_place_and_rewinds():
+    kv = SessionKV(num_layers=2, batch_size=1, kv_heads=2, head_dim=4, max_length=8, dtype=torch.float32,
+                   device=torch.device("cpu"))
+    k = torch.randn(1, 2, 3, 4)
+    kv.begin_step(0)
+    keys, values = kv.update(k, k * 2, 0)
+    assert keys.shape == (1, 2, 3, 4) and torch.equal(keys, k) and torch.equal(values, k * 2)
+    kv.end_step(3)
+    assert kv.length == 3
+    kv.begin_step(1)  # rewind: overwrite from position 1
+    k2 = torch.randn(1, 2, 1, 4)
+    keys, _ = kv.update(k2, k2, 1)
+    assert keys.shape == (1, 2, 2, 4) and torch.equal(keys[:, :, 1:], k2)
+    kv.end_step(1)
+    assert kv.length == 2
+
+
+def test_records_to_spans():
+    def info(start, end, state=ServerState.ONLINE):
+        return ServerInfo(state=state, start=start, end=end)
+
+    records = [{"a": info(0, 2)}, {"a": info(0, 2), "b": info(1, 3)}, {"b": info(1, 3), "c": info(2, 3, ServerState.JOINING)}]
+    spans = online_spans(records)
+    assert [(s.peer_id, s.start, s.end) for s in spans] == [("a", 0, 2), ("b", 1, 3)]
+    assert dht_prefix_for("/tmp/x/SmolLM2-135M-Instruct/") == "smollm2-135m-instruct"
+    assert dht_prefix_for("bigscience/bloom-560m") == "bloom-560m"
