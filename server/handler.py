@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -51,6 +52,8 @@ class BlockHandler(P.BlockRPC):
         self.max_batch_tokens = max_batch_tokens
         self.counters = Counters()
         self.accepting = True
+        # fault injection for failover tests: answer every inference step after the N-th with an error
+        self.fail_after_steps = int(os.environ.get("SWARMGATE_TEST_FAIL_AFTER_STEPS", "0")) or None
 
     # ---- validation -------------------------------------------------------------------------------------
     def _check_range(self, start: int, end: int) -> None:
@@ -127,6 +130,9 @@ class BlockHandler(P.BlockRPC):
                         )
                 except P.ProtocolError as e:
                     yield P.error_response("bad_request", str(e))
+                    continue
+                if self.fail_after_steps is not None and self.counters.inference_steps >= self.fail_after_steps:
+                    yield P.error_response("internal", "injected fault (SWARMGATE_TEST_FAIL_AFTER_STEPS)")
                     continue
                 try:
                     output = await self.pool.submit(

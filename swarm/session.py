@@ -18,7 +18,7 @@ import torch
 from swarm import aio
 from swarm import protocol as P
 from swarm.manager import SwarmManager
-from swarm.routing import RouteHop
+from swarm.routing import RouteHop, RoutingError
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +79,31 @@ class SpanStream:
                 pass
 
 
+class _History:
+    """The hidden states sent into one block boundary, positions [0, length): [batch, max_length, hidden]."""
+
+    def __init__(self, batch: int, max_length: int, hidden_size: int, dtype: torch.dtype):
+        self.buffer = torch.empty(batch, max_length, hidden_size, dtype=dtype)
+        self.length = 0
+
+    def write(self, start_position: int, hidden: torch.Tensor) -> None:
+        end = start_position + hidden.shape[1]
+        self.buffer[:, start_position:end] = hidden
+        self.length = end
+
+    def read(self, end: int) -> torch.Tensor:
+        return self.buffer[:, :end]
+
+
 class InferenceSession:
-    """A session over the whole block stack (or blocks [start, end)), usable as a context manager."""
+    """A session over the whole block stack (or blocks [start, end)), usable as a context manager.
+
+    Failover: the client keeps, for every block boundary where a span starts, the hidden states it sent there
+    (`_History`). When a server fails (lost connection, time-out, an error reply), it is banned, only its span
+    is re-routed (possibly onto several servers), the replacement replays that boundary's history from
+    position 0 to rebuild its cache, and the step goes on; other servers see only new tokens. A step gives up
+    with `SessionError` after `max_retries` failures.
+    """
 
     def __init__(self, manager: SwarmManager, max_length: int, start: int = 0, end: Optional[int] = None):
         if max_length <= 0:
@@ -91,7 +114,9 @@ class InferenceSession:
         self.position = 0
         self.batch_size: Optional[int] = None
         self._streams: List[SpanStream] = []
+        self._history: dict[int, _History] = {}  # block index where a span starts -> inputs sent there
         self._closed = False
+        self.failovers = 0
 
     # ---- public, synchronous ------------------------------------------------------------------------------
     def step(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -119,26 +144,71 @@ class InferenceSession:
         return [s.hop for s in self._streams]
 
     # ---- async --------------------------------------------------------------------------------------------
-    async def _open(self, batch_size: int) -> None:
-        hops = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: self.manager.make_inference_chain(self.start, self.end, batch_size * self.max_length)
-        )
-        streams = [SpanStream(self.manager, hop, self.session_id, self.max_length, batch_size) for hop in hops]
-        results = await asyncio.gather(*(s.open() for s in streams), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
+    async def _open_span(self, start: int, end: int, batch_size: int) -> List[SpanStream]:
+        """Route blocks [start, end) and open a stream on every hop (bounded retries, failed servers banned)."""
+        last_error: Optional[BaseException] = None
+        for _ in range(self.manager.config.max_retries + 1):
+            try:
+                hops = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: self.manager.make_inference_chain(start, end, batch_size * self.max_length)
+                )
+            except RoutingError as e:
+                last_error = e
+                await asyncio.sleep(min(1.0, self.manager.config.ban_timeout))
+                continue
+            streams = [SpanStream(self.manager, hop, self.session_id, self.max_length, batch_size) for hop in hops]
+            results = await asyncio.gather(*(s.open() for s in streams), return_exceptions=True)
+            failed = [(s, r) for s, r in zip(streams, results) if isinstance(r, BaseException)]
+            if not failed:
+                return streams
             await asyncio.gather(*(s.close() for s in streams), return_exceptions=True)
-            raise errors[0]
-        self._streams, self.batch_size = streams, batch_size
+            for stream, error in failed:
+                logger.warning(f"cannot open a session on {stream.hop.peer_id}: {error}")
+                self.manager.ban(stream.hop.peer_id)
+                last_error = error
+        raise SessionError(f"cannot serve blocks {start}:{end} after {self.manager.config.max_retries + 1} tries: "
+                           f"{last_error}")
 
     async def _close_streams(self) -> None:
         await asyncio.gather(*(s.close() for s in self._streams), return_exceptions=True)
         self._streams = []
 
-    def _chunk_len(self, batch: int, hidden_size: int, itemsize: int) -> int:
-        return max(1, self.manager.config.max_chunk_bytes // (batch * hidden_size * itemsize))
+    async def _replace(self, index: int, error: BaseException) -> None:
+        """Replace failed stream `index` by a fresh route over its span, replaying that span's history."""
+        failed = self._streams[index]
+        logger.warning(f"server {failed.hop.peer_id} failed on blocks {failed.hop.start}:{failed.hop.end}: "
+                       f"{error}; re-routing that span")
+        self.manager.ban(failed.hop.peer_id)
+        asyncio.ensure_future(failed.close())
+        replacement = await self._open_span(failed.hop.start, failed.hop.end, self.batch_size)
+        if self.position > 0:
+            x = self._history[failed.hop.start].read(self.position)  # [batch, position, hidden]
+            for stream in replacement:
+                if stream.hop.start != failed.hop.start:  # a new boundary inside the span: record its inputs
+                    history = _History(self.batch_size, self.max_length, x.shape[-1], x.dtype)
+                    history.write(0, x)
+                    self._history[stream.hop.start] = history
+                try:
+                    x = await self._replay(stream, x)
+                except Exception:
+                    self.manager.ban(stream.hop.peer_id)
+                    await asyncio.gather(*(s.close() for s in replacement), return_exceptions=True)
+                    raise
+        self._streams[index:index + 1] = replacement
+        self.failovers += 1
+
+    async def _replay(self, stream: SpanStream, x: torch.Tensor) -> torch.Tensor:
+        """Send positions [0, len) of `x` [batch, len, hidden] through `stream` in chunks; return its output."""
+        chunk = self._chunk_len(x)
+        outputs = [await stream.step(x[:, offset:offset + chunk], offset) for offset in range(0, x.shape[1], chunk)]
+        return torch.cat(outputs, dim=1)
+
+    def _chunk_len(self, hidden: torch.Tensor) -> int:
+        batch, _, hidden_size = hidden.shape
+        return max(1, self.manager.config.max_chunk_bytes // (batch * hidden_size * hidden.element_size()))
 
     async def astep(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [batch, seq, hidden] for positions position.. ; returns the last block's output."""
         if self._closed:
             raise SessionError("this inference session is closed")
         if hidden.ndim != 3:
@@ -149,15 +219,43 @@ class InferenceSession:
                 f"this step would hold {self.position + seq} tokens, past the session's max_length {self.max_length}"
             )
         if self.batch_size is None:
-            await self._open(batch)
+            self._streams = await self._open_span(self.start, self.end, batch)
+            self.batch_size = batch
         elif batch != self.batch_size:
             raise ValueError(f"batch size {batch} differs from the session's {self.batch_size}")
         outputs = []
-        chunk = self._chunk_len(batch, hidden_size, hidden.element_size())
+        chunk = self._chunk_len(hidden)
         for offset in range(0, seq, chunk):
-            x = hidden[:, offset:offset + chunk]
-            for stream in self._streams:
-                x = await stream.step(x, self.position)
-            outputs.append(x)
-            self.position += x.shape[1]
+            outputs.append(await self._step_chunk(hidden[:, offset:offset + chunk]))
+            self.position += outputs[-1].shape[1]
         return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+
+    async def _step_chunk(self, x: torch.Tensor) -> torch.Tensor:
+        failures, index = 0, 0
+        while index < len(self._streams):
+            stream = self._streams[index]
+            history = self._history.get(stream.hop.start)
+            if history is None:
+                history = self._history[stream.hop.start] = _History(self.batch_size, self.max_length, x.shape[-1],
+                                                                     x.dtype)
+            history.write(self.position, x)
+            try:
+                out = await stream.step(x, self.position)
+            except Exception as e:  # connection lost, time-out, or an error reply: the server is failed
+                error: BaseException = e
+                while True:
+                    failures += 1
+                    if failures > self.manager.config.max_retries:
+                        raise SessionError(f"step failed after {failures} tries; last error: {error}") from error
+                    try:
+                        await self._replace(index, error)
+                        break
+                    except SessionError:
+                        raise
+                    except Exception as replay_error:  # the replacement failed too: try another one
+                        error = replay_error
+                continue  # the same boundary, now on the replacement
+            self.manager.mark_ok(stream.hop.peer_id)
+            x = out
+            index += 1
+        return x

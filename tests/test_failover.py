@@ -1,0 +1,115 @@
+"""Failover on real processes: a server dies (SIGKILL) or answers with errors mid-generation; the session
+re-routes that span, replays its history, and the greedy tokens equal an undisturbed run."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarm import AutoDistributedModelForCausalLM
+from swarm.session import SessionError
+from tests.procs import SwarmProcess, start_servers
+
+PROMPT = "The three most important inventions of the twentieth century were"
+NEW = 24
+KILL_AFTER = 10
+
+
+class KillAfter:
+    """A streamer that runs `action` once the given number of new tokens has been produced."""
+
+    def __init__(self, n: int, action):
+        self.n, self.action, self.seen, self.done = n, action, -1, False
+
+    def put(self, value):
+        self.seen += 1  # the first put is the prompt
+        if self.seen == self.n and not self.done:
+            self.done = True
+            self.action()
+
+    def end(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def failover_swarm(model_path, bootstrap):
+    prefix = "tfailover"
+    servers = start_servers(model_path, bootstrap.maddr, ["0:15", "0:15", "15:30", "15:30"], prefix,
+                            ["--update_period", "10"])
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        model_path, initial_peers=[bootstrap.maddr], dht_prefix=prefix, ban_timeout=60, step_timeout=30,
+        max_retries=2)
+    yield model, {s.peer_id: s for s in servers}
+    model.shutdown()
+    for s in servers:
+        s.kill()
+
+
+@pytest.fixture(scope="module")
+def expected(tokenizer, reference_model):
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    return ids, reference_model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+
+
+def _generate_killing(model, servers, ids, block):
+    with model.inference_session(max_length=ids.shape[1] + NEW) as session:
+        def kill():
+            victim = next(hop.peer_id for hop in session.session.chain if hop.start <= block < hop.end)
+            servers[victim].kill()
+            kill.victim = victim
+
+        out = model.generate(ids, session=session, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                             streamer=KillAfter(KILL_AFTER, kill))
+        assert session.session.failovers >= 1
+        assert kill.victim not in [hop.peer_id for hop in session.session.chain]
+    return out
+
+
+def test_killing_the_last_span_server_mid_generation(failover_swarm, expected):
+    model, servers = failover_swarm
+    ids, ref = expected
+    out = _generate_killing(model, servers, ids, block=20)
+    assert out.tolist() == ref.tolist()
+
+
+def test_killing_the_first_span_server_mid_generation(failover_swarm, expected):
+    model, servers = failover_swarm
+    ids, ref = expected
+    out = _generate_killing(model, servers, ids, block=0)
+    assert out.tolist() == ref.tolist()
+
+
+def test_no_replacement_gives_a_clear_error(failover_swarm, expected):
+    model, servers = failover_swarm
+    ids, _ = expected
+    alive = [s for s in servers.values() if s.proc.poll() is None]
+    assert len(alive) == 2  # one server per span is left after the two tests above
+    with pytest.raises(SessionError, match="15:30|tries"):
+        _generate_killing(model, servers, ids, block=20)
+
+
+def test_a_server_answering_errors_is_replaced(model_path, bootstrap, expected):
+    prefix = "tfaulty"
+    faulty = SwarmProcess(["server", model_path, "--initial_peers", bootstrap.maddr, "--host_maddrs",
+                           "/ip4/127.0.0.1/tcp/0", "--block_indices", "0:30", "--dht_prefix", prefix,
+                           "--throughput", "100"],
+                          "server-faulty", env={"SWARMGATE_TEST_FAIL_AFTER_STEPS": "6"})
+    try:
+        faulty.wait_ready()
+        good = start_servers(model_path, bootstrap.maddr, ["0:15", "15:30"], prefix, ["--throughput", "1"])
+    except BaseException:
+        faulty.kill()
+        raise
+    model = AutoDistributedModelForCausalLM.from_pretrained(model_path, initial_peers=[bootstrap.maddr],
+                                                            dht_prefix=prefix, max_retries=2)
+    try:
+        ids, ref = expected
+        with model.inference_session(max_length=ids.shape[1] + NEW) as session:
+            out = model.generate(ids, session=session, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+            assert session.session.failovers == 1
+            assert faulty.peer_id not in [hop.peer_id for hop in session.session.chain]
+            assert len(session.session.chain) == 2  # the one-hop span 0:30 was replaced by two servers
+        assert out.tolist() == ref.tolist()
+    finally:
+        model.shutdown()
+        for s in [faulty, *good]:
+            s.terminate()
