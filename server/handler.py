@@ -12,7 +12,7 @@ import logging
 import os
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
 import torch
 from hivemind.p2p import P2PContext
@@ -20,6 +20,7 @@ from hivemind.proto import runtime_pb2
 
 from server.blocks import BlockSpan
 from server.cache import CacheBudget, OutOfCacheError
+from server.push import PushRouter, PushSender
 from server.scheduler import PRIORITY_FORWARD, PRIORITY_INFERENCE, TaskPool
 from swarm import protocol as P
 
@@ -31,6 +32,19 @@ class Counters:
     inference_tokens: int = 0
     inference_steps: int = 0
     forward_tokens: int = 0
+    steps_from_push: int = 0  # inference steps whose input came from the previous server
+    pushes_sent: int = 0
+
+
+async def _pump(requests: AsyncIterator, inputs: asyncio.Queue) -> None:
+    """Move the client's requests into the session's input queue; None marks the client's end."""
+    try:
+        async for request in requests:
+            inputs.put_nowait(("client", request))
+    except Exception as e:
+        logger.debug(f"client stream ended: {e}")
+    finally:
+        inputs.put_nowait(None)
 
 
 async def _drain(requests: AsyncIterator, timeout: float = 2.0, max_messages: int = 64) -> None:
@@ -52,6 +66,8 @@ class BlockHandler(P.BlockRPC):
         self.max_batch_tokens = max_batch_tokens
         self.counters = Counters()
         self.accepting = True
+        self.push_router = PushRouter()
+        self.pusher: Optional[PushSender] = None
         # fault injection for failover tests: answer every inference step after the N-th with an error
         self.fail_after_steps = int(os.environ.get("SWARMGATE_TEST_FAIL_AFTER_STEPS", "0")) or None
 
@@ -78,7 +94,7 @@ class BlockHandler(P.BlockRPC):
     async def rpc_inference(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        handle = None
+        handle = registered = pump = None
         try:
             try:
                 first = await asyncio.wait_for(requests.__anext__(), timeout=self.step_timeout)
@@ -104,17 +120,33 @@ class BlockHandler(P.BlockRPC):
                 await _drain(requests)
                 return
             kv = self.span.new_session_kv(opened.batch_size, opened.max_length, opened.start, opened.end)
+            key = P.stream_key(opened.session_id, opened.start)
+            inputs: asyncio.Queue = asyncio.Queue()  # ("client" | "push", request), or None when the client left
+            if not self.push_router.register(key, inputs):
+                yield P.error_response("bad_request", f"session part {key} is already open here")
+                return
+            registered = key
+            pump = asyncio.ensure_future(_pump(requests, inputs))
             yield P.make_response(P.StepResult(position=0))  # the session is open
+            last_step_id = -1
             while True:
                 try:
-                    request = await asyncio.wait_for(requests.__anext__(), timeout=self.step_timeout)
-                except StopAsyncIteration:
-                    return
+                    item = await asyncio.wait_for(inputs.get(), timeout=self.step_timeout)
                 except asyncio.TimeoutError:
                     yield P.error_response("timeout", f"no step for {self.step_timeout:.0f}s; session closed")
                     return
+                if item is None:
+                    return
+                source, request = item
                 try:
-                    step = P.decode(request.metadata, P.Step)
+                    if source == "push":
+                        pushed = P.decode(request.metadata, P.PushStep)
+                        step = P.Step(start_position=pushed.start_position, step_id=pushed.step_id,
+                                      push_chain=pushed.push_chain)
+                    else:
+                        step = P.decode(request.metadata, P.Step)
+                    if step.step_id and step.step_id <= last_step_id:
+                        continue  # the other copy of a step already processed (push and client fallback)
                     hidden = self._hidden_from(request)
                     batch, seq = hidden.shape[:2]
                     if batch != opened.batch_size:
@@ -129,6 +161,9 @@ class BlockHandler(P.BlockRPC):
                             f"{opened.max_length}"
                         )
                 except P.ProtocolError as e:
+                    if source == "push":
+                        logger.warning(f"dropping a malformed push for {key}: {e}")
+                        continue
                     yield P.error_response("bad_request", str(e))
                     continue
                 if self.fail_after_steps is not None and self.counters.inference_steps >= self.fail_after_steps:
@@ -142,12 +177,42 @@ class BlockHandler(P.BlockRPC):
                     logger.exception("inference step failed")
                     yield P.error_response("internal", f"step failed: {type(e).__name__}: {e}")
                     continue
+                last_step_id = max(last_step_id, step.step_id)
                 self.counters.inference_tokens += batch * seq
                 self.counters.inference_steps += 1
-                yield P.make_response(P.StepResult(position=kv.length, step_id=step.step_id), [output])
+                self.counters.steps_from_push += source == "push"
+                # push first (the next server starts at once), then the copy the client keeps for failover
+                was_pushed = bool(step.push_chain) and self.pusher is not None and self.pusher.push(
+                    step.push_chain, step.start_position, step.step_id, output)
+                self.counters.pushes_sent += was_pushed
+                yield P.make_response(P.StepResult(position=kv.length, step_id=step.step_id, pushed=was_pushed),
+                                      [output])
         finally:
+            if registered is not None:
+                self.push_router.unregister(registered)
+            if pump is not None:
+                pump.cancel()
             if handle is not None:
                 await self.budget.release(handle)
+
+    # ---- push ---------------------------------------------------------------------------------------------
+    async def add_p2p_handlers(self, p2p, *args, **kwargs) -> None:
+        self.pusher = PushSender(p2p)
+        await super().add_p2p_handlers(p2p, *args, **kwargs)
+
+    async def rpc_push(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Pushes from a previous server: each goes to the input queue of the session part it names."""
+        async for request in requests:
+            try:
+                key = P.decode(request.metadata, P.PushStep).stream_key
+            except P.ProtocolError as e:
+                logger.warning(f"malformed push from {context.remote_id}: {e}")
+                continue
+            self.push_router.deliver(key, request)  # unknown keys: the session already ended
+        return
+        yield  # pragma: no cover
 
     # ---- forward (no cache) -----------------------------------------------------------------------------
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
@@ -178,6 +243,7 @@ class BlockHandler(P.BlockRPC):
             cache_tokens_used=self.budget.used_tokens, sessions_open=self.budget.num_sessions,
             inference_tokens_processed=self.counters.inference_tokens, inference_steps=self.counters.inference_steps,
             forward_tokens_processed=self.counters.forward_tokens,
+            steps_from_push=self.counters.steps_from_push, pushes_sent=self.counters.pushes_sent,
         )
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:

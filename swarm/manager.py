@@ -37,6 +37,9 @@ class ClientConfig(BaseModel):
     max_retries: int = Field(default=3, ge=0, description="times a failed step is re-routed before giving up")
     ban_timeout: float = Field(default=15.0, gt=0, description="first ban of a failed server, doubled each time")
     max_chunk_bytes: int = Field(default=2 << 20, gt=0, description="largest hidden-state message sent at once")
+    use_push: bool = Field(default=True, description="servers push decode steps straight to the next server")
+    push_timeout: float = Field(default=5.0, gt=0, description="seconds to wait for a pushed step before sending "
+                                                                "it to the next server directly")
 
 
 class SwarmManager:

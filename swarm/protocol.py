@@ -9,6 +9,8 @@ RPCs (see `BlockRPC`):
 - `rpc_inference`: a bidirectional stream per session. The first request is `OpenSession`; then each
   `Step` carries hidden states `[batch, seq, hidden]` starting at `start_position`; each gets a `StepResult`
   (the output hidden states) or an `ErrorReply`. Closing the stream frees the session's KV cache.
+- `rpc_push`: a long-lived stream from one server to the next carrying `PushStep`s: in a decode step each
+  server hands its output straight to the next server of the chain (named by the client in `Step.push_to`).
 - `rpc_forward`: one pass of hidden states through a block range, no cache.
 - `rpc_info`: `ServerStats`.
 """
@@ -58,16 +60,39 @@ class OpenSession(Message):
     batch_size: int = Field(default=1, gt=0, le=1024)
 
 
+class PushTarget(Message):
+    peer_id: str = Field(min_length=1, max_length=128)
+    stream_key: str = Field(min_length=1, max_length=MAX_SESSION_ID_LEN + 16)
+
+
 class Step(Message):
     type: Literal["step"] = "step"
     start_position: int = Field(ge=0, description="position of the first token in this step")
     step_id: int = Field(default=0, ge=0)
+    push_chain: List[PushTarget] = Field(default_factory=list, max_length=256,
+                                         description="the servers after this one: push the output to the first")
+
+
+class PushStep(Message):
+    """A server's output pushed to the next server of a chain (rpc_push stream)."""
+
+    type: Literal["push"] = "push"
+    stream_key: str = Field(min_length=1, max_length=MAX_SESSION_ID_LEN + 16)
+    start_position: int = Field(ge=0)
+    step_id: int = Field(ge=0)
+    push_chain: List[PushTarget] = Field(default_factory=list, max_length=256)
 
 
 class StepResult(Message):
     type: Literal["result"] = "result"
     position: int = Field(ge=0, description="tokens held in the session's cache after this step")
     step_id: int = 0
+    pushed: bool = Field(default=False, description="the output was handed to the push target")
+
+
+def stream_key(session_id: str, start: int) -> str:
+    """Names one server's part of a session (a server may hold two parts of one session)."""
+    return f"{session_id}:{start}"
 
 
 class ErrorReply(Message):
@@ -101,6 +126,8 @@ class ServerStats(Message):
     inference_tokens_processed: int = Field(description="tokens received by inference steps since start")
     inference_steps: int
     forward_tokens_processed: int
+    steps_from_push: int = 0
+    pushes_sent: int = 0
 
 
 ReplyMessage = Union[StepResult, ErrorReply]
@@ -216,6 +243,12 @@ class BlockRPC(ServicerBase):
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         raise NotImplementedError
+
+    async def rpc_push(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError
+        yield  # pragma: no cover
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         raise NotImplementedError

@@ -36,7 +36,7 @@ class SpanStream:
         self.position = 0  # tokens the server holds for this session
         self._queue: "asyncio.Queue[Optional[object]]" = asyncio.Queue()
         self._responses: Optional[AsyncIterator] = None
-        self._step_id = 0
+        self._pending: Optional[asyncio.Future] = None  # the next reply, possibly awaited across time-outs
 
     async def _requests(self):
         while True:
@@ -45,11 +45,24 @@ class SpanStream:
                 return
             yield item
 
-    async def _next_reply(self, forward: bool = False):
+    async def _next_reply(self, timeout: Optional[float] = None):
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self._responses.__anext__())
         try:
-            response = await asyncio.wait_for(self._responses.__anext__(), timeout=self.manager.config.step_timeout)
+            # shield: a short wait (for a push) that times out must not lose the reply still on its way
+            response = await asyncio.wait_for(asyncio.shield(self._pending),
+                                              timeout=timeout or self.manager.config.step_timeout)
+            self._pending = None
+        except asyncio.TimeoutError:
+            if timeout is None:
+                self._pending = None
+            raise
         except StopAsyncIteration:
+            self._pending = None
             raise P.RemoteError("closed", "the server closed the session", self.hop.peer_id) from None
+        except Exception:
+            self._pending = None
+            raise
         return P.unpack_reply(response, self.hop.peer_id)
 
     async def open(self) -> None:
@@ -60,18 +73,32 @@ class SpanStream:
         self._queue.put_nowait(P.make_request(opened))
         await self._next_reply()
 
-    async def step(self, hidden: torch.Tensor, start_position: int) -> torch.Tensor:
-        """hidden: [batch, seq, hidden] for positions start_position..; returns this span's output."""
-        self._step_id += 1
-        self._queue.put_nowait(P.make_request(P.Step(start_position=start_position, step_id=self._step_id), [hidden]))
-        reply, tensors = await self._next_reply()
-        if reply.position != start_position + hidden.shape[1] or len(tensors) != 1:
+    @property
+    def key(self) -> str:
+        return P.stream_key(self.session_id, self.hop.start)
+
+    def send(self, hidden: torch.Tensor, start_position: int, step_id: int, push_chain=()) -> None:
+        """Queue a step: hidden [batch, seq, hidden] for positions start_position.. (returns at once)."""
+        step = P.Step(start_position=start_position, step_id=step_id, push_chain=list(push_chain))
+        self._queue.put_nowait(P.make_request(step, [hidden]))
+
+    async def receive(self, start_position: int, seq: int, timeout: Optional[float] = None):
+        """The reply to the step at start_position: (output [batch, seq, hidden], pushed)."""
+        reply, tensors = await self._next_reply(timeout)
+        if reply.position != start_position + seq or len(tensors) != 1:
             raise P.RemoteError("bad_reply", f"server reported position {reply.position}", self.hop.peer_id)
         self.position = reply.position
-        return tensors[0]
+        return tensors[0], reply.pushed
+
+    async def step(self, hidden: torch.Tensor, start_position: int, step_id: int) -> torch.Tensor:
+        self.send(hidden, start_position, step_id)
+        output, _ = await self.receive(start_position, hidden.shape[1])
+        return output
 
     async def close(self) -> None:
         self._queue.put_nowait(None)
+        if self._pending is not None:
+            self._pending.cancel()
         if self._responses is not None:
             try:
                 await asyncio.wait_for(self._responses.aclose(), timeout=5)
@@ -117,6 +144,7 @@ class InferenceSession:
         self._history: dict[int, _History] = {}  # block index where a span starts -> inputs sent there
         self._closed = False
         self.failovers = 0
+        self._step_id = 0  # one id per chunk step (and per replayed chunk), shared by every server of the chain
 
     # ---- public, synchronous ------------------------------------------------------------------------------
     def step(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -200,8 +228,13 @@ class InferenceSession:
     async def _replay(self, stream: SpanStream, x: torch.Tensor) -> torch.Tensor:
         """Send positions [0, len) of `x` [batch, len, hidden] through `stream` in chunks; return its output."""
         chunk = self._chunk_len(x)
-        outputs = [await stream.step(x[:, offset:offset + chunk], offset) for offset in range(0, x.shape[1], chunk)]
+        outputs = [await stream.step(x[:, offset:offset + chunk], offset, self._next_step_id())
+                   for offset in range(0, x.shape[1], chunk)]
         return torch.cat(outputs, dim=1)
+
+    def _next_step_id(self) -> int:
+        self._step_id += 1
+        return self._step_id
 
     def _chunk_len(self, hidden: torch.Tensor) -> int:
         batch, _, hidden_size = hidden.shape
@@ -231,7 +264,20 @@ class InferenceSession:
         return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
 
     async def _step_chunk(self, x: torch.Tensor) -> torch.Tensor:
+        """Send x [batch, seq, hidden] through the chain.
+
+        With push, the client sends the step to the first server only, naming the rest of the chain; each
+        server hands its output straight to the next one (k + 1 network hops for k servers) and also returns
+        a copy to the client, which records it as the next boundary's input history (what failover replays).
+        If a pushed step has not reached the next server within `push_timeout`, the client sends it there
+        itself (servers drop the second copy by step id). After a failure the rest of the step goes through
+        the client.
+        """
+        config = self.manager.config
+        seq = x.shape[1]
+        step_id = self._next_step_id()
         failures, index = 0, 0
+        delivered = False  # whether the current stream got this step by push from the previous one
         while index < len(self._streams):
             stream = self._streams[index]
             history = self._history.get(stream.hop.start)
@@ -240,12 +286,21 @@ class InferenceSession:
                                                                      x.dtype)
             history.write(self.position, x)
             try:
-                out = await stream.step(x, self.position)
+                if not delivered:
+                    chain = [P.PushTarget(peer_id=s.hop.peer_id, stream_key=s.key) for s in self._streams[index + 1:]]
+                    stream.send(x, self.position, step_id, chain if config.use_push else ())
+                    out, pushed = await stream.receive(self.position, seq)
+                else:
+                    try:
+                        out, pushed = await stream.receive(self.position, seq, timeout=config.push_timeout)
+                    except asyncio.TimeoutError:  # the push got lost: deliver it ourselves
+                        stream.send(x, self.position, step_id, ())
+                        out, pushed = await stream.receive(self.position, seq)
             except Exception as e:  # connection lost, time-out, or an error reply: the server is failed
                 error: BaseException = e
                 while True:
                     failures += 1
-                    if failures > self.manager.config.max_retries:
+                    if failures > config.max_retries:
                         raise SessionError(f"step failed after {failures} tries; last error: {error}") from error
                     try:
                         await self._replace(index, error)
@@ -254,8 +309,11 @@ class InferenceSession:
                         raise
                     except Exception as replay_error:  # the replacement failed too: try another one
                         error = replay_error
+                delivered = False
+                step_id = self._next_step_id()  # the replay used newer ids: servers drop older ones as copies
                 continue  # the same boundary, now on the replacement
             self.manager.mark_ok(stream.hop.peer_id)
+            delivered = pushed
             x = out
             index += 1
         return x

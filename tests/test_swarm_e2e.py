@@ -148,3 +148,29 @@ def test_sampling_is_seeded_and_valid(clients):
     assert a.tolist() == b.tolist() and a.shape[1] <= ids.shape[1] + 6
     with pytest.raises(TypeError, match="unexpected"):
         model.generate(ids, max_new_tokens=2, no_such_argument=3)
+
+
+@pytest.mark.parametrize("use_push", [True, False])
+def test_decode_steps_are_pushed_between_servers(use_push, swarms, model_path, reference_model):
+    spans = TOPOLOGIES[2]  # three servers
+    swarm = swarms.get(spans)
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        model_path, initial_peers=swarm["initial_peers"], dht_prefix=swarm["prefix"], use_push=use_push)
+    try:
+        ids = torch.tensor([[1, 504, 3458, 314, 4086]])
+        before = _server_stats(model, swarm)
+        out = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        after = _server_stats(model, swarm)
+        assert out.tolist() == reference_model.generate(ids, max_new_tokens=8, min_new_tokens=8,
+                                                        do_sample=False).tolist()
+        steps = {p: after[p].inference_steps - before[p].inference_steps for p in after}
+        from_push = {p: after[p].steps_from_push - before[p].steps_from_push for p in after}
+        first = swarm["servers"][0].peer_id  # blocks 0:10
+        assert all(n == 8 for n in steps.values())  # prefill + 7 decode steps on every server
+        if use_push:
+            assert from_push[first] == 0
+            assert all(from_push[p] == steps[p] for p in after if p != first)
+        else:
+            assert all(n == 0 for n in from_push.values())
+    finally:
+        model.shutdown()

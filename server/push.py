@@ -1,0 +1,102 @@
+"""Server-to-server push: a decode step crosses the chain once (client -> A -> B -> C -> client).
+
+Outgoing: `PushSender` keeps one long-lived `rpc_push` stream per next server and writes `PushStep`s into it;
+a stream that breaks is dropped and reopened on the next push. Incoming: `PushRouter` maps a session part's
+stream key to its input queue, so that a push lands in the same queue as the client's own steps; the
+session takes whichever copy of a step arrives first and drops the other (by step id).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Dict, Optional
+
+import torch
+from hivemind.p2p import P2P, PeerID
+
+from swarm import protocol as P
+
+logger = logging.getLogger(__name__)
+
+
+class PushRouter:
+    """Incoming pushes -> the input queue of the session part they name."""
+
+    def __init__(self):
+        self._queues: Dict[str, asyncio.Queue] = {}
+
+    def register(self, key: str, queue: asyncio.Queue) -> bool:
+        if key in self._queues:
+            return False
+        self._queues[key] = queue
+        return True
+
+    def unregister(self, key: str) -> None:
+        self._queues.pop(key, None)
+
+    def deliver(self, key: str, request) -> bool:
+        queue = self._queues.get(key)
+        if queue is None:
+            return False
+        queue.put_nowait(("push", request))
+        return True
+
+
+class _Channel:
+    def __init__(self):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.alive = True
+        self.task: Optional[asyncio.Task] = None
+
+    async def requests(self):
+        while True:
+            item = await self.queue.get()
+            if item is None:
+                return
+            yield item
+
+
+class PushSender:
+    """One push stream per next server, opened on first use and reopened after a failure."""
+
+    def __init__(self, p2p: P2P):
+        self.p2p = p2p
+        self._channels: Dict[str, _Channel] = {}
+
+    def _channel(self, peer_id: str) -> _Channel:
+        channel = self._channels.get(peer_id)
+        if channel is None or not channel.alive:
+            channel = _Channel()
+            channel.task = asyncio.ensure_future(self._run(peer_id, channel))
+            self._channels[peer_id] = channel
+        return channel
+
+    async def _run(self, peer_id: str, channel: _Channel) -> None:
+        try:
+            stub = P.BlockRPC.get_stub(self.p2p, PeerID.from_base58(peer_id))
+            responses = await stub.rpc_push(channel.requests())
+            async for _ in responses:  # the receiver only answers when it refuses the stream
+                pass
+        except Exception as e:
+            logger.debug(f"push stream to {peer_id} ended: {e}")
+        finally:
+            channel.alive = False
+
+    def push(self, chain: list, start_position: int, step_id: int, output: torch.Tensor) -> bool:
+        """Queue the output for chain[0] (telling it the rest of the chain); False if no live stream took it."""
+        target = chain[0]
+        try:
+            PeerID.from_base58(target.peer_id)
+        except Exception:
+            return False
+        channel = self._channel(target.peer_id)
+        if not channel.alive:
+            return False
+        message = P.PushStep(stream_key=target.stream_key, start_position=start_position, step_id=step_id,
+                             push_chain=list(chain[1:]))
+        channel.queue.put_nowait(P.make_request(message, [output]))
+        return True
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.queue.put_nowait(None)
