@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -26,6 +27,8 @@ class BootstrapConfig(ProcessConfig):
     announce_maddrs: List[str] = Field(default_factory=list, description="multiaddrs to announce to others")
     identity_path: Optional[str] = Field(default=None, description="private key file (created if missing) for a fixed peer id")
     initial_peers: List[str] = Field(default_factory=list, description="other bootstrap peers to connect to")
+    write_maddrs: Optional[str] = Field(default=None, description="also write the multiaddrs to join, one a line, "
+                                                                  "to this file (for containers that start later)")
     log_level: str = Field(default="INFO", description="logging level")
 
 
@@ -47,6 +50,12 @@ def main(argv=None) -> int:
     print("SWARMGATE_READY " + json.dumps({"peer_id": dht.peer_id.to_base58(), "maddrs": maddrs}), flush=True)
     for m in maddrs:
         print(f"join with: --initial_peers {m}", flush=True)
+    if config.write_maddrs:
+        reachable = [m for m in maddrs if "/127.0.0.1/" not in m] + [m for m in maddrs if "/127.0.0.1/" in m]
+        tmp = config.write_maddrs + ".tmp"
+        with open(tmp, "w") as f:
+            f.write("\n".join(reachable) + "\n")
+        os.replace(tmp, config.write_maddrs)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -6,6 +6,7 @@ are banned with exponential back-off so that routing avoids them for a while.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -37,6 +38,8 @@ class ClientConfig(BaseModel):
     max_retries: int = Field(default=3, ge=0, description="times a failed step is re-routed before giving up")
     ban_timeout: float = Field(default=15.0, gt=0, description="first ban of a failed server, doubled each time")
     max_chunk_bytes: int = Field(default=2 << 20, gt=0, description="largest hidden-state message sent at once")
+    measure_rtt: bool = Field(default=True, description="ping servers at each refresh and route by latency")
+    max_pings: int = Field(default=64, gt=0, description="most servers pinged per refresh")
     use_push: bool = Field(default=True, description="servers push decode steps straight to the next server")
     push_timeout: float = Field(default=5.0, gt=0, description="seconds to wait for a pushed step before sending "
                                                                 "it to the next server directly")
@@ -53,6 +56,7 @@ class SwarmManager:
         self.spans: List[ServerSpan] = []
         self._last_update = 0.0
         self._bans: Dict[str, tuple[float, int]] = {}  # peer id -> (banned until, consecutive failures)
+        self.rtts: Dict[str, float] = {}  # peer id -> client RTT in seconds, measured at each refresh
         self._lock = threading.Lock()
 
     # ---- swarm view ---------------------------------------------------------------------------------------
@@ -62,7 +66,23 @@ class SwarmManager:
                 records = fetch_block_records(self.dht, self.prefix, self.num_blocks)
                 self.spans = online_spans(records)
                 self._last_update = time.monotonic()
+                if self.config.measure_rtt:
+                    self.rtts.update(aio.run(self._ping(s.peer_id for s in self.spans)))
             return self.spans
+
+    async def _ping(self, peer_ids, timeout: float = 2.0) -> Dict[str, float]:
+        """RTT (seconds) of an info call to each server; unreachable ones get infinity (routing avoids them)."""
+        async def one(peer_id: str) -> float:
+            start = time.perf_counter()
+            try:
+                await asyncio.wait_for(self.info(peer_id), timeout)
+            except Exception:
+                return float("inf")
+            return time.perf_counter() - start
+
+        peer_ids = list(dict.fromkeys(peer_ids))[: self.config.max_pings]
+        results = await asyncio.gather(*(one(p) for p in peer_ids))
+        return dict(zip(peer_ids, results))
 
     def banned(self) -> List[str]:
         now = time.monotonic()
@@ -87,7 +107,8 @@ class SwarmManager:
     def make_inference_chain(self, start: int = 0, end: Optional[int] = None, cache_tokens_needed: int = 0
                              ) -> List[RouteHop]:
         end = self.num_blocks if end is None else end
-        return self._route(find_inference_chain, start, end, cache_tokens_needed=cache_tokens_needed)
+        return self._route(find_inference_chain, start, end, cache_tokens_needed=cache_tokens_needed,
+                           client_rtts=dict(self.rtts))
 
     def make_forward_chain(self, start: int = 0, end: Optional[int] = None) -> List[RouteHop]:
         end = self.num_blocks if end is None else end

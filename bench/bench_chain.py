@@ -1,0 +1,117 @@
+"""Per-token latency and messages per token with and without server-to-server push, for 2 and 3 servers, and
+the pause at failover. Starts its own bootstrap peer and servers on loopback; prints one JSON object.
+
+Messages per token are counted from the servers' counters: messages the client sends, pushes between servers,
+replies to the client. The failover pause is the longest gap between two tokens of a 40-token greedy
+generation in which the server of the last span is SIGKILLed after 10 tokens (a replacement exists), next to
+the median gap.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from swarm.local_swarm import ManagedProcess  # noqa: E402
+from swarm.prepare import prepare_model  # noqa: E402
+
+TOPOLOGIES = {"2_servers": ["0:15", "15:30"], "3_servers": ["0:10", "10:20", "20:30"]}
+PROMPT = torch.tensor([[1, 504, 3458, 314, 4086, 28, 260, 1345, 2024, 30, 1530, 260, 1029]])
+
+
+class Clock:
+    def __init__(self, on_token=None):
+        self.times, self.seen, self.on_token = [], -1, on_token
+
+    def put(self, value):
+        self.seen += 1
+        self.times.append(time.perf_counter())
+        if self.on_token is not None:
+            self.on_token(self.seen)
+
+    def end(self):
+        pass
+
+
+def gaps(times):
+    return [b - a for a, b in zip(times[1:], times[2:])]  # skip the prompt -> first token (prefill)
+
+
+def run_chain(model, peers, new_tokens=48):
+    stats = lambda: {p: model.manager.server_info(p) for p in peers}  # noqa: E731
+    model.generate(PROMPT, max_new_tokens=4)  # warm-up
+    before = stats()
+    clock = Clock()
+    model.generate(PROMPT, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=clock)
+    after = stats()
+    steps = sum(after[p].inference_steps - before[p].inference_steps for p in peers)
+    pushed = sum(after[p].steps_from_push - before[p].steps_from_push for p in peers)
+    pushes = sum(after[p].pushes_sent - before[p].pushes_sent for p in peers)
+    tokens = new_tokens  # prefill + (new - 1) decode steps = new_tokens steps per server
+    client_sent = steps - pushed
+    return {
+        "ms_per_token": round(1000 * statistics.median(gaps(clock.times)), 2),
+        "client_messages_per_token": round(client_sent / tokens, 2),
+        "server_pushes_per_token": round(pushes / tokens, 2),
+        "total_messages_per_token": round((client_sent + pushes + steps) / tokens, 2),
+    }
+
+
+def main() -> None:
+    from swarm import AutoDistributedModelForCausalLM
+
+    path = str(prepare_model())
+    procs, result = [], {}
+    try:
+        dht = ManagedProcess(["dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"], "bench-chain-dht")
+        procs.append(dht)
+        dht.wait_ready(60)
+        servers = {}
+        for name, spans in {**TOPOLOGIES, "failover": ["0:15", "15:30", "15:30"]}.items():
+            servers[name] = [ManagedProcess(["server", path, "--initial_peers", dht.maddr, "--host_maddrs",
+                                             "/ip4/127.0.0.1/tcp/0", "--block_indices", span, "--dht_prefix",
+                                             f"bench-{name}", "--throughput", "1"], f"bench-{name}-{i}")
+                             for i, span in enumerate(spans)]
+            procs += servers[name]
+        for p in procs[1:]:
+            p.wait_ready(300)
+        for name in TOPOLOGIES:
+            peers = [s.peer_id for s in servers[name]]
+            for push in (True, False):
+                model = AutoDistributedModelForCausalLM.from_pretrained(
+                    path, initial_peers=[dht.maddr], dht_prefix=f"bench-{name}", use_push=push)
+                result[f"{name}_{'push' if push else 'no_push'}"] = run_chain(model, peers)
+                model.shutdown()
+        # failover pause
+        model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=[dht.maddr],
+                                                                dht_prefix="bench-failover")
+        by_peer = {s.peer_id: s for s in servers["failover"]}
+        model.generate(PROMPT, max_new_tokens=4)
+        with model.inference_session(max_length=PROMPT.shape[1] + 40) as session:
+            def maybe_kill(n):
+                if n == 10:
+                    victim = next(h.peer_id for h in session.session.chain if h.start == 15)
+                    by_peer[victim].kill()
+
+            clock = Clock(maybe_kill)
+            model.generate(PROMPT, session=session, max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                           streamer=clock)
+            failovers = session.session.failovers
+        model.shutdown()
+        g = gaps(clock.times)
+        result["failover"] = {"pause_ms": round(1000 * max(g), 1), "median_token_ms": round(1000 * statistics.median(g), 1),
+                              "failovers": failovers}
+    finally:
+        for p in procs:
+            p.terminate()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
