@@ -89,6 +89,52 @@ class BlockSpan(nn.Module):
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return 2 * len(self.layers) * self.kv_heads * self.head_dim * itemsize
 
+    @property
+    def can_batch(self) -> bool:
+        """Decode steps of several sessions can share one pass (Llama-style layers with a plain MLP)."""
+        return self.family.model_type in ("llama", "mistral", "qwen2")
+
+    @torch.inference_mode()
+    def forward_batch(self, items: list, first: int, last: int) -> list:
+        """One pass for the single-token decode steps of several sessions.
+
+        items: [(hidden [b_i, 1, hidden], start_position_i, kv_i)], all over blocks [first, last). The norms,
+        projections and MLP run once on all rows `[sum b_i, 1, hidden]`; attention runs per session against
+        its own cache. Returns the outputs in the same order.
+        """
+        apply_rotary = self.family.import_class("apply_rotary_pos_emb")
+        x = torch.cat([h.to(self.device, self.dtype) for h, _, _ in items], dim=0)  # [rows, 1, hidden]
+        sizes = [h.shape[0] for h, _, _ in items]
+        position_ids = torch.cat([torch.full((b, 1), pos, device=self.device) for b, (_, pos, _) in zip(sizes, items)])
+        cos, sin = self.rotary(x, position_ids)
+        for _, pos, kv in items:
+            kv.begin_step(pos)
+        try:
+            for layer in self.layers[first - self.start:last - self.start]:
+                attn = layer.self_attn
+                h = layer.input_layernorm(x)
+                rows = h.shape[0]
+                q = attn.q_proj(h).view(rows, 1, -1, attn.head_dim).transpose(1, 2)  # [rows, heads, 1, dim]
+                k = attn.k_proj(h).view(rows, 1, -1, attn.head_dim).transpose(1, 2)  # [rows, kv_heads, 1, dim]
+                v = attn.v_proj(h).view(rows, 1, -1, attn.head_dim).transpose(1, 2)
+                q, k = apply_rotary(q, k, cos, sin)
+                outs, row = [], 0
+                for size, (_, _, kv) in zip(sizes, items):
+                    keys, values = kv.update(k[row:row + size], v[row:row + size], attn.layer_idx)
+                    outs.append(torch.nn.functional.scaled_dot_product_attention(
+                        q[row:row + size], keys, values, scale=attn.scaling, enable_gqa=True))
+                    row += size
+                o = torch.cat(outs, dim=0).transpose(1, 2).reshape(rows, 1, -1)
+                x = x + attn.o_proj(o)
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+        except BaseException:
+            for _, _, kv in items:
+                kv.abort_step()
+            raise
+        for _, _, kv in items:
+            kv.end_step(1)
+        return list(torch.split(x, sizes, dim=0))
+
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, start_position: int = 0, kv: Optional[SessionKV] = None,
                 first: Optional[int] = None, last: Optional[int] = None) -> torch.Tensor:

@@ -12,6 +12,7 @@ import logging
 import os
 import uuid
 from dataclasses import dataclass
+from functools import partial
 from typing import AsyncIterator, Optional
 
 import torch
@@ -21,7 +22,7 @@ from hivemind.proto import runtime_pb2
 from server.blocks import BlockSpan
 from server.cache import CacheBudget, OutOfCacheError
 from server.push import PushRouter, PushSender
-from server.scheduler import PRIORITY_FORWARD, PRIORITY_INFERENCE, TaskPool
+from server.scheduler import PRIORITY_DECODE, PRIORITY_FORWARD, PRIORITY_PREFILL, TaskPool
 from swarm import protocol as P
 
 logger = logging.getLogger(__name__)
@@ -59,11 +60,13 @@ async def _drain(requests: AsyncIterator, timeout: float = 2.0, max_messages: in
 
 class BlockHandler(P.BlockRPC):
     def __init__(self, span: BlockSpan, model_name: str, version: str, budget: CacheBudget, pool: TaskPool,
-                 max_length: int, alloc_timeout: float, step_timeout: float, max_batch_tokens: int = 1 << 16):
+                 max_length: int, alloc_timeout: float, step_timeout: float, max_batch_tokens: int = 1 << 16,
+                 prefill_chunk: int = 256):
         self.span, self.model_name, self.version = span, model_name, version
         self.budget, self.pool = budget, pool
         self.max_length, self.alloc_timeout, self.step_timeout = max_length, alloc_timeout, step_timeout
         self.max_batch_tokens = max_batch_tokens
+        self.prefill_chunk = prefill_chunk
         self.counters = Counters()
         self.accepting = True
         self.push_router = PushRouter()
@@ -170,9 +173,7 @@ class BlockHandler(P.BlockRPC):
                     yield P.error_response("internal", "injected fault (SWARMGATE_TEST_FAIL_AFTER_STEPS)")
                     continue
                 try:
-                    output = await self.pool.submit(
-                        PRIORITY_INFERENCE, self.span.forward, hidden, step.start_position, kv, opened.start, opened.end
-                    )
+                    output = await self._compute(hidden, step.start_position, kv, opened.start, opened.end)
                 except Exception as e:
                     logger.exception("inference step failed")
                     yield P.error_response("internal", f"step failed: {type(e).__name__}: {e}")
@@ -194,6 +195,27 @@ class BlockHandler(P.BlockRPC):
                 pump.cancel()
             if handle is not None:
                 await self.budget.release(handle)
+
+    async def _compute(self, hidden: torch.Tensor, start_position: int, kv, first: int, last: int) -> torch.Tensor:
+        """One step of a session: decode steps are batched with other sessions'; a long prefill runs in chunks
+        of `prefill_chunk` tokens at a lower priority, so that other sessions' decode steps go in between."""
+        seq = hidden.shape[1]
+        if seq == 1 and self.span.can_batch:
+            return await self.pool.submit_batchable(
+                PRIORITY_DECODE, (id(self), first, last), partial(self._decode_batch, first=first, last=last),
+                (hidden, start_position, kv))
+        outputs = []
+        for offset in range(0, seq, self.prefill_chunk):
+            chunk = hidden[:, offset:offset + self.prefill_chunk]
+            outputs.append(await self.pool.submit(PRIORITY_PREFILL, self.span.forward, chunk, start_position + offset,
+                                                  kv, first, last))
+        return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+
+    def _decode_batch(self, items: list, first: int, last: int) -> list:
+        if len(items) == 1:  # exactly the unbatched path
+            hidden, position, kv = items[0]
+            return [self.span.forward(hidden, position, kv, first, last)]
+        return self.span.forward_batch(items, first, last)
 
     # ---- push ---------------------------------------------------------------------------------------------
     async def add_p2p_handlers(self, p2p, *args, **kwargs) -> None:
@@ -244,6 +266,7 @@ class BlockHandler(P.BlockRPC):
             inference_tokens_processed=self.counters.inference_tokens, inference_steps=self.counters.inference_steps,
             forward_tokens_processed=self.counters.forward_tokens,
             steps_from_push=self.counters.steps_from_push, pushes_sent=self.counters.pushes_sent,
+            decode_batches=self.pool.batches_done, largest_batch=self.pool.largest_batch,
         )
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:

@@ -128,6 +128,8 @@ class ServerStats(Message):
     forward_tokens_processed: int
     steps_from_push: int = 0
     pushes_sent: int = 0
+    decode_batches: int = 0
+    largest_batch: int = 0
 
 
 ReplyMessage = Union[StepResult, ErrorReply]

@@ -174,3 +174,27 @@ def test_decode_steps_are_pushed_between_servers(use_push, swarms, model_path, r
             assert all(n == 0 for n in from_push.values())
     finally:
         model.shutdown()
+
+
+def test_concurrent_sessions_are_batched_and_correct(clients, swarms, reference_model, tokenizer):
+    from concurrent.futures import ThreadPoolExecutor
+
+    spans = TOPOLOGIES[0]
+    model, swarm = clients(spans), swarms.get(spans)
+    prompts = [tokenizer(p, return_tensors="pt")["input_ids"] for p in PROMPTS + ["Once upon a time"]]
+    expected = [reference_model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+                for ids in prompts]
+    sessions = [model.inference_session(max_length=64) for _ in prompts]
+    outputs = [ids for ids in prompts]
+    try:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            for _ in range(10):  # lockstep: every session's step is in flight at once
+                logits = list(pool.map(lambda pair: pair[0].feed(pair[1]), zip(sessions, outputs)))
+                outputs = [torch.cat([ids, l.argmax(-1, keepdim=True)], dim=1) for ids, l in zip(outputs, logits)]
+    finally:
+        for s in sessions:
+            s.close()
+    for out, ref in zip(outputs, expected):
+        assert out.tolist() == ref.tolist()
+    stats = _server_stats(model, swarm)
+    assert max(s.largest_batch for s in stats.values()) >= 2
