@@ -68,22 +68,28 @@ class ManagedProcess:
         return next((m for m in self.ready["maddrs"] if "127.0.0.1" in m), self.ready["maddrs"][0])
 
     def terminate(self, timeout: float = 30) -> Optional[int]:
+        """SIGTERM and wait; then SIGKILL whatever is left of its process group (e.g. a DHT child)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.kill()
+                pass
+        returncode = self.proc.poll()
+        self.kill()
         self._log.close()
-        return self.proc.returncode
+        return returncode
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        """SIGKILL the whole process group (the process, its DHT child and that child's p2p daemon)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
             self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 class ServerEntry(BaseModel):

@@ -8,6 +8,10 @@ from tests.procs import start_bootstrap, start_servers
 
 MODEL = "smollm2-135m-instruct"
 
+# The servers under test run on the same two cores: one intra-op thread in the test process avoids
+# oversubscription (the reference model is about 10x slower with two threads under that load).
+torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def model_path():

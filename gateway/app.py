@@ -1,0 +1,268 @@
+"""The gateway process: FastAPI app factory and the `swarmgate gateway MODEL ...` entry point.
+
+`create_app(config, model=None, tokenizer=None)` builds the app around one client model (loaded here when not
+given: embeddings, final norm and LM head; the blocks run on the swarm) and its tokenizer. Routes: the OpenAI
+endpoints (`gateway.completions`), `GET /v1/models`, `POST /tokenize`, `POST /detokenize` (all behind the
+API keys when configured), and the public `GET /health` (200 when every block is served, else 503 naming
+the missing ones) and `GET /metrics` (Prometheus). Every response carries `X-Request-Id` (echoed or
+created); CORS is on for the configured origins.
+
+`main(argv)` parses flags / YAML / environment into `GatewayConfig`, serves with uvicorn, and prints
+`SWARMGATE_READY {"url": "http://host:port"}` on stdout once it accepts connections.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from typing import Optional
+
+from fastapi import Depends, FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from gateway.admission import Admission
+from gateway.auth import require_api_key
+from gateway.completions import router as completions_router
+from gateway.config import GatewayConfig
+from gateway.engine import Engine
+from gateway.errors import bad_request, install_error_handlers
+from gateway.metrics import CONTENT_TYPE_LATEST, Metrics
+from gateway.params import Limits, check_model
+from gateway.schemas import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
+from gateway.state import GatewayState, format_ranges
+from gateway.tokens import Tokens
+
+logger = logging.getLogger("swarmgate.gateway")
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+              "/detokenize"}
+
+
+class RequestContext:
+    """Pure ASGI middleware (it must not buffer SSE nor hide disconnects): sets `request.state.request_id`
+    from `X-Request-Id` or a new id, echoes it in the response, and counts responses by status."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        incoming = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode("latin-1")
+        request_id = incoming if _REQUEST_ID.match(incoming) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        status = [500]
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            path = scope.get("path", "")
+            endpoint = path if path in _ENDPOINTS else ("/v1/models" if path.startswith("/v1/models/") else "other")
+            self.metrics.requests.labels(endpoint=endpoint, status=str(status[0])).inc()
+
+
+def load_model(config: GatewayConfig):
+    from swarm import AutoDistributedModelForCausalLM
+
+    if not config.initial_peers:
+        raise ValueError("initial_peers is required: the multiaddr(s) of a peer of the swarm")
+    return AutoDistributedModelForCausalLM.from_pretrained(
+        config.model, initial_peers=config.initial_peers, dht_prefix=config.dht_prefix,
+        torch_dtype=config.torch_dtype, step_timeout=config.step_timeout, request_timeout=config.rpc_timeout)
+
+
+def load_tokenizer(config: GatewayConfig):
+    from transformers import AutoTokenizer
+
+    from swarm.checkpoint import Checkpoint
+
+    return AutoTokenizer.from_pretrained(Checkpoint(config.model).config_dir)
+
+
+def _eos_ids(model) -> list:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+def create_app(config: GatewayConfig, model=None, tokenizer=None) -> FastAPI:
+    model = model if model is not None else load_model(config)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
+    tokens = Tokens(tokenizer, _eos_ids(model))
+    threading.Thread(target=lambda: tokens.token_bytes, name="token-table", daemon=True).start()  # warm it
+    context = config.max_context or int(getattr(model.config, "max_position_embeddings", 2048))
+    limits = Limits(context=context, default_max_tokens=config.default_max_tokens, max_n=config.max_n,
+                    vocab_size=min(int(model.config.vocab_size), tokens.vocab_size))
+    metrics = Metrics()
+    admission = Admission(config.max_concurrent, config.max_queue, config.queue_timeout, config.retry_after,
+                          on_change=metrics.observe_admission)
+    engine = Engine(model, tokens, metrics, max_workers=config.max_concurrent)
+    state = GatewayState(config=config, model=model, tokens=tokens, engine=engine, admission=admission,
+                         metrics=metrics, limits=limits, created=int(time.time()))
+    metrics.coverage_source = state.coverage_numbers
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        engine.shutdown()  # cancel running generations: their sessions close
+
+    app = FastAPI(title="swarmgate", version=_version(), docs_url="/docs", redoc_url=None, lifespan=lifespan)
+    app.state.gateway = state
+    install_error_handlers(app)
+    if config.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Request-Id"],
+                           allow_credentials="*" not in config.cors_origins)
+    app.add_middleware(RequestContext, metrics=metrics)
+    app.include_router(completions_router)
+    _add_routes(app, state)
+    return app
+
+
+def _version() -> str:
+    from swarm import __version__
+
+    return __version__
+
+
+def _add_routes(app: FastAPI, state: GatewayState) -> None:
+    config, tokens = state.config, state.tokens
+
+    def card() -> ModelCard:
+        return ModelCard(id=config.model_name, created=state.created, context_length=state.limits.context,
+                         max_model_len=state.limits.context)
+
+    @app.get("/v1/models", dependencies=[Depends(require_api_key)])
+    async def list_models() -> ModelList:
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(require_api_key)])
+    async def get_model(model_id: str) -> ModelCard:
+        check_model(model_id, config)
+        return card()
+
+    @app.post("/tokenize", dependencies=[Depends(require_api_key)])
+    async def tokenize(body: TokenizeRequest):
+        check_model(body.model, config)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("Give exactly one of 'prompt' or 'messages'.", param="prompt")
+        if body.messages is not None:
+            ids = await run_in_threadpool(tokens.chat_prompt, body.messages, bool(body.add_generation_prompt))
+        else:
+            ids = await run_in_threadpool(tokens.encode, body.prompt, bool(body.add_special_tokens))
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.limits.context}
+
+    @app.post("/detokenize", dependencies=[Depends(require_api_key)])
+    async def detokenize(body: DetokenizeRequest):
+        check_model(body.model, config)
+        tokens.check_ids(body.tokens, "tokens")
+        return {"prompt": await run_in_threadpool(tokens.decode, body.tokens)}
+
+    @app.get("/health")
+    async def health():
+        try:
+            missing, total, servers = await run_in_threadpool(state.coverage, True)
+        except Exception as e:
+            return JSONResponse({"status": "unavailable", "message": f"cannot read the swarm's state: {e}",
+                                 "missing_blocks": None}, status_code=503)
+        if missing:
+            return JSONResponse({"status": "unavailable", "blocks": total, "servers": servers,
+                                 "missing_blocks": missing,
+                                 "message": f"blocks {format_ranges(missing)} are not served by any online server"},
+                                status_code=503)
+        return {"status": "ok", "blocks": total, "servers": servers, "model": config.model_name}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(await run_in_threadpool(state.metrics.render), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/")
+    async def root():
+        return {"service": "swarmgate", "model": config.model_name, "api": "/v1"}
+
+
+# ---- the process ----------------------------------------------------------------------------------------------------
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+async def _serve(app: FastAPI, config: GatewayConfig, sock: socket.socket) -> None:
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level.lower(), timeout_graceful_shutdown=5,
+                                           access_log=False))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        host, port = sock.getsockname()[:2]
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+        url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        print("SWARMGATE_READY " + json.dumps({"url": url, "model": config.model_name}), flush=True)
+        logger.info(f"serving {config.model_name} at {url}/v1")
+    await task
+
+
+def main(argv=None) -> int:
+    from swarm.config import ConfigError, build_parser, load_config
+
+    parser = build_parser(GatewayConfig, "swarmgate gateway",
+                          "Serve the OpenAI-compatible HTTP API over the swarm.", positional="model")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(GatewayConfig, args, section="gateway")
+    except ConfigError as e:
+        parser.error(str(e))
+    if not config.initial_peers:
+        parser.error("--initial_peers is required: the multiaddr(s) of a peer of the swarm")
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config.num_threads:
+        import torch
+
+        torch.set_num_threads(config.num_threads)
+    model: Optional[object] = None
+    try:
+        sock = _listen(config.host, config.port)
+        model = load_model(config)
+        app = create_app(config, model=model)
+        # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; with these handlers in place that only
+        # returns here, so that the client model's DHT (a child process) is shut down instead of orphaned
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
+        asyncio.run(_serve(app, config, sock))
+        return 0
+    except (ValueError, RuntimeError, OSError) as e:
+        logger.error(f"gateway failed: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if model is not None:
+            model.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

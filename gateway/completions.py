@@ -1,0 +1,244 @@
+"""`POST /v1/chat/completions` and `POST /v1/completions`, streamed (SSE) or not.
+
+Both endpoints validate and tokenize, take a slot and check the route (`GatewayState.admit`), then either
+collect the engine's events into one response object, or stream them the way OpenAI does: the first chunk
+of each choice carries the role, content deltas follow, each choice ends with one chunk holding its
+`finish_reason`, an optional usage chunk with empty `choices`, then `data: [DONE]`. SSE comments keep the
+connection alive during a long prefill; a failure mid-stream is a `data:` line with an `error` object, then
+`[DONE]`. A client that goes away cancels its generation (which closes its swarm session).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import AsyncIterator, Dict, List, Optional
+
+from fastapi import APIRouter, Depends, Request
+from sse_starlette.sse import EventSourceResponse
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
+
+from gateway.auth import require_api_key
+from gateway.engine import ChoiceDelta, Done, GenerationFailed, RequestRun
+from gateway.params import chat_params, check_model, completion_params, completion_prompts
+from gateway.sampling import TokenChoice
+from gateway.schemas import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
+                             ChoiceLogprobs, ChunkChoice, Completion, CompletionChoice, CompletionLogprobs,
+                             CompletionRequest, Delta, TokenLogprob, TopLogprob, Usage)
+from gateway.state import GatewayState
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+def _state(request: Request) -> GatewayState:
+    return request.app.state.gateway
+
+
+def _request_id(request: Request) -> str:
+    return request.state.request_id
+
+
+# ---- logprobs ---------------------------------------------------------------------------------------------------
+def chat_logprobs(state: GatewayState, tokens: List[TokenChoice]) -> ChoiceLogprobs:
+    t = state.tokens
+    return ChoiceLogprobs(content=[
+        TokenLogprob(token=t.token_string(c.token_id), logprob=c.logprob, bytes=t.token_byte_list(c.token_id),
+                     top_logprobs=[TopLogprob(token=t.token_string(i), logprob=lp, bytes=t.token_byte_list(i))
+                                   for i, lp in c.top])
+        for c in tokens if c.logprob is not None
+    ])
+
+
+def completion_logprobs(state: GatewayState, tokens: List[TokenChoice], offset: int) -> CompletionLogprobs:
+    t, out = state.tokens, CompletionLogprobs()
+    for c in tokens:
+        if c.logprob is None:
+            continue
+        text = t.token_string(c.token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(c.logprob)
+        out.top_logprobs.append({t.token_string(i): lp for i, lp in c.top} if c.top else None)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+# ---- running ------------------------------------------------------------------------------------------------------
+async def _watch_disconnect(request: Request, run: RequestRun) -> None:
+    while not run.closed:
+        if await request.is_disconnected():
+            run.close()
+            return
+        await asyncio.sleep(0.5)
+
+
+class Collected:
+    def __init__(self, count: int):
+        self.texts = [""] * count
+        self.tokens: List[List[TokenChoice]] = [[] for _ in range(count)]
+        self.finish: List[Optional[str]] = [None] * count
+        self.prompt_tokens = self.completion_tokens = 0
+
+
+async def collect(request: Request, run: RequestRun, n: int) -> Collected:
+    out = Collected(n * len(run.jobs))
+    watcher = asyncio.create_task(_watch_disconnect(request, run))
+    try:
+        async for k, event in run.events():
+            if isinstance(event, ChoiceDelta):
+                index = k * n + event.index
+                out.texts[index] += event.text
+                out.tokens[index].extend(event.tokens)
+                out.finish[index] = event.finish_reason or out.finish[index]
+            elif isinstance(event, Done):
+                out.prompt_tokens += event.prompt_tokens
+                out.completion_tokens += event.completion_tokens
+            elif isinstance(event, GenerationFailed):
+                raise event.error
+    finally:
+        watcher.cancel()
+        run.close()
+    return out
+
+
+def sse_response(state: GatewayState, run: RequestRun, chunks: AsyncIterator[str]) -> EventSourceResponse:
+    async def body():
+        try:
+            async for data in chunks:
+                yield {"data": data}
+        finally:
+            run.close()
+
+    return EventSourceResponse(body(), ping=state.config.sse_keepalive, sep="\n", background=BackgroundTask(run.close),
+                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def stream_events(run: RequestRun, n: int, on_delta, on_usage) -> AsyncIterator[str]:
+    """Shared streaming loop: yields the serialized chunks of deltas, usage, errors and `[DONE]`."""
+    prompt_tokens = completion_tokens = 0
+    failed = False
+    async for k, event in run.events():
+        if isinstance(event, ChoiceDelta):
+            for chunk in on_delta(k * n + event.index, event):
+                yield chunk
+        elif isinstance(event, Done):
+            prompt_tokens += event.prompt_tokens
+            completion_tokens += event.completion_tokens
+        elif isinstance(event, GenerationFailed):
+            yield json.dumps(event.error.body())
+            failed = True
+            break
+    if not failed:
+        usage_chunk = on_usage(Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                     total_tokens=prompt_tokens + completion_tokens))
+        if usage_chunk is not None:
+            yield usage_chunk
+    yield "[DONE]"
+
+
+def _include_usage(body) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+# ---- chat ---------------------------------------------------------------------------------------------------------
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    state = _state(request)
+    model_name = check_model(body.model, state.config)
+    prompt = await run_in_threadpool(state.tokens.chat_prompt, body.messages, body.add_generation_prompt)
+    params = chat_params(body, len(prompt), state.limits)
+    n = body.n or 1
+    completion_id = "chatcmpl-" + _request_id(request)
+    created = int(time.time())
+    run = await state.admit([state.new_job(prompt, params, n, _request_id(request))])
+
+    if not body.stream:
+        got = await collect(request, run, n)
+        choices = [ChatChoice(index=i, message=AssistantMessage(content=got.texts[i]),
+                              logprobs=chat_logprobs(state, got.tokens[i]) if params.logprobs else None,
+                              finish_reason=got.finish[i]) for i in range(n)]
+        usage = Usage(prompt_tokens=got.prompt_tokens, completion_tokens=got.completion_tokens,
+                      total_tokens=got.prompt_tokens + got.completion_tokens)
+        return ChatCompletion(id=completion_id, created=created, model=model_name, choices=choices, usage=usage)
+
+    def chunk(choices, usage=None) -> str:
+        return ChatCompletionChunk(id=completion_id, created=created, model=model_name, choices=choices,
+                                   usage=usage).model_dump_json()
+
+    def on_delta(index: int, event: ChoiceDelta):
+        logprobs = chat_logprobs(state, event.tokens) if params.logprobs and event.tokens else None
+        if event.text or logprobs is not None:
+            yield chunk([ChunkChoice(index=index, delta=Delta(content=event.text), logprobs=logprobs)])
+        if event.finish_reason:
+            yield chunk([ChunkChoice(index=index, delta=Delta(), finish_reason=event.finish_reason)])
+
+    def on_usage(usage: Usage) -> Optional[str]:
+        return chunk([], usage) if _include_usage(body) else None
+
+    async def chunks():
+        for i in range(n):
+            yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
+        async for data in stream_events(run, n, on_delta, on_usage):
+            yield data
+
+    return sse_response(state, run, chunks())
+
+
+# ---- text completions ---------------------------------------------------------------------------------------------
+def _echo_texts(body: CompletionRequest, prompts: List[List[int]], state: GatewayState) -> List[str]:
+    if isinstance(body.prompt, str):
+        return [body.prompt]
+    if all(isinstance(p, str) for p in body.prompt):
+        return list(body.prompt)
+    return [state.tokens.decode(ids) for ids in prompts]
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    state = _state(request)
+    model_name = check_model(body.model, state.config)
+    prompts = await run_in_threadpool(completion_prompts, body, state.tokens)
+    jobs = []
+    for prompt in prompts:
+        params = completion_params(body, len(prompt), state.limits)
+        jobs.append(state.new_job(prompt, params, body.n or 1, _request_id(request)))
+    n, want_logprobs = body.n or 1, body.logprobs is not None
+    completion_id = "cmpl-" + _request_id(request)
+    created = int(time.time())
+    echoes = _echo_texts(body, prompts, state) if body.echo else [""] * len(prompts)
+    run = await state.admit(jobs)
+
+    if not body.stream:
+        got = await collect(request, run, n)
+        choices = []
+        for i in range(n * len(prompts)):
+            prefix = echoes[i // n]
+            logprobs = completion_logprobs(state, got.tokens[i], len(prefix)) if want_logprobs else None
+            choices.append(CompletionChoice(index=i, text=prefix + got.texts[i], logprobs=logprobs,
+                                            finish_reason=got.finish[i]))
+        usage = Usage(prompt_tokens=got.prompt_tokens, completion_tokens=got.completion_tokens,
+                      total_tokens=got.prompt_tokens + got.completion_tokens)
+        return Completion(id=completion_id, created=created, model=model_name, choices=choices, usage=usage)
+
+    offsets: Dict[int, int] = {}
+
+    def chunk(choices, usage=None) -> str:
+        return Completion(id=completion_id, created=created, model=model_name, choices=choices,
+                          usage=usage).model_dump_json()
+
+    def on_delta(index: int, event: ChoiceDelta):
+        text = event.text
+        if index not in offsets:
+            text = echoes[index // n] + text
+            offsets[index] = 0
+        logprobs = completion_logprobs(state, event.tokens, offsets[index]) if want_logprobs else None
+        offsets[index] += len(text)
+        if text or event.finish_reason or (logprobs is not None and logprobs.tokens):
+            yield chunk([CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                          finish_reason=event.finish_reason)])
+
+    def on_usage(usage: Usage) -> Optional[str]:
+        return chunk([], usage) if _include_usage(body) else None
+
+    return sse_response(state, run, stream_events(run, n, on_delta, on_usage))

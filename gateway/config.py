@@ -1,0 +1,63 @@
+"""The gateway's settings: one typed model filled from CLI flags, a YAML file and `SWARMGATE_*` variables.
+
+`GatewayConfig` follows the pattern of `server.server.ServerConfig`: `swarm.config.build_parser` turns it
+into the `swarmgate gateway MODEL ...` command line and `swarm.config.load_config` merges the sources
+(CLI > YAML `--config` > environment > defaults). See `configs/gateway.yaml` for a documented example.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+from pydantic import Field, field_validator
+
+from swarm.config import ProcessConfig
+
+
+class GatewayConfig(ProcessConfig):
+    model: str = Field(description="model served by the swarm: bundled name, local checkpoint directory or hub id")
+    initial_peers: List[str] = Field(default_factory=list, description="multiaddrs of DHT peers of the swarm")
+    dht_prefix: Optional[str] = Field(default=None, description="DHT key prefix (default: from the model name)")
+    host: str = Field(default="127.0.0.1", description="address the HTTP server listens on")
+    port: int = Field(default=8000, ge=0, le=65535, description="HTTP port (0: any free port)")
+    served_model_name: Optional[str] = Field(
+        default=None, description="model id clients send and /v1/models lists (default: the model's name)")
+    api_keys: List[str] = Field(default_factory=list,
+                                description="accepted bearer keys; empty: no authentication")
+    max_concurrent: int = Field(default=8, gt=0, description="generations running at once")
+    max_queue: int = Field(default=32, ge=0, description="requests waiting for a slot before 429 is returned")
+    queue_timeout: float = Field(default=120.0, gt=0, description="seconds a request may wait for a slot (then 503)")
+    retry_after: int = Field(default=2, ge=0, description="Retry-After seconds sent with 429")
+    generation_timeout: float = Field(default=600.0, gt=0, description="seconds one request may generate")
+    step_timeout: float = Field(default=120.0, gt=0, description="seconds one inference step may take in the swarm")
+    rpc_timeout: float = Field(default=60.0, gt=0, description="seconds for a swarm info or forward call")
+    default_max_tokens: int = Field(default=512, gt=0,
+                                    description="max_tokens when a request gives none (clipped to the context)")
+    max_context: Optional[int] = Field(default=None, gt=0,
+                                       description="context length (default: the model's max_position_embeddings)")
+    max_n: int = Field(default=8, gt=0, description="largest n (choices per request)")
+    sse_keepalive: float = Field(default=5.0, gt=0, description="seconds between SSE keep-alive comments")
+    cors_origins: List[str] = Field(default_factory=list, description="origins allowed by CORS ('*' for any)")
+    torch_dtype: str = Field(default="float32", description="dtype of the local embeddings and LM head")
+    num_threads: Optional[int] = Field(default=None, gt=0, description="torch intra-op threads")
+    log_level: str = Field(default="INFO", description="logging level")
+
+    @field_validator("torch_dtype")
+    @classmethod
+    def _valid_dtype(cls, value: str) -> str:
+        if value not in ("float32", "float16", "bfloat16"):
+            raise ValueError("must be float32, float16 or bfloat16")
+        return value
+
+    @field_validator("api_keys")
+    @classmethod
+    def _no_empty_keys(cls, value: List[str]) -> List[str]:
+        if any(not key for key in value):
+            raise ValueError("API keys must not be empty")
+        return value
+
+    @property
+    def model_name(self) -> str:
+        """The id clients use: `served_model_name`, else the last part of the model path or repo id."""
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model.rstrip("/").split("/")[-1] or self.model

@@ -1,0 +1,81 @@
+"""What one gateway process holds: config, the client model, tokenizer, engine, admission, metrics.
+
+`GatewayState` is stored on `app.state.gateway`. `admit(jobs)` takes a generation slot (429 when the queue is
+full) and checks that the swarm can route a session of the needed size right now (503 otherwise), before
+any response starts, so that those errors reach the client as plain HTTP errors even for streaming requests.
+`coverage()` / `health()` describe which blocks are served.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import List, Tuple
+
+from starlette.concurrency import run_in_threadpool
+
+from gateway.admission import Admission, Slot
+from gateway.config import GatewayConfig
+from gateway.engine import Engine, GenerationJob, RequestRun, swarm_error
+from gateway.metrics import Metrics
+from gateway.params import Limits
+from gateway.tokens import Tokens
+
+
+@dataclass
+class GatewayState:
+    config: GatewayConfig
+    model: object
+    tokens: Tokens
+    engine: Engine
+    admission: Admission
+    metrics: Metrics
+    limits: Limits
+    created: int
+
+    def new_job(self, prompt_ids: List[int], params, n: int, request_id: str) -> GenerationJob:
+        return GenerationJob(prompt_ids, params, n, request_id=request_id,
+                             deadline=time.monotonic() + self.config.generation_timeout)
+
+    async def admit(self, jobs: List[GenerationJob]) -> RequestRun:
+        await self.admission.acquire()
+        slot = Slot(self.admission)
+        try:
+            needed = max(job.n * (len(job.prompt_ids) + job.params.max_tokens) for job in jobs)
+            await run_in_threadpool(self._route, needed)
+        except BaseException:
+            slot.close()
+            raise
+        return RequestRun(self.engine, slot, jobs)
+
+    def _route(self, cache_tokens: int) -> None:
+        try:
+            self.model.manager.make_inference_chain(0, None, cache_tokens_needed=cache_tokens)
+        except Exception as e:
+            raise swarm_error(e) from None
+
+    # ---- swarm coverage -------------------------------------------------------------------------------------------
+    def coverage(self, force: bool = False) -> Tuple[List[int], int, int]:
+        """(missing block indices, number of blocks, online servers) from the client's view of the swarm."""
+        manager = self.model.manager
+        spans = manager.update(force=force)
+        covered = set()
+        for span in spans:
+            covered.update(range(span.start, span.end))
+        missing = [i for i in range(manager.num_blocks) if i not in covered]
+        return missing, manager.num_blocks, len(spans)
+
+    def coverage_numbers(self) -> Tuple[int, int, int]:
+        missing, total, servers = self.coverage(force=False)
+        return total - len(missing), total, servers
+
+
+def format_ranges(indices: List[int]) -> str:
+    """[0, 1, 2, 5] -> '0:3, 5:6' (half-open block ranges, as the CLI writes them)."""
+    ranges, start = [], None
+    for i, value in enumerate(indices):
+        if start is None:
+            start = value
+        if i + 1 == len(indices) or indices[i + 1] != value + 1:
+            ranges.append(f"{start}:{value + 1}")
+            start = None
+    return ", ".join(ranges)

@@ -1,0 +1,134 @@
+"""The tokenizer side of the gateway: chat template, prompt encoding, token bytes and token strings.
+
+`Tokens` wraps a Hugging Face tokenizer: `chat_prompt(messages)` renders the model's chat template (with the
+generation prompt) into ids; `encode`/`decode` for text completions and incremental decoding; `token_bytes`
+is each id's exact bytes (byte-level BPE tokens mapped back through the GPT-2 byte alphabet; special tokens
+are None), used by JSON-constrained decoding and by logprobs (`bytes`, and the `token` string, which is
+`bytes:\\x..` for a token that is not valid UTF-8 on its own, as OpenAI does).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Dict, List, Optional, Sequence
+
+from gateway.errors import bad_request
+from gateway.schemas import ChatMessage
+
+
+def _bytes_to_unicode() -> Dict[int, str]:
+    """GPT-2's reversible byte -> printable character table used by byte-level BPE tokenizers."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def message_text(message: ChatMessage, index: int) -> str:
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"Content part type '{part.type}' is not supported: this model takes text only.",
+                              param=f"messages.{index}.content")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+class Tokens:
+    def __init__(self, tokenizer, eos_token_ids: Sequence[int] = ()):
+        self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+        self.eos_token_ids = sorted({int(i) for i in eos_token_ids} | (
+            {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()))
+        self._token_bytes: Optional[List[Optional[bytes]]] = None
+        self._first_bytes = None
+        self._lock = threading.Lock()
+
+    # ---- prompts ------------------------------------------------------------------------------------------------
+    def chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> List[int]:
+        rendered = []
+        for i, m in enumerate(messages):
+            role = "system" if m.role == "developer" else m.role
+            rendered.append({"role": role, "content": message_text(m, i)})
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise bad_request("This model has no chat template; use /v1/completions.", param="messages")
+        try:
+            out = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=True, return_dict=True)
+        except Exception as e:  # jinja errors raised by the template itself (e.g. role order it forbids)
+            raise bad_request(f"The messages do not fit the model's chat template: {e}", param="messages") from None
+        return list(out["input_ids"])
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> List[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def check_ids(self, ids: Sequence[int], param: str) -> None:
+        bad = [i for i in ids if not 0 <= int(i) < self.vocab_size]
+        if bad:
+            raise bad_request(f"Token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1}).", param=param)
+
+    # ---- token bytes --------------------------------------------------------------------------------------------
+    @property
+    def token_bytes(self) -> List[Optional[bytes]]:
+        with self._lock:
+            if self._token_bytes is None:
+                self._token_bytes = self._build_token_bytes()
+            return self._token_bytes
+
+    def _build_token_bytes(self) -> List[Optional[bytes]]:
+        tok = self.tokenizer
+        special = set(int(i) for i in tok.all_special_ids)
+        for index, added in getattr(tok, "added_tokens_decoder", {}).items():
+            if getattr(added, "special", False):
+                special.add(int(index))
+        decoder = getattr(getattr(tok, "backend_tokenizer", None), "decoder", None)
+        byte_level = type(decoder).__name__ == "ByteLevel"
+        pieces = tok.convert_ids_to_tokens(list(range(self.vocab_size)))
+        table: List[Optional[bytes]] = []
+        for index, piece in enumerate(pieces):
+            if index in special or piece is None:
+                table.append(None)
+            elif byte_level and all(c in _UNICODE_TO_BYTE for c in piece):
+                table.append(bytes(_UNICODE_TO_BYTE[c] for c in piece))
+            else:
+                table.append(tok.decode([index]).encode("utf-8"))
+        return table
+
+    @property
+    def first_bytes(self):
+        """[vocab] tensor of each token's first byte (256: none), for the JSON constraint."""
+        from gateway.jsonmode import first_byte_index
+
+        table = self.token_bytes
+        with self._lock:
+            if self._first_bytes is None:
+                self._first_bytes = first_byte_index(table)
+            return self._first_bytes
+
+    def token_string(self, token_id: int) -> str:
+        data = self.token_bytes[token_id]
+        if data is None:
+            return self.tokenizer.convert_ids_to_tokens(token_id) or ""
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+    def token_byte_list(self, token_id: int) -> Optional[List[int]]:
+        data = self.token_bytes[token_id]
+        return list(data) if data is not None else None

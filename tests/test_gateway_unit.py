@@ -1,0 +1,297 @@
+"""Gateway pieces without a swarm: stop-string hold-back, incremental decoding, the JSON constraint, sampling,
+schemas and errors, and the whole app in-process over a scripted fake model (no network)."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gateway.auth import key_matches
+from gateway.config import GatewayConfig
+from gateway.jsonmode import JsonConstraint, JsonPrefix
+from gateway.sampling import Sampler, SamplingParams
+from gateway.state import format_ranges
+from gateway.textstream import StopMatcher, TextStream
+from tests.gateway_fixtures import one_torch_thread  # noqa: F401  (autouse: one torch thread in this module)
+
+
+# ---- stop strings and incremental decoding ------------------------------------------------------------------------
+def test_stop_matcher_finds_and_holds_back():
+    m = StopMatcher(["END", "\n\n"])
+    assert m.find("abc END x") == 4 and m.find("abc\n\nEND") == 3 and m.find("abc") is None
+    assert m.safe_length("hello EN") == len("hello ")
+    assert m.safe_length("hello E") == len("hello ")
+    assert m.safe_length("hello\n") == len("hello")
+    assert m.safe_length("hello") == 5
+    assert StopMatcher([]).safe_length("abc") == 3
+
+
+def _char_stream(text, stops):
+    stream = TextStream(lambda ids: "".join(chr(i) for i in ids), stops)
+    sent, stopped = [], False
+    for ch in text:
+        delta, stopped = stream.add(ord(ch))
+        sent.append(delta)
+        if stopped:
+            break
+    if not stopped:
+        sent.append(stream.flush())
+    return sent, stopped
+
+
+@pytest.mark.parametrize("text, stops, expected, stopped", [
+    ("Hello world. The end.", ["The end"], "Hello world. ", True),
+    ("aaab", ["aab"], "a", True),
+    ("abcabd", ["abd"], "abc", True),
+    ("Partial mat", ["match"], "Partial mat", False),  # held back while streaming, flushed at the end
+    ("x = 1\n\ny = 2", ["\n\n", "y ="], "x = 1", True),
+])
+def test_text_stream_never_leaks_a_stop_string(text, stops, expected, stopped):
+    sent, did_stop = _char_stream(text, stops)
+    assert "".join(sent) == expected and did_stop == stopped
+    for i in range(len(sent)):  # no prefix of what was sent ends inside a stop string that later matched
+        so_far = "".join(sent[:i + 1])
+        if did_stop:
+            assert all(stop not in so_far for stop in stops)
+
+
+def test_text_stream_never_splits_multibyte_characters(tokenizer):
+    text = "Voilà: 世界, émoji 🎉🧪 and ñ."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    stream = TextStream(lambda x: tokenizer.decode(x, skip_special_tokens=True))
+    deltas = [stream.add(i)[0] for i in ids] + [stream.flush()]
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+    assert any(len(tokenizer.decode([i])) and "\ufffd" in tokenizer.decode([i]) for i in ids)  # the case is real
+
+
+# ---- JSON ---------------------------------------------------------------------------------------------------------
+VALID = ['{}', '{"a": 1}', '{"a": [1, 2.5e-3, -0.0, true, false, null], "b": {"c": "x\\"y\\u00e9"}}',
+         '{\n  "name": "Felix",\n  "tags": [],\n  "n": {"deep": [[{}]]}\n}', '{"k":-12E+2}']
+INVALID = ['[1]', ' {}', '{"a" 1}', '{"a": 01}', '{"a": tru}', '{"a": 1,}', '{,}', '{"a": "\x01"}', '{}}',
+           '{"a": 1.}', '{"a": -}', '{"a": [1 2]}', "{'a': 1}"]
+
+
+@pytest.mark.parametrize("doc", VALID)
+def test_json_prefix_accepts_valid_documents_and_completes_every_prefix(doc):
+    state = JsonPrefix()
+    assert state.feed(doc.encode()) and state.complete
+    for cut in range(len(doc)):
+        prefix = JsonPrefix()
+        assert prefix.feed(doc[:cut].encode()), doc[:cut]
+        closed = doc[:cut] + prefix.completion()
+        assert isinstance(json.loads(closed), dict), closed
+
+
+@pytest.mark.parametrize("doc", INVALID)
+def test_json_prefix_rejects_invalid_documents(doc):
+    state = JsonPrefix()
+    assert not (state.feed(doc.encode()) and state.complete)
+
+
+def test_json_prefix_bounds_whitespace():
+    state = JsonPrefix(max_ws=4)
+    assert state.feed(b'{    ') and not state.copy().feed(b' ')
+
+
+@pytest.mark.parametrize("seed, budget", [(0, 200), (1, 30), (2, 12), (3, 8)])
+def test_constrained_sampling_always_parses(tokenizer, seed, budget):
+    from gateway.tokens import Tokens
+
+    tokens = Tokens(tokenizer, [2])
+    params = SamplingParams(max_tokens=budget, temperature=1.0, seed=seed, json_mode=True)
+    constraint = JsonConstraint(tokens.token_bytes, tokens.encode, tokens.first_bytes)
+    sampler = Sampler(params, 1, tokens.vocab_size, constraint=constraint)
+    generator = torch.Generator().manual_seed(seed)
+    ids = [1]
+    for step in range(budget):
+        logits = torch.randn(tokens.vocab_size, generator=generator) * 3
+        choice = sampler.choose(torch.tensor(ids), logits, budget - step)
+        ids.append(choice.token_id)
+        if constraint.complete:
+            break
+    text = tokenizer.decode(ids[1:], skip_special_tokens=True)
+    assert isinstance(json.loads(text), dict), text
+    assert len(ids) - 1 <= budget
+
+
+# ---- sampling -----------------------------------------------------------------------------------------------------
+def test_sampler_greedy_seeded_bias_and_penalties():
+    logits = torch.tensor([0.0, 2.0, 1.0, 0.5])
+    ids = torch.tensor([3])
+    assert Sampler(SamplingParams(max_tokens=1, temperature=0), 1, 4).choose(ids, logits, 1).token_id == 1
+    biased = Sampler(SamplingParams(max_tokens=1, temperature=0, logit_bias={0: 100.0}), 1, 4)
+    assert biased.choose(ids, logits, 1).token_id == 0
+    penalised = Sampler(SamplingParams(max_tokens=1, temperature=0, presence_penalty=2.0, frequency_penalty=1.0), 1, 4)
+    assert penalised.choose(torch.tensor([3, 1, 1]), logits, 1).token_id == 2  # token 1 was generated twice
+
+    def draws(seed, index=0):
+        s = Sampler(SamplingParams(max_tokens=50, temperature=1.0, seed=seed), 1, 4, index=index)
+        return [s.choose(ids, logits, 1).token_id for _ in range(30)]
+
+    assert draws(7) == draws(7) and draws(7) != draws(8) and draws(7, index=1) == draws(8)
+    top_k = Sampler(SamplingParams(max_tokens=1, temperature=1.0, top_k=1, seed=1), 1, 4)
+    assert {top_k.choose(ids, logits, 1).token_id for _ in range(20)} == {1}
+    lp = Sampler(SamplingParams(max_tokens=1, temperature=0, logprobs=True, top_logprobs=2), 1, 4).choose(ids, logits, 1)
+    assert lp.top[0][0] == 1 and lp.top[1][0] == 2 and abs(lp.logprob - torch.log_softmax(logits, 0)[1].item()) < 1e-6
+
+
+def test_small_helpers():
+    assert format_ranges([0, 1, 2, 5, 7, 8]) == "0:3, 5:6, 7:9"
+    assert key_matches("k2", ["k1", "k2"]) and not key_matches("k3", ["k1", "k2"]) and not key_matches("", ["k1"])
+
+
+def test_config_sources(tmp_path):
+    from swarm.config import load_config
+
+    path = tmp_path / "gw.yaml"
+    path.write_text("gateway:\n  model: m\n  port: 9001\n  max_queue: 3\n  api_keys: [a, b]\n")
+    config = load_config(GatewayConfig, None, yaml_path=str(path), environ={"SWARMGATE_PORT": "1", "SWARMGATE_MAX_N": "2"},
+                         section="gateway")
+    assert (config.port, config.max_queue, config.api_keys, config.max_n, config.model_name) == (9001, 3, ["a", "b"], 2, "m")
+    import yaml
+    from pathlib import Path
+
+    example = yaml.safe_load(Path(__file__).resolve().parents[1].joinpath("configs/gateway.yaml").read_text())
+    assert GatewayConfig.model_validate(example["gateway"]).port == 8000
+
+
+# ---- the app in-process over a scripted fake model ----------------------------------------------------------------
+class FakeSession:
+    def __init__(self, model, max_length):
+        self.model, self.max_length, self.prompt_len, self.closed = model, max_length, None, False
+        model.sessions.append(self)
+
+    def feed(self, ids):
+        if self.prompt_len is None:
+            self.prompt_len = ids.shape[1]
+        step = ids.shape[1] - self.prompt_len
+        if self.model.fail_at is not None and step >= self.model.fail_at:
+            from swarm.session import SessionError
+
+            raise SessionError("server 12D3 went away")
+        logits = torch.full((ids.shape[0], self.model.config.vocab_size), -10.0)
+        logits[:, self.model.script[min(step, len(self.model.script) - 1)]] = 10.0
+        return logits
+
+    def close(self):
+        self.closed = True
+
+
+class FakeModel:
+    def __init__(self, tokenizer, text, fail_at=None, covered=True):
+        self.config = SimpleNamespace(vocab_size=len(tokenizer), max_position_embeddings=256, eos_token_id=2)
+        self.generation_config = SimpleNamespace(eos_token_id=2)
+        self.script = tokenizer.encode(text, add_special_tokens=False) + [2]
+        self.fail_at, self.sessions = fail_at, []
+        span = SimpleNamespace(start=0, end=4, peer_id="p")
+        self.manager = SimpleNamespace(num_blocks=4, update=lambda force=False: [span] if covered else [],
+                                       make_inference_chain=self._route if covered else self._no_route)
+
+    def _route(self, start, end, cache_tokens_needed=0):
+        return []
+
+    def _no_route(self, start, end, cache_tokens_needed=0):
+        from swarm.routing import RoutingError
+
+        raise RoutingError("no server holds block 0")
+
+    def inference_session(self, max_length):
+        return FakeSession(self, max_length)
+
+
+@pytest.fixture
+def fake_app(tokenizer):
+    from starlette.testclient import TestClient
+
+    from gateway.app import create_app
+
+    def make(text="Hello there, world! STOP after", **kwargs):
+        model = FakeModel(tokenizer, text, **{k: v for k, v in kwargs.items() if k in ("fail_at", "covered")})
+        config = GatewayConfig(model="fake", **{k: v for k, v in kwargs.items() if k not in ("fail_at", "covered")})
+        return TestClient(create_app(config, model=model, tokenizer=tokenizer), raise_server_exceptions=False), model
+
+    return make
+
+
+def _chat(**kwargs):
+    return {"model": "fake", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], **kwargs}
+
+
+def _stream(client, body):
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def test_fake_app_generates_stops_and_closes_sessions(fake_app):
+    client, model = fake_app()
+    r = client.post("/v1/chat/completions", json=_chat(temperature=0, stop=[" STOP"], vendor_field={"x": 1}))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "Hello there, world!"
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    data = _stream(client, _chat(temperature=0, stop=["STOP"]))
+    assert data[-1] == "[DONE]"
+    content = "".join(json.loads(d)["choices"][0]["delta"].get("content", "") for d in data[:-1])
+    assert content == "Hello there, world! "
+    full = client.post("/v1/chat/completions", json=_chat(temperature=0)).json()["choices"][0]
+    assert (full["message"]["content"], full["finish_reason"]) == ("Hello there, world! STOP after", "stop")
+    assert all(s.closed for s in model.sessions) and len(model.sessions) == 3
+
+
+def test_fake_app_mid_stream_failure_is_an_error_event(fake_app):
+    client, model = fake_app(fail_at=3)
+    data = _stream(client, _chat(temperature=0))
+    assert data[-1] == "[DONE]"
+    error = json.loads(data[-2])["error"]
+    assert error["type"] == "service_unavailable" and "went away" in error["message"]
+    assert "Traceback" not in "".join(data)
+    r = client.post("/v1/chat/completions", json=_chat(temperature=0))
+    assert r.status_code == 503 and r.json()["error"]["code"] == "swarm_error"
+    assert all(s.closed for s in model.sessions)
+
+
+def test_fake_app_errors_are_openai_envelopes(fake_app):
+    client, _ = fake_app(api_keys=["k"])
+    assert client.post("/v1/chat/completions", json=_chat()).status_code == 401
+    auth = {"Authorization": "Bearer k"}
+    r = client.post("/v1/chat/completions", json={"model": "fake"}, headers=auth)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = client.post("/v1/chat/completions", json=_chat(max_tokens=1000), headers=auth)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    bad_part = {"model": "fake", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}
+    r = client.post("/v1/chat/completions", json=bad_part, headers=auth)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.content"
+    assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+    assert client.put("/v1/models", headers=auth).status_code == 405
+    client, _ = fake_app(covered=False)
+    r = client.post("/v1/chat/completions", json=_chat())
+    assert r.status_code == 503 and r.json()["error"]["code"] == "swarm_unavailable"
+    health = client.get("/health")
+    assert health.status_code == 503 and health.json()["missing_blocks"] == [0, 1, 2, 3]
+
+
+def test_fake_app_cors_and_request_id(fake_app):
+    client, _ = fake_app(cors_origins=["https://app.example"])
+    preflight = client.options("/v1/chat/completions", headers={
+        "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+    r = client.get("/v1/models", headers={"Origin": "https://app.example", "X-Request-Id": "abc.123"})
+    assert r.headers["access-control-allow-origin"] == "https://app.example" and r.headers["x-request-id"] == "abc.123"
+    assert r.json()["data"][0]["context_length"] == 256
+    weird = client.get("/v1/models", headers={"X-Request-Id": "bad id with spaces"}).headers["x-request-id"]
+    assert weird != "bad id with spaces" and len(weird) == 32
+
+
+def test_fake_app_completions_n_and_usage(fake_app):
+    client, model = fake_app(text="one two three four five")
+    r = client.post("/v1/completions", json={"model": "fake", "prompt": ["a b", "c"], "n": 2, "max_tokens": 3,
+                                              "temperature": 0, "echo": True}).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+    assert r["choices"][0]["text"] == "a bone two three" and r["choices"][2]["text"] == "cone two three"
+    assert {c["finish_reason"] for c in r["choices"]} == {"length"}
+    assert r["usage"]["completion_tokens"] == 12
