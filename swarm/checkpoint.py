@@ -29,11 +29,13 @@ class CheckpointError(RuntimeError):
 class Checkpoint:
     """A local directory or hub repo; `load_tensors` fetches and reads only the files it needs."""
 
-    def __init__(self, name_or_path: str, cache_dir: Optional[str] = None, revision: Optional[str] = None):
+    def __init__(self, name_or_path: str, cache_dir: Optional[str] = None, revision: Optional[str] = None,
+                 max_disk_space: Optional[int] = None):
         from swarm.prepare import bundled_model_path
 
         self.name = name_or_path
         self.cache_dir, self.revision = cache_dir, revision
+        self.max_disk_space = max_disk_space  # bytes; hub downloads evict least recently used files past it
         bundled = bundled_model_path(name_or_path, create=True)
         if bundled is not None:
             self.local_dir: Optional[Path] = bundled
@@ -54,11 +56,13 @@ class Checkpoint:
             if required:
                 raise CheckpointError(f"{filename} not found in {self.local_dir}")
             return None
-        from huggingface_hub import hf_hub_download
         from huggingface_hub.utils import EntryNotFoundError
 
+        from swarm.disk_cache import hub_download  # locked, LRU-evicting (see swarm/disk_cache.py)
+
         try:
-            return Path(hf_hub_download(self.name, filename, cache_dir=self.cache_dir, revision=self.revision))
+            return hub_download(self.name, filename, cache_dir=self.cache_dir, revision=self.revision,
+                                max_disk_space=self.max_disk_space)
         except EntryNotFoundError:
             if required:
                 raise CheckpointError(f"{filename} not found in hub repo {self.name}") from None

@@ -212,3 +212,18 @@ def test_churn_simulation_catches_a_naive_policy():
     moves, _, _ = _simulate_churn(should_move, seed=2024)
     assert len(_ping_pongs(naive_history, window=10)) >= 10
     assert sum(naive_moves) > 10 * sum(moves)
+
+
+def test_after_a_crash_exactly_one_of_two_twins_moves():
+    # three servers of 15 blocks: two share 0:15, one holds 15:30 and dies
+    spans = {"a": make_span("a", 0, 15), "b": make_span("b", 0, 15)}
+    # (how they got there: with a on 0:15 and c on 15:30, a third server's windows all tie: lowest start wins)
+    assert choose_best_span(block_throughputs([spans["a"], make_span("c", 15, 30)], 30), 15) == (0, 15)
+    first, second = ("a", "b") if random.Random(3).random() < 0.5 else ("b", "a")
+    move, target = should_move(list(spans.values()), 30, first)
+    assert (move, target) == (True, (15, 30))
+    # the mover announces its new span (joining counts) before the other one looks again: the other stays
+    spans[first] = moved(spans[first], *target)
+    spans[first] = ServerSpan(first, 15, 30, spans[first].info.model_copy(update={"state": ServerState.JOINING}))
+    assert should_move(list(spans.values()), 30, second) == (False, None)
+    assert should_move(list(spans.values()), 30, first) == (False, None)
