@@ -30,7 +30,7 @@ import signal
 import sys
 import threading
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import hivemind
 import torch
@@ -41,6 +41,7 @@ from server.blocks import BlockSpan, resolve_dtype
 from server.cache import CacheBudget
 from server.handler import BlockHandler
 from server.memory import Capacity, free_memory_bytes, plan_capacity
+from server.pings import measure_next_pings
 from server.placement import block_throughputs, choose_best_span, should_move
 from server.scheduler import TaskPool
 from server.throughput import get_throughput, parse_throughput_mode
@@ -163,6 +164,7 @@ class Server:
         self.state = ServerState.JOINING
         # observable counters (tests, logs)
         self.moves = self.restarts = self.announcements = 0
+        self.next_pings: Dict[str, float] = {}  # peer id -> RTT (s) to servers that can run block `end`
         self._announced_free: Optional[int] = None
         self._last_announce = 0.0
         self._stop = asyncio.Event()
@@ -197,7 +199,7 @@ class Server:
         return ServerInfo(state=state, start=self.start if start is None else start,
                           end=self.end if end is None else end, throughput=self.throughput,
                           cache_tokens_left=self._free_cache_tokens(), version=__version__,
-                          dtype=str(self.dtype).replace("torch.", ""))
+                          dtype=str(self.dtype).replace("torch.", ""), next_pings=dict(self.next_pings))
 
     async def _declare(self, blocks: Sequence[int], info: ServerInfo) -> None:
         if not blocks:
@@ -224,6 +226,16 @@ class Server:
             await self._declare(left, self._info(ServerState.OFFLINE))
         self.start, self.end = start, end
         await self._announce(state)
+
+    async def _measure_next_pings(self) -> None:
+        """RTTs to the servers that can run the block after this span, for latency-aware routing."""
+        if self.end >= self.num_blocks_total or self.p2p is None:
+            self.next_pings = {}
+            return
+        try:
+            self.next_pings = await measure_next_pings(self.p2p, await self._spans(), self.peer_id, self.end)
+        except Exception as e:  # measuring is best effort; the record goes out anyway
+            logger.debug(f"measuring next pings failed: {e}")
 
     async def _spans(self) -> List[ServerSpan]:
         return await asyncio.get_running_loop().run_in_executor(
@@ -368,6 +380,7 @@ class Server:
 
     async def _serve_loop(self) -> None:
         await self._heal()
+        await self._measure_next_pings()
         await self._announce(ServerState.ONLINE)
         period = self.config.update_period
         tick = min(period, 1.0)
@@ -381,6 +394,8 @@ class Server:
             since = time.monotonic() - self._last_announce
             if since >= period or (self._cache_changed() and since >= period / 4):
                 await self._heal()
+                if since >= period:
+                    await self._measure_next_pings()
                 await self._announce(ServerState.ONLINE)
 
     async def _supervise(self) -> None:

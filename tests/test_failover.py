@@ -64,6 +64,29 @@ def _generate_killing(model, servers, ids, block):
     return out
 
 
+def test_servers_publish_rtts_to_their_next_servers(failover_swarm):
+    import time
+
+    from swarm.records import fetch_block_records
+
+    model, servers = failover_swarm
+    first_span = [p for p, s in servers.items() if s.ready["start"] == 0]
+    next_span = {p for p, s in servers.items() if s.ready["start"] == 15}
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # records are refreshed every 10 s here
+        records = fetch_block_records(model.manager.dht, model.manager.prefix, 30)
+        pings = {p: records[0][p].next_pings for p in first_span if p in records[0]}
+        if all(set(v) == next_span for v in pings.values()) and len(pings) == 2:
+            break
+        time.sleep(1)
+    assert len(pings) == 2 and all(set(v) == next_span for v in pings.values())
+    assert all(0 < rtt < 5 for v in pings.values() for rtt in v.values())
+    last_records = records[20]
+    assert all(not last_records[p].next_pings for p in next_span)  # nothing after the last block
+    model.manager.update(force=True)
+    assert model.manager.rtts and all(0 < r < 5 for r in model.manager.rtts.values())  # the client's own RTTs
+
+
 def test_killing_the_last_span_server_mid_generation(failover_swarm, expected):
     model, servers = failover_swarm
     ids, ref = expected
