@@ -91,6 +91,10 @@ class TaskPool:
             for t, result in zip(batch, results):
                 t[3].call_soon_threadsafe(_resolve, t[4], result, error)
 
+    def is_alive(self) -> bool:
+        """Whether the worker thread still runs (a dead one is replaced by the server's self-healing)."""
+        return self._thread.is_alive()
+
     def shutdown(self) -> None:
         self._queue.put((float("inf"), next(self._counter), None, None, None, None, None, None))
 

@@ -321,8 +321,7 @@ class Server:
             logger.info(f"blocks {self.start}:{self.end} are not loaded: loading them")
             await self._load_and_register()
             return
-        thread = getattr(self.handler.pool, "_thread", None)
-        if thread is not None and not thread.is_alive():
+        if not self.handler.pool.is_alive():
             logger.warning("the compute thread died: starting a new one")
             self.handler.pool = TaskPool()
 

@@ -66,6 +66,11 @@ class ModelSession:
         mismatch = (~same).nonzero()
         return int(mismatch[0]) if len(mismatch) else n
 
+    def open(self, batch_size: int = 1) -> "ModelSession":
+        """Route and open the servers' sessions now (else the first `feed` does it); errors surface here."""
+        self.session.open(batch_size)
+        return self
+
     def feed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Make the servers hold exactly `input_ids` [batch, n]; returns the last position's logits [batch, vocab]."""
         reuse = self.reusable_prefix(input_ids)

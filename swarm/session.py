@@ -150,6 +150,17 @@ class InferenceSession:
     def step(self, hidden: torch.Tensor) -> torch.Tensor:
         return aio.run(self.astep(hidden))
 
+    def open(self, batch_size: int = 1) -> None:
+        """Open the chain now for `batch_size` rows (the first step does it otherwise)."""
+        if self.batch_size is None:
+            aio.run(self._open(batch_size))
+        elif batch_size != self.batch_size:
+            raise ValueError(f"the session is already open for batch size {self.batch_size}")
+
+    async def _open(self, batch_size: int) -> None:
+        self._streams = await self._open_span(self.start, self.end, batch_size)
+        self.batch_size = batch_size
+
     def rewind(self, position: int) -> None:
         """Make the next step start at `position` (<= current position); later positions are forgotten."""
         if not 0 <= position <= self.position:
@@ -175,6 +186,7 @@ class InferenceSession:
     async def _open_span(self, start: int, end: int, batch_size: int) -> List[SpanStream]:
         """Route blocks [start, end) and open a stream on every hop (bounded retries, failed servers banned)."""
         last_error: Optional[BaseException] = None
+        server_errors: List[str] = []  # what the servers said, kept when routing later runs out of servers
         for _ in range(self.manager.config.max_retries + 1):
             try:
                 hops = await asyncio.get_running_loop().run_in_executor(
@@ -193,9 +205,11 @@ class InferenceSession:
             for stream, error in failed:
                 logger.warning(f"cannot open a session on {stream.hop.peer_id}: {error}")
                 self.manager.ban(stream.hop.peer_id)
+                server_errors.append(str(error))
                 last_error = error
+        reasons = "; ".join(dict.fromkeys(server_errors + ([str(last_error)] if last_error else [])))
         raise SessionError(f"cannot serve blocks {start}:{end} after {self.manager.config.max_retries + 1} tries: "
-                           f"{last_error}")
+                           f"{reasons}") from last_error
 
     async def _close_streams(self) -> None:
         await asyncio.gather(*(s.close() for s in self._streams), return_exceptions=True)
@@ -252,8 +266,7 @@ class InferenceSession:
                 f"this step would hold {self.position + seq} tokens, past the session's max_length {self.max_length}"
             )
         if self.batch_size is None:
-            self._streams = await self._open_span(self.start, self.end, batch)
-            self.batch_size = batch
+            await self._open(batch)
         elif batch != self.batch_size:
             raise ValueError(f"batch size {batch} differs from the session's {self.batch_size}")
         outputs = []

@@ -161,7 +161,7 @@ def test_serving_loop_restarts_after_it_dies(model_path, bootstrap, reader):
         # the compute thread dies: the next refresh notices and starts a new one
         server.handler.pool.shutdown()
         old_pool = server.handler.pool
-        wait_for(lambda: server.handler.pool is not old_pool and server.handler.pool._thread.is_alive(), 30,
+        wait_for(lambda: server.handler.pool is not old_pool and server.handler.pool.is_alive(), 30,
                  "a new compute thread")
         assert server.handler.accepting
         peer_id = server.peer_id
