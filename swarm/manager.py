@@ -10,7 +10,7 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 import hivemind
 from hivemind.p2p import P2P, PeerID

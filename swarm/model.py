@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import Optional, Union
 
 import torch
 from torch import nn

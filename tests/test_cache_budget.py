@@ -19,7 +19,6 @@ from swarm.session import SessionError
 
 from server.cache import CacheBudget, OutOfCacheError
 from server.scheduler import PRIORITY_FORWARD, PRIORITY_INFERENCE, TaskPool
-from swarm import protocol as P
 from swarm.records import fetch_block_records
 from tests.procs import SwarmProcess
 
@@ -88,17 +87,6 @@ def model(tight_swarm, model_path, bootstrap):
                                                             dht_prefix=tight_swarm["prefix"])
     yield model
     model.shutdown()
-
-
-def _out_of_cache(error: BaseException) -> bool:
-    """Whether the error is (or was caused by) the server's out-of-cache reply."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, P.RemoteError) and error.code == "out_of_cache":
-            return True
-        error = error.__cause__ or error.__context__
-    return False
 
 
 def _wait_free_cache(reader, tight_swarm, expected: int, timeout: float = 30) -> None:
