@@ -15,6 +15,7 @@ import torch
 from hivemind.p2p import P2P, PeerID
 
 from swarm import protocol as P
+from swarm.aio import iterate_queue
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +49,6 @@ class _Channel:
         self.alive = True
         self.task: Optional[asyncio.Task] = None
 
-    async def requests(self):
-        while True:
-            item = await self.queue.get()
-            if item is None:
-                return
-            yield item
-
 
 class PushSender:
     """One push stream per next server, opened on first use and reopened after a failure."""
@@ -74,7 +68,7 @@ class PushSender:
     async def _run(self, peer_id: str, channel: _Channel) -> None:
         try:
             stub = P.BlockRPC.get_stub(self.p2p, PeerID.from_base58(peer_id))
-            responses = await stub.rpc_push(channel.requests())
+            responses = await stub.rpc_push(iterate_queue(channel.queue))
             async for _ in responses:  # the receiver only answers when it refuses the stream
                 pass
         except Exception as e:

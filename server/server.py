@@ -450,16 +450,11 @@ class Server:
 
 
 def main(argv=None) -> int:
-    from swarm.config import ConfigError, build_parser, load_config
+    from swarm.config import config_from_argv, setup_logging
 
-    parser = build_parser(ServerConfig, "swarmgate server", "Serve a range of a model's blocks to the swarm.",
-                          positional="model")
-    args = parser.parse_args(argv)
-    try:
-        config = load_config(ServerConfig, args, section="server")
-    except ConfigError as e:
-        parser.error(str(e))
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_argv(ServerConfig, argv, "swarmgate server", "Serve a range of a model's blocks to the swarm.",
+                              positional="model", section="server")
+    setup_logging(config.log_level)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     try:

@@ -31,3 +31,12 @@ def run(coro: Awaitable[T], timeout: Optional[float] = None) -> T:
     except FutureTimeout:
         future.cancel()
         raise TimeoutError(f"operation did not finish within {timeout}s") from None
+
+
+async def iterate_queue(queue: "asyncio.Queue"):
+    """Yield items put into `queue` until a None arrives (feeds a P2P request stream from plain code)."""
+    while True:
+        item = await queue.get()
+        if item is None:
+            return
+        yield item

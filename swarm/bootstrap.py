@@ -16,7 +16,7 @@ from typing import List, Optional
 import hivemind
 from pydantic import Field
 
-from swarm.config import ConfigError, ProcessConfig, build_parser, load_config
+from swarm.config import ProcessConfig, config_from_argv, setup_logging
 
 logger = logging.getLogger("swarmgate.dht")
 
@@ -33,13 +33,9 @@ class BootstrapConfig(ProcessConfig):
 
 
 def main(argv=None) -> int:
-    parser = build_parser(BootstrapConfig, "swarmgate dht", "Run a bootstrap DHT peer for a private swarm.")
-    args = parser.parse_args(argv)
-    try:
-        config = load_config(BootstrapConfig, args, section="dht")
-    except ConfigError as e:
-        parser.error(str(e))
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_argv(BootstrapConfig, argv, "swarmgate dht", "Run a bootstrap DHT peer for a private swarm.",
+                              section="dht")
+    setup_logging(config.log_level)
     try:
         dht = hivemind.DHT(start=True, host_maddrs=config.host_maddrs, announce_maddrs=config.announce_maddrs or None,
                            identity_path=config.identity_path, initial_peers=config.initial_peers)

@@ -128,6 +128,26 @@ def load_config(
         raise ConfigError(f"invalid {config_cls.__name__}: {problems}") from None
 
 
+def config_from_argv(config_cls: Type[C], argv, prog: str, description: str, positional: Optional[str] = None,
+                     section: Optional[str] = None, yaml_only: tuple = ()) -> C:
+    """A process's `main`: parse its CLI (with `--help`), merge YAML and env, exit with a usage error if bad."""
+    parser = build_parser(config_cls, prog, description, positional=positional)
+    args = parser.parse_args(argv)
+    for name in yaml_only:  # structured settings come from the YAML file only
+        if hasattr(args, name):
+            parser.error(f"--{name} can only be set in the YAML file")
+    try:
+        return load_config(config_cls, args, section=section)
+    except ConfigError as e:
+        parser.error(str(e))
+
+
+def setup_logging(level: str) -> None:
+    import logging
+
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def parse_span(text: str) -> tuple[int, int]:
     """'a:b' -> (a, b) with 0 <= a < b; a ValueError with a readable message otherwise."""
     try:

@@ -20,7 +20,7 @@ from typing import List, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from swarm.config import ConfigError, ProcessConfig, build_parser, load_config, parse_span
+from swarm.config import ProcessConfig, config_from_argv, parse_span
 
 READY = "SWARMGATE_READY "
 REPO = Path(__file__).resolve().parents[1]
@@ -177,13 +177,7 @@ def up(config: UpConfig) -> int:
 
 
 def main(argv=None) -> int:
-    parser = build_parser(UpConfig, "swarmgate up", "Start a local swarm (bootstrap, servers, gateway) and keep it up.")
-    args = parser.parse_args(argv)
-    for name in ("servers", "gateway"):  # structured settings come from YAML only
-        if hasattr(args, name):
-            parser.error(f"--{name} can only be set in the YAML file")
-    try:
-        config = load_config(UpConfig, args)
-    except ConfigError as e:
-        parser.error(str(e))
+    config = config_from_argv(UpConfig, argv, "swarmgate up",
+                              "Start a local swarm (bootstrap, servers, gateway) and keep it up.",
+                              yaml_only=("servers", "gateway"))
     return up(config)

@@ -38,13 +38,6 @@ class SpanStream:
         self._responses: Optional[AsyncIterator] = None
         self._pending: Optional[asyncio.Future] = None  # the next reply, possibly awaited across time-outs
 
-    async def _requests(self):
-        while True:
-            item = await self._queue.get()
-            if item is None:
-                return
-            yield item
-
     async def _next_reply(self, timeout: Optional[float] = None):
         if self._pending is None:
             self._pending = asyncio.ensure_future(self._responses.__anext__())
@@ -67,7 +60,7 @@ class SpanStream:
 
     async def open(self) -> None:
         stub = self.manager.stub(self.hop.peer_id)
-        self._responses = await stub.rpc_inference(self._requests())
+        self._responses = await stub.rpc_inference(aio.iterate_queue(self._queue))
         opened = P.OpenSession(session_id=self.session_id, start=self.hop.start, end=self.hop.end,
                                max_length=self.max_length, batch_size=self.batch_size)
         self._queue.put_nowait(P.make_request(opened))
