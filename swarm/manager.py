@@ -132,5 +132,9 @@ class SwarmManager:
         return tensors[0]
 
     def shutdown(self) -> None:
+        try:  # close our handle on the daemon so that its reader tasks end instead of dying pending at exit
+            aio.run(self.p2p.shutdown(), timeout=5)
+        except Exception:
+            pass
         if self._own_dht:
             self.dht.shutdown()
