@@ -21,7 +21,7 @@ run: $(STAMP)
 	$(BIN)/swarmgate up --config configs/local.yaml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --tb=short tests
 
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py
