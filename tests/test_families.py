@@ -1,4 +1,4 @@
-"""Other model families on tiny random checkpoints the test builds itself: two real servers per family,
+"""Other model families on tiny random checkpoints the test builds itself: a real server per family,
 greedy tokens and logits compared with `transformers` running the same checkpoint locally."""
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_tiny_family_through_the_swarm(family, tmp_path, bootstrap):
     path = tmp_path / f"tiny-{family}"
     reference.save_pretrained(path)
     prefix = f"tfam-{family}"
-    servers = start_servers(str(path), bootstrap.maddr, ["0:2", "2:4"], prefix)
+    servers = start_servers(str(path), bootstrap.maddr, ["0:4"], prefix)  # the split itself is tested on SmolLM2
     model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=[bootstrap.maddr],
                                                             dht_prefix=prefix)
     try:
