@@ -34,11 +34,12 @@ from gateway.admission import Admission
 from gateway.auth import require_api_key
 from gateway.completions import router as completions_router
 from gateway.config import GatewayConfig
-from gateway.engine import Engine
+from gateway.engine import Engine, SessionProvider
 from gateway.errors import bad_request, install_error_handlers
 from gateway.metrics import CONTENT_TYPE_LATEST, Metrics
 from gateway.params import Limits, check_model
 from gateway.schemas import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
+from gateway.session_pool import SessionPool
 from gateway.state import GatewayState, format_ranges
 from gateway.tokens import Tokens
 
@@ -114,7 +115,13 @@ def create_app(config: GatewayConfig, model=None, tokenizer=None) -> FastAPI:
     metrics = Metrics()
     admission = Admission(config.max_concurrent, config.max_queue, config.queue_timeout, config.retry_after,
                           on_change=metrics.observe_admission)
-    engine = Engine(model, tokens, metrics, max_workers=config.max_concurrent)
+    pool = None
+    if config.session_pool and config.pool_max_sessions > 0:
+        pool = SessionPool(config.pool_max_sessions, config.pool_max_tokens, config.pool_ttl,
+                           on_evict=metrics.count_eviction)
+        metrics.pool = pool
+    sessions = SessionProvider(model, pool, metrics, headroom=config.pool_headroom, context=context)
+    engine = Engine(model, tokens, metrics, max_workers=config.max_concurrent, sessions=sessions)
     state = GatewayState(config=config, model=model, tokens=tokens, engine=engine, admission=admission,
                          metrics=metrics, limits=limits, created=int(time.time()))
     metrics.coverage_source = state.coverage_numbers
@@ -122,7 +129,7 @@ def create_app(config: GatewayConfig, model=None, tokenizer=None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        engine.shutdown()  # cancel running generations: their sessions close
+        engine.shutdown()  # cancel running generations: their sessions close; so do pooled ones
 
     app = FastAPI(title="swarmgate", version=_version(), docs_url="/docs", redoc_url=None, lifespan=lifespan)
     app.state.gateway = state

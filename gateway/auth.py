@@ -1,10 +1,12 @@
 """Bearer API keys: when `api_keys` is configured, every API route needs `Authorization: Bearer <key>`.
 
 Keys are compared in constant time (`hmac.compare_digest` against every configured key, without stopping at
-the first match). `/health` and `/metrics` do not use this dependency and stay public.
+the first match). `/health` and `/metrics` do not use this dependency and stay public. `owner_of(request)` names the session
+pool namespace of a request: a hash of its bearer key (never the key itself), or "anonymous".
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 
 from fastapi import Request
@@ -28,3 +30,12 @@ async def require_api_key(request: Request) -> None:
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip() or not key_matches(token.strip(), keys):
         raise unauthorized()
+
+
+def owner_of(request: Request) -> str:
+    """The session pool namespace of a request: pooled sessions are only reused by the same API key."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return "anonymous"
+    return "key:" + hashlib.sha256(token.encode("utf-8")).hexdigest()[:32]

@@ -5,7 +5,8 @@ collect the engine's events into one response object, or stream them the way Ope
 of each choice carries the role, content deltas follow, each choice ends with one chunk holding its
 `finish_reason`, an optional usage chunk with empty `choices`, then `data: [DONE]`. SSE comments keep the
 connection alive during a long prefill; a failure mid-stream is a `data:` line with an `error` object, then
-`[DONE]`. A client that goes away cancels its generation (which closes its swarm session).
+`[DONE]`. A client that goes away cancels its generation (which closes its swarm session). Usage always
+carries `prompt_tokens_details.cached_tokens`: the prompt tokens a pooled session already held (0 on a miss).
 """
 from __future__ import annotations
 
@@ -19,13 +20,13 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
-from gateway.auth import require_api_key
+from gateway.auth import owner_of, require_api_key
 from gateway.engine import ChoiceDelta, Done, GenerationFailed, RequestRun
 from gateway.params import chat_params, check_model, completion_params, completion_prompts
 from gateway.sampling import TokenChoice
 from gateway.schemas import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
                              ChoiceLogprobs, ChunkChoice, Completion, CompletionChoice, CompletionLogprobs,
-                             CompletionRequest, Delta, TokenLogprob, TopLogprob, Usage)
+                             CompletionRequest, Delta, PromptTokensDetails, TokenLogprob, TopLogprob, Usage)
 from gateway.state import GatewayState
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -78,7 +79,16 @@ class Collected:
         self.texts = [""] * count
         self.tokens: List[List[TokenChoice]] = [[] for _ in range(count)]
         self.finish: List[Optional[str]] = [None] * count
-        self.prompt_tokens = self.completion_tokens = 0
+        self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
+
+    def usage(self) -> Usage:
+        return make_usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+
+def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 async def collect(request: Request, run: RequestRun, n: int) -> Collected:
@@ -94,6 +104,7 @@ async def collect(request: Request, run: RequestRun, n: int) -> Collected:
             elif isinstance(event, Done):
                 out.prompt_tokens += event.prompt_tokens
                 out.completion_tokens += event.completion_tokens
+                out.cached_tokens += event.cached_tokens
             elif isinstance(event, GenerationFailed):
                 raise event.error
     finally:
@@ -116,7 +127,7 @@ def sse_response(state: GatewayState, run: RequestRun, chunks: AsyncIterator[str
 
 async def stream_events(run: RequestRun, n: int, on_delta, on_usage) -> AsyncIterator[str]:
     """Shared streaming loop: yields the serialized chunks of deltas, usage, errors and `[DONE]`."""
-    prompt_tokens = completion_tokens = 0
+    prompt_tokens = completion_tokens = cached_tokens = 0
     failed = False
     async for k, event in run.events():
         if isinstance(event, ChoiceDelta):
@@ -125,13 +136,13 @@ async def stream_events(run: RequestRun, n: int, on_delta, on_usage) -> AsyncIte
         elif isinstance(event, Done):
             prompt_tokens += event.prompt_tokens
             completion_tokens += event.completion_tokens
+            cached_tokens += event.cached_tokens
         elif isinstance(event, GenerationFailed):
             yield json.dumps(event.error.body())
             failed = True
             break
     if not failed:
-        usage_chunk = on_usage(Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                     total_tokens=prompt_tokens + completion_tokens))
+        usage_chunk = on_usage(make_usage(prompt_tokens, completion_tokens, cached_tokens))
         if usage_chunk is not None:
             yield usage_chunk
     yield "[DONE]"
@@ -151,15 +162,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     n = body.n or 1
     completion_id = "chatcmpl-" + _request_id(request)
     created = int(time.time())
-    run = await state.admit([state.new_job(prompt, params, n, _request_id(request))])
+    run = await state.admit([state.new_job(prompt, params, n, _request_id(request), owner_of(request))])
 
     if not body.stream:
         got = await collect(request, run, n)
         choices = [ChatChoice(index=i, message=AssistantMessage(content=got.texts[i]),
                               logprobs=chat_logprobs(state, got.tokens[i]) if params.logprobs else None,
                               finish_reason=got.finish[i]) for i in range(n)]
-        usage = Usage(prompt_tokens=got.prompt_tokens, completion_tokens=got.completion_tokens,
-                      total_tokens=got.prompt_tokens + got.completion_tokens)
+        usage = got.usage()
         return ChatCompletion(id=completion_id, created=created, model=model_name, choices=choices, usage=usage)
 
     def chunk(choices, usage=None) -> str:
@@ -202,7 +212,7 @@ async def completions(body: CompletionRequest, request: Request):
     jobs = []
     for prompt in prompts:
         params = completion_params(body, len(prompt), state.limits)
-        jobs.append(state.new_job(prompt, params, body.n or 1, _request_id(request)))
+        jobs.append(state.new_job(prompt, params, body.n or 1, _request_id(request), owner_of(request)))
     n, want_logprobs = body.n or 1, body.logprobs is not None
     completion_id = "cmpl-" + _request_id(request)
     created = int(time.time())
@@ -217,8 +227,7 @@ async def completions(body: CompletionRequest, request: Request):
             logprobs = completion_logprobs(state, got.tokens[i], len(prefix)) if want_logprobs else None
             choices.append(CompletionChoice(index=i, text=prefix + got.texts[i], logprobs=logprobs,
                                             finish_reason=got.finish[i]))
-        usage = Usage(prompt_tokens=got.prompt_tokens, completion_tokens=got.completion_tokens,
-                      total_tokens=got.prompt_tokens + got.completion_tokens)
+        usage = got.usage()
         return Completion(id=completion_id, created=created, model=model_name, choices=choices, usage=usage)
 
     offsets: Dict[int, int] = {}

@@ -37,6 +37,21 @@ class GatewayConfig(ProcessConfig):
     max_n: int = Field(default=8, gt=0, description="largest n (choices per request)")
     sse_keepalive: float = Field(default=5.0, gt=0, description="seconds between SSE keep-alive comments")
     cors_origins: List[str] = Field(default_factory=list, description="origins allowed by CORS ('*' for any)")
+    session_pool: bool = Field(
+        default=True, description="keep each conversation's inference session open between requests, so that a new "
+                                  "turn sends only its new tokens (n=1 requests; --no-session_pool: a fresh session "
+                                  "per request)")
+    pool_max_sessions: int = Field(default=16, ge=0,
+                                   description="most idle sessions kept in the pool (least recently used closed first)")
+    pool_max_tokens: int = Field(
+        default=8192, gt=0, description="most KV cache tokens the pooled sessions may reserve on a server, summed "
+                                        "(each reserves its max_length); keep it well below the servers' cache")
+    pool_ttl: float = Field(default=120.0, gt=0,
+                            description="seconds an idle pooled session is kept; keep it below the servers' "
+                                        "--step_timeout (300 s by default), after which they drop idle sessions")
+    pool_headroom: int = Field(
+        default=512, ge=0, description="tokens a pooled session reserves beyond prompt + max_tokens so that the "
+                                       "next turns of the conversation fit in it (capped by the context length)")
     torch_dtype: str = Field(default="float32", description="dtype of the local embeddings and LM head")
     num_threads: Optional[int] = Field(default=None, gt=0, description="torch intra-op threads")
     log_level: str = Field(default="INFO", description="logging level")

@@ -7,7 +7,9 @@ A failure becomes a `GenerationFailed` event carrying an `APIError`. `Generation
 away) stops the loop before its next step, and the session is closed, which frees the servers' cache.
 
 The n choices of a request run as one batched session ([n, len] per step). Sessions are obtained and
-released in exactly one place, `SessionProvider`; a pool that keeps conversations' caches can replace it.
+released in exactly one place, `SessionProvider`, which keeps conversations' sessions in a
+`gateway.session_pool.SessionPool` between requests when the pool is on: a new turn then sends only the
+tokens that the servers do not hold yet (`Done.cached_tokens` says how many prompt tokens were reused).
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ class ChoiceDelta:
 class Done:
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens a pooled session already held (not sent to the servers again)
 
 
 @dataclass
@@ -64,6 +67,7 @@ class GenerationJob:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrived: float = field(default_factory=time.monotonic)
     deadline: Optional[float] = None  # time.monotonic() after which the generation is abandoned
+    owner: Optional[str] = None  # session pool namespace (a hash of the API key); None: never pooled
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
@@ -72,19 +76,153 @@ class Cancelled(Exception):
 
 
 # ---- sessions -------------------------------------------------------------------------------------------------
+@dataclass
+class Lease:
+    """A session lent to one generation. `cached_tokens`: leading prompt tokens the servers already held (0 for
+    a fresh session); `owner`: the pool namespace it may go back to (None: closed after the request)."""
+
+    session: Any
+    n: int
+    needed: int  # tokens per row the generation may hold: prompt + max_tokens
+    owner: Optional[str] = None
+    cached_tokens: int = 0
+    reused: bool = False
+
+
+def out_of_cache(error: BaseException) -> bool:
+    """Whether a failure carries a server's "out of cache" reply (as the error, its cause or in its text)."""
+    seen = set()
+    e: Optional[BaseException] = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, RemoteError) and e.code == "out_of_cache":
+            return True
+        if "out_of_cache" in str(e) or "out of cache" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 class SessionProvider:
-    """Where sessions come from: a fresh session per request, closed when the request ends."""
+    """Where sessions come from and go back to: the one place sessions are opened, reused and closed.
 
-    def __init__(self, model):
-        self.model = model
+    Without a pool every request opens a fresh session and closes it at the end. With a `SessionPool`
+    (`gateway.session_pool`), an n=1 request first looks for a pooled session of its owner that holds a
+    prefix of its prompt (`cached_tokens` of them are not sent again); otherwise it opens a fresh one with
+    `max_length` = prompt + max_tokens + `headroom` (capped by the context), so that later turns of the
+    conversation fit in it. A generation that ended normally gives its session back to the pool, keyed by the
+    tokens the servers hold. Requests with n > 1 never use the pool (their batched sessions are closed).
 
-    def acquire(self, input_ids: torch.Tensor, max_length: int):
-        """A session able to hold `max_length` tokens per row of `input_ids` [n, prompt_len]."""
+    The first step (`prefill`) is where reuse can go wrong, and it falls back without an error the client did
+    not cause: if a reused session fails (its servers dropped it, a server died), it is closed and the prompt
+    goes to a fresh session; if opening a fresh session fails while the pool holds sessions (typically a
+    server with no cache left: "out_of_cache"), pooled sessions are closed, least recently used first, until
+    their reserved cache covers the new session, and the open is tried once more. Servers banned by the
+    failed attempt are un-banned first: a server out of cache, or one that timed a pooled session out, is
+    not broken.
+    """
+
+    def __init__(self, model, pool=None, metrics: Optional[Metrics] = None, headroom: int = 0,
+                 context: Optional[int] = None, sweep_interval: Optional[float] = None):
+        self.model, self.pool, self.metrics = model, pool, metrics
+        self.headroom, self.context = headroom, context
+        self._stop = threading.Event()
+        if pool is not None:
+            interval = sweep_interval or min(5.0, max(0.05, pool.ttl / 4))
+            threading.Thread(target=self._sweep, args=(interval,), name="session-pool-ttl", daemon=True).start()
+
+    def _sweep(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self.pool.expire()
+            except Exception as e:  # never let the sweeper die
+                logger.warning(f"expiring pooled sessions failed: {e}")
+
+    def open(self, max_length: int):
         return self.model.inference_session(max_length=max_length)
 
-    def release(self, session, reusable: bool) -> None:
-        """`reusable`: the generation ended normally (a pool may keep the session); closed here."""
-        session.close()
+    def acquire(self, prompt_ids: List[int], n: int, max_tokens: int, owner: Optional[str] = None) -> Lease:
+        """A session for `n` rows of `prompt_ids` plus up to `max_tokens` new tokens each."""
+        needed = len(prompt_ids) + max_tokens
+        if self.pool is None or n != 1 or owner is None or self.pool.closed:
+            return Lease(self.open(needed), n, needed)
+        found = self.pool.checkout(owner, prompt_ids, needed)
+        if found is not None:
+            if self.metrics is not None:
+                self.metrics.pool_hits.inc()
+            return Lease(found.session, n, needed, owner, cached_tokens=found.reused_tokens, reused=True)
+        if self.metrics is not None:
+            self.metrics.pool_misses.inc()
+        return Lease(self.open(self._pooled_length(needed)), n, needed, owner)
+
+    def _pooled_length(self, needed: int) -> int:
+        length = needed + self.headroom
+        return max(needed, min(length, self.context)) if self.context else length
+
+    def prefill(self, lease: Lease, ids: torch.Tensor) -> torch.Tensor:
+        """The first step of a generation (the prompt), with the fallbacks described above."""
+        banned_before = set(self._banned()) if self.pool is not None else set()
+        try:
+            logits = lease.session.feed(ids)
+        except Exception as e:
+            if not lease.reused and (self.pool is None or len(self.pool) == 0):
+                raise
+            self._close(lease.session)
+            if lease.reused:
+                logger.warning(f"a pooled session failed on reuse ({type(e).__name__}: {e}); "
+                               f"sending the whole prompt to a fresh session")
+                self._count_eviction("failed")
+                lease.reused, lease.cached_tokens = False, 0
+            else:
+                reason = "out_of_cache" if out_of_cache(e) else "open_failed"
+                freed = self.pool.evict_lru(lease.n * self._pooled_length(lease.needed), reason)
+                logger.warning(f"opening a session failed ({type(e).__name__}: {e}); closed pooled sessions "
+                               f"holding {freed} cache tokens, trying once more")
+            self._unban(set(self._banned()) - banned_before)
+            length = self._pooled_length(lease.needed) if lease.owner is not None else lease.needed
+            lease.session = self.open(length)
+            logits = lease.session.feed(ids)
+        if lease.cached_tokens and self.metrics is not None:
+            self.metrics.pool_reused_tokens.inc(lease.cached_tokens)
+        return logits
+
+    def release(self, lease: Lease, reusable: bool) -> None:
+        """`reusable`: the generation ended normally, so the servers hold what `session.token_ids` says."""
+        session = lease.session
+        token_ids = getattr(session, "token_ids", None)
+        if (not reusable or lease.owner is None or self.pool is None or token_ids is None
+                or token_ids.shape[0] != 1):
+            self._close(session)
+            return
+        self.pool.checkin(lease.owner, session, token_ids[0].tolist(), lease.n * int(session.max_length))
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self.pool is not None:
+            self.pool.clear("shutdown")
+
+    # ---- helpers --------------------------------------------------------------------------------------------------
+    def _close(self, session) -> None:
+        try:
+            session.close()
+        except Exception as e:  # closing is best effort: the servers time idle sessions out anyway
+            logger.warning(f"closing a session failed: {e}")
+
+    def _count_eviction(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.count_eviction(reason)
+
+    def _banned(self) -> List[str]:
+        banned = getattr(getattr(self.model, "manager", None), "banned", None)
+        try:
+            return list(banned()) if callable(banned) else []
+        except Exception:
+            return []
+
+    def _unban(self, peers) -> None:
+        mark_ok = getattr(getattr(self.model, "manager", None), "mark_ok", None)
+        for peer in peers if callable(mark_ok) else ():
+            mark_ok(peer)
 
 
 def swarm_error(e: BaseException) -> APIError:
@@ -114,10 +252,11 @@ class Engine:
         return Generation(self, job, asyncio.get_running_loop(), on_finish)
 
     def shutdown(self) -> None:
-        """Cancel every running generation (their sessions close) and stop taking work."""
+        """Cancel every running generation (their sessions close), stop taking work, close pooled sessions."""
         for job in list(self._active.values()):
             job.cancel.set()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.sessions.shutdown()
 
     # ---- the worker ---------------------------------------------------------------------------------------------
     def run(self, job: GenerationJob, emit: Callable[[Any], None]) -> None:
@@ -142,20 +281,21 @@ class Engine:
 
         self._active[id(job)] = job
         try:
-            session = self.sessions.acquire(ids, prompt_len + params.max_tokens)
+            lease = self.sessions.acquire(job.prompt_ids, n, params.max_tokens, job.owner)
         except BaseException:
             self._active.pop(id(job), None)
             raise
         self.metrics.active_sessions.inc()
         reusable, last = False, None
         try:
-            for _ in range(params.max_tokens):
+            for step in range(params.max_tokens):
                 if job.cancel.is_set():
                     raise Cancelled()
                 if job.deadline is not None and time.monotonic() > job.deadline:
                     raise APIError(504, "The generation took longer than the gateway's generation_timeout.",
                                    "timeout_error", code="generation_timeout")
-                logits = session.feed(ids)  # [n, vocab], float32
+                # [n, vocab], float32; the first step sends the prompt (less what a pooled session holds)
+                logits = self.sessions.prefill(lease, ids) if step == 0 else lease.session.feed(ids)
                 now = time.monotonic()
                 if last is None:
                     self.metrics.time_to_first_token.observe(now - job.arrived)
@@ -194,12 +334,15 @@ class Engine:
             self._active.pop(id(job), None)
             self.metrics.active_sessions.dec()
             try:
-                self.sessions.release(session, reusable)
+                self.sessions.release(lease, reusable)
             except Exception as e:  # closing is best effort: the servers time idle sessions out anyway
                 logger.warning(f"closing the session of request {job.request_id} failed: {e}")
         self.metrics.prompt_tokens.inc(prompt_len)
         self.metrics.completion_tokens.inc(sum(generated))
-        emit(Done(prompt_len, sum(generated)))
+        if lease.cached_tokens:
+            logger.info(f"request {job.request_id}: {lease.cached_tokens} of {prompt_len} prompt tokens were "
+                        f"already held by a pooled session")
+        emit(Done(prompt_len, sum(generated), lease.cached_tokens))
 
 
 _END = object()

@@ -1,8 +1,10 @@
 """Prometheus metrics of one gateway (its own registry, so that several apps can live in one process).
 
 Requests by endpoint and status, time to first token and inter-token latency histograms, prompt and
-completion token counters, active sessions, queue length, and the swarm's coverage (blocks served by at
-least one online server, out of the model's blocks), refreshed from the client's cached view at each scrape.
+completion token counters, active sessions, queue length, the conversation session pool (hits, misses, prompt
+tokens reused, evictions by reason, pooled sessions and the cache they reserve), and the swarm's coverage
+(blocks served by at least one online server, out of the model's blocks), refreshed from the client's cached
+view at each scrape.
 """
 from __future__ import annotations
 
@@ -28,8 +30,25 @@ class Metrics:
                                              buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("swarmgate_prompt_tokens", "prompt tokens of admitted requests", registry=r)
         self.completion_tokens = Counter("swarmgate_completion_tokens", "generated tokens", registry=r)
-        self.active_sessions = Gauge("swarmgate_active_sessions", "inference sessions open in the swarm",
+        self.active_sessions = Gauge("swarmgate_active_sessions",
+                                     "inference sessions in use by running generations (pooled ones not counted)",
                                      registry=r)
+        self.pool_hits = Counter("swarmgate_pool_hits", "requests that continued a pooled session", registry=r)
+        self.pool_misses = Counter("swarmgate_pool_misses",
+                                   "pool-eligible requests (n=1) that found no pooled session to continue",
+                                   registry=r)
+        self.pool_reused_tokens = Counter("swarmgate_pool_reused_tokens",
+                                          "prompt tokens not sent again because a pooled session held them",
+                                          registry=r)
+        self.pool_evictions = Counter("swarmgate_pool_evictions",
+                                      "pooled sessions closed, by reason (ttl, capacity, outgrown, superseded, "
+                                      "out_of_cache, open_failed, failed, shutdown)", ["reason"], registry=r)
+        self.pool_sessions = Gauge("swarmgate_pool_sessions", "idle sessions kept in the pool", registry=r)
+        self.pool_cache_tokens = Gauge("swarmgate_pool_cache_tokens",
+                                       "KV cache tokens the pooled sessions reserve on the servers (max_length each)",
+                                       registry=r)
+        self.pool_held_tokens = Gauge("swarmgate_pool_held_tokens", "tokens whose states the pooled sessions hold",
+                                      registry=r)
         self.running = Gauge("swarmgate_running_requests", "generations running", registry=r)
         self.queue_length = Gauge("swarmgate_queue_length", "requests waiting for a generation slot", registry=r)
         self.blocks_covered = Gauge("swarmgate_swarm_blocks_covered", "blocks served by an online server",
@@ -37,12 +56,20 @@ class Metrics:
         self.blocks_total = Gauge("swarmgate_swarm_blocks_total", "blocks of the model", registry=r)
         self.servers_online = Gauge("swarmgate_swarm_servers_online", "online servers of the model", registry=r)
         self.coverage_source = coverage  # () -> (blocks covered, blocks total, servers online)
+        self.pool = None  # the SessionPool, read at each scrape
+
+    def count_eviction(self, reason: str, count: int = 1) -> None:
+        self.pool_evictions.labels(reason=reason).inc(count)
 
     def observe_admission(self, admission) -> None:
         self.running.set(admission.running)
         self.queue_length.set(admission.waiting)
 
     def render(self) -> bytes:
+        if self.pool is not None:
+            self.pool_sessions.set(len(self.pool))
+            self.pool_cache_tokens.set(self.pool.reserved_tokens)
+            self.pool_held_tokens.set(self.pool.held_tokens)
         if self.coverage_source is not None:
             try:
                 covered, total, servers = self.coverage_source()

@@ -97,10 +97,15 @@ class DetokenizeRequest(_Request):
 
 
 # ---- responses ------------------------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose states a pooled session already held
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class TopLogprob(BaseModel):

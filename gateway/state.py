@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from starlette.concurrency import run_in_threadpool
 
@@ -32,8 +32,10 @@ class GatewayState:
     limits: Limits
     created: int
 
-    def new_job(self, prompt_ids: List[int], params, n: int, request_id: str) -> GenerationJob:
-        return GenerationJob(prompt_ids, params, n, request_id=request_id,
+    def new_job(self, prompt_ids: List[int], params, n: int, request_id: str,
+                 owner: Optional[str] = None) -> GenerationJob:
+        """`owner`: the session pool namespace (`gateway.auth.owner_of`); None never reuses nor pools."""
+        return GenerationJob(prompt_ids, params, n, request_id=request_id, owner=owner,
                              deadline=time.monotonic() + self.config.generation_timeout)
 
     async def admit(self, jobs: List[GenerationJob]) -> RequestRun:
