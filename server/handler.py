@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
 from dataclasses import dataclass
 from functools import partial
@@ -33,6 +34,7 @@ class Counters:
     inference_tokens: int = 0
     inference_steps: int = 0
     forward_tokens: int = 0
+    compute_seconds: float = 0.0  # time spent in inference forward passes
     steps_from_push: int = 0  # inference steps whose input came from the previous server
     pushes_sent: int = 0
 
@@ -212,10 +214,14 @@ class BlockHandler(P.BlockRPC):
         return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
 
     def _decode_batch(self, items: list, first: int, last: int) -> list:
-        if len(items) == 1:  # exactly the unbatched path
-            hidden, position, kv = items[0]
-            return [self.span.forward(hidden, position, kv, first, last)]
-        return self.span.forward_batch(items, first, last)
+        began = time.perf_counter()
+        try:
+            if len(items) == 1:  # exactly the unbatched path
+                hidden, position, kv = items[0]
+                return [self.span.forward(hidden, position, kv, first, last)]
+            return self.span.forward_batch(items, first, last)
+        finally:
+            self.counters.compute_seconds += time.perf_counter() - began
 
     # ---- push ---------------------------------------------------------------------------------------------
     async def add_p2p_handlers(self, p2p, *args, **kwargs) -> None:
@@ -267,6 +273,7 @@ class BlockHandler(P.BlockRPC):
             forward_tokens_processed=self.counters.forward_tokens,
             steps_from_push=self.counters.steps_from_push, pushes_sent=self.counters.pushes_sent,
             decode_batches=self.pool.batches_done, largest_batch=self.pool.largest_batch,
+            decode_compute_seconds=round(self.counters.compute_seconds, 6),
         )
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:

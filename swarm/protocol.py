@@ -130,6 +130,7 @@ class ServerStats(Message):
     pushes_sent: int = 0
     decode_batches: int = 0
     largest_batch: int = 0
+    decode_compute_seconds: float = 0.0
 
 
 ReplyMessage = Union[StepResult, ErrorReply]
