@@ -16,7 +16,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from swarm import protocol as P
-from swarm.records import ServerSpan
+from swarm.records import ServerSpan, ServerState
 
 UNREACHABLE = 1e6
 
@@ -34,7 +34,8 @@ async def ping(p2p: P2P, peer_id: str, timeout: float = 2.0) -> float:
 def next_candidates(spans: Sequence[ServerSpan], my_peer_id: str, end: int, max_peers: int,
                     rng: random.Random = random) -> list:
     """Peer ids of servers that could take over at block `end` (sampled when there are many)."""
-    candidates = [s.peer_id for s in spans if s.start <= end < s.end and s.peer_id != my_peer_id]
+    candidates = [s.peer_id for s in spans  # joining servers have no handlers yet: they would look unreachable
+                  if s.start <= end < s.end and s.peer_id != my_peer_id and s.info.state == ServerState.ONLINE]
     if len(candidates) > max_peers:
         candidates = rng.sample(candidates, max_peers)
     return candidates

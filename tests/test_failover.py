@@ -76,7 +76,8 @@ def test_servers_publish_rtts_to_their_next_servers(failover_swarm):
     while time.monotonic() < deadline:  # records are refreshed every 10 s here
         records = fetch_block_records(model.manager.dht, model.manager.prefix, 30)
         pings = {p: records[0][p].next_pings for p in first_span if p in records[0]}
-        if all(set(v) == next_span for v in pings.values()) and len(pings) == 2:
+        if len(pings) == 2 and all(set(v) == next_span and all(0 < r < 5 for r in v.values())
+                                   for v in pings.values()):
             break
         time.sleep(1)
     assert len(pings) == 2 and all(set(v) == next_span for v in pings.values())
