@@ -41,8 +41,8 @@ class ClientConfig(BaseModel):
     measure_rtt: bool = Field(default=True, description="ping servers at each refresh and route by latency")
     max_pings: int = Field(default=64, gt=0, description="most servers pinged per refresh")
     use_push: bool = Field(default=True, description="servers push decode steps straight to the next server")
-    push_timeout: float = Field(default=5.0, gt=0, description="seconds to wait for a pushed step before sending "
-                                                                "it to the next server directly")
+    push_timeout: float = Field(default=1.0, gt=0, description="seconds to wait for a pushed decode step before "
+                                                                "sending it to the next server directly")
 
 
 class SwarmManager:

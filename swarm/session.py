@@ -275,8 +275,9 @@ class InferenceSession:
         With push, the client sends the step to the first server only, naming the rest of the chain; each
         server hands its output straight to the next one (k + 1 network hops for k servers) and also returns
         a copy to the client, which records it as the next boundary's input history (what failover replays).
-        If a pushed step has not reached the next server within `push_timeout`, the client sends it there
-        itself (servers drop the second copy by step id). After a failure the rest of the step goes through
+        Only decode steps (one token) are pushed. If a pushed step has not come back from the next server
+        within `push_timeout`, the client sends it there itself (servers drop the second copy by step id), so a
+        dead next server costs at most that long before failover starts. After a failure the rest of the step goes through
         the client.
         """
         config = self.manager.config
@@ -294,7 +295,8 @@ class InferenceSession:
             try:
                 if not delivered:
                     chain = [P.PushTarget(peer_id=s.hop.peer_id, stream_key=s.key) for s in self._streams[index + 1:]]
-                    stream.send(x, self.position, step_id, chain if config.use_push else ())
+                    use_push = config.use_push and seq == 1  # push decode steps; prefill goes through the client
+                    stream.send(x, self.position, step_id, chain if use_push else ())
                     out, pushed = await stream.receive(self.position, seq)
                 else:
                     try:
