@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from server.cache import SessionKV
+from server.decode import decode_step, fuse_layer
 from swarm.checkpoint import Checkpoint
 from swarm.families import FamilySpec, family_for
 
@@ -46,6 +47,7 @@ class BlockSpan(nn.Module):
         self.hidden_size = config.hidden_size
         self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.fused: list = []  # server.decode's view of the layers (Llama-style families)
 
     @classmethod
     def load(cls, checkpoint: Checkpoint, start: int, end: int, dtype_name: str = "auto",
@@ -78,7 +80,10 @@ class BlockSpan(nn.Module):
         if family.rotary_class is not None:
             rotary = family.import_class(family.rotary_class)(config=config).to(torch_device)
         logger.info(f"loaded blocks {start}:{end} of {checkpoint.name} ({dtype}, {device})")
-        return cls(config, family, start, end, layers, rotary, dtype, torch_device)
+        span = cls(config, family, start, end, layers, rotary, dtype, torch_device)
+        if span.can_batch:
+            span.fused = [fuse_layer(layer) for layer in layers]
+        return span
 
     def new_session_kv(self, batch_size: int, max_length: int, first: int, last: int) -> SessionKV:
         """KV buffers for a session that runs blocks [first, last) of this span."""
@@ -91,49 +96,33 @@ class BlockSpan(nn.Module):
 
     @property
     def can_batch(self) -> bool:
-        """Decode steps of several sessions can share one pass (Llama-style layers with a plain MLP)."""
+        """Decode steps run on the lean, batched path of `server.decode` (Llama-style layers with a gated MLP)."""
         return self.family.model_type in ("llama", "mistral", "qwen2")
 
     @torch.inference_mode()
     def forward_batch(self, items: list, first: int, last: int) -> list:
-        """One pass for the single-token decode steps of several sessions.
+        """One lean pass (`server.decode`) for the single-token decode steps of one or more sessions.
 
         items: [(hidden [b_i, 1, hidden], start_position_i, kv_i)], all over blocks [first, last). The norms,
-        projections and MLP run once on all rows `[sum b_i, 1, hidden]`; attention runs per session against
-        its own cache. Returns the outputs in the same order.
+        projections and MLP run once on all rows `[sum b_i, hidden]`; attention runs per session against its own
+        cache. Returns the outputs `[b_i, 1, hidden]` in the same order.
         """
-        apply_rotary = self.family.import_class("apply_rotary_pos_emb")
-        x = torch.cat([h.to(self.device, self.dtype) for h, _, _ in items], dim=0)  # [rows, 1, hidden]
+        x = torch.cat([h.to(self.device, self.dtype).reshape(-1, self.hidden_size) for h, _, _ in items])
         sizes = [h.shape[0] for h, _, _ in items]
         position_ids = torch.cat([torch.full((b, 1), pos, device=self.device) for b, (_, pos, _) in zip(sizes, items)])
-        cos, sin = self.rotary(x, position_ids)
+        cos, sin = self.rotary(x, position_ids)  # [rows, 1, head_dim]
         for _, pos, kv in items:
             kv.begin_step(pos)
         try:
-            for layer in self.layers[first - self.start:last - self.start]:
-                attn = layer.self_attn
-                h = layer.input_layernorm(x)
-                rows = h.shape[0]
-                q = attn.q_proj(h).view(rows, 1, -1, attn.head_dim).transpose(1, 2)  # [rows, heads, 1, dim]
-                k = attn.k_proj(h).view(rows, 1, -1, attn.head_dim).transpose(1, 2)  # [rows, kv_heads, 1, dim]
-                v = attn.v_proj(h).view(rows, 1, -1, attn.head_dim).transpose(1, 2)
-                q, k = apply_rotary(q, k, cos, sin)
-                outs, row = [], 0
-                for size, (_, _, kv) in zip(sizes, items):
-                    keys, values = kv.update(k[row:row + size], v[row:row + size], attn.layer_idx)
-                    outs.append(torch.nn.functional.scaled_dot_product_attention(
-                        q[row:row + size], keys, values, scale=attn.scaling, enable_gqa=True))
-                    row += size
-                o = torch.cat(outs, dim=0).transpose(1, 2).reshape(rows, 1, -1)
-                x = x + attn.o_proj(o)
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = decode_step(self.fused[first - self.start:last - self.start], x, cos[:, 0], sin[:, 0],
+                            [(size, kv) for size, (_, _, kv) in zip(sizes, items)])
         except BaseException:
             for _, _, kv in items:
                 kv.abort_step()
             raise
         for _, _, kv in items:
             kv.end_step(1)
-        return list(torch.split(x, sizes, dim=0))
+        return [part.unsqueeze(1) for part in torch.split(x, sizes, dim=0)]
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, start_position: int = 0, kv: Optional[SessionKV] = None,

@@ -216,9 +216,6 @@ class BlockHandler(P.BlockRPC):
     def _decode_batch(self, items: list, first: int, last: int) -> list:
         began = time.perf_counter()
         try:
-            if len(items) == 1:  # exactly the unbatched path
-                hidden, position, kv = items[0]
-                return [self.span.forward(hidden, position, kv, first, last)]
             return self.span.forward_batch(items, first, last)
         finally:
             self.counters.compute_seconds += time.perf_counter() - began

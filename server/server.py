@@ -43,10 +43,11 @@ from server.handler import BlockHandler
 from server.memory import Capacity, free_memory_bytes, plan_capacity
 from server.pings import measure_next_pings
 from server.placement import block_throughputs, choose_best_span, should_move
-from server.scheduler import TaskPool
+from server.scheduler import PRIORITY_FORWARD, TaskPool
 from server.throughput import get_throughput, parse_throughput_mode
 from swarm import __version__
 from swarm.checkpoint import Checkpoint
+from swarm.threads import serial_torch_here
 from swarm.config import ProcessConfig, parse_span
 from swarm.disk_cache import parse_size
 from swarm.records import (ServerInfo, ServerSpan, ServerState, declare_blocks, dht_prefix_for, fetch_block_records,
@@ -158,6 +159,7 @@ class Server:
         self.dht: Optional[hivemind.DHT] = None
         self.p2p = None
         self.handler: Optional[BlockHandler] = None
+        self.pool: Optional[TaskPool] = None  # the one thread that does this process's tensor work (swarm.threads)
         self.capacity: Optional[Capacity] = None
         self.throughput = 1.0
         self.start = self.end = 0
@@ -288,16 +290,22 @@ class Server:
     async def _load_and_register(self) -> None:
         loop = asyncio.get_running_loop()
         began = time.monotonic()
-        span = await loop.run_in_executor(None, BlockSpan.load, self.checkpoint, self.start, self.end,
-                                          self.config.torch_dtype, self.config.device)
+        span = await self._compute_pool().submit(PRIORITY_FORWARD, BlockSpan.load, self.checkpoint, self.start,
+                                                 self.end, self.config.torch_dtype, self.config.device)
         handler = BlockHandler(span, self.config.model, __version__, CacheBudget(self.capacity.attn_cache_tokens),
-                               TaskPool(), max_length=self.config.max_length, alloc_timeout=self.config.alloc_timeout,
+                               self._compute_pool(), max_length=self.config.max_length, alloc_timeout=self.config.alloc_timeout,
                                step_timeout=self.config.step_timeout)
         if self.p2p is None:
             self.p2p = await self.dht.replicate_p2p()
         await handler.add_p2p_handlers(self.p2p)
         self.handler = handler
         logger.info(f"loaded and serving blocks {self.start}:{self.end} in {time.monotonic() - began:.1f}s")
+
+    def _compute_pool(self) -> TaskPool:
+        """The compute thread (a new one if it died): loading, measuring and inference all run on it."""
+        if self.pool is None or not self.pool.is_alive():
+            self.pool = TaskPool()
+        return self.pool
 
     async def _unregister_and_unload(self) -> None:
         handler, self.handler = self.handler, None
@@ -307,7 +315,6 @@ class Server:
         try:
             await handler.remove_p2p_handlers(self.p2p)
         finally:
-            handler.pool.shutdown()
             del handler
             gc.collect()
             if self.device.type == "cuda":
@@ -323,7 +330,7 @@ class Server:
             return
         if not self.handler.pool.is_alive():
             logger.warning("the compute thread died: starting a new one")
-            self.handler.pool = TaskPool()
+            self.handler.pool = self._compute_pool()
 
     # ---- rebalancing --------------------------------------------------------------------------------------
     async def _maybe_rebalance(self) -> bool:
@@ -416,14 +423,15 @@ class Server:
     # ---- main ---------------------------------------------------------------------------------------------
     async def run(self) -> int:
         loop = self._loop = asyncio.get_running_loop()
+        serial_torch_here()  # tensor work runs on the compute thread; the loop only validates and moves messages
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, self._stop.set)
         self.capacity = await loop.run_in_executor(None, self._plan)
         self.dht = await loop.run_in_executor(None, self._start_dht)
         try:
-            self.throughput, source = await loop.run_in_executor(
-                None, lambda: get_throughput(self.config.throughput, self.checkpoint, self.config.device, self.dtype,
+            self.throughput, source = await self._compute_pool().submit(
+                PRIORITY_FORWARD, lambda: get_throughput(self.config.throughput, self.checkpoint, self.config.device, self.dtype,
                                              self.config.torch_dtype))
             logger.info(f"throughput: {self.throughput:.1f} decode steps/s per block ({source})")
             await self._place()
@@ -446,6 +454,8 @@ class Server:
             await self._unregister_and_unload()
             return 0
         finally:
+            if self.pool is not None:
+                self.pool.shutdown()
             await loop.run_in_executor(None, self.dht.shutdown)
 
 

@@ -5,6 +5,10 @@ imports happen on first use so that servers and tools importing `swarm.*` module
 """
 __version__ = "0.1.0"
 
+from swarm.threads import tune_openmp_env as _tune_openmp_env  # noqa: E402
+
+_tune_openmp_env()  # before torch loads, if it has not yet (swarm.threads)
+
 __all__ = ["AutoDistributedModelForCausalLM", "DistributedModelForCausalLM", "__version__"]
 
 

@@ -7,9 +7,16 @@ import threading
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Awaitable, Optional, TypeVar
 
+from swarm.threads import serial_torch_here
+
 T = TypeVar("T")
 _lock = threading.Lock()
 _loop: Optional[asyncio.AbstractEventLoop] = None
+
+
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    serial_torch_here()  # the loop only (de)serializes; tensor work stays on the calling threads (swarm.threads)
+    loop.run_forever()
 
 
 def get_loop() -> asyncio.AbstractEventLoop:
@@ -17,7 +24,7 @@ def get_loop() -> asyncio.AbstractEventLoop:
     with _lock:
         if _loop is None or _loop.is_closed():
             _loop = asyncio.new_event_loop()
-            threading.Thread(target=_loop.run_forever, name="swarm-client-loop", daemon=True).start()
+            threading.Thread(target=_serve, args=(_loop,), name="swarm-client-loop", daemon=True).start()
         return _loop
 
 

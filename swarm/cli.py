@@ -24,6 +24,9 @@ def main(argv=None) -> int:
         return 0 if argv else 2
     import importlib
 
+    from swarm.threads import tune_openmp_env
+
+    tune_openmp_env()
     module = importlib.import_module(COMMANDS[argv[0]][0])
     return module.main(argv[1:]) or 0
 

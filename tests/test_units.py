@@ -105,3 +105,44 @@ def test_records_to_spans():
     assert [(s.peer_id, s.start, s.end) for s in spans] == [("a", 0, 2), ("b", 1, 3)]
     assert dht_prefix_for("/tmp/x/SmolLM2-135M-Instruct/") == "smollm2-135m-instruct"
     assert dht_prefix_for("bigscience/bloom-560m") == "bloom-560m"
+
+
+def test_serial_torch_here_limits_only_the_calling_thread():
+    """swarm.threads: an event-loop thread runs tensor work alone; the compute thread keeps its threads."""
+    import subprocess
+    import sys
+
+    code = (
+        "import threading, torch\n"
+        "torch.set_num_threads(2)\n"
+        "from swarm.threads import serial_torch_here\n"
+        "seen = {}\n"
+        "def loop_thread():\n"
+        "    seen['applied'] = serial_torch_here()\n"
+        "    torch.ones(1 << 20).add_(1)\n"
+        "    seen['loop'] = torch.get_num_threads()\n"
+        "t = threading.Thread(target=loop_thread); t.start(); t.join()\n"
+        "def compute_thread():\n"
+        "    seen['compute'] = torch.get_num_threads()\n"
+        "t = threading.Thread(target=compute_thread); t.start(); t.join()\n"
+        "print(seen['applied'], seen['loop'], seen['compute'], torch.get_num_threads())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "1", "2", "2"]
+
+
+def test_openmp_spin_is_set_before_torch_loads():
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, swarm, sys; print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")})
+    from swarm.threads import DEFAULT_SPINCOUNT
+
+    assert out.stdout.split() == [str(DEFAULT_SPINCOUNT), "False"]
+    user = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "GOMP_SPINCOUNT": "77"})
+    assert user.stdout.split()[0] == "77"  # the user's setting wins

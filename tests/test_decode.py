@@ -1,0 +1,71 @@
+"""The lean decode path (`server.decode`) against the Hugging Face layers it replaces, per family, on tiny random
+checkpoints: one session and several sessions of different batch sizes and lengths in one pass."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.blocks import BlockSpan
+from swarm.checkpoint import Checkpoint
+from tests.test_families import _configs
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
+def span(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp(f"decode-{request.param}")
+    AutoModelForCausalLM.from_config(_configs()[request.param]).save_pretrained(path)
+    return BlockSpan.load(Checkpoint(str(path)), 1, 4, "float32")
+
+
+def test_fused_weights_are_views_of_the_layers(span):
+    for layer, fused in zip(span.layers, span.fused):
+        attn = layer.self_attn
+        assert attn.q_proj.weight.untyped_storage().data_ptr() == fused.qkv_weight.untyped_storage().data_ptr()
+        assert attn.v_proj.weight.untyped_storage().data_ptr() == fused.qkv_weight.untyped_storage().data_ptr()
+        assert layer.mlp.up_proj.weight.untyped_storage().data_ptr() == fused.gate_up_weight.untyped_storage().data_ptr()
+        if attn.q_proj.bias is not None:  # qwen2
+            assert fused.qkv_bias is not None and torch.equal(fused.qkv_bias[-attn.v_proj.bias.shape[0]:], attn.v_proj.bias)
+
+
+def test_batched_decode_matches_the_hf_layers(span):
+    torch.manual_seed(1)
+    hidden = span.hidden_size
+    sessions = [(2, 5), (1, 9), (3, 1)]  # (batch, prompt length)
+    reference, lean = [], []
+    for batch, length in sessions:
+        prompt = torch.randn(batch, length, hidden)
+        for kvs in (reference, lean):
+            kv = span.new_session_kv(batch, 32, 1, 4)
+            span.forward(prompt, 0, kv)
+            kvs.append(kv)
+    positions = [length for _, length in sessions]
+    for step in range(4):
+        xs = [torch.randn(batch, 1, hidden) for batch, _ in sessions]
+        expected = [span.forward(x, pos, kv) for x, pos, kv in zip(xs, positions, reference)]
+        if step == 2:  # one session alone also takes the lean path
+            got = [span.forward_batch([(xs[0], positions[0], lean[0])], 1, 4)[0]]
+            got += span.forward_batch([(x, p, kv) for x, p, kv in zip(xs[1:], positions[1:], lean[1:])], 1, 4)
+        else:
+            got = span.forward_batch([(x, p, kv) for x, p, kv in zip(xs, positions, lean)], 1, 4)
+        for e, g in zip(expected, got):
+            assert g.shape == e.shape
+            assert torch.allclose(g, e, atol=1e-5, rtol=1e-5), (g - e).abs().max()
+        positions = [p + 1 for p in positions]
+    assert [kv.length for kv in lean] == positions
+
+
+def test_decode_over_part_of_the_span_and_after_a_rewind(span):
+    torch.manual_seed(2)
+    prompt = torch.randn(1, 6, span.hidden_size)
+    ref, lean = span.new_session_kv(1, 16, 2, 4), span.new_session_kv(1, 16, 2, 4)
+    span.forward(prompt, 0, ref, 2, 4)
+    span.forward(prompt, 0, lean, 2, 4)
+    x = torch.randn(1, 1, span.hidden_size)
+    span.forward_batch([(torch.randn(1, 1, span.hidden_size), 6, lean)], 2, 4)  # a step later taken back
+    expected = span.forward(x, 4, ref, 2, 4)  # rewind: position 4 overwrites what was there
+    got = span.forward_batch([(x, 4, lean)], 2, 4)[0]
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+    assert lean.length == ref.length == 5
