@@ -2,7 +2,8 @@
 length (64 ... 1024 tokens), and memory (peak RSS) of the client and of each server, on a 2-server swarm
 (blocks 0:15 + 15:30, float32) on loopback. Prints one JSON object.
 
-Concurrent sessions each run 32 greedy decode steps from a 100-token prompt in their own thread; the aggregate
+Concurrent sessions each run 32 greedy decode steps (`generate` on an open session) from a 100-token prompt in
+their own thread; the aggregate
 rate counts all sessions' decode tokens over the wall time of the decode phase. The local single-session
 decode rate of `transformers` is measured in the same run for the ratio.
 """
@@ -79,12 +80,11 @@ def concurrent_rate(model, prompt, sessions: int) -> float:
         with model.inference_session(max_length=prompt.shape[1] + DECODE_STEPS + 1) as s:
             ids = prompt.clone()
             ids[0, 0] = 100 + i  # different sessions, different contents
-            logits = s.feed(ids)
+            s.feed(ids)  # the prompt
             barrier.wait()
             start = time.perf_counter()
-            for _ in range(DECODE_STEPS):
-                ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
-                logits = s.feed(ids)
+            # DECODE_STEPS single-token steps (the first re-sends the prompt's last token for its logits)
+            model.generate(ids, session=s, max_new_tokens=DECODE_STEPS, min_new_tokens=DECODE_STEPS, do_sample=False)
             times.append((start, time.perf_counter()))
 
     with ThreadPoolExecutor(sessions) as pool:

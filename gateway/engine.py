@@ -34,6 +34,7 @@ from gateway.tokens import Tokens
 from swarm.protocol import RemoteError
 from swarm.routing import RoutingError
 from swarm.session import SessionError
+from swarm.threads import serial_torch_here
 
 logger = logging.getLogger("swarmgate.gateway")
 
@@ -243,7 +244,8 @@ class Engine:
                  sessions: Optional[SessionProvider] = None):
         self.model, self.tokens, self.metrics = model, tokens, metrics
         self.sessions = sessions or SessionProvider(model)
-        self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="generation")
+        self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="generation",
+                                           initializer=serial_torch_here)  # tensor work: swarm.taskpool.client_pool
         self.vocab_size = min(int(model.config.vocab_size), tokens.vocab_size)
         self._active: Dict[int, GenerationJob] = {}
 

@@ -20,6 +20,7 @@ from swarm.families import FamilySpec, family_for
 
 logger = logging.getLogger(__name__)
 
+LEAN_DECODE_FAMILIES = ("llama", "mistral", "qwen2")  # layers that server.decode runs
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -63,11 +64,13 @@ class BlockSpan(nn.Module):
         prefixes = {i: family.block_tensor_prefix(i) for i in range(start, end)}
         tensors = checkpoint.load_tensors(lambda name: any(name.startswith(p) for p in prefixes.values()), dtype)
         layers = nn.ModuleList()
+        fused = []
         for index in range(start, end):
             with torch.device("meta"):
                 layer = layer_cls(config, index)
             prefix = prefixes[index]
-            state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            # this block's tensors leave the dict now, so that fusing them (below) never holds two copies of all
+            state = {k[len(prefix):]: tensors.pop(k) for k in [k for k in tensors if k.startswith(prefix)]}
             missing, unexpected = layer.load_state_dict(state, strict=False, assign=True)
             if missing or unexpected:
                 raise ValueError(f"block {index}: missing tensors {missing}, unexpected {unexpected}")
@@ -76,13 +79,15 @@ class BlockSpan(nn.Module):
                     raise ValueError(f"block {index}: {name} was not loaded from the checkpoint")
             layer.self_attn.layer_idx = index - start  # index into this span's SessionKV
             layers.append(layer.to(torch_device, dtype).eval().requires_grad_(False))
+            if family.model_type in LEAN_DECODE_FAMILIES:
+                fused.append(fuse_layer(layers[-1]))
+            del state
         rotary = None
         if family.rotary_class is not None:
             rotary = family.import_class(family.rotary_class)(config=config).to(torch_device)
         logger.info(f"loaded blocks {start}:{end} of {checkpoint.name} ({dtype}, {device})")
         span = cls(config, family, start, end, layers, rotary, dtype, torch_device)
-        if span.can_batch:
-            span.fused = [fuse_layer(layer) for layer in layers]
+        span.fused = fused
         return span
 
     def new_session_kv(self, batch_size: int, max_length: int, first: int, last: int) -> SessionKV:
@@ -97,7 +102,7 @@ class BlockSpan(nn.Module):
     @property
     def can_batch(self) -> bool:
         """Decode steps run on the lean, batched path of `server.decode` (Llama-style layers with a gated MLP)."""
-        return self.family.model_type in ("llama", "mistral", "qwen2")
+        return self.family.model_type in LEAN_DECODE_FAMILIES
 
     @torch.inference_mode()
     def forward_batch(self, items: list, first: int, last: int) -> list:

@@ -43,7 +43,7 @@ from server.handler import BlockHandler
 from server.memory import Capacity, free_memory_bytes, plan_capacity
 from server.pings import measure_next_pings
 from server.placement import block_throughputs, choose_best_span, should_move
-from server.scheduler import PRIORITY_FORWARD, TaskPool
+from swarm.taskpool import PRIORITY_FORWARD, TaskPool
 from server.throughput import get_throughput, parse_throughput_mode
 from swarm import __version__
 from swarm.checkpoint import Checkpoint

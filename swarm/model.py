@@ -28,6 +28,7 @@ from swarm.families import FamilySpec, family_for
 from swarm.manager import ClientConfig, SwarmManager
 from swarm.records import dht_prefix_for
 from swarm.session import InferenceSession, SessionError
+from swarm.taskpool import PRIORITY_DECODE, PRIORITY_FORWARD, client_pool
 
 logger = logging.getLogger(__name__)
 
@@ -72,15 +73,19 @@ class ModelSession:
         return self
 
     def feed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Make the servers hold exactly `input_ids` [batch, n]; returns the last position's logits [batch, vocab]."""
+        """Make the servers hold exactly `input_ids` [batch, n]; returns the last position's logits [batch, vocab].
+
+        The embedding and the LM head run on the process's compute thread (`swarm.taskpool.client_pool`): the
+        heads of concurrent sessions' steps become one pass there."""
         reuse = self.reusable_prefix(input_ids)
         if reuse < self.session.position:
             self.session.rewind(reuse)
         new_ids = input_ids[:, reuse:]
-        hidden = self.model.embed(new_ids)
+        pool = client_pool()
+        hidden = pool.call(PRIORITY_DECODE, self.model.embed, new_ids)  # [batch, n, hidden]
         out = self.session.step(hidden)
         self.token_ids = input_ids.clone()
-        return self.model.head(out[:, -1:])[:, -1]
+        return pool.call_batchable(PRIORITY_DECODE, ("head", id(self.model)), self.model.head_rows, out[:, -1])
 
     def close(self) -> None:
         self.session.close()
@@ -141,6 +146,7 @@ class DistributedModelForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    @torch.no_grad()
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)  # [batch, seq] -> [batch, seq, hidden]
 
@@ -148,16 +154,24 @@ class DistributedModelForCausalLM(nn.Module):
         """[batch, seq, hidden] from the last block -> logits [batch, seq, vocab] (float32)."""
         return self.lm_head(self.norm(hidden.to(self.dtype))).float()
 
+    def head_rows(self, items: list) -> list:
+        """LM head for several sessions' last states in one pass: [b_i, hidden] each -> [b_i, vocab] each."""
+        with torch.no_grad():
+            logits = self.head(torch.cat(items) if len(items) > 1 else items[0])  # [sum b_i, vocab]
+        return list(torch.split(logits, [x.shape[0] for x in items]))
+
     def inference_session(self, max_length: int) -> ModelSession:
         return ModelSession(self, max_length)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> CausalLMOutput:
         """Logits for every position of `input_ids` [batch, seq] through the swarm (no cache)."""
         _reject_padding(attention_mask)
-        hidden = self.embed(input_ids)
+        pool = client_pool()
+        hidden = pool.call(PRIORITY_FORWARD, self.embed, input_ids)
         hidden = aio.run(self._forward_chain(hidden))
-        normed = self.norm(hidden.to(self.dtype))
-        return CausalLMOutput(logits=self.lm_head(normed).float(), hidden_states=normed)
+        normed = pool.call(PRIORITY_FORWARD, torch.no_grad()(lambda: self.norm(hidden.to(self.dtype))))
+        logits = pool.call(PRIORITY_FORWARD, torch.no_grad()(lambda: self.lm_head(normed).float()))
+        return CausalLMOutput(logits=logits, hidden_states=normed)
 
     async def _forward_chain(self, hidden: torch.Tensor) -> torch.Tensor:
         import asyncio
@@ -235,14 +249,11 @@ class DistributedModelForCausalLM(nn.Module):
             streamer.put(input_ids.cpu())
         ids = input_ids
         finished = torch.zeros(ids.shape[0], dtype=torch.bool)
+        pool = client_pool()
         try:
             for step in range(max_new):
                 logits = session.feed(ids)  # [batch, vocab]
-                scores = processors(ids, logits)
-                if config.do_sample:
-                    next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-                else:
-                    next_tokens = scores.argmax(dim=-1)
+                next_tokens = pool.call(PRIORITY_DECODE, _pick, processors, ids, logits, config.do_sample)
                 next_tokens = torch.where(finished, torch.full_like(next_tokens, pad), next_tokens)
                 ids = torch.cat([ids, next_tokens[:, None]], dim=1)
                 if streamer is not None:
@@ -260,6 +271,15 @@ class DistributedModelForCausalLM(nn.Module):
 
     def shutdown(self) -> None:
         self.manager.shutdown()
+
+
+@torch.no_grad()
+def _pick(processors: LogitsProcessorList, ids: torch.Tensor, logits: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    """The next token of each row [batch] from the last logits [batch, vocab], after the logits processors."""
+    scores = processors(ids, logits)
+    if do_sample:
+        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+    return scores.argmax(dim=-1)
 
 
 def _reject_padding(attention_mask: Optional[torch.Tensor]) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import sys
 import threading
@@ -27,27 +28,25 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SPINCOUNT = 30000
 _lock = threading.Lock()
-_libgomp: Optional[ctypes.CDLL] = None
-_looked = False
+_libs: dict = {}
 
 
-def _find_libgomp() -> Optional[ctypes.CDLL]:
-    """The libgomp that torch loaded (its own copy in torch/lib), if torch runs on OpenMP."""
-    global _libgomp, _looked
+def _loaded_library(fragment: str, symbol: str) -> Optional[ctypes.CDLL]:
+    """A shared library this process loaded (by a fragment of its path) that exports `symbol`, or None."""
     with _lock:
-        if not _looked:
-            _looked = True
+        if fragment not in _libs:
+            _libs[fragment] = None
             try:
                 with open("/proc/self/maps") as maps:
-                    paths = {line.split()[-1] for line in maps if "libgomp" in line}
+                    paths = {line.split()[-1] for line in maps if fragment in line}
                 for path in sorted(paths):
                     lib = ctypes.CDLL(path)
-                    lib.omp_get_max_threads.restype = ctypes.c_int
-                    _libgomp = lib
-                    break
+                    if hasattr(lib, symbol):
+                        _libs[fragment] = lib
+                        break
             except OSError as e:  # not Linux, or an unreadable maps file: nothing to do
-                logger.debug(f"libgomp not found: {e}")
-        return _libgomp
+                logger.debug(f"{fragment} not found: {e}")
+        return _libs[fragment]
 
 
 def tune_openmp_env() -> bool:
@@ -61,14 +60,69 @@ def tune_openmp_env() -> bool:
 def serial_torch_here() -> bool:
     """Make tensor work started by the calling thread run on this thread only (no OpenMP team).
 
-    Affects only the calling thread: other threads keep torch's configured number of threads. Returns whether
-    it could be applied (False where torch does not use libgomp).
+    Affects only the calling thread (OpenMP's and MKL's thread-local counts): other threads keep torch's
+    configured number of threads. Returns whether it could be applied (False where torch does not use libgomp).
     """
     import torch
 
     torch.get_num_threads()  # torch sets each thread's OpenMP thread count lazily, once: let it happen first
-    lib = _find_libgomp()
-    if lib is None:
+    gomp = _loaded_library("libgomp", "omp_set_num_threads")
+    if gomp is None:
         return False
-    lib.omp_set_num_threads(1)
-    return lib.omp_get_max_threads() == 1
+    gomp.omp_set_num_threads(1)
+    mkl = _loaded_library("libtorch_cpu", "mkl_set_num_threads_local")  # MKL (in torch) has its own thread count
+    if mkl is not None:
+        # in torch's build this symbol is the Fortran-style entry point (same address as `..._local_`): by pointer
+        mkl.mkl_set_num_threads_local(ctypes.byref(ctypes.c_int(1)))
+    gomp.omp_get_max_threads.restype = ctypes.c_int
+    return gomp.omp_get_max_threads() == 1
+
+
+class FreeCores:
+    """How many threads a compute thread should use now: the cores that other processes leave free.
+
+    Processes of a swarm on one machine (a client and servers on loopback, or a gateway next to a server) take
+    turns while one session decodes, but all compute at once under concurrent sessions. Then every process using
+    all cores oversubscribes them: an OpenMP barrier waits for a worker the OS has descheduled, and each kernel
+    costs a time slice. So before each task the compute thread asks `threads()`: from `/proc/stat` (all cores'
+    busy time) minus this process's own CPU time over the last `interval` seconds, it estimates the cores other
+    processes keep busy and answers the cores they leave, rounded up (processes that take turns with this one
+    leave it all cores while it computes): at least 1, at most `max_threads`. On a machine of its own the answer
+    stays `max_threads`.
+    """
+
+    def __init__(self, max_threads: int, interval: float = 0.1, smoothing: float = 0.5):
+        import time
+
+        self._clock = time.monotonic
+        self.max_threads = max(1, max_threads)
+        self.cores = os.cpu_count() or 1
+        self.interval, self.smoothing = interval, smoothing
+        self.others = 0.0  # cores kept busy by other processes (smoothed)
+        self.current = self.max_threads
+        self._hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._last = self._sample()
+
+    def _sample(self) -> Optional[tuple]:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)  # all but idle and iowait
+        return self._clock(), busy / self._hz, sum(os.times()[:2])
+
+    def threads(self) -> int:
+        if self._last is None or self.max_threads == 1:
+            return self.current
+        if self._clock() - self._last[0] < self.interval:
+            return self.current
+        sample = self._sample()
+        if sample is None:
+            return self.current
+        wall = sample[0] - self._last[0]
+        others = max(0.0, (sample[1] - self._last[1]) - (sample[2] - self._last[2])) / wall
+        self._last = sample
+        self.others = self.smoothing * self.others + (1 - self.smoothing) * others
+        self.current = max(1, min(self.max_threads, math.ceil(self.cores - self.others - 1e-6)))
+        return self.current

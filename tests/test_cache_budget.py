@@ -18,7 +18,7 @@ import torch
 from swarm.session import SessionError
 
 from server.cache import CacheBudget, OutOfCacheError
-from server.scheduler import PRIORITY_FORWARD, PRIORITY_INFERENCE, TaskPool
+from swarm.taskpool import PRIORITY_FORWARD, PRIORITY_INFERENCE, TaskPool
 from swarm.records import fetch_block_records
 from tests.procs import SwarmProcess
 
