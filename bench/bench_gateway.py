@@ -123,6 +123,7 @@ def main() -> int:
             "gateway_decode_speed_vs_direct": round(g["decode_tokens_per_s"] / d["decode_tokens_per_s"], 3),
             "gateway_ttft_overhead_s": round(g["ttft_s"] - d["ttft_s"], 4),
             "cpu_count": os.cpu_count(),
+            "gateway_peak_rss_mb": _peak_rss_mb(gateway.proc.pid),
         }
         print(json.dumps(result))
         return 0
@@ -131,6 +132,15 @@ def main() -> int:
             model.shutdown()
         for proc in reversed(procs):
             proc.terminate()
+
+
+def _peak_rss_mb(pid: int) -> float:
+    """Peak RSS (VmHWM) of the gateway process, in MB."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    return 0.0
 
 
 if __name__ == "__main__":

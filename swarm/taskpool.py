@@ -21,7 +21,7 @@ from typing import Any, Callable, Hashable, List, Optional
 
 import torch
 
-from swarm.threads import FreeCores
+from swarm.threads import FreeCores, set_threads_here
 
 logger = logging.getLogger(__name__)
 
@@ -102,12 +102,14 @@ class TaskPool:
         if not self._queue.empty():
             self._last_overlap = now
         wanted = self._cores.threads() if now - self._last_overlap < OVERLAP_MEMORY else self._cores.max_threads
-        if wanted != torch.get_num_threads():
-            torch.set_num_threads(wanted)  # this thread is the process's only tensor thread
+        if wanted != self._threads:
+            set_threads_here(wanted)  # this worker's count only: other threads of the process keep theirs
+            self._threads = wanted
 
     def _run(self) -> None:
         if self._adapt:  # torch threads for each task: the cores other processes leave free
             self._cores = FreeCores(torch.get_num_threads())
+            self._threads = self._cores.max_threads
         while True:
             task = self._queue.get()
             self._adapt_threads()

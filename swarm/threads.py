@@ -57,11 +57,12 @@ def tune_openmp_env() -> bool:
     return True
 
 
-def serial_torch_here() -> bool:
-    """Make tensor work started by the calling thread run on this thread only (no OpenMP team).
+def set_threads_here(count: int) -> bool:
+    """Make tensor work started by the calling thread use `count` threads (1: this thread alone, no team).
 
-    Affects only the calling thread (OpenMP's and MKL's thread-local counts): other threads keep torch's
-    configured number of threads. Returns whether it could be applied (False where torch does not use libgomp).
+    Affects only the calling thread (OpenMP's and MKL's thread-local counts), unlike `torch.set_num_threads`,
+    which also changes MKL's count for the whole process. Returns whether it could be applied (False where torch
+    does not use libgomp).
     """
     import torch
 
@@ -69,13 +70,18 @@ def serial_torch_here() -> bool:
     gomp = _loaded_library("libgomp", "omp_set_num_threads")
     if gomp is None:
         return False
-    gomp.omp_set_num_threads(1)
+    gomp.omp_set_num_threads(count)
     mkl = _loaded_library("libtorch_cpu", "mkl_set_num_threads_local")  # MKL (in torch) has its own thread count
     if mkl is not None:
         # in torch's build this symbol is the Fortran-style entry point (same address as `..._local_`): by pointer
-        mkl.mkl_set_num_threads_local(ctypes.byref(ctypes.c_int(1)))
+        mkl.mkl_set_num_threads_local(ctypes.byref(ctypes.c_int(count)))
     gomp.omp_get_max_threads.restype = ctypes.c_int
-    return gomp.omp_get_max_threads() == 1
+    return gomp.omp_get_max_threads() == count
+
+
+def serial_torch_here() -> bool:
+    """Make tensor work started by the calling thread run on this thread only (no OpenMP team)."""
+    return set_threads_here(1)
 
 
 class FreeCores:
