@@ -90,6 +90,8 @@ def main() -> int:
         bootstrap = start_bootstrap()
         procs.append(bootstrap)
         procs.extend(start_servers(path, bootstrap.maddr, ["0:15", "15:30"], prefix))
+        from bench_throughput import peak_rss_mb  # bench/ is on the path when a benchmark runs as a script
+
         gateway = SwarmProcess(["gateway", path, "--initial_peers", bootstrap.maddr, "--dht_prefix", prefix,
                                 "--port", "0", "--num_threads", "1"], "bench-gateway")
         procs.append(gateway)
@@ -123,7 +125,7 @@ def main() -> int:
             "gateway_decode_speed_vs_direct": round(g["decode_tokens_per_s"] / d["decode_tokens_per_s"], 3),
             "gateway_ttft_overhead_s": round(g["ttft_s"] - d["ttft_s"], 4),
             "cpu_count": os.cpu_count(),
-            "gateway_peak_rss_mb": _peak_rss_mb(gateway.proc.pid),
+            "gateway_peak_rss_mb": peak_rss_mb(gateway.proc.pid),
         }
         print(json.dumps(result))
         return 0
@@ -132,15 +134,6 @@ def main() -> int:
             model.shutdown()
         for proc in reversed(procs):
             proc.terminate()
-
-
-def _peak_rss_mb(pid: int) -> float:
-    """Peak RSS (VmHWM) of the gateway process, in MB."""
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    return 0.0
 
 
 if __name__ == "__main__":
