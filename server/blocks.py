@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from server.cache import SessionKV
-from server.decode import decode_step, fuse_layer
+from server.decode import attention_backends, decode_step, fuse_layer
 from swarm.checkpoint import Checkpoint
 from swarm.families import FamilySpec, family_for
 
@@ -49,6 +49,16 @@ class BlockSpan(nn.Module):
         self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.fused: list = []  # server.decode's view of the layers (Llama-style families)
+        self.graphs = None  # server.graphs.SpanGraphs once `enable_cuda_graphs` ran
+
+    def enable_cuda_graphs(self) -> bool:
+        """Replay single-session decode steps as CUDA graphs (CUDA devices, Llama-style layers); True if on."""
+        if self.device.type != "cuda" or not self.can_batch:
+            return False
+        from server.graphs import SpanGraphs
+
+        self.graphs = SpanGraphs(self.device, self.hidden_size, self.head_dim)
+        return True
 
     @classmethod
     def load(cls, checkpoint: Checkpoint, start: int, end: int, dtype_name: str = "auto",
@@ -118,9 +128,19 @@ class BlockSpan(nn.Module):
         cos, sin = self.rotary(x, position_ids)  # [rows, 1, head_dim]
         for _, pos, kv in items:
             kv.begin_step(pos)
+        layers = self.fused[first - self.start:last - self.start]
         try:
-            x = decode_step(self.fused[first - self.start:last - self.start], x, cos[:, 0], sin[:, 0],
-                            [(size, kv) for size, (_, _, kv) in zip(sizes, items)])
+            if self.graphs is not None and len(items) <= self.graphs.max_sessions:
+                # each session replays its captured step (one launch each): cheaper than the eager batch's
+                # hundreds of kernel launches until the batch is large enough for the weights' reads to dominate
+                parts, row = [], 0
+                for size, (_, pos, kv) in zip(sizes, items):
+                    parts.append(self.graphs.step(layers, (first, last), kv, x[row:row + size], cos[row:row + size, 0],
+                                                  sin[row:row + size, 0], pos))
+                    row += size
+                x = parts[0] if len(parts) == 1 else torch.cat(parts)
+            else:
+                x = decode_step(layers, x, cos[:, 0], sin[:, 0], [(size, kv) for size, (_, _, kv) in zip(sizes, items)])
         except BaseException:
             for _, _, kv in items:
                 kv.abort_step()
@@ -152,14 +172,19 @@ class BlockSpan(nn.Module):
         if kv is not None:
             kv.begin_step(start_position)
         try:
-            for layer in self.layers[first - self.start:last - self.start]:
-                out = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=kv,
-                            use_cache=kv is not None, position_embeddings=position_embeddings)
-                hidden = out[0] if isinstance(out, tuple) else out
+            with attention_backends(self.device):
+                hidden = self._layers(hidden, mask, position_ids, position_embeddings, kv, first, last)
         except BaseException:
             if kv is not None:
                 kv.abort_step()
             raise
         if kv is not None:
             kv.end_step(seq)
+        return hidden
+
+    def _layers(self, hidden, mask, position_ids, position_embeddings, kv, first: int, last: int) -> torch.Tensor:
+        for layer in self.layers[first - self.start:last - self.start]:
+            out = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=kv,
+                        use_cache=kv is not None, position_embeddings=position_embeddings)
+            hidden = out[0] if isinstance(out, tuple) else out
         return hidden

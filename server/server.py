@@ -73,6 +73,8 @@ class ServerConfig(ProcessConfig):
                                       description="serve this many blocks (default: as many as fit in free memory)")
     device: str = Field(default="cpu", description="torch device (cpu, cuda, cuda:1, ...)")
     torch_dtype: str = Field(default="auto", description="auto, float32, float16 or bfloat16")
+    cuda_graphs: bool = Field(default=True, description="on CUDA devices, replay each session's single-token decode "
+                                                         "step as a CUDA graph (Llama-style models)")
     attn_cache_tokens: Optional[int] = Field(
         default=None, gt=0, description="KV cache budget in tokens (batch x length); default: up to 16384, less if "
                                         "memory is short")
@@ -292,6 +294,8 @@ class Server:
         began = time.monotonic()
         span = await self._compute_pool().submit(PRIORITY_FORWARD, BlockSpan.load, self.checkpoint, self.start,
                                                  self.end, self.config.torch_dtype, self.config.device)
+        if self.config.cuda_graphs and span.enable_cuda_graphs():
+            logger.info("single-session decode steps replay CUDA graphs")
         handler = BlockHandler(span, self.config.model, __version__, CacheBudget(self.capacity.attn_cache_tokens),
                                self._compute_pool(), max_length=self.config.max_length, alloc_timeout=self.config.alloc_timeout,
                                step_timeout=self.config.step_timeout)

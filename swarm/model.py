@@ -108,7 +108,8 @@ class DistributedModelForCausalLM(nn.Module):
     # ---- loading ------------------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, torch_dtype: Union[str, torch.dtype] = torch.float32,
-                        cache_dir: Optional[str] = None, dht=None, **client_kwargs) -> "DistributedModelForCausalLM":
+                        cache_dir: Optional[str] = None, dht=None, device: Union[str, torch.device] = "cpu",
+                        **client_kwargs) -> "DistributedModelForCausalLM":
         client_config = ClientConfig(**client_kwargs)
         checkpoint = Checkpoint(name_or_path, cache_dir=cache_dir)
         config = checkpoint.load_config()
@@ -136,7 +137,7 @@ class DistributedModelForCausalLM(nn.Module):
             generation_config = GenerationConfig.from_model_config(config)
         prefix = client_config.dht_prefix or dht_prefix_for(name_or_path)
         manager = SwarmManager(client_config, prefix, config.num_hidden_layers, dht=dht)
-        model = cls(config, family, manager, embed, norm, lm_head, generation_config).eval()
+        model = cls(config, family, manager, embed, norm, lm_head, generation_config).to(device).eval()
         model.requires_grad_(False)
         model.name_or_path = name_or_path
         return model
@@ -146,13 +147,19 @@ class DistributedModelForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    @property
+    def device(self) -> torch.device:
+        """Where the embeddings, norm and head run (`from_pretrained(device=...)`); token ids and logits stay on
+        the CPU, hidden states cross to the servers from either."""
+        return self.embed_tokens.weight.device
+
     @torch.no_grad()
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)  # [batch, seq] -> [batch, seq, hidden]
+        return self.embed_tokens(input_ids.to(self.device))  # [batch, seq] -> [batch, seq, hidden]
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[batch, seq, hidden] from the last block -> logits [batch, seq, vocab] (float32)."""
-        return self.lm_head(self.norm(hidden.to(self.dtype))).float()
+        """[batch, seq, hidden] from the last block -> logits [batch, seq, vocab] (float32, on the CPU)."""
+        return self.lm_head(self.norm(hidden.to(self.device, self.dtype))).float().cpu()
 
     def head_rows(self, items: list) -> list:
         """LM head for several sessions' last states in one pass: [b_i, hidden] each -> [b_i, vocab] each."""
@@ -169,9 +176,9 @@ class DistributedModelForCausalLM(nn.Module):
         pool = client_pool()
         hidden = pool.call(PRIORITY_FORWARD, self.embed, input_ids)
         hidden = aio.run(self._forward_chain(hidden))
-        normed = pool.call(PRIORITY_FORWARD, torch.no_grad()(lambda: self.norm(hidden.to(self.dtype))))
-        logits = pool.call(PRIORITY_FORWARD, torch.no_grad()(lambda: self.lm_head(normed).float()))
-        return CausalLMOutput(logits=logits, hidden_states=normed)
+        normed = pool.call(PRIORITY_FORWARD, torch.no_grad()(lambda: self.norm(hidden.to(self.device, self.dtype))))
+        logits = pool.call(PRIORITY_FORWARD, torch.no_grad()(lambda: self.lm_head(normed).float().cpu()))
+        return CausalLMOutput(logits=logits, hidden_states=normed.cpu())
 
     async def _forward_chain(self, hidden: torch.Tensor) -> torch.Tensor:
         import asyncio
