@@ -11,6 +11,7 @@ import asyncio
 from typing import Callable, Optional
 
 from gateway.errors import rate_limited, unavailable
+from swarm import malloc
 
 
 class Admission:
@@ -50,6 +51,8 @@ class Admission:
         self.running -= 1
         self.semaphore.release()
         self._on_change(self)
+        if self.running == 0:
+            malloc.trim()  # the last generation finished: what it freed back to the OS (swarm.malloc)
 
 
 class Slot:

@@ -42,6 +42,7 @@ from gateway.schemas import DetokenizeRequest, ModelCard, ModelList, TokenizeReq
 from gateway.session_pool import SessionPool
 from gateway.state import GatewayState, format_ranges
 from gateway.tokens import Tokens
+from swarm import malloc
 
 logger = logging.getLogger("swarmgate.gateway")
 
@@ -94,7 +95,9 @@ def load_tokenizer(config: GatewayConfig):
 
     from swarm.checkpoint import Checkpoint
 
-    return AutoTokenizer.from_pretrained(Checkpoint(config.model).config_dir)
+    checkpoint = Checkpoint(config.model)
+    # with the model config given, AutoTokenizer does not load it through AutoConfig (swarm.model_config: why)
+    return AutoTokenizer.from_pretrained(checkpoint.config_dir, config=checkpoint.load_config())
 
 
 def _eos_ids(model) -> list:
@@ -254,8 +257,13 @@ def main(argv=None) -> int:
     model: Optional[object] = None
     try:
         sock = _listen(config.host, config.port)
+        # the tokenizer first: what parsing it takes and frees (tens of MB) goes back to the OS before the weights
+        # come, so that the two never add up in the peak
+        tokenizer = load_tokenizer(config)
+        malloc.trim()
         model = load_model(config)
-        app = create_app(config, model=model)
+        app = create_app(config, model=model, tokenizer=tokenizer)
+        malloc.trim()
         # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; with these handlers in place that only
         # returns here, so that the client model's DHT (a child process) is shut down instead of orphaned
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -5,9 +5,11 @@ imports happen on first use so that servers and tools importing `swarm.*` module
 """
 __version__ = "0.1.0"
 
+from swarm.deferred_imports import defer_unused_imports as _defer_unused_imports  # noqa: E402
 from swarm.threads import tune_openmp_env as _tune_openmp_env  # noqa: E402
 
 _tune_openmp_env()  # before torch loads, if it has not yet (swarm.threads)
+_defer_unused_imports()  # before hivemind loads: it imports scipy.optimize, which we never use (swarm.deferred_imports)
 
 __all__ = ["AutoDistributedModelForCausalLM", "DistributedModelForCausalLM", "__version__"]
 

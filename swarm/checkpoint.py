@@ -78,11 +78,12 @@ class Checkpoint:
         return str(self.local_dir) if self.local_dir is not None else self.name
 
     def load_config(self):
-        from transformers import AutoConfig
+        """The model's config (`swarm.model_config`: without importing transformers' model classes)."""
+        from swarm.model_config import model_config
 
         try:
-            return AutoConfig.from_pretrained(self.config_dir, cache_dir=self.cache_dir, revision=self.revision)
-        except (OSError, ValueError) as e:
+            return model_config(json.loads(self.file("config.json").read_text()))
+        except (CheckpointError, OSError, ValueError, TypeError) as e:
             raise CheckpointError(f"cannot read the model config of {self.name!r}: {e}") from None
 
     def weight_map(self) -> Dict[str, str]:
@@ -127,11 +128,48 @@ def _tensor_names(path: Path) -> Iterable[str]:
     return list(torch.load(str(path), map_location="cpu", weights_only=True, mmap=True).keys())
 
 
+# safetensors dtype names (https://github.com/huggingface/safetensors, format: little-endian, C order)
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U64": torch.uint64,
+    "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def _read_safetensors(path: Path, names: List[str]):
+    """Read tensors with plain file reads into memory of their own.
+
+    `safe_open(...).get_tensor` returns views of a mapping of the whole file that lives while any of them does:
+    every page ever read (also of tensors later copied and freed, e.g. fused) would stay in the process's
+    resident set. Here the file's pages stay in the page cache only, and each tensor owns exactly its bytes.
+    """
+    with open(path, "rb", buffering=0) as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+        base = 8 + header_len
+        for name in names:
+            info = header[name]
+            if info["dtype"] not in SAFETENSORS_DTYPES:
+                raise CheckpointError(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}")
+            tensor = torch.empty(info["shape"], dtype=SAFETENSORS_DTYPES[info["dtype"]])
+            begin, end = info["data_offsets"]
+            buffer = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+            if end - begin != len(buffer):
+                raise CheckpointError(f"{path.name}: tensor {name} has {end - begin} bytes, expected {len(buffer)}")
+            f.seek(base + begin)
+            done = 0
+            while done < len(buffer):
+                read = f.readinto(buffer[done:])
+                if not read:
+                    raise CheckpointError(f"{path.name} is truncated (tensor {name})")
+                done += read
+            yield name, tensor
+
+
 def _read_tensors(path: Path, names: List[str]):
     if path.suffix == ".safetensors":
-        with safe_open(str(path), framework="pt") as f:
-            for name in names:
-                yield name, f.get_tensor(name)
+        yield from _read_safetensors(path, names)
     else:
         state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
         for name in names:

@@ -2,8 +2,9 @@
 
 Client and server must agree on how a checkpoint is cut: which tensors belong to block i (the server loads
 those), and which are the embeddings, final norm and LM head (the client loads those). One `FamilySpec` per
-supported `config.model_type`; the classes are looked up in the family's `transformers` modeling module.
-Llama-style decoder layers (Llama, Mistral, Qwen2) share one calling convention:
+supported `config.model_type`; the classes are looked up in the family's modeling module: `swarm.layers` for the
+Llama-style families (the computations of transformers' modeling code without its imports, see there), which
+share one calling convention:
 `layer(hidden, attention_mask, position_ids, past_key_values, position_embeddings=(cos, sin))`.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ class FamilySpec:
     layer_class: str
     rotary_class: Optional[str]
     norm_class: str
-    module: str  # transformers modeling module
+    module: str  # where the layer, rotary and norm classes are
 
     def block_tensor_prefix(self, index: int) -> str:
         return self.block_prefix.format(index)
@@ -46,7 +47,7 @@ def _llama_like(model_type: str, camel: str) -> FamilySpec:
         layer_class=f"{camel}DecoderLayer",
         rotary_class=f"{camel}RotaryEmbedding",
         norm_class=f"{camel}RMSNorm",
-        module=f"transformers.models.{model_type}.modeling_{model_type}",
+        module="swarm.layers",
     )
 
 

@@ -85,7 +85,8 @@ class ModelSession:
         hidden = pool.call(PRIORITY_DECODE, self.model.embed, new_ids)  # [batch, n, hidden]
         out = self.session.step(hidden)
         self.token_ids = input_ids.clone()
-        return pool.call_batchable(PRIORITY_DECODE, ("head", id(self.model)), self.model.head_rows, out[:, -1])
+        return pool.call_batchable(PRIORITY_DECODE, ("head", id(self.model)), self.model.head_rows, out[:, -1],
+                                   source=id(self))
 
     def close(self) -> None:
         self.session.close()

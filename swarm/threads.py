@@ -84,6 +84,9 @@ def serial_torch_here() -> bool:
     return set_threads_here(1)
 
 
+SHARE_SLACK = 0.25  # others busy on a core less than this share of the time leave it free
+
+
 class FreeCores:
     """How many threads a compute thread should use now: the cores that other processes leave free.
 
@@ -92,9 +95,10 @@ class FreeCores:
     all cores oversubscribes them: an OpenMP barrier waits for a worker the OS has descheduled, and each kernel
     costs a time slice. So before each task the compute thread asks `threads()`: from `/proc/stat` (all cores'
     busy time) minus this process's own CPU time over the last `interval` seconds, it estimates the cores other
-    processes keep busy and answers the cores they leave, rounded up (processes that take turns with this one
-    leave it all cores while it computes): at least 1, at most `max_threads`. On a machine of its own the answer
-    stays `max_threads`.
+    processes keep busy and answers the cores they leave, a core counting as taken once others keep it busy more
+    than `SHARE_SLACK` of the time (concurrent sessions do not take turns: sharing a core with a busy process
+    costs far more than using one core fewer): at least 1, at most `max_threads`. On a machine of its own the
+    answer stays `max_threads`. A lone session's chain does not ask (`swarm.taskpool`): it keeps all threads.
     """
 
     def __init__(self, max_threads: int, interval: float = 0.1, smoothing: float = 0.5):
@@ -130,5 +134,5 @@ class FreeCores:
         others = max(0.0, (sample[1] - self._last[1]) - (sample[2] - self._last[2])) / wall
         self._last = sample
         self.others = self.smoothing * self.others + (1 - self.smoothing) * others
-        self.current = max(1, min(self.max_threads, math.ceil(self.cores - self.others - 1e-6)))
+        self.current = max(1, min(self.max_threads, math.floor(self.cores - self.others + SHARE_SLACK)))
         return self.current

@@ -1,5 +1,6 @@
-"""The lean decode path (`server.decode`) against the Hugging Face layers it replaces, per family, on tiny random
-checkpoints: one session and several sessions of different batch sizes and lengths in one pass."""
+"""The lean decode path (`server.decode`) against the layers it replaces (`swarm.layers`, which tests/test_layers.py
+checks against transformers'), per family, on tiny random checkpoints: one session and several sessions of
+different batch sizes and lengths in one pass."""
 from __future__ import annotations
 
 import pytest

@@ -1,0 +1,54 @@
+"""A checkpoint's `config.json` as a config object, without transformers' model-specific config classes.
+
+In transformers 5, importing `LlamaConfig` (what `AutoConfig` does for a llama checkpoint) imports the model
+package and its type validators, and with them torch._dynamo, torch.distributed and sympy: about 100 MB of
+resident memory in every process that merely reads a config (servers, clients, the gateway). `model_config`
+builds transformers' base `PreTrainedConfig` from the file instead, with what the family's config class would
+add: its defaults for absent keys (`FAMILY_DEFAULTS`, copied from the transformers classes; a test compares
+them), `head_dim` and `num_key_value_heads` derived as those classes do, and the RoPE parameters standardized
+by transformers' own `standardize_rope_params` (legacy `rope_theta` / `rope_scaling` keys included).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+# defaults of transformers' LlamaConfig, MistralConfig and Qwen2Config for the keys a checkpoint may leave out
+_COMMON: Dict[str, Any] = dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                               hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False, use_cache=True,
+                               attention_dropout=0.0, initializer_range=0.02, pad_token_id=None, head_dim=None)
+FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
+    "llama": {**_COMMON, "intermediate_size": 11008, "num_key_value_heads": None, "max_position_embeddings": 2048,
+              "bos_token_id": 1, "eos_token_id": 2, "pretraining_tp": 1, "attention_bias": False, "mlp_bias": False},
+    "mistral": {**_COMMON, "intermediate_size": 14336, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32,
+                "bos_token_id": 1, "eos_token_id": 2, "sliding_window": 4096},
+    "qwen2": {**_COMMON, "vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32,
+              "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
+              "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28},
+}
+_ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta")
+
+
+def model_config(data: Dict[str, Any]):
+    """The config of a `config.json` dict (a `transformers.PreTrainedConfig`; attributes as the family's class)."""
+    from transformers.configuration_utils import PreTrainedConfig
+
+    values = dict(data)
+    family = values.get("model_type")
+    defaults = FAMILY_DEFAULTS.get(family)
+    if defaults is None:  # not a family we serve: its keys as they are (`family_for` rejects it with a clear error)
+        return PreTrainedConfig(**values)
+    values = {**defaults, **values}
+    rope = {key: values.pop(key, None) for key in _ROPE_KEYS}
+    config = PreTrainedConfig(**values)
+    if config.head_dim is None:
+        config.head_dim = config.hidden_size // config.num_attention_heads
+    if config.num_key_value_heads is None:
+        config.num_key_value_heads = config.num_attention_heads
+    if family == "qwen2" and not config.use_sliding_window:
+        config.sliding_window = None
+    # as the family classes do: rope_scaling (legacy) or rope_parameters, with rope_theta (default 10000) inside
+    parameters = dict(rope["rope_scaling"] or rope["rope_parameters"] or {})
+    parameters.setdefault("rope_theta", rope["rope_theta"] if rope["rope_theta"] is not None else config.default_theta)
+    config.rope_parameters = parameters
+    config.standardize_rope_params()
+    return config

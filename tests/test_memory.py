@@ -1,0 +1,113 @@
+"""What keeps our processes' memory small, each checked for its effect (not for RSS numbers, which vary).
+
+Checkpoint tensors are read into memory of their own (no mapping of the file stays behind), a block server's
+imports and blocks need no transformers model module (nor torch._dynamo, nor scipy.optimize), the compute thread
+drops a finished task's arguments (a session's KV cache), and `swarm.malloc.trim` works where glibc is.
+"""
+from __future__ import annotations
+
+import gc
+import platform
+import subprocess
+import sys
+import threading
+import weakref
+
+import pytest
+import torch
+
+
+def test_safetensors_reads_equal_safe_open_and_own_their_memory(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from swarm.checkpoint import _read_safetensors
+
+    tensors = {
+        "f32": torch.randn(3, 5), "bf16": torch.randn(4, 2).to(torch.bfloat16), "f16": torch.randn(7).half(),
+        "i64": torch.arange(6).reshape(2, 3), "bool": torch.tensor([True, False, True]), "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4), "u8": torch.arange(10, dtype=torch.uint8),
+    }
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path))
+    names = sorted(tensors)
+    got = dict(_read_safetensors(path, names))
+    with open("/proc/self/maps") as maps:  # nothing of the file is mapped into the process
+        assert str(path) not in maps.read()
+    with safe_open(str(path), framework="pt") as f:
+        for name in names:
+            expected = f.get_tensor(name)
+            assert got[name].dtype == expected.dtype and got[name].shape == expected.shape, name
+            assert torch.equal(got[name], expected), name
+
+
+def test_compute_thread_drops_a_finished_tasks_arguments():
+    from swarm.taskpool import PRIORITY_DECODE, TaskPool
+
+    class Cache:  # stands for a session's KV cache, passed to a task
+        pass
+
+    pool = TaskPool(adapt_threads=False)
+    try:
+        plain, batched = Cache(), Cache()
+        refs = [weakref.ref(plain), weakref.ref(batched)]
+        assert pool.call(PRIORITY_DECODE, lambda cache: 1, plain) == 1
+        assert pool.call_batchable(PRIORITY_DECODE, "key", lambda items: [2] * len(items), batched) == 2
+        del plain, batched
+        gc.collect()
+        assert [ref() for ref in refs] == [None, None]  # while the worker waits for its next task
+    finally:
+        pool.shutdown()
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_malloc_trim_works_on_glibc():
+    from swarm import malloc
+
+    junk = [bytearray(1 << 16) for _ in range(256)]
+    del junk
+    assert malloc.trim()
+    assert threading.Thread(target=malloc.trim).start() is None  # from any thread
+
+
+def _run(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.split("\n")[-2]
+
+
+def test_deferred_scipy_optimize_loads_on_first_use():
+    code = (
+        "import sys, swarm, hivemind\n"
+        "placeholder = type(sys.modules['scipy.optimize']).__name__\n"
+        "from hivemind.averaging.load_balancing import load_balance_peers\n"
+        "print(placeholder, sum(load_balance_peers(100, [1.0, 3.0])), type(sys.modules['scipy.optimize']).__name__)\n"
+    )
+    assert _run(code) == "_Placeholder 100 module"  # linprog (scipy.optimize) ran
+
+
+def test_a_block_server_needs_no_transformers_model_module(tmp_path):
+    """Config, blocks (with a forward pass) and the client's norm come from swarm.layers / swarm.model_config."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_families import _configs
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_configs()["qwen2"]).save_pretrained(tmp_path)
+    code = (
+        "import sys, swarm, torch, server.server\n"
+        "from server.blocks import BlockSpan\n"
+        "from swarm.checkpoint import Checkpoint\n"
+        "from swarm.families import family_for\n"
+        f"checkpoint = Checkpoint({str(tmp_path)!r})\n"
+        "span = BlockSpan.load(checkpoint, 0, 2, 'float32')\n"
+        "kv = span.new_session_kv(1, 8, 0, 2)\n"
+        "span.forward(torch.randn(1, 5, span.hidden_size), 0, kv)\n"
+        "span.forward_batch([(torch.randn(1, 1, span.hidden_size), 5, kv)], 0, 2)\n"
+        "family = family_for(checkpoint.load_config())\n"
+        "family.import_class(family.norm_class)(span.hidden_size)\n"
+        "heavy = [m for m in sys.modules if m.startswith('transformers.models.') or m in "
+        "('transformers.modeling_utils', 'torch._dynamo', 'scipy.optimize._optimize')]\n"
+        "print(heavy)\n"
+    )
+    assert _run(code) == "[]"

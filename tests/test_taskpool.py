@@ -1,0 +1,72 @@
+"""The compute thread's batching (`swarm.taskpool`): items of one key become one call, and the worker waits
+briefly for the sources (sessions) due in a round, so that sessions whose steps arrive a little apart share a pass
+instead of drifting into separate ones."""
+from __future__ import annotations
+
+import threading
+import time
+
+from swarm.taskpool import PRIORITY_DECODE, Gatherer, TaskPool
+
+
+def _sessions(pool: TaskPool, stagger: float, steps: int = 8, work: float = 0.05) -> list:
+    """Two sessions step in lock-step rounds, the second's item `stagger` s after the first's; returns batch sizes."""
+    sizes = []
+
+    def batch(items):
+        sizes.append(len(items))
+        time.sleep(work)  # the pass itself
+        return [x * 2 for x in items]
+
+    def session(index):
+        for step in range(steps):
+            if index == 1:
+                time.sleep(stagger)
+            assert pool.call_batchable(PRIORITY_DECODE, "decode", batch, step, source=f"s{index}") == step * 2
+
+    threads = [threading.Thread(target=session, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sizes
+
+
+def test_staggered_sessions_share_passes():
+    # a pass takes 50 ms, so the worker waits up to 25 ms: far more than the 10 ms stagger, even on a loaded machine
+    pool = TaskPool(adapt_threads=False, gather_max=0.5)
+    try:
+        sizes = _sessions(pool, stagger=0.01)
+    finally:
+        pool.shutdown()
+    assert sum(sizes) == 16
+    # the first rounds teach the pool the sessions' periods; after that each round is one pass of both (the
+    # session that started alone stays a step ahead, so the last step of the other runs alone)
+    assert sizes.count(2) >= 5, sizes
+
+
+def test_without_waiting_staggered_sessions_run_apart():
+    pool = TaskPool(adapt_threads=False, gather_max=0.0)
+    try:
+        sizes = _sessions(pool, stagger=0.01)
+    finally:
+        pool.shutdown()
+    assert sum(sizes) == 16 and max(sizes) == 1, sizes  # what the waiting above fixes
+
+
+def test_a_single_source_never_waits():
+    gatherer = Gatherer(gather_max=1.0)
+    for t in (0.0, 0.1, 0.2):
+        gatherer.note("k", ["a"], t)
+    assert gatherer.due("k", {"a"}, 0.25) == set()
+
+
+def test_a_source_that_went_quiet_is_no_longer_due():
+    gatherer = Gatherer(gather_max=1.0)
+    for t in (0.0, 0.1, 0.2):
+        gatherer.note("k", ["a", "b"], t)
+    gatherer.note("k", ["a"], 0.3)
+    assert gatherer.due("k", {"a"}, 0.31) == {"b"}  # its period is 0.1 s and it was last seen 0.11 s ago
+    assert gatherer.due("k", {"a"}, 0.45) == set()  # more than two periods: it stopped (its session ended)
+    gatherer.computed("k", 0.004)
+    assert gatherer.wait_limit("k") == 0.002  # half a pass
