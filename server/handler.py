@@ -24,7 +24,7 @@ from server.blocks import BlockSpan
 from server.cache import CacheBudget, OutOfCacheError
 from server.push import PushRouter, PushSender
 from swarm.taskpool import PRIORITY_DECODE, PRIORITY_FORWARD, PRIORITY_PREFILL, TaskPool
-from swarm import protocol as P
+from swarm import malloc, protocol as P
 
 logger = logging.getLogger(__name__)
 
@@ -191,12 +191,15 @@ class BlockHandler(P.BlockRPC):
                 yield P.make_response(P.StepResult(position=kv.length, step_id=step.step_id, pushed=was_pushed),
                                       [output])
         finally:
+            kv = None  # the session's cache buffers are freed here
             if registered is not None:
                 self.push_router.unregister(registered)
             if pump is not None:
                 pump.cancel()
             if handle is not None:
                 await self.budget.release(handle)
+                if self.budget.num_sessions == 0:
+                    malloc.trim()  # the last open session closed: the caches' memory back to the OS (swarm.malloc)
 
     async def _compute(self, hidden: torch.Tensor, start_position: int, kv, first: int, last: int) -> torch.Tensor:
         """One step of a session: decode steps are batched with other sessions'; a long prefill runs in chunks
@@ -205,7 +208,7 @@ class BlockHandler(P.BlockRPC):
         if seq == 1 and self.span.can_batch:
             return await self.pool.submit_batchable(
                 PRIORITY_DECODE, (id(self), first, last), partial(self._decode_batch, first=first, last=last),
-                (hidden, start_position, kv))
+                (hidden, start_position, kv), source=id(kv))
         outputs = []
         for offset in range(0, seq, self.prefill_chunk):
             chunk = hidden[:, offset:offset + self.prefill_chunk]

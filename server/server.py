@@ -45,8 +45,9 @@ from server.pings import measure_next_pings
 from server.placement import block_throughputs, choose_best_span, should_move
 from swarm.taskpool import PRIORITY_FORWARD, TaskPool
 from server.throughput import get_throughput, parse_throughput_mode
-from swarm import __version__
+from swarm import __version__, malloc
 from swarm.checkpoint import Checkpoint
+from swarm.cpu_turns import CpuTurns, cpu_turns_enabled
 from swarm.threads import serial_torch_here
 from swarm.config import ProcessConfig, parse_span
 from swarm.disk_cache import parse_size
@@ -75,6 +76,9 @@ class ServerConfig(ProcessConfig):
     torch_dtype: str = Field(default="auto", description="auto, float32, float16 or bfloat16")
     cuda_graphs: bool = Field(default=True, description="on CUDA devices, replay each session's single-token decode "
                                                          "step as a CUDA graph (Llama-style models)")
+    decode_gather_ms: float = Field(default=5.0, ge=0, le=1000,
+                                    description="longest wait (ms) for the decode steps of other active sessions to "
+                                                "join a batch (at most half a batch's compute time; 0: never wait)")
     attn_cache_tokens: Optional[int] = Field(
         default=None, gt=0, description="KV cache budget in tokens (batch x length); default: up to 16384, less if "
                                         "memory is short")
@@ -294,6 +298,7 @@ class Server:
         began = time.monotonic()
         span = await self._compute_pool().submit(PRIORITY_FORWARD, BlockSpan.load, self.checkpoint, self.start,
                                                  self.end, self.config.torch_dtype, self.config.device)
+        malloc.trim()  # what loading (and measuring the throughput) freed: unfused checkpoint tensors
         if self.config.cuda_graphs and span.enable_cuda_graphs():
             logger.info("single-session decode steps replay CUDA graphs")
         handler = BlockHandler(span, self.config.model, __version__, CacheBudget(self.capacity.attn_cache_tokens),
@@ -308,7 +313,8 @@ class Server:
     def _compute_pool(self) -> TaskPool:
         """The compute thread (a new one if it died): loading, measuring and inference all run on it."""
         if self.pool is None or not self.pool.is_alive():
-            self.pool = TaskPool()
+            turns = CpuTurns() if self.device.type == "cpu" and cpu_turns_enabled() else None
+            self.pool = TaskPool(gather_max=self.config.decode_gather_ms / 1000, turns=turns)
         return self.pool
 
     async def _unregister_and_unload(self) -> None:
@@ -321,6 +327,7 @@ class Server:
         finally:
             del handler
             gc.collect()
+            malloc.trim()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 

@@ -121,13 +121,13 @@ class DistributedModelForCausalLM(nn.Module):
         tensors = checkpoint.load_tensors(lambda name: name in wanted, dtype)
         if family.embed_key not in tensors:
             raise ValueError(f"{name_or_path}: no {family.embed_key} in the checkpoint")
-        embed = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=None, dtype=dtype)
-        embed.weight = nn.Parameter(tensors[family.embed_key], requires_grad=False)
+        # the checkpoint's tensors as they are: no randomly initialised copies (113 MB each for SmolLM2) first
+        embed = nn.Embedding.from_pretrained(tensors[family.embed_key], freeze=True)
         norm_cls = family.import_class(family.norm_class)
         norm = norm_cls(config.hidden_size, eps=getattr(config, "rms_norm_eps", 1e-6)).to(dtype)
         norm.load_state_dict({k[len(family.norm_key):]: v for k, v in tensors.items()
                               if k.startswith(family.norm_key)})
-        lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device="meta")
         if head_key in tensors and not getattr(config, "tie_word_embeddings", False):
             lm_head.weight = nn.Parameter(tensors[head_key], requires_grad=False)
         else:

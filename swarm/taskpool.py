@@ -7,11 +7,22 @@ for a single pass at a time, so concurrent sessions do not thrash the cores, and
 process that starts OpenMP teams (`swarm.threads`). `submit_batchable` / `call_batchable` queue an item under a
 batch key: when the worker reaches such an item it takes every queued item with the same key and runs them
 through one call of the batch function (concurrent sessions' decode steps, or their LM heads, become one pass).
+
+Steps of concurrent sessions reach a process a little apart (pushed one by one from the previous server). An idle
+worker that started on the first alone would split the sessions into groups that then stay apart, each a pass
+of its own. So batchable items name their source (a session), and `Gatherer` remembers each source's step
+period: the worker waits briefly (at most `GATHER_MAX` seconds and half a batch's compute time) for the sources
+that are due in this round, and stops waiting as soon as all of them are in.
+
+Processes on one machine take turns for CPU work (`swarm.cpu_turns`): each task runs under the machine-wide turn
+with all threads. Without turns, a worker uses fewer threads while its tasks overlap and other processes keep
+cores busy (`swarm.threads.FreeCores`).
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import queue
@@ -21,6 +32,7 @@ from typing import Any, Callable, Hashable, List, Optional
 
 import torch
 
+from swarm.cpu_turns import CpuTurns, cpu_turns_enabled
 from swarm.threads import FreeCores, set_threads_here
 
 logger = logging.getLogger(__name__)
@@ -30,11 +42,56 @@ PRIORITY_PREFILL = 1
 PRIORITY_FORWARD = 2
 PRIORITY_INFERENCE = PRIORITY_DECODE
 OVERLAP_MEMORY = 1.0  # seconds after tasks last overlapped during which threads adapt to the free cores
+GATHER_MAX = 0.005  # longest wait (seconds) for a batch's missing sources
+DUE_PERIODS = 2.0  # a source is due while its last item is younger than this many of its step periods
+
+
+class Gatherer:
+    """Per batch key: the sources (sessions) seen, their step periods, and the batch function's compute time."""
+
+    def __init__(self, gather_max: float = GATHER_MAX):
+        self.gather_max = gather_max
+        self._seen: dict = {}  # key -> {source: (last time, period)}
+        self._compute: dict = {}  # key -> moving average of one batch's seconds
+
+    def note(self, key: Hashable, sources: List[Hashable], now: float) -> None:
+        seen = self._seen.setdefault(key, {})
+        for source in sources:
+            if source is None:
+                continue
+            last = seen.get(source)
+            seen[source] = (now, None if last is None else now - last[0])
+        if len(seen) > 64:  # forget sources that went quiet
+            for source in [s for s, (t, _) in seen.items() if now - t > 10.0]:
+                del seen[source]
+
+    def due(self, key: Hashable, present: set, now: float) -> set:
+        """Sources of `key` expected in this round that are not in `present`."""
+        return {source for source, (last, period) in self._seen.get(key, {}).items()
+                if source not in present and period is not None and now - last < DUE_PERIODS * period}
+
+    def concurrent(self, now: float) -> bool:
+        """Whether two or more sources of some key are active (concurrent sessions)."""
+        return any(sum(1 for last, period in seen.values()
+                       if period is not None and now - last < DUE_PERIODS * period) >= 2
+                   for seen in self._seen.values())
+
+    def wait_limit(self, key: Hashable) -> float:
+        return min(self.gather_max, 0.5 * self._compute.get(key, self.gather_max))
+
+    def computed(self, key: Hashable, seconds: float) -> None:
+        old = self._compute.get(key)
+        self._compute[key] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
 
 class TaskPool:
-    def __init__(self, name: str = "compute", max_batch: int = 64, adapt_threads: bool = True):
+    def __init__(self, name: str = "compute", max_batch: int = 64, adapt_threads: bool = True,
+                 gather_max: float = GATHER_MAX, turns: Optional[CpuTurns] = None):
         self._queue: "queue.PriorityQueue" = queue.PriorityQueue()
+        self.gatherer = Gatherer(gather_max)
+        # with machine-wide turns (swarm.cpu_turns) every task runs alone, with all threads
+        self.turns = turns
+        adapt_threads = adapt_threads and turns is None
         self._adapt = adapt_threads
         self._cores: Optional[FreeCores] = None  # set on the worker thread (its configured torch threads)
         self._last_overlap = float("-inf")  # when tasks last waited for one another
@@ -54,11 +111,12 @@ class TaskPool:
         return future
 
     def submit_batchable(self, priority: int, key: Hashable, batch_fn: Callable[[List[Any]], List[Any]],
-                         item: Any) -> "asyncio.Future":
-        """Queue `item`; it runs as `batch_fn([items...])[i]` together with other queued items of `key`."""
+                         item: Any, source: Hashable = None) -> "asyncio.Future":
+        """Queue `item`; it runs as `batch_fn([items...])[i]` together with other queued items of `key`.
+        `source` (a session) lets the worker wait briefly for the other sources due in the same round."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._queue.put((priority, next(self._counter), key, loop, future, batch_fn, (item,), {}))
+        self._queue.put((priority, next(self._counter), key, loop, future, batch_fn, (item, source), {}))
         return future
 
     def call(self, priority: int, fn: Callable[..., Any], *args, **kwargs) -> Any:
@@ -70,25 +128,38 @@ class TaskPool:
         return future.result()
 
     def call_batchable(self, priority: int, key: Hashable, batch_fn: Callable[[List[Any]], List[Any]],
-                       item: Any) -> Any:
+                       item: Any, source: Hashable = None) -> Any:
         """From plain code: `batch_fn([items...])[i]` with other queued items of `key` (blocks)."""
         if threading.current_thread() is self._thread:
             return batch_fn([item])[0]
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((priority, next(self._counter), key, None, future, batch_fn, (item,), {}))
+        self._queue.put((priority, next(self._counter), key, None, future, batch_fn, (item, source), {}))
         return future.result()
 
     def _take_batch(self, first) -> list:
-        """`first` plus every queued task with the same batch key (others are put back)."""
+        """`first` plus every queued task with the same batch key, waiting briefly for the sources due in this
+        round (others are put back)."""
+        key = first[2]
         batch, others = [first], []
+        now = time.monotonic()
+        missing = self.gatherer.due(key, {first[6][1]}, now)
+        deadline = now + self.gatherer.wait_limit(key)
         while len(batch) < self.max_batch:
             try:
                 task = self._queue.get_nowait()
             except queue.Empty:
-                break
-            (batch if task[2] is not None and task[2] == first[2] else others).append(task)
+                missing -= {t[6][1] for t in batch}
+                remaining = deadline - time.monotonic()
+                if not missing or remaining <= 0:
+                    break
+                try:
+                    task = self._queue.get(timeout=remaining)
+                except queue.Empty:
+                    break
+            (batch if task[2] is not None and task[2] == key else others).append(task)
         for task in others:
             self._queue.put(task)
+        self.gatherer.note(key, [t[6][1] for t in batch], time.monotonic())
         return batch
 
     def _adapt_threads(self) -> None:
@@ -99,7 +170,7 @@ class TaskPool:
         if self._cores is None:
             return
         now = time.monotonic()
-        if not self._queue.empty():
+        if not self._queue.empty() or self.gatherer.concurrent(now):
             self._last_overlap = now
         wanted = self._cores.threads() if now - self._last_overlap < OVERLAP_MEMORY else self._cores.max_threads
         if wanted != self._threads:
@@ -113,31 +184,43 @@ class TaskPool:
         while True:
             task = self._queue.get()
             self._adapt_threads()
-            _, _, key, loop, future, fn, args, kwargs = task
-            if fn is None:  # shutdown marker (sorted last, after pending work)
+            if task[5] is None:  # shutdown marker (sorted last, after pending work)
                 return
-            if key is None:
-                if future.cancelled():
-                    continue
-                try:
-                    result, error = fn(*args, **kwargs), None
-                except BaseException as e:  # delivered to the awaiting handler
-                    result, error = None, e
-                self.tasks_done += 1
-                _deliver(loop, future, result, error)
-                continue
-            batch = [t for t in self._take_batch(task) if not t[4].cancelled()]
-            if not batch:
-                continue
+            self._execute(task)
+            # not kept while waiting for the next task: its arguments (a session's KV cache) must die with the session
+            del task
+
+    def _execute(self, task) -> None:
+        _, _, key, loop, future, fn, args, kwargs = task
+        if key is None:
+            if future.cancelled():
+                return
             try:
+                with self._turn():
+                    result, error = fn(*args, **kwargs), None
+            except BaseException as e:  # delivered to the awaiting handler
+                result, error = None, e
+            self.tasks_done += 1
+            _deliver(loop, future, result, error)
+            return
+        batch = [t for t in self._take_batch(task) if not t[4].cancelled()]
+        if not batch:
+            return
+        began = time.monotonic()
+        try:
+            with self._turn():
                 results, error = fn([t[6][0] for t in batch]), None
-            except BaseException as e:
-                results, error = [None] * len(batch), e
-            self.tasks_done += len(batch)
-            self.batches_done += 1
-            self.largest_batch = max(self.largest_batch, len(batch))
-            for t, result in zip(batch, results):
-                _deliver(t[3], t[4], result, error)
+        except BaseException as e:
+            results, error = [None] * len(batch), e
+        self.gatherer.computed(key, time.monotonic() - began)
+        self.tasks_done += len(batch)
+        self.batches_done += 1
+        self.largest_batch = max(self.largest_batch, len(batch))
+        for t, result in zip(batch, results):
+            _deliver(t[3], t[4], result, error)
+
+    def _turn(self):
+        return self.turns if self.turns is not None else contextlib.nullcontext()
 
     def is_alive(self) -> bool:
         """Whether the worker thread still runs (a dead one is replaced by the server's self-healing)."""
@@ -174,5 +257,5 @@ def client_pool() -> TaskPool:
     global _shared
     with _shared_lock:
         if _shared is None or not _shared.is_alive():
-            _shared = TaskPool(name="client-compute")
+            _shared = TaskPool(name="client-compute", turns=CpuTurns() if cpu_turns_enabled() else None)
         return _shared

@@ -70,3 +70,42 @@ def test_a_source_that_went_quiet_is_no_longer_due():
     assert gatherer.due("k", {"a"}, 0.45) == set()  # more than two periods: it stopped (its session ended)
     gatherer.computed("k", 0.004)
     assert gatherer.wait_limit("k") == 0.002  # half a pass
+
+
+def _hold_turn(path: str, out, hold: float) -> None:
+    from swarm.cpu_turns import CpuTurns
+
+    turns = CpuTurns(path)
+    for _ in range(3):
+        with turns:
+            began = time.monotonic()
+            time.sleep(hold)
+            out.put((began, time.monotonic()))
+
+
+def test_processes_take_turns(tmp_path):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    path = str(tmp_path / "turns.lock")
+    procs = [ctx.Process(target=_hold_turn, args=(path, out, 0.05)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    spans = sorted(out.get(timeout=60) for _ in range(6))
+    for p in procs:
+        p.join(timeout=60)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # no two turns overlap
+
+
+def test_a_pool_with_turns_runs_its_tasks_under_the_turn(tmp_path):
+    from swarm.cpu_turns import CpuTurns
+
+    turns = CpuTurns(str(tmp_path / "turns.lock"))
+    pool = TaskPool(adapt_threads=False, turns=turns)
+    try:
+        assert pool.call(PRIORITY_DECODE, lambda: 7) == 7
+        assert pool.call_batchable(PRIORITY_DECODE, "k", lambda items: [i + 1 for i in items], 1, source="a") == 2
+    finally:
+        pool.shutdown()
+    assert turns.turns == 2

@@ -1,0 +1,47 @@
+"""Machine-wide turns for CPU tensor work: swarmgate processes on one machine compute one at a time.
+
+Servers and clients that share a machine (a private swarm on one host, a gateway next to its server) would
+otherwise compute at the same time under concurrent sessions, each with an OpenMP team sized for all cores: a
+team whose worker shares a core with another busy process waits at every barrier for a descheduled thread, and
+a step can take ten times as long. With turns, each pass (a batch of decode steps, a prefill chunk, a head) runs
+alone with all threads; a lone session's chain loses nothing, as its processes take turns anyway.
+
+`CpuTurns` is an exclusive `flock` on a file named after the user, in the temporary directory: held only while a
+compute thread runs one task, released by the kernel if the process dies. CUDA work does not take turns.
+`SWARMGATE_CPU_TURNS=0` turns it off for a process (for example on a machine whose other swarmgate processes
+must not be waited for).
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+from typing import Optional
+
+ENV = "SWARMGATE_CPU_TURNS"
+
+
+class CpuTurns:
+    def __init__(self, path: Optional[str] = None):
+        self.path = path or os.path.join(tempfile.gettempdir(), f"swarmgate-cpu-{os.getuid()}.lock")
+        self._fd: Optional[int] = None
+        self.turns = 0
+
+    def __enter__(self) -> "CpuTurns":
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        self.turns += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def cpu_turns_enabled() -> bool:
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
