@@ -6,8 +6,9 @@ torch's fused RMSNorm, one projection for q/k/v together, rotary embeddings appl
 keys/values written into each session's preallocated cache, attention per session, the output projection added
 to the residual in one `addmm`, one projection for gate/up together, and the down projection added the same way.
 
-`fuse_layer` builds the fused weights once at load and makes the Hugging Face modules' parameters views into
-them, so nothing is duplicated and the HF path (prefill, forward passes) reads the same memory.
+`fuse_layer` builds the fused weights once at load and makes the layer modules' parameters (`swarm.layers`, the
+same computations as transformers' modeling code) views into them, so nothing is duplicated and the module path
+(prefill, forward passes) reads the same memory.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from server.cache import SessionKV
 
 @dataclass
 class FusedLayer:
-    """One block's weights for the decode path (views shared with the HF layer)."""
+    """One block's weights for the decode path (views shared with the layer module)."""
     input_norm: torch.Tensor  # [hidden]
     post_norm: torch.Tensor  # [hidden]
     eps: float
