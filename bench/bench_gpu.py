@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench_throughput import concurrent_rate  # noqa: E402  (bench/ is on the path when run as a script)
 from swarm.local_swarm import ManagedProcess  # noqa: E402
 
 CONFIG = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
@@ -131,28 +132,6 @@ def launch_us(launches: int = 2000) -> float:
     return round((time.perf_counter() - start) / launches * 1e6, 2)
 
 
-def concurrent_rate(model, prompt, sessions: int, steps: int = 32) -> float:
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
-    barrier = threading.Barrier(sessions)
-    times = []
-
-    def run(i):
-        with model.inference_session(max_length=prompt.shape[1] + steps + 1) as s:
-            ids = prompt.clone()
-            ids[0, 0] = 100 + i
-            s.feed(ids)
-            barrier.wait()
-            start = time.perf_counter()
-            model.generate(ids, session=s, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
-            times.append((start, time.perf_counter()))
-
-    with ThreadPoolExecutor(sessions) as pool:
-        list(pool.map(run, range(sessions)))
-    return round(sessions * steps / (max(t[1] for t in times) - min(t[0] for t in times)), 1)
-
-
 def swarm_run(path: str, ids, new_tokens: int, runs: int, graphs: bool, prefix: str, local: dict) -> dict:
     from swarm import AutoDistributedModelForCausalLM
 
@@ -173,7 +152,7 @@ def swarm_run(path: str, ids, new_tokens: int, runs: int, graphs: bool, prefix: 
                                                                 device="cuda", torch_dtype=torch.bfloat16)
         model.generate(ids[:, :8], max_new_tokens=4)  # routing, streams
         result = measure_generate(model.generate, ids, new_tokens, runs)
-        result["aggregate_tokens_per_s_8_sessions"] = concurrent_rate(model, ids, 8)
+        result["aggregate_tokens_per_s_8_sessions"] = round(concurrent_rate(model, ids, 8), 1)
         result["logits_vs_local_along_local_tokens"] = compare_logits(model, local["tokens"], ids.shape[1],
                                                                       local["logits"])
         model.shutdown()
