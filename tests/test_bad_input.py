@@ -27,22 +27,25 @@ def manager(swarms):
 
 async def _conversation(manager: SwarmManager, peer_id: str, requests):
     """Send raw requests on one inference stream; return the decoded replies (errors included)."""
-    queue: asyncio.Queue = asyncio.Queue()
-    for r in requests:
-        queue.put_nowait(r)
-    queue.put_nowait(None)
+    answered = asyncio.Event()
 
     async def gen():
-        while (item := await queue.get()) is not None:
-            yield item
+        for request in requests:
+            yield request
+        # ending our side closes the stream: keep it open until every request is answered or the server ends it
+        await answered.wait()
 
     responses = await manager.stub(peer_id).rpc_inference(gen())
     replies = []
     try:
         async for response in responses:
             replies.append(P.decode_reply(response.metadata))
+            if len(replies) == len(requests):  # one reply per request
+                break
     except (BrokenPipeError, ConnectionResetError):
         pass  # the server ended the stream (after an error at open) while we were still writing
+    finally:
+        answered.set()
     return replies
 
 
