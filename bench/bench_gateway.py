@@ -24,7 +24,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from tests.procs import SwarmProcess, start_bootstrap, start_servers  # noqa: E402
 
 PROMPT = ("You are reviewing a short report about a community garden. The garden has twelve raised beds, a "
           "compost area, two rain barrels and a small tool shed. Volunteers meet on Saturday mornings. Last year "
@@ -79,30 +78,19 @@ def main() -> int:
     import openai
     from transformers import AutoTokenizer
 
-    from swarm import AutoDistributedModelForCausalLM
-    from swarm.prepare import prepare_model
+    from bench_throughput import peak_rss_mb  # bench/ is on the path when a benchmark runs as a script
+    from harness import BenchSwarm
 
-    path = str(prepare_model())
-    prefix = f"bench-gw-{os.getpid()}"
-    procs = []
-    model = None
-    try:
-        bootstrap = start_bootstrap()
-        procs.append(bootstrap)
-        procs.extend(start_servers(path, bootstrap.maddr, ["0:15", "15:30"], prefix))
-        from bench_throughput import peak_rss_mb  # bench/ is on the path when a benchmark runs as a script
-
-        gateway = SwarmProcess(["gateway", path, "--initial_peers", bootstrap.maddr, "--dht_prefix", prefix,
-                                "--port", "0", "--num_threads", "1"], "bench-gateway")
-        procs.append(gateway)
-        url = gateway.wait_ready(180)["url"]
+    with BenchSwarm("bench-gw", ["0:15", "15:30"]) as swarm:
+        path = swarm.path
+        gateway = swarm.start_gateway("bench-gateway")
+        url = gateway.ready["url"]
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
         served = client.models.list().data[0].id
 
         torch.set_num_threads(1)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=[bootstrap.maddr],
-                                                                dht_prefix=prefix)
+        model = swarm.client_model()
         messages = [{"role": "user", "content": PROMPT}]
         prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                                    return_dict=True)["input_ids"]
@@ -129,11 +117,6 @@ def main() -> int:
         }
         print(json.dumps(result))
         return 0
-    finally:
-        if model is not None:
-            model.shutdown()
-        for proc in reversed(procs):
-            proc.terminate()
 
 
 if __name__ == "__main__":

@@ -25,31 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench_throughput import concurrent_rate  # noqa: E402  (bench/ is on the path when run as a script)
+from bench_swarm import measure  # noqa: E402  (bench/ is on the path when run as a script)
+from bench_throughput import concurrent_rate  # noqa: E402
 from swarm.local_swarm import ManagedProcess  # noqa: E402
 
 CONFIG = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
               num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False,
               rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
 SPLIT = ("0:11", "11:22")
-
-
-class _Clock:
-    """A streamer that records when each new token is on the host."""
-
-    def __init__(self):
-        self.times = []
-        self.prompt = True
-
-    def put(self, value):
-        value.cpu()  # waits for the GPU
-        if self.prompt:
-            self.prompt = False
-            return
-        self.times.append(time.perf_counter())
-
-    def end(self):
-        pass
 
 
 def build_checkpoint(path: Path) -> int:
@@ -68,16 +51,10 @@ def build_checkpoint(path: Path) -> int:
 
 
 def measure_generate(generate, ids, new_tokens: int, runs: int) -> dict:
-    best = None
-    for _ in range(runs):
-        clock = _Clock()
-        start = time.perf_counter()
-        out = generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=clock)
-        ttft = clock.times[0] - start
-        rate = (len(clock.times) - 1) / (clock.times[-1] - clock.times[0])
-        if best is None or rate > best["decode_tokens_per_s"]:
-            best = {"ttft_s": round(ttft, 4), "decode_tokens_per_s": round(rate, 1), "tokens": out[0].tolist()}
-    return best
+    """bench_swarm's measure (best decode rate of `runs`), with its time to first token named ttft_s."""
+    result = measure(generate, ids, new_tokens, runs)
+    result["ttft_s"] = result.pop("prefill_s")
+    return result
 
 
 def span_steps(path: str, steps: int = 40) -> dict:

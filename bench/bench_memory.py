@@ -21,7 +21,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from tests.procs import SwarmProcess, start_bootstrap, start_servers  # noqa: E402
 
 
 def status_mb(pid: int) -> dict:
@@ -114,37 +113,21 @@ def gateway_phases(url: str, phases: Phases) -> None:
 
 
 def main() -> int:
-    from swarm import AutoDistributedModelForCausalLM
-    from swarm.prepare import prepare_model
+    from harness import BenchSwarm  # bench/ is on the path when a benchmark runs as a script
 
-    path = str(prepare_model())
-    prefix = f"bench-mem-{os.getpid()}"
-    procs, model = [], None
-    try:
-        bootstrap = start_bootstrap()
-        procs.append(bootstrap)
-        servers = start_servers(path, bootstrap.maddr, ["0:15", "15:30"], prefix, ["--attn_cache_tokens", "65536"])
-        procs.extend(servers)
+    with BenchSwarm("bench-mem", ["0:15", "15:30"], ["--attn_cache_tokens", "65536"]) as swarm:
+        servers = swarm.servers
         servers_phases = Phases({f"server_{s.ready['start']}_{s.ready['end']}": s.proc.pid for s in servers})
-        model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=[bootstrap.maddr],
-                                                                dht_prefix=prefix)
-        server_phases(model, servers_phases)
+        server_phases(swarm.client_model(), servers_phases)
         servers_phases.split()
-        gateway = SwarmProcess(["gateway", path, "--initial_peers", bootstrap.maddr, "--dht_prefix", prefix,
-                                "--port", "0", "--num_threads", "1"], "bench-memory-gateway")
-        procs.append(gateway)
-        url = gateway.wait_ready(180)["url"]
+        gateway = swarm.start_gateway("bench-memory-gateway")
+        url = gateway.ready["url"]
         gateway_phase = Phases({"gateway": gateway.proc.pid})
         gateway_phases(url, gateway_phase)
         gateway_phase.split()
         print(json.dumps({"benchmark": "memory_rss_mb", "peaks_reset_per_phase": servers_phases.resettable,
                           **servers_phases.result, **gateway_phase.result}))
         return 0
-    finally:
-        if model is not None:
-            model.shutdown()
-        for proc in reversed(procs):
-            proc.terminate()
 
 
 if __name__ == "__main__":

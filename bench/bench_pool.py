@@ -27,7 +27,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.procs import SwarmProcess, start_bootstrap, start_servers  # noqa: E402
 
 SPANS = ["0:15", "15:30"]
 TOPICS = ["tides", "bread", "volcanoes", "chess", "bees", "glaciers", "lighthouses", "comets", "maple trees",
@@ -87,28 +86,17 @@ def main() -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from swarm import AutoDistributedModelForCausalLM
-    from swarm.prepare import prepare_model
+    from harness import BenchSwarm  # bench/ is on the path when a benchmark runs as a script
 
-    path = str(prepare_model())
-    prefix = f"bench-pool-{os.getpid()}"
-    procs = []
-    model = None
-    try:
-        bootstrap = start_bootstrap()
-        procs.append(bootstrap)
-        servers = start_servers(path, bootstrap.maddr, SPANS, prefix)
-        procs.extend(servers)
-        gateway = SwarmProcess(["gateway", path, "--initial_peers", bootstrap.maddr, "--dht_prefix", prefix,
-                                "--port", "0", "--num_threads", "1"], "bench-pool-gateway")
-        procs.append(gateway)
-        url = gateway.wait_ready(180)["url"]
+    with BenchSwarm("bench-pool", SPANS) as swarm:
+        path = swarm.path
+        url = swarm.start_gateway("bench-pool-gateway").ready["url"]
+        servers = swarm.servers
         peers = [s.peer_id for s in servers]
 
         torch.set_num_threads(1)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=[bootstrap.maddr],
-                                                                dht_prefix=prefix)
+        model = swarm.client_model()
 
         def client(key: str):
             return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=300)
@@ -155,11 +143,6 @@ def main() -> int:
         }
         print(json.dumps(result))
         return 0
-    finally:
-        if model is not None:
-            model.shutdown()
-        for proc in reversed(procs):
-            proc.terminate()
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ class _Timer:
         self.first = True
 
     def put(self, value):
+        value.cpu()  # on a GPU: waits until the token is there
         if self.first:  # the prompt
             self.first = False
             return
