@@ -76,9 +76,11 @@ class ServerConfig(ProcessConfig):
     torch_dtype: str = Field(default="auto", description="auto, float32, float16 or bfloat16")
     cuda_graphs: bool = Field(default=True, description="on CUDA devices, replay each session's single-token decode "
                                                          "step as a CUDA graph (Llama-style models)")
-    decode_gather_ms: float = Field(default=5.0, ge=0, le=1000,
+    decode_gather_ms: float = Field(default=20.0, ge=0, le=1000,
                                     description="longest wait (ms) for the decode steps of other active sessions to "
-                                                "join a batch (at most half a batch's compute time; 0: never wait)")
+                                                "join a batch (at most half a batch's compute time; a group that "
+                                                "drifted a whole pass behind waits up to one round to merge; 0: "
+                                                "never wait)")
     attn_cache_tokens: Optional[int] = Field(
         default=None, gt=0, description="KV cache budget in tokens (batch x length); default: up to 16384, less if "
                                         "memory is short")

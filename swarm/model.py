@@ -11,9 +11,10 @@ temperature / top-k / top-p / min-p, repetition penalty) and accepts a `streamer
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -31,6 +32,10 @@ from swarm.session import InferenceSession, SessionError
 from swarm.taskpool import PRIORITY_DECODE, PRIORITY_FORWARD, client_pool
 
 logger = logging.getLogger(__name__)
+
+# embeddings of fewer elements than this run in the caller's thread: below torch's parallel grain size (32768),
+# the lookup is serial and starts no OpenMP team there (`swarm.threads`)
+SMALL_EMBED_ELEMENTS = 32768
 
 
 @dataclass
@@ -75,18 +80,34 @@ class ModelSession:
     def feed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Make the servers hold exactly `input_ids` [batch, n]; returns the last position's logits [batch, vocab].
 
-        The embedding and the LM head run on the process's compute thread (`swarm.taskpool.client_pool`): the
-        heads of concurrent sessions' steps become one pass there."""
+        The LM head runs on the process's compute thread (`swarm.taskpool.client_pool`): the heads of concurrent
+        sessions' steps become one pass there. So does the embedding, unless it is a few rows (a decode step:
+        a lookup too small to be worth a hand-over)."""
+        return self._feed(input_ids, None)[0]
+
+    def feed_and_pick(self, input_ids: torch.Tensor, pick: Callable[[torch.Tensor], torch.Tensor]
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """`feed`, then `pick(logits)` (the next tokens [batch]) in the same compute-thread task as the LM head:
+        returns (logits [batch, vocab], next tokens [batch])."""
+        return self._feed(input_ids, pick)
+
+    def _feed(self, input_ids: torch.Tensor, pick) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         reuse = self.reusable_prefix(input_ids)
         if reuse < self.session.position:
             self.session.rewind(reuse)
         new_ids = input_ids[:, reuse:]
         pool = client_pool()
-        hidden = pool.call(PRIORITY_DECODE, self.model.embed, new_ids)  # [batch, n, hidden]
+        if new_ids.numel() * self.model.config.hidden_size < SMALL_EMBED_ELEMENTS:
+            hidden = self.model.embed(new_ids)  # [batch, n, hidden]: serial kernels, no OpenMP team here
+        else:
+            hidden = pool.call(PRIORITY_DECODE, self.model.embed, new_ids)
         out = self.session.step(hidden)
         self.token_ids = input_ids.clone()
-        return pool.call_batchable(PRIORITY_DECODE, ("head", id(self.model)), self.model.head_rows, out[:, -1],
-                                   source=id(self))
+        logits, picked = pool.call_batchable(PRIORITY_DECODE, ("head", id(self.model)), self.model.head_rows,
+                                             (out[:, -1], pick), source=id(self))
+        if isinstance(picked, BaseException):  # this session's own error (say, a user's logits processor)
+            raise picked
+        return logits, picked
 
     def close(self) -> None:
         self.session.close()
@@ -163,10 +184,15 @@ class DistributedModelForCausalLM(nn.Module):
         return self.lm_head(self.norm(hidden.to(self.device, self.dtype))).float().cpu()
 
     def head_rows(self, items: list) -> list:
-        """LM head for several sessions' last states in one pass: [b_i, hidden] each -> [b_i, vocab] each."""
+        """LM head for several sessions' last states in one pass, then each session's token choice.
+
+        items: (last states [b_i, hidden], pick or None) each; returns (logits [b_i, vocab], pick(logits) or
+        None) each."""
+        rows = [x for x, _ in items]
         with torch.no_grad():
-            logits = self.head(torch.cat(items) if len(items) > 1 else items[0])  # [sum b_i, vocab]
-        return list(torch.split(logits, [x.shape[0] for x in items]))
+            logits = self.head(torch.cat(rows) if len(rows) > 1 else rows[0])  # [sum b_i, vocab]
+        parts = torch.split(logits, [x.shape[0] for x in rows])
+        return [(part, _try(pick, part)) for part, (_, pick) in zip(parts, items)]
 
     def inference_session(self, max_length: int) -> ModelSession:
         return ModelSession(self, max_length)
@@ -257,11 +283,11 @@ class DistributedModelForCausalLM(nn.Module):
             streamer.put(input_ids.cpu())
         ids = input_ids
         finished = torch.zeros(ids.shape[0], dtype=torch.bool)
-        pool = client_pool()
         try:
             for step in range(max_new):
-                logits = session.feed(ids)  # [batch, vocab]
-                next_tokens = pool.call(PRIORITY_DECODE, _pick, processors, ids, logits, config.do_sample)
+                # the logits [batch, vocab] and the next tokens [batch], chosen on the compute thread with the head
+                _, next_tokens = session.feed_and_pick(ids, functools.partial(_pick, processors, ids,
+                                                                              do_sample=config.do_sample))
                 next_tokens = torch.where(finished, torch.full_like(next_tokens, pad), next_tokens)
                 ids = torch.cat([ids, next_tokens[:, None]], dim=1)
                 if streamer is not None:
@@ -279,6 +305,16 @@ class DistributedModelForCausalLM(nn.Module):
 
     def shutdown(self) -> None:
         self.manager.shutdown()
+
+
+def _try(pick, logits: torch.Tensor):
+    """pick(logits), its error as the result (one session's failure must not fail the batch), or None."""
+    if pick is None:
+        return None
+    try:
+        return pick(logits)
+    except Exception as e:
+        return e
 
 
 @torch.no_grad()

@@ -12,7 +12,10 @@ Steps of concurrent sessions reach a process a little apart (pushed one by one f
 worker that started on the first alone would split the sessions into groups that then stay apart, each a pass
 of its own. So batchable items name their source (a session), and `Gatherer` remembers each source's step
 period: the worker waits briefly (at most `GATHER_MAX` seconds and half a batch's compute time) for the sources
-that are due in this round, and stops waiting as soon as all of them are in.
+that are due in this round, and stops waiting as soon as all of them are in. Groups that drifted a whole pass
+apart are merged: a batch with fewer sources than are missing (a minority; on a tie, the group without the
+lowest source) waits, while the worker has nothing else to do, up to the majority's expected arrival (at most
+one of its own periods), so it joins them from then on.
 
 Processes on one machine take turns for CPU work (`swarm.cpu_turns`): each task runs under the machine-wide turn
 with all threads. Without turns, a worker uses fewer threads while its tasks overlap and other processes keep
@@ -42,7 +45,7 @@ PRIORITY_PREFILL = 1
 PRIORITY_FORWARD = 2
 PRIORITY_INFERENCE = PRIORITY_DECODE
 OVERLAP_MEMORY = 1.0  # seconds after tasks last overlapped during which threads adapt to the free cores
-GATHER_MAX = 0.005  # longest wait (seconds) for a batch's missing sources
+GATHER_MAX = 0.020  # longest wait (seconds) for a batch's missing sources
 DUE_PERIODS = 2.0  # a source is due while its last item is younger than this many of its step periods
 
 
@@ -65,10 +68,27 @@ class Gatherer:
             for source in [s for s, (t, _) in seen.items() if now - t > 10.0]:
                 del seen[source]
 
-    def due(self, key: Hashable, present: set, now: float) -> set:
-        """Sources of `key` expected in this round that are not in `present`."""
-        return {source for source, (last, period) in self._seen.get(key, {}).items()
+    def due(self, key: Hashable, present: set, now: float) -> dict:
+        """Sources of `key` expected in this round that are not in `present`, with their expected arrival."""
+        return {source: last + period for source, (last, period) in self._seen.get(key, {}).items()
                 if source not in present and period is not None and now - last < DUE_PERIODS * period}
+
+    def deadline(self, key: Hashable, present: set, missing: dict, now: float) -> float:
+        """Until when a batch of the `present` sources waits for the `missing` ones (see the module docstring)."""
+        short = now + self.wait_limit(key)
+        if not missing or self.gather_max <= 0:
+            return now
+        minority = len(present) < len(missing) or (
+            len(present) == len(missing) and min(map(hash, missing)) < min(map(hash, present)))
+        if not minority:
+            return short
+        seen = self._seen.get(key, {})
+        periods = [seen[s][1] for s in present if s in seen and seen[s][1] is not None]
+        if not periods:
+            return short
+        # the majority's arrival (plus the short wait for its stragglers), at most one of our periods from now
+        expected = max(missing.values()) + self.wait_limit(key)
+        return max(short, min(expected, now + min(periods)))
 
     def concurrent(self, now: float) -> bool:
         """Whether two or more sources of some key are active (concurrent sessions)."""
@@ -141,15 +161,21 @@ class TaskPool:
         round (others are put back)."""
         key = first[2]
         batch, others = [first], []
-        now = time.monotonic()
-        missing = self.gatherer.due(key, {first[6][1]}, now)
-        deadline = now + self.gatherer.wait_limit(key)
+        missing: Optional[dict] = None
+        short = deadline = 0.0
         while len(batch) < self.max_batch:
             try:
                 task = self._queue.get_nowait()
             except queue.Empty:
-                missing -= {t[6][1] for t in batch}
-                remaining = deadline - time.monotonic()
+                present = {t[6][1] for t in batch}
+                now = time.monotonic()
+                if missing is None:  # decided once the queue is drained: who is here, who is due
+                    missing = self.gatherer.due(key, present, now)
+                    deadline = self.gatherer.deadline(key, present, missing, now)
+                    short = now + self.gatherer.wait_limit(key)
+                missing = {s: t for s, t in missing.items() if s not in present}
+                # a long (merging) wait only while no other work is queued
+                remaining = (deadline if not others else min(deadline, short)) - now
                 if not missing or remaining <= 0:
                     break
                 try:

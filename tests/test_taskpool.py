@@ -58,7 +58,7 @@ def test_a_single_source_never_waits():
     gatherer = Gatherer(gather_max=1.0)
     for t in (0.0, 0.1, 0.2):
         gatherer.note("k", ["a"], t)
-    assert gatherer.due("k", {"a"}, 0.25) == set()
+    assert gatherer.due("k", {"a"}, 0.25) == {}
 
 
 def test_a_source_that_went_quiet_is_no_longer_due():
@@ -66,8 +66,9 @@ def test_a_source_that_went_quiet_is_no_longer_due():
     for t in (0.0, 0.1, 0.2):
         gatherer.note("k", ["a", "b"], t)
     gatherer.note("k", ["a"], 0.3)
-    assert gatherer.due("k", {"a"}, 0.31) == {"b"}  # its period is 0.1 s and it was last seen 0.11 s ago
-    assert gatherer.due("k", {"a"}, 0.45) == set()  # more than two periods: it stopped (its session ended)
+    # its period is 0.1 s and it was last seen 0.11 s ago: expected at 0.3
+    assert gatherer.due("k", {"a"}, 0.31) == {"b": 0.2 + 0.1}
+    assert gatherer.due("k", {"a"}, 0.45) == {}  # more than two periods: it stopped (its session ended)
     gatherer.computed("k", 0.004)
     assert gatherer.wait_limit("k") == 0.002  # half a pass
 
@@ -109,3 +110,74 @@ def test_a_pool_with_turns_runs_its_tasks_under_the_turn(tmp_path):
     finally:
         pool.shutdown()
     assert turns.turns == 2
+
+
+def _gatherer_with_groups(late: list, early: list, period: float = 0.2) -> Gatherer:
+    """Sources seen every `period` s: `early` at 0, 0.2, ...; `late` half a period after them."""
+    gatherer = Gatherer(gather_max=0.01)
+    for round_ in range(3):
+        gatherer.note("k", early, round_ * period)
+        gatherer.note("k", late, round_ * period + period / 2)
+    gatherer.computed("k", 0.05)
+    return gatherer
+
+
+def test_a_minority_waits_for_the_majority_to_merge():
+    gatherer = _gatherer_with_groups(late=["x"], early=["a", "b", "c"])
+    now = 0.5  # the late one's next item; the others were last seen at 0.4 and are due at 0.6
+    missing = gatherer.due("k", {"x"}, now)
+    assert set(missing) == {"a", "b", "c"}
+    assert abs(gatherer.deadline("k", {"x"}, missing, now) - (0.6 + 0.01)) < 1e-9  # their arrival + the short wait
+
+
+def test_a_majority_waits_only_briefly():
+    gatherer = _gatherer_with_groups(late=["x"], early=["a", "b", "c"])
+    now = 0.6
+    missing = gatherer.due("k", {"a", "b", "c"}, now)
+    assert set(missing) == {"x"}
+    assert abs(gatherer.deadline("k", {"a", "b", "c"}, missing, now) - (now + 0.01)) < 1e-9
+
+
+def test_of_equal_groups_the_one_without_the_lowest_source_waits():
+    gatherer = _gatherer_with_groups(late=[1, 2], early=[3, 4])
+    assert gatherer.deadline("k", {1, 2}, gatherer.due("k", {1, 2}, 0.5), 0.5) == 0.5 + 0.01
+    assert gatherer.deadline("k", {3, 4}, gatherer.due("k", {3, 4}, 0.6), 0.6) > 0.6 + 0.05
+
+
+def test_a_merging_wait_is_at_most_one_period_and_off_without_waiting():
+    gatherer = _gatherer_with_groups(late=["x"], early=["a", "b"], period=0.2)
+    missing = {"a": 5.0, "b": 5.0}  # expected far later than one period
+    assert abs(gatherer.deadline("k", {"x"}, missing, 0.5) - 0.7) < 1e-9
+    gatherer.gather_max = 0.0
+    assert gatherer.deadline("k", {"x"}, missing, 0.5) == 0.5
+
+
+def test_groups_a_pass_apart_merge_into_one_batch():
+    """Three sessions cycle through this pool (a 40 ms pass) and 120 ms elsewhere (the other servers and the
+    client); the third starts 80 ms late, too far for the short wait: it waits for the other two once, then all
+    three share every pass."""
+    pool = TaskPool(adapt_threads=False, gather_max=0.01)
+    sizes = []
+
+    def batch(items):
+        sizes.append(len(items))
+        time.sleep(0.04)
+        return items
+
+    def session(name, delay):
+        time.sleep(delay)
+        for step in range(12):
+            pool.call_batchable(PRIORITY_DECODE, "decode", batch, step, source=name)
+            time.sleep(0.12)
+
+    threads = [threading.Thread(target=session, args=(name, delay)) for name, delay in
+               (("a", 0.0), ("b", 0.0), ("c", 0.08))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        pool.shutdown()
+    assert sum(sizes) == 36
+    assert sizes[-4:] == [3, 3, 3, 3], sizes
