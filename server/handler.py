@@ -188,6 +188,10 @@ class BlockHandler(P.BlockRPC):
                 was_pushed = bool(step.push_chain) and self.pusher is not None and self.pusher.push(
                     step.push_chain, step.start_position, step.step_id, output)
                 self.counters.pushes_sent += was_pushed
+                if was_pushed:
+                    # let the other sessions of this batch (resumed in the same loop turn) push theirs before any
+                    # client copy goes out: the next server waits for the whole batch
+                    await asyncio.sleep(0)
                 yield P.make_response(P.StepResult(position=kv.length, step_id=step.step_id, pushed=was_pushed),
                                       [output])
         finally:

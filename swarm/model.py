@@ -28,6 +28,7 @@ from swarm.checkpoint import Checkpoint
 from swarm.families import FamilySpec, family_for
 from swarm.manager import ClientConfig, SwarmManager
 from swarm.records import dht_prefix_for
+from swarm.rowpad import RowPadding
 from swarm.session import InferenceSession, SessionError
 from swarm.taskpool import PRIORITY_DECODE, PRIORITY_FORWARD, client_pool
 
@@ -126,6 +127,7 @@ class DistributedModelForCausalLM(nn.Module):
         self.config, self.family, self.manager = config, family, manager
         self.embed_tokens, self.norm, self.lm_head = embed_tokens, norm, lm_head
         self.generation_config = generation_config
+        self.row_padding = RowPadding()
 
     # ---- loading ------------------------------------------------------------------------------------------
     @classmethod
@@ -180,8 +182,13 @@ class DistributedModelForCausalLM(nn.Module):
         return self.embed_tokens(input_ids.to(self.device))  # [batch, seq] -> [batch, seq, hidden]
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[batch, seq, hidden] from the last block -> logits [batch, seq, vocab] (float32, on the CPU)."""
-        return self.lm_head(self.norm(hidden.to(self.device, self.dtype))).float().cpu()
+        """[batch, seq, hidden] (or [rows, hidden]) from the last block -> logits [batch, seq, vocab] (or [rows,
+        vocab]), float32, on the CPU. Rows of concurrent sessions may be padded to the count the BLAS runs
+        fastest (`swarm.rowpad`)."""
+        normed = self.norm(hidden.to(self.device, self.dtype))
+        if normed.ndim == 2:
+            return self.row_padding.linear(normed, self.lm_head.weight, self.lm_head.bias).float().cpu()
+        return self.lm_head(normed).float().cpu()
 
     def head_rows(self, items: list) -> list:
         """LM head for several sessions' last states in one pass, then each session's token choice.
