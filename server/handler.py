@@ -99,7 +99,7 @@ class BlockHandler(P.BlockRPC):
     async def rpc_inference(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        handle = registered = pump = None
+        handle = registered = pump = kv = None
         try:
             try:
                 first = await asyncio.wait_for(requests.__anext__(), timeout=self.step_timeout)
@@ -195,6 +195,8 @@ class BlockHandler(P.BlockRPC):
                 yield P.make_response(P.StepResult(position=kv.length, step_id=step.step_id, pushed=was_pushed),
                                       [output])
         finally:
+            if kv is not None:
+                self.pool.gatherer.forget(id(kv))  # batches stop waiting for this session's steps
             kv = None  # the session's cache buffers are freed here
             if registered is not None:
                 self.push_router.unregister(registered)

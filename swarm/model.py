@@ -112,6 +112,7 @@ class ModelSession:
 
     def close(self) -> None:
         self.session.close()
+        client_pool().gatherer.forget(id(self))  # concurrent sessions' heads stop waiting for this one
 
     def __enter__(self) -> "ModelSession":
         return self

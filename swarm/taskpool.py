@@ -56,22 +56,31 @@ class Gatherer:
         self.gather_max = gather_max
         self._seen: dict = {}  # key -> {source: (last time, period)}
         self._compute: dict = {}  # key -> moving average of one batch's seconds
+        self._lock = threading.Lock()  # `forget` comes from other threads
 
     def note(self, key: Hashable, sources: List[Hashable], now: float) -> None:
-        seen = self._seen.setdefault(key, {})
-        for source in sources:
-            if source is None:
-                continue
-            last = seen.get(source)
-            seen[source] = (now, None if last is None else now - last[0])
-        if len(seen) > 64:  # forget sources that went quiet
-            for source in [s for s, (t, _) in seen.items() if now - t > 10.0]:
-                del seen[source]
+        with self._lock:
+            seen = self._seen.setdefault(key, {})
+            for source in sources:
+                if source is None:
+                    continue
+                last = seen.get(source)
+                seen[source] = (now, None if last is None else now - last[0])
+            if len(seen) > 64:  # forget sources that went quiet
+                for source in [s for s, (t, _) in seen.items() if now - t > 10.0]:
+                    del seen[source]
+
+    def forget(self, source: Hashable) -> None:
+        """A source ended (its session closed): nobody waits for it any more."""
+        with self._lock:
+            for seen in self._seen.values():
+                seen.pop(source, None)
 
     def due(self, key: Hashable, present: set, now: float) -> dict:
         """Sources of `key` expected in this round that are not in `present`, with their expected arrival."""
-        return {source: last + period for source, (last, period) in self._seen.get(key, {}).items()
-                if source not in present and period is not None and now - last < DUE_PERIODS * period}
+        with self._lock:
+            return {source: last + period for source, (last, period) in self._seen.get(key, {}).items()
+                    if source not in present and period is not None and now - last < DUE_PERIODS * period}
 
     def deadline(self, key: Hashable, present: set, missing: dict, now: float) -> float:
         """Until when a batch of the `present` sources waits for the `missing` ones (see the module docstring)."""
@@ -82,8 +91,9 @@ class Gatherer:
             len(present) == len(missing) and min(map(hash, missing)) < min(map(hash, present)))
         if not minority:
             return short
-        seen = self._seen.get(key, {})
-        periods = [seen[s][1] for s in present if s in seen and seen[s][1] is not None]
+        with self._lock:
+            seen = self._seen.get(key, {})
+            periods = [seen[s][1] for s in present if s in seen and seen[s][1] is not None]
         if not periods:
             return short
         # the majority's arrival (plus the short wait for its stragglers), at most one of our periods from now
@@ -92,9 +102,10 @@ class Gatherer:
 
     def concurrent(self, now: float) -> bool:
         """Whether two or more sources of some key are active (concurrent sessions)."""
-        return any(sum(1 for last, period in seen.values()
-                       if period is not None and now - last < DUE_PERIODS * period) >= 2
-                   for seen in self._seen.values())
+        with self._lock:
+            return any(sum(1 for last, period in seen.values()
+                           if period is not None and now - last < DUE_PERIODS * period) >= 2
+                       for seen in self._seen.values())
 
     def wait_limit(self, key: Hashable) -> float:
         return min(self.gather_max, 0.5 * self._compute.get(key, self.gather_max))

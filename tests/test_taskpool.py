@@ -71,6 +71,9 @@ def test_a_source_that_went_quiet_is_no_longer_due():
     assert gatherer.due("k", {"a"}, 0.45) == {}  # more than two periods: it stopped (its session ended)
     gatherer.computed("k", 0.004)
     assert gatherer.wait_limit("k") == 0.002  # half a pass
+    gatherer.note("k", ["a", "b"], 0.5)
+    gatherer.forget("b")  # its session closed
+    assert gatherer.due("k", {"a"}, 0.55) == {}
 
 
 def _hold_turn(path: str, out, hold: float) -> None:
