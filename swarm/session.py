@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import AsyncIterator, List, Optional
+from typing import AsyncIterator, List, Optional, Sequence
 
 import torch
 
@@ -37,6 +37,7 @@ class SpanStream:
         self._queue: "asyncio.Queue[Optional[object]]" = asyncio.Queue()
         self._responses: Optional[AsyncIterator] = None
         self._pending: Optional[asyncio.Future] = None  # the next reply, possibly awaited across time-outs
+        self.open_pending = False  # OpenSession sent, its reply not read yet (read before the first step's)
 
     async def _next_reply(self, timeout: Optional[float] = None):
         if self._pending is None:
@@ -58,13 +59,19 @@ class SpanStream:
             raise
         return P.unpack_reply(response, self.hop.peer_id)
 
-    async def open(self) -> None:
+    async def open(self, wait: bool = True) -> None:
+        """Open the stream and the server's session. With `wait=False` the OpenSession reply is read before the
+        first step's reply instead (the step goes out without waiting a round trip); its error, if any, then
+        surfaces as that step's failure."""
         stub = self.manager.stub(self.hop.peer_id)
         self._responses = await stub.rpc_inference(aio.iterate_queue(self._queue))
         opened = P.OpenSession(session_id=self.session_id, start=self.hop.start, end=self.hop.end,
                                max_length=self.max_length, batch_size=self.batch_size)
         self._queue.put_nowait(P.make_request(opened))
-        await self._next_reply()
+        if wait:
+            await self._next_reply()
+        else:
+            self.open_pending = True
 
     @property
     def key(self) -> str:
@@ -77,6 +84,9 @@ class SpanStream:
 
     async def receive(self, start_position: int, seq: int, timeout: Optional[float] = None):
         """The reply to the step at start_position: (output [batch, seq, hidden], pushed)."""
+        if self.open_pending:
+            await self._next_reply(timeout)  # the OpenSession reply (an error reply raises here)
+            self.open_pending = False
         reply, tensors = await self._next_reply(timeout)
         if reply.position != start_position + seq or len(tensors) != 1:
             raise P.RemoteError("bad_reply", f"server reported position {reply.position}", self.hop.peer_id)
@@ -150,8 +160,8 @@ class InferenceSession:
         elif batch_size != self.batch_size:
             raise ValueError(f"the session is already open for batch size {self.batch_size}")
 
-    async def _open(self, batch_size: int) -> None:
-        self._streams = await self._open_span(self.start, self.end, batch_size)
+    async def _open(self, batch_size: int, wait: bool = True) -> None:
+        self._streams = await self._open_span(self.start, self.end, batch_size, wait)
         self.batch_size = batch_size
 
     def rewind(self, position: int) -> None:
@@ -176,10 +186,13 @@ class InferenceSession:
         return [s.hop for s in self._streams]
 
     # ---- async --------------------------------------------------------------------------------------------
-    async def _open_span(self, start: int, end: int, batch_size: int) -> List[SpanStream]:
-        """Route blocks [start, end) and open a stream on every hop (bounded retries, failed servers banned)."""
+    async def _open_span(self, start: int, end: int, batch_size: int, wait: bool = True,
+                         reasons: Sequence[str] = ()) -> List[SpanStream]:
+        """Route blocks [start, end) and open a stream on every hop (bounded retries, failed servers banned).
+        With `wait=False` the servers' OpenSession replies are left for the first step to read (`SpanStream.open`).
+        `reasons`: what made earlier servers of this span fail, named in the error if no server is left."""
         last_error: Optional[BaseException] = None
-        server_errors: List[str] = []  # what the servers said, kept when routing later runs out of servers
+        server_errors: List[str] = list(reasons)  # what the servers said, kept when routing runs out of servers
         for _ in range(self.manager.config.max_retries + 1):
             try:
                 hops = await asyncio.get_running_loop().run_in_executor(
@@ -190,7 +203,7 @@ class InferenceSession:
                 await asyncio.sleep(min(1.0, self.manager.config.ban_timeout))
                 continue
             streams = [SpanStream(self.manager, hop, self.session_id, self.max_length, batch_size) for hop in hops]
-            results = await asyncio.gather(*(s.open() for s in streams), return_exceptions=True)
+            results = await asyncio.gather(*(s.open(wait) for s in streams), return_exceptions=True)
             failed = [(s, r) for s, r in zip(streams, results) if isinstance(r, BaseException)]
             if not failed:
                 return streams
@@ -215,7 +228,7 @@ class InferenceSession:
                        f"{error}; re-routing that span")
         self.manager.ban(failed.hop.peer_id)
         asyncio.ensure_future(failed.close())
-        replacement = await self._open_span(failed.hop.start, failed.hop.end, self.batch_size)
+        replacement = await self._open_span(failed.hop.start, failed.hop.end, self.batch_size, reasons=[str(error)])
         if self.position > 0:
             x = self._history[failed.hop.start].read(self.position)  # [batch, position, hidden]
             for stream in replacement:
@@ -259,7 +272,9 @@ class InferenceSession:
                 f"this step would hold {self.position + seq} tokens, past the session's max_length {self.max_length}"
             )
         if self.batch_size is None:
-            await self._open(batch)
+            # the first step follows the OpenSession messages at once: no round trip before it (a failed open
+            # fails that step, which replaces the server like any step failure)
+            await self._open(batch, wait=False)
         elif batch != self.batch_size:
             raise ValueError(f"batch size {batch} differs from the session's {self.batch_size}")
         outputs = []
@@ -277,8 +292,8 @@ class InferenceSession:
         a copy to the client, which records it as the next boundary's input history (what failover replays).
         Only decode steps (one token) are pushed. If a pushed step has not come back from the next server
         within `push_timeout`, the client sends it there itself (servers drop the second copy by step id), so a
-        dead next server costs at most that long before failover starts. After a failure the rest of the step goes through
-        the client.
+        dead next server costs at most that long before failover starts. After a failure the rest of the step goes
+        through the client.
         """
         config = self.manager.config
         seq = x.shape[1]
@@ -294,8 +309,10 @@ class InferenceSession:
             history.write(self.position, x)
             try:
                 if not delivered:
-                    chain = [P.PushTarget(peer_id=s.hop.peer_id, stream_key=s.key) for s in self._streams[index + 1:]]
-                    use_push = config.use_push and seq == 1  # push decode steps; prefill goes through the client
+                    rest = self._streams[index + 1:]
+                    chain = [P.PushTarget(peer_id=s.hop.peer_id, stream_key=s.key) for s in rest]
+                    # push decode steps (prefill goes through the client), once the next servers have opened
+                    use_push = config.use_push and seq == 1 and not any(s.open_pending for s in rest)
                     stream.send(x, self.position, step_id, chain if use_push else ())
                     out, pushed = await stream.receive(self.position, seq)
                 else:
