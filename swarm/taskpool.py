@@ -13,9 +13,9 @@ worker that started on the first alone would split the sessions into groups that
 of its own. So batchable items name their source (a session), and `Gatherer` remembers each source's step
 period: the worker waits briefly (at most `GATHER_MAX` seconds and half a batch's compute time) for the sources
 that are due in this round, and stops waiting as soon as all of them are in. Groups that drifted a whole pass
-apart are merged: a batch with fewer sources than are missing (a minority; on a tie, the group without the
-lowest source) waits, while the worker has nothing else to do, up to the majority's expected arrival (at most
-one of its own periods), so it joins them from then on.
+apart are merged: a group smaller than the other (on a tie, the group without the lowest source) waits, while
+the worker has nothing else to do, up to the other group's expected arrival (at most one of its own periods,
+and not again for a few periods), so it joins them from then on.
 
 Processes on one machine take turns for CPU work (`swarm.cpu_turns`): each task runs under the machine-wide turn
 with all threads. Without turns, a worker uses fewer threads while its tasks overlap and other processes keep
@@ -47,6 +47,8 @@ PRIORITY_INFERENCE = PRIORITY_DECODE
 OVERLAP_MEMORY = 1.0  # seconds after tasks last overlapped during which threads adapt to the free cores
 GATHER_MAX = 0.020  # longest wait (seconds) for a batch's missing sources
 DUE_PERIODS = 2.0  # a source is due while its last item is younger than this many of its step periods
+SAME_GROUP = 0.25  # missing sources expected within this share of a period belong to the present group
+MERGE_BACKOFF = 8.0  # periods after a merging wait before the next one may start
 
 
 class Gatherer:
@@ -57,6 +59,7 @@ class Gatherer:
         self._seen: dict = {}  # key -> {source: (last time, period)}
         self._compute: dict = {}  # key -> moving average of one batch's seconds
         self._lock = threading.Lock()  # `forget` comes from other threads
+        self._no_merge_until: dict = {}  # key -> time before which no merging wait starts again
 
     def note(self, key: Hashable, sources: List[Hashable], now: float) -> None:
         with self._lock:
@@ -83,22 +86,30 @@ class Gatherer:
                     if source not in present and period is not None and now - last < DUE_PERIODS * period}
 
     def deadline(self, key: Hashable, present: set, missing: dict, now: float) -> float:
-        """Until when a batch of the `present` sources waits for the `missing` ones (see the module docstring)."""
+        """Until when a batch of the `present` sources waits for the `missing` ones (see the module docstring).
+
+        Missing sources expected within `SAME_GROUP` of a period are this round's stragglers (the present group's,
+        still on their way): the short wait is for them. The others form a group a pass or more apart; if the
+        present group (stragglers included) is the smaller one, it waits for that group's arrival, at most one of
+        its periods, and not again for `MERGE_BACKOFF` periods (a wait that did not merge never repeats round
+        after round)."""
         short = now + self.wait_limit(key)
         if not missing or self.gather_max <= 0:
             return now
-        minority = len(present) < len(missing) or (
-            len(present) == len(missing) and min(map(hash, missing)) < min(map(hash, present)))
-        if not minority:
-            return short
         with self._lock:
             seen = self._seen.get(key, {})
             periods = [seen[s][1] for s in present if s in seen and seen[s][1] is not None]
-        if not periods:
-            return short
-        # the majority's arrival (plus the short wait for its stragglers), at most one of our periods from now
-        expected = max(missing.values()) + self.wait_limit(key)
-        return max(short, min(expected, now + min(periods)))
+            if not periods or now < self._no_merge_until.get(key, 0.0):
+                return short
+            period = min(periods)
+            later = {s: t for s, t in missing.items() if t - now > SAME_GROUP * period}
+            group = set(present) | (set(missing) - set(later))
+            if not later or len(group) > len(later) or (
+                    len(group) == len(later) and min(map(hash, later)) > min(map(hash, group))):
+                return short
+            self._no_merge_until[key] = now + MERGE_BACKOFF * period
+        # the other group's arrival (plus the short wait for its stragglers), at most one of our periods from now
+        return max(short, min(max(later.values()) + self.wait_limit(key), now + period))
 
     def concurrent(self, now: float) -> bool:
         """Whether two or more sources of some key are active (concurrent sessions)."""

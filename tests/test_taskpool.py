@@ -147,12 +147,26 @@ def test_of_equal_groups_the_one_without_the_lowest_source_waits():
     assert gatherer.deadline("k", {3, 4}, gatherer.due("k", {3, 4}, 0.6), 0.6) > 0.6 + 0.05
 
 
-def test_a_merging_wait_is_at_most_one_period_and_off_without_waiting():
+def test_a_group_still_arriving_is_not_taken_for_a_minority():
+    """Two of a group of five are in, three are on their way (expected now): with them, it is the larger group,
+    so it waits only briefly; it must not wait a round for the group of three (which, seen from there, would
+    wait for it in turn, each wait lengthening the next)."""
+    gatherer = _gatherer_with_groups(late=["x", "y", "z"], early=["a", "b", "c", "d", "e"])
+    now = 0.6
+    missing = gatherer.due("k", {"a", "b"}, now)
+    assert set(missing) == {"c", "d", "e", "x", "y", "z"}
+    assert gatherer.deadline("k", {"a", "b"}, missing, now) == now + 0.01
+
+
+def test_a_merging_wait_is_at_most_one_period_rare_and_off_without_waiting():
     gatherer = _gatherer_with_groups(late=["x"], early=["a", "b"], period=0.2)
     missing = {"a": 5.0, "b": 5.0}  # expected far later than one period
     assert abs(gatherer.deadline("k", {"x"}, missing, 0.5) - 0.7) < 1e-9
+    # a merging wait just started: none again for 8 periods, only the short wait
+    assert gatherer.deadline("k", {"x"}, missing, 0.7) == 0.7 + 0.01
+    assert abs(gatherer.deadline("k", {"x"}, missing, 0.5 + 8 * 0.2 + 0.01) - (2.11 + 0.2)) < 1e-9
     gatherer.gather_max = 0.0
-    assert gatherer.deadline("k", {"x"}, missing, 0.5) == 0.5
+    assert gatherer.deadline("k", {"x"}, missing, 3.0) == 3.0
 
 
 def test_groups_a_pass_apart_merge_into_one_batch():
