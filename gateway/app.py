@@ -87,7 +87,8 @@ def load_model(config: GatewayConfig):
         raise ValueError("initial_peers is required: the multiaddr(s) of a peer of the swarm")
     return AutoDistributedModelForCausalLM.from_pretrained(
         config.model, initial_peers=config.initial_peers, dht_prefix=config.dht_prefix,
-        torch_dtype=config.torch_dtype, step_timeout=config.step_timeout, request_timeout=config.rpc_timeout)
+        torch_dtype=config.torch_dtype, step_timeout=config.step_timeout, request_timeout=config.rpc_timeout,
+        pad_head_rows=False)  # its buffers and timing runs cost the gateway ~5 MB of its 450 MB RSS budget
 
 
 def load_tokenizer(config: GatewayConfig):

@@ -31,3 +31,12 @@ def test_few_rows_and_full_multiples_are_never_padded_or_timed():
         out = padding.linear(torch.randn(rows, 8), weight)
         assert out.shape == (rows, 100)
     assert padding.pad == {}
+
+
+def test_calibrate_times_every_row_count_it_may_pad():
+    padding = RowPadding(multiple=8, min_rows=3, trials=1)
+    padding.calibrate(torch.randn(500, 32))
+    assert sorted(padding.pad) == [3, 4, 5, 6, 7]
+    x = torch.randn(5, 32)
+    weight = torch.randn(500, 32)
+    torch.testing.assert_close(padding.linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-4)
