@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-import sys
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple, Union
 
@@ -129,7 +128,7 @@ class DistributedModelForCausalLM(nn.Module):
         self.config, self.family, self.manager = config, family, manager
         self.embed_tokens, self.norm, self.lm_head = embed_tokens, norm, lm_head
         self.generation_config = generation_config
-        self.row_padding = RowPadding()
+        self.row_padding: Optional[RowPadding] = None  # set by from_pretrained(pad_head_rows=True)
 
     # ---- loading ------------------------------------------------------------------------------------------
     @classmethod
@@ -169,10 +168,9 @@ class DistributedModelForCausalLM(nn.Module):
         model.requires_grad_(False)
         model.name_or_path = name_or_path
         if pad_head_rows:
+            model.row_padding = RowPadding()
             model.row_padding.calibrate(model.lm_head.weight, model.lm_head.bias)  # CPU only: which batches to pad
             malloc.trim()  # what the timing runs freed
-        else:
-            model.row_padding.min_rows = sys.maxsize  # never pad
         return model
 
     # ---- pieces -------------------------------------------------------------------------------------------
@@ -195,7 +193,7 @@ class DistributedModelForCausalLM(nn.Module):
         vocab]), float32, on the CPU. Rows of concurrent sessions may be padded to the count the BLAS runs
         fastest (`swarm.rowpad`)."""
         normed = self.norm(hidden.to(self.device, self.dtype))
-        if normed.ndim == 2:
+        if self.row_padding is not None and normed.ndim == 2:
             return self.row_padding.linear(normed, self.lm_head.weight, self.lm_head.bias).float().cpu()
         return self.lm_head(normed).float().cpu()
 

@@ -9,8 +9,20 @@ import time
 from swarm.taskpool import PRIORITY_DECODE, Gatherer, TaskPool
 
 
-def _sessions(pool: TaskPool, stagger: float, steps: int = 8, work: float = 0.05) -> list:
-    """Two sessions step in lock-step rounds, the second's item `stagger` s after the first's; returns batch sizes."""
+def _run_then_shut_down(pool: TaskPool, threads: list) -> None:
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        pool.shutdown()
+
+
+def _sessions(gather_max: float, stagger: float, steps: int = 8, work: float = 0.05) -> list:
+    """Two sessions step in lock-step rounds through a pool, the second's item `stagger` s after the first's;
+    returns batch sizes."""
+    pool = TaskPool(adapt_threads=False, gather_max=gather_max)
     sizes = []
 
     def batch(items):
@@ -24,21 +36,13 @@ def _sessions(pool: TaskPool, stagger: float, steps: int = 8, work: float = 0.05
                 time.sleep(stagger)
             assert pool.call_batchable(PRIORITY_DECODE, "decode", batch, step, source=f"s{index}") == step * 2
 
-    threads = [threading.Thread(target=session, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run_then_shut_down(pool, [threading.Thread(target=session, args=(i,)) for i in range(2)])
     return sizes
 
 
 def test_staggered_sessions_share_passes():
     # a pass takes 50 ms, so the worker waits up to 25 ms: far more than the 10 ms stagger, even on a loaded machine
-    pool = TaskPool(adapt_threads=False, gather_max=0.5)
-    try:
-        sizes = _sessions(pool, stagger=0.01)
-    finally:
-        pool.shutdown()
+    sizes = _sessions(gather_max=0.5, stagger=0.01)
     assert sum(sizes) == 16
     # the first rounds teach the pool the sessions' periods; after that each round is one pass of both (the
     # session that started alone stays a step ahead, so the last step of the other runs alone)
@@ -46,11 +50,7 @@ def test_staggered_sessions_share_passes():
 
 
 def test_without_waiting_staggered_sessions_run_apart():
-    pool = TaskPool(adapt_threads=False, gather_max=0.0)
-    try:
-        sizes = _sessions(pool, stagger=0.01)
-    finally:
-        pool.shutdown()
+    sizes = _sessions(gather_max=0.0, stagger=0.01)
     assert sum(sizes) == 16 and max(sizes) == 1, sizes  # what the waiting above fixes
 
 
@@ -187,14 +187,7 @@ def test_groups_a_pass_apart_merge_into_one_batch():
             pool.call_batchable(PRIORITY_DECODE, "decode", batch, step, source=name)
             time.sleep(0.12)
 
-    threads = [threading.Thread(target=session, args=(name, delay)) for name, delay in
-               (("a", 0.0), ("b", 0.0), ("c", 0.08))]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        pool.shutdown()
+    _run_then_shut_down(pool, [threading.Thread(target=session, args=(name, delay)) for name, delay in
+                               (("a", 0.0), ("b", 0.0), ("c", 0.08))])
     assert sum(sizes) == 36
     assert sizes[-4:] == [3, 3, 3, 3], sizes
