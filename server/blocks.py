@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from server.cache import SessionKV
-from server.decode import attention_backends, decode_step, fuse_layer
+from server.decode import attention_backends, decode_step, fuse_layer, prefill_step
 from swarm.checkpoint import Checkpoint
 from swarm.families import FamilySpec, family_for
 
@@ -172,8 +172,14 @@ class BlockSpan(nn.Module):
         if kv is not None:
             kv.begin_step(start_position)
         try:
-            with attention_backends(self.device):
-                hidden = self._layers(hidden, mask, position_ids, position_embeddings, kv, first, last)
+            if kv is not None and self.fused:
+                # an inference step: the fused kernels of server.decode (the layer modules serve passes without a
+                # cache, which training differentiates)
+                cos, sin = position_embeddings  # [batch, seq, head_dim]
+                hidden = prefill_step(self.fused[first - self.start:last - self.start], hidden, cos, sin, kv, mask)
+            else:
+                with attention_backends(self.device):
+                    hidden = self._layers(hidden, mask, position_ids, position_embeddings, kv, first, last)
         except BaseException:
             if kv is not None:
                 kv.abort_step()

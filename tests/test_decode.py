@@ -1,6 +1,7 @@
-"""The lean decode path (`server.decode`) against the layers it replaces (`swarm.layers`, which tests/test_layers.py
-checks against transformers'), per family, on tiny random checkpoints: one session and several sessions of
-different batch sizes and lengths in one pass."""
+"""The lean inference path (`server.decode`) against the layers it replaces (`swarm.layers`, which
+tests/test_layers.py checks against transformers'), per family, on tiny random checkpoints: batched decode steps of
+one session and of several sessions of different batch sizes and lengths in one pass, and multi-token steps
+(prompts, later turns, single tokens) through `BlockSpan.forward`."""
 from __future__ import annotations
 
 import pytest
@@ -19,6 +20,15 @@ def span(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"decode-{request.param}")
     AutoModelForCausalLM.from_config(_configs()[request.param]).save_pretrained(path)
     return BlockSpan.load(Checkpoint(str(path)), 1, 4, "float32")
+
+
+def module_forward(span: BlockSpan, *args) -> torch.Tensor:
+    """`span.forward` through the layer modules (`swarm.layers`) instead of the fused kernels."""
+    fused, span.fused = span.fused, []
+    try:
+        return span.forward(*args)
+    finally:
+        span.fused = fused
 
 
 def test_fused_weights_are_views_of_the_layers(span):
@@ -40,12 +50,15 @@ def test_batched_decode_matches_the_hf_layers(span):
         prompt = torch.randn(batch, length, hidden)
         for kvs in (reference, lean):
             kv = span.new_session_kv(batch, 32, 1, 4)
-            span.forward(prompt, 0, kv)
+            if kvs is reference:
+                module_forward(span, prompt, 0, kv)
+            else:
+                span.forward(prompt, 0, kv)
             kvs.append(kv)
     positions = [length for _, length in sessions]
     for step in range(4):
         xs = [torch.randn(batch, 1, hidden) for batch, _ in sessions]
-        expected = [span.forward(x, pos, kv) for x, pos, kv in zip(xs, positions, reference)]
+        expected = [module_forward(span, x, pos, kv) for x, pos, kv in zip(xs, positions, reference)]
         if step == 2:  # one session alone also takes the lean path
             got = [span.forward_batch([(xs[0], positions[0], lean[0])], 1, 4)[0]]
             got += span.forward_batch([(x, p, kv) for x, p, kv in zip(xs[1:], positions[1:], lean[1:])], 1, 4)
@@ -62,11 +75,32 @@ def test_decode_over_part_of_the_span_and_after_a_rewind(span):
     torch.manual_seed(2)
     prompt = torch.randn(1, 6, span.hidden_size)
     ref, lean = span.new_session_kv(1, 16, 2, 4), span.new_session_kv(1, 16, 2, 4)
-    span.forward(prompt, 0, ref, 2, 4)
+    module_forward(span, prompt, 0, ref, 2, 4)
     span.forward(prompt, 0, lean, 2, 4)
     x = torch.randn(1, 1, span.hidden_size)
     span.forward_batch([(torch.randn(1, 1, span.hidden_size), 6, lean)], 2, 4)  # a step later taken back
-    expected = span.forward(x, 4, ref, 2, 4)  # rewind: position 4 overwrites what was there
+    expected = module_forward(span, x, 4, ref, 2, 4)  # rewind: position 4 overwrites what was there
     got = span.forward_batch([(x, 4, lean)], 2, 4)[0]
     assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
     assert lean.length == ref.length == 5
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_multi_token_steps_match_the_hf_layers(span, batch):
+    """A prompt, a later turn (keys before it in the cache: an explicit causal mask), one token, a rewind into the
+    middle of the cache, and a step over part of the span: the fused path against the layer modules."""
+    torch.manual_seed(3)
+    ref, lean = span.new_session_kv(batch, 32, 1, 4), span.new_session_kv(batch, 32, 1, 4)
+    for position, seq in [(0, 7), (7, 5), (12, 1), (9, 4)]:
+        x = torch.randn(batch, seq, span.hidden_size)
+        expected = module_forward(span, x, position, ref)
+        got = span.forward(x, position, lean)
+        assert got.shape == expected.shape == (batch, seq, span.hidden_size)
+        assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5), (position, seq, (got - expected).abs().max())
+        assert lean.length == ref.length == position + seq
+    for kv_layer in range(3):  # the caches hold the same keys and values
+        assert torch.allclose(lean.keys[kv_layer][:, :, :13], ref.keys[kv_layer][:, :, :13], atol=1e-5, rtol=1e-5)
+    part_ref, part_lean = span.new_session_kv(batch, 16, 2, 4), span.new_session_kv(batch, 16, 2, 4)
+    x = torch.randn(batch, 6, span.hidden_size)
+    assert torch.allclose(span.forward(x, 0, part_lean, 2, 4), module_forward(span, x, 0, part_ref, 2, 4),
+                          atol=1e-5, rtol=1e-5)
