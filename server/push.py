@@ -79,11 +79,13 @@ class PushSender:
     def push(self, chain: list, start_position: int, step_id: int, output: torch.Tensor) -> bool:
         """Queue the output for chain[0] (telling it the rest of the chain); False if no live stream took it."""
         target = chain[0]
-        try:
-            PeerID.from_base58(target.peer_id)
-        except Exception:
-            return False
-        channel = self._channel(target.peer_id)
+        channel = self._channels.get(target.peer_id)
+        if channel is None or not channel.alive:
+            try:
+                PeerID.from_base58(target.peer_id)  # checked once per stream, not per push
+            except Exception:
+                return False
+            channel = self._channel(target.peer_id)
         if not channel.alive:
             return False
         message = P.PushStep(stream_key=target.stream_key, start_position=start_position, step_id=step_id,
