@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple, Union
 
@@ -249,7 +250,7 @@ class DistributedModelForCausalLM(nn.Module):
     def logits_processors(config: GenerationConfig, prompt_len: int = 0) -> LogitsProcessorList:
         processors = LogitsProcessorList()
         if config.min_new_tokens and config.eos_token_id is not None:
-            processors.append(MinNewTokensLengthLogitsProcessor(prompt_len, config.min_new_tokens, config.eos_token_id))
+            processors.append(MinNewTokensProcessor(prompt_len, config.min_new_tokens, config.eos_token_id))
         if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
             processors.append(RepetitionPenaltyLogitsProcessor(penalty=config.repetition_penalty))
         if config.do_sample:
@@ -338,6 +339,19 @@ def _pick(processors: LogitsProcessorList, ids: torch.Tensor, logits: torch.Tens
     if do_sample:
         return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
     return scores.argmax(dim=-1)
+
+
+class MinNewTokensProcessor(MinNewTokensLengthLogitsProcessor):
+    """transformers' processor (end-of-sequence tokens get -inf until `min_new_tokens` are out) without its
+    per-call `isin` over the whole vocabulary, 0.3 ms a step on the CPU: with 8 concurrent sessions that was a
+    third of their token choices. The same scores, set by index."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[-1] - self.prompt_length_to_skip >= self.min_new_tokens:
+            return scores
+        eos = self.eos_token_id.to(scores.device).reshape(-1)
+        eos = eos[(eos >= 0) & (eos < scores.shape[-1])]  # ids outside the vocabulary match nothing, as in isin
+        return scores.index_fill(-1, eos, -math.inf)
 
 
 def _reject_padding(attention_mask: Optional[torch.Tensor]) -> None:

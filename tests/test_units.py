@@ -146,3 +146,20 @@ def test_openmp_spin_is_set_before_torch_loads():
     user = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "GOMP_SPINCOUNT": "77"})
     assert user.stdout.split()[0] == "77"  # the user's setting wins
+
+
+@pytest.mark.parametrize("eos", [2, [2, 7], [3, 10 ** 6]])
+def test_min_new_tokens_processor_matches_transformers(eos):
+    from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
+
+    from swarm.model import MinNewTokensProcessor
+
+    torch.manual_seed(0)
+    ours, theirs = MinNewTokensProcessor(5, 3, eos), MinNewTokensLengthLogitsProcessor(5, 3, eos)
+    for length in (5, 7, 8, 9):  # 0 and 2 new tokens: eos masked; 3 and 4: free
+        ids, scores = torch.randint(0, 50, (2, length)), torch.randn(2, 50)
+        kept = scores.clone()
+        expected = theirs(ids, scores)
+        assert torch.equal(ours(ids, scores), expected)
+        assert torch.equal(scores, kept)  # the caller's logits are left as they were
+        assert bool(torch.isinf(expected[:, 3 if eos == [3, 10 ** 6] else 2]).all()) == (length - 5 < 3)
