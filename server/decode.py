@@ -149,7 +149,8 @@ def _mlp_residual(layer: FusedLayer, x: torch.Tensor) -> torch.Tensor:
     """x + MLP(post_norm(x)) for x [rows, hidden]."""
     h = F.rms_norm(x, x.shape[-1:], layer.post_norm, layer.eps)
     gate, up = F.linear(h, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
-    return _project_residual(x, layer.act(gate) * up, layer.down_weight_t, layer.down_bias)
+    # in place: a 1024-token prefill chunk would otherwise hold a third [rows, intermediate] buffer (6 MB here)
+    return _project_residual(x, layer.act(gate).mul_(up), layer.down_weight_t, layer.down_bias)
 
 
 def _decode_layers(layers: Sequence[FusedLayer], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
