@@ -13,7 +13,7 @@ elementwise passes over [seq, hidden]) and separate projections: a 96-token pref
 
 `fuse_layer` builds the fused weights once at load and makes the layer modules' parameters (`swarm.layers`, the
 same computations as transformers' modeling code) views into them, so nothing is duplicated and the module path
-(prefill, forward passes) reads the same memory.
+(forward passes without a cache, which training differentiates) reads the same memory.
 """
 from __future__ import annotations
 
@@ -119,8 +119,9 @@ def prefill_step(layers: Sequence[FusedLayer], x: torch.Tensor, cos: torch.Tenso
                  mask: Optional[torch.Tensor]) -> torch.Tensor:
     """Run one session's step of `seq` tokens through `layers`, its `begin_step` called.
 
-    x: [batch, seq, hidden]; cos, sin: [batch, seq, head_dim]; mask: None when the cache held nothing before this
-    step (SDPA's square causal mask), else the additive mask [1, 1, seq, prefix + seq]. Returns [batch, seq, hidden].
+    x: [batch, seq, hidden]; cos, sin: [batch, seq, head_dim]; mask: the additive causal mask [1, 1, seq,
+    prefix + seq], or None when the cache held nothing before this step (SDPA's square causal mask) or the step is
+    one token (it sees every key). Returns [batch, seq, hidden].
     """
     batch, seq, hidden = x.shape
     rows = batch * seq
