@@ -174,7 +174,7 @@ class BlockSpan(nn.Module):
         try:
             if kv is not None and self.fused:
                 # an inference step: the fused kernels of server.decode (the layer modules serve passes without a
-                # cache, which training differentiates)
+                # cache)
                 cos, sin = position_embeddings  # [batch, seq, head_dim]
                 hidden = prefill_step(self.fused[first - self.start:last - self.start], hidden, cos, sin, kv, mask)
             else:

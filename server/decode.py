@@ -1,4 +1,4 @@
-"""The lean single-token decode path of Llama-style blocks (llama, mistral, qwen2).
+"""The lean inference path of Llama-style blocks (llama, mistral, qwen2): decode steps, and multi-token steps.
 
 A decode step is bound by memory bandwidth: every weight is read once per step whatever the number of rows, so
 concurrent sessions' steps share one pass, and the pass is made of as few kernel calls as possible. Per block:
@@ -13,7 +13,7 @@ elementwise passes over [seq, hidden]) and separate projections: a 96-token pref
 
 `fuse_layer` builds the fused weights once at load and makes the layer modules' parameters (`swarm.layers`, the
 same computations as transformers' modeling code) views into them, so nothing is duplicated and the module path
-(forward passes without a cache, which training differentiates) reads the same memory.
+(forward passes without a cache, `rpc_forward`) reads the same memory.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from server.cache import SessionKV
+from swarm.layers import sdpa_attention
 
 
 @dataclass
@@ -139,9 +140,10 @@ def prefill_step(layers: Sequence[FusedLayer], x: torch.Tensor, cos: torch.Tenso
             k = qk[:, heads:].view(batch, seq, kv_heads, dim).transpose(1, 2)
             v = qkv[:, heads + kv_heads:].view(batch, seq, kv_heads, dim).transpose(1, 2)
             keys, values = kv.update(k, v, layer.layer_idx)
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and seq > 1,
-                                               scale=layer.scaling, enable_gqa=heads != kv_heads)
-            x = _project_residual(x, o.transpose(1, 2).reshape(rows, heads * dim), layer.o_weight_t, layer.o_bias)
+            # the layer modules' attention call (transformers' SDPA path): with a mask it expands the key/value
+            # heads rather than asking SDPA for GQA, which CUDA's kernels do not combine with a mask
+            o = sdpa_attention(q, keys, values, mask, layer.scaling, heads // kv_heads)  # [batch, seq, heads, dim]
+            x = _project_residual(x, o.reshape(rows, heads * dim), layer.o_weight_t, layer.o_bias)
             x = _mlp_residual(layer, x)
     return x.view(batch, seq, hidden)
 

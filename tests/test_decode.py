@@ -101,6 +101,7 @@ def test_multi_token_steps_match_the_hf_layers(span, batch):
     for kv_layer in range(3):  # the caches hold the same keys and values
         assert torch.allclose(lean.keys[kv_layer][:, :, :13], ref.keys[kv_layer][:, :, :13], atol=1e-5, rtol=1e-5)
     part_ref, part_lean = span.new_session_kv(batch, 16, 2, 4), span.new_session_kv(batch, 16, 2, 4)
-    x = torch.randn(batch, 6, span.hidden_size)
-    assert torch.allclose(span.forward(x, 0, part_lean, 2, 4), module_forward(span, x, 0, part_ref, 2, 4),
-                          atol=1e-5, rtol=1e-5)
+    for position, seq in [(0, 6), (6, 3)]:  # blocks 2:4 of the span: a prompt, then a later turn
+        x = torch.randn(batch, seq, span.hidden_size)
+        assert torch.allclose(span.forward(x, position, part_lean, 2, 4),
+                              module_forward(span, x, position, part_ref, 2, 4), atol=1e-5, rtol=1e-5)
