@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from swarm.local_swarm import ManagedProcess  # noqa: E402
-from swarm.prepare import prepare_model  # noqa: E402
+from swarm.launch.local_swarm import ManagedProcess  # noqa: E402
+from swarm.modeling.prepare import prepare_model  # noqa: E402
 
 TOPOLOGIES = {"2_servers": ["0:15", "15:30"], "3_servers": ["0:10", "10:20", "20:30"]}
 PROMPT = torch.tensor([[1, 504, 3458, 314, 4086, 28, 260, 1345, 2024, 30, 1530, 260, 1029]])

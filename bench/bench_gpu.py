@@ -3,7 +3,7 @@
 The model (TinyLlama-1.1B's shape: hidden 2048, 22 blocks, 32 heads / 4 key-value heads) is built here with
 random weights and saved as a local checkpoint. Measured, each in one run, and printed as one JSON object:
 1. `span_step_ms`: one single-token decode step through all 22 blocks in this process, by the layer modules
-   (`swarm.layers`, what prefill runs), by the lean eager path (`server.decode`) and by its CUDA graph
+   (`swarm.modeling.layers`, what prefill runs), by the lean eager path (`server.decode`) and by its CUDA graph
    (`server.graphs`); and 8 sessions' steps as one eager batch and as 8 graph replays; with the host's time per
    kernel launch.
 2. local `transformers` generate (the whole model on the GPU) against a 2-server swarm on loopback (blocks
@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from bench_swarm import measure  # noqa: E402  (bench/ is on the path when run as a script)
 from bench_throughput import concurrent_rate  # noqa: E402
-from swarm.local_swarm import ManagedProcess  # noqa: E402
+from swarm.launch.local_swarm import ManagedProcess  # noqa: E402
 
 CONFIG = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
               num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False,
@@ -59,7 +59,7 @@ def measure_generate(generate, ids, new_tokens: int, runs: int) -> dict:
 
 def span_steps(path: str, steps: int = 40) -> dict:
     from server.blocks import BlockSpan
-    from swarm.checkpoint import Checkpoint
+    from swarm.modeling.checkpoint import Checkpoint
 
     span = BlockSpan.load(Checkpoint(path), 0, CONFIG["num_hidden_layers"], "bfloat16", "cuda")
     n = span.end

@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from swarm.local_swarm import ManagedProcess  # noqa: E402
-from swarm.prepare import prepare_model  # noqa: E402
+from swarm.launch.local_swarm import ManagedProcess  # noqa: E402
+from swarm.modeling.prepare import prepare_model  # noqa: E402
 
 PROMPT = (
     "The history of computing is a story of people and machines. In the early nineteenth century, Charles "

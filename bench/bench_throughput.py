@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from swarm.local_swarm import ManagedProcess  # noqa: E402
-from swarm.prepare import prepare_model  # noqa: E402
+from swarm.launch.local_swarm import ManagedProcess  # noqa: E402
+from swarm.modeling.prepare import prepare_model  # noqa: E402
 
 DECODE_STEPS = 32
 
@@ -141,7 +141,7 @@ def main() -> None:
         for p in procs:
             p.terminate()
     # in a process of its own: its model must not count in the client's memory, and OpenMP teams of one process
-    # slow each other down (swarm/threads.py)
+    # slow each other down (swarm/runtime/threads.py)
     out = subprocess.run([sys.executable, __file__, "--local_only"], capture_output=True, text=True, check=True)
     local_rate = float(out.stdout.split()[-1])
     result["local_decode_tokens_per_s"] = round(local_rate, 2)

@@ -18,7 +18,7 @@ from tests.procs import SwarmProcess, start_bootstrap, start_servers  # noqa: E4
 
 class BenchSwarm:
     def __init__(self, name: str, spans: Sequence[str], server_args: Sequence[str] = ()):
-        from swarm.prepare import prepare_model
+        from swarm.modeling.prepare import prepare_model
 
         self.path = str(prepare_model())
         self.prefix = f"{name}-{os.getpid()}"

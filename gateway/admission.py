@@ -11,7 +11,7 @@ import asyncio
 from typing import Callable, Optional
 
 from gateway.errors import rate_limited, unavailable
-from swarm import malloc
+from swarm.runtime import malloc
 
 
 class Admission:
@@ -52,7 +52,7 @@ class Admission:
         self.semaphore.release()
         self._on_change(self)
         if self.running == 0:
-            malloc.trim()  # the last generation finished: what it freed back to the OS (swarm.malloc)
+            malloc.trim()  # the last generation finished: what it freed back to the OS (swarm.runtime.malloc)
 
 
 class Slot:

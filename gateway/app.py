@@ -42,7 +42,7 @@ from gateway.schemas import DetokenizeRequest, ModelCard, ModelList, TokenizeReq
 from gateway.session_pool import SessionPool
 from gateway.state import GatewayState, format_ranges
 from gateway.tokens import Tokens
-from swarm import malloc
+from swarm.runtime import malloc
 
 logger = logging.getLogger("swarmgate.gateway")
 
@@ -94,10 +94,10 @@ def load_model(config: GatewayConfig):
 def load_tokenizer(config: GatewayConfig):
     from transformers import AutoTokenizer
 
-    from swarm.checkpoint import Checkpoint
+    from swarm.modeling.checkpoint import Checkpoint
 
     checkpoint = Checkpoint(config.model)
-    # with the model config given, AutoTokenizer does not load it through AutoConfig (swarm.model_config: why)
+    # with the model config given, AutoTokenizer does not load it through AutoConfig (swarm.modeling.model_config: why)
     return AutoTokenizer.from_pretrained(checkpoint.config_dir, config=checkpoint.load_config())
 
 
@@ -239,7 +239,7 @@ async def _serve(app: FastAPI, config: GatewayConfig, sock: socket.socket) -> No
 
 
 def main(argv=None) -> int:
-    from swarm.config import ConfigError, build_parser, load_config
+    from swarm.runtime.config import ConfigError, build_parser, load_config
 
     parser = build_parser(GatewayConfig, "swarmgate gateway",
                           "Serve the OpenAI-compatible HTTP API over the swarm.", positional="model")

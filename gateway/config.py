@@ -1,7 +1,7 @@
 """The gateway's settings: one typed model filled from CLI flags, a YAML file and `SWARMGATE_*` variables.
 
-`GatewayConfig` follows the pattern of `server.server.ServerConfig`: `swarm.config.build_parser` turns it
-into the `swarmgate gateway MODEL ...` command line and `swarm.config.load_config` merges the sources
+`GatewayConfig` follows the pattern of `server.server.ServerConfig`: `swarm.runtime.config.build_parser` turns it
+into the `swarmgate gateway MODEL ...` command line and `swarm.runtime.config.load_config` merges the sources
 (CLI > YAML `--config` > environment > defaults). See `configs/gateway.yaml` for a documented example.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import List, Optional
 
 from pydantic import Field, field_validator
 
-from swarm.config import ProcessConfig
+from swarm.runtime.config import ProcessConfig
 
 
 class GatewayConfig(ProcessConfig):

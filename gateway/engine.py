@@ -31,10 +31,10 @@ from gateway.metrics import Metrics
 from gateway.sampling import Sampler, SamplingParams, TokenChoice
 from gateway.textstream import TextStream
 from gateway.tokens import Tokens
-from swarm.protocol import RemoteError
-from swarm.routing import RoutingError
-from swarm.session import SessionError
-from swarm.threads import serial_torch_here
+from swarm.wire.protocol import RemoteError
+from swarm.client.routing import RoutingError
+from swarm.client.session import SessionError
+from swarm.runtime.threads import serial_torch_here
 
 logger = logging.getLogger("swarmgate.gateway")
 
@@ -245,7 +245,7 @@ class Engine:
         self.model, self.tokens, self.metrics = model, tokens, metrics
         self.sessions = sessions or SessionProvider(model)
         self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="generation",
-                                           initializer=serial_torch_here)  # tensor work: swarm.taskpool.client_pool
+                                           initializer=serial_torch_here)  # tensor work: swarm.runtime.taskpool.client_pool
         self.vocab_size = min(int(model.config.vocab_size), tokens.vocab_size)
         self._active: Dict[int, GenerationJob] = {}
 

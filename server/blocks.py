@@ -15,8 +15,8 @@ from torch import nn
 
 from server.cache import SessionKV
 from server.decode import attention_backends, decode_step, fuse_layer, prefill_step
-from swarm.checkpoint import Checkpoint
-from swarm.families import FamilySpec, family_for
+from swarm.modeling.checkpoint import Checkpoint
+from swarm.modeling.families import FamilySpec, family_for
 
 logger = logging.getLogger(__name__)
 

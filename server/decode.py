@@ -11,7 +11,7 @@ is compute-bound, and the fused kernels save what the layer modules spend in the
 elementwise passes over [seq, hidden]) and separate projections: a 96-token prefill of 15 SmolLM2 blocks takes
 55 ms instead of 58 on this project's 2-core machine.
 
-`fuse_layer` builds the fused weights once at load and makes the layer modules' parameters (`swarm.layers`, the
+`fuse_layer` builds the fused weights once at load and makes the layer modules' parameters (`swarm.modeling.layers`, the
 same computations as transformers' modeling code) views into them, so nothing is duplicated and the module path
 (forward passes without a cache, `rpc_forward`) reads the same memory.
 """
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from server.cache import SessionKV
-from swarm.layers import sdpa_attention
+from swarm.modeling.layers import sdpa_attention
 
 
 @dataclass

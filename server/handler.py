@@ -23,8 +23,9 @@ from hivemind.proto import runtime_pb2
 from server.blocks import BlockSpan
 from server.cache import CacheBudget, OutOfCacheError
 from server.push import PushRouter, PushSender
-from swarm.taskpool import PRIORITY_DECODE, PRIORITY_FORWARD, PRIORITY_PREFILL, TaskPool
-from swarm import malloc, protocol as P
+from swarm.runtime.taskpool import PRIORITY_DECODE, PRIORITY_FORWARD, PRIORITY_PREFILL, TaskPool
+from swarm.runtime import malloc
+from swarm.wire import protocol as P
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +206,7 @@ class BlockHandler(P.BlockRPC):
             if handle is not None:
                 await self.budget.release(handle)
                 if self.budget.num_sessions == 0:
-                    malloc.trim()  # the last open session closed: the caches' memory back to the OS (swarm.malloc)
+                    malloc.trim()  # the last open session closed: the caches' memory back to the OS (swarm.runtime.malloc)
 
     async def _compute(self, hidden: torch.Tensor, start_position: int, kv, first: int, last: int) -> torch.Tensor:
         """One step of a session: decode steps are batched with other sessions'; a long prefill runs in chunks

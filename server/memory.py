@@ -37,7 +37,7 @@ def free_memory_bytes(device: str) -> int:
 
 def block_parameter_counts(model_config) -> tuple[int, int]:
     """(parameters in linear weights, other parameters) of one transformer block, counted on the meta device."""
-    from swarm.families import family_for
+    from swarm.modeling.families import family_for
 
     family = family_for(model_config)
     layer_cls = family.import_class(family.layer_class)

@@ -15,8 +15,8 @@ from typing import Dict, Sequence
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
-from swarm import protocol as P
-from swarm.records import ServerSpan, ServerState
+from swarm.wire import protocol as P
+from swarm.wire.records import ServerSpan, ServerState
 
 UNREACHABLE = 1e6
 

@@ -1,7 +1,7 @@
 """Block placement: which contiguous blocks a server should host, and when it should move.
 
 This module owns the pure decision logic a block server runs against the swarm's announced spans
-(`swarm.records.ServerSpan`): the per-block throughput the swarm provides, the least-served window of
+(`swarm.wire.records.ServerSpan`): the per-block throughput the swarm provides, the least-served window of
 blocks for a joining server, whether an already-running server should move to rebalance the swarm, and how
 many blocks fit in the memory a server has. No network, no DHT, no clocks.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import List, Optional, Sequence, Tuple
 
-from swarm.records import ServerSpan, ServerState
+from swarm.wire.records import ServerSpan, ServerState
 
 __all__ = ["block_throughputs", "choose_best_span", "should_move", "num_blocks_that_fit"]
 

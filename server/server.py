@@ -43,15 +43,16 @@ from server.handler import BlockHandler
 from server.memory import Capacity, free_memory_bytes, plan_capacity
 from server.pings import measure_next_pings
 from server.placement import block_throughputs, choose_best_span, should_move
-from swarm.taskpool import PRIORITY_FORWARD, TaskPool
+from swarm.runtime.taskpool import PRIORITY_FORWARD, TaskPool
 from server.throughput import get_throughput, parse_throughput_mode
-from swarm import __version__, malloc
-from swarm.checkpoint import Checkpoint
-from swarm.cpu_turns import CpuTurns, cpu_turns_enabled
-from swarm.threads import serial_torch_here
-from swarm.config import ProcessConfig, parse_span
-from swarm.disk_cache import parse_size
-from swarm.records import (ServerInfo, ServerSpan, ServerState, declare_blocks, dht_prefix_for, fetch_block_records,
+from swarm import __version__
+from swarm.runtime import malloc
+from swarm.modeling.checkpoint import Checkpoint
+from swarm.runtime.cpu_turns import CpuTurns, cpu_turns_enabled
+from swarm.runtime.threads import serial_torch_here
+from swarm.runtime.config import ProcessConfig, parse_span
+from swarm.modeling.disk_cache import parse_size
+from swarm.wire.records import (ServerInfo, ServerSpan, ServerState, declare_blocks, dht_prefix_for, fetch_block_records,
                            online_spans)
 
 logger = logging.getLogger("swarmgate.server")
@@ -167,7 +168,7 @@ class Server:
         self.dht: Optional[hivemind.DHT] = None
         self.p2p = None
         self.handler: Optional[BlockHandler] = None
-        self.pool: Optional[TaskPool] = None  # the one thread that does this process's tensor work (swarm.threads)
+        self.pool: Optional[TaskPool] = None  # the one thread that does this process's tensor work (swarm.runtime.threads)
         self.capacity: Optional[Capacity] = None
         self.throughput = 1.0
         self.start = self.end = 0
@@ -473,7 +474,7 @@ class Server:
 
 
 def main(argv=None) -> int:
-    from swarm.config import config_from_argv, setup_logging
+    from swarm.runtime.config import config_from_argv, setup_logging
 
     config = config_from_argv(ServerConfig, argv, "swarmgate server", "Serve a range of a model's blocks to the swarm.",
                               positional="model", section="server")

@@ -49,7 +49,7 @@ def parse_throughput_mode(value: Union[str, float]) -> Union[str, float]:
 
 
 def cache_path(root: Optional[Path] = None) -> Path:
-    from swarm.checkpoint import default_cache_root
+    from swarm.modeling.checkpoint import default_cache_root
 
     return (root or default_cache_root()) / CACHE_FILE
 

@@ -5,18 +5,18 @@ imports happen on first use so that servers and tools importing `swarm.*` module
 """
 __version__ = "0.1.0"
 
-from swarm.deferred_imports import defer_unused_imports as _defer_unused_imports  # noqa: E402
-from swarm.threads import tune_openmp_env as _tune_openmp_env  # noqa: E402
+from swarm.runtime.deferred_imports import defer_unused_imports as _defer_unused_imports  # noqa: E402
+from swarm.runtime.threads import tune_openmp_env as _tune_openmp_env  # noqa: E402
 
-_tune_openmp_env()  # before torch loads, if it has not yet (swarm.threads)
-_defer_unused_imports()  # before hivemind loads: it imports scipy.optimize, which we never use (swarm.deferred_imports)
+_tune_openmp_env()  # before torch loads, if it has not yet (swarm.runtime.threads)
+_defer_unused_imports()  # before hivemind loads: it imports scipy.optimize, which we never use (swarm.runtime.deferred_imports)
 
 __all__ = ["AutoDistributedModelForCausalLM", "DistributedModelForCausalLM", "__version__"]
 
 
 def __getattr__(name):
     if name in ("AutoDistributedModelForCausalLM", "DistributedModelForCausalLM"):
-        from swarm import model
+        from swarm.client import model
 
         return getattr(model, name)
     raise AttributeError(name)

@@ -15,7 +15,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def model_path():
-    from swarm.prepare import prepare_model
+    from swarm.modeling.prepare import prepare_model
 
     return str(prepare_model(MODEL))
 

@@ -1,6 +1,6 @@
 """Fixtures for the gateway tests: real gateway processes over the shared test swarm, SDK clients, helpers.
 
-`start_gateway` runs `python -m swarm.cli gateway MODEL ...` through `tests.procs.SwarmProcess` (readiness
+`start_gateway` runs `python -m swarm.launch.cli gateway MODEL ...` through `tests.procs.SwarmProcess` (readiness
 line, log file, SIGTERM then SIGKILL on cleanup). `gateway` is one gateway per test module over the
 ("0:15", "15:30") swarm; `side_gateways` starts, in parallel, one with API keys and a tiny queue (auth,
 429, keep-alives) and one pointed at a DHT prefix that no server announces (503).

@@ -1,6 +1,6 @@
 """Starting real swarmgate processes for tests: wait for their readiness line, always clean up.
 
-`SwarmProcess` runs `python -m swarm.cli <args>` with its output in a log file, waits for the
+`SwarmProcess` runs `python -m swarm.launch.cli <args>` with its output in a log file, waits for the
 `SWARMGATE_READY {json}` line (failing with the log's tail if the process dies or the wait times out), and
 stops it with SIGTERM (then SIGKILL) when the test is done.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import List, Optional
 
-from swarm.local_swarm import READY, REPO, ManagedProcess  # noqa: F401  (re-exported for tests)
+from swarm.launch.local_swarm import READY, REPO, ManagedProcess  # noqa: F401  (re-exported for tests)
 
 
 class SwarmProcess(ManagedProcess):

@@ -7,10 +7,10 @@ import pytest
 import torch
 from hivemind.proto import runtime_pb2
 
-from swarm import aio
-from swarm import protocol as P
-from swarm.manager import ClientConfig, SwarmManager
-from swarm.records import ServerState, fetch_block_records, server_states
+from swarm.runtime import aio
+from swarm.wire import protocol as P
+from swarm.client.manager import ClientConfig, SwarmManager
+from swarm.wire.records import ServerState, fetch_block_records, server_states
 from tests.procs import start_servers
 
 SPANS = ("0:15", "15:30")
@@ -161,7 +161,7 @@ def test_cli_rejects_bad_flags(model_path, bootstrap):
     from tests.procs import REPO
 
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "swarm.cli", *args], cwd=REPO, capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "swarm.launch.cli", *args], cwd=REPO, capture_output=True, text=True,
                               timeout=120)
 
     r = run("server", model_path, "--new_swarm", "--block_indices", "20:10")

@@ -15,11 +15,11 @@ import hivemind
 import pytest
 import torch
 
-from swarm.session import SessionError
+from swarm.client.session import SessionError
 
 from server.cache import CacheBudget, OutOfCacheError
-from swarm.taskpool import PRIORITY_FORWARD, PRIORITY_INFERENCE, TaskPool
-from swarm.records import fetch_block_records
+from swarm.runtime.taskpool import PRIORITY_FORWARD, PRIORITY_INFERENCE, TaskPool
+from swarm.wire.records import fetch_block_records
 from tests.procs import SwarmProcess
 
 BUDGET, SESSION = 64, 48  # two sessions of 48 tokens do not fit in 64

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from swarm.config import build_parser, load_config, parse_span
+from swarm.runtime.config import build_parser, load_config, parse_span
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_BLOCKS = 30
@@ -27,7 +27,7 @@ def _config_class(subcommand: str):
 
         return GatewayConfig, "model"
     if subcommand == "dht":
-        from swarm.bootstrap import BootstrapConfig
+        from swarm.launch.bootstrap import BootstrapConfig
 
         return BootstrapConfig, None
     raise AssertionError(f"unexpected subcommand {subcommand}")
@@ -80,7 +80,7 @@ def test_dockerfile_pins_torch_before_the_project():
 
 
 def test_local_yaml_matches_compose_topology():
-    from swarm.local_swarm import UpConfig
+    from swarm.launch.local_swarm import UpConfig
 
     config = load_config(UpConfig, yaml_path=str(ROOT / "configs" / "local.yaml"), environ={})
     covered = sorted(b for entry in config.servers for b in range(*parse_span(entry.block_indices)))

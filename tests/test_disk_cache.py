@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm.disk_cache import LOCK_NAME, DiskCache, DiskCacheError, hub_download, parse_size
+from swarm.modeling.disk_cache import LOCK_NAME, DiskCache, DiskCacheError, hub_download, parse_size
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -95,7 +95,7 @@ def test_hub_layout_blobs_links_and_unfinished_downloads(tmp_path):
 WORKER = r"""
 import json, os, sys, time
 from pathlib import Path
-from swarm.disk_cache import DiskCache
+from swarm.modeling.disk_cache import DiskCache
 root, limit, names, log = Path(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
 cache = DiskCache(root, limit)
 SIZE = 1000
@@ -153,7 +153,7 @@ def test_checkpoint_hub_downloads_go_through_the_cache(tmp_path, monkeypatch):
     """`Checkpoint.file` for a hub repo -> `hub_download`: size asked before downloading, room made, LRU kept."""
     import huggingface_hub
 
-    from swarm.checkpoint import Checkpoint
+    from swarm.modeling.checkpoint import Checkpoint
 
     sizes = {"model-00001.safetensors": 400, "model-00002.safetensors": 400, "config.json": 10}
     calls = []

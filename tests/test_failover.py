@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from swarm import AutoDistributedModelForCausalLM
-from swarm.session import SessionError
+from swarm.client.session import SessionError
 from tests.procs import SwarmProcess, start_servers
 
 PROMPT = "The three most important inventions of the twentieth century were"
@@ -67,7 +67,7 @@ def _generate_killing(model, servers, ids, block):
 def test_servers_publish_rtts_to_their_next_servers(failover_swarm):
     import time
 
-    from swarm.records import fetch_block_records
+    from swarm.wire.records import fetch_block_records
 
     model, servers = failover_swarm
     first_span = [p for p, s in servers.items() if s.ready["start"] == 0]

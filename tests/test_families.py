@@ -52,8 +52,8 @@ def test_tiny_family_through_the_swarm(family, tmp_path, bootstrap):
 def test_unsupported_family_is_a_clear_error(tmp_path):
     from transformers import MixtralConfig
 
-    from swarm.checkpoint import Checkpoint
-    from swarm.families import UnsupportedModelError, family_for
+    from swarm.modeling.checkpoint import Checkpoint
+    from swarm.modeling.families import UnsupportedModelError, family_for
 
     MixtralConfig(**TINY, num_local_experts=4).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError, match="mixtral.*supported"):

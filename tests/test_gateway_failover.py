@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from swarm.manager import ClientConfig, SwarmManager
+from swarm.client.manager import ClientConfig, SwarmManager
 from tests.gateway_fixtures import start_gateway
 from tests.procs import start_servers
 

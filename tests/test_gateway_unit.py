@@ -144,7 +144,7 @@ def test_small_helpers():
 
 
 def test_config_sources(tmp_path):
-    from swarm.config import load_config
+    from swarm.runtime.config import load_config
 
     path = tmp_path / "gw.yaml"
     path.write_text("gateway:\n  model: m\n  port: 9001\n  max_queue: 3\n  api_keys: [a, b]\n")
@@ -169,7 +169,7 @@ class FakeSession:
             self.prompt_len = ids.shape[1]
         step = ids.shape[1] - self.prompt_len
         if self.model.fail_at is not None and step >= self.model.fail_at:
-            from swarm.session import SessionError
+            from swarm.client.session import SessionError
 
             raise SessionError("server 12D3 went away")
         logits = torch.full((ids.shape[0], self.model.config.vocab_size), -10.0)
@@ -194,7 +194,7 @@ class FakeModel:
         return []
 
     def _no_route(self, start, end, cache_tokens_needed=0):
-        from swarm.routing import RoutingError
+        from swarm.client.routing import RoutingError
 
         raise RoutingError("no server holds block 0")
 

@@ -1,4 +1,4 @@
-"""CUDA-graph decode (`server.graphs`) against the span's layer modules (`swarm.layers`, themselves checked against
+"""CUDA-graph decode (`server.graphs`) against the span's layer modules (`swarm.modeling.layers`, themselves checked against
 transformers in test_layers), per family, on tiny random checkpoints.
 
 `static_decode_step` (the computation a graph captures: position as a tensor, attention over the whole cache
@@ -10,7 +10,7 @@ import torch
 
 from server.blocks import BlockSpan
 from server.graphs import clear_unfilled, static_decode_step
-from swarm.checkpoint import Checkpoint
+from swarm.modeling.checkpoint import Checkpoint
 from tests.test_families import _configs
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -1,4 +1,4 @@
-"""`swarm.layers` and `swarm.model_config` against the transformers classes they stand in for, per family.
+"""`swarm.modeling.layers` and `swarm.modeling.model_config` against the transformers classes they stand in for, per family.
 
 The layers must compute exactly what transformers' modeling code computes (same ops, so equal outputs: prefill,
 a step after a cache with and without a mask, single-token decode, float32 and bfloat16, biases, RoPE scaling
@@ -12,8 +12,8 @@ import json
 import pytest
 import torch
 
-import swarm.layers as layers
-from swarm.model_config import model_config
+import swarm.modeling.layers as layers
+from swarm.modeling.model_config import model_config
 from tests.test_families import TINY, _configs
 
 CAMEL = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}

@@ -2,7 +2,7 @@
 
 Checkpoint tensors are read into memory of their own (no mapping of the file stays behind), a block server's
 imports and blocks need no transformers model module (nor torch._dynamo, nor scipy.optimize), the compute thread
-drops a finished task's arguments (a session's KV cache), and `swarm.malloc.trim` works where glibc is.
+drops a finished task's arguments (a session's KV cache), and `swarm.runtime.malloc.trim` works where glibc is.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def test_safetensors_reads_equal_safe_open_and_own_their_memory(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from swarm.checkpoint import _read_safetensors
+    from swarm.modeling.checkpoint import _read_safetensors
 
     tensors = {
         "f32": torch.randn(3, 5), "bf16": torch.randn(4, 2).to(torch.bfloat16), "f16": torch.randn(7).half(),
@@ -42,7 +42,7 @@ def test_safetensors_reads_equal_safe_open_and_own_their_memory(tmp_path):
 
 
 def test_compute_thread_drops_a_finished_tasks_arguments():
-    from swarm.taskpool import PRIORITY_DECODE, TaskPool
+    from swarm.runtime.taskpool import PRIORITY_DECODE, TaskPool
 
     class Cache:  # stands for a session's KV cache, passed to a task
         pass
@@ -62,7 +62,7 @@ def test_compute_thread_drops_a_finished_tasks_arguments():
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
 def test_malloc_trim_works_on_glibc():
-    from swarm import malloc
+    from swarm.runtime import malloc
 
     junk = [bytearray(1 << 16) for _ in range(256)]
     del junk
@@ -87,7 +87,7 @@ def test_deferred_scipy_optimize_loads_on_first_use():
 
 
 def test_a_block_server_needs_no_transformers_model_module(tmp_path):
-    """Config, blocks (with a forward pass) and the client's norm come from swarm.layers / swarm.model_config."""
+    """Config, blocks (with a forward pass) and the client's norm come from swarm.modeling.layers / swarm.modeling.model_config."""
     from transformers import AutoModelForCausalLM
 
     from tests.test_families import _configs
@@ -97,8 +97,8 @@ def test_a_block_server_needs_no_transformers_model_module(tmp_path):
     code = (
         "import sys, swarm, torch, server.server\n"
         "from server.blocks import BlockSpan\n"
-        "from swarm.checkpoint import Checkpoint\n"
-        "from swarm.families import family_for\n"
+        "from swarm.modeling.checkpoint import Checkpoint\n"
+        "from swarm.modeling.families import family_for\n"
         f"checkpoint = Checkpoint({str(tmp_path)!r})\n"
         "span = BlockSpan.load(checkpoint, 0, 2, 'float32')\n"
         "kv = span.new_session_kv(1, 8, 0, 2)\n"

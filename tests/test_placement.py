@@ -7,7 +7,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import pytest
 
 from server.placement import block_throughputs, choose_best_span, num_blocks_that_fit, should_move
-from swarm.records import ServerInfo, ServerSpan, ServerState
+from swarm.wire.records import ServerInfo, ServerSpan, ServerState
 
 
 def make_span(

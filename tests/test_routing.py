@@ -1,4 +1,4 @@
-"""Tests for swarm.routing on synthetic swarms (no network)."""
+"""Tests for swarm.client.routing on synthetic swarms (no network)."""
 from __future__ import annotations
 
 import collections
@@ -9,8 +9,8 @@ from typing import Dict, List, Optional, Sequence
 
 import pytest
 
-from swarm.records import ServerInfo, ServerSpan, ServerState
-from swarm.routing import (
+from swarm.wire.records import ServerInfo, ServerSpan, ServerState
+from swarm.client.routing import (
     RouteHop,
     RoutingCosts,
     RoutingError,

@@ -1,10 +1,10 @@
-"""`swarm.rowpad`: padding a small batch's rows changes the speed of the product, never its rows' values."""
+"""`swarm.client.rowpad`: padding a small batch's rows changes the speed of the product, never its rows' values."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from swarm.rowpad import RowPadding
+from swarm.client.rowpad import RowPadding
 
 
 def test_padded_and_plain_products_agree_and_the_choice_is_remembered():

@@ -9,7 +9,7 @@ from typing import Callable, Dict, List, Optional, TypeVar
 import hivemind
 import pytest
 
-from swarm.records import ServerState, fetch_block_records, online_spans
+from swarm.wire.records import ServerState, fetch_block_records, online_spans
 from tests.procs import SwarmProcess
 
 NUM_BLOCKS = 30
@@ -179,7 +179,7 @@ def test_a_moving_server_lets_running_sessions_finish(model_path, bootstrap, rea
     import torch
 
     from swarm import AutoDistributedModelForCausalLM
-    from swarm.session import InferenceSession
+    from swarm.client.session import InferenceSession
 
     prefix = f"drain-{uuid.uuid4().hex[:8]}"
     mover = start_placed_servers(model_path, bootstrap, prefix, 1, tmp_path,

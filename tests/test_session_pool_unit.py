@@ -12,8 +12,8 @@ import torch
 from gateway.engine import Lease, SessionProvider, out_of_cache
 from gateway.metrics import Metrics
 from gateway.session_pool import SessionPool, common_prefix
-from swarm.protocol import RemoteError
-from swarm.session import SessionError
+from swarm.wire.protocol import RemoteError
+from swarm.client.session import SessionError
 
 
 class Clock:
@@ -25,7 +25,7 @@ class Clock:
 
 
 class FakeSession:
-    """Holds token ids like `swarm.model.ModelSession`: feed() makes it hold exactly the ids it is given."""
+    """Holds token ids like `swarm.client.model.ModelSession`: feed() makes it hold exactly the ids it is given."""
 
     def __init__(self, max_length: int, vocab: int = 50, fail_first=None, model=None):
         self.max_length, self.vocab = max_length, vocab

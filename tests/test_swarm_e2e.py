@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from swarm import AutoDistributedModelForCausalLM
-from swarm.session import SessionError
+from swarm.client.session import SessionError
 
 TOPOLOGIES = [("0:15", "15:30"), ("0:20", "10:30"), ("0:10", "10:20", "20:30")]
 PROMPTS = [

@@ -1,4 +1,4 @@
-"""The compute thread's batching (`swarm.taskpool`): items of one key become one call, and the worker waits
+"""The compute thread's batching (`swarm.runtime.taskpool`): items of one key become one call, and the worker waits
 briefly for the sources (sessions) due in a round, so that sessions whose steps arrive a little apart share a pass
 instead of drifting into separate ones."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from swarm.taskpool import PRIORITY_DECODE, Gatherer, TaskPool
+from swarm.runtime.taskpool import PRIORITY_DECODE, Gatherer, TaskPool
 
 
 def _run_then_shut_down(pool: TaskPool, threads: list) -> None:
@@ -77,7 +77,7 @@ def test_a_source_that_went_quiet_is_no_longer_due():
 
 
 def _hold_turn(path: str, out, hold: float) -> None:
-    from swarm.cpu_turns import CpuTurns
+    from swarm.runtime.cpu_turns import CpuTurns
 
     turns = CpuTurns(path)
     for _ in range(3):
@@ -103,7 +103,7 @@ def test_processes_take_turns(tmp_path):
 
 
 def test_a_pool_with_turns_runs_its_tasks_under_the_turn(tmp_path):
-    from swarm.cpu_turns import CpuTurns
+    from swarm.runtime.cpu_turns import CpuTurns
 
     turns = CpuTurns(str(tmp_path / "turns.lock"))
     pool = TaskPool(adapt_threads=False, turns=turns)

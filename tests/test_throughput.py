@@ -10,7 +10,7 @@ import torch
 from server.memory import (DEFAULT_CACHE_TOKENS, MIN_CACHE_TOKENS, bytes_per_block, cache_bytes_per_token,
                            free_memory_bytes, plan_capacity)
 from server.throughput import cache_key, get_throughput, measure, parse_throughput_mode
-from swarm.checkpoint import Checkpoint
+from swarm.modeling.checkpoint import Checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def test_parse_throughput_mode():
 
 def test_server_config_throughput_flag():
     from server.server import ServerConfig
-    from swarm.config import ConfigError, build_parser, load_config
+    from swarm.runtime.config import ConfigError, build_parser, load_config
 
     parser = build_parser(ServerConfig, "server", "", positional="model")
     assert load_config(ServerConfig, parser.parse_args(["m"]), environ={}).throughput == "auto"

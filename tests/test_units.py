@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from server.cache import SessionKV
-from swarm import protocol as P
-from swarm.config import ConfigError, load_config, parse_span
-from swarm.records import ServerInfo, ServerState, dht_prefix_for, online_spans
+from swarm.wire import protocol as P
+from swarm.runtime.config import ConfigError, load_config, parse_span
+from swarm.wire.records import ServerInfo, ServerState, dht_prefix_for, online_spans
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -108,14 +108,14 @@ def test_records_to_spans():
 
 
 def test_serial_torch_here_limits_only_the_calling_thread():
-    """swarm.threads: an event-loop thread runs tensor work alone; the compute thread keeps its threads."""
+    """swarm.runtime.threads: an event-loop thread runs tensor work alone; the compute thread keeps its threads."""
     import subprocess
     import sys
 
     code = (
         "import threading, torch\n"
         "torch.set_num_threads(2)\n"
-        "from swarm.threads import serial_torch_here\n"
+        "from swarm.runtime.threads import serial_torch_here\n"
         "seen = {}\n"
         "def loop_thread():\n"
         "    seen['applied'] = serial_torch_here()\n"
@@ -140,7 +140,7 @@ def test_openmp_spin_is_set_before_torch_loads():
     code = "import os, swarm, sys; print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")})
-    from swarm.threads import DEFAULT_SPINCOUNT
+    from swarm.runtime.threads import DEFAULT_SPINCOUNT
 
     assert out.stdout.split() == [str(DEFAULT_SPINCOUNT), "False"]
     user = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -152,7 +152,7 @@ def test_openmp_spin_is_set_before_torch_loads():
 def test_min_new_tokens_processor_matches_transformers(eos):
     from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
 
-    from swarm.model import MinNewTokensProcessor
+    from swarm.client.model import MinNewTokensProcessor
 
     torch.manual_seed(0)
     ours, theirs = MinNewTokensProcessor(5, 3, eos), MinNewTokensLengthLogitsProcessor(5, 3, eos)

@@ -204,6 +204,6 @@ class Qwen2DecoderLayer(DecoderLayer):
         super().__init__(config, layer_idx, qkv_bias=True)
 
 
-# the same computations under each family's names (`swarm.families`)
+# the same computations under each family's names (`swarm.modeling.families`)
 LlamaRMSNorm = MistralRMSNorm = Qwen2RMSNorm = RMSNorm
 LlamaRotaryEmbedding = MistralRotaryEmbedding = Qwen2RotaryEmbedding = RotaryEmbedding

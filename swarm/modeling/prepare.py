@@ -28,7 +28,7 @@ DONE_MARKER = ".swarmgate-prepared"
 
 
 def models_root() -> Path:
-    from swarm.checkpoint import default_cache_root
+    from swarm.modeling.checkpoint import default_cache_root
 
     return default_cache_root() / "models"
 

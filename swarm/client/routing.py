@@ -1,7 +1,7 @@
 """Client-side routing: which servers run which blocks of a request.
 
 This module owns the choice of a *chain* of servers for a range of transformer blocks, given the spans the
-swarm announces (`swarm.records.ServerSpan`). It is pure: no network, no DHT access, no clocks.
+swarm announces (`swarm.wire.records.ServerSpan`). It is pure: no network, no DHT access, no clocks.
 
 * `find_inference_chain` picks the chain with the least expected time per decode step (latency-oriented,
   used for generation sessions). The cost model, in seconds:
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from swarm.records import ServerSpan, ServerState
+from swarm.wire.records import ServerSpan, ServerState
 
 __all__ = [
     "RoutingError",

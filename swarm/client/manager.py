@@ -1,7 +1,7 @@
 """The client's view of one model's swarm: its DHT peer, the servers' spans, bans, routing and stubs.
 
 `SwarmManager` joins the DHT as a client, reads the block records (refreshing them periodically, and at once
-when a route cannot be built), and turns them into chains of servers with `swarm.routing`. Servers that failed
+when a route cannot be built), and turns them into chains of servers with `swarm.client.routing`. Servers that failed
 are banned with exponential back-off so that routing avoids them for a while.
 """
 from __future__ import annotations
@@ -17,10 +17,10 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from pydantic import BaseModel, ConfigDict, Field
 
-from swarm import aio
-from swarm import protocol as P
-from swarm.records import ServerSpan, fetch_block_records, online_spans
-from swarm.routing import RouteHop, RoutingError, choose_forward_chain, find_inference_chain
+from swarm.runtime import aio
+from swarm.wire import protocol as P
+from swarm.wire.records import ServerSpan, fetch_block_records, online_spans
+from swarm.client.routing import RouteHop, RoutingError, choose_forward_chain, find_inference_chain
 
 logger = logging.getLogger(__name__)
 

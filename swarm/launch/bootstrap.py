@@ -16,7 +16,7 @@ from typing import List, Optional
 import hivemind
 from pydantic import Field
 
-from swarm.config import ProcessConfig, config_from_argv, setup_logging
+from swarm.runtime.config import ProcessConfig, config_from_argv, setup_logging
 
 logger = logging.getLogger("swarmgate.dht")
 

@@ -24,19 +24,21 @@ from transformers.generation.logits_process import (LogitsProcessorList, MinNewT
                                                     MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                                                     TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from swarm import aio, malloc
-from swarm.checkpoint import Checkpoint
-from swarm.families import FamilySpec, family_for
-from swarm.manager import ClientConfig, SwarmManager
-from swarm.records import dht_prefix_for
-from swarm.rowpad import RowPadding
-from swarm.session import InferenceSession, SessionError
-from swarm.taskpool import PRIORITY_DECODE, PRIORITY_FORWARD, client_pool
+from swarm.runtime import aio
+
+from swarm.runtime import malloc
+from swarm.modeling.checkpoint import Checkpoint
+from swarm.modeling.families import FamilySpec, family_for
+from swarm.client.manager import ClientConfig, SwarmManager
+from swarm.wire.records import dht_prefix_for
+from swarm.client.rowpad import RowPadding
+from swarm.client.session import InferenceSession, SessionError
+from swarm.runtime.taskpool import PRIORITY_DECODE, PRIORITY_FORWARD, client_pool
 
 logger = logging.getLogger(__name__)
 
 # embeddings of fewer elements than this run in the caller's thread: below torch's parallel grain size (32768),
-# the lookup is serial and starts no OpenMP team there (`swarm.threads`)
+# the lookup is serial and starts no OpenMP team there (`swarm.runtime.threads`)
 SMALL_EMBED_ELEMENTS = 32768
 
 
@@ -82,7 +84,7 @@ class ModelSession:
     def feed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Make the servers hold exactly `input_ids` [batch, n]; returns the last position's logits [batch, vocab].
 
-        The LM head runs on the process's compute thread (`swarm.taskpool.client_pool`): the heads of concurrent
+        The LM head runs on the process's compute thread (`swarm.runtime.taskpool.client_pool`): the heads of concurrent
         sessions' steps become one pass there. So does the embedding, unless it is a few rows (a decode step:
         a lookup too small to be worth a hand-over)."""
         return self._feed(input_ids, None)[0]
@@ -137,7 +139,7 @@ class DistributedModelForCausalLM(nn.Module):
                         cache_dir: Optional[str] = None, dht=None, device: Union[str, torch.device] = "cpu",
                         pad_head_rows: bool = True, **client_kwargs) -> "DistributedModelForCausalLM":
         """`pad_head_rows`: on the CPU, run concurrent sessions' LM heads padded to the row count measured fastest
-        (`swarm.rowpad`: about 10% more aggregate tokens/s with 8 sessions here, for ~0.5 s at load and a few MB)."""
+        (`swarm.client.rowpad`: about 10% more aggregate tokens/s with 8 sessions here, for ~0.5 s at load and a few MB)."""
         client_config = ClientConfig(**client_kwargs)
         checkpoint = Checkpoint(name_or_path, cache_dir=cache_dir)
         config = checkpoint.load_config()
@@ -192,7 +194,7 @@ class DistributedModelForCausalLM(nn.Module):
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[batch, seq, hidden] (or [rows, hidden]) from the last block -> logits [batch, seq, vocab] (or [rows,
         vocab]), float32, on the CPU. Rows of concurrent sessions may be padded to the count the BLAS runs
-        fastest (`swarm.rowpad`)."""
+        fastest (`swarm.client.rowpad`)."""
         normed = self.norm(hidden.to(self.device, self.dtype))
         if self.row_padding is not None and normed.ndim == 2:
             return self.row_padding.linear(normed, self.lm_head.weight, self.lm_head.bias).float().cpu()

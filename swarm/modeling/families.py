@@ -2,7 +2,7 @@
 
 Client and server must agree on how a checkpoint is cut: which tensors belong to block i (the server loads
 those), and which are the embeddings, final norm and LM head (the client loads those). One `FamilySpec` per
-supported `config.model_type`; the classes are looked up in the family's modeling module: `swarm.layers` for the
+supported `config.model_type`; the classes are looked up in the family's modeling module: `swarm.modeling.layers` for the
 Llama-style families (the computations of transformers' modeling code without its imports, see there), which
 share one calling convention:
 `layer(hidden, attention_mask, position_ids, past_key_values, position_embeddings=(cos, sin))`.
@@ -47,7 +47,7 @@ def _llama_like(model_type: str, camel: str) -> FamilySpec:
         layer_class=f"{camel}DecoderLayer",
         rotary_class=f"{camel}RotaryEmbedding",
         norm_class=f"{camel}RMSNorm",
-        module="swarm.layers",
+        module="swarm.modeling.layers",
     )
 
 

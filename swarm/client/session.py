@@ -15,10 +15,10 @@ from typing import AsyncIterator, List, Optional, Sequence
 
 import torch
 
-from swarm import aio
-from swarm import protocol as P
-from swarm.manager import SwarmManager
-from swarm.routing import RouteHop, RoutingError
+from swarm.runtime import aio
+from swarm.wire import protocol as P
+from swarm.client.manager import SwarmManager
+from swarm.client.routing import RouteHop, RoutingError
 
 logger = logging.getLogger(__name__)
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {
-    "prepare-model": ("swarm.prepare", "convert the bundled model into a safetensors checkpoint, print its path"),
-    "dht": ("swarm.bootstrap", "run a bootstrap DHT peer"),
+    "prepare-model": ("swarm.modeling.prepare", "convert the bundled model into a safetensors checkpoint, print its path"),
+    "dht": ("swarm.launch.bootstrap", "run a bootstrap DHT peer"),
     "server": ("server.server", "serve a range of a model's blocks"),
     "gateway": ("gateway.app", "serve the OpenAI-compatible HTTP API over the swarm"),
-    "up": ("swarm.local_swarm", "start a local swarm (bootstrap, servers, gateway) from a YAML file"),
+    "up": ("swarm.launch.local_swarm", "start a local swarm (bootstrap, servers, gateway) from a YAML file"),
 }
 
 
@@ -24,7 +24,7 @@ def main(argv=None) -> int:
         return 0 if argv else 2
     import importlib
 
-    from swarm.threads import tune_openmp_env
+    from swarm.runtime.threads import tune_openmp_env
 
     tune_openmp_env()
     module = importlib.import_module(COMMANDS[argv[0]][0])

@@ -4,7 +4,7 @@ A block server's RPC handlers live on the asyncio loop and must never block it; 
 priority (decode steps, then prefill chunks, then forward/backward passes) and await its result. A client's
 threads (one per conversation in the gateway) `call` it and block. One worker keeps torch's intra-op threads
 for a single pass at a time, so concurrent sessions do not thrash the cores, and it is the only thread of the
-process that starts OpenMP teams (`swarm.threads`). `submit_batchable` / `call_batchable` queue an item under a
+process that starts OpenMP teams (`swarm.runtime.threads`). `submit_batchable` / `call_batchable` queue an item under a
 batch key: when the worker reaches such an item it takes every queued item with the same key and runs them
 through one call of the batch function (concurrent sessions' decode steps, or their LM heads, become one pass).
 
@@ -17,9 +17,9 @@ apart are merged: a group smaller than the other (on a tie, the group without th
 the worker has nothing else to do, up to the other group's expected arrival (at most one of its own periods,
 and not again for a few periods), so it joins them from then on.
 
-Processes on one machine take turns for CPU work (`swarm.cpu_turns`): each task runs under the machine-wide turn
+Processes on one machine take turns for CPU work (`swarm.runtime.cpu_turns`): each task runs under the machine-wide turn
 with all threads. Without turns, a worker uses fewer threads while its tasks overlap and other processes keep
-cores busy (`swarm.threads.FreeCores`).
+cores busy (`swarm.runtime.threads.FreeCores`).
 """
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ from typing import Any, Callable, Hashable, List, Optional
 
 import torch
 
-from swarm.cpu_turns import CpuTurns, cpu_turns_enabled
-from swarm.threads import FreeCores, set_threads_here
+from swarm.runtime.cpu_turns import CpuTurns, cpu_turns_enabled
+from swarm.runtime.threads import FreeCores, set_threads_here
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class TaskPool:
                  gather_max: float = GATHER_MAX, turns: Optional[CpuTurns] = None):
         self._queue: "queue.PriorityQueue" = queue.PriorityQueue()
         self.gatherer = Gatherer(gather_max)
-        # with machine-wide turns (swarm.cpu_turns) every task runs alone, with all threads
+        # with machine-wide turns (swarm.runtime.cpu_turns) every task runs alone, with all threads
         self.turns = turns
         adapt_threads = adapt_threads and turns is None
         self._adapt = adapt_threads

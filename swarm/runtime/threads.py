@@ -98,7 +98,7 @@ class FreeCores:
     processes keep busy and answers the cores they leave, a core counting as taken once others keep it busy more
     than `SHARE_SLACK` of the time (concurrent sessions do not take turns: sharing a core with a busy process
     costs far more than using one core fewer): at least 1, at most `max_threads`. On a machine of its own the
-    answer stays `max_threads`. A lone session's chain does not ask (`swarm.taskpool`): it keeps all threads.
+    answer stays `max_threads`. A lone session's chain does not ask (`swarm.runtime.taskpool`): it keeps all threads.
     """
 
     def __init__(self, max_threads: int, interval: float = 0.1, smoothing: float = 0.5):

@@ -7,7 +7,7 @@ import threading
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Awaitable, Optional, TypeVar
 
-from swarm.threads import serial_torch_here
+from swarm.runtime.threads import serial_torch_here
 
 T = TypeVar("T")
 _lock = threading.Lock()
@@ -15,7 +15,7 @@ _loop: Optional[asyncio.AbstractEventLoop] = None
 
 
 def _serve(loop: asyncio.AbstractEventLoop) -> None:
-    serial_torch_here()  # the loop only (de)serializes; tensor work stays on the calling threads (swarm.threads)
+    serial_torch_here()  # the loop only (de)serializes; tensor work stays on the calling threads (swarm.runtime.threads)
     loop.run_forever()
 
 
@@ -31,7 +31,7 @@ def get_loop() -> asyncio.AbstractEventLoop:
 def run(coro: Awaitable[T], timeout: Optional[float] = None) -> T:
     loop = get_loop()
     if threading.current_thread().name == "swarm-client-loop":
-        raise RuntimeError("swarm.aio.run() called from the client loop itself; await the coroutine instead")
+        raise RuntimeError("swarm.runtime.aio.run() called from the client loop itself; await the coroutine instead")
     future = asyncio.run_coroutine_threadsafe(coro, loop)
     try:
         return future.result(timeout)

@@ -20,10 +20,10 @@ from typing import List, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from swarm.config import ProcessConfig, config_from_argv, parse_span
+from swarm.runtime.config import ProcessConfig, config_from_argv, parse_span
 
 READY = "SWARMGATE_READY "
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class ManagedProcess:
@@ -38,7 +38,7 @@ class ManagedProcess:
             self.log_path = Path(tempfile.mkstemp(prefix=f"swarmgate-{name}-", suffix=".log")[1])
         self._log = open(self.log_path, "w")
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc = subprocess.Popen([sys.executable, "-m", "swarm.cli", *args], stdout=self._log,
+        self.proc = subprocess.Popen([sys.executable, "-m", "swarm.launch.cli", *args], stdout=self._log,
                                      stderr=subprocess.STDOUT, env=full_env, cwd=REPO, start_new_session=True)
         self.ready: Optional[dict] = None
 
@@ -130,7 +130,7 @@ def _server_args(config: UpConfig, entry: ServerEntry, peer: str) -> List[str]:
 
 
 def up(config: UpConfig) -> int:
-    from swarm.prepare import bundled_model_path
+    from swarm.modeling.prepare import bundled_model_path
 
     bundled = bundled_model_path(config.model, create=True)  # convert once, before servers race to do it
     if bundled is not None:

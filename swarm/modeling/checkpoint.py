@@ -1,6 +1,6 @@
 """Finding a model checkpoint and reading only selected tensors from it.
 
-A model is named by a local Hugging Face checkpoint directory, a bundled model name (see `swarm.prepare`),
+A model is named by a local Hugging Face checkpoint directory, a bundled model name (see `swarm.modeling.prepare`),
 or a hub repo id. For a hub repo only the config, the tokenizer, the shard index and the shards that hold the
 requested tensors are downloaded (into the Hugging Face cache, or `cache_dir`). Tensors are read one by one
 from safetensors files (or, failing that, PyTorch `.bin` files), so a block server never holds other blocks.
@@ -31,7 +31,7 @@ class Checkpoint:
 
     def __init__(self, name_or_path: str, cache_dir: Optional[str] = None, revision: Optional[str] = None,
                  max_disk_space: Optional[int] = None):
-        from swarm.prepare import bundled_model_path
+        from swarm.modeling.prepare import bundled_model_path
 
         self.name = name_or_path
         self.cache_dir, self.revision = cache_dir, revision
@@ -58,7 +58,7 @@ class Checkpoint:
             return None
         from huggingface_hub.utils import EntryNotFoundError
 
-        from swarm.disk_cache import hub_download  # locked, LRU-evicting (see swarm/disk_cache.py)
+        from swarm.modeling.disk_cache import hub_download  # locked, LRU-evicting (see swarm/modeling/disk_cache.py)
 
         try:
             return hub_download(self.name, filename, cache_dir=self.cache_dir, revision=self.revision,
@@ -78,8 +78,8 @@ class Checkpoint:
         return str(self.local_dir) if self.local_dir is not None else self.name
 
     def load_config(self):
-        """The model's config (`swarm.model_config`: without importing transformers' model classes)."""
-        from swarm.model_config import model_config
+        """The model's config (`swarm.modeling.model_config`: without importing transformers' model classes)."""
+        from swarm.modeling.model_config import model_config
 
         try:
             return model_config(json.loads(self.file("config.json").read_text()))

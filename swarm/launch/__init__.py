@@ -1,0 +1,1 @@
+"""Launchers: the `swarmgate` command, the bootstrap peer, and the local topology (`swarmgate up`, test fixtures, benchmarks)."""
