@@ -1,0 +1,126 @@
+"""The package layout's rules, read from the source: no import cycles, and each layer imports only those below it.
+
+Layers, lowest first: `swarm.runtime` (process plumbing) and `swarm.wire` (messages, records); `swarm.modeling`
+(model code); `swarm.client` (routing, sessions, the client model); `server` and `gateway`, which never import each
+other; `swarm.launch` starts processes by module name and imports no server or gateway code either.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Dict, Iterator, List, Set, Tuple
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("swarm", "server", "gateway")
+
+# which top-level areas each area may import (itself always included)
+ALLOWED = {
+    "swarm.runtime": {"swarm.runtime", "swarm"},
+    "swarm.wire": {"swarm.wire", "swarm.runtime", "swarm"},
+    "swarm.modeling": {"swarm.modeling", "swarm.runtime", "swarm"},
+    "swarm.client": {"swarm.client", "swarm.wire", "swarm.modeling", "swarm.runtime", "swarm"},
+    "swarm.launch": {"swarm.launch", "swarm.runtime", "swarm.modeling", "swarm"},
+    "swarm": {"swarm", "swarm.runtime", "swarm.client"},
+    "server": {"server", "swarm.wire", "swarm.modeling", "swarm.runtime", "swarm"},
+    "gateway": {"gateway", "swarm.client", "swarm.wire", "swarm.modeling", "swarm.runtime", "swarm"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def modules() -> Dict[str, Path]:
+    return {module_name(p): p for pkg in PACKAGES for p in sorted((REPO / pkg).rglob("*.py"))}
+
+
+def imports(path: Path, top_level_only: bool) -> Iterator[str]:
+    """The project modules `path` imports (`from a.b import c` yields a.b and a.b.c; the caller keeps known ones)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    if top_level_only:  # module-level statements, including those inside `if`/`try` at module level
+        nodes = [n for stmt in tree.body for n in ast.walk(stmt)
+                 if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+            for alias in node.names:
+                yield f"{node.module}.{alias.name}"
+
+
+def area(module: str) -> str:
+    parts = module.split(".")
+    if parts[0] == "swarm" and len(parts) > 1 and parts[1] in ("runtime", "wire", "modeling", "client", "launch"):
+        return ".".join(parts[:2])
+    return parts[0]
+
+
+def graph(top_level_only: bool) -> Dict[str, Set[str]]:
+    known = modules()
+    return {name: {m for m in imports(path, top_level_only) if m in known and m != name}
+            for name, path in known.items()}
+
+
+def find_cycle(edges: Dict[str, Set[str]]) -> List[str]:
+    state: Dict[str, int] = {}
+    stack: List[str] = []
+
+    def visit(node: str) -> List[str]:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return []
+
+    for node in sorted(edges):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return []
+
+
+def test_no_import_cycles():
+    edges = graph(top_level_only=True)
+    # a package's __init__ importing its own modules is not a cycle through the package
+    edges = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in edges.items()}
+    assert find_cycle(edges) == []
+
+
+def test_find_cycle_sees_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) == []
+
+
+def violations() -> List[Tuple[str, str]]:
+    out = []
+    for name, deps in graph(top_level_only=False).items():
+        allowed = ALLOWED[area(name)]
+        out += [(name, dep) for dep in sorted(deps) if area(dep) not in allowed]
+    return out
+
+
+def test_layers_import_only_what_is_below_them():
+    assert violations() == []
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_module_says_what_it_owns(package):
+    missing = [name for name, path in modules().items()
+               if name.startswith(package) and ast.get_docstring(ast.parse(path.read_text())) is None]
+    assert missing == []
