@@ -13,6 +13,18 @@ MODEL = "smollm2-135m-instruct"
 torch.set_num_threads(1)
 
 
+# Every fixture that starts block servers or gateways depends on `bootstrap`: a test that needs it is `slow`,
+# so that `pytest -m "not slow"` is the fast loop (pure code, single layers, local models) while `make test`
+# runs everything.
+PROCESS_FIXTURES = {"bootstrap"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def model_path():
     from swarm.modeling.prepare import prepare_model
