@@ -214,10 +214,11 @@ class Topology:
         return self
 
     def add_server(self, span: Optional[str] = None, extra: Sequence[str] = (), name: Optional[str] = None,
-                   wait: bool = True, **kwargs) -> ManagedProcess:
-        """One more server (`kwargs` as `start_server`'s); waited for unless `wait` is False."""
+                   wait: bool = True, prefix: Optional[str] = None, **kwargs) -> ManagedProcess:
+        """One more server (under `prefix` instead of the topology's if given; `kwargs` as `start_server`'s);
+        waited for unless `wait` is False."""
         index = len(self.servers)
-        proc = start_server(self.model, self.initial_peers, span, self.prefix, [*self.server_args, *extra],
+        proc = start_server(self.model, self.initial_peers, span, prefix or self.prefix, [*self.server_args, *extra],
                             name=name or self._named(f"server{index}"), host=self.host,
                             threads=self.threads, log_dir=self.log_dir, **kwargs)
         self.procs.append(proc)
