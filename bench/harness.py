@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -23,7 +23,7 @@ class BenchSwarm(Topology):
 
         self.path = str(prepare_model())
         super().__init__(self.path, spans, f"{name}-{os.getpid()}", server_args, name=name, threads=1)
-        self.model = None
+        self.client = None
 
     def start_gateway(self, name: str) -> ManagedProcess:
         """A gateway process on a free port (one torch thread); its URL is `.ready["url"]`."""
@@ -33,16 +33,12 @@ class BenchSwarm(Topology):
         """The direct client model (in this process) on this swarm."""
         from swarm import AutoDistributedModelForCausalLM
 
-        self.model = AutoDistributedModelForCausalLM.from_pretrained(self.path, initial_peers=self.initial_peers,
+        self.client = AutoDistributedModelForCausalLM.from_pretrained(self.path, initial_peers=self.initial_peers,
                                                                      dht_prefix=self.prefix)
-        return self.model
+        return self.client
 
     def close(self) -> None:
-        if self.model is not None:
-            self.model.shutdown()
-            self.model = None
+        if self.client is not None:
+            self.client.shutdown()
+            self.client = None
         super().close()
-
-    def __exit__(self, *exc) -> Optional[bool]:
-        self.close()
-        return None
