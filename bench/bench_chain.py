@@ -102,8 +102,8 @@ def main() -> None:
             failovers = session.session.failovers
         model.shutdown()
         g = gaps(clock.times)
-        result["failover"] = {"pause_ms": round(1000 * max(g), 1), "median_token_ms": round(1000 * statistics.median(g), 1),
-                              "failovers": failovers}
+        result["failover"] = {"pause_ms": round(1000 * max(g), 1),
+                              "median_token_ms": round(1000 * statistics.median(g), 1), "failovers": failovers}
     print(json.dumps(result))
 
 

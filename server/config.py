@@ -44,7 +44,8 @@ class ServerConfig(ProcessConfig):
     update_period: float = Field(default=120.0, gt=0, description="seconds between DHT record refreshes")
     expiration: Optional[float] = Field(default=None, description="record lifetime (default 2x update_period)")
     throughput: str = Field(default="auto", description="decode steps/s per block to announce: auto (cached "
-                                                       "measurement, or measure once), eval (measure again) or a number")
+                                                       "measurement, or measure once), eval (measure again) or a "
+                                                       "number")
     balance_period: float = Field(default=120.0, gt=0, description="mean seconds between checks whether moving to "
                                                                    "other blocks would help the swarm (randomized)")
     balance_quality: float = Field(default=0.75, gt=0, le=1, description="move only if the swarm's weakest block "

@@ -78,7 +78,8 @@ class Server:
         self.dht: Optional[hivemind.DHT] = None
         self.p2p = None
         self.handler: Optional[BlockHandler] = None
-        self.pool: Optional[TaskPool] = None  # the one thread that does this process's tensor work (swarm.runtime.threads)
+        # the one thread that does this process's tensor work (swarm.runtime.threads)
+        self.pool: Optional[TaskPool] = None
         self.capacity: Optional[Capacity] = None
         self.record = Announcer(self.prefix, config.expiration or 2 * config.update_period, self.num_blocks_total,
                                 self.dtype, self._free_cache_tokens)

@@ -26,6 +26,7 @@ def test_a_module_can_stand_in_for_the_cli_and_a_slow_start_times_out():
     assert proc.proc.poll() is not None
 
 
+@pytest.mark.slow  # starts a DHT peer
 def test_bootstrap_is_ready_and_a_failing_server_is_reported(tmp_path):
     dht = start_bootstrap(threads=1)
     try:
