@@ -1,10 +1,13 @@
-"""Shared fixtures: the bundled model checkpoint, a bootstrap peer, swarms of real server processes."""
+"""Shared fixtures: the bundled model checkpoint, a bootstrap peer, swarms of real server processes.
+
+Processes are started by `swarm.launch.topology` with one intra-op thread each (`threads=1`): the tests share two
+cores with them."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.procs import start_bootstrap, start_servers
+from swarm.launch.topology import start_bootstrap, start_servers
 
 MODEL = "smollm2-135m-instruct"
 
@@ -34,7 +37,7 @@ def model_path():
 
 @pytest.fixture(scope="session")
 def bootstrap():
-    proc = start_bootstrap()
+    proc = start_bootstrap(threads=1)
     yield proc
     proc.terminate()
 
@@ -50,7 +53,8 @@ class SwarmFactory:
         key = (spans, extra)
         if key not in self.swarms:
             prefix = "t" + "-".join(s.replace(":", "_") for s in spans) + ("-x" + str(abs(hash(extra)) % 10**6) if extra else "")
-            servers = start_servers(self.model_path, self.bootstrap.maddr, list(spans), prefix, list(extra))
+            servers = start_servers(self.model_path, [self.bootstrap.maddr], list(spans), prefix, list(extra),
+                                    threads=1)
             self.swarms[key] = {"prefix": prefix, "servers": servers, "initial_peers": [self.bootstrap.maddr]}
         return self.swarms[key]
 

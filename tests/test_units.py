@@ -164,3 +164,21 @@ def test_min_new_tokens_processor_matches_transformers(eos):
         assert torch.equal(scores, kept)  # the caller's logits are left as they were
         masked = 3 if isinstance(eos, list) and eos[0] == 3 else 2
         assert bool(torch.isinf(expected[:, masked]).all()) == (length - 5 < 3)
+
+
+def test_push_sender_close_ends_its_streams_and_refuses_later_pushes():
+    import asyncio
+
+    from server.push import PushSender, _Channel
+
+    async def scenario():
+        sender = PushSender(p2p=None)
+        channel = _Channel()
+        sender._channels["peer"] = channel
+        sender.close()
+        hop = type("Hop", (), {"peer_id": "peer", "stream_key": "k"})()
+        return channel, sender.push([hop], 0, 0, None), sender._channels
+
+    channel, pushed, channels = asyncio.run(scenario())
+    assert channel.queue.get_nowait() is None and not channel.alive  # the stream's request iterator ends
+    assert pushed is False and channels == {}
