@@ -152,7 +152,7 @@ def test_openmp_spin_is_set_before_torch_loads():
 def test_min_new_tokens_processor_matches_transformers(eos):
     from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
 
-    from swarm.client.model import MinNewTokensProcessor
+    from swarm.client.generation import MinNewTokensProcessor
 
     torch.manual_seed(0)
     ours, theirs = MinNewTokensProcessor(5, 3, eos), MinNewTokensLengthLogitsProcessor(5, 3, eos)
