@@ -24,9 +24,24 @@ from gateway.auth import owner_of, require_api_key
 from gateway.engine import RequestRun
 from gateway.events import ChoiceDelta, Done, GenerationFailed
 from gateway.params import chat_params, check_model, completion_params, completion_prompts
-from gateway.schemas import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
-                             ChoiceLogprobs, ChunkChoice, Completion, CompletionChoice, CompletionLogprobs,
-                             CompletionRequest, Delta, PromptTokensDetails, TokenLogprob, TopLogprob, Usage)
+from gateway.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChoiceLogprobs,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    Delta,
+    PromptTokensDetails,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 from gateway.state import GatewayState
 from swarm.client.generation import TokenChoice
 

@@ -30,8 +30,9 @@ class Engine:
                  sessions: Optional[SessionProvider] = None):
         self.model, self.tokens, self.metrics = model, tokens, metrics
         self.sessions = sessions or SessionProvider(model)
+        # tensor work: swarm.runtime.taskpool.client_pool
         self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="generation",
-                                           initializer=serial_torch_here)  # tensor work: swarm.runtime.taskpool.client_pool
+                                           initializer=serial_torch_here)
         self.vocab_size = min(int(model.config.vocab_size), tokens.vocab_size)
         self._active: Dict[int, GenerationJob] = {}
 

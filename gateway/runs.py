@@ -1,10 +1,11 @@
 """One generation: a request's n choices, run as one batched session ([n, len] per step) on a worker thread.
 
 `GenerationJob` describes the work (prompt, `SamplingParams`, n, deadline, pool owner, cancel flag);
-`GenerationRun(job, emit, sessions, tokens, metrics, vocab_size).run()` leases a session (`gateway.sessions.SessionProvider`), steps it until every
-choice finished, emits `gateway.events` as it goes, and releases the session (back to the pool when it ended
-normally). The tokens are chosen by `swarm.client.generation` (the path `SwarmModel.generate` uses): one `Sampler`
-per choice, picking inside the client's batched LM-head task (`feed_and_pick`), as the direct client does.
+`GenerationRun(job, emit, sessions, tokens, metrics, vocab_size).run()` leases a session
+(`gateway.sessions.SessionProvider`), steps it until every choice finished, emits `gateway.events` as it goes, and
+releases the session (back to the pool when it ended normally). The tokens are chosen by `swarm.client.generation`
+(the path `DistributedModelForCausalLM.generate` uses): one `Sampler` per choice, picking inside the client's batched
+LM-head task (`feed_and_pick`) as the direct client does.
 """
 from __future__ import annotations
 

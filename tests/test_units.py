@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from server.cache import SessionKV
-from swarm.wire import protocol as P
 from swarm.runtime.config import ConfigError, load_config, parse_span
+from swarm.wire import protocol as P
 from swarm.wire.records import ServerInfo, ServerState, dht_prefix_for, online_spans
 
 
@@ -168,9 +168,14 @@ def test_min_new_tokens_processor_matches_transformers(eos):
 
 def test_one_token_selection_path_matches_transformers_processors():
     from transformers import GenerationConfig
-    from transformers.generation.logits_process import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
-                                                        RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-                                                        TopKLogitsWarper, TopPLogitsWarper)
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        MinNewTokensLengthLogitsProcessor,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     from swarm.client.generation import SamplingParams, build_processors, pick_tokens
 

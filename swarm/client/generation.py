@@ -22,13 +22,20 @@ import functools
 import math
 import secrets
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union, cast
 
 import torch
-from transformers.generation.logits_process import (LogitsProcessor, LogitsProcessorList,
-                                                    MinNewTokensLengthLogitsProcessor, MinPLogitsWarper,
-                                                    RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
-                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+from transformers.generation.logits_process import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 
 @dataclass
@@ -50,7 +57,7 @@ class SamplingParams:
     top_logprobs: int = 0
     json_mode: bool = False
     min_new_tokens: int = 0  # end-of-sequence tokens (`eos_token_id`) are masked until this many are out
-    eos_token_id: object = None  # int, list of ints or an integer tensor of any dtype (for min_new_tokens)
+    eos_token_id: Union[int, List[int], torch.Tensor, None] = None  # any integer dtype (for min_new_tokens)
 
     @property
     def greedy(self) -> bool:
@@ -105,7 +112,7 @@ class PresenceFrequencyPenalty(LogitsProcessor):
     def __init__(self, presence: float, frequency: float, prompt_len: int):
         self.presence, self.frequency, self.prompt_len = presence, frequency, prompt_len
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         generated = input_ids[:, self.prompt_len:]
         if generated.shape[1] == 0:
             return scores
@@ -171,7 +178,7 @@ def pick_tokens(scores: torch.Tensor, greedy: bool,
 def process_and_pick(processors: LogitsProcessorList, input_ids: torch.Tensor, logits: torch.Tensor,
                      greedy: bool, generators: Optional[Sequence[torch.Generator]] = None) -> torch.Tensor:
     """`pick_tokens` after the processors: input_ids [batch, seq], logits [batch, vocab] -> next tokens [batch]."""
-    return pick_tokens(processors(input_ids, logits), greedy, generators)
+    return pick_tokens(processors(cast(torch.LongTensor, input_ids), logits), greedy, generators)
 
 
 class Sampler:
@@ -216,15 +223,14 @@ class Sampler:
                     self._forcing = closing
             if self._forcing:
                 return self._forcing.pop(0), True
-        scores = self.processors(input_ids[None], logits[None])  # [1, vocab]
+        scores = self.processors(cast(torch.LongTensor, input_ids[None]), logits[None])  # [1, vocab]
         if c is None:
             return int(pick_tokens(scores, self.params.greedy, [self.generator])[0]), False
         # near the end of the budget, a token must also leave room to close the document
         budget = remaining - 1 if remaining <= self.CLOSING_LOOKAHEAD else None
-        return self._constrained(scores[0], budget)
+        return self._constrained(c, scores[0], budget)
 
-    def _constrained(self, scores: torch.Tensor, budget: Optional[int]) -> Tuple[int, bool]:
-        c = self.constraint
+    def _constrained(self, c: TokenConstraint, scores: torch.Tensor, budget: Optional[int]) -> Tuple[int, bool]:
         scores = scores.masked_fill(~c.candidates(), float("-inf"))  # exact: those tokens cannot follow
         if self.params.greedy:
             best = int(torch.argmax(scores))

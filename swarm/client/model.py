@@ -15,25 +15,23 @@ import copy
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple, TypeVar, Union
+from typing import Any, Callable, List, Optional, Tuple, TypeVar, Union
 
 import torch
 from torch import nn
 from transformers import GenerationConfig
 from transformers.generation.logits_process import LogitsProcessorList
 
-from swarm.runtime import aio
-
-from swarm.runtime import malloc
-from swarm.modeling.checkpoint import Checkpoint
-from swarm.modeling.families import FamilySpec, family_for
 from swarm.client.api import Coverage
 from swarm.client.generation import SamplingParams, build_processors, process_and_pick
 from swarm.client.manager import ClientConfig, SwarmManager
-from swarm.wire.records import dht_prefix_for
 from swarm.client.rowpad import RowPadding
 from swarm.client.session import InferenceSession, SessionError
+from swarm.modeling.checkpoint import Checkpoint
+from swarm.modeling.families import FamilySpec, family_for
+from swarm.runtime import aio, malloc
 from swarm.runtime.taskpool import PRIORITY_DECODE, PRIORITY_FORWARD, client_pool
+from swarm.wire.records import dht_prefix_for
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +94,7 @@ class ModelSession:
         compute-thread task as the LM head: returns (logits [batch, vocab], what pick returned)."""
         return self._feed(input_ids, pick)
 
-    def _feed(self, input_ids: torch.Tensor, pick) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def _feed(self, input_ids: torch.Tensor, pick) -> Tuple[torch.Tensor, Any]:
         reuse = self.reusable_prefix(input_ids)
         if reuse < self.session.position:
             self.session.rewind(reuse)
@@ -222,7 +220,7 @@ class DistributedModelForCausalLM(nn.Module):
 
     def coverage(self, force: bool = False) -> Coverage:
         spans = self.manager.update(force=force)
-        covered = set()
+        covered: set[int] = set()
         for span in spans:
             covered.update(range(span.start, span.end))
         num_blocks = self.manager.num_blocks
