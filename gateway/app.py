@@ -34,12 +34,13 @@ from gateway.admission import Admission
 from gateway.auth import require_api_key
 from gateway.completions import router as completions_router
 from gateway.config import GatewayConfig
-from gateway.engine import Engine, SessionProvider
+from gateway.engine import Engine
 from gateway.errors import bad_request, install_error_handlers
 from gateway.metrics import CONTENT_TYPE_LATEST, Metrics
 from gateway.params import Limits, check_model
 from gateway.schemas import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
 from gateway.session_pool import SessionPool
+from gateway.sessions import SessionProvider
 from gateway.state import GatewayState, format_ranges
 from gateway.tokens import Tokens
 from swarm.runtime import malloc

@@ -21,13 +21,29 @@ from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from gateway.auth import owner_of, require_api_key
-from gateway.engine import ChoiceDelta, Done, GenerationFailed, RequestRun
+from gateway.engine import RequestRun
+from gateway.events import ChoiceDelta, Done, GenerationFailed
 from gateway.params import chat_params, check_model, completion_params, completion_prompts
-from gateway.sampling import TokenChoice
-from gateway.schemas import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
-                             ChoiceLogprobs, ChunkChoice, Completion, CompletionChoice, CompletionLogprobs,
-                             CompletionRequest, Delta, PromptTokensDetails, TokenLogprob, TopLogprob, Usage)
+from gateway.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChoiceLogprobs,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    Delta,
+    PromptTokensDetails,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 from gateway.state import GatewayState
+from swarm.client.generation import TokenChoice
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 

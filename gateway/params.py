@@ -12,9 +12,9 @@ from typing import List, Optional
 
 from gateway.config import GatewayConfig
 from gateway.errors import bad_request, not_found
-from gateway.sampling import SamplingParams
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from gateway.tokens import Tokens
+from swarm.client.generation import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 MAX_STOP_STRINGS = 16
