@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import AsyncIterator, Dict, List, Optional
+from typing import AsyncIterator, Dict, List, Optional, cast
 
 from fastapi import APIRouter, Depends, Request
 from sse_starlette.sse import EventSourceResponse
@@ -173,7 +173,7 @@ def _include_usage(body) -> bool:
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = _state(request)
     model_name = check_model(body.model, state.config)
-    prompt = await run_in_threadpool(state.tokens.chat_prompt, body.messages, body.add_generation_prompt)
+    prompt = await run_in_threadpool(state.tokens.chat_prompt, body.messages, bool(body.add_generation_prompt))
     params = chat_params(body, len(prompt), state.limits)
     n = body.n or 1
     completion_id = "chatcmpl-" + _request_id(request)
@@ -216,7 +216,7 @@ def _echo_texts(body: CompletionRequest, prompts: List[List[int]], state: Gatewa
     if isinstance(body.prompt, str):
         return [body.prompt]
     if all(isinstance(p, str) for p in body.prompt):
-        return list(body.prompt)
+        return list(cast(List[str], body.prompt))
     return [state.tokens.decode(ids) for ids in prompts]
 
 

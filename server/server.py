@@ -89,8 +89,13 @@ class Server:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
 
     @property
+    def started_dht(self) -> hivemind.DHT:
+        assert self.dht is not None, "run() starts the DHT peer first"
+        return self.dht
+
+    @property
     def peer_id(self) -> str:
-        return self.dht.peer_id.to_base58()
+        return self.started_dht.peer_id.to_base58()
 
     def request_stop(self) -> None:
         """Ask a running server to shut down (thread-safe)."""
@@ -127,11 +132,12 @@ class Server:
         malloc.trim()  # what loading (and measuring the throughput) freed: unfused checkpoint tensors
         if self.config.cuda_graphs and span.enable_cuda_graphs():
             logger.info("single-session decode steps replay CUDA graphs")
+        assert self.capacity is not None, "plan() sizes the server before it loads blocks"
         handler = self.handler_class(span, self.config.model, __version__, CacheBudget(self.capacity.attn_cache_tokens),
                                      self._compute_pool(), max_length=self.config.max_length,
                                      alloc_timeout=self.config.alloc_timeout, step_timeout=self.config.step_timeout)
         if self.p2p is None:
-            self.p2p = await self.dht.replicate_p2p()
+            self.p2p = await self.started_dht.replicate_p2p()
         await handler.add_p2p_handlers(self.p2p)
         self.handler = handler
         logger.info(f"loaded and serving blocks {start}:{end} in {time.monotonic() - began:.1f}s")
@@ -231,7 +237,7 @@ class Server:
             await self.announce(ServerState.ONLINE)
             start, end = self.record.start, self.record.end
             ready = {"peer_id": self.peer_id, "start": start, "end": end,
-                     "maddrs": [str(m) for m in self.dht.get_visible_maddrs()], "prefix": self.prefix,
+                     "maddrs": [str(m) for m in self.started_dht.get_visible_maddrs()], "prefix": self.prefix,
                      "throughput": self.record.throughput, "attn_cache_tokens": self.capacity.attn_cache_tokens}
             print("SWARMGATE_READY " + json.dumps(ready), flush=True)
             logger.info(f"serving blocks {start}:{end} of {self.config.model} as {ready['peer_id']}")
@@ -246,7 +252,8 @@ class Server:
         finally:
             if self.pool is not None:
                 self.pool.shutdown()
-            await loop.run_in_executor(None, self.dht.shutdown)
+            if self.dht is not None:
+                await loop.run_in_executor(None, self.dht.shutdown)
 
 
 def main(argv=None, server_class: Type[Server] = Server) -> int:

@@ -97,10 +97,12 @@ async def place(host: SpanHost) -> Tuple[int, int]:
     """Choose blocks, announce them as joining and re-check after random delays (concurrent joiners)."""
     record, config = host.record, host.config
     if host.pinned:
+        assert config.block_indices is not None  # what `pinned` means
         record.start, record.end = parse_span(config.block_indices)
         await host.announce(ServerState.JOINING)
         return record.start, record.end
     spans = await record.spans()
+    assert host.capacity is not None, "plan() sizes the server before place()"
     record.start, record.end = choose_best_span(block_throughputs(spans, host.num_blocks_total),
                                                 host.capacity.num_blocks)
     await host.announce(ServerState.JOINING)
@@ -109,7 +111,7 @@ async def place(host: SpanHost) -> Tuple[int, int]:
         await host.sleep(jittered(settle / 2, host.rng))
         move, target = should_move(await record.spans(), host.num_blocks_total, host.peer_id,
                                    balance_quality=config.balance_quality)
-        if not move:
+        if not move or target is None:
             break
         logger.info(f"another server took blocks {record.start}:{record.end} at the same time: joining {target} "
                     "instead")
@@ -119,8 +121,9 @@ async def place(host: SpanHost) -> Tuple[int, int]:
 
 async def maybe_rebalance(host: SpanHost) -> bool:
     """Move to other blocks if that would help the swarm enough (looking twice); True if it moved."""
-    decide = lambda spans: should_move(spans, host.num_blocks_total, host.peer_id,  # noqa: E731
-                                       balance_quality=host.config.balance_quality)
+    def decide(spans):
+        return should_move(spans, host.num_blocks_total, host.peer_id, balance_quality=host.config.balance_quality)
+
     move, target = decide(await host.record.spans())
     if not move:
         return False
@@ -129,7 +132,7 @@ async def maybe_rebalance(host: SpanHost) -> bool:
     if host.stopping():
         return False
     move, target = decide(await host.record.spans())
-    if not move:
+    if not move or target is None:
         logger.info("rebalancing: someone else moved first; staying")
         return False
     await move_to(host, *target)

@@ -131,6 +131,7 @@ class DistributedModelForCausalLM(nn.Module):
         self.embed_tokens, self.norm, self.lm_head = embed_tokens, norm, lm_head
         self.generation_config = generation_config
         self.row_padding: Optional[RowPadding] = None  # set by from_pretrained(pad_head_rows=True)
+        self.name_or_path: str = ""  # set by from_pretrained
 
     # ---- loading ------------------------------------------------------------------------------------------
     @classmethod
@@ -291,7 +292,7 @@ class DistributedModelForCausalLM(nn.Module):
         pad = config.pad_token_id if config.pad_token_id is not None else (int(eos_ids[0]) if len(eos_ids) else 0)
 
         own_session = session is None
-        if own_session:
+        if session is None:
             session = self.inference_session(max_length=prompt_len + max_new)
         elif prompt_len + max_new - 1 > session.max_length:
             raise SessionError(

@@ -73,7 +73,7 @@ def up(config: UpConfig) -> int:
         if config.gateway.enabled:
             gateway = swarm.add_gateway("gateway", config.gateway.args, host=config.gateway.host,
                                         port=config.gateway.port)
-            url = gateway.ready.get("url")
+            url = (gateway.ready or {}).get("url")
             print(f"gateway: {url}/v1  (OpenAI-compatible; try {url}/health)", flush=True)
         print(f"logs in {config.log_dir}/. Press Ctrl-C to stop.", flush=True)
         while not stop.is_set():

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import json
 import math
-from typing import AsyncIterator, List, Literal, Optional, Sequence, Tuple, Type, TypeVar, Union
+from typing import AsyncIterator, Final, List, Literal, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 import torch
 from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION: Final = 1
 MAX_SESSION_ID_LEN = 128
 ALLOWED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 INDEX_DTYPES = {"int64": torch.int64}
