@@ -24,7 +24,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-
 PROMPT = ("You are reviewing a short report about a community garden. The garden has twelve raised beds, a "
           "compost area, two rain barrels and a small tool shed. Volunteers meet on Saturday mornings. Last year "
           "they grew tomatoes, beans, squash and herbs. Summarise the report in a few sentences and suggest one "
@@ -76,10 +75,9 @@ def main() -> int:
     args = parser.parse_args()
 
     import openai
-    from transformers import AutoTokenizer
-
     from bench_throughput import peak_rss_mb  # bench/ is on the path when a benchmark runs as a script
     from harness import BenchSwarm
+    from transformers import AutoTokenizer
 
     with BenchSwarm("bench-gw", ["0:15", "15:30"]) as swarm:
         path = swarm.path

@@ -22,7 +22,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 
-
 def status_mb(pid: int) -> dict:
     """VmRSS, VmHWM (peak since the last reset), RssAnon, RssFile of a process, in MB."""
     values = {}

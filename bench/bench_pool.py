@@ -84,9 +84,8 @@ def main() -> int:
 
     import openai
     import torch
-    from transformers import AutoTokenizer
-
     from harness import BenchSwarm  # bench/ is on the path when a benchmark runs as a script
+    from transformers import AutoTokenizer
 
     with BenchSwarm("bench-pool", SPANS) as swarm:
         path = swarm.path

@@ -19,8 +19,8 @@ from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from swarm.wire.records import ServerInfo, ServerSpan, ServerState  # noqa: E402
 from swarm.client.routing import choose_forward_chain, find_inference_chain  # noqa: E402
+from swarm.wire.records import ServerInfo, ServerSpan, ServerState  # noqa: E402
 
 
 def build_swarm(rng: random.Random, num_servers: int, num_blocks: int) -> List[ServerSpan]:

@@ -1,8 +1,8 @@
 """Bearer API keys: when `api_keys` is configured, every API route needs `Authorization: Bearer <key>`.
 
 Keys are compared in constant time (`hmac.compare_digest` against every configured key, without stopping at
-the first match). `/health` and `/metrics` do not use this dependency and stay public. `owner_of(request)` names the session
-pool namespace of a request: a hash of its bearer key (never the key itself), or "anonymous".
+the first match). `/health` and `/metrics` do not use this dependency and stay public. `owner_of(request)`
+names the session pool namespace of a request: a hash of its bearer key (never the key itself), or "anonymous".
 """
 from __future__ import annotations
 

@@ -22,8 +22,8 @@ from hivemind.proto import runtime_pb2
 from server.blocks import BlockSpan
 from server.cache import CacheBudget, OutOfCacheError
 from server.push import PushRouter, PushSender
-from swarm.runtime.taskpool import PRIORITY_DECODE, PRIORITY_FORWARD, PRIORITY_PREFILL, TaskPool
 from swarm.runtime import malloc
+from swarm.runtime.taskpool import PRIORITY_DECODE, PRIORITY_FORWARD, PRIORITY_PREFILL, TaskPool
 from swarm.wire import protocol as P
 
 logger = logging.getLogger(__name__)
@@ -109,7 +109,8 @@ class BlockHandler(P.BlockRPC):
                 if not self.accepting:
                     raise OutOfCacheError("this server is shutting down and takes no new sessions")
                 if opened.max_length > self.max_length:
-                    raise P.ProtocolError(f"max_length {opened.max_length} exceeds this server's limit {self.max_length}")
+                    raise P.ProtocolError(
+                        f"max_length {opened.max_length} exceeds this server's limit {self.max_length}")
                 handle = f"{context.remote_id}/{opened.session_id}/{uuid.uuid4().hex[:8]}"
                 await self.budget.reserve(handle, opened.batch_size * opened.max_length, self.alloc_timeout)
             except OutOfCacheError as e:
@@ -200,7 +201,8 @@ class BlockHandler(P.BlockRPC):
             if handle is not None:
                 await self.budget.release(handle)
                 if self.budget.num_sessions == 0:
-                    malloc.trim()  # the last open session closed: the caches' memory back to the OS (swarm.runtime.malloc)
+                    # the last open session closed: the caches' memory back to the OS (swarm.runtime.malloc)
+                    malloc.trim()
 
     async def _compute(self, hidden: torch.Tensor, start_position: int, kv, first: int, last: int) -> torch.Tensor:
         """One step of a session: decode steps are batched with other sessions'; a long prefill runs in chunks

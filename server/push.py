@@ -14,8 +14,8 @@ from typing import Dict, Optional
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from swarm.wire import protocol as P
 from swarm.runtime.aio import iterate_queue
+from swarm.wire import protocol as P
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,6 @@ announced as given.
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -20,9 +19,10 @@ import platform
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Optional, Union
+from typing import Dict, Iterator, Optional, Union
 
 import torch
+from filelock import FileLock
 
 logger = logging.getLogger(__name__)
 
@@ -72,14 +72,10 @@ def cache_key(model: str, device: str, dtype: torch.dtype, quant_type: str = "no
 
 
 @contextmanager
-def _locked(path: Path):
+def _locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with FileLock(str(path.with_name(path.name + ".lock"))):
+        yield
 
 
 def _read(path: Path) -> Dict[str, dict]:
@@ -109,7 +105,11 @@ def measure(checkpoint, device: str = "cpu", dtype_name: str = "auto", *, decode
     span = BlockSpan.load(checkpoint, 0, 1, dtype_name, device)
     dev = span.device
     generator = torch.Generator().manual_seed(0)
-    hidden = lambda seq: torch.randn(1, seq, span.hidden_size, generator=generator).to(dev, span.dtype)  # noqa: E731
+    hidden_size, dtype = span.hidden_size, span.dtype
+
+    def hidden(seq: int) -> torch.Tensor:  # [1, seq, hidden]
+        return torch.randn(1, seq, hidden_size, generator=generator).to(dev, dtype)
+
     kv = span.new_session_kv(1, PREFIX_TOKENS + DECODE_WARMUP + decode_steps, 0, 1)
     span.forward(hidden(PREFIX_TOKENS), 0, kv)
     position = PREFIX_TOKENS
@@ -150,8 +150,9 @@ def get_throughput(mode: Union[str, float], checkpoint, device: str, dtype: torc
     with _locked(path):  # one server of a machine measures at a time; the others then read its result
         if mode == "auto":
             entry = _read(path).get(key)
-            if isinstance(entry, dict) and isinstance(entry.get("decode_rps"), (int, float)) and entry["decode_rps"] > 0:
-                return float(entry["decode_rps"]), "cache"
+            rate = entry.get("decode_rps") if isinstance(entry, dict) else None
+            if isinstance(rate, (int, float)) and rate > 0:
+                return float(rate), "cache"
         began = time.perf_counter()
         result = measure(checkpoint, device, dtype_name)
         logger.info(f"measured throughput in {time.perf_counter() - began:.2f}s: {result['decode_rps']:.1f} decode "

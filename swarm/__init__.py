@@ -9,7 +9,8 @@ from swarm.runtime.deferred_imports import defer_unused_imports as _defer_unused
 from swarm.runtime.threads import tune_openmp_env as _tune_openmp_env  # noqa: E402
 
 _tune_openmp_env()  # before torch loads, if it has not yet (swarm.runtime.threads)
-_defer_unused_imports()  # before hivemind loads: it imports scipy.optimize, which we never use (swarm.runtime.deferred_imports)
+# before hivemind loads: it imports scipy.optimize, which we never use (swarm.runtime.deferred_imports)
+_defer_unused_imports()
 
 __all__ = ["AutoDistributedModelForCausalLM", "DistributedModelForCausalLM", "__version__"]
 

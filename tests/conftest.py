@@ -52,7 +52,8 @@ class SwarmFactory:
     def get(self, spans: tuple, extra: tuple = ()) -> dict:
         key = (spans, extra)
         if key not in self.swarms:
-            prefix = "t" + "-".join(s.replace(":", "_") for s in spans) + ("-x" + str(abs(hash(extra)) % 10**6) if extra else "")
+            tag = "-x" + str(abs(hash(extra)) % 10**6) if extra else ""
+            prefix = "t" + "-".join(s.replace(":", "_") for s in spans) + tag
             servers = start_servers(self.model_path, [self.bootstrap.maddr], list(spans), prefix, list(extra),
                                     threads=1)
             self.swarms[key] = {"prefix": prefix, "servers": servers, "initial_peers": [self.bootstrap.maddr]}

@@ -8,11 +8,11 @@ import pytest
 import torch
 from hivemind.proto import runtime_pb2
 
+from swarm.client.manager import ClientConfig, SwarmManager
+from swarm.launch.topology import start_servers
 from swarm.runtime import aio
 from swarm.wire import protocol as P
-from swarm.client.manager import ClientConfig, SwarmManager
 from swarm.wire.records import ServerState, fetch_block_records, server_states
-from swarm.launch.topology import start_servers
 
 SPANS = ("0:15", "15:30")
 HIDDEN = 576
@@ -168,8 +168,8 @@ def test_cli_rejects_bad_flags(model_path, bootstrap):
     from swarm.launch.topology import REPO
 
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "swarm.launch.cli", *args], cwd=REPO, capture_output=True, text=True,
-                              timeout=120)
+        return subprocess.run([sys.executable, "-m", "swarm.launch.cli", *args], cwd=REPO, capture_output=True,
+                              text=True, timeout=120)
 
     r = run("server", model_path, "--new_swarm", "--block_indices", "20:10")
     assert r.returncode != 0 and "start < end" in r.stderr

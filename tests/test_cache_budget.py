@@ -15,12 +15,11 @@ import hivemind
 import pytest
 import torch
 
-from swarm.client.session import SessionError
-
 from server.cache import CacheBudget, OutOfCacheError
+from swarm.client.session import SessionError
+from swarm.launch.topology import start_server
 from swarm.runtime.taskpool import PRIORITY_FORWARD, PRIORITY_INFERENCE, TaskPool
 from swarm.wire.records import fetch_block_records
-from swarm.launch.topology import start_server
 
 BUDGET, SESSION = 64, 48  # two sessions of 48 tokens do not fit in 64
 ALLOC_TIMEOUT = 8.0

@@ -189,7 +189,8 @@ def test_checkpoint_hub_downloads_go_through_the_cache(tmp_path, monkeypatch):
     cache_dir = tmp_path / "hub"
     checkpoint = Checkpoint("org/not-a-local-dir", cache_dir=str(cache_dir), max_disk_space=900)
     first = checkpoint.file("model-00001.safetensors")
-    assert first.read_bytes() == b"z" * 400 and ("metadata", "hub://org/not-a-local-dir/model-00001.safetensors") in calls
+    assert first.read_bytes() == b"z" * 400
+    assert ("metadata", "hub://org/not-a-local-dir/model-00001.safetensors") in calls
     set_used(first, time.time() - 100)
     checkpoint.file("config.json")
     calls.clear()

@@ -32,7 +32,8 @@ def test_tiny_family_through_the_swarm(family, tmp_path, bootstrap):
     path = tmp_path / f"tiny-{family}"
     reference.save_pretrained(path)
     prefix = f"tfam-{family}"
-    servers = start_servers(str(path), [bootstrap.maddr], ["0:4"], prefix, threads=1)  # the split itself is tested on SmolLM2
+    # the split itself is tested on SmolLM2
+    servers = start_servers(str(path), [bootstrap.maddr], ["0:4"], prefix, threads=1)
     model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=[bootstrap.maddr],
                                                             dht_prefix=prefix)
     try:

@@ -11,8 +11,16 @@ import openai
 import pytest
 import torch
 
-from tests.gateway_fixtures import (API_KEY, client, gateway, one_torch_thread, server_stats,  # noqa: F401
-                                    side_gateways, swarm_model, wait_until)
+from tests.gateway_fixtures import (  # noqa: F401
+    API_KEY,
+    client,
+    gateway,
+    one_torch_thread,
+    server_stats,
+    side_gateways,
+    swarm_model,
+    wait_until,
+)
 
 MODEL = "smollm2-135m-instruct"
 QUESTION = [{"role": "user", "content": "What are three good reasons to learn to play the piano?"}]
@@ -207,7 +215,8 @@ def test_tokenize_detokenize(gateway, tokenizer):
     chat = httpx.post(gateway.url + "/tokenize", json={"messages": QUESTION}).json()
     assert chat["tokens"] == list(tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True,
                                                                 return_dict=True)["input_ids"])
-    assert httpx.post(gateway.url + "/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == "Hello there, swarm!"
+    detokenized = httpx.post(gateway.url + "/detokenize", json={"tokens": r["tokens"]}).json()
+    assert detokenized["prompt"] == "Hello there, swarm!"
 
 
 # ---- errors -------------------------------------------------------------------------------------------------------
@@ -228,7 +237,8 @@ def _envelope(error: openai.APIStatusError) -> dict:
     (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages.0.role", None),
     (dict(logit_bias={"123456789": 5}), "logit_bias", None),
     (dict(top_logprobs=2), "top_logprobs", None),
-    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), "response_format", None),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), "response_format",
+     None),
 ], ids=lambda v: str(v)[:40])
 def test_bad_requests_are_400_with_envelope(client, kwargs, param, code):
     args = dict(model=MODEL, messages=QUESTION, max_tokens=4)

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from swarm.client.manager import ClientConfig, SwarmManager
-from tests.gateway_fixtures import start_gateway
 from swarm.launch.topology import start_servers
+from tests.gateway_fixtures import start_gateway
 
 MESSAGES = [{"role": "user", "content": "List five animals that live in the ocean."}]
 

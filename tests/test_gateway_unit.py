@@ -135,7 +135,8 @@ def test_sampler_greedy_seeded_bias_and_penalties():
     assert draws(7) == draws(7) and draws(7) != draws(8) and draws(7, index=1) == draws(8)
     top_k = Sampler(SamplingParams(max_tokens=1, temperature=1.0, top_k=1, seed=1), 1, 4)
     assert {top_k.choose(ids, logits, 1).token_id for _ in range(20)} == {1}
-    lp = Sampler(SamplingParams(max_tokens=1, temperature=0, logprobs=True, top_logprobs=2), 1, 4).choose(ids, logits, 1)
+    sampler = Sampler(SamplingParams(max_tokens=1, temperature=0, logprobs=True, top_logprobs=2), 1, 4)
+    lp = sampler.choose(ids, logits, 1)
     assert lp.top[0][0] == 1 and lp.top[1][0] == 2 and abs(lp.logprob - torch.log_softmax(logits, 0)[1].item()) < 1e-6
 
 
@@ -149,11 +150,13 @@ def test_config_sources(tmp_path):
 
     path = tmp_path / "gw.yaml"
     path.write_text("gateway:\n  model: m\n  port: 9001\n  max_queue: 3\n  api_keys: [a, b]\n")
-    config = load_config(GatewayConfig, None, yaml_path=str(path), environ={"SWARMGATE_PORT": "1", "SWARMGATE_MAX_N": "2"},
-                         section="gateway")
-    assert (config.port, config.max_queue, config.api_keys, config.max_n, config.model_name) == (9001, 3, ["a", "b"], 2, "m")
-    import yaml
+    environ = {"SWARMGATE_PORT": "1", "SWARMGATE_MAX_N": "2"}
+    config = load_config(GatewayConfig, None, yaml_path=str(path), environ=environ, section="gateway")
+    assert (config.port, config.max_queue, config.api_keys, config.max_n) == (9001, 3, ["a", "b"], 2)
+    assert config.model_name == "m"
     from pathlib import Path
+
+    import yaml
 
     example = yaml.safe_load(Path(__file__).resolve().parents[1].joinpath("configs/gateway.yaml").read_text())
     assert GatewayConfig.model_validate(example["gateway"]).port == 8000

@@ -9,7 +9,6 @@ from typing import Dict, List, Optional, Sequence
 
 import pytest
 
-from swarm.wire.records import ServerInfo, ServerSpan, ServerState
 from swarm.client.routing import (
     RouteHop,
     RoutingCosts,
@@ -18,6 +17,7 @@ from swarm.client.routing import (
     choose_forward_chain,
     find_inference_chain,
 )
+from swarm.wire.records import ServerInfo, ServerSpan, ServerState
 
 
 def make_span(

@@ -9,8 +9,8 @@ from typing import Callable, Dict, List, Optional, TypeVar
 import hivemind
 import pytest
 
-from swarm.wire.records import ServerState, fetch_block_records, online_spans
 from swarm.launch.topology import ManagedProcess, start_servers
+from swarm.wire.records import ServerState, fetch_block_records, online_spans
 
 NUM_BLOCKS = 30
 T = TypeVar("T")

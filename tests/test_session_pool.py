@@ -11,8 +11,7 @@ import httpx
 import pytest
 import torch
 
-from tests.gateway_fixtures import (SPANS, one_torch_thread, server_stats, start_gateway,  # noqa: F401
-                                    swarm_model, wait_until)
+from tests.gateway_fixtures import SPANS, one_torch_thread, server_stats, start_gateway, swarm_model, wait_until  # noqa: F401
 
 MODEL = "smollm2-135m-instruct"
 

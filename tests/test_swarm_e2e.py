@@ -190,7 +190,7 @@ def test_concurrent_sessions_are_batched_and_correct(clients, swarms, reference_
         with ThreadPoolExecutor(len(prompts)) as pool:
             for _ in range(10):  # lockstep: every session's step is in flight at once
                 logits = list(pool.map(lambda pair: pair[0].feed(pair[1]), zip(sessions, outputs)))
-                outputs = [torch.cat([ids, l.argmax(-1, keepdim=True)], dim=1) for ids, l in zip(outputs, logits)]
+                outputs = [torch.cat([ids, lg.argmax(-1, keepdim=True)], dim=1) for ids, lg in zip(outputs, logits)]
     finally:
         for s in sessions:
             s.close()

@@ -7,8 +7,14 @@ import threading
 import pytest
 import torch
 
-from server.memory import (DEFAULT_CACHE_TOKENS, MIN_CACHE_TOKENS, bytes_per_block, cache_bytes_per_token,
-                           free_memory_bytes, plan_capacity)
+from server.memory import (
+    DEFAULT_CACHE_TOKENS,
+    MIN_CACHE_TOKENS,
+    bytes_per_block,
+    cache_bytes_per_token,
+    free_memory_bytes,
+    plan_capacity,
+)
 from server.throughput import cache_key, get_throughput, measure, parse_throughput_mode
 from swarm.modeling.checkpoint import Checkpoint
 

@@ -17,10 +17,10 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from pydantic import BaseModel, ConfigDict, Field
 
+from swarm.client.routing import RouteHop, RoutingError, choose_forward_chain, find_inference_chain
 from swarm.runtime import aio
 from swarm.wire import protocol as P
 from swarm.wire.records import ServerSpan, fetch_block_records, online_spans
-from swarm.client.routing import RouteHop, RoutingError, choose_forward_chain, find_inference_chain
 
 if TYPE_CHECKING:
     import torch

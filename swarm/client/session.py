@@ -11,14 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import AsyncGenerator, AsyncIterator, List, Optional, Sequence
+from typing import AsyncGenerator, List, Optional, Sequence
 
 import torch
 
-from swarm.runtime import aio
-from swarm.wire import protocol as P
 from swarm.client.manager import SwarmManager
 from swarm.client.routing import RouteHop, RoutingError
+from swarm.runtime import aio
+from swarm.wire import protocol as P
 
 logger = logging.getLogger(__name__)
 

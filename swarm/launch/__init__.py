@@ -1,1 +1,2 @@
-"""Launchers: the `swarmgate` command, the bootstrap peer, and the local topology (`swarmgate up`, test fixtures, benchmarks)."""
+"""Launchers: the `swarmgate` command, the bootstrap peer, and the local topology (`swarmgate up`, test fixtures,
+benchmarks)."""

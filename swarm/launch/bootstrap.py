@@ -25,7 +25,8 @@ class BootstrapConfig(ProcessConfig):
     host_maddrs: List[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/31337"],
                                    description="multiaddrs to listen on")
     announce_maddrs: List[str] = Field(default_factory=list, description="multiaddrs to announce to others")
-    identity_path: Optional[str] = Field(default=None, description="private key file (created if missing) for a fixed peer id")
+    identity_path: Optional[str] = Field(default=None,
+                                         description="private key file (created if missing) for a fixed peer id")
     initial_peers: List[str] = Field(default_factory=list, description="other bootstrap peers to connect to")
     write_maddrs: Optional[str] = Field(default=None, description="also write the multiaddrs to join, one a line, "
                                                                   "to this file (for containers that start later)")

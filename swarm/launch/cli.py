@@ -4,7 +4,8 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {
-    "prepare-model": ("swarm.modeling.prepare", "convert the bundled model into a safetensors checkpoint, print its path"),
+    "prepare-model": ("swarm.modeling.prepare",
+                      "convert the bundled model into a safetensors checkpoint, print its path"),
     "dht": ("swarm.launch.bootstrap", "run a bootstrap DHT peer"),
     "server": ("server.server", "serve a range of a model's blocks"),
     "gateway": ("gateway.app", "serve the OpenAI-compatible HTTP API over the swarm"),

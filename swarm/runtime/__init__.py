@@ -1,1 +1,2 @@
-"""The process runtime: the compute thread and its queue, OpenMP/thread tuning, CPU turns, memory trimming, typed process configs."""
+"""The process runtime: the compute thread and its queue, OpenMP/thread tuning, CPU turns, memory trimming, typed
+process configs."""

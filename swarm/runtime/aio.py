@@ -15,7 +15,8 @@ _loop: Optional[asyncio.AbstractEventLoop] = None
 
 
 def _serve(loop: asyncio.AbstractEventLoop) -> None:
-    serial_torch_here()  # the loop only (de)serializes; tensor work stays on the calling threads (swarm.runtime.threads)
+    # the loop only (de)serializes; tensor work stays on the calling threads (swarm.runtime.threads)
+    serial_torch_here()
     loop.run_forever()
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import enum
 import logging
 import re
-from functools import partial
 from dataclasses import dataclass
+from functools import partial
 from typing import Dict, List, Optional, Sequence
 
 from hivemind import DHT
