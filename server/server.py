@@ -48,6 +48,7 @@ from server.throughput import get_throughput, parse_throughput_mode
 from swarm import __version__
 from swarm.runtime import malloc
 from swarm.modeling.checkpoint import Checkpoint
+from swarm.wire.dtypes import DTYPES
 from swarm.runtime.cpu_turns import CpuTurns, cpu_turns_enabled
 from swarm.runtime.threads import serial_torch_here
 from swarm.runtime.config import ProcessConfig, parse_span
@@ -115,8 +116,8 @@ class ServerConfig(ProcessConfig):
     @field_validator("torch_dtype")
     @classmethod
     def _valid_dtype(cls, value):
-        if value not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError("must be auto, float32, float16 or bfloat16")
+        if value != "auto" and value not in DTYPES:
+            raise ValueError(f"must be auto, {', '.join(DTYPES)}")
         return value
 
     @field_validator("throughput", mode="before")

@@ -30,6 +30,7 @@ from swarm.runtime import malloc
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec, family_for
 from swarm.client.manager import ClientConfig, SwarmManager
+from swarm.wire.dtypes import parse_dtype
 from swarm.wire.records import dht_prefix_for
 from swarm.client.rowpad import RowPadding
 from swarm.client.session import InferenceSession, SessionError
@@ -144,7 +145,7 @@ class DistributedModelForCausalLM(nn.Module):
         checkpoint = Checkpoint(name_or_path, cache_dir=cache_dir)
         config = checkpoint.load_config()
         family = family_for(config)
-        dtype = getattr(torch, torch_dtype) if isinstance(torch_dtype, str) else torch_dtype
+        dtype = parse_dtype(torch_dtype) if isinstance(torch_dtype, str) else torch_dtype
         head_key = family.head_key
         wanted = {family.embed_key, head_key, family.norm_key + "weight", family.norm_key + "bias"}
         tensors = checkpoint.load_tensors(lambda name: name in wanted, dtype)
