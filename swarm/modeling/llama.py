@@ -196,10 +196,11 @@ class FusedLayer:
 def _add_projection(x: torch.Tensor, h: torch.Tensor, weight_t: torch.Tensor, bias: Optional[torch.Tensor]
                     ) -> torch.Tensor:
     """x + h @ weight_t (+ bias) in one addmm, for x: [..., out], h: [..., in]."""
-    out = torch.addmm(x.reshape(-1, x.shape[-1]), h.reshape(-1, h.shape[-1]), weight_t)
-    if bias is not None:
-        out.add_(bias)
-    return out.view(x.shape)
+    if x.dim() == 2:  # decode's rows: no reshapes (each is a dispatch, and an eager GPU step is launch-bound)
+        out = torch.addmm(x, h, weight_t)
+    else:
+        out = torch.addmm(x.reshape(-1, x.shape[-1]), h.reshape(-1, h.shape[-1]), weight_t).view(x.shape)
+    return out if bias is None else out.add_(bias)
 
 
 def _share(modules: Sequence[nn.Linear], name: str) -> Optional[torch.Tensor]:
