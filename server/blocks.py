@@ -44,7 +44,8 @@ class BlockSpan(nn.Module):
         self.layers, self.rotary = layers, rotary
         self.dtype, self.device = dtype, device
         self.shape = ModelShape.from_config(config)
-        self.hidden_size, self.kv_heads, self.head_dim = self.shape.hidden_size, self.shape.num_kv_heads, self.shape.head_dim
+        self.hidden_size, self.head_dim = self.shape.hidden_size, self.shape.head_dim
+        self.kv_heads = self.shape.num_kv_heads
         self.fused: list = []  # the layers as `BlockLayer`s for server.decode / server.graphs (`FamilySpec.fuse`)
         self.graphs = None  # server.graphs.SpanGraphs once `enable_cuda_graphs` ran
 
