@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from swarm.launch.local_swarm import ManagedProcess  # noqa: E402
+from swarm.launch.topology import Topology  # noqa: E402
 from swarm.modeling.prepare import prepare_model  # noqa: E402
 
 TOPOLOGIES = {"2_servers": ["0:15", "15:30"], "3_servers": ["0:10", "10:20", "20:30"]}
@@ -67,19 +67,16 @@ def main() -> None:
     from swarm import AutoDistributedModelForCausalLM
 
     path = str(prepare_model())
-    procs, result = [], {}
-    try:
-        dht = ManagedProcess(["dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"], "bench-chain-dht")
-        procs.append(dht)
-        dht.wait_ready(60)
+    result = {}
+    # one bootstrap peer; each topology's servers under their own DHT prefix, all started before any is waited for
+    with Topology(path, name="bench-chain", ready_timeout=300) as topology:
+        dht = topology.bootstrap
         servers = {}
         for name, spans in {**TOPOLOGIES, "failover": ["0:15", "15:30", "15:30"]}.items():
-            servers[name] = [ManagedProcess(["server", path, "--initial_peers", dht.maddr, "--host_maddrs",
-                                             "/ip4/127.0.0.1/tcp/0", "--block_indices", span, "--dht_prefix",
-                                             f"bench-{name}", "--throughput", "1"], f"bench-{name}-{i}")
+            servers[name] = [topology.add_server(span, ["--throughput", "1"], name=f"bench-{name}-{i}", wait=False,
+                                                 prefix=f"bench-{name}")
                              for i, span in enumerate(spans)]
-            procs += servers[name]
-        for p in procs[1:]:
+        for p in topology.servers:
             p.wait_ready(300)
         for name in TOPOLOGIES:
             peers = [s.peer_id for s in servers[name]]
@@ -105,11 +102,8 @@ def main() -> None:
             failovers = session.session.failovers
         model.shutdown()
         g = gaps(clock.times)
-        result["failover"] = {"pause_ms": round(1000 * max(g), 1), "median_token_ms": round(1000 * statistics.median(g), 1),
-                              "failovers": failovers}
-    finally:
-        for p in procs:
-            p.terminate()
+        result["failover"] = {"pause_ms": round(1000 * max(g), 1),
+                              "median_token_ms": round(1000 * statistics.median(g), 1), "failovers": failovers}
     print(json.dumps(result))
 
 

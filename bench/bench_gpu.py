@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from bench_swarm import measure  # noqa: E402  (bench/ is on the path when run as a script)
 from bench_throughput import concurrent_rate  # noqa: E402
-from swarm.launch.local_swarm import ManagedProcess  # noqa: E402
+from swarm.launch.topology import Topology  # noqa: E402
 
 CONFIG = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
               num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False,
@@ -112,21 +112,15 @@ def launch_us(launches: int = 2000) -> float:
 def swarm_run(path: str, ids, new_tokens: int, runs: int, graphs: bool, prefix: str, local: dict) -> dict:
     from swarm import AutoDistributedModelForCausalLM
 
-    procs = []
+    server_args = ["--device", "cuda", "--torch_dtype", "bfloat16", "--max_length", "2048", "--attn_cache_tokens",
+                   "32768", "--throughput", "1", "--cuda_graphs" if graphs else "--no-cuda_graphs"]
+    topology = Topology(path, prefix=prefix, server_args=server_args, name=prefix, ready_timeout=600)
     try:
-        dht = ManagedProcess(["dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"], f"{prefix}-dht")
-        procs.append(dht)
-        dht.wait_ready(60)
-        for span in SPLIT:
-            procs.append(ManagedProcess(
-                ["server", path, "--initial_peers", dht.maddr, "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
-                 "--block_indices", span, "--dht_prefix", prefix, "--device", "cuda", "--torch_dtype", "bfloat16",
-                 "--max_length", "2048", "--attn_cache_tokens", "32768", "--throughput", "1",
-                 "--cuda_graphs" if graphs else "--no-cuda_graphs"], f"{prefix}-{span.replace(':', '-')}"))
-        for p in procs[1:]:
-            p.wait_ready(600)
-        model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=[dht.maddr], dht_prefix=prefix,
-                                                                device="cuda", torch_dtype=torch.bfloat16)
+        topology.start()
+        topology.add_servers(SPLIT)
+        model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=topology.initial_peers,
+                                                                dht_prefix=prefix, device="cuda",
+                                                                torch_dtype=torch.bfloat16)
         model.generate(ids[:, :8], max_new_tokens=4)  # routing, streams
         result = measure_generate(model.generate, ids, new_tokens, runs)
         result["aggregate_tokens_per_s_8_sessions"] = round(concurrent_rate(model, ids, 8), 1)
@@ -135,12 +129,11 @@ def swarm_run(path: str, ids, new_tokens: int, runs: int, graphs: bool, prefix: 
         model.shutdown()
         return result
     except Exception:
-        for p in procs:
+        for p in topology.procs:
             print(f"--- {p.name}\n{p.log_tail(30)}", file=sys.stderr)
         raise
     finally:
-        for p in procs:
-            p.terminate()
+        topology.close()
 
 
 def local_run(path: str, ids, new_tokens: int, runs: int) -> dict:

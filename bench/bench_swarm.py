@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from swarm.launch.local_swarm import ManagedProcess  # noqa: E402
+from swarm.launch.topology import Topology  # noqa: E402
 from swarm.modeling.prepare import prepare_model  # noqa: E402
 
 PROMPT = (
@@ -94,25 +94,13 @@ def main() -> None:
     local["prefill_s"] = median_ttft(local_model.generate, ids)
     del local_model
 
-    procs = []
-    try:
-        dht = ManagedProcess(["dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"], "bench-dht")
-        procs.append(dht)
-        dht.wait_ready(60)
-        for span in ("0:15", "15:30"):
-            procs.append(ManagedProcess(["server", path, "--initial_peers", dht.maddr, "--host_maddrs",
-                                         "/ip4/127.0.0.1/tcp/0", "--block_indices", span, "--dht_prefix", "bench"],
-                                        f"bench-server-{span.replace(':', '-')}"))
-        for p in procs[1:]:
-            p.wait_ready(300)
-        model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=[dht.maddr], dht_prefix="bench")
+    with Topology(path, ["0:15", "15:30"], prefix="bench", name="bench", ready_timeout=300) as topology:
+        model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=topology.initial_peers,
+                                                                dht_prefix="bench")
         model.generate(ids[:, :8], max_new_tokens=2)  # warm-up (routing, streams)
         swarm = measure(model.generate, ids, args.new_tokens, args.runs)
         swarm["prefill_s"] = median_ttft(model.generate, ids)
         model.shutdown()
-    finally:
-        for p in procs:
-            p.terminate()
     result = {
         "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, float32",
         "prompt_tokens": ids.shape[1],

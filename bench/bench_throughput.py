@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from swarm.launch.local_swarm import ManagedProcess  # noqa: E402
+from swarm.launch.topology import Topology  # noqa: E402
 from swarm.modeling.prepare import prepare_model  # noqa: E402
 
 DECODE_STEPS = 32
@@ -110,19 +110,12 @@ def main() -> None:
 
     path = str(prepare_model())
     prompt = torch.randint(100, 10000, (1, 100))
-    procs, result = [], {}
-    try:
-        dht = ManagedProcess(["dht", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"], "bench-tp-dht")
-        procs.append(dht)
-        dht.wait_ready(60)
-        servers = [ManagedProcess(["server", path, "--initial_peers", dht.maddr, "--host_maddrs",
-                                   "/ip4/127.0.0.1/tcp/0", "--block_indices", span, "--dht_prefix", "bench-tp",
-                                   "--attn_cache_tokens", "65536"], f"bench-tp-{i}")
-                   for i, span in enumerate(["0:15", "15:30"])]
-        procs += servers
-        for p in servers:
-            p.wait_ready(300)
-        model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=[dht.maddr], dht_prefix="bench-tp")
+    result = {}
+    with Topology(path, ["0:15", "15:30"], prefix="bench-tp", server_args=["--attn_cache_tokens", "65536"],
+                  name="bench-tp", ready_timeout=300) as topology:
+        servers = topology.servers
+        model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=topology.initial_peers,
+                                                                dht_prefix="bench-tp")
         model.generate(prompt[:, :8], max_new_tokens=2)
         result["client_peak_rss_mb_after_load"] = peak_rss_mb(psutil.Process().pid)
         rates = {}
@@ -137,9 +130,6 @@ def main() -> None:
         result["server_peak_rss_mb"] = [peak_rss_mb(s.proc.pid) for s in servers]
         result["server_pss_mb_with_children"] = [tree_pss_mb(s.proc.pid) for s in servers]
         model.shutdown()
-    finally:
-        for p in procs:
-            p.terminate()
     # in a process of its own: its model must not count in the client's memory, and OpenMP teams of one process
     # slow each other down (swarm/runtime/threads.py)
     out = subprocess.run([sys.executable, __file__, "--local_only"], capture_output=True, text=True, check=True)

@@ -1,62 +1,44 @@
-"""The private swarm a benchmark runs on: a bootstrap peer, block servers, optionally a gateway and a direct
-client model, all started here and stopped (client first, then the processes in reverse order) on exit.
+"""The private swarm a benchmark runs on: a `swarm.launch.topology.Topology` (bootstrap peer, block servers,
+optionally a gateway, one intra-op thread each) and a direct client model, stopped (client first, then the
+processes, last started first) on exit.
 
     with BenchSwarm("bench-gw", ["0:15", "15:30"]) as swarm:
-        url = swarm.start_gateway("bench-gateway")
+        url = swarm.start_gateway("bench-gateway").ready["url"]
         model = swarm.client_model()
 """
 from __future__ import annotations
 
 import os
 import sys
-from typing import List, Optional, Sequence
+from typing import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.procs import SwarmProcess, start_bootstrap, start_servers  # noqa: E402
+from swarm.launch.topology import ManagedProcess, Topology  # noqa: E402
 
 
-class BenchSwarm:
+class BenchSwarm(Topology):
     def __init__(self, name: str, spans: Sequence[str], server_args: Sequence[str] = ()):
         from swarm.modeling.prepare import prepare_model
 
         self.path = str(prepare_model())
-        self.prefix = f"{name}-{os.getpid()}"
-        self.spans, self.server_args = list(spans), list(server_args)
-        self.procs: List[SwarmProcess] = []
-        self.servers: List[SwarmProcess] = []
-        self.model = None
+        super().__init__(self.path, spans, f"{name}-{os.getpid()}", server_args, name=name, threads=1)
+        self.client = None
 
-    def __enter__(self) -> "BenchSwarm":
-        try:
-            self.bootstrap = start_bootstrap()
-            self.procs.append(self.bootstrap)
-            self.servers = start_servers(self.path, self.bootstrap.maddr, self.spans, self.prefix, self.server_args)
-            self.procs.extend(self.servers)
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def start_gateway(self, name: str) -> SwarmProcess:
+    def start_gateway(self, name: str) -> ManagedProcess:
         """A gateway process on a free port (one torch thread); its URL is `.ready["url"]`."""
-        gateway = SwarmProcess(["gateway", self.path, "--initial_peers", self.bootstrap.maddr, "--dht_prefix",
-                                self.prefix, "--port", "0", "--num_threads", "1"], name)
-        self.procs.append(gateway)
-        gateway.wait_ready(180)
-        return gateway
+        return self.add_gateway(name)
 
     def client_model(self):
         """The direct client model (in this process) on this swarm."""
         from swarm import AutoDistributedModelForCausalLM
 
-        self.model = AutoDistributedModelForCausalLM.from_pretrained(
-            self.path, initial_peers=[self.bootstrap.maddr], dht_prefix=self.prefix)
-        return self.model
+        self.client = AutoDistributedModelForCausalLM.from_pretrained(self.path, initial_peers=self.initial_peers,
+                                                                     dht_prefix=self.prefix)
+        return self.client
 
-    def __exit__(self, *exc) -> Optional[bool]:
-        if self.model is not None:
-            self.model.shutdown()
-        for proc in reversed(self.procs):
-            proc.terminate()
-        return None
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.shutdown()
+            self.client = None
+        super().close()

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Optional
+from typing import Any, Optional
 
 from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -34,12 +34,13 @@ from gateway.admission import Admission
 from gateway.auth import require_api_key
 from gateway.completions import router as completions_router
 from gateway.config import GatewayConfig
-from gateway.engine import Engine, SessionProvider
+from gateway.engine import Engine
 from gateway.errors import bad_request, install_error_handlers
 from gateway.metrics import CONTENT_TYPE_LATEST, Metrics
 from gateway.params import Limits, check_model
 from gateway.schemas import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
 from gateway.session_pool import SessionPool
+from gateway.sessions import SessionProvider
 from gateway.state import GatewayState, format_ranges
 from gateway.tokens import Tokens
 from swarm.runtime import malloc
@@ -119,7 +120,7 @@ def create_app(config: GatewayConfig, model=None, tokenizer=None) -> FastAPI:
     metrics = Metrics()
     admission = Admission(config.max_concurrent, config.max_queue, config.queue_timeout, config.retry_after,
                           on_change=metrics.observe_admission)
-    pool = None
+    pool: Optional[SessionPool] = None
     if config.session_pool and config.pool_max_sessions > 0:
         pool = SessionPool(config.pool_max_sessions, config.pool_max_tokens, config.pool_ttl,
                            on_evict=metrics.count_eviction)
@@ -178,7 +179,7 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
         if body.messages is not None:
             ids = await run_in_threadpool(tokens.chat_prompt, body.messages, bool(body.add_generation_prompt))
         else:
-            ids = await run_in_threadpool(tokens.encode, body.prompt, bool(body.add_special_tokens))
+            ids = await run_in_threadpool(tokens.encode, body.prompt or "", bool(body.add_special_tokens))
         return {"tokens": ids, "count": len(ids), "max_model_len": state.limits.context}
 
     @app.post("/detokenize", dependencies=[Depends(require_api_key)])
@@ -255,7 +256,7 @@ def main(argv=None) -> int:
         import torch
 
         torch.set_num_threads(config.num_threads)
-    model: Optional[object] = None
+    model: Optional[Any] = None
     try:
         sock = _listen(config.host, config.port)
         # the tokenizer first: what parsing it takes and frees (tens of MB) goes back to the OS before the weights

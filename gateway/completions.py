@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import AsyncIterator, Dict, List, Optional
+from typing import AsyncIterator, Dict, List, Optional, cast
 
 from fastapi import APIRouter, Depends, Request
 from sse_starlette.sse import EventSourceResponse
@@ -21,13 +21,29 @@ from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from gateway.auth import owner_of, require_api_key
-from gateway.engine import ChoiceDelta, Done, GenerationFailed, RequestRun
+from gateway.engine import RequestRun
+from gateway.events import ChoiceDelta, Done, GenerationFailed
 from gateway.params import chat_params, check_model, completion_params, completion_prompts
-from gateway.sampling import TokenChoice
-from gateway.schemas import (AssistantMessage, ChatChoice, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
-                             ChoiceLogprobs, ChunkChoice, Completion, CompletionChoice, CompletionLogprobs,
-                             CompletionRequest, Delta, PromptTokensDetails, TokenLogprob, TopLogprob, Usage)
+from gateway.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChoiceLogprobs,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    Delta,
+    PromptTokensDetails,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 from gateway.state import GatewayState
+from swarm.client.generation import TokenChoice
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -157,7 +173,7 @@ def _include_usage(body) -> bool:
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = _state(request)
     model_name = check_model(body.model, state.config)
-    prompt = await run_in_threadpool(state.tokens.chat_prompt, body.messages, body.add_generation_prompt)
+    prompt = await run_in_threadpool(state.tokens.chat_prompt, body.messages, bool(body.add_generation_prompt))
     params = chat_params(body, len(prompt), state.limits)
     n = body.n or 1
     completion_id = "chatcmpl-" + _request_id(request)
@@ -200,7 +216,7 @@ def _echo_texts(body: CompletionRequest, prompts: List[List[int]], state: Gatewa
     if isinstance(body.prompt, str):
         return [body.prompt]
     if all(isinstance(p, str) for p in body.prompt):
-        return list(body.prompt)
+        return list(cast(List[str], body.prompt))
     return [state.tokens.decode(ids) for ids in prompts]
 
 

@@ -8,7 +8,7 @@ view at each scrape.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the /metrics route)
@@ -56,7 +56,7 @@ class Metrics:
         self.blocks_total = Gauge("swarmgate_swarm_blocks_total", "blocks of the model", registry=r)
         self.servers_online = Gauge("swarmgate_swarm_servers_online", "online servers of the model", registry=r)
         self.coverage_source = coverage  # () -> (blocks covered, blocks total, servers online)
-        self.pool = None  # the SessionPool, read at each scrape
+        self.pool: Optional[Any] = None  # the SessionPool, read at each scrape
 
     def count_eviction(self, reason: str, count: int = 1) -> None:
         self.pool_evictions.labels(reason=reason).inc(count)

@@ -8,13 +8,13 @@ unsupported `response_format`, and so on (400, naming the parameter).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, cast
 
 from gateway.config import GatewayConfig
 from gateway.errors import bad_request, not_found
-from gateway.sampling import SamplingParams
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from gateway.tokens import Tokens
+from swarm.client.generation import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 MAX_STOP_STRINGS = 16
@@ -110,11 +110,11 @@ def completion_prompts(body: CompletionRequest, tokens: Tokens) -> List[List[int
     if isinstance(prompt, str):
         prompts = [tokens.encode(prompt, add_special_tokens=True)]
     elif prompt and all(isinstance(p, int) for p in prompt):
-        prompts = [list(prompt)]
+        prompts = [list(cast(List[int], prompt))]
     elif prompt and all(isinstance(p, str) for p in prompt):
-        prompts = [tokens.encode(p, add_special_tokens=True) for p in prompt]
+        prompts = [tokens.encode(p, add_special_tokens=True) for p in cast(List[str], prompt)]
     else:
-        prompts = [list(p) for p in prompt]
+        prompts = [list(p) for p in cast(List[List[int]], prompt)]
     if not prompts or any(not p for p in prompts):
         raise bad_request("The prompt must not be empty.", param="prompt")
     if len(prompts) > 64:

@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -141,24 +141,24 @@ class SessionPool:
             if best is not None:
                 self._entries.remove(best)
         self._finish(evicted)
-        if best is None:
+        if best is None or best_key is None:
             return None
         return Checkout(best.session, best_key[0], int(best.tokens.shape[0]))
 
     def checkin(self, owner: str, session: Any, tokens: Sequence[int], reserved: int) -> bool:
         """Keep `session`, whose servers hold exactly `tokens`, for later requests of `owner`. Returns False
         (and closes it) when it cannot be kept: the pool is closed or disabled, or it alone is over the limit."""
-        tokens = torch.as_tensor(list(tokens), dtype=torch.long)
-        if self.closed or self.max_sessions <= 0 or reserved > self.max_tokens or tokens.shape[0] == 0:
+        held = torch.as_tensor(list(tokens), dtype=torch.long)  # [n]
+        if self.closed or self.max_sessions <= 0 or reserved > self.max_tokens or held.shape[0] == 0:
             reason = "shutdown" if self.closed else "capacity"
-            self._finish([(PoolEntry(session, owner, tokens, reserved, 0.0), reason)])
+            self._finish([(PoolEntry(session, owner, held, reserved, 0.0), reason)])
             return False
-        entry = PoolEntry(session, owner, tokens, reserved, self._clock(), next(self._serial))
+        entry = PoolEntry(session, owner, held, reserved, self._clock(), next(self._serial))
         evicted: List[Tuple[PoolEntry, str]] = []
         with self._lock:
             evicted += self._take_expired()
             for other in list(self._entries):
-                if other.owner == owner and common_prefix(other.tokens, tokens) == other.tokens.shape[0]:
+                if other.owner == owner and common_prefix(other.tokens, held) == other.tokens.shape[0]:
                     self._entries.remove(other)
                     evicted.append((other, "superseded"))
             self._entries.append(entry)
@@ -208,7 +208,7 @@ class SessionPool:
         return expired
 
     def _finish(self, evicted: List[Tuple[PoolEntry, str]]) -> None:
-        counts = {}
+        counts: Dict[str, int] = {}
         for entry, reason in evicted:
             try:
                 self._close(entry.session)

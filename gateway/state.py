@@ -15,16 +15,19 @@ from starlette.concurrency import run_in_threadpool
 
 from gateway.admission import Admission, Slot
 from gateway.config import GatewayConfig
-from gateway.engine import Engine, GenerationJob, RequestRun, swarm_error
+from gateway.engine import Engine, RequestRun
+from gateway.events import swarm_error
 from gateway.metrics import Metrics
 from gateway.params import Limits
+from gateway.runs import GenerationJob
 from gateway.tokens import Tokens
+from swarm.client.api import ClientModel
 
 
 @dataclass
 class GatewayState:
     config: GatewayConfig
-    model: object
+    model: ClientModel
     tokens: Tokens
     engine: Engine
     admission: Admission
@@ -51,20 +54,15 @@ class GatewayState:
 
     def _route(self, cache_tokens: int) -> None:
         try:
-            self.model.manager.make_inference_chain(0, None, cache_tokens_needed=cache_tokens)
+            self.model.check_route(cache_tokens)
         except Exception as e:
             raise swarm_error(e) from None
 
     # ---- swarm coverage -------------------------------------------------------------------------------------------
     def coverage(self, force: bool = False) -> Tuple[List[int], int, int]:
         """(missing block indices, number of blocks, online servers) from the client's view of the swarm."""
-        manager = self.model.manager
-        spans = manager.update(force=force)
-        covered = set()
-        for span in spans:
-            covered.update(range(span.start, span.end))
-        missing = [i for i in range(manager.num_blocks) if i not in covered]
-        return missing, manager.num_blocks, len(spans)
+        missing, num_blocks, servers = self.model.coverage(force=force)
+        return list(missing), num_blocks, servers
 
     def coverage_numbers(self) -> Tuple[int, int, int]:
         missing, total, servers = self.coverage(force=False)

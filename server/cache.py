@@ -56,11 +56,6 @@ class SessionKV:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
 
-    @staticmethod
-    def bytes_needed(num_layers: int, batch_size: int, kv_heads: int, head_dim: int, max_length: int,
-                     itemsize: int) -> int:
-        return 2 * num_layers * batch_size * kv_heads * max_length * head_dim * itemsize
-
 
 class CacheBudget:
     """Counts reserved cache tokens against a fixed budget; reservations wait for room up to a time-out."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -74,8 +73,6 @@ class BlockHandler(P.BlockRPC):
         self.accepting = True
         self.push_router = PushRouter()
         self.pusher: Optional[PushSender] = None
-        # fault injection for failover tests: answer every inference step after the N-th with an error
-        self.fail_after_steps = int(os.environ.get("SWARMGATE_TEST_FAIL_AFTER_STEPS", "0")) or None
 
     # ---- validation -------------------------------------------------------------------------------------
     def _check_range(self, start: int, end: int) -> None:
@@ -172,9 +169,6 @@ class BlockHandler(P.BlockRPC):
                         continue
                     yield P.error_response("bad_request", str(e))
                     continue
-                if self.fail_after_steps is not None and self.counters.inference_steps >= self.fail_after_steps:
-                    yield P.error_response("internal", "injected fault (SWARMGATE_TEST_FAIL_AFTER_STEPS)")
-                    continue
                 try:
                     output = await self._compute(hidden, step.start_position, kv, opened.start, opened.end)
                 except Exception as e:
@@ -234,6 +228,15 @@ class BlockHandler(P.BlockRPC):
     async def add_p2p_handlers(self, p2p, *args, **kwargs) -> None:
         self.pusher = PushSender(p2p)
         await super().add_p2p_handlers(p2p, *args, **kwargs)
+
+    async def remove_p2p_handlers(self, p2p, *args, **kwargs) -> None:
+        """Stop serving: the RPC handlers go, and so do the push streams to next servers (they must not outlive
+        the span, e.g. across a move to other blocks)."""
+        try:
+            await super().remove_p2p_handlers(p2p, *args, **kwargs)
+        finally:
+            if self.pusher is not None:
+                self.pusher.close()
 
     async def rpc_push(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext

@@ -2,8 +2,9 @@
 
 `plan_capacity` turns what the device has free into (number of blocks, KV cache budget in tokens) using the
 pure `server.placement.num_blocks_that_fit`. A block's size is counted from its parameters (built on the meta
-device, nothing allocated) at the serving dtype, scaled for int8 / nf4 weight quantization; a cached token
-costs keys and values of every kv head at the dtype, per block.
+device, nothing allocated) at the serving dtype (`bytes_per_block` can also size int8 / nf4 linear weights, for
+when servers get quantized weights; no server option asks for them yet); a cached token costs keys and values of
+every kv head at the dtype, per block.
 """
 from __future__ import annotations
 
@@ -80,8 +81,7 @@ class Capacity:
 
 
 def plan_capacity(model_config, dtype: torch.dtype, free_bytes: int, *, num_blocks: Optional[int] = None,
-                  attn_cache_tokens: Optional[int] = None, quant_type: str = "none",
-                  reserve_fraction: float = 0.1) -> Capacity:
+                  attn_cache_tokens: Optional[int] = None, reserve_fraction: float = 0.1) -> Capacity:
     """How many blocks to serve and how many cache tokens to budget, given `free_bytes` of device memory.
 
     Given values win. Without `attn_cache_tokens` the budget is `DEFAULT_CACHE_TOKENS`, lowered so that the
@@ -90,7 +90,7 @@ def plan_capacity(model_config, dtype: torch.dtype, free_bytes: int, *, num_bloc
     Raises ValueError when not even one block fits.
     """
     total = model_config.num_hidden_layers
-    block = bytes_per_block(model_config, dtype, quant_type)
+    block = bytes_per_block(model_config, dtype)
     token = cache_bytes_per_token(model_config, dtype)
 
     def default_tokens(blocks: int) -> int:

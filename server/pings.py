@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from typing import Dict, Sequence
+from typing import Any, Dict, Sequence
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
@@ -32,7 +32,7 @@ async def ping(p2p: P2P, peer_id: str, timeout: float = 2.0) -> float:
 
 
 def next_candidates(spans: Sequence[ServerSpan], my_peer_id: str, end: int, max_peers: int,
-                    rng: random.Random = random) -> list:
+                    rng: Any = random) -> list:
     """Peer ids of servers that could take over at block `end` (sampled when there are many)."""
     candidates = [s.peer_id for s in spans  # joining servers have no handlers yet: they would look unreachable
                   if s.start <= end < s.end and s.peer_id != my_peer_id and s.info.state == ServerState.ONLINE]

@@ -56,6 +56,7 @@ class PushSender:
     def __init__(self, p2p: P2P):
         self.p2p = p2p
         self._channels: Dict[str, _Channel] = {}
+        self.closed = False
 
     def _channel(self, peer_id: str) -> _Channel:
         channel = self._channels.get(peer_id)
@@ -78,6 +79,8 @@ class PushSender:
 
     def push(self, chain: list, start_position: int, step_id: int, output: torch.Tensor) -> bool:
         """Queue the output for chain[0] (telling it the rest of the chain); False if no live stream took it."""
+        if self.closed:
+            return False  # the span is no longer served here; the client's copy of the step goes on
         target = chain[0]
         channel = self._channels.get(target.peer_id)
         if channel is None or not channel.alive:
@@ -94,5 +97,9 @@ class PushSender:
         return True
 
     def close(self) -> None:
+        """End every push stream (the handler stops serving); later pushes are refused."""
+        self.closed = True
         for channel in self._channels.values():
+            channel.alive = False
             channel.queue.put_nowait(None)
+        self._channels.clear()

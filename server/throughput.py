@@ -67,6 +67,7 @@ def model_key(model: str) -> str:
 
 
 def cache_key(model: str, device: str, dtype: torch.dtype, quant_type: str = "none") -> str:
+    """The cache entry's key; servers measure unquantized blocks ("none") until quantized weights exist."""
     return "|".join([model_key(model), device_key(device), str(dtype).replace("torch.", ""), quant_type or "none"])
 
 
@@ -139,13 +140,13 @@ def measure(checkpoint, device: str = "cpu", dtype_name: str = "auto", *, decode
 
 
 def get_throughput(mode: Union[str, float], checkpoint, device: str, dtype: torch.dtype, dtype_name: str = "auto",
-                   quant_type: str = "none", cache_root: Optional[Path] = None) -> tuple[float, str]:
+                   cache_root: Optional[Path] = None) -> tuple[float, str]:
     """(decode steps/s per block to announce, where it came from: 'given', 'cache' or 'measured')."""
     mode = parse_throughput_mode(mode)
     if isinstance(mode, float):
         return mode, "given"
     path = cache_path(cache_root)
-    key = cache_key(checkpoint.name, device, dtype, quant_type)
+    key = cache_key(checkpoint.name, device, dtype)
     with _locked(path):  # one server of a machine measures at a time; the others then read its result
         if mode == "auto":
             entry = _read(path).get(key)

@@ -1,16 +1,31 @@
-"""Shared fixtures: the bundled model checkpoint, a bootstrap peer, swarms of real server processes."""
+"""Shared fixtures: the bundled model checkpoint, a bootstrap peer, swarms of real server processes.
+
+Processes are started by `swarm.launch.topology` with one intra-op thread each (`threads=1`): the tests share two
+cores with them."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.procs import start_bootstrap, start_servers
+from swarm.launch.topology import start_bootstrap, start_servers
 
 MODEL = "smollm2-135m-instruct"
 
 # The servers under test run on the same two cores: one intra-op thread in the test process avoids
 # oversubscription (the reference model is about 10x slower with two threads under that load).
 torch.set_num_threads(1)
+
+
+# Every fixture that starts block servers or gateways depends on `bootstrap`: a test that needs it is `slow`,
+# so that `pytest -m "not slow"` is the fast loop (pure code, single layers, local models) while `make test`
+# runs everything.
+PROCESS_FIXTURES = {"bootstrap"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -22,7 +37,7 @@ def model_path():
 
 @pytest.fixture(scope="session")
 def bootstrap():
-    proc = start_bootstrap()
+    proc = start_bootstrap(threads=1)
     yield proc
     proc.terminate()
 
@@ -38,7 +53,8 @@ class SwarmFactory:
         key = (spans, extra)
         if key not in self.swarms:
             prefix = "t" + "-".join(s.replace(":", "_") for s in spans) + ("-x" + str(abs(hash(extra)) % 10**6) if extra else "")
-            servers = start_servers(self.model_path, self.bootstrap.maddr, list(spans), prefix, list(extra))
+            servers = start_servers(self.model_path, [self.bootstrap.maddr], list(spans), prefix, list(extra),
+                                    threads=1)
             self.swarms[key] = {"prefix": prefix, "servers": servers, "initial_peers": [self.bootstrap.maddr]}
         return self.swarms[key]
 

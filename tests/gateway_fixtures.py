@@ -1,6 +1,6 @@
 """Fixtures for the gateway tests: real gateway processes over the shared test swarm, SDK clients, helpers.
 
-`start_gateway` runs `python -m swarm.launch.cli gateway MODEL ...` through `tests.procs.SwarmProcess` (readiness
+`start_gateway` runs `swarmgate gateway MODEL ...` through `swarm.launch.topology.start_gateway` (readiness
 line, log file, SIGTERM then SIGKILL on cleanup). `gateway` is one gateway per test module over the
 ("0:15", "15:30") swarm; `side_gateways` starts, in parallel, one with API keys and a tiny queue (auth,
 429, keep-alives) and one pointed at a DHT prefix that no server announces (503).
@@ -13,7 +13,8 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from tests.procs import SwarmProcess
+from swarm.launch import topology
+from swarm.launch.topology import ManagedProcess
 
 SPANS = ("0:15", "15:30")
 API_KEY = "sk-test-gateway-key"
@@ -21,7 +22,7 @@ API_KEY = "sk-test-gateway-key"
 
 @dataclass
 class Gateway:
-    proc: SwarmProcess
+    proc: ManagedProcess
     url: str
     swarm: Optional[dict] = None
 
@@ -37,13 +38,13 @@ class Gateway:
 
 
 def spawn_gateway(model_path: str, initial_peers: List[str], prefix: str, *extra: str,
-                  name: str = "gateway", env: Optional[Dict[str, str]] = None) -> SwarmProcess:
-    args = ["gateway", model_path, "--initial_peers", *initial_peers, "--dht_prefix", prefix, "--host", "127.0.0.1",
-            "--port", "0", "--num_threads", "1", *extra]
-    return SwarmProcess(args, name, env=env)
+                  name: str = "gateway", env: Optional[Dict[str, str]] = None) -> ManagedProcess:
+    """A gateway on a free port of 127.0.0.1 with one intra-op thread, not yet waited for."""
+    return topology.start_gateway(model_path, initial_peers, prefix, extra, name=name, threads=1, env=env,
+                                  timeout=None)
 
 
-def ready(proc: SwarmProcess, swarm: Optional[dict] = None, timeout: float = 180) -> Gateway:
+def ready(proc: ManagedProcess, swarm: Optional[dict] = None, timeout: float = 180) -> Gateway:
     try:
         info = proc.wait_ready(timeout)
     except BaseException:

@@ -20,7 +20,7 @@ from swarm.client.session import SessionError
 from server.cache import CacheBudget, OutOfCacheError
 from swarm.runtime.taskpool import PRIORITY_FORWARD, PRIORITY_INFERENCE, TaskPool
 from swarm.wire.records import fetch_block_records
-from tests.procs import SwarmProcess
+from swarm.launch.topology import start_server
 
 BUDGET, SESSION = 64, 48  # two sessions of 48 tokens do not fit in 64
 ALLOC_TIMEOUT = 8.0
@@ -67,11 +67,10 @@ def test_inference_runs_before_queued_forward_work():
 @pytest.fixture(scope="module")
 def tight_swarm(model_path, bootstrap):
     prefix = f"cache-{uuid.uuid4().hex[:8]}"
-    server = SwarmProcess(
-        ["server", model_path, "--initial_peers", bootstrap.maddr, "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
-         "--block_indices", "0:30", "--dht_prefix", prefix, "--num_threads", "1", "--throughput", "10",
-         "--attn_cache_tokens", str(BUDGET), "--alloc_timeout", str(ALLOC_TIMEOUT), "--update_period", "1"],
-        f"server-{prefix}")
+    server = start_server(
+        model_path, [bootstrap.maddr], "0:30", prefix,
+        ["--throughput", "10", "--attn_cache_tokens", str(BUDGET), "--alloc_timeout", str(ALLOC_TIMEOUT),
+         "--update_period", "1"], name=f"server-{prefix}", threads=1)
     try:
         server.wait_ready(300)
         yield {"prefix": prefix, "server": server}

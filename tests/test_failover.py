@@ -7,7 +7,7 @@ import torch
 
 from swarm import AutoDistributedModelForCausalLM
 from swarm.client.session import SessionError
-from tests.procs import SwarmProcess, start_servers
+from swarm.launch.topology import start_server, start_servers
 
 PROMPT = "The three most important inventions of the twentieth century were"
 NEW = 24
@@ -33,8 +33,8 @@ class KillAfter:
 @pytest.fixture(scope="module")
 def failover_swarm(model_path, bootstrap):
     prefix = "tfailover"
-    servers = start_servers(model_path, bootstrap.maddr, ["0:15", "0:15", "15:30", "15:30"], prefix,
-                            ["--update_period", "10"])
+    servers = start_servers(model_path, [bootstrap.maddr], ["0:15", "0:15", "15:30", "15:30"], prefix,
+                            ["--update_period", "10"], threads=1)
     model = AutoDistributedModelForCausalLM.from_pretrained(
         model_path, initial_peers=[bootstrap.maddr], dht_prefix=prefix, ban_timeout=60, step_timeout=30,
         max_retries=2)
@@ -113,13 +113,14 @@ def test_no_replacement_gives_a_clear_error(failover_swarm, expected):
 
 def test_a_server_answering_errors_is_replaced(model_path, bootstrap, expected):
     prefix = "tfaulty"
-    faulty = SwarmProcess(["server", model_path, "--initial_peers", bootstrap.maddr, "--host_maddrs",
-                           "/ip4/127.0.0.1/tcp/0", "--block_indices", "0:30", "--dht_prefix", prefix,
-                           "--throughput", "100"],
-                          "server-faulty", env={"SWARMGATE_TEST_FAIL_AFTER_STEPS": "6"})
+    # a test-only server (tests/faulty_server.py) that answers every inference step after the 6th with an error
+    faulty = start_server(model_path, [bootstrap.maddr], "0:30", prefix,
+                          ["--throughput", "100", "--fail_after_steps", "6"], name="server-faulty", threads=1,
+                          module="tests.faulty_server")
     try:
         faulty.wait_ready()
-        good = start_servers(model_path, bootstrap.maddr, ["0:15", "15:30"], prefix, ["--throughput", "1"])
+        good = start_servers(model_path, [bootstrap.maddr], ["0:15", "15:30"], prefix, ["--throughput", "1"],
+                             threads=1)
     except BaseException:
         faulty.kill()
         raise

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from swarm import AutoDistributedModelForCausalLM
-from tests.procs import start_servers
+from swarm.launch.topology import start_servers
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, eos_token_id=1, bos_token_id=0)
@@ -32,7 +32,7 @@ def test_tiny_family_through_the_swarm(family, tmp_path, bootstrap):
     path = tmp_path / f"tiny-{family}"
     reference.save_pretrained(path)
     prefix = f"tfam-{family}"
-    servers = start_servers(str(path), bootstrap.maddr, ["0:4"], prefix)  # the split itself is tested on SmolLM2
+    servers = start_servers(str(path), [bootstrap.maddr], ["0:4"], prefix, threads=1)  # the split itself is tested on SmolLM2
     model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=[bootstrap.maddr],
                                                             dht_prefix=prefix)
     try:

@@ -11,7 +11,7 @@ import pytest
 
 from swarm.client.manager import ClientConfig, SwarmManager
 from tests.gateway_fixtures import start_gateway
-from tests.procs import start_servers
+from swarm.launch.topology import start_servers
 
 MESSAGES = [{"role": "user", "content": "List five animals that live in the ocean."}]
 
@@ -19,7 +19,7 @@ MESSAGES = [{"role": "user", "content": "List five animals that live in the ocea
 @pytest.fixture(scope="module")
 def failover_gateway(model_path, bootstrap):
     prefix = "tgwfail"
-    servers = start_servers(model_path, bootstrap.maddr, ["0:15", "15:30", "15:30"], prefix)
+    servers = start_servers(model_path, [bootstrap.maddr], ["0:15", "15:30", "15:30"], prefix, threads=1)
     swarm = {"prefix": prefix, "servers": servers, "initial_peers": [bootstrap.maddr]}
     gateway = start_gateway(model_path, swarm)
     manager = SwarmManager(ClientConfig(initial_peers=[bootstrap.maddr]), prefix, 30)

@@ -11,9 +11,10 @@ import torch
 from gateway.auth import key_matches
 from gateway.config import GatewayConfig
 from gateway.jsonmode import JsonConstraint, JsonPrefix
-from gateway.sampling import Sampler, SamplingParams
 from gateway.state import format_ranges
 from gateway.textstream import StopMatcher, TextStream
+from swarm.client.api import Coverage
+from swarm.client.generation import Sampler, SamplingParams
 from tests.gateway_fixtures import one_torch_thread  # noqa: F401  (autouse: one torch thread in this module)
 
 
@@ -176,27 +177,38 @@ class FakeSession:
         logits[:, self.model.script[min(step, len(self.model.script) - 1)]] = 10.0
         return logits
 
+    def feed_and_pick(self, ids, pick):
+        logits = self.feed(ids)
+        return logits, pick(logits)
+
     def close(self):
         self.closed = True
 
 
 class FakeModel:
+    """A stub of `swarm.client.api.ClientModel`."""
+
     def __init__(self, tokenizer, text, fail_at=None, covered=True):
         self.config = SimpleNamespace(vocab_size=len(tokenizer), max_position_embeddings=256, eos_token_id=2)
         self.generation_config = SimpleNamespace(eos_token_id=2)
         self.script = tokenizer.encode(text, add_special_tokens=False) + [2]
         self.fail_at, self.sessions = fail_at, []
-        span = SimpleNamespace(start=0, end=4, peer_id="p")
-        self.manager = SimpleNamespace(num_blocks=4, update=lambda force=False: [span] if covered else [],
-                                       make_inference_chain=self._route if covered else self._no_route)
+        self.covered = covered
 
-    def _route(self, start, end, cache_tokens_needed=0):
+    def check_route(self, cache_tokens=0):
+        if not self.covered:
+            from swarm.client.routing import RoutingError
+
+            raise RoutingError("no server holds block 0")
+
+    def coverage(self, force=False):
+        return Coverage([], 4, 1) if self.covered else Coverage([0, 1, 2, 3], 4, 0)
+
+    def banned_peers(self):
         return []
 
-    def _no_route(self, start, end, cache_tokens_needed=0):
-        from swarm.client.routing import RoutingError
-
-        raise RoutingError("no server holds block 0")
+    def unban(self, peer_id):
+        pass
 
     def inference_session(self, max_length):
         return FakeSession(self, max_length)

@@ -67,7 +67,11 @@ def test_malloc_trim_works_on_glibc():
     junk = [bytearray(1 << 16) for _ in range(256)]
     del junk
     assert malloc.trim()
-    assert threading.Thread(target=malloc.trim).start() is None  # from any thread
+    results = []  # from any thread, too
+    worker = threading.Thread(target=lambda: results.append(malloc.trim()))
+    worker.start()
+    worker.join(timeout=30)
+    assert results == [True]
 
 
 def _run(code: str) -> str:

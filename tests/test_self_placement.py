@@ -10,7 +10,7 @@ import hivemind
 import pytest
 
 from swarm.wire.records import ServerState, fetch_block_records, online_spans
-from tests.procs import SwarmProcess
+from swarm.launch.topology import ManagedProcess, start_servers
 
 NUM_BLOCKS = 30
 T = TypeVar("T")
@@ -46,18 +46,10 @@ def online_cover(dht, prefix: str, exclude: str = "") -> Optional[Dict[str, tupl
 
 
 def start_placed_servers(model_path: str, bootstrap, prefix: str, count: int, cache_root, extra: List[str] = ()
-                         ) -> List[SwarmProcess]:
-    args = ["server", model_path, "--initial_peers", bootstrap.maddr, "--host_maddrs", "/ip4/127.0.0.1/tcp/0",
-            "--dht_prefix", prefix, "--num_threads", "1", *extra]
-    procs = [SwarmProcess(args, f"placed-{prefix}-{i}", env={"SWARMGATE_CACHE": str(cache_root)}) for i in range(count)]
-    try:
-        for p in procs:
-            p.wait_ready(300)
-    except BaseException:
-        for p in procs:
-            p.kill()
-        raise
-    return procs
+                         ) -> List[ManagedProcess]:
+    """`count` servers that place themselves (unless `extra` pins them), sharing a throughput cache."""
+    return start_servers(model_path, [bootstrap.maddr], [None] * count, prefix, extra, timeout=300, threads=1,
+                         env={"SWARMGATE_CACHE": str(cache_root)})
 
 
 def test_three_servers_cover_the_model_and_recover_from_a_crash(model_path, bootstrap, reader, reference_model,
@@ -131,7 +123,7 @@ def test_serving_loop_restarts_after_it_dies(model_path, bootstrap, reader):
                           block_indices="0:2", update_period=0.5, dht_prefix=prefix, throughput="7.5",
                           attn_cache_tokens=512)
     server = Server(config)
-    original = server._announce
+    original = server.announce
     calls: List[ServerState] = []
     failed = threading.Event()
 
@@ -142,7 +134,7 @@ def test_serving_loop_restarts_after_it_dies(model_path, bootstrap, reader):
             raise RuntimeError("injected failure while announcing")
         await original(state)
 
-    server._announce = flaky_announce
+    server.announce = flaky_announce
     result: dict = {}
     thread = threading.Thread(target=lambda: result.setdefault("rc", __import__("asyncio").run(server.run())),
                               daemon=True)

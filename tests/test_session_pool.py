@@ -222,13 +222,12 @@ def tight(model_path, bootstrap):
     """One server (all blocks) with a 400-token cache that refuses sessions after 1 s, and a gateway over it whose
     pooled sessions reserve 16-token prompts' worth of headroom (the pool's own limits never bind here)."""
     from swarm import AutoDistributedModelForCausalLM
-    from tests.procs import SwarmProcess
+    from swarm.launch.topology import start_server
 
     prefix = "tpool-tight"
-    server = SwarmProcess(["server", model_path, "--initial_peers", bootstrap.maddr, "--host_maddrs",
-                           "/ip4/127.0.0.1/tcp/0", "--block_indices", "0:30", "--dht_prefix", prefix,
-                           "--num_threads", "1", "--throughput", "10", "--attn_cache_tokens", str(TIGHT_CACHE),
-                           "--alloc_timeout", "1"], "server-tpool-tight")
+    server = start_server(model_path, [bootstrap.maddr], "0:30", prefix,
+                          ["--throughput", "10", "--attn_cache_tokens", str(TIGHT_CACHE), "--alloc_timeout", "1"],
+                          name="server-tpool-tight", threads=1)
     gw = model = None
     try:
         server.wait_ready(300)

@@ -1,6 +1,7 @@
 """The conversation session pool without a swarm: matching, exclusivity, LRU, TTL, limits, key isolation, and
-`SessionProvider`'s fallbacks (a reused session that fails, a swarm out of cache) over fake sessions; then the
-whole app in-process over a fake model that holds tokens like `ModelSession` does (usage and metrics)."""
+`SessionProvider`'s fallbacks (a reused session that fails, a swarm out of cache), driven by the real `Engine.run`
+over a stub of the client model (`swarm.client.api.ClientModel`) whose sessions hold tokens like `ModelSession`
+does; then the whole app in-process over that stub (usage and metrics)."""
 from __future__ import annotations
 
 import threading
@@ -9,11 +10,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gateway.engine import Lease, SessionProvider, out_of_cache
+from gateway.engine import Engine
+from gateway.events import ChoiceDelta
 from gateway.metrics import Metrics
+from gateway.runs import GenerationJob
 from gateway.session_pool import SessionPool, common_prefix
-from swarm.wire.protocol import RemoteError
+from gateway.sessions import Lease, SessionProvider, out_of_cache
+from gateway.tokens import Tokens
+from swarm.client.api import Coverage
+from swarm.client.generation import SamplingParams
 from swarm.client.session import SessionError
+from swarm.wire.protocol import RemoteError
 
 
 class Clock:
@@ -47,7 +54,7 @@ class FakeSession:
         if self.fail_first is not None:
             error, self.fail_first = self.fail_first, None
             if self.model is not None:
-                self.model.manager.bans.add("peer-A")  # what the swarm client does to a failed server
+                self.model.bans.add("peer-A")  # what the swarm client does to a failed server
             raise error
         assert ids.shape[1] <= self.max_length
         reuse = self.reusable_prefix(ids)
@@ -58,6 +65,10 @@ class FakeSession:
         logits = torch.full((ids.shape[0], self.vocab), -10.0)
         logits[:, (int(ids[0, -1]) * 7 + 3) % self.pick] = 10.0  # a deterministic "model"
         return logits
+
+    def feed_and_pick(self, ids: torch.Tensor, pick):
+        logits = self.feed(ids)
+        return logits, pick(logits)
 
     def close(self):
         self.closed = True
@@ -225,13 +236,27 @@ def test_concurrent_checkouts_never_share_a_session():
 
 # ---- the provider ------------------------------------------------------------------------------------------------
 class FakeModel:
-    def __init__(self):
+    """A stub of `swarm.client.api.ClientModel` over `FakeSession`s."""
+
+    def __init__(self, vocab: int = 50):
+        self.config = SimpleNamespace(vocab_size=vocab, max_position_embeddings=512, eos_token_id=2)
+        self.generation_config = SimpleNamespace(eos_token_id=2)
         self.sessions = []
         self.sent = 0
         self.fail_next = []  # exceptions for the first feed of the next sessions opened
-        self.manager = SimpleNamespace(bans=set())
-        self.manager.banned = lambda: sorted(self.manager.bans)
-        self.manager.mark_ok = lambda peer: self.manager.bans.discard(peer)
+        self.bans = set()
+
+    def check_route(self, cache_tokens=0):
+        pass
+
+    def coverage(self, force=False):
+        return Coverage([], 4, 1)
+
+    def banned_peers(self):
+        return sorted(self.bans)
+
+    def unban(self, peer_id):
+        self.bans.discard(peer_id)
 
     def inference_session(self, max_length):
         fail = self.fail_next.pop(0) if self.fail_next else None
@@ -250,22 +275,36 @@ def make_provider(**pool_kwargs):
     return provider, model, metrics, pool
 
 
+_TOKENS = {}
+
+
+@pytest.fixture(autouse=True)
+def engine_tokens(tokenizer):
+    _TOKENS.setdefault("tokens", Tokens(tokenizer))
+
+
 def generate(provider, prompt, max_tokens, owner="u", n=1):
-    """What Engine.run does with the provider: prefill, decode, release. Returns (generated ids, lease)."""
-    lease = provider.acquire(prompt, n, max_tokens, owner)
-    ids = torch.tensor([prompt] * n)
-    out = []
-    ok = False
+    """The real `Engine.run` over the provider (greedy, up to max_tokens: the end-of-sequence token does not stop
+    it). Returns (choice 0's generated ids, the lease it ran on)."""
+    leases = []
+    acquire = provider.acquire
+
+    def recording(*args, **kwargs):
+        leases.append(acquire(*args, **kwargs))
+        return leases[-1]
+
+    provider.acquire = recording
+    engine = Engine(provider.model, _TOKENS["tokens"], provider.metrics or Metrics(), max_workers=1,
+                    sessions=provider)
+    events = []
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     try:
-        for step in range(max_tokens):
-            logits = provider.prefill(lease, ids) if step == 0 else lease.session.feed(ids)
-            token = int(logits[0].argmax())
-            out.append(token)
-            ids = torch.cat([ids, torch.tensor([[token]] * n)], dim=1)
-        ok = True
+        engine.run(GenerationJob(prompt, params, n, owner=owner), events.append)
     finally:
-        provider.release(lease, ok)
-    return out, lease
+        del provider.acquire
+        engine.executor.shutdown(wait=False)
+    out = [c.token_id for e in events if isinstance(e, ChoiceDelta) and e.index == 0 for c in e.tokens]
+    return out, leases[0]
 
 
 def _metric(metrics, name, labels=None):
@@ -308,7 +347,7 @@ def test_provider_falls_back_to_a_fresh_session_when_a_reused_one_fails():
     out2, lease2 = generate(provider, turn2, 3)
     assert lease1.session.closed and lease2.session is not lease1.session and lease2.cached_tokens == 0
     assert out2 == generate(make_provider()[0], turn2, 3)[0]
-    assert model.manager.bans == set()  # the server that timed the session out is not left banned
+    assert model.bans == set()  # the server that timed the session out is not left banned
     assert _metric(metrics, "swarmgate_pool_evictions_total", {"reason": "failed"}) == 1
 
 
@@ -323,7 +362,7 @@ def test_provider_evicts_pooled_sessions_when_the_swarm_is_out_of_cache_and_retr
     assert len(out) == 2 and lease.cached_tokens == 0
     # the least recently used session was closed (enough for the new one), the other kept, the new one pooled
     assert model.sessions[0].closed and not model.sessions[1].closed and len(pool) == 2
-    assert model.manager.bans == set()
+    assert model.bans == set()
     assert _metric(metrics, "swarmgate_pool_evictions_total", {"reason": "out_of_cache"}) == 1
     # with nothing pooled there is nothing to free: the failure is the client's answer
     pool.clear("test")
@@ -371,15 +410,8 @@ def test_lease_defaults():
 # ---- the app in-process -------------------------------------------------------------------------------------------
 class AppModel(FakeModel):
     def __init__(self, tokenizer):
-        super().__init__()
-        vocab = len(tokenizer)
-        self.config = SimpleNamespace(vocab_size=vocab, max_position_embeddings=512, eos_token_id=2)
-        self.generation_config = SimpleNamespace(eos_token_id=2)
-        span = SimpleNamespace(start=0, end=4, peer_id="p")
-        self.manager.num_blocks = 4
-        self.manager.update = lambda force=False: [span]
-        self.manager.make_inference_chain = lambda start, end, cache_tokens_needed=0: []
-        self.vocab = vocab
+        super().__init__(vocab=len(tokenizer))
+        self.vocab = len(tokenizer)
 
     def inference_session(self, max_length):
         s = super().inference_session(max_length)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from server.cache import SessionKV
-from swarm.wire import protocol as P
 from swarm.runtime.config import ConfigError, load_config, parse_span
+from swarm.wire import protocol as P
 from swarm.wire.dtypes import DTYPES, dtype_name, parse_dtype
 from swarm.wire.records import ServerInfo, ServerState, dht_prefix_for, online_spans
 
@@ -180,7 +180,7 @@ def test_openmp_spin_is_set_before_torch_loads():
 def test_min_new_tokens_processor_matches_transformers(eos):
     from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
 
-    from swarm.client.model import MinNewTokensProcessor
+    from swarm.client.generation import MinNewTokensProcessor
 
     torch.manual_seed(0)
     ours, theirs = MinNewTokensProcessor(5, 3, eos), MinNewTokensLengthLogitsProcessor(5, 3, eos)
@@ -192,3 +192,59 @@ def test_min_new_tokens_processor_matches_transformers(eos):
         assert torch.equal(scores, kept)  # the caller's logits are left as they were
         masked = 3 if isinstance(eos, list) and eos[0] == 3 else 2
         assert bool(torch.isinf(expected[:, masked]).all()) == (length - 5 < 3)
+
+
+def test_push_sender_close_ends_its_streams_and_refuses_later_pushes():
+    import asyncio
+
+    from server.push import PushSender, _Channel
+
+    async def scenario():
+        sender = PushSender(p2p=None)
+        channel = _Channel()
+        sender._channels["peer"] = channel
+        sender.close()
+        hop = type("Hop", (), {"peer_id": "peer", "stream_key": "k"})()
+        return channel, sender.push([hop], 0, 0, None), sender._channels
+
+    channel, pushed, channels = asyncio.run(scenario())
+    assert channel.queue.get_nowait() is None and not channel.alive  # the stream's request iterator ends
+    assert pushed is False and channels == {}
+
+
+def test_one_token_selection_path_matches_transformers_processors():
+    from transformers import GenerationConfig
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        MinNewTokensLengthLogitsProcessor,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from swarm.client.generation import SamplingParams, build_processors, pick_tokens
+
+    torch.manual_seed(0)
+    ids, scores = torch.randint(0, 50, (2, 7)), torch.randn(2, 50)
+    sampled = GenerationConfig(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.2,
+                               min_new_tokens=3, eos_token_id=2)
+    ours = build_processors(SamplingParams.from_generation_config(sampled, 10), prompt_len=5)
+    theirs = LogitsProcessorList([MinNewTokensLengthLogitsProcessor(5, 3, 2), RepetitionPenaltyLogitsProcessor(1.2),
+                                  TemperatureLogitsWarper(0.7), TopKLogitsWarper(20), TopPLogitsWarper(0.9)])
+    assert torch.equal(ours(ids, scores), theirs(ids, scores))
+    greedy = SamplingParams.from_generation_config(GenerationConfig(do_sample=False, temperature=0.7, top_k=5), 10)
+    assert greedy.greedy and len(build_processors(greedy)) == 0
+    # OpenAI's logit_bias: a constant added to those tokens' logits
+    biased = build_processors(SamplingParams(max_tokens=1, logit_bias={3: 5.0, 7: -100.0}))(ids, scores)
+    expected = scores.clone()
+    expected[:, 3] += 5.0
+    expected[:, 7] -= 100.0
+    assert torch.equal(biased, expected)
+    # seeded rows draw from their own generators, the same as one draw per row with that generator
+    probs_scores = torch.randn(2, 50)
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
+    picked = pick_tokens(probs_scores, False, gens)
+    again = [int(torch.multinomial(torch.softmax(row, -1), 1, generator=torch.Generator().manual_seed(s)))
+             for row, s in zip(probs_scores, (1, 2))]
+    assert picked.tolist() == again and pick_tokens(probs_scores, True).tolist() == probs_scores.argmax(-1).tolist()

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 import hivemind
 from hivemind.p2p import P2P, PeerID
@@ -21,6 +21,9 @@ from swarm.runtime import aio
 from swarm.wire import protocol as P
 from swarm.wire.records import ServerSpan, fetch_block_records, online_spans
 from swarm.client.routing import RouteHop, RoutingError, choose_forward_chain, find_inference_chain
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +128,7 @@ class SwarmManager:
     def server_info(self, peer_id: str) -> P.ServerStats:
         return aio.run(self.info(peer_id), timeout=self.config.request_timeout + 5)
 
-    async def forward(self, hop: RouteHop, hidden) -> "torch.Tensor":  # noqa: F821
+    async def forward(self, hop: RouteHop, hidden: "torch.Tensor") -> "torch.Tensor":
         request = P.make_request(P.ForwardRequest(start=hop.start, end=hop.end), [hidden])
         response = await self.stub(hop.peer_id).rpc_forward(request, timeout=self.config.request_timeout)
         _, tensors = P.unpack_reply(response, hop.peer_id, forward=True)

@@ -5,42 +5,42 @@ final norm and LM head tensors of the checkpoint; the transformer blocks run on 
 returns logits through plain forward passes. `model.inference_session(max_length=N)` opens a `ModelSession`
 that remembers which tokens the servers' caches hold, so `model.generate(..., session=s)` across several calls
 (a multi-turn chat) sends only new tokens, rewinding the servers when the new input diverges from what they
-hold. Generation uses Hugging Face `GenerationConfig` and logits processors (greedy, sampling with
-temperature / top-k / top-p / min-p, repetition penalty) and accepts a `streamer`.
+hold. Generation uses Hugging Face `GenerationConfig` and picks tokens through `swarm.client.generation` (the
+gateway's path too: Hugging Face logits processors, greedy or sampling) and accepts a `streamer`.
+The model implements `swarm.client.api.ClientModel` (route check, coverage, bans, sessions) for the gateway.
 """
 from __future__ import annotations
 
 import copy
 import functools
 import logging
-import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple, TypeVar, Union
 
 import torch
 from torch import nn
 from transformers import GenerationConfig
-from transformers.generation.logits_process import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
-                                                    MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                                                    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+from transformers.generation.logits_process import LogitsProcessorList
 
-from swarm.runtime import aio
-
-from swarm.runtime import malloc
-from swarm.modeling.checkpoint import Checkpoint
-from swarm.modeling.families import FamilySpec, family_for
+from swarm.client.api import Coverage
+from swarm.client.generation import SamplingParams, build_processors, process_and_pick
 from swarm.client.manager import ClientConfig, SwarmManager
-from swarm.wire.dtypes import parse_dtype
-from swarm.wire.records import dht_prefix_for
 from swarm.client.rowpad import RowPadding
 from swarm.client.session import InferenceSession, SessionError
+from swarm.modeling.checkpoint import Checkpoint
+from swarm.modeling.families import FamilySpec, family_for
+from swarm.runtime import aio, malloc
 from swarm.runtime.taskpool import PRIORITY_DECODE, PRIORITY_FORWARD, client_pool
+from swarm.wire.dtypes import parse_dtype
+from swarm.wire.records import dht_prefix_for
 
 logger = logging.getLogger(__name__)
 
 # embeddings of fewer elements than this run in the caller's thread: below torch's parallel grain size (32768),
 # the lookup is serial and starts no OpenMP team there (`swarm.runtime.threads`)
 SMALL_EMBED_ELEMENTS = 32768
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -90,13 +90,12 @@ class ModelSession:
         a lookup too small to be worth a hand-over)."""
         return self._feed(input_ids, None)[0]
 
-    def feed_and_pick(self, input_ids: torch.Tensor, pick: Callable[[torch.Tensor], torch.Tensor]
-                      ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """`feed`, then `pick(logits)` (the next tokens [batch]) in the same compute-thread task as the LM head:
-        returns (logits [batch, vocab], next tokens [batch])."""
+    def feed_and_pick(self, input_ids: torch.Tensor, pick: Callable[[torch.Tensor], T]) -> Tuple[torch.Tensor, T]:
+        """`feed`, then `pick(logits)` (the next tokens [batch], or the gateway's per-row choices) in the same
+        compute-thread task as the LM head: returns (logits [batch, vocab], what pick returned)."""
         return self._feed(input_ids, pick)
 
-    def _feed(self, input_ids: torch.Tensor, pick) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def _feed(self, input_ids: torch.Tensor, pick) -> Tuple[torch.Tensor, Any]:
         reuse = self.reusable_prefix(input_ids)
         if reuse < self.session.position:
             self.session.rewind(reuse)
@@ -133,6 +132,7 @@ class DistributedModelForCausalLM(nn.Module):
         self.embed_tokens, self.norm, self.lm_head = embed_tokens, norm, lm_head
         self.generation_config = generation_config
         self.row_padding: Optional[RowPadding] = None  # set by from_pretrained(pad_head_rows=True)
+        self.name_or_path: str = ""  # set by from_pretrained
 
     # ---- loading ------------------------------------------------------------------------------------------
     @classmethod
@@ -215,6 +215,26 @@ class DistributedModelForCausalLM(nn.Module):
     def inference_session(self, max_length: int) -> ModelSession:
         return ModelSession(self, max_length)
 
+    # ---- the swarm, as a front end sees it (swarm.client.api.ClientModel) ---------------------------------
+    def check_route(self, cache_tokens: int = 0) -> None:
+        """Raise `RoutingError` unless a chain over every block with cache for `cache_tokens` can be routed now."""
+        self.manager.make_inference_chain(0, None, cache_tokens_needed=cache_tokens)
+
+    def coverage(self, force: bool = False) -> Coverage:
+        spans = self.manager.update(force=force)
+        covered: set[int] = set()
+        for span in spans:
+            covered.update(range(span.start, span.end))
+        num_blocks = self.manager.num_blocks
+        return Coverage([i for i in range(num_blocks) if i not in covered], num_blocks, len(spans))
+
+    def banned_peers(self) -> List[str]:
+        """Servers this client avoids for now, after they failed."""
+        return list(self.manager.banned())
+
+    def unban(self, peer_id: str) -> None:
+        self.manager.mark_ok(peer_id)
+
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> CausalLMOutput:
         """Logits for every position of `input_ids` [batch, seq] through the swarm (no cache)."""
         _reject_padding(attention_mask)
@@ -249,24 +269,6 @@ class DistributedModelForCausalLM(nn.Module):
             raise TypeError(f"generate() got unexpected arguments: {sorted(unused)}")
         return config
 
-    @staticmethod
-    def logits_processors(config: GenerationConfig, prompt_len: int = 0) -> LogitsProcessorList:
-        processors = LogitsProcessorList()
-        if config.min_new_tokens and config.eos_token_id is not None:
-            processors.append(MinNewTokensProcessor(prompt_len, config.min_new_tokens, config.eos_token_id))
-        if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
-            processors.append(RepetitionPenaltyLogitsProcessor(penalty=config.repetition_penalty))
-        if config.do_sample:
-            if config.temperature is not None and config.temperature != 1.0:
-                processors.append(TemperatureLogitsWarper(config.temperature))
-            if config.top_k is not None and config.top_k != 0:
-                processors.append(TopKLogitsWarper(top_k=config.top_k, min_tokens_to_keep=1))
-            if config.top_p is not None and config.top_p < 1.0:
-                processors.append(TopPLogitsWarper(top_p=config.top_p, min_tokens_to_keep=1))
-            if getattr(config, "min_p", None) is not None:
-                processors.append(MinPLogitsWarper(min_p=config.min_p, min_tokens_to_keep=1))
-        return processors
-
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, *, session: Optional[ModelSession] = None,
                  attention_mask: Optional[torch.Tensor] = None, generation_config: Optional[GenerationConfig] = None,
@@ -282,7 +284,8 @@ class DistributedModelForCausalLM(nn.Module):
         max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt_len
         if max_new <= 0:
             return input_ids
-        processors = self.logits_processors(config, prompt_len)
+        params = SamplingParams.from_generation_config(config, max_new)
+        processors = build_processors(params, prompt_len)
         if logits_processor is not None:
             processors.extend(logits_processor)
         eos = config.eos_token_id
@@ -290,7 +293,7 @@ class DistributedModelForCausalLM(nn.Module):
         pad = config.pad_token_id if config.pad_token_id is not None else (int(eos_ids[0]) if len(eos_ids) else 0)
 
         own_session = session is None
-        if own_session:
+        if session is None:
             session = self.inference_session(max_length=prompt_len + max_new)
         elif prompt_len + max_new - 1 > session.max_length:
             raise SessionError(
@@ -304,8 +307,8 @@ class DistributedModelForCausalLM(nn.Module):
         try:
             for step in range(max_new):
                 # the logits [batch, vocab] and the next tokens [batch], chosen on the compute thread with the head
-                _, next_tokens = session.feed_and_pick(ids, functools.partial(_pick, processors, ids,
-                                                                              do_sample=config.do_sample))
+                _, next_tokens = session.feed_and_pick(ids, functools.partial(process_and_pick, processors, ids,
+                                                                              greedy=params.greedy))
                 next_tokens = torch.where(finished, torch.full_like(next_tokens, pad), next_tokens)
                 ids = torch.cat([ids, next_tokens[:, None]], dim=1)
                 if streamer is not None:
@@ -333,29 +336,6 @@ def _try(pick, logits: torch.Tensor):
         return pick(logits)
     except Exception as e:
         return e
-
-
-@torch.no_grad()
-def _pick(processors: LogitsProcessorList, ids: torch.Tensor, logits: torch.Tensor, do_sample: bool) -> torch.Tensor:
-    """The next token of each row [batch] from the last logits [batch, vocab], after the logits processors."""
-    scores = processors(ids, logits)
-    if do_sample:
-        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-    return scores.argmax(dim=-1)
-
-
-class MinNewTokensProcessor(MinNewTokensLengthLogitsProcessor):
-    """transformers' processor (end-of-sequence tokens get -inf until `min_new_tokens` are out) without its
-    per-call `isin` over the whole vocabulary, 0.3 ms a step on the CPU: with 8 concurrent sessions that was a
-    third of their token choices. The same scores, set by index; once the minimum is reached the scores pass through
-    as they are (transformers returns a copy; none of the processors here changes its input in place)."""
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        if input_ids.shape[-1] - self.prompt_length_to_skip >= self.min_new_tokens:
-            return scores
-        eos = self.eos_token_id.to(scores.device, torch.long).reshape(-1)
-        eos = eos[(eos >= 0) & (eos < scores.shape[-1])]  # ids outside the vocabulary match nothing, as in isin
-        return scores.index_fill(-1, eos, -math.inf)
 
 
 def _reject_padding(attention_mask: Optional[torch.Tensor]) -> None:

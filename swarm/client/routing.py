@@ -218,11 +218,11 @@ def find_inference_chain(
                     break
                 if known is not None:
                     for s, rtt in known.items():
-                        cost = arrive.get(s)
-                        if cost is None:
+                        reached = arrive.get(s)
+                        if reached is None:
                             continue
-                        if cost + rtt / 2 + costs.hop_overhead < best:
-                            best, source = cost + rtt / 2 + costs.hop_overhead, s
+                        if reached + rtt / 2 + costs.hop_overhead < best:
+                            best, source = reached + rtt / 2 + costs.hop_overhead, s
                 if source is _CLIENT:  # unreachable (e.g. only infinite measured RTTs)
                     continue
                 enter[t] = best

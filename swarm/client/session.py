@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import AsyncIterator, List, Optional, Sequence
+from typing import AsyncGenerator, AsyncIterator, List, Optional, Sequence
 
 import torch
 
@@ -35,12 +35,13 @@ class SpanStream:
         self.session_id, self.max_length, self.batch_size = session_id, max_length, batch_size
         self.position = 0  # tokens the server holds for this session
         self._queue: "asyncio.Queue[Optional[object]]" = asyncio.Queue()
-        self._responses: Optional[AsyncIterator] = None
+        self._responses: Optional[AsyncGenerator] = None
         self._pending: Optional[asyncio.Future] = None  # the next reply, possibly awaited across time-outs
         self.open_pending = False  # OpenSession sent, its reply not read yet (read before the first step's)
 
     async def _next_reply(self, timeout: Optional[float] = None):
         if self._pending is None:
+            assert self._responses is not None, "the stream is not open"
             self._pending = asyncio.ensure_future(self._responses.__anext__())
         try:
             # shield: a short wait (for a push) that times out must not lose the reply still on its way
@@ -224,6 +225,7 @@ class InferenceSession:
     async def _replace(self, index: int, error: BaseException) -> None:
         """Replace failed stream `index` by a fresh route over its span, replaying that span's history."""
         failed = self._streams[index]
+        assert self.batch_size is not None, "the session is not open"
         logger.warning(f"server {failed.hop.peer_id} failed on blocks {failed.hop.start}:{failed.hop.end}: "
                        f"{error}; re-routing that span")
         self.manager.ban(failed.hop.peer_id)
@@ -298,6 +300,7 @@ class InferenceSession:
         config = self.manager.config
         seq = x.shape[1]
         step_id = self._next_step_id()
+        assert self.batch_size is not None, "the session is not open"
         failures, index = 0, 0
         delivered = False  # whether the current stream got this step by push from the previous one
         while index < len(self._streams):

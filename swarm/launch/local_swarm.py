@@ -1,95 +1,21 @@
 """`swarmgate up`: the private-swarm topology of a YAML file (bootstrap peer, block servers, gateway) as local
 processes, for machines without Docker; the same topology as `docker-compose.yml`.
 
-`ManagedProcess` runs one `swarmgate` subcommand with its output in a log file and waits for its
-`SWARMGATE_READY {json}` line; `up` starts the bootstrap peer, then the servers (joining the bootstrap), then
-the gateway, prints their addresses, and on Ctrl-C / SIGTERM stops them all (SIGTERM, then SIGKILL).
+This module is the YAML config and the CLI glue; the processes are started by `swarm.launch.topology`. `up`
+starts the bootstrap peer, then the servers (joining the bootstrap), then the gateway, prints their addresses,
+and on Ctrl-C / SIGTERM (or when one of them exits) stops them all (SIGTERM, then SIGKILL).
 """
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
-import time
-from pathlib import Path
 from typing import List, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from swarm.launch.topology import Topology
 from swarm.runtime.config import ProcessConfig, config_from_argv, parse_span
-
-READY = "SWARMGATE_READY "
-REPO = Path(__file__).resolve().parents[2]
-
-
-class ManagedProcess:
-    """A `swarmgate` subcommand in its own process session, logging to a file."""
-
-    def __init__(self, args: List[str], name: str, env: Optional[dict] = None, log_dir: Optional[str] = None):
-        self.name = name
-        if log_dir:
-            Path(log_dir).mkdir(parents=True, exist_ok=True)
-            self.log_path = Path(log_dir) / f"{name}.log"
-        else:
-            self.log_path = Path(tempfile.mkstemp(prefix=f"swarmgate-{name}-", suffix=".log")[1])
-        self._log = open(self.log_path, "w")
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc = subprocess.Popen([sys.executable, "-m", "swarm.launch.cli", *args], stdout=self._log,
-                                     stderr=subprocess.STDOUT, env=full_env, cwd=REPO, start_new_session=True)
-        self.ready: Optional[dict] = None
-
-    def log_tail(self, n: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-    def wait_ready(self, timeout: float = 180) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in self.log_path.read_text(errors="replace").splitlines():
-                if line.startswith(READY):
-                    self.ready = json.loads(line[len(READY):])
-                    return self.ready
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.name} not ready after {timeout}s:\n{self.log_tail()}")
-
-    @property
-    def peer_id(self) -> str:
-        assert self.ready is not None
-        return self.ready["peer_id"]
-
-    @property
-    def maddr(self) -> str:
-        assert self.ready is not None
-        return next((m for m in self.ready["maddrs"] if "127.0.0.1" in m), self.ready["maddrs"][0])
-
-    def terminate(self, timeout: float = 30) -> Optional[int]:
-        """SIGTERM and wait; then SIGKILL whatever is left of its process group (e.g. a DHT child)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        returncode = self.proc.poll()
-        self.kill()
-        self._log.close()
-        return returncode
-
-    def kill(self) -> None:
-        """SIGKILL the whole process group (the process, its DHT child and that child's p2p daemon)."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 class ServerEntry(BaseModel):
@@ -119,14 +45,10 @@ class UpConfig(ProcessConfig):
     ready_timeout: float = Field(default=600, gt=0, description="seconds to wait for each process to be ready")
 
 
-def _server_args(config: UpConfig, entry: ServerEntry, peer: str) -> List[str]:
-    args = ["server", config.model, "--initial_peers", peer, "--host_maddrs", f"/ip4/{config.host}/tcp/0"]
+def _server_extra(entry: ServerEntry) -> List[str]:
     if entry.block_indices:
         parse_span(entry.block_indices)
-        args += ["--block_indices", entry.block_indices]
-    if entry.num_blocks:
-        args += ["--num_blocks", str(entry.num_blocks)]
-    return args + entry.args
+    return (["--num_blocks", str(entry.num_blocks)] if entry.num_blocks else []) + entry.args
 
 
 def up(config: UpConfig) -> int:
@@ -135,44 +57,38 @@ def up(config: UpConfig) -> int:
     bundled = bundled_model_path(config.model, create=True)  # convert once, before servers race to do it
     if bundled is not None:
         print(f"model: {config.model} -> {bundled}", flush=True)
-    procs: List[ManagedProcess] = []
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    swarm = Topology(config.model, name="", host=config.host, dht_port=config.dht_port, log_dir=config.log_dir,
+                     ready_timeout=config.ready_timeout)
     try:
-        dht = ManagedProcess(["dht", "--host_maddrs", f"/ip4/{config.host}/tcp/{config.dht_port}"], "dht",
-                             log_dir=config.log_dir)
-        procs.append(dht)
-        dht.wait_ready(60)
-        peer = dht.maddr
-        print(f"bootstrap peer: {peer}", flush=True)
-        servers = [ManagedProcess(_server_args(config, entry, peer), f"server{i}", log_dir=config.log_dir)
+        swarm.start()
+        print(f"bootstrap peer: {swarm.initial_peers[0]}", flush=True)
+        servers = [swarm.add_server(entry.block_indices, _server_extra(entry), name=f"server{i}", wait=False)
                    for i, entry in enumerate(config.servers)]
-        procs += servers
         for server in servers:
             info = server.wait_ready(config.ready_timeout)
             print(f"server {server.name}: blocks {info['start']}:{info['end']} peer {info['peer_id']}", flush=True)
         if config.gateway.enabled:
-            gateway = ManagedProcess(["gateway", config.model, "--initial_peers", peer, "--host", config.gateway.host,
-                                      "--port", str(config.gateway.port), *config.gateway.args], "gateway",
-                                     log_dir=config.log_dir)
-            procs.append(gateway)
-            info = gateway.wait_ready(config.ready_timeout)
-            print(f"gateway: {info.get('url')}/v1  (OpenAI-compatible; try {info.get('url')}/health)", flush=True)
+            gateway = swarm.add_gateway("gateway", config.gateway.args, host=config.gateway.host,
+                                        port=config.gateway.port)
+            url = (gateway.ready or {}).get("url")
+            print(f"gateway: {url}/v1  (OpenAI-compatible; try {url}/health)", flush=True)
         print(f"logs in {config.log_dir}/. Press Ctrl-C to stop.", flush=True)
         while not stop.is_set():
-            for p in procs:
-                if p.proc.poll() is not None:
-                    print(f"{p.name} exited with {p.proc.returncode}; stopping. Its log:\n{p.log_tail()}", flush=True)
-                    return 1
+            exited = swarm.exited()
+            if exited is not None:
+                print(f"{exited.name} exited with {exited.proc.returncode}; stopping. Its log:\n{exited.log_tail()}",
+                      flush=True)
+                return 1
             stop.wait(1.0)
         return 0
     except (RuntimeError, TimeoutError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
-        for p in reversed(procs):
-            p.terminate()
+        swarm.close()
         print("stopped all processes", flush=True)
 
 

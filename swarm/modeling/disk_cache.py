@@ -13,7 +13,6 @@ client's usual behaviour (an up-to-date check, the cached file when offline).
 """
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import re
@@ -22,6 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional, Union
+
+from filelock import FileLock
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +68,8 @@ class DiskCache:
     def locked(self) -> Iterator[None]:
         """Exclusive across processes (and across threads: each call opens its own file description)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / LOCK_NAME, "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+        with FileLock(str(self.root / LOCK_NAME)):
+            yield
 
     # ---- bookkeeping --------------------------------------------------------------------------------------
     def entries(self) -> List[Entry]:

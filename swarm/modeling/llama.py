@@ -220,12 +220,14 @@ def fuse_layer(layer: DecoderLayer) -> FusedLayer:
     """The fused view of a loaded layer; afterwards the layer's q/k/v and gate/up parameters are views into it."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+    qkv_weight, gate_up_weight = _share(qkv, "weight"), _share((mlp.gate_proj, mlp.up_proj), "weight")
+    assert qkv_weight is not None and gate_up_weight is not None  # weights, unlike biases, always exist
     return FusedLayer(
         input_norm_weight=layer.input_layernorm.weight, post_norm_weight=layer.post_attention_layernorm.weight,
         eps=layer.input_layernorm.variance_epsilon,
-        qkv_weight=_share(qkv, "weight"), qkv_bias=_share(qkv, "bias"),
+        qkv_weight=qkv_weight, qkv_bias=_share(qkv, "bias"),
         o_weight_t=attn.o_proj.weight.t(), o_bias=attn.o_proj.bias,
-        gate_up_weight=_share((mlp.gate_proj, mlp.up_proj), "weight"),
+        gate_up_weight=gate_up_weight,
         gate_up_bias=_share((mlp.gate_proj, mlp.up_proj), "bias"),
         down_weight_t=mlp.down_proj.weight.t(), down_bias=mlp.down_proj.bias, act=mlp.act_fn,
         heads=layer.heads, kv_heads=layer.kv_heads, head_dim=layer.head_dim, scaling=layer.scaling,

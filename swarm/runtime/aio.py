@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Awaitable, Optional, TypeVar
+from typing import Any, Coroutine, Optional, TypeVar
 
 from swarm.runtime.threads import serial_torch_here
 
@@ -28,7 +28,7 @@ def get_loop() -> asyncio.AbstractEventLoop:
         return _loop
 
 
-def run(coro: Awaitable[T], timeout: Optional[float] = None) -> T:
+def run(coro: Coroutine[Any, Any, T], timeout: Optional[float] = None) -> T:
     loop = get_loop()
     if threading.current_thread().name == "swarm-client-loop":
         raise RuntimeError("swarm.runtime.aio.run() called from the client loop itself; await the coroutine instead")

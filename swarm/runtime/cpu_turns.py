@@ -35,6 +35,7 @@ class CpuTurns:
         return self
 
     def __exit__(self, *exc) -> None:
+        assert self._fd is not None, "CpuTurns exited without entering"
         fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def close(self) -> None:

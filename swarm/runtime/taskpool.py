@@ -136,6 +136,7 @@ class TaskPool:
         adapt_threads = adapt_threads and turns is None
         self._adapt = adapt_threads
         self._cores: Optional[FreeCores] = None  # set on the worker thread (its configured torch threads)
+        self._threads = 0  # the worker thread's current torch thread count (set with `_cores`)
         self._last_overlap = float("-inf")  # when tasks last waited for one another
         self._counter = itertools.count()
         self.max_batch = max_batch
@@ -182,7 +183,7 @@ class TaskPool:
         """`first` plus every queued task with the same batch key, waiting briefly for the sources due in this
         round (others are put back)."""
         key = first[2]
-        batch, others = [first], []
+        batch, others = [first], []  # type: list, list
         missing: Optional[dict] = None
         short = deadline = 0.0
         while len(batch) < self.max_batch:

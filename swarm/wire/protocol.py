@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import AsyncIterator, List, Literal, Optional, Sequence, Tuple, Type, TypeVar, Union
+from typing import AsyncIterator, Final, List, Literal, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 import torch
 from hivemind.p2p import P2PContext, ServicerBase
@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from swarm.wire.dtypes import DTYPES, WIRE_DTYPES, dtype_name
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION: Final = 1
 MAX_SESSION_ID_LEN = 128
 
 M = TypeVar("M", bound="Message")

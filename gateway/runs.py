@@ -1,0 +1,146 @@
+"""One generation: a request's n choices, run as one batched session ([n, len] per step) on a worker thread.
+
+`GenerationJob` describes the work (prompt, `SamplingParams`, n, deadline, pool owner, cancel flag);
+`GenerationRun(job, emit, sessions, tokens, metrics, vocab_size).run()` leases a session
+(`gateway.sessions.SessionProvider`), steps it until every choice finished, emits `gateway.events` as it goes, and
+releases the session (back to the pool when it ended normally). The tokens are chosen by `swarm.client.generation`
+(the path `DistributedModelForCausalLM.generate` uses): one `Sampler` per choice, picking inside the client's batched
+LM-head task (`feed_and_pick`) as the direct client does.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional
+
+import torch
+
+from gateway.errors import APIError
+from gateway.events import Cancelled, ChoiceDelta, Done
+from gateway.jsonmode import JsonConstraint
+from gateway.metrics import Metrics
+from gateway.sessions import SessionProvider
+from gateway.textstream import TextStream
+from gateway.tokens import Tokens
+from swarm.client.generation import RowSamplers, Sampler, SamplingParams, TokenChoice
+
+logger = logging.getLogger("swarmgate.gateway")
+
+
+@dataclass
+class GenerationJob:
+    prompt_ids: List[int]
+    params: SamplingParams
+    n: int = 1
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    arrived: float = field(default_factory=time.monotonic)
+    deadline: Optional[float] = None  # time.monotonic() after which the generation is abandoned
+    owner: Optional[str] = None  # session pool namespace (a hash of the API key); None: never pooled
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+class GenerationRun:
+    """Runs `job` to its end on the calling (worker) thread, handing events to `emit`."""
+
+    def __init__(self, job: GenerationJob, emit: Callable[[Any], None], sessions: SessionProvider, tokens: Tokens,
+                 metrics: Metrics, vocab_size: int):
+        self.job, self.emit, self.sessions, self.metrics = job, emit, sessions, metrics
+        params, n = job.params, job.n
+        self.params, self.n = params, n
+        constraint = (lambda: JsonConstraint(tokens.token_bytes, tokens.encode, tokens.first_bytes)
+                      ) if params.json_mode else None
+        self.samplers = RowSamplers([Sampler(params, len(job.prompt_ids), vocab_size, i,
+                                             constraint() if constraint else None) for i in range(n)])
+        # Where tokens are picked. Normally in the client's batched LM-head task (`feed_and_pick`), like the direct
+        # client: concurrent requests' picks run there in one task, with no hand-over back to this thread first.
+        # JSON mode picks here, on the worker: its constraint walks the tokenizer's byte table in Python (candidate
+        # masks, rejection draws, closing-text encodes), which would hold up every other session's head in that task.
+        self.pick_in_head = not params.json_mode
+        self.texts = [TextStream(tokens.decode, params.stop) for _ in range(n)]
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokens.eos_token_ids))
+        self.pad = tokens.eos_token_ids[0] if tokens.eos_token_ids else 0
+        self.pending: List[List[TokenChoice]] = [[] for _ in range(n)]
+        self.finished = [False] * n
+        self.forced = [False] * n
+        self.generated = [0] * n
+
+    def run(self) -> None:
+        job, params, sessions, metrics = self.job, self.params, self.sessions, self.metrics
+        prompt_len = len(job.prompt_ids)
+        ids = torch.tensor([job.prompt_ids] * self.n, dtype=torch.long)
+        lease = sessions.acquire(job.prompt_ids, self.n, params.max_tokens, job.owner)
+        metrics.active_sessions.inc()
+        reusable, last = False, None
+        try:
+            for step in range(params.max_tokens):
+                if job.cancel.is_set():
+                    raise Cancelled()
+                if job.deadline is not None and time.monotonic() > job.deadline:
+                    raise APIError(504, "The generation took longer than the gateway's generation_timeout.",
+                                   "timeout_error", code="generation_timeout")
+                remaining = [None if self.finished[i] else params.max_tokens - self.generated[i]
+                             for i in range(self.n)]
+                pick = self.samplers.picker(ids, remaining)
+                head_pick = pick if self.pick_in_head else None
+                # logits [n, vocab], float32; the first step sends the prompt (less what a pooled session holds)
+                if step == 0:
+                    logits, choices = sessions.prefill(lease, ids, head_pick)
+                else:
+                    logits, choices = sessions.step(lease, ids, head_pick)
+                if not self.pick_in_head:
+                    choices = pick(logits)
+                now = time.monotonic()
+                if last is None:
+                    metrics.time_to_first_token.observe(now - job.arrived)
+                else:
+                    metrics.inter_token_latency.observe(now - last)
+                last = now
+                next_tokens = [self.pad if choice is None else self._take(i, choice)
+                               for i, choice in enumerate(choices)]
+                if all(self.finished):
+                    break
+                ids = torch.cat([ids, torch.tensor(next_tokens, dtype=torch.long)[:, None]], dim=1)
+            reusable = True
+        finally:
+            metrics.active_sessions.dec()
+            try:
+                sessions.release(lease, reusable)
+            except Exception as e:  # closing is best effort: the servers time idle sessions out anyway
+                logger.warning(f"closing the session of request {job.request_id} failed: {e}")
+        completion = sum(self.generated)
+        metrics.prompt_tokens.inc(prompt_len)
+        metrics.completion_tokens.inc(completion)
+        if lease.cached_tokens:
+            logger.info(f"request {job.request_id}: {lease.cached_tokens} of {prompt_len} prompt tokens were "
+                        f"already held by a pooled session")
+        self.emit(Done(prompt_len, completion, lease.cached_tokens))
+
+    def _take(self, i: int, choice: TokenChoice) -> int:
+        """Choice i's next token: count it, emit its text, finish the choice where it ends. Returns the token."""
+        self.generated[i] += 1
+        self.forced[i] |= choice.forced
+        token, text = choice.token_id, self.texts[i]
+        if token in self.stop_ids:
+            self._finish(i, text.flush(), "stop")
+            return token
+        self.pending[i].append(choice)
+        delta, hit_stop = text.add(token)
+        constraint = self.samplers.samplers[i].constraint
+        if hit_stop:
+            self._finish(i, delta, "stop")
+        elif constraint is not None and constraint.complete:
+            self._finish(i, delta + text.flush(), "length" if self.forced[i] else "stop")
+        elif self.generated[i] >= self.params.max_tokens:
+            self._finish(i, delta + text.flush(), "length")
+        elif delta:
+            self.emit(ChoiceDelta(i, delta, self.pending[i]))
+            self.pending[i] = []
+        return token
+
+    def _finish(self, i: int, text: str, reason: str) -> None:
+        self.finished[i] = True
+        self.emit(ChoiceDelta(i, text, self.pending[i], reason))
+        self.pending[i] = []

@@ -1,0 +1,97 @@
+"""The typed configuration of a block server (`swarmgate server` flags, `configs/server.yaml`, environment).
+
+`ServerConfig` is built by `swarm.runtime.config` from command-line flags, a YAML file's `server` section and
+`SWARMGATE_*` environment variables; its validators reject inconsistent settings before anything starts.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+from pydantic import Field, field_validator, model_validator
+
+from server.throughput import parse_throughput_mode
+from swarm.modeling.disk_cache import parse_size
+from swarm.runtime.config import ProcessConfig, parse_span
+from swarm.wire.dtypes import DTYPES
+
+
+class ServerConfig(ProcessConfig):
+    model: str = Field(description="model to serve: bundled name, local checkpoint directory or hub repo id")
+    new_swarm: bool = Field(default=False, description="start a new swarm (no initial peers)")
+    initial_peers: List[str] = Field(default_factory=list, description="multiaddrs of peers to join")
+    host_maddrs: List[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"],
+                                   description="multiaddrs to listen on")
+    announce_maddrs: List[str] = Field(default_factory=list, description="multiaddrs to announce to others")
+    port: Optional[int] = Field(default=None, description="shortcut: listen on /ip4/0.0.0.0/tcp/PORT")
+    identity_path: Optional[str] = Field(default=None, description="private key file for a fixed peer id")
+    block_indices: Optional[str] = Field(default=None, description="serve blocks start:end (pinned: no rebalancing)")
+    num_blocks: Optional[int] = Field(default=None, gt=0,
+                                      description="serve this many blocks (default: as many as fit in free memory)")
+    device: str = Field(default="cpu", description="torch device (cpu, cuda, cuda:1, ...)")
+    torch_dtype: str = Field(default="auto", description="auto, float32, float16 or bfloat16")
+    cuda_graphs: bool = Field(default=True, description="on CUDA devices, replay each session's single-token decode "
+                                                         "step as a CUDA graph (Llama-style models)")
+    decode_gather_ms: float = Field(default=20.0, ge=0, le=1000,
+                                    description="longest wait (ms) for the decode steps of other active sessions to "
+                                                "join a batch (at most half a batch's compute time; a group that "
+                                                "drifted a whole pass behind waits up to one round to merge; 0: "
+                                                "never wait)")
+    attn_cache_tokens: Optional[int] = Field(
+        default=None, gt=0, description="KV cache budget in tokens (batch x length); default: up to 16384, less if "
+                                        "memory is short")
+    max_length: int = Field(default=8192, gt=0, description="longest session (tokens) accepted")
+    alloc_timeout: float = Field(default=5.0, ge=0, description="seconds a new session waits for cache")
+    step_timeout: float = Field(default=300.0, gt=0, description="seconds an idle session is kept open")
+    update_period: float = Field(default=120.0, gt=0, description="seconds between DHT record refreshes")
+    expiration: Optional[float] = Field(default=None, description="record lifetime (default 2x update_period)")
+    throughput: str = Field(default="auto", description="decode steps/s per block to announce: auto (cached "
+                                                       "measurement, or measure once), eval (measure again) or a "
+                                                       "number")
+    balance_period: float = Field(default=120.0, gt=0, description="mean seconds between checks whether moving to "
+                                                                   "other blocks would help the swarm (randomized)")
+    balance_quality: float = Field(default=0.75, gt=0, le=1, description="move only if the swarm's weakest block "
+                                                                         "would get more than 1/this times faster")
+    drain_timeout: float = Field(default=60.0, ge=0, description="seconds running sessions get to finish before "
+                                                                 "the server moves to other blocks")
+    dht_prefix: Optional[str] = Field(default=None, description="DHT key prefix (default: from the model name)")
+    cache_dir: Optional[str] = Field(default=None, description="download cache for hub checkpoints")
+    max_disk_space: Optional[str] = Field(default=None, description="size limit of the download cache (e.g. 50GB); "
+                                                                     "least recently used files are evicted")
+    num_threads: Optional[int] = Field(default=None, gt=0, description="torch intra-op threads")
+    log_level: str = Field(default="INFO", description="logging level")
+
+    @field_validator("block_indices")
+    @classmethod
+    def _valid_span(cls, value):
+        if value is not None:
+            parse_span(value)
+        return value
+
+    @field_validator("torch_dtype")
+    @classmethod
+    def _valid_dtype(cls, value):
+        if value != "auto" and value not in DTYPES:
+            raise ValueError(f"must be auto, {', '.join(DTYPES)}")
+        return value
+
+    @field_validator("throughput", mode="before")
+    @classmethod
+    def _valid_throughput(cls, value):
+        mode = parse_throughput_mode(value)
+        return mode if isinstance(mode, str) else repr(mode)
+
+    @field_validator("max_disk_space", mode="before")
+    @classmethod
+    def _valid_size(cls, value):
+        if value is not None:
+            parse_size(value)
+            return str(value)
+        return value
+
+    @model_validator(mode="after")
+    def _consistent_blocks(self):
+        if self.block_indices is not None and self.num_blocks is not None:
+            start, end = parse_span(self.block_indices)
+            if end - start != self.num_blocks:
+                raise ValueError(f"num_blocks {self.num_blocks} disagrees with block_indices {self.block_indices}")
+        return self

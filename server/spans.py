@@ -1,0 +1,162 @@
+"""Choosing and moving this server's span of blocks: sizing, placement at start, rebalancing later.
+
+- Sizing (`plan`): how many blocks fit in the device's free memory with their share of the KV cache budget
+  (`server.memory.plan_capacity`; `--num_blocks` / `--attn_cache_tokens` override, `--block_indices` pins).
+- Placement (`place`): `--block_indices`, or the least-served window of the swarm (`placement.choose_best_span`
+  over the throughput of joining and online servers), announced as joining and re-checked a few times after
+  random short delays, so that servers started at the same moment do not all take the same blocks.
+- Rebalancing (`maybe_rebalance`, `move`): move when `placement.should_move` says the swarm's weakest block
+  would get more than 1/`--balance_quality` faster, after a random delay and a second look; a move announces
+  the old blocks offline and the new ones joining, takes no new sessions, lets running ones finish within
+  `--drain_timeout`, unloads, loads the new blocks and announces online.
+
+The functions work on a `SpanHost` (the server process, `server.server.Server`).
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Optional, Protocol, Tuple
+
+import torch
+
+from server.announce import Announcer
+from server.config import ServerConfig
+from server.handler import BlockHandler
+from server.memory import Capacity, free_memory_bytes, plan_capacity
+from server.placement import block_throughputs, choose_best_span, should_move
+from swarm.runtime.config import parse_span
+from swarm.wire.records import ServerState
+
+logger = logging.getLogger("swarmgate.server")
+
+JOIN_CHECKS = 3  # re-checks of the initial placement before loading
+
+
+def jittered(mean: float, rng: random.Random) -> float:
+    """A random delay around `mean` (uniform in [0.5, 1.5] x mean): servers started together drift apart."""
+    return mean * rng.uniform(0.5, 1.5)
+
+
+class SpanHost(Protocol):
+    """What choosing and moving a span needs from the server process."""
+
+    config: ServerConfig
+    num_blocks_total: int
+    pinned: bool
+    capacity: Optional[Capacity]
+    record: Announcer
+    rng: random.Random
+    handler: Optional[BlockHandler]
+    moves: int
+
+    @property
+    def peer_id(self) -> str: ...
+
+    def stopping(self) -> bool: ...
+
+    async def sleep(self, seconds: float) -> bool: ...
+
+    async def announce(self, state: ServerState) -> None: ...
+
+    async def load_blocks(self) -> None: ...
+
+    async def unload_blocks(self) -> None: ...
+
+
+def plan(config: ServerConfig, model_config, dtype: torch.dtype, num_blocks_total: int) -> Capacity:
+    """How many blocks to serve and the KV cache budget, from the flags and the device's free memory."""
+    if config.block_indices is not None:
+        start, end = parse_span(config.block_indices)
+        if end > num_blocks_total:
+            raise ValueError(f"--block_indices {config.block_indices} is outside the model's 0:{num_blocks_total}")
+        num_blocks: Optional[int] = end - start
+    else:
+        num_blocks = config.num_blocks
+    free = free_memory_bytes(config.device)
+    capacity = plan_capacity(model_config, dtype, free, num_blocks=num_blocks,
+                             attn_cache_tokens=config.attn_cache_tokens)
+    needed = capacity.num_blocks * (capacity.block_bytes + capacity.attn_cache_tokens * capacity.token_bytes)
+    if needed > free:
+        logger.warning(f"{capacity.num_blocks} blocks with a {capacity.attn_cache_tokens}-token cache need "
+                       f"{needed / 2**20:.0f} MiB but only {free / 2**20:.0f} MiB are free on {config.device}")
+    logger.info(f"capacity: {capacity.num_blocks} blocks of {capacity.block_bytes / 2**20:.1f} MiB, KV cache "
+                f"budget {capacity.attn_cache_tokens} tokens ({capacity.token_bytes} bytes/token/block), "
+                f"{free / 2**30:.1f} GiB free on {config.device}")
+    return capacity
+
+
+async def announce_span_change(host: SpanHost, start: int, end: int, state: ServerState) -> None:
+    """Move the record: blocks left behind are announced offline, the new ones with `state`."""
+    await host.record.leave_blocks(start, end)
+    await host.announce(state)
+
+
+async def place(host: SpanHost) -> Tuple[int, int]:
+    """Choose blocks, announce them as joining and re-check after random delays (concurrent joiners)."""
+    record, config = host.record, host.config
+    if host.pinned:
+        assert config.block_indices is not None  # what `pinned` means
+        record.start, record.end = parse_span(config.block_indices)
+        await host.announce(ServerState.JOINING)
+        return record.start, record.end
+    spans = await record.spans()
+    assert host.capacity is not None, "plan() sizes the server before place()"
+    record.start, record.end = choose_best_span(block_throughputs(spans, host.num_blocks_total),
+                                                host.capacity.num_blocks)
+    await host.announce(ServerState.JOINING)
+    settle = min(2.0, config.update_period)
+    for _ in range(JOIN_CHECKS):
+        await host.sleep(jittered(settle / 2, host.rng))
+        move, target = should_move(await record.spans(), host.num_blocks_total, host.peer_id,
+                                   balance_quality=config.balance_quality)
+        if not move or target is None:
+            break
+        logger.info(f"another server took blocks {record.start}:{record.end} at the same time: joining {target} "
+                    "instead")
+        await announce_span_change(host, *target, ServerState.JOINING)
+    return record.start, record.end
+
+
+async def maybe_rebalance(host: SpanHost) -> bool:
+    """Move to other blocks if that would help the swarm enough (looking twice); True if it moved."""
+    def decide(spans):
+        return should_move(spans, host.num_blocks_total, host.peer_id, balance_quality=host.config.balance_quality)
+
+    move, target = decide(await host.record.spans())
+    if not move:
+        return False
+    # another server may be reaching the same decision now: wait a little, then look again
+    await host.sleep(host.rng.uniform(0.0, min(2.0, host.config.balance_period / 4)))
+    if host.stopping():
+        return False
+    move, target = decide(await host.record.spans())
+    if not move or target is None:
+        logger.info("rebalancing: someone else moved first; staying")
+        return False
+    await move_to(host, *target)
+    return True
+
+
+async def move_to(host: SpanHost, start: int, end: int) -> None:
+    """Drain, unload, load `start:end` and announce it online."""
+    record, config = host.record, host.config
+    old = (record.start, record.end)
+    logger.info(f"rebalancing: moving from blocks {old[0]}:{old[1]} to {start}:{end}")
+    if host.handler is not None:
+        host.handler.accepting = False
+    await announce_span_change(host, start, end, ServerState.JOINING)
+    deadline = time.monotonic() + config.drain_timeout
+    while host.handler is not None and host.handler.budget.num_sessions > 0 and time.monotonic() < deadline:
+        if time.monotonic() - record.last_announce > config.update_period:
+            await host.announce(ServerState.JOINING)
+        await host.sleep(0.2)
+    if host.handler is not None and host.handler.budget.num_sessions > 0:
+        logger.warning(f"rebalancing: {host.handler.budget.num_sessions} sessions still open after "
+                       f"{config.drain_timeout:.0f}s; moving anyway")
+    await host.unload_blocks()
+    await host.load_blocks()
+    host.moves += 1
+    await host.announce(ServerState.ONLINE)
+    logger.info(f"rebalancing: now serving blocks {start}:{end} (was {old[0]}:{old[1]})")

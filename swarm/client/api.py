@@ -1,0 +1,61 @@
+"""What a serving front end (the gateway) needs from the client model, as `typing.Protocol`s.
+
+`ClientModel` is implemented by `swarm.client.model.DistributedModelForCausalLM`: its config, a route check
+(`check_route`: can a session of this size be served right now), which blocks the swarm serves (`coverage`), the
+servers that the client banned after failures (`banned_peers` / `unban`), and `inference_session`, which opens a
+`GenerationSession` (`swarm.client.model.ModelSession`): `feed` (make the servers hold exactly these ids, get the
+last position's logits), `feed_and_pick` (the same, with the next tokens chosen in the batched LM-head task) and
+`close`. Front ends use only these, never the client's routing internals, so tests may stand in a small stub.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List, NamedTuple, Optional, Protocol, Tuple, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+class Coverage(NamedTuple):
+    missing: List[int]  # block indices that no server announces
+    num_blocks: int
+    servers: int  # spans (servers) online
+
+
+class GenerationSession(Protocol):
+    token_ids: Optional[torch.Tensor]  # [batch, n] the ids whose states the servers hold (None before a feed)
+
+    @property
+    def max_length(self) -> int: ...
+
+    def feed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Make the servers hold exactly `input_ids` [batch, n]; the last position's logits [batch, vocab]."""
+        ...
+
+    def feed_and_pick(self, input_ids: torch.Tensor, pick: Callable[[torch.Tensor], T]) -> Tuple[torch.Tensor, T]:
+        """`feed`, then `pick(logits)` in the batched LM-head task: (logits [batch, vocab], what pick returned)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class ClientModel(Protocol):
+    config: Any  # the Hugging Face model config (vocab_size, max_position_embeddings, eos_token_id)
+    generation_config: Any  # its GenerationConfig (eos_token_id)
+
+    def inference_session(self, max_length: int) -> GenerationSession: ...
+
+    def check_route(self, cache_tokens: int = 0) -> None:
+        """Raise `swarm.client.routing.RoutingError` unless a chain over every block, with cache for
+        `cache_tokens` tokens, can be routed now."""
+        ...
+
+    def coverage(self, force: bool = False) -> Coverage:
+        """Which blocks the swarm serves, from the client's view (`force`: refresh it first)."""
+        ...
+
+    def banned_peers(self) -> List[str]: ...
+
+    def unban(self, peer_id: str) -> None: ...
+
+    def shutdown(self) -> None: ...
