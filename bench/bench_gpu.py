@@ -2,10 +2,10 @@
 
 The model (TinyLlama-1.1B's shape: hidden 2048, 22 blocks, 32 heads / 4 key-value heads) is built here with
 random weights and saved as a local checkpoint. Measured, each in one run, and printed as one JSON object:
-1. `span_step_ms`: one single-token decode step through all 22 blocks in this process, by the layer modules
-   (`swarm.modeling.layers`, what prefill runs), by the lean eager path (`server.decode`) and by its CUDA graph
-   (`server.graphs`); and 8 sessions' steps as one eager batch and as 8 graph replays; with the host's time per
-   kernel launch.
+1. `span_step_ms`: one single-token decode step through all 22 blocks in this process, by `BlockSpan.forward`
+   (`layer_modules`: what prefill runs, `server.decode.prefill_step`), by the lean eager path (`server.decode`)
+   and by its CUDA graph (`server.graphs`); and 8 sessions' steps as one eager batch and as 8 graph replays;
+   with the host's time per kernel launch.
 2. local `transformers` generate (the whole model on the GPU) against a 2-server swarm on loopback (blocks
    0:11 + 11:22, both servers and the client on the same GPU), with the servers' CUDA graphs on and off: time
    to first token and decode tokens/s for a 100-token prompt and 64 greedy tokens (best of `--runs`), and the

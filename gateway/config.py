@@ -11,6 +11,7 @@ from typing import List, Optional
 from pydantic import Field, field_validator
 
 from swarm.runtime.config import ProcessConfig
+from swarm.wire.dtypes import parse_dtype
 
 
 class GatewayConfig(ProcessConfig):
@@ -59,8 +60,7 @@ class GatewayConfig(ProcessConfig):
     @field_validator("torch_dtype")
     @classmethod
     def _valid_dtype(cls, value: str) -> str:
-        if value not in ("float32", "float16", "bfloat16"):
-            raise ValueError("must be float32, float16 or bfloat16")
+        parse_dtype(value)  # ValueError naming the choices
         return value
 
     @field_validator("api_keys")

@@ -14,21 +14,19 @@ import torch
 from torch import nn
 
 from server.cache import SessionKV
-from server.decode import attention_backends, decode_step, fuse_layer, prefill_step
+from server.decode import attention_backends, decode_step, prefill_step
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec, family_for
+from swarm.modeling.shape import ModelShape, config_dtype
+from swarm.wire.dtypes import DTYPES
 
 logger = logging.getLogger(__name__)
 
-LEAN_DECODE_FAMILIES = ("llama", "mistral", "qwen2")  # layers that server.decode runs
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
 
 def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
+    """The serving dtype: `name` (one of `swarm.wire.dtypes.DTYPES`), or for "auto" the checkpoint's own."""
     if name == "auto":
-        configured = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-        if isinstance(configured, str):
-            configured = DTYPES.get(configured)
+        configured = config_dtype(config)
         if configured in (torch.float16, torch.bfloat16) and device.type == "cpu":
             return torch.float32  # half-precision matmuls are slow on most CPUs
         return configured if configured in DTYPES.values() else torch.float32
@@ -45,14 +43,14 @@ class BlockSpan(nn.Module):
         self.start, self.end = start, end
         self.layers, self.rotary = layers, rotary
         self.dtype, self.device = dtype, device
-        self.hidden_size = config.hidden_size
-        self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.fused: list = []  # server.decode's view of the layers (Llama-style families)
+        self.shape = ModelShape.from_config(config)
+        self.hidden_size, self.head_dim = self.shape.hidden_size, self.shape.head_dim
+        self.kv_heads = self.shape.num_kv_heads
+        self.fused: list = []  # the layers as `BlockLayer`s for server.decode / server.graphs (`FamilySpec.fuse`)
         self.graphs = None  # server.graphs.SpanGraphs once `enable_cuda_graphs` ran
 
     def enable_cuda_graphs(self) -> bool:
-        """Replay single-session decode steps as CUDA graphs (CUDA devices, Llama-style layers); True if on."""
+        """Replay single-session decode steps as CUDA graphs (CUDA devices, families with fused layers); True if on."""
         if self.device.type != "cuda" or not self.can_batch:
             return False
         from server.graphs import SpanGraphs
@@ -71,6 +69,7 @@ class BlockSpan(nn.Module):
         dtype = resolve_dtype(dtype_name, config, torch_device)
         config._attn_implementation = "sdpa"
         layer_cls = family.import_class(family.layer_class)
+        fuse = family.import_class(family.fuse) if family.fuse else None
         prefixes = {i: family.block_tensor_prefix(i) for i in range(start, end)}
         tensors = checkpoint.load_tensors(lambda name: any(name.startswith(p) for p in prefixes.values()), dtype)
         layers = nn.ModuleList()
@@ -89,8 +88,8 @@ class BlockSpan(nn.Module):
                     raise ValueError(f"block {index}: {name} was not loaded from the checkpoint")
             layer.self_attn.layer_idx = index - start  # index into this span's SessionKV
             layers.append(layer.to(torch_device, dtype).eval().requires_grad_(False))
-            if family.model_type in LEAN_DECODE_FAMILIES:
-                fused.append(fuse_layer(layers[-1]))
+            if fuse is not None:
+                fused.append(fuse(layers[-1]))
             del state
         rotary = None
         if family.rotary_class is not None:
@@ -106,13 +105,12 @@ class BlockSpan(nn.Module):
                          self.device, layer_offset=first - self.start)
 
     def cache_bytes_per_token(self) -> int:
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * len(self.layers) * self.kv_heads * self.head_dim * itemsize
+        return len(self.layers) * self.shape.cache_bytes_per_token(self.dtype)
 
     @property
     def can_batch(self) -> bool:
-        """Decode steps run on the lean, batched path of `server.decode` (Llama-style layers with a gated MLP)."""
-        return self.family.model_type in LEAN_DECODE_FAMILIES
+        """Decode steps run on the batched path of `server.decode` (the family fuses its layers)."""
+        return self.family.fuse is not None
 
     @torch.inference_mode()
     def forward_batch(self, items: list, first: int, last: int) -> list:
@@ -173,8 +171,7 @@ class BlockSpan(nn.Module):
             kv.begin_step(start_position)
         try:
             if kv is not None and self.fused:
-                # an inference step: the fused kernels of server.decode (the layer modules serve passes without a
-                # cache)
+                # an inference step: the fused layers (the layer modules serve passes without a cache)
                 cos, sin = position_embeddings  # [batch, seq, head_dim]
                 hidden = prefill_step(self.fused[first - self.start:last - self.start], hidden, cos, sin, kv, mask)
             else:

@@ -12,6 +12,7 @@ from pydantic import Field, field_validator, model_validator
 from server.throughput import parse_throughput_mode
 from swarm.modeling.disk_cache import parse_size
 from swarm.runtime.config import ProcessConfig, parse_span
+from swarm.wire.dtypes import DTYPES
 
 
 class ServerConfig(ProcessConfig):
@@ -69,8 +70,8 @@ class ServerConfig(ProcessConfig):
     @field_validator("torch_dtype")
     @classmethod
     def _valid_dtype(cls, value):
-        if value not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError("must be auto, float32, float16 or bfloat16")
+        if value != "auto" and value not in DTYPES:
+            raise ValueError(f"must be auto, {', '.join(DTYPES)}")
         return value
 
     @field_validator("throughput", mode="before")

@@ -4,7 +4,8 @@ On a GPU a decode step of a small batch is bound by kernel launches, not by the 
 (`server.decode`) still issues about 15 kernels per block from Python. A `GraphedStep` captures the whole span's
 step for one session once and replays it with a single launch afterwards.
 
-A graph replays fixed addresses and fixed shapes, so the captured step differs from `decode_step` in two ways:
+A graph replays fixed addresses and fixed shapes. The block math is the family's (`BlockLayer.step`, as in
+`decode_step`); only the attention it is given (`static_attention`) differs, in two ways:
 - the position is a device tensor: the new key/value rows are written with `index_copy_` at that position;
 - attention reads the session's whole preallocated cache `[batch, kv_heads, max_length, head_dim]` with a mask
   that allows keys at positions <= the step's position; the queries of the heads that share a key/value head
@@ -16,20 +17,41 @@ server runs tensor work on one thread) and each replay's output is copied out at
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from server.cache import SessionKV
-from server.decode import FusedLayer, _project_residual, _rotate_half
+from swarm.modeling.families import BlockLayer
 
 MAX_SESSIONS = 8  # up to this many sessions in one server batch replay their graphs one after another
 WARMUP_REPLAYS = 2  # eager runs on a side stream before capture (lets cuBLAS/SDPA pick and cache their kernels)
 
 
+def static_attention(kv: SessionKV, position: torch.Tensor, key_positions: torch.Tensor) -> Callable:
+    """Attention for one session's single-token step over its whole preallocated cache: the new keys/values are
+    written at `position`, and a mask allows the keys at positions <= `position`.
+    (layer, q [batch, heads, dim], k, v [batch, kv_heads, dim]) -> [batch, heads * dim]"""
+    allowed = (key_positions <= position).view(1, 1, 1, -1)  # [1, 1, 1, max_length]
+
+    def attend(layer: BlockLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        rows, heads, dim = q.shape
+        index = layer.layer_idx - kv.layer_offset
+        k_buf, v_buf = kv.keys[index], kv.values[index]  # [batch, kv_heads, max_length, dim]
+        k_buf.index_copy_(2, position, k.unsqueeze(2))
+        v_buf.index_copy_(2, position, v.unsqueeze(2))
+        # query heads j*group .. (j+1)*group-1 share key/value head j (as transformers' repeat_kv):
+        # [batch, kv_heads, group, dim] against [batch, kv_heads, max_length, dim]
+        q = q.reshape(rows, layer.kv_heads, heads // layer.kv_heads, dim)
+        o = F.scaled_dot_product_attention(q, k_buf, v_buf, attn_mask=allowed, scale=layer.scaling)
+        return o.reshape(rows, heads * dim)
+
+    return attend
+
+
 @torch.inference_mode()
-def static_decode_step(layers: Sequence[FusedLayer], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def static_decode_step(layers: Sequence[BlockLayer], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        kv: SessionKV, position: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
     """One session's single-token step with shapes and addresses that do not depend on the position.
 
@@ -37,27 +59,9 @@ def static_decode_step(layers: Sequence[FusedLayer], x: torch.Tensor, cos: torch
     key_positions: long [max_length] = arange(max_length). Writes the new keys/values at `position` of `kv`'s
     buffers. Returns [batch, hidden].
     """
-    rows = x.shape[0]
-    allowed = (key_positions <= position).view(1, 1, 1, -1)  # [1, 1, 1, max_length]
+    attend = static_attention(kv, position, key_positions)
     for layer in layers:
-        heads, kv_heads, dim = layer.heads, layer.kv_heads, layer.head_dim
-        group = heads // kv_heads
-        h = F.rms_norm(x, x.shape[-1:], layer.input_norm, layer.eps)
-        qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias).view(rows, heads + 2 * kv_heads, dim)
-        qk = qkv[:, :heads + kv_heads]
-        qk = qk * cos.unsqueeze(1) + _rotate_half(qk) * sin.unsqueeze(1)
-        index = layer.layer_idx - kv.layer_offset
-        k_buf, v_buf = kv.keys[index], kv.values[index]  # [batch, kv_heads, max_length, dim]
-        k_buf.index_copy_(2, position, qk[:, heads:].unsqueeze(2))
-        v_buf.index_copy_(2, position, qkv[:, heads + kv_heads:].unsqueeze(2))
-        # query heads j*group .. (j+1)*group-1 share key/value head j (as transformers' repeat_kv):
-        # [batch, kv_heads, group, dim] against [batch, kv_heads, max_length, dim]
-        q = qk[:, :heads].reshape(rows, kv_heads, group, dim)
-        o = F.scaled_dot_product_attention(q, k_buf, v_buf, attn_mask=allowed, scale=layer.scaling)
-        x = _project_residual(x, o.reshape(rows, heads * dim), layer.o_weight_t, layer.o_bias)
-        h = F.rms_norm(x, x.shape[-1:], layer.post_norm, layer.eps)
-        gate, up = F.linear(h, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
-        x = _project_residual(x, layer.act(gate) * up, layer.down_weight_t, layer.down_bias)
+        x = layer.step(x, cos, sin, attend)
     return x
 
 
@@ -72,7 +76,7 @@ def clear_unfilled(kv: SessionKV) -> None:
 class GraphedStep:
     """A captured `static_decode_step` over fixed layers for one session's `SessionKV`."""
 
-    def __init__(self, layers: Sequence[FusedLayer], kv: SessionKV, hidden_size: int, head_dim: int,
+    def __init__(self, layers: Sequence[BlockLayer], kv: SessionKV, hidden_size: int, head_dim: int,
                  pool: Optional[tuple] = None):
         device, dtype = kv.keys[0].device, kv.keys[0].dtype
         batch = kv.batch_size
@@ -124,7 +128,7 @@ class SpanGraphs:
             self._anchor_out = self._anchor_in + 1
         self.captures = 0
 
-    def step(self, layers: Sequence[FusedLayer], key: Tuple[int, int], kv: SessionKV, x: torch.Tensor,
+    def step(self, layers: Sequence[BlockLayer], key: Tuple[int, int], kv: SessionKV, x: torch.Tensor,
              cos: torch.Tensor, sin: torch.Tensor, position: int) -> torch.Tensor:
         graphs: Dict[Tuple[int, int], GraphedStep] = kv.__dict__.setdefault("graphs", {})
         graphed = graphs.get(key)

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from server.placement import num_blocks_that_fit
+from swarm.modeling.shape import ModelShape
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +68,7 @@ def bytes_per_block(model_config, dtype: torch.dtype, quant_type: str = "none") 
 
 def cache_bytes_per_token(model_config, dtype: torch.dtype) -> int:
     """Bytes of keys and values one cached token takes in one block."""
-    kv_heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
-    return 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return ModelShape.from_config(model_config).cache_bytes_per_token(dtype)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""CUDA-graph decode (`server.graphs`) against the span's layer modules (`swarm.modeling.layers`, themselves checked against
-transformers in test_layers), per family, on tiny random checkpoints.
+"""CUDA-graph decode (`server.graphs`) against the span's layer modules (`swarm.modeling.llama`, themselves checked
+against transformers in test_layers), per family, on tiny random checkpoints.
 
 `static_decode_step` (the computation a graph captures: position as a tensor, attention over the whole cache
 with a mask) is checked on the CPU; capture and replay on a CUDA device run only where one is present."""

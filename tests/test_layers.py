@@ -1,4 +1,5 @@
-"""`swarm.modeling.layers` and `swarm.modeling.model_config` against the transformers classes they stand in for, per family.
+"""`swarm.modeling.llama` (the Llama family's layers) and `swarm.modeling.model_config` against the transformers
+classes they stand in for, per family.
 
 The layers must compute exactly what transformers' modeling code computes (same ops, so equal outputs: prefill,
 a step after a cache with and without a mask, single-token decode, float32 and bfloat16, biases, RoPE scaling
@@ -12,7 +13,7 @@ import json
 import pytest
 import torch
 
-import swarm.modeling.layers as layers
+import swarm.modeling.llama as llama
 from swarm.modeling.model_config import model_config
 from tests.test_families import TINY, _configs
 
@@ -52,12 +53,12 @@ def test_layers_compute_what_transformers_computes(name, dtype):
     ours_config = model_config(hf_config.to_dict())
     torch.manual_seed(0)
     reference = getattr(hf, f"{CAMEL[family]}DecoderLayer")(hf_config, 1).to(dtype).eval()
-    ours = getattr(layers, f"{CAMEL[family]}DecoderLayer")(ours_config, 1).to(dtype).eval()
+    ours = getattr(llama, f"{CAMEL[family]}DecoderLayer")(ours_config, 1).to(dtype).eval()
     ours.load_state_dict(reference.state_dict(), strict=True)
     rotary_ref = getattr(hf, f"{CAMEL[family]}RotaryEmbedding")(config=hf_config)
-    rotary = getattr(layers, f"{CAMEL[family]}RotaryEmbedding")(ours_config)
+    rotary = getattr(llama, f"{CAMEL[family]}RotaryEmbedding")(ours_config)
     norm_ref = getattr(hf, f"{CAMEL[family]}RMSNorm")(TINY["hidden_size"], eps=1e-5).to(dtype)
-    norm = getattr(layers, f"{CAMEL[family]}RMSNorm")(TINY["hidden_size"], eps=1e-5).to(dtype)
+    norm = getattr(llama, f"{CAMEL[family]}RMSNorm")(TINY["hidden_size"], eps=1e-5).to(dtype)
     norm.load_state_dict(norm_ref.state_dict())
     kv_heads, head_dim = hf_config.num_key_value_heads, ours.self_attn.head_dim
     # (batch, positions before, new positions, with an explicit mask); position 200 > the llama3 original length

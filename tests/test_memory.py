@@ -91,7 +91,8 @@ def test_deferred_scipy_optimize_loads_on_first_use():
 
 
 def test_a_block_server_needs_no_transformers_model_module(tmp_path):
-    """Config, blocks (with a forward pass) and the client's norm come from swarm.modeling.layers / swarm.modeling.model_config."""
+    """Config, blocks (with a forward pass) and the client's norm come from swarm.modeling (llama, layers,
+    model_config)."""
     from transformers import AutoModelForCausalLM
 
     from tests.test_families import _configs

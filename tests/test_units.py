@@ -1,4 +1,5 @@
-"""Unit tests of pure pieces: tensor serialization, message validation, config precedence, the KV cache."""
+"""Unit tests of pure pieces: tensor serialization, dtype names, message validation, config precedence, a model's
+shape, the KV cache."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +10,7 @@ import torch
 from server.cache import SessionKV
 from swarm.runtime.config import ConfigError, load_config, parse_span
 from swarm.wire import protocol as P
+from swarm.wire.dtypes import DTYPES, dtype_name, parse_dtype
 from swarm.wire.records import ServerInfo, ServerState, dht_prefix_for, online_spans
 
 
@@ -29,6 +31,32 @@ def test_tensor_validation():
         P.deserialize_tensor(proto)
     with pytest.raises(P.ProtocolError, match="exceeds"):
         P.deserialize_tensor(P.serialize_tensor(torch.zeros(10, 10)), max_elements=50)
+
+
+def test_dtype_names_are_the_wire_names():
+    for name, dtype in DTYPES.items():
+        assert parse_dtype(name) is dtype and dtype_name(dtype) == name
+        assert P.serialize_tensor(torch.zeros(1, dtype=dtype)).dtype == name  # what travels on the wire
+    assert list(DTYPES) == ["float32", "float16", "bfloat16"]
+    with pytest.raises(ValueError, match="unknown dtype 'float8'.*float32, float16, bfloat16"):
+        parse_dtype("float8")
+
+
+@pytest.mark.parametrize("values, head_dim, kv_heads", [
+    ({}, 16, 4), ({"head_dim": 32}, 32, 4), ({"num_key_value_heads": 2, "torch_dtype": "bfloat16"}, 16, 2)])
+def test_model_shape_from_a_config(values, head_dim, kv_heads):
+    from swarm.modeling.model_config import model_config
+    from swarm.modeling.shape import ModelShape, head_dim_of
+
+    config = model_config({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+                           "intermediate_size": 128, "num_hidden_layers": 3, **values})
+    shape = ModelShape.from_config(config)
+    assert (shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim) == (64, 4, kv_heads, head_dim)
+    assert head_dim_of(config) == config.head_dim == head_dim
+    assert (shape.num_layers, shape.intermediate_size, shape.groups, shape.rope_type) == (3, 128, 4 // kv_heads,
+                                                                                           "default")
+    assert shape.dtype == (torch.bfloat16 if "torch_dtype" in values else None)
+    assert shape.cache_bytes_per_token(torch.float16) == 2 * kv_heads * head_dim * 2
 
 
 def test_messages_reject_unknown_fields_and_versions():

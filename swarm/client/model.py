@@ -31,6 +31,7 @@ from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec, family_for
 from swarm.runtime import aio, malloc
 from swarm.runtime.taskpool import PRIORITY_DECODE, PRIORITY_FORWARD, client_pool
+from swarm.wire.dtypes import parse_dtype
 from swarm.wire.records import dht_prefix_for
 
 logger = logging.getLogger(__name__)
@@ -144,7 +145,7 @@ class DistributedModelForCausalLM(nn.Module):
         checkpoint = Checkpoint(name_or_path, cache_dir=cache_dir)
         config = checkpoint.load_config()
         family = family_for(config)
-        dtype = getattr(torch, torch_dtype) if isinstance(torch_dtype, str) else torch_dtype
+        dtype = parse_dtype(torch_dtype) if isinstance(torch_dtype, str) else torch_dtype
         head_key = family.head_key
         wanted = {family.embed_key, head_key, family.norm_key + "weight", family.norm_key + "bias"}
         tensors = checkpoint.load_tensors(lambda name: name in wanted, dtype)

@@ -19,8 +19,8 @@ swarm announces (`swarm.wire.records.ServerSpan`). It is pure: no network, no DH
   (all with the same default cost) are relaxed through the cheapest sender instead of all pairs, so a
   boundary costs O(k log k + measured pings) for k covering servers rather than O(k^2).
 
-* `choose_forward_chain` spreads training forward/backward traffic over the swarm: at each boundary it
-  picks one covering server at random, weighted by throughput, and uses it as far as it reaches.
+* `choose_forward_chain` spreads forward passes without a cache (`rpc_forward`) over the swarm: at each
+  boundary it picks one covering server at random, weighted by throughput, and uses it as far as it reaches.
 
 Only ONLINE spans are used, banned peers are skipped; a block that no usable server covers raises
 `RoutingError` naming the blocks.
@@ -285,7 +285,7 @@ def choose_forward_chain(
     banned: Collection[str] = (),
     rng: Optional[random.Random] = None,
 ) -> List[RouteHop]:
-    """A chain for training traffic that spreads load: at each boundary, a covering server chosen at random
+    """A chain for forward passes that spreads load: at each boundary, a covering server chosen at random
     with probability proportional to its throughput, used as far as it covers. Raises RoutingError on gaps."""
     _check_range(start, end)
     usable = _usable_spans(spans, start, end, banned)

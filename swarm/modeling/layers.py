@@ -1,24 +1,21 @@
-"""Llama-style model pieces in plain torch: RMSNorm, rotary embeddings, attention, gated MLP, decoder layer.
+"""Pieces that model families share, in plain torch: RMSNorm, rotary embeddings, SDPA attention, activations.
 
-They compute what transformers' llama, mistral and qwen2 modeling code computes with SDPA attention, op for op,
-under the same module and parameter names: checkpoints load into them as they are, `server.decode` fuses their
-weights the same way, and `FamilySpec` names them per family (`LlamaDecoderLayer`, `Qwen2RMSNorm`, ...). Why not
-transformers' classes: in transformers 5 importing a model module imports torch._dynamo, torch.distributed,
-sympy and scipy, about 140 MB of resident memory in every block server and client. RoPE variants come from
-`transformers.modeling_rope_utils`, which imports none of that.
-
-The families differ only in which projections carry biases: llama per `attention_bias` / `mlp_bias`, mistral
-none, qwen2 on q, k and v. Sliding windows (mistral, qwen2) are the caller's attention mask, as with
-transformers' SDPA path.
+They compute what transformers' modeling code computes with SDPA attention, op for op, so a family module built
+from them (`swarm.modeling.llama`) gives equal outputs. Why not transformers' classes: in transformers 5
+importing a model module imports torch._dynamo, torch.distributed, sympy and scipy, about 140 MB of resident
+memory in every block server and client. RoPE variants come from `transformers.modeling_rope_utils`, which
+imports none of that.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+
+from swarm.modeling.shape import head_dim_of
 
 
 class RMSNorm(nn.Module):
@@ -38,7 +35,7 @@ class RMSNorm(nn.Module):
 def default_rope_parameters(config, device=None, **kwargs) -> Tuple[torch.Tensor, float]:
     """Inverse frequencies of the original RoPE (and the attention scaling 1.0)."""
     base = config.rope_parameters["rope_theta"]
-    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dim = head_dim_of(config)
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
 
 
@@ -75,10 +72,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim: int = 1):
-    cos = cos.unsqueeze(unsqueeze_dim)
-    sin = sin.unsqueeze(unsqueeze_dim)
-    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x rotated by its positions' angles, as transformers' `apply_rotary_pos_emb` does to q and to k (cos, sin
+    broadcast against x: [..., heads, head_dim] with [..., 1, head_dim])."""
+    return (x * cos) + (rotate_half(x) * sin)
 
 
 def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -114,45 +111,20 @@ def sdpa_attention(query, key, value, attention_mask: Optional[torch.Tensor], sc
     return out.transpose(1, 2).contiguous()
 
 
-class Attention(nn.Module):
-    def __init__(self, config, layer_idx: int, qkv_bias: bool, o_bias: bool):
-        super().__init__()
-        self.config, self.layer_idx = config, layer_idx
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
-        self.scaling = self.head_dim ** -0.5
-        self.is_causal = True
-        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.q_proj = nn.Linear(config.hidden_size, heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(heads * self.head_dim, config.hidden_size, bias=o_bias)
+def cache_attention(cache, mask: Optional[torch.Tensor]) -> Callable:
+    """The attention of a block step through a cache with transformers' `update(k, v, layer_idx)` (or none): the
+    new keys/values join the cache's, then SDPA with `mask` (None: causal over a square, or one query seeing every
+    key). The `attend` callback of a family's `block_step`:
+    (layer, q [batch, seq, heads, head_dim], k, v [batch, seq, kv_heads, head_dim]) -> [batch, seq, heads * head_dim].
+    """
+    def attend(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [batch, heads, seq, head_dim]
+        if cache is not None:
+            k, v = cache.update(k, v, layer.layer_idx)  # [batch, kv_heads, cached + seq, head_dim]
+        out = sdpa_attention(q, k, v, mask, layer.scaling, layer.heads // layer.kv_heads)  # [batch, seq, heads, dim]
+        return out.flatten(-2)
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings: Tuple[torch.Tensor, torch.Tensor],
-                attention_mask: Optional[torch.Tensor] = None, past_key_values=None, **kwargs):
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        cos, sin = position_embeddings
-        query, key = apply_rotary_pos_emb(query, key, cos, sin)
-        if past_key_values is not None:  # a cache with transformers' `update` (server.cache.SessionKV)
-            key, value = past_key_values.update(key, value, self.layer_idx)
-        out = sdpa_attention(query, key, value, attention_mask, self.scaling, self.num_key_value_groups)
-        return self.o_proj(out.reshape(*input_shape, -1).contiguous()), None
-
-
-class MLP(nn.Module):
-    def __init__(self, config, bias: bool):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act_fn = activation(config.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    return attend
 
 
 def activation(name: str) -> nn.Module:
@@ -164,46 +136,3 @@ def activation(name: str) -> nn.Module:
     from transformers.activations import ACT2FN  # the rare others, exactly as transformers has them
 
     return ACT2FN[name]
-
-
-class DecoderLayer(nn.Module):
-    """`layer(hidden, attention_mask, position_ids, past_key_values, use_cache, position_embeddings)` -> hidden."""
-
-    def __init__(self, config, layer_idx: int, qkv_bias: bool = False, o_bias: bool = False, mlp_bias: bool = False):
-        super().__init__()
-        self.hidden_size = config.hidden_size
-        self.self_attn = Attention(config, layer_idx, qkv_bias, o_bias)
-        self.mlp = MLP(config, mlp_bias)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,
-                position_embeddings: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, **kwargs) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings,
-                                          attention_mask=attention_mask, past_key_values=past_key_values)
-        hidden_states = residual + hidden_states
-        residual = hidden_states
-        return residual + self.mlp(self.post_attention_layernorm(hidden_states))
-
-
-class LlamaDecoderLayer(DecoderLayer):
-    def __init__(self, config, layer_idx: int):
-        bias, mlp_bias = bool(getattr(config, "attention_bias", False)), bool(getattr(config, "mlp_bias", False))
-        super().__init__(config, layer_idx, qkv_bias=bias, o_bias=bias, mlp_bias=mlp_bias)
-
-
-class MistralDecoderLayer(DecoderLayer):
-    def __init__(self, config, layer_idx: int):
-        super().__init__(config, layer_idx)
-
-
-class Qwen2DecoderLayer(DecoderLayer):
-    def __init__(self, config, layer_idx: int):
-        super().__init__(config, layer_idx, qkv_bias=True)
-
-
-# the same computations under each family's names (`swarm.modeling.families`)
-LlamaRMSNorm = MistralRMSNorm = Qwen2RMSNorm = RMSNorm
-LlamaRotaryEmbedding = MistralRotaryEmbedding = Qwen2RotaryEmbedding = RotaryEmbedding

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
+from swarm.modeling.shape import head_dim_of
+
 # defaults of transformers' LlamaConfig, MistralConfig and Qwen2Config for the keys a checkpoint may leave out
 _COMMON: Dict[str, Any] = dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                                hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False, use_cache=True,
@@ -40,8 +42,7 @@ def model_config(data: Dict[str, Any]):
     values = {**defaults, **values}
     rope = {key: values.pop(key, None) for key in _ROPE_KEYS}
     config = PreTrainedConfig(**values)
-    if config.head_dim is None:
-        config.head_dim = config.hidden_size // config.num_attention_heads
+    config.head_dim = head_dim_of(config)
     if config.num_key_value_heads is None:
         config.num_key_value_heads = config.num_attention_heads
     if family == "qwen2" and not config.use_sliding_window:

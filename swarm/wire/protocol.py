@@ -25,11 +25,10 @@ from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from swarm.wire.dtypes import DTYPES, WIRE_DTYPES, dtype_name
+
 PROTOCOL_VERSION: Final = 1
 MAX_SESSION_ID_LEN = 128
-ALLOWED_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-INDEX_DTYPES = {"int64": torch.int64}
-_ALL_DTYPES = {**ALLOWED_DTYPES, **INDEX_DTYPES}
 
 M = TypeVar("M", bound="Message")
 
@@ -172,18 +171,18 @@ def serialize_tensor(tensor: torch.Tensor) -> runtime_pb2.Tensor:
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
     tensor = tensor.contiguous()
-    dtype_name = str(tensor.dtype).replace("torch.", "")
-    if dtype_name not in _ALL_DTYPES:
-        raise ProtocolError(f"dtype {dtype_name} cannot be sent")
+    name = dtype_name(tensor.dtype)
+    if name not in WIRE_DTYPES:
+        raise ProtocolError(f"dtype {name} cannot be sent")
     raw = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
-    return runtime_pb2.Tensor(buffer=raw.numpy().tobytes(), size=list(tensor.shape), dtype=dtype_name)
+    return runtime_pb2.Tensor(buffer=raw.numpy().tobytes(), size=list(tensor.shape), dtype=name)
 
 
 def deserialize_tensor(
     proto: runtime_pb2.Tensor, max_elements: int = 1 << 28, allowed: Optional[dict] = None
 ) -> torch.Tensor:
     """Rebuild a tensor after checking its dtype, shape and byte size; ProtocolError on any mismatch."""
-    allowed = ALLOWED_DTYPES if allowed is None else allowed
+    allowed = DTYPES if allowed is None else allowed
     if proto.compression != runtime_pb2.CompressionType.NONE:
         raise ProtocolError("compressed tensors are not accepted")
     dtype = allowed.get(proto.dtype)
