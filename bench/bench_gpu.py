@@ -24,9 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-
 from bench_swarm import measure  # noqa: E402  (bench/ is on the path when run as a script)
 from bench_throughput import concurrent_rate  # noqa: E402
+
 from swarm.launch.topology import Topology  # noqa: E402
 
 CONFIG = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,

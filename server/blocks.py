@@ -8,7 +8,7 @@ materialized) into the family's decoder layers, built on the meta device and fil
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
@@ -20,6 +20,9 @@ from swarm.modeling.families import FamilySpec, family_for
 from swarm.modeling.shape import ModelShape, config_dtype
 from swarm.wire.dtypes import DTYPES
 
+if TYPE_CHECKING:
+    from server.graphs import SpanGraphs
+
 logger = logging.getLogger(__name__)
 
 
@@ -29,7 +32,7 @@ def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
         configured = config_dtype(config)
         if configured in (torch.float16, torch.bfloat16) and device.type == "cpu":
             return torch.float32  # half-precision matmuls are slow on most CPUs
-        return configured if configured in DTYPES.values() else torch.float32
+        return configured if configured is not None and configured in DTYPES.values() else torch.float32
     if name not in DTYPES:
         raise ValueError(f"unknown torch_dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
     return DTYPES[name]
@@ -47,7 +50,7 @@ class BlockSpan(nn.Module):
         self.hidden_size, self.head_dim = self.shape.hidden_size, self.shape.head_dim
         self.kv_heads = self.shape.num_kv_heads
         self.fused: list = []  # the layers as `BlockLayer`s for server.decode / server.graphs (`FamilySpec.fuse`)
-        self.graphs = None  # server.graphs.SpanGraphs once `enable_cuda_graphs` ran
+        self.graphs: Optional["SpanGraphs"] = None  # set by `enable_cuda_graphs`
 
     def enable_cuda_graphs(self) -> bool:
         """Replay single-session decode steps as CUDA graphs (CUDA devices, families with fused layers); True if on."""
@@ -123,6 +126,7 @@ class BlockSpan(nn.Module):
         x = torch.cat([h.to(self.device, self.dtype).reshape(-1, self.hidden_size) for h, _, _ in items])
         sizes = [h.shape[0] for h, _, _ in items]
         position_ids = torch.cat([torch.full((b, 1), pos, device=self.device) for b, (_, pos, _) in zip(sizes, items)])
+        assert self.rotary is not None  # fused families have rotary embeddings
         cos, sin = self.rotary(x, position_ids)  # [rows, 1, head_dim]
         for _, pos, kv in items:
             kv.begin_step(pos)
@@ -172,6 +176,7 @@ class BlockSpan(nn.Module):
         try:
             if kv is not None and self.fused:
                 # an inference step: the fused layers (the layer modules serve passes without a cache)
+                assert position_embeddings is not None  # fused families have rotary embeddings
                 cos, sin = position_embeddings  # [batch, seq, head_dim]
                 hidden = prefill_step(self.fused[first - self.start:last - self.start], hidden, cos, sin, kv, mask)
             else:

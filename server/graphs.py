@@ -17,7 +17,7 @@ server runs tensor work on one thread) and each replay's output is copied out at
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +77,7 @@ class GraphedStep:
     """A captured `static_decode_step` over fixed layers for one session's `SessionKV`."""
 
     def __init__(self, layers: Sequence[BlockLayer], kv: SessionKV, hidden_size: int, head_dim: int,
-                 pool: Optional[tuple] = None):
+                 pool: Optional[Any] = None):
         device, dtype = kv.keys[0].device, kv.keys[0].dtype
         batch = kv.batch_size
         self.x = torch.zeros(batch, hidden_size, dtype=dtype, device=device)

@@ -32,13 +32,17 @@ def module_forward(span: BlockSpan, *args) -> torch.Tensor:
 
 
 def test_fused_weights_are_views_of_the_layers(span):
+    def storage(t):
+        return t.untyped_storage().data_ptr()
+
     for layer, fused in zip(span.layers, span.fused):
         attn = layer.self_attn
-        assert attn.q_proj.weight.untyped_storage().data_ptr() == fused.qkv_weight.untyped_storage().data_ptr()
-        assert attn.v_proj.weight.untyped_storage().data_ptr() == fused.qkv_weight.untyped_storage().data_ptr()
-        assert layer.mlp.up_proj.weight.untyped_storage().data_ptr() == fused.gate_up_weight.untyped_storage().data_ptr()
+        assert storage(attn.q_proj.weight) == storage(fused.qkv_weight)
+        assert storage(attn.v_proj.weight) == storage(fused.qkv_weight)
+        assert storage(layer.mlp.up_proj.weight) == storage(fused.gate_up_weight)
         if attn.q_proj.bias is not None:  # qwen2
-            assert fused.qkv_bias is not None and torch.equal(fused.qkv_bias[-attn.v_proj.bias.shape[0]:], attn.v_proj.bias)
+            assert fused.qkv_bias is not None
+            assert torch.equal(fused.qkv_bias[-attn.v_proj.bias.shape[0]:], attn.v_proj.bias)
 
 
 def test_batched_decode_matches_the_hf_layers(span):

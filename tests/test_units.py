@@ -128,7 +128,8 @@ def test_records_to_spans():
     def info(start, end, state=ServerState.ONLINE):
         return ServerInfo(state=state, start=start, end=end)
 
-    records = [{"a": info(0, 2)}, {"a": info(0, 2), "b": info(1, 3)}, {"b": info(1, 3), "c": info(2, 3, ServerState.JOINING)}]
+    records = [{"a": info(0, 2)}, {"a": info(0, 2), "b": info(1, 3)},
+               {"b": info(1, 3), "c": info(2, 3, ServerState.JOINING)}]
     spans = online_spans(records)
     assert [(s.peer_id, s.start, s.end) for s in spans] == [("a", 0, 2), ("b", 1, 3)]
     assert dht_prefix_for("/tmp/x/SmolLM2-135M-Instruct/") == "smollm2-135m-instruct"

@@ -140,7 +140,8 @@ class DistributedModelForCausalLM(nn.Module):
                         cache_dir: Optional[str] = None, dht=None, device: Union[str, torch.device] = "cpu",
                         pad_head_rows: bool = True, **client_kwargs) -> "DistributedModelForCausalLM":
         """`pad_head_rows`: on the CPU, run concurrent sessions' LM heads padded to the row count measured fastest
-        (`swarm.client.rowpad`: about 10% more aggregate tokens/s with 8 sessions here, for ~0.5 s at load and a few MB)."""
+        (`swarm.client.rowpad`: about 10% more aggregate tokens/s with 8 sessions here, for ~0.5 s at load and a few
+        MB)."""
         client_config = ClientConfig(**client_kwargs)
         checkpoint = Checkpoint(name_or_path, cache_dir=cache_dir)
         config = checkpoint.load_config()

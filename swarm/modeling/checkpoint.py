@@ -114,6 +114,7 @@ class Checkpoint:
         result: Dict[str, torch.Tensor] = {}
         for filename, names in sorted(by_file.items()):
             path = self.file(filename)
+            assert path is not None  # required files raise instead
             for name, tensor in _read_tensors(path, names):
                 if dtype is not None and tensor.is_floating_point():
                     tensor = tensor.to(dtype)
@@ -154,7 +155,7 @@ def _read_safetensors(path: Path, names: List[str]):
                 raise CheckpointError(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}")
             tensor = torch.empty(info["shape"], dtype=SAFETENSORS_DTYPES[info["dtype"]])
             begin, end = info["data_offsets"]
-            buffer = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+            buffer = tensor.reshape(-1).view(torch.uint8).numpy().data  # a writable memoryview of the tensor
             if end - begin != len(buffer):
                 raise CheckpointError(f"{path.name}: tensor {name} has {end - begin} bytes, expected {len(buffer)}")
             f.seek(base + begin)

@@ -85,7 +85,7 @@ FAMILIES = {
 
 
 def family_for(config) -> FamilySpec:
-    spec = FAMILIES.get(getattr(config, "model_type", None))
+    spec = FAMILIES.get(str(getattr(config, "model_type", "")))
     if spec is None:
         raise UnsupportedModelError(
             f"model type {getattr(config, 'model_type', None)!r} is not supported; supported: {sorted(FAMILIES)}"

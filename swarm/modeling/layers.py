@@ -42,6 +42,8 @@ def default_rope_parameters(config, device=None, **kwargs) -> Tuple[torch.Tensor
 class RotaryEmbedding(nn.Module):
     """cos/sin `[batch, seq, head_dim]` for position ids `[batch, seq]` (any RoPE type transformers knows)."""
 
+    inv_freq: torch.Tensor  # [head_dim / 2], a buffer
+
     def __init__(self, config):
         super().__init__()
         self.max_seq_len_cached = config.max_position_embeddings

@@ -36,7 +36,7 @@ def model_config(data: Dict[str, Any]):
 
     values = dict(data)
     family = values.get("model_type")
-    defaults = FAMILY_DEFAULTS.get(family)
+    defaults = FAMILY_DEFAULTS.get(family) if isinstance(family, str) else None
     if defaults is None:  # not a family we serve: its keys as they are (`family_for` rejects it with a clear error)
         return PreTrainedConfig(**values)
     values = {**defaults, **values}

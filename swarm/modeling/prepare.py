@@ -83,7 +83,7 @@ def _convert(key: str, target: Path) -> None:
                 delattr(model, attr)
             except AttributeError:
                 setattr(model, attr, None)
-    model.is_quantized = False
+    setattr(model, "is_quantized", False)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
