@@ -1,7 +1,8 @@
 """Loading a span of transformer blocks and running hidden states through it.
 
 `BlockSpan.load` reads only the tensors of blocks [start, end) from the checkpoint (the other blocks are never
-materialized) into the family's decoder layers, built on the meta device and filled in place. `forward` runs
+materialized) into the family's decoder layers, built on the meta device and filled in place, one block at a time
+(with `quant_type` int8 / nf4 each block is quantized before the next is read: `swarm.modeling.quantize`). `forward` runs
 `[batch, seq, hidden]` states through some or all of the span with explicit positions, either with a session's
 `SessionKV` (inference) or without a cache (a plain forward pass).
 """
@@ -51,10 +52,15 @@ class BlockSpan(nn.Module):
         self.kv_heads = self.shape.num_kv_heads
         self.fused: list = []  # the layers as `BlockLayer`s for server.decode / server.graphs (`FamilySpec.fuse`)
         self.graphs: Optional["SpanGraphs"] = None  # set by `enable_cuda_graphs`
+        self.quant_type = "none"  # or int8 / nf4: the layers are `swarm.modeling.quantize.QuantizedLayer`s
 
     def enable_cuda_graphs(self) -> bool:
-        """Replay single-session decode steps as CUDA graphs (CUDA devices, families with fused layers); True if on."""
-        if self.device.type != "cuda" or not self.can_batch:
+        """Replay single-session decode steps as CUDA graphs (CUDA devices, families with fused layers); True if on.
+
+        Not for quantized spans: bitsandbytes' int8 layers pick outlier columns per input (data-dependent shapes,
+        a host sync), which capture forbids; nf4's kernels are untested under capture (`swarm.modeling.quantize`).
+        """
+        if self.device.type != "cuda" or not self.can_batch or self.quant_type != "none":
             return False
         from server.graphs import SpanGraphs
 
@@ -63,26 +69,37 @@ class BlockSpan(nn.Module):
 
     @classmethod
     def load(cls, checkpoint: Checkpoint, start: int, end: int, dtype_name: str = "auto",
-             device: str = "cpu") -> "BlockSpan":
+             device: str = "cpu", quant_type: str = "none") -> "BlockSpan":
+        """Blocks [start, end) of `checkpoint`, read, (quantized) and moved to `device` one block at a time.
+
+        quant_type "int8" / "nf4" (`swarm.modeling.quantize`): each block is fused and quantized before the next is
+        read, and its float tensors are dropped, so the process never holds the span in full precision.
+        """
         config = checkpoint.load_config()
         family = family_for(config)
         if not 0 <= start < end <= config.num_hidden_layers:
             raise ValueError(f"blocks {start}:{end} are outside the model's 0:{config.num_hidden_layers}")
         torch_device = torch.device(device)
         dtype = resolve_dtype(dtype_name, config, torch_device)
+        quant_type = quant_type or "none"
+        quantize = None
+        if quant_type != "none":
+            if family.fuse is None:
+                raise ValueError(f"quant_type {quant_type} needs a family with fused layers ({family.model_type} has none)")
+            from swarm.modeling.quantize import quantize_layer as quantize
+
         config._attn_implementation = "sdpa"
         layer_cls = family.import_class(family.layer_class)
         fuse = family.import_class(family.fuse) if family.fuse else None
-        prefixes = {i: family.block_tensor_prefix(i) for i in range(start, end)}
-        tensors = checkpoint.load_tensors(lambda name: any(name.startswith(p) for p in prefixes.values()), dtype)
         layers = nn.ModuleList()
         fused = []
         for index in range(start, end):
             with torch.device("meta"):
                 layer = layer_cls(config, index)
-            prefix = prefixes[index]
-            # this block's tensors leave the dict now, so that fusing them (below) never holds two copies of all
-            state = {k[len(prefix):]: tensors.pop(k) for k in [k for k in tensors if k.startswith(prefix)]}
+            prefix = family.block_tensor_prefix(index)
+            # only this block's tensors are read: its float copies are gone before the next block's are read
+            state = {k[len(prefix):]: v for k, v in
+                     checkpoint.load_tensors(lambda name, p=prefix: name.startswith(p), dtype).items()}
             missing, unexpected = layer.load_state_dict(state, strict=False, assign=True)
             if missing or unexpected:
                 raise ValueError(f"block {index}: missing tensors {missing}, unexpected {unexpected}")
@@ -90,16 +107,26 @@ class BlockSpan(nn.Module):
                 if tensor.is_meta:
                     raise ValueError(f"block {index}: {name} was not loaded from the checkpoint")
             layer.self_attn.layer_idx = index - start  # index into this span's SessionKV
+            del state
+            if quantize is not None and fuse is not None:
+                # fused on the CPU, then each fused weight quantized as it moves to the device; the float layer
+                # (and its fused tensors) is dropped here, the quantized layer serves every path
+                quantized = quantize(fuse(layer.to(dtype).eval().requires_grad_(False)), quant_type, dtype,
+                                     torch_device)
+                del layer
+                layers.append(quantized)
+                fused.append(quantized)
+                continue
             layers.append(layer.to(torch_device, dtype).eval().requires_grad_(False))
             if fuse is not None:
                 fused.append(fuse(layers[-1]))
-            del state
         rotary = None
         if family.rotary_class is not None:
             rotary = family.import_class(family.rotary_class)(config=config).to(torch_device)
-        logger.info(f"loaded blocks {start}:{end} of {checkpoint.name} ({dtype}, {device})")
+        logger.info(f"loaded blocks {start}:{end} of {checkpoint.name} ({dtype}, {device}, quant_type {quant_type})")
         span = cls(config, family, start, end, layers, rotary, dtype, torch_device)
         span.fused = fused
+        span.quant_type = quant_type
         return span
 
     def new_session_kv(self, batch_size: int, max_length: int, first: int, last: int) -> SessionKV:

@@ -1,0 +1,191 @@
+"""Quantized block weights (int8, nf4) through bitsandbytes: what a server's `--quant_type` does to its blocks.
+
+A block is quantized after it is fused (`swarm.modeling.llama.fuse_layer`): its fused float weights (q;k;v rows
+concatenated, gate;up rows concatenated, o, down) each become one bitsandbytes linear module, so the server's
+steps still run four projections per block. Quantizing the concatenated rows gives the same values as
+quantizing each projection on its own (what transformers' `BitsAndBytesConfig` does to the checkpoint's
+modules):
+- int8 (LLM.int8(), `Linear8bitLt`, outlier threshold 6.0): one absmax scale per output row; the outlier columns
+  are picked from the input, which q/k/v (and gate/up) share;
+- nf4 (`Linear4bit`, blocksize 64, no double quantization, as `BitsAndBytesConfig`'s defaults): one absmax per
+  64 consecutive values of the row-major weight; with in_features % 64 == 0 no block straddles two rows, so
+  none straddles two projections (`quantize_layer` checks it).
+Quantization happens when the parameters move `.to(device)`; the float tensors are dropped right after, block by
+block (`server.blocks.BlockSpan.load`). Norms (and the client's embeddings and LM head) stay in float.
+
+`QuantizedLayer` has `FusedLayer`'s methods (`block_step` reads it: batched decode, chunked prefill) and
+`DecoderLayer`'s `forward` (passes without a cache), so one set of quantized weights serves every path and no
+float copy of a linear weight stays resident. bitsandbytes dequantizes per call into temporaries (nf4 on the
+CPU: the whole weight, then a float matmul; on CUDA a fused kernel for single-token rows), never into a kept
+copy.
+
+CUDA graphs: `Linear8bitLt` picks its outlier columns from each input (data-dependent shapes and a host sync),
+which graph capture does not allow; `Linear4bit`'s single-row gemv kernel could be captured, but that is not
+tested here, so quantized spans run their decode steps eagerly (`BlockSpan.enable_cuda_graphs` declines).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from swarm.modeling.layers import cache_attention
+from swarm.modeling.llama import FusedLayer, block_step
+
+QUANT_TYPES = ("none", "int8", "nf4")
+INT8_THRESHOLD = 6.0  # LLM.int8()'s outlier threshold (transformers' `llm_int8_threshold` default)
+NF4_BLOCKSIZE = 64
+QUANT_TYPE_HELP = ("linear weights of the served blocks: none, int8 (LLM.int8(), bitsandbytes Linear8bitLt, outlier "
+                   "threshold 6) or nf4 (bitsandbytes 4-bit NF4, blocksize 64); norms stay in float. auto: nf4 on "
+                   "CUDA, none on the CPU, where bitsandbytes' int8/nf4 kernels run slower than float matmuls (a "
+                   "SmolLM2-135M decode step: ~2x (int8) to ~4x (nf4) slower) for 2.5x (int8) / 5x (nf4) less memory")
+
+
+def resolve_quant_type(name: Optional[str], device: torch.device | str) -> str:
+    """`name` ("auto" or one of QUANT_TYPES) for `device`: auto is nf4 on CUDA and none elsewhere."""
+    name = (name or "auto").lower()
+    if name == "auto":
+        return "nf4" if torch.device(device).type == "cuda" else "none"
+    if name not in QUANT_TYPES:
+        raise ValueError(f"unknown quant_type {name!r}; choose auto, {', '.join(QUANT_TYPES)}")
+    return name
+
+
+def check_quant_support(quant_type: str, device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
+    """Raise ValueError (one line) unless bitsandbytes can quantize and run a `quant_type` layer on `device`."""
+    if quant_type == "none":
+        return
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception as e:  # ImportError, or a library that fails to load its native code
+        raise ValueError(f"--quant_type {quant_type} needs bitsandbytes, which cannot be imported: "
+                         f"{type(e).__name__}: {e}".splitlines()[0]) from None
+    try:
+        weight = torch.linspace(-1, 1, NF4_BLOCKSIZE * NF4_BLOCKSIZE).reshape(NF4_BLOCKSIZE, NF4_BLOCKSIZE)
+        module = quantized_linear(weight.to(dtype), None, quant_type, dtype, torch.device(device))
+        with torch.inference_mode():
+            out = module(torch.ones(2, NF4_BLOCKSIZE, dtype=dtype, device=device))
+        if out.shape != (2, NF4_BLOCKSIZE) or not bool(torch.isfinite(out).all()):
+            raise RuntimeError("a test layer gave a wrong result")
+    except Exception as e:
+        message = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"--quant_type {quant_type} cannot run on {device} with this bitsandbytes: {message}") from None
+
+
+def quantized_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], quant_type: str, compute_dtype: torch.dtype,
+                     device: torch.device) -> nn.Module:
+    """A bitsandbytes linear module for float `weight` [out, in] (and `bias` [out]) quantized on `device`."""
+    import bitsandbytes as bnb
+
+    out_features, in_features = weight.shape
+    with torch.device("meta"):  # no float weight is allocated (nor initialized) for the module's constructor
+        if quant_type == "int8":
+            module: nn.Module = bnb.nn.Linear8bitLt(in_features, out_features, bias=bias is not None,
+                                                    has_fp16_weights=False, threshold=INT8_THRESHOLD)
+        elif quant_type == "nf4":
+            module = bnb.nn.Linear4bit(in_features, out_features, bias=bias is not None, compute_dtype=compute_dtype,
+                                       compress_statistics=False, quant_type="nf4")
+        else:
+            raise ValueError(f"cannot quantize to {quant_type!r}; choose int8 or nf4")
+    data = weight.detach().contiguous()
+    if quant_type == "int8":
+        module.weight = bnb.nn.Int8Params(data, requires_grad=False, has_fp16_weights=False)
+    else:
+        module.weight = bnb.nn.Params4bit(data, requires_grad=False, blocksize=NF4_BLOCKSIZE, compress_statistics=False,
+                                          quant_type="nf4", module=module)
+    if bias is not None:
+        module.bias = nn.Parameter(bias.detach().to(compute_dtype), requires_grad=False)
+    # `.to` quantizes the weight (bitsandbytes' `Int8Params.to` / `Params4bit.to`); eval mode matters for int8:
+    # a training-mode Linear8bitLt on the CPU dequantizes its whole weight for a float matmul every call instead
+    # of LLM.int8()'s int8 matmul
+    return module.to(device).eval().requires_grad_(False)
+
+
+class QuantizedLayer(nn.Module):
+    """One block with quantized projections: `FusedLayer`'s methods for `block_step`, `DecoderLayer`'s `forward`.
+
+    qkv_proj: [(heads + 2 * kv_heads) * head_dim, hidden], o_proj: [hidden, heads * head_dim],
+    gate_up_proj: [2 * intermediate, hidden], down_proj: [hidden, intermediate] (bitsandbytes modules).
+    """
+
+    step = block_step  # layer.step(x, cos, sin, attend)
+
+    def __init__(self, fused: FusedLayer, quant_type: str, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        hidden = fused.qkv_weight.shape[1]
+        intermediate = fused.down_weight_t.shape[0]
+        if quant_type == "nf4" and (hidden % NF4_BLOCKSIZE or intermediate % NF4_BLOCKSIZE):
+            # a 64-value block would straddle rows (and the fused q/k/v, gate/up seams): not what per-module
+            # quantization gives
+            raise ValueError(f"nf4 needs hidden ({hidden}) and intermediate ({intermediate}) sizes divisible by "
+                             f"{NF4_BLOCKSIZE}")
+        self.quant_type = quant_type
+        self.heads, self.kv_heads, self.head_dim = fused.heads, fused.kv_heads, fused.head_dim
+        self.scaling, self.layer_idx, self.eps = fused.scaling, fused.layer_idx, fused.eps
+        self.input_norm_weight = nn.Parameter(fused.input_norm_weight.detach().to(device, dtype), requires_grad=False)
+        self.post_norm_weight = nn.Parameter(fused.post_norm_weight.detach().to(device, dtype), requires_grad=False)
+        self.qkv_proj = quantized_linear(fused.qkv_weight, fused.qkv_bias, quant_type, dtype, device)
+        self.o_proj = quantized_linear(fused.o_weight_t.t(), fused.o_bias, quant_type, dtype, device)
+        self.gate_up_proj = quantized_linear(fused.gate_up_weight, fused.gate_up_bias, quant_type, dtype, device)
+        self.down_proj = quantized_linear(fused.down_weight_t.t(), fused.down_bias, quant_type, dtype, device)
+        self.act = fused.act
+        self.eval()
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,
+                position_embeddings=None, **kwargs) -> torch.Tensor:
+        """`DecoderLayer.forward`'s call: [batch, seq, hidden] -> [batch, seq, hidden]."""
+        cos, sin = position_embeddings
+        return block_step(self, hidden_states, cos, sin, cache_attention(past_key_values, attention_mask))
+
+    # what block_step reads
+
+    def input_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(x, self.input_norm_weight, self.eps)
+
+    def post_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(x, self.post_norm_weight, self.eps)
+
+    def qkv(self, h: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> [..., heads + 2 * kv_heads, head_dim]"""
+        return self.qkv_proj(h).to(h.dtype).unflatten(-1, (-1, self.head_dim))
+
+    def add_o_proj(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        return x + self.o_proj(o).to(x.dtype)
+
+    def gate_up(self, h: torch.Tensor):
+        return self.gate_up_proj(h).to(h.dtype).chunk(2, dim=-1)
+
+    def add_down(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return x + self.down_proj(h).to(x.dtype)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm, op for op (`swarm.modeling.layers.RMSNorm`): int8 layers quantize their input per
+    row, so a last-bit difference in the norm's output can move an activation a whole int8 step."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def quantize_layer(fused: FusedLayer, quant_type: str, dtype: torch.dtype, device: torch.device) -> QuantizedLayer:
+    """The quantized block on `device` from a fused float block (which the caller then drops)."""
+    return QuantizedLayer(fused, quant_type, dtype, device)
+
+
+def quantized_weight_bytes(module: nn.Module) -> int:
+    """Bytes of a module's quantized linear weights with their scales (int8 SCB, nf4 absmax and code)."""
+    import bitsandbytes as bnb
+
+    total = 0
+    for sub in module.modules():
+        if isinstance(sub, bnb.nn.Linear8bitLt):
+            total += sub.weight.numel() * sub.weight.element_size()
+            scb = sub.state.SCB if sub.state.SCB is not None else sub.weight.SCB
+            total += 0 if scb is None else scb.numel() * scb.element_size()
+        elif isinstance(sub, bnb.nn.Linear4bit):
+            state = sub.weight.quant_state
+            total += sub.weight.numel() * sub.weight.element_size()
+            total += state.absmax.numel() * state.absmax.element_size() + state.code.numel() * state.code.element_size()
+    return total
