@@ -2,14 +2,14 @@
 
 `BlockSpan.load` reads only the tensors of blocks [start, end) from the checkpoint (the other blocks are never
 materialized) into the family's decoder layers, built on the meta device and filled in place, one block at a time
-(with `quant_type` int8 / nf4 each block is quantized before the next is read: `swarm.modeling.quantize`). `forward` runs
-`[batch, seq, hidden]` states through some or all of the span with explicit positions, either with a session's
-`SessionKV` (inference) or without a cache (a plain forward pass).
+(with `quant_type` int8 / nf4 each block is quantized before the next is read: `swarm.modeling.quantize`).
+`forward` runs `[batch, seq, hidden]` states through some or all of the span with explicit positions, either with a
+session's `SessionKV` (inference) or without a cache (a plain forward pass).
 """
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import nn
@@ -37,6 +37,10 @@ def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"unknown torch_dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def _starts_with(prefix: str) -> Callable[[str], bool]:
+    return lambda name: name.startswith(prefix)
 
 
 class BlockSpan(nn.Module):
@@ -82,11 +86,13 @@ class BlockSpan(nn.Module):
         torch_device = torch.device(device)
         dtype = resolve_dtype(dtype_name, config, torch_device)
         quant_type = quant_type or "none"
-        quantize = None
+        quantize: Optional[Callable] = None
         if quant_type != "none":
             if family.fuse is None:
-                raise ValueError(f"quant_type {quant_type} needs a family with fused layers ({family.model_type} has none)")
-            from swarm.modeling.quantize import quantize_layer as quantize
+                raise ValueError(f"quant_type {quant_type} needs a family with fused layers ({family.model_type})")
+            from swarm.modeling.quantize import quantize_layer
+
+            quantize = quantize_layer
 
         config._attn_implementation = "sdpa"
         layer_cls = family.import_class(family.layer_class)
@@ -98,8 +104,7 @@ class BlockSpan(nn.Module):
                 layer = layer_cls(config, index)
             prefix = family.block_tensor_prefix(index)
             # only this block's tensors are read: its float copies are gone before the next block's are read
-            state = {k[len(prefix):]: v for k, v in
-                     checkpoint.load_tensors(lambda name, p=prefix: name.startswith(p), dtype).items()}
+            state = {k[len(prefix):]: v for k, v in checkpoint.load_tensors(_starts_with(prefix), dtype).items()}
             missing, unexpected = layer.load_state_dict(state, strict=False, assign=True)
             if missing or unexpected:
                 raise ValueError(f"block {index}: missing tensors {missing}, unexpected {unexpected}")

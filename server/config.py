@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 
 from server.throughput import parse_throughput_mode
 from swarm.modeling.disk_cache import parse_size
+from swarm.modeling.quantize import QUANT_TYPE_HELP, QUANT_TYPES
 from swarm.runtime.config import ProcessConfig, parse_span
 from swarm.wire.dtypes import DTYPES
 
@@ -29,6 +30,7 @@ class ServerConfig(ProcessConfig):
                                       description="serve this many blocks (default: as many as fit in free memory)")
     device: str = Field(default="cpu", description="torch device (cpu, cuda, cuda:1, ...)")
     torch_dtype: str = Field(default="auto", description="auto, float32, float16 or bfloat16")
+    quant_type: str = Field(default="auto", description=QUANT_TYPE_HELP)
     cuda_graphs: bool = Field(default=True, description="on CUDA devices, replay each session's single-token decode "
                                                          "step as a CUDA graph (Llama-style models)")
     decode_gather_ms: float = Field(default=20.0, ge=0, le=1000,
@@ -73,6 +75,14 @@ class ServerConfig(ProcessConfig):
         if value != "auto" and value not in DTYPES:
             raise ValueError(f"must be auto, {', '.join(DTYPES)}")
         return value
+
+    @field_validator("quant_type", mode="before")
+    @classmethod
+    def _valid_quant_type(cls, value):
+        text = str(value).strip().lower()
+        if text != "auto" and text not in QUANT_TYPES:
+            raise ValueError(f"must be auto, {', '.join(QUANT_TYPES)}")
+        return text
 
     @field_validator("throughput", mode="before")
     @classmethod

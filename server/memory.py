@@ -2,9 +2,9 @@
 
 `plan_capacity` turns what the device has free into (number of blocks, KV cache budget in tokens) using the
 pure `server.placement.num_blocks_that_fit`. A block's size is counted from its parameters (built on the meta
-device, nothing allocated) at the serving dtype (`bytes_per_block` can also size int8 / nf4 linear weights, for
-when servers get quantized weights; no server option asks for them yet); a cached token costs keys and values of
-every kv head at the dtype, per block.
+device, nothing allocated) at the serving dtype, its linear weights at their quantized size with their scales for
+`--quant_type` int8 / nf4 (`swarm.modeling.quantize`); a cached token costs keys and values of every kv head at the
+dtype, per block.
 """
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ from swarm.modeling.shape import ModelShape
 logger = logging.getLogger(__name__)
 
 # bytes per parameter of a quantized linear weight, relative to nothing (absolute), with its scales/statistics
-QUANT_BYTES_PER_PARAM = {"int8": 1.0 + 1 / 64, "nf4": 0.5 + 1 / 32}
+# int8: a float32 scale per row (<= 4 / 64 bytes per weight from 64 columns on); nf4: a float32 absmax per 64
+# weights (no double quantization, as `swarm.modeling.quantize`)
+QUANT_BYTES_PER_PARAM = {"int8": 1.0 + 1 / 16, "nf4": 0.5 + 4 / 64}
 DEFAULT_CACHE_TOKENS = 16384  # Petals' per-server default: plenty of sessions of a few thousand tokens
 MIN_CACHE_TOKENS = 2048
 CACHE_MEMORY_FRACTION = 0.25  # at most this share of the free memory goes to the KV cache by default
@@ -81,7 +83,8 @@ class Capacity:
 
 
 def plan_capacity(model_config, dtype: torch.dtype, free_bytes: int, *, num_blocks: Optional[int] = None,
-                  attn_cache_tokens: Optional[int] = None, reserve_fraction: float = 0.1) -> Capacity:
+                  attn_cache_tokens: Optional[int] = None, reserve_fraction: float = 0.1,
+                  quant_type: str = "none") -> Capacity:
     """How many blocks to serve and how many cache tokens to budget, given `free_bytes` of device memory.
 
     Given values win. Without `attn_cache_tokens` the budget is `DEFAULT_CACHE_TOKENS`, lowered so that the
@@ -90,7 +93,7 @@ def plan_capacity(model_config, dtype: torch.dtype, free_bytes: int, *, num_bloc
     Raises ValueError when not even one block fits.
     """
     total = model_config.num_hidden_layers
-    block = bytes_per_block(model_config, dtype)
+    block = bytes_per_block(model_config, dtype, quant_type)
     token = cache_bytes_per_token(model_config, dtype)
 
     def default_tokens(blocks: int) -> int:

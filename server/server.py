@@ -45,6 +45,7 @@ from server.throughput import get_throughput
 from swarm import __version__
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.disk_cache import parse_size
+from swarm.modeling.quantize import check_quant_support, resolve_quant_type
 from swarm.runtime import malloc
 from swarm.runtime.cpu_turns import CpuTurns, cpu_turns_enabled
 from swarm.runtime.taskpool import PRIORITY_FORWARD, TaskPool
@@ -73,6 +74,9 @@ class Server:
         self.prefix = config.dht_prefix or dht_prefix_for(config.model)
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.torch_dtype, self.model_config, self.device)
+        # before the DHT starts: a quantization this machine's bitsandbytes cannot run is a one-line error
+        self.quant_type = resolve_quant_type(config.quant_type, self.device)
+        check_quant_support(self.quant_type, self.device, self.dtype)
         self.pinned = config.block_indices is not None
         self.rng = random.Random()
         self.dht: Optional[hivemind.DHT] = None
@@ -82,7 +86,7 @@ class Server:
         self.pool: Optional[TaskPool] = None
         self.capacity: Optional[Capacity] = None
         self.record = Announcer(self.prefix, config.expiration or 2 * config.update_period, self.num_blocks_total,
-                                self.dtype, self._free_cache_tokens)
+                                self.dtype, self._free_cache_tokens, quant_type=self.quant_type)
         # observable counters (tests, logs)
         self.moves = self.restarts = 0
         self._stop = asyncio.Event()
@@ -128,7 +132,7 @@ class Server:
         began = time.monotonic()
         start, end = self.record.start, self.record.end
         span = await self._compute_pool().submit(PRIORITY_FORWARD, BlockSpan.load, self.checkpoint, start, end,
-                                                 self.config.torch_dtype, self.config.device)
+                                                 self.config.torch_dtype, self.config.device, self.quant_type)
         malloc.trim()  # what loading (and measuring the throughput) freed: unfused checkpoint tensors
         if self.config.cuda_graphs and span.enable_cuda_graphs():
             logger.info("single-session decode steps replay CUDA graphs")
@@ -222,12 +226,13 @@ class Server:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, self._stop.set)
         self.capacity = await loop.run_in_executor(None, spans.plan, self.config, self.model_config, self.dtype,
-                                                   self.num_blocks_total)
+                                                   self.num_blocks_total, self.quant_type)
         self.dht = self.record.dht = await loop.run_in_executor(None, start_dht, self.config)
         try:
             self.record.throughput, source = await self._compute_pool().submit(
                 PRIORITY_FORWARD, lambda: get_throughput(self.config.throughput, self.checkpoint, self.config.device,
-                                                         self.dtype, self.config.torch_dtype))
+                                                         self.dtype, self.config.torch_dtype,
+                                                         quant_type=self.quant_type))
             logger.info(f"throughput: {self.record.throughput:.1f} decode steps/s per block ({source})")
             await spans.place(self)
             if self._stop.is_set():
@@ -238,7 +243,8 @@ class Server:
             start, end = self.record.start, self.record.end
             ready = {"peer_id": self.peer_id, "start": start, "end": end,
                      "maddrs": [str(m) for m in self.started_dht.get_visible_maddrs()], "prefix": self.prefix,
-                     "throughput": self.record.throughput, "attn_cache_tokens": self.capacity.attn_cache_tokens}
+                     "throughput": self.record.throughput, "attn_cache_tokens": self.capacity.attn_cache_tokens,
+                     "quant_type": self.quant_type}
             print("SWARMGATE_READY " + json.dumps(ready), flush=True)
             logger.info(f"serving blocks {start}:{end} of {self.config.model} as {ready['peer_id']}")
             await self._supervise()

@@ -65,7 +65,8 @@ class SpanHost(Protocol):
     async def unload_blocks(self) -> None: ...
 
 
-def plan(config: ServerConfig, model_config, dtype: torch.dtype, num_blocks_total: int) -> Capacity:
+def plan(config: ServerConfig, model_config, dtype: torch.dtype, num_blocks_total: int,
+         quant_type: str = "none") -> Capacity:
     """How many blocks to serve and the KV cache budget, from the flags and the device's free memory."""
     if config.block_indices is not None:
         start, end = parse_span(config.block_indices)
@@ -76,13 +77,13 @@ def plan(config: ServerConfig, model_config, dtype: torch.dtype, num_blocks_tota
         num_blocks = config.num_blocks
     free = free_memory_bytes(config.device)
     capacity = plan_capacity(model_config, dtype, free, num_blocks=num_blocks,
-                             attn_cache_tokens=config.attn_cache_tokens)
+                             attn_cache_tokens=config.attn_cache_tokens, quant_type=quant_type)
     needed = capacity.num_blocks * (capacity.block_bytes + capacity.attn_cache_tokens * capacity.token_bytes)
     if needed > free:
         logger.warning(f"{capacity.num_blocks} blocks with a {capacity.attn_cache_tokens}-token cache need "
                        f"{needed / 2**20:.0f} MiB but only {free / 2**20:.0f} MiB are free on {config.device}")
-    logger.info(f"capacity: {capacity.num_blocks} blocks of {capacity.block_bytes / 2**20:.1f} MiB, KV cache "
-                f"budget {capacity.attn_cache_tokens} tokens ({capacity.token_bytes} bytes/token/block), "
+    logger.info(f"capacity: {capacity.num_blocks} blocks of {capacity.block_bytes / 2**20:.1f} MiB ({quant_type}), "
+                f"KV cache budget {capacity.attn_cache_tokens} tokens ({capacity.token_bytes} bytes/token/block), "
                 f"{free / 2**30:.1f} GiB free on {config.device}")
     return capacity
 

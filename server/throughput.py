@@ -67,7 +67,7 @@ def model_key(model: str) -> str:
 
 
 def cache_key(model: str, device: str, dtype: torch.dtype, quant_type: str = "none") -> str:
-    """The cache entry's key; servers measure unquantized blocks ("none") until quantized weights exist."""
+    """The cache entry's key: a quantized block (`--quant_type`) runs at its own speed."""
     return "|".join([model_key(model), device_key(device), str(dtype).replace("torch.", ""), quant_type or "none"])
 
 
@@ -98,11 +98,11 @@ def _sync(device: torch.device) -> None:
 
 
 def measure(checkpoint, device: str = "cpu", dtype_name: str = "auto", *, decode_steps: int = DECODE_STEPS,
-            forward_passes: int = FORWARD_PASSES) -> Dict[str, float]:
+            forward_passes: int = FORWARD_PASSES, quant_type: str = "none") -> Dict[str, float]:
     """Run block 0 of `checkpoint` and time it: {'decode_rps': steps/s, 'forward_tps': tokens/s} for one block."""
     from server.blocks import BlockSpan
 
-    span = BlockSpan.load(checkpoint, 0, 1, dtype_name, device)
+    span = BlockSpan.load(checkpoint, 0, 1, dtype_name, device, quant_type)
     dev = span.device
     generator = torch.Generator().manual_seed(0)
     hidden_size, dtype = span.hidden_size, span.dtype
@@ -140,13 +140,13 @@ def measure(checkpoint, device: str = "cpu", dtype_name: str = "auto", *, decode
 
 
 def get_throughput(mode: Union[str, float], checkpoint, device: str, dtype: torch.dtype, dtype_name: str = "auto",
-                   cache_root: Optional[Path] = None) -> tuple[float, str]:
+                   cache_root: Optional[Path] = None, quant_type: str = "none") -> tuple[float, str]:
     """(decode steps/s per block to announce, where it came from: 'given', 'cache' or 'measured')."""
     mode = parse_throughput_mode(mode)
     if isinstance(mode, float):
         return mode, "given"
     path = cache_path(cache_root)
-    key = cache_key(checkpoint.name, device, dtype)
+    key = cache_key(checkpoint.name, device, dtype, quant_type)
     with _locked(path):  # one server of a machine measures at a time; the others then read its result
         if mode == "auto":
             entry = _read(path).get(key)
@@ -154,7 +154,7 @@ def get_throughput(mode: Union[str, float], checkpoint, device: str, dtype: torc
             if isinstance(rate, (int, float)) and rate > 0:
                 return float(rate), "cache"
         began = time.perf_counter()
-        result = measure(checkpoint, device, dtype_name)
+        result = measure(checkpoint, device, dtype_name, quant_type=quant_type)
         logger.info(f"measured throughput in {time.perf_counter() - began:.2f}s: {result['decode_rps']:.1f} decode "
                     f"steps/s and {result['forward_tps']:.0f} forward tokens/s per block ({key})")
         data = _read(path)

@@ -70,7 +70,8 @@ def check_quant_support(quant_type: str, device: torch.device | str, dtype: torc
             raise RuntimeError("a test layer gave a wrong result")
     except Exception as e:
         message = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
-        raise ValueError(f"--quant_type {quant_type} cannot run on {device} with this bitsandbytes: {message}") from None
+        raise ValueError(f"--quant_type {quant_type} cannot run on {device} with this bitsandbytes: {message}"
+                         ) from None
 
 
 def quantized_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], quant_type: str, compute_dtype: torch.dtype,
@@ -93,7 +94,7 @@ def quantized_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], quant_t
         module.weight = bnb.nn.Int8Params(data, requires_grad=False, has_fp16_weights=False)
     else:
         module.weight = bnb.nn.Params4bit(data, requires_grad=False, blocksize=NF4_BLOCKSIZE, compress_statistics=False,
-                                          quant_type="nf4", module=module)
+                                          quant_type="nf4", module=module)  # type: ignore[arg-type]
     if bias is not None:
         module.bias = nn.Parameter(bias.detach().to(compute_dtype), requires_grad=False)
     # `.to` quantizes the weight (bitsandbytes' `Int8Params.to` / `Params4bit.to`); eval mode matters for int8:
@@ -182,10 +183,10 @@ def quantized_weight_bytes(module: nn.Module) -> int:
     for sub in module.modules():
         if isinstance(sub, bnb.nn.Linear8bitLt):
             total += sub.weight.numel() * sub.weight.element_size()
-            scb = sub.state.SCB if sub.state.SCB is not None else sub.weight.SCB
+            scb = sub.state.SCB if sub.state.SCB is not None else getattr(sub.weight, "SCB", None)
             total += 0 if scb is None else scb.numel() * scb.element_size()
         elif isinstance(sub, bnb.nn.Linear4bit):
-            state = sub.weight.quant_state
+            state = getattr(sub.weight, "quant_state")
             total += sub.weight.numel() * sub.weight.element_size()
             total += state.absmax.numel() * state.absmax.element_size() + state.code.numel() * state.code.element_size()
     return total

@@ -43,8 +43,8 @@ class ServerInfo(BaseModel):
     cache_tokens_left: int = Field(default=0, ge=0)
     version: str = ""
     dtype: str = "float32"
-    # part of the record's wire format; no server sets them yet (a later issue adds quantized weights and adapters)
-    quant_type: str = "none"
+    quant_type: str = "none"  # the served linear weights: none, int8 or nf4 (`swarmgate server --quant_type`)
+    # part of the record's wire format; no server sets adapters yet
     adapters: tuple[str, ...] = ()
     next_pings: Dict[str, float] = Field(default_factory=dict, description="peer id -> RTT in seconds")
 
