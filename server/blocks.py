@@ -19,6 +19,7 @@ from server.decode import attention_backends, decode_step, prefill_step
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec, family_for
 from swarm.modeling.shape import ModelShape, config_dtype
+from swarm.runtime import malloc
 from swarm.wire.dtypes import DTYPES
 
 if TYPE_CHECKING:
@@ -119,6 +120,7 @@ class BlockSpan(nn.Module):
                 quantized = quantize(fuse(layer.to(dtype).eval().requires_grad_(False)), quant_type, dtype,
                                      torch_device)
                 del layer
+                malloc.trim()  # the float block's pages go back now, not reused piecemeal (the peak stays ~1 block)
                 layers.append(quantized)
                 fused.append(quantized)
                 continue
