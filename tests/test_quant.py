@@ -198,3 +198,15 @@ def test_record_and_throughput_key_carry_the_quant_type():
     record = Announcer("p", 10.0, 30, torch.float32, lambda: 0, quant_type="nf4")
     assert record.info(ServerState.ONLINE, 0, 1).quant_type == "nf4"
     assert cache_key("m", "cpu", torch.float32, "int8") != cache_key("m", "cpu", torch.float32, "none")
+
+
+def test_throughput_measures_a_quantized_block(model_path, tmp_path):
+    from server.throughput import CACHE_FILE, cache_key, get_throughput
+
+    rate, source = get_throughput("eval", Checkpoint(model_path), "cpu", torch.float32, "float32", cache_root=tmp_path,
+                                  quant_type="nf4")
+    assert rate > 0 and source == "measured"
+    import json
+
+    cached = json.loads((tmp_path / CACHE_FILE).read_text())
+    assert cache_key(model_path, "cpu", torch.float32, "nf4") in cached
