@@ -41,7 +41,7 @@ from gateway.params import Limits, check_model
 from gateway.schemas import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
 from gateway.session_pool import SessionPool
 from gateway.sessions import SessionProvider
-from gateway.state import GatewayState, format_ranges
+from gateway.state import GatewayState, format_ranges, quant_note, quant_summary
 from gateway.tokens import Tokens
 from swarm.runtime import malloc
 
@@ -89,6 +89,7 @@ def load_model(config: GatewayConfig):
     return AutoDistributedModelForCausalLM.from_pretrained(
         config.model, initial_peers=config.initial_peers, dht_prefix=config.dht_prefix,
         torch_dtype=config.torch_dtype, step_timeout=config.step_timeout, request_timeout=config.rpc_timeout,
+        allowed_quant_types=config.allowed_quant_types,
         pad_head_rows=False)  # its buffers and timing runs cost the gateway ~5 MB of its 450 MB RSS budget
 
 
@@ -191,16 +192,21 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
     @app.get("/health")
     async def health():
         try:
-            missing, total, servers = await run_in_threadpool(state.coverage, True)
+            coverage = await run_in_threadpool(state.coverage, True)
         except Exception as e:
             return JSONResponse({"status": "unavailable", "message": f"cannot read the swarm's state: {e}",
                                  "missing_blocks": None}, status_code=503)
+        missing, total, servers = coverage.missing, coverage.num_blocks, coverage.servers
         if missing:
+            what = "online server" if coverage.allowed_quant_types is None else "online server of an allowed quant type"
             return JSONResponse({"status": "unavailable", "blocks": total, "servers": servers,
                                  "missing_blocks": missing,
-                                 "message": f"blocks {format_ranges(missing)} are not served by any online server"},
+                                 "message": f"blocks {format_ranges(missing)} are not served by any {what}"
+                                            f"{quant_note(coverage)}",
+                                 **quant_summary(coverage)},
                                 status_code=503)
-        return {"status": "ok", "blocks": total, "servers": servers, "model": config.model_name}
+        return {"status": "ok", "blocks": total, "servers": servers, "model": config.model_name,
+                **quant_summary(coverage)}
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -6,10 +6,11 @@ into the `swarmgate gateway MODEL ...` command line and `swarm.runtime.config.lo
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from pydantic import Field, field_validator
 
+from swarm.client.routing import QUANT_TYPES, normalize_quant_types
 from swarm.runtime.config import ProcessConfig
 from swarm.wire.dtypes import parse_dtype
 
@@ -53,6 +54,9 @@ class GatewayConfig(ProcessConfig):
     pool_headroom: int = Field(
         default=512, ge=0, description="tokens a pooled session reserves beyond prompt + max_tokens so that the "
                                        "next turns of the conversation fit in it (capped by the context length)")
+    allowed_quant_types: Optional[List[str]] = Field(
+        default=None, description=f"route only through servers announcing one of these weight formats "
+                                  f"({', '.join(QUANT_TYPES)}); default: any (a mixed swarm works)")
     torch_dtype: str = Field(default="float32", description="dtype of the local embeddings and LM head")
     num_threads: Optional[int] = Field(default=None, gt=0, description="torch intra-op threads")
     log_level: str = Field(default="INFO", description="logging level")
@@ -62,6 +66,12 @@ class GatewayConfig(ProcessConfig):
     def _valid_dtype(cls, value: str) -> str:
         parse_dtype(value)  # ValueError naming the choices
         return value
+
+    @field_validator("allowed_quant_types", mode="before")
+    @classmethod
+    def _valid_quant_types(cls, value: Any) -> Optional[List[str]]:
+        normalized = normalize_quant_types(value)  # ValueError naming the bad value and the choices
+        return None if normalized is None else list(normalized)
 
     @field_validator("api_keys")
     @classmethod

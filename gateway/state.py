@@ -3,13 +3,14 @@
 `GatewayState` is stored on `app.state.gateway`. `admit(jobs)` takes a generation slot (429 when the queue is
 full) and checks that the swarm can route a session of the needed size right now (503 otherwise), before
 any response starts, so that those errors reach the client as plain HTTP errors even for streaming requests.
-`coverage()` / `health()` describe which blocks are served.
+`coverage()` describes which blocks are served; `quant_summary` adds, for `/health`, the weight formats
+(`quant_type`) of the servers seen: counts, the formats covering each block range, and each server.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from starlette.concurrency import run_in_threadpool
 
@@ -21,7 +22,7 @@ from gateway.metrics import Metrics
 from gateway.params import Limits
 from gateway.runs import GenerationJob
 from gateway.tokens import Tokens
-from swarm.client.api import ClientModel
+from swarm.client.api import ClientModel, Coverage
 
 
 @dataclass
@@ -59,14 +60,67 @@ class GatewayState:
             raise swarm_error(e) from None
 
     # ---- swarm coverage -------------------------------------------------------------------------------------------
-    def coverage(self, force: bool = False) -> Tuple[List[int], int, int]:
-        """(missing block indices, number of blocks, online servers) from the client's view of the swarm."""
-        missing, num_blocks, servers = self.model.coverage(force=force)
-        return list(missing), num_blocks, servers
+    def coverage(self, force: bool = False) -> Coverage:
+        """Missing block indices, number of blocks, usable online servers and every server seen (with its
+        quant_type), from the client's view of the swarm."""
+        coverage = Coverage(*self.model.coverage(force=force))
+        return coverage._replace(missing=list(coverage.missing))
 
     def coverage_numbers(self) -> Tuple[int, int, int]:
-        missing, total, servers = self.coverage(force=False)
-        return total - len(missing), total, servers
+        coverage = self.coverage(force=False)
+        return coverage.num_blocks - len(coverage.missing), coverage.num_blocks, coverage.servers
+
+
+def quant_summary(coverage: Coverage) -> Dict[str, Any]:
+    """The weight formats of the swarm as `/health` shows them (every online server seen, allowed or not):
+
+    `allowed_quant_types` (None: any), `quant_types` (servers per format), `block_quant_types` (block ranges
+    with the formats that serve them, `[]` where none does) and `server_spans` (each server: blocks, format,
+    whether routes may use it)."""
+    num_blocks = coverage.num_blocks
+    per_block: List[Tuple[str, ...]] = [()] * num_blocks
+    counts: Dict[str, int] = {}
+    for view in coverage.spans:
+        counts[view.quant_type] = counts.get(view.quant_type, 0) + 1
+        for block in range(max(view.start, 0), min(view.end, num_blocks)):
+            if view.quant_type not in per_block[block]:
+                per_block[block] = tuple(sorted(per_block[block] + (view.quant_type,)))
+    ranges: List[Dict[str, Any]] = []
+    start = 0
+    for block in range(1, num_blocks + 1):
+        if block == num_blocks or per_block[block] != per_block[start]:
+            ranges.append({"blocks": f"{start}:{block}", "quant_types": list(per_block[start])})
+            start = block
+    allowed = coverage.allowed_quant_types
+    return {
+        "allowed_quant_types": None if allowed is None else list(allowed),
+        "quant_types": dict(sorted(counts.items())),
+        "block_quant_types": ranges,
+        "server_spans": [{"peer_id": v.peer_id, "blocks": f"{v.start}:{v.end}", "quant_type": v.quant_type,
+                          "allowed": v.allowed} for v in sorted(coverage.spans, key=lambda v: (v.start, v.peer_id))],
+    }
+
+
+def quant_note(coverage: Coverage) -> str:
+    """For missing blocks that servers of disallowed quant types serve: '; blocks 15:30 are served only by nf4
+    servers; allowed quant types: none', else ''."""
+    if coverage.allowed_quant_types is None:
+        return ""
+    missing = set(coverage.missing)
+    others: Dict[int, set[str]] = {}
+    for view in coverage.spans:
+        if not view.allowed:
+            for block in range(view.start, view.end):
+                if block in missing:
+                    others.setdefault(block, set()).add(view.quant_type)
+    if not others:
+        return ""
+    by_types: Dict[Tuple[str, ...], List[int]] = {}
+    for block in sorted(others):
+        by_types.setdefault(tuple(sorted(others[block])), []).append(block)
+    parts = [f"blocks {format_ranges(blocks)} are served only by {' / '.join(types)} servers"
+             for types, blocks in sorted(by_types.items(), key=lambda item: item[1][0])]
+    return f"; {'; '.join(parts)}; allowed quant types: {', '.join(coverage.allowed_quant_types)}"
 
 
 def format_ranges(indices: List[int]) -> str:

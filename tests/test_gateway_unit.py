@@ -191,12 +191,13 @@ class FakeSession:
 class FakeModel:
     """A stub of `swarm.client.api.ClientModel`."""
 
-    def __init__(self, tokenizer, text, fail_at=None, covered=True):
+    def __init__(self, tokenizer, text, fail_at=None, covered=True, coverage=None):
         self.config = SimpleNamespace(vocab_size=len(tokenizer), max_position_embeddings=256, eos_token_id=2)
         self.generation_config = SimpleNamespace(eos_token_id=2)
         self.script = tokenizer.encode(text, add_special_tokens=False) + [2]
         self.fail_at, self.sessions = fail_at, []
         self.covered = covered
+        self.coverage_value = coverage  # a scripted `Coverage` (with servers and their quant types), if given
 
     def check_route(self, cache_tokens=0):
         if not self.covered:
@@ -205,6 +206,8 @@ class FakeModel:
             raise RoutingError("no server holds block 0")
 
     def coverage(self, force=False):
+        if self.coverage_value is not None:
+            return self.coverage_value
         return Coverage([], 4, 1) if self.covered else Coverage([0, 1, 2, 3], 4, 0)
 
     def banned_peers(self):
@@ -224,8 +227,9 @@ def fake_app(tokenizer):
     from gateway.app import create_app
 
     def make(text="Hello there, world! STOP after", **kwargs):
-        model = FakeModel(tokenizer, text, **{k: v for k, v in kwargs.items() if k in ("fail_at", "covered")})
-        config = GatewayConfig(model="fake", **{k: v for k, v in kwargs.items() if k not in ("fail_at", "covered")})
+        model_keys = ("fail_at", "covered", "coverage")
+        model = FakeModel(tokenizer, text, **{k: v for k, v in kwargs.items() if k in model_keys})
+        config = GatewayConfig(model="fake", **{k: v for k, v in kwargs.items() if k not in model_keys})
         return TestClient(create_app(config, model=model, tokenizer=tokenizer), raise_server_exceptions=False), model
 
     return make
@@ -310,3 +314,81 @@ def test_fake_app_completions_n_and_usage(fake_app):
     assert r["choices"][0]["text"] == "a bone two three" and r["choices"][2]["text"] == "cone two three"
     assert {c["finish_reason"] for c in r["choices"]} == {"length"}
     assert r["usage"]["completion_tokens"] == 12
+
+
+# ---- servers' weight formats (allowed_quant_types, issue 14) --------------------------------------------------------
+def test_config_allowed_quant_types_from_cli_yaml_env(tmp_path):
+    from swarm.runtime.config import ConfigError, build_parser, load_config
+
+    assert GatewayConfig(model="m").allowed_quant_types is None
+    path = tmp_path / "gw.yaml"
+    path.write_text("gateway:\n  model: m\n  allowed_quant_types: [nf4, none]\n")
+    config = load_config(GatewayConfig, None, yaml_path=str(path), environ={}, section="gateway")
+    assert config.allowed_quant_types == ["none", "nf4"]
+    environ = {"SWARMGATE_MODEL": "m", "SWARMGATE_ALLOWED_QUANT_TYPES": "int8,none"}
+    assert load_config(GatewayConfig, None, environ=environ).allowed_quant_types == ["none", "int8"]
+    args = build_parser(GatewayConfig, "gw", "", positional="model").parse_args(
+        ["m", "--allowed_quant_types", "int8", "nf4"])
+    assert load_config(GatewayConfig, args, environ=environ).allowed_quant_types == ["int8", "nf4"]  # CLI wins
+    with pytest.raises(ConfigError, match=r"allowed_quant_types.*unknown quant type\(s\) 'fp8'.*none, int8, nf4"):
+        load_config(GatewayConfig, None, environ={"SWARMGATE_MODEL": "m", "SWARMGATE_ALLOWED_QUANT_TYPES": "fp8"})
+    args = build_parser(GatewayConfig, "gw", "", positional="model").parse_args(["m", "--allowed_quant_types"])
+    with pytest.raises(ConfigError, match="allowed_quant_types is empty"):
+        load_config(GatewayConfig, args, environ={})
+
+
+def test_load_model_passes_allowed_quant_types(monkeypatch):
+    import swarm
+    from gateway.app import load_model
+
+    seen = {}
+
+    def fake_from_pretrained(name, **kwargs):
+        seen.update(kwargs, name=name)
+        return "model"
+
+    monkeypatch.setattr(swarm.AutoDistributedModelForCausalLM, "from_pretrained", staticmethod(fake_from_pretrained))
+    config = GatewayConfig(model="m", initial_peers=["/ip4/1"], allowed_quant_types=["int8"])
+    assert load_model(config) == "model" and seen["allowed_quant_types"] == ["int8"] and seen["name"] == "m"
+    load_model(GatewayConfig(model="m", initial_peers=["/ip4/1"]))
+    assert seen["allowed_quant_types"] is None
+
+
+def test_health_shows_the_quant_type_of_servers(fake_app):
+    from swarm.client.api import ServerView
+
+    views = (ServerView("A", 0, 2, "none", True), ServerView("B", 2, 4, "nf4", True),
+             ServerView("C", 0, 4, "int8", True))
+    client, _ = fake_app(coverage=Coverage([], 4, 3, views, None))
+    health = client.get("/health")
+    assert health.status_code == 200
+    body = health.json()
+    assert (body["status"], body["blocks"], body["servers"], body["model"]) == ("ok", 4, 3, "fake")  # kept fields
+    assert body["allowed_quant_types"] is None
+    assert body["quant_types"] == {"int8": 1, "nf4": 1, "none": 1}
+    assert body["block_quant_types"] == [{"blocks": "0:2", "quant_types": ["int8", "none"]},
+                                         {"blocks": "2:4", "quant_types": ["int8", "nf4"]}]
+    assert body["server_spans"][0] == {"peer_id": "A", "blocks": "0:2", "quant_type": "none", "allowed": True}
+    assert [s["peer_id"] for s in body["server_spans"]] == ["A", "C", "B"]
+    # the old three-field coverage of a stub still works, with empty quant details
+    client, _ = fake_app()
+    body = client.get("/health").json()
+    assert body["status"] == "ok" and body["quant_types"] == {} and body["server_spans"] == []
+    assert body["block_quant_types"] == [{"blocks": "0:4", "quant_types": []}]
+
+
+def test_health_names_blocks_served_only_by_disallowed_formats(fake_app):
+    from swarm.client.api import ServerView
+
+    views = (ServerView("A", 0, 2, "none", True), ServerView("B", 2, 4, "nf4", False))
+    client, _ = fake_app(coverage=Coverage([2, 3], 4, 1, views, ("none",)), allowed_quant_types=["none"])
+    health = client.get("/health")
+    assert health.status_code == 503
+    body = health.json()
+    assert body["missing_blocks"] == [2, 3] and body["servers"] == 1 and body["allowed_quant_types"] == ["none"]
+    assert "blocks 2:4 are not served by any online server of an allowed quant type" in body["message"]
+    assert "blocks 2:4 are served only by nf4 servers; allowed quant types: none" in body["message"]
+    assert body["server_spans"][1] == {"peer_id": "B", "blocks": "2:4", "quant_type": "nf4", "allowed": False}
+    client, _ = fake_app(covered=False)  # no server at all: the message says only that
+    body = client.get("/health").json()
+    assert body["message"] == "blocks 0:4 are not served by any online server"

@@ -1,7 +1,8 @@
 """What a serving front end (the gateway) needs from the client model, as `typing.Protocol`s.
 
 `ClientModel` is implemented by `swarm.client.model.DistributedModelForCausalLM`: its config, a route check
-(`check_route`: can a session of this size be served right now), which blocks the swarm serves (`coverage`), the
+(`check_route`: can a session of this size be served right now), which blocks the swarm serves and by which servers
+and weight formats (`coverage`), the
 servers that the client banned after failures (`banned_peers` / `unban`), and `inference_session`, which opens a
 `GenerationSession` (`swarm.client.model.ModelSession`): `feed` (make the servers hold exactly these ids, get the
 last position's logits), `feed_and_pick` (the same, with the next tokens chosen in the batched LM-head task) and
@@ -16,10 +17,22 @@ import torch
 T = TypeVar("T")
 
 
+class ServerView(NamedTuple):
+    """One online server as the client sees it: its blocks [start, end) and weight format."""
+
+    peer_id: str
+    start: int
+    end: int
+    quant_type: str  # what its record announces: "none", "int8", "nf4"
+    allowed: bool  # whether this client's routes may use it (its `allowed_quant_types`)
+
+
 class Coverage(NamedTuple):
-    missing: List[int]  # block indices that no server announces
+    missing: List[int]  # block indices that no server announces (no server of an allowed quant type)
     num_blocks: int
-    servers: int  # spans (servers) online
+    servers: int  # spans (servers) online that routes may use
+    spans: Tuple[ServerView, ...] = ()  # every online server seen, allowed or not
+    allowed_quant_types: Optional[Tuple[str, ...]] = None  # the client's restriction (None: any weight format)
 
 
 class GenerationSession(Protocol):

@@ -2,7 +2,9 @@
 
 `SwarmManager` joins the DHT as a client, reads the block records (refreshing them periodically, and at once
 when a route cannot be built), and turns them into chains of servers with `swarm.client.routing`. Servers that failed
-are banned with exponential back-off so that routing avoids them for a while.
+are banned with exponential back-off so that routing avoids them for a while. With `allowed_quant_types`, servers
+announcing another weight format (`quant_type`) are never routed to (nor pinged); `spans` keeps every server seen,
+`allowed_spans()` those a route may use.
 """
 from __future__ import annotations
 
@@ -10,14 +12,22 @@ import asyncio
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import hivemind
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from swarm.client.routing import RouteHop, RoutingError, choose_forward_chain, find_inference_chain
+from swarm.client.routing import (
+    QUANT_TYPES,
+    RouteHop,
+    RoutingError,
+    choose_forward_chain,
+    find_inference_chain,
+    normalize_quant_types,
+    quant_allowed,
+)
 from swarm.runtime import aio
 from swarm.wire import protocol as P
 from swarm.wire.records import ServerSpan, fetch_block_records, online_spans
@@ -46,6 +56,15 @@ class ClientConfig(BaseModel):
     use_push: bool = Field(default=True, description="servers push decode steps straight to the next server")
     push_timeout: float = Field(default=1.0, gt=0, description="seconds to wait for a pushed decode step before "
                                                                 "sending it to the next server directly")
+    allowed_quant_types: Optional[List[str]] = Field(
+        default=None, description=f"weight formats of the servers a route may use, of {', '.join(QUANT_TYPES)} "
+                                  f"(a server's announced quant_type); None: any, so a mixed swarm works")
+
+    @field_validator("allowed_quant_types", mode="before")
+    @classmethod
+    def _valid_quant_types(cls, value: Any) -> Optional[List[str]]:
+        normalized = normalize_quant_types(value)  # ValueError naming the bad value and the choices
+        return None if normalized is None else list(normalized)
 
 
 class SwarmManager:
@@ -70,8 +89,15 @@ class SwarmManager:
                 self.spans = online_spans(records)
                 self._last_update = time.monotonic()
                 if self.config.measure_rtt:
-                    self.rtts.update(aio.run(self._ping(s.peer_id for s in self.spans)))
+                    self.rtts.update(aio.run(self._ping(s.peer_id for s in self._allowed(self.spans))))
             return self.spans
+
+    def _allowed(self, spans: List[ServerSpan]) -> List[ServerSpan]:
+        return [span for span in spans if quant_allowed(span, self.config.allowed_quant_types)]
+
+    def allowed_spans(self, force: bool = False) -> List[ServerSpan]:
+        """The online spans of servers whose weight format this client accepts (`allowed_quant_types`)."""
+        return self._allowed(self.update(force=force))
 
     async def _ping(self, peer_ids, timeout: float = 2.0) -> Dict[str, float]:
         """RTT (seconds) of an info call to each server; unreachable ones get infinity (routing avoids them)."""
@@ -102,6 +128,7 @@ class SwarmManager:
         self._bans.pop(peer_id, None)
 
     def _route(self, fn, start: int, end: int, **kwargs) -> List[RouteHop]:
+        kwargs["allowed_quant_types"] = self.config.allowed_quant_types
         try:
             return fn(self.update(), start, end, banned=self.banned(), **kwargs)
         except RoutingError:

@@ -1,7 +1,9 @@
 """The Hugging Face-style client model: local embeddings, final norm and LM head; remote blocks.
 
 `AutoDistributedModelForCausalLM.from_pretrained(name_or_path, initial_peers=[...])` reads only the embedding,
-final norm and LM head tensors of the checkpoint; the transformer blocks run on the swarm. `model(input_ids)`
+final norm and LM head tensors of the checkpoint; the transformer blocks run on the swarm (other keyword arguments
+are `ClientConfig` settings, e.g. `allowed_quant_types=["none", "int8"]`: route only through servers of those
+weight formats; default: any). `model(input_ids)`
 returns logits through plain forward passes. `model.inference_session(max_length=N)` opens a `ModelSession`
 that remembers which tokens the servers' caches hold, so `model.generate(..., session=s)` across several calls
 (a multi-turn chat) sends only new tokens, rewinding the servers when the new input diverges from what they
@@ -22,9 +24,10 @@ from torch import nn
 from transformers import GenerationConfig
 from transformers.generation.logits_process import LogitsProcessorList
 
-from swarm.client.api import Coverage
+from swarm.client.api import Coverage, ServerView
 from swarm.client.generation import SamplingParams, build_processors, process_and_pick
 from swarm.client.manager import ClientConfig, SwarmManager
+from swarm.client.routing import quant_allowed
 from swarm.client.rowpad import RowPadding
 from swarm.client.session import InferenceSession, SessionError
 from swarm.modeling.checkpoint import Checkpoint
@@ -222,12 +225,19 @@ class DistributedModelForCausalLM(nn.Module):
         self.manager.make_inference_chain(0, None, cache_tokens_needed=cache_tokens)
 
     def coverage(self, force: bool = False) -> Coverage:
+        """Blocks served by servers of an allowed quant type, and every online server seen with its format."""
         spans = self.manager.update(force=force)
+        allowed_types = self.manager.config.allowed_quant_types
+        views = tuple(ServerView(s.peer_id, s.start, s.end, s.info.quant_type, quant_allowed(s, allowed_types))
+                      for s in spans)
         covered: set[int] = set()
-        for span in spans:
-            covered.update(range(span.start, span.end))
+        for view in views:
+            if view.allowed:
+                covered.update(range(view.start, view.end))
         num_blocks = self.manager.num_blocks
-        return Coverage([i for i in range(num_blocks) if i not in covered], num_blocks, len(spans))
+        return Coverage([i for i in range(num_blocks) if i not in covered], num_blocks,
+                        sum(view.allowed for view in views), views,
+                        None if allowed_types is None else tuple(allowed_types))
 
     def banned_peers(self) -> List[str]:
         """Servers this client avoids for now, after they failed."""

@@ -22,8 +22,10 @@ swarm announces (`swarm.wire.records.ServerSpan`). It is pure: no network, no DH
 * `choose_forward_chain` spreads forward passes without a cache (`rpc_forward`) over the swarm: at each
   boundary it picks one covering server at random, weighted by throughput, and uses it as far as it reaches.
 
-Only ONLINE spans are used, banned peers are skipped; a block that no usable server covers raises
-`RoutingError` naming the blocks.
+Only ONLINE spans are used, banned peers are skipped, and with `allowed_quant_types` (a client's choice of
+weight formats, `QUANT_TYPES`; None: any) servers whose record announces another `quant_type` are skipped too.
+A block that no usable server covers raises `RoutingError` naming the blocks, and saying when servers of other
+quant types do serve them.
 """
 from __future__ import annotations
 
@@ -31,11 +33,14 @@ import math
 import random
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Collection, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Collection, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from swarm.wire.records import ServerSpan, ServerState
 
 __all__ = [
+    "QUANT_TYPES",
+    "normalize_quant_types",
+    "quant_allowed",
     "RoutingError",
     "RouteHop",
     "RoutingCosts",
@@ -45,6 +50,36 @@ __all__ = [
 ]
 
 _EMPTY_RTTS: Mapping[str, float] = MappingProxyType({})
+
+# the weight formats a server may announce in its record's `quant_type` (`swarm.wire.records.ServerInfo`)
+QUANT_TYPES: Tuple[str, ...] = ("none", "int8", "nf4")
+
+
+def normalize_quant_types(value: Union[None, str, Iterable[str]]) -> Optional[Tuple[str, ...]]:
+    """A client's `allowed_quant_types` as a tuple of known formats in `QUANT_TYPES` order (None: any format).
+
+    Accepts a list, or one string ("nf4", "none,int8"); raises ValueError naming the bad value and the choices."""
+    if value is None:
+        return None
+    items = [value] if isinstance(value, str) else list(value)
+    names: List[str] = []
+    for item in items:
+        if not isinstance(item, str):
+            raise ValueError(f"allowed_quant_types: {item!r} is not a string; choose from {', '.join(QUANT_TYPES)}")
+        names.extend(part.strip().lower() for part in item.replace(",", " ").split())
+    unknown = [name for name in names if name not in QUANT_TYPES]
+    if unknown:
+        raise ValueError(f"allowed_quant_types: unknown quant type(s) {', '.join(map(repr, unknown))}; "
+                         f"choose from {', '.join(QUANT_TYPES)} (or leave it unset for any)")
+    if not names:
+        raise ValueError(f"allowed_quant_types is empty: name at least one of {', '.join(QUANT_TYPES)} "
+                         f"(or leave it unset for any)")
+    return tuple(q for q in QUANT_TYPES if q in names)
+
+
+def quant_allowed(span: ServerSpan, allowed: Optional[Collection[str]]) -> bool:
+    """Whether a server's weight format (its record's `quant_type`) is one the client accepts (None: any)."""
+    return allowed is None or span.info.quant_type in allowed
 _CLIENT: Optional[str] = None  # "parent" marker: the activations came from the client
 
 
@@ -107,13 +142,17 @@ def _clean_rtt(value: object) -> Optional[float]:
 
 
 def _usable_spans(
-    spans: Sequence[ServerSpan], start: int, end: int, banned: Collection[str]
+    spans: Sequence[ServerSpan], start: int, end: int, banned: Collection[str],
+    allowed_quant_types: Optional[Collection[str]] = None,
 ) -> Dict[str, ServerSpan]:
-    """ONLINE, non-banned spans that intersect [start, end), one per peer (the one covering most of the range)."""
+    """ONLINE, non-banned spans of an allowed quant type that intersect [start, end), one per peer (the one
+    covering most of the range)."""
     banned_set = set(banned)
     chosen: Dict[str, ServerSpan] = {}
     for span in spans:
         if span.info.state != ServerState.ONLINE or span.peer_id in banned_set:
+            continue
+        if not quant_allowed(span, allowed_quant_types):
             continue
         overlap = min(span.end, end) - max(span.start, start)
         if overlap <= 0:
@@ -124,7 +163,49 @@ def _usable_spans(
     return chosen
 
 
-def _raise_if_uncovered(usable: Mapping[str, ServerSpan], start: int, end: int) -> None:
+def _half_open_ranges(blocks: Sequence[int]) -> str:
+    """[15, 16, 17, 40] -> '15:18, 40:41' (half-open, as the CLI and the gateway write block ranges)."""
+    parts: List[str] = []
+    i = 0
+    while i < len(blocks):
+        j = i
+        while j + 1 < len(blocks) and blocks[j + 1] == blocks[j] + 1:
+            j += 1
+        parts.append(f"{blocks[i]}:{blocks[j] + 1}")
+        i = j + 1
+    return ", ".join(parts)
+
+
+def _quant_note(spans: Sequence[ServerSpan], missing: Sequence[int], banned: Collection[str],
+                allowed_quant_types: Optional[Collection[str]]) -> str:
+    """For missing blocks that ONLINE, non-banned servers of disallowed quant types do serve: which types where."""
+    if allowed_quant_types is None or not missing:
+        return ""
+    banned_set = set(banned)
+    others: Dict[int, set[str]] = {}
+    missing_set = set(missing)
+    for span in spans:
+        if span.info.state != ServerState.ONLINE or span.peer_id in banned_set:
+            continue
+        if quant_allowed(span, allowed_quant_types):
+            continue
+        for block in range(span.start, span.end):
+            if block in missing_set:
+                others.setdefault(block, set()).add(span.info.quant_type)
+    if not others:
+        return ""
+    by_types: Dict[Tuple[str, ...], List[int]] = {}
+    for block in sorted(others):
+        by_types.setdefault(tuple(sorted(others[block])), []).append(block)
+    allowed_text = ", ".join(allowed_quant_types)
+    parts = [f"blocks {_half_open_ranges(blocks)} are served only by {' / '.join(types)} servers"
+             for types, blocks in sorted(by_types.items(), key=lambda item: item[1][0])]
+    return f"; {'; '.join(parts)}; allowed quant types: {allowed_text}"
+
+
+def _raise_if_uncovered(usable: Mapping[str, ServerSpan], start: int, end: int, *,
+                        spans: Sequence[ServerSpan] = (), banned: Collection[str] = (),
+                        allowed_quant_types: Optional[Collection[str]] = None) -> None:
     delta = [0] * (end - start + 1)
     for span in usable.values():
         delta[max(span.start, start) - start] += 1
@@ -136,9 +217,10 @@ def _raise_if_uncovered(usable: Mapping[str, ServerSpan], start: int, end: int) 
         if running <= 0:
             missing.append(start + offset)
     if missing:
+        what = "online, not banned" + (", allowed quant type" if allowed_quant_types is not None else "")
         raise RoutingError(
-            f"no usable (online, not banned) server covers block(s) {_format_blocks(missing)} "
-            f"of the requested range [{start}, {end})",
+            f"no usable ({what}) server covers block(s) {_format_blocks(missing)} "
+            f"of the requested range [{start}, {end})" + _quant_note(spans, missing, banned, allowed_quant_types),
             missing,
         )
 
@@ -164,15 +246,17 @@ def find_inference_chain(
     cache_tokens_needed: int = 0,
     banned: Collection[str] = (),
     costs: RoutingCosts = RoutingCosts(),
+    allowed_quant_types: Optional[Collection[str]] = None,
 ) -> List[RouteHop]:
     """The chain covering blocks [start, end) with the least expected time per decode step (see module doc).
 
     Consecutive hops are always on different servers. Ties are broken deterministically (fewer hops first,
-    then peer id order). Raises RoutingError if a block is not covered by any ONLINE, non-banned server.
+    then peer id order). Raises RoutingError if a block is not covered by any ONLINE, non-banned server of an
+    allowed quant type (`allowed_quant_types`, None: any).
     """
     _check_range(start, end)
-    usable = _usable_spans(spans, start, end, banned)
-    _raise_if_uncovered(usable, start, end)
+    usable = _usable_spans(spans, start, end, banned, allowed_quant_types)
+    _raise_if_uncovered(usable, start, end, spans=spans, banned=banned, allowed_quant_types=allowed_quant_types)
 
     num = end - start
     covering: List[List[str]] = [[] for _ in range(num)]
@@ -284,12 +368,14 @@ def choose_forward_chain(
     *,
     banned: Collection[str] = (),
     rng: Optional[random.Random] = None,
+    allowed_quant_types: Optional[Collection[str]] = None,
 ) -> List[RouteHop]:
     """A chain for forward passes that spreads load: at each boundary, a covering server chosen at random
-    with probability proportional to its throughput, used as far as it covers. Raises RoutingError on gaps."""
+    with probability proportional to its throughput, used as far as it covers. Raises RoutingError on gaps
+    (servers of quant types outside `allowed_quant_types` do not count; None: any)."""
     _check_range(start, end)
-    usable = _usable_spans(spans, start, end, banned)
-    _raise_if_uncovered(usable, start, end)
+    usable = _usable_spans(spans, start, end, banned, allowed_quant_types)
+    _raise_if_uncovered(usable, start, end, spans=spans, banned=banned, allowed_quant_types=allowed_quant_types)
     rng = rng if rng is not None else random.Random()
     ordered = sorted(usable.values(), key=lambda span: (span.start, span.peer_id))
 
