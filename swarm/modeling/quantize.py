@@ -25,6 +25,7 @@ tested here, so quantized spans run their decode steps eagerly (`BlockSpan.enabl
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -42,6 +43,18 @@ QUANT_TYPE_HELP = ("linear weights of the served blocks: none, int8 (LLM.int8(),
                    "counts (measured, 15 SmolLM2-135M blocks, 2 cores: int8 decode 22 vs 12 ms/step, nf4 prefill "
                    "109 vs 67 ms per 128 tokens; nf4 decode is faster, 6 ms) and quantization costs accuracy; "
                    "choose int8/nf4 on the CPU for 3.5x/5x less weight memory (61/41 vs 211 MiB)")
+
+
+class _DropCastNotice(logging.Filter):
+    """bitsandbytes logs a warning on every LLM.int8() matmul whose input is not float16 ("inputs will be cast
+    ... to float16"): that cast is how int8 works here, and one line per projection per step would flood a
+    server's log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("MatMul8bitLt: inputs will be cast")
+
+
+logging.getLogger("bitsandbytes.autograd._functions").addFilter(_DropCastNotice())
 
 
 def resolve_quant_type(name: Optional[str], device: torch.device | str) -> str:
