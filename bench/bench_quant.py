@@ -1,6 +1,7 @@
 """Quantized block servers: none / int8 / nf4 on this machine. Prints one JSON object.
 
-For each weight format, a 2-server swarm (blocks 0:15 + 15:30, `--quant_type`): server peak RSS (15 blocks each),
+For each weight format, a 2-server swarm (blocks 0:15 + 15:30, `--quant_type`): server RSS once loaded and its
+peak over the run (15 blocks each),
 aggregate decode tokens/s for 1 and 8 concurrent sessions (32 greedy steps from a 100-token prompt), time to
 first token for a 256-token prompt. Quality against float32, on the whole model quantized by transformers'
 bitsandbytes integration the same way (LM head and embeddings float): top-1 agreement and mean KL(fp32 || quant)
@@ -60,12 +61,21 @@ def quality(path: str) -> dict:
     return out
 
 
+def rss_mb(pid: int) -> float:
+    """Current RSS (VmRSS) of one process, in MB."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return 0.0
+
+
 def swarm_figures(path: str, quant_type: str, prompt: torch.Tensor) -> dict:
     from swarm import AutoDistributedModelForCausalLM
 
     prefix = f"bench-q-{quant_type}"
     with Topology(path, ["0:15", "15:30"], prefix=prefix, name=prefix, threads=1, ready_timeout=300,
                   server_args=["--quant_type", quant_type, "--attn_cache_tokens", "16384"]) as topology:
+        loaded_rss = [rss_mb(s.proc.pid) for s in topology.servers]
         model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=topology.initial_peers,
                                                                 dht_prefix=prefix)
         try:
@@ -74,6 +84,7 @@ def swarm_figures(path: str, quant_type: str, prompt: torch.Tensor) -> dict:
                 "decode_tokens_per_s_1_session": round(concurrent_rate(model, prompt, 1), 2),
                 "decode_tokens_per_s_8_sessions": round(concurrent_rate(model, prompt, 8), 2),
                 "ttft_s_256_tokens": round(ttft(model, 256), 3),
+                "server_rss_mb_after_load": loaded_rss,
                 "server_peak_rss_mb": [peak_rss_mb(s.proc.pid) for s in topology.servers],
             }
         finally:
