@@ -105,27 +105,31 @@ def test_quality_against_float32_is_reported(model_path):
     assert figures["int8"]["mean_kl_vs_fp32"] < figures["nf4"]["mean_kl_vs_fp32"] < 1.0
 
 
-def test_a_mixed_swarm_fails_over_from_nf4_to_int8(model_path, bootstrap, tokenizer):
+def test_a_mixed_swarm_fails_over_from_nf4_to_int8_to_float(model_path, bootstrap, tokenizer):
     prefix, peers = "tquant-mixed", [bootstrap.maddr]
     servers = wait_all([start_server(model_path, peers, "0:15", prefix, threads=1, name="mixed-float"),
                         start_server(model_path, peers, "15:30", prefix, ("--quant_type", "nf4"), threads=1,
                                      name="mixed-nf4")], 180)
-    spare = None
+    spares: list = []
     model = AutoDistributedModelForCausalLM.from_pretrained(model_path, initial_peers=peers, dht_prefix=prefix)
     try:
         ids = tokenizer(PROMPTS[2], return_tensors="pt")["input_ids"]
         with model.inference_session(max_length=96) as session:
             out = model.generate(ids, session=session, max_new_tokens=6, do_sample=False, min_new_tokens=6)
             assert servers[1].peer_id in [hop.peer_id for hop in session.session.chain]
-            spare = wait_all([start_server(model_path, peers, "15:30", prefix, ("--quant_type", "int8"), threads=1,
-                                           name="mixed-int8")], 180)[0]
-            servers[1].kill()
-            out = model.generate(torch.cat([out, ids[:, :3]], dim=1), session=session, max_new_tokens=6,
-                                 min_new_tokens=6, do_sample=False)
-            assert spare.peer_id in [hop.peer_id for hop in session.session.chain]
-        assert out.shape[1] == ids.shape[1] + 6 + 3 + 6
-        assert model.manager.server_info(spare.peer_id).inference_tokens_processed > 0
+            victim = servers[1]
+            for quant_type in ("int8", "none"):  # nf4 -> int8 -> float, each replacement up before the kill
+                spare = wait_all([start_server(model_path, peers, "15:30", prefix, ("--quant_type", quant_type),
+                                               threads=1, name=f"mixed-{quant_type}")], 180)[0]
+                spares.append(spare)
+                victim.kill()
+                out = model.generate(torch.cat([out, ids[:, :3]], dim=1), session=session, max_new_tokens=6,
+                                     min_new_tokens=6, do_sample=False)
+                assert spare.peer_id in [hop.peer_id for hop in session.session.chain]
+                assert model.manager.server_info(spare.peer_id).inference_tokens_processed > 0
+                victim = spare
+        assert out.shape[1] == ids.shape[1] + 6 + 2 * (3 + 6)
     finally:
         model.shutdown()
-        for proc in servers + ([spare] if spare else []):
+        for proc in servers + spares:
             proc.terminate()
