@@ -37,7 +37,7 @@ from gateway.config import GatewayConfig
 from gateway.engine import Engine
 from gateway.errors import bad_request, install_error_handlers
 from gateway.metrics import CONTENT_TYPE_LATEST, Metrics
-from gateway.params import Limits, check_model
+from gateway.params import Limits, check_messages, check_model
 from gateway.schemas import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
 from gateway.session_pool import SessionPool
 from gateway.sessions import SessionProvider
@@ -117,7 +117,8 @@ def create_app(config: GatewayConfig, model=None, tokenizer=None) -> FastAPI:
     threading.Thread(target=lambda: tokens.token_bytes, name="token-table", daemon=True).start()  # warm it
     context = config.max_context or int(getattr(model.config, "max_position_embeddings", 2048))
     limits = Limits(context=context, default_max_tokens=config.default_max_tokens, max_n=config.max_n,
-                    vocab_size=min(int(model.config.vocab_size), tokens.vocab_size))
+                    vocab_size=min(int(model.config.vocab_size), tokens.vocab_size),
+                    eos_token_ids=tuple(tokens.eos_token_ids))
     metrics = Metrics()
     admission = Admission(config.max_concurrent, config.max_queue, config.queue_timeout, config.retry_after,
                           on_change=metrics.observe_admission)
@@ -178,7 +179,9 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("Give exactly one of 'prompt' or 'messages'.", param="prompt")
         if body.messages is not None:
-            ids = await run_in_threadpool(tokens.chat_prompt, body.messages, bool(body.add_generation_prompt))
+            check_messages(body.messages)
+            ids = await run_in_threadpool(tokens.chat_prompt, body.messages, bool(body.add_generation_prompt),
+                                          body.chat_template_kwargs)
         else:
             ids = await run_in_threadpool(tokens.encode, body.prompt or "", bool(body.add_special_tokens))
         return {"tokens": ids, "count": len(ids), "max_model_len": state.limits.context}

@@ -23,7 +23,14 @@ from starlette.concurrency import run_in_threadpool
 from gateway.auth import owner_of, require_api_key
 from gateway.engine import RequestRun
 from gateway.events import ChoiceDelta, Done, GenerationFailed
-from gateway.params import chat_params, check_model, completion_params, completion_prompts
+from gateway.params import (
+    chat_params,
+    check_chat_request,
+    check_completion_request,
+    check_model,
+    completion_params,
+    completion_prompts,
+)
 from gateway.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -172,8 +179,10 @@ def _include_usage(body) -> bool:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = _state(request)
-    model_name = check_model(body.model, state.config)
-    prompt = await run_in_threadpool(state.tokens.chat_prompt, body.messages, bool(body.add_generation_prompt))
+    model_name = check_model(body.model, state.config, required=True)
+    check_chat_request(body)
+    prompt = await run_in_threadpool(state.tokens.chat_prompt, body.messages, bool(body.add_generation_prompt),
+                                     body.chat_template_kwargs)
     params = chat_params(body, len(prompt), state.limits)
     n = body.n or 1
     completion_id = "chatcmpl-" + _request_id(request)
@@ -223,7 +232,8 @@ def _echo_texts(body: CompletionRequest, prompts: List[List[int]], state: Gatewa
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     state = _state(request)
-    model_name = check_model(body.model, state.config)
+    model_name = check_model(body.model, state.config, required=True)
+    check_completion_request(body)
     prompts = await run_in_threadpool(completion_prompts, body, state.tokens)
     jobs = []
     for prompt in prompts:

@@ -3,16 +3,19 @@
 Everything that makes a request invalid is found here, before any slot is taken or any server contacted:
 an unknown model (404 `model_not_found`), a prompt plus `max_tokens` longer than the context (400
 `context_length_exceeded`, OpenAI's wording), token ids outside the vocabulary, `n` above the limit, an
-unsupported `response_format`, and so on (400, naming the parameter).
+unsupported `response_format`, and so on (400, naming the parameter). A parameter of OpenAI's or vLLM's API that
+the gateway does not support (`tools`, `functions`, `prompt_logprobs`, tool messages, ...) is a 400 naming it,
+never silently ignored (`check_chat_request`, `check_completion_request`); vLLM's `min_tokens` is applied (the
+end-of-sequence and stop token ids are masked until that many tokens are out).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, cast
+from typing import Any, List, Optional, Sequence, Tuple, cast
 
 from gateway.config import GatewayConfig
 from gateway.errors import bad_request, not_found
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
 from gateway.tokens import Tokens
 from swarm.client.generation import SamplingParams
 
@@ -26,9 +29,12 @@ class Limits:
     default_max_tokens: int
     max_n: int
     vocab_size: int
+    eos_token_ids: Tuple[int, ...] = ()  # what min_tokens masks (with the request's stop_token_ids)
 
 
-def check_model(requested: Optional[str], config: GatewayConfig) -> str:
+def check_model(requested: Optional[str], config: GatewayConfig, required: bool = False) -> str:
+    if required and not requested:
+        raise bad_request("You must provide a model parameter.", param="model")
     if requested and requested not in (config.model_name, config.model):
         raise not_found(f"The model '{requested}' does not exist; this gateway serves '{config.model_name}'.",
                         param="model", code="model_not_found")
@@ -61,6 +67,58 @@ def _logit_bias(body: _SamplingFields, vocab_size: int) -> dict:
     return bias
 
 
+def _unsupported(name: str, why: str = "") -> Exception:
+    return bad_request(f"'{name}' is not supported by this gateway{why}.", param=name)
+
+
+def check_messages(messages: Sequence[ChatMessage]) -> None:
+    """Tool calls in the conversation cannot be rendered faithfully (the template is not given tools): a 400."""
+    for i, m in enumerate(messages):
+        if m.role == "tool":
+            raise bad_request("Messages with role 'tool' are not supported: this gateway does not support tools.",
+                              param=f"messages.{i}.role")
+        for field in ("tool_calls", "tool_call_id", "function_call"):
+            if getattr(m, field) is not None:
+                raise bad_request(f"'{field}' in messages is not supported: this gateway does not support tools.",
+                                  param=f"messages.{i}.{field}")
+
+
+def _check_shared(body: _SamplingFields) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options can only be given when stream is true.", param="stream_options")
+    if body.prompt_logprobs is not None:
+        raise _unsupported("prompt_logprobs")
+
+
+def _no_tool_use(value: Any) -> bool:
+    return value is None or value == "none"
+
+
+def check_chat_request(body: ChatCompletionRequest) -> None:
+    """The 400s of a chat request that do not depend on its prompt, before the chat template runs."""
+    if body.tools is not None:
+        raise _unsupported("tools", " (no tool calling)")
+    if not _no_tool_use(body.tool_choice):
+        raise _unsupported("tool_choice", "; only 'none' is accepted")
+    if body.parallel_tool_calls is not None:
+        raise _unsupported("parallel_tool_calls", " (no tool calling)")
+    if body.functions is not None:
+        raise _unsupported("functions", " (no function calling)")
+    if not _no_tool_use(body.function_call):
+        raise _unsupported("function_call", "; only 'none' is accepted")
+    if body.echo:
+        raise _unsupported("echo", " on chat completions")
+    if body.best_of is not None and body.best_of != (body.n or 1):
+        raise bad_request("best_of other than n is not supported.", param="best_of")
+    _check_shared(body)
+    check_messages(body.messages)
+
+
+def check_completion_request(body: CompletionRequest) -> None:
+    """The 400s of a text completion request that do not depend on its prompts."""
+    _check_shared(body)
+
+
 def _common(body: _SamplingFields, limits: Limits, max_tokens: int) -> SamplingParams:
     if body.n is not None and body.n > limits.max_n:
         raise bad_request(f"n must be at most {limits.max_n}, got {body.n}.", param="n")
@@ -72,6 +130,10 @@ def _common(body: _SamplingFields, limits: Limits, max_tokens: int) -> SamplingP
     if bad:
         raise bad_request(f"stop_token_ids: {bad[0]} is outside the vocabulary.", param="stop_token_ids")
     top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+    min_tokens = body.min_tokens or 0
+    if min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({min_tokens}) must be at most max_tokens ({max_tokens}).", param="min_tokens")
+    ends = sorted(set(stop_ids) | (set() if body.ignore_eos else set(limits.eos_token_ids)))
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -86,6 +148,8 @@ def _common(body: _SamplingFields, limits: Limits, max_tokens: int) -> SamplingP
         stop=[s for s in stops if s],
         stop_token_ids=stop_ids,
         ignore_eos=bool(body.ignore_eos),
+        min_new_tokens=min_tokens if ends else 0,
+        eos_token_id=ends if min_tokens and ends else None,
     )
 
 

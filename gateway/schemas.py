@@ -1,7 +1,10 @@
 """OpenAI request and response bodies as pydantic models.
 
 Requests accept and ignore unknown fields (OpenAI's SDK sends vendor fields such as `top_k` at the top level
-through `extra_body`); known fields are range-checked, and a violation becomes a 400 naming the field.
+through `extra_body`); known fields are range-checked, and a violation becomes a 400 naming the field. Fields of
+OpenAI's or vLLM's API that the gateway does not support (`tools`, `functions`, `prompt_logprobs`, ...) are
+declared here all the same, so that `gateway.params` can answer them with a 400 instead of ignoring them.
+`model` is required on both completion endpoints, as in OpenAI's spec.
 Responses mirror OpenAI's objects: `chat.completion`, `chat.completion.chunk`, `text_completion`, the model
 list, plus vLLM-style `/tokenize` and `/detokenize` bodies.
 """
@@ -12,6 +15,9 @@ from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
+from swarm import __version__
+
+SYSTEM_FINGERPRINT = f"swarmgate-{__version__}"  # OpenAI: a string when present, never null
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -28,6 +34,10 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, List[ContentPart]]] = None
     name: Optional[str] = None
+    # not supported (a 400 from gateway.params.check_messages), declared so that they are never dropped silently
+    tool_calls: Optional[Any] = None
+    tool_call_id: Optional[str] = None
+    function_call: Optional[Any] = None
 
 
 class StreamOptions(_Request):
@@ -59,6 +69,8 @@ class _SamplingFields(_Request):
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
+    min_tokens: Optional[int] = Field(default=None, ge=0)  # vLLM: end-of-sequence / stop ids masked until then
+    prompt_logprobs: Optional[int] = None  # vLLM extra, not supported: a 400 when given
 
     def stop_list(self) -> List[str]:
         if self.stop is None:
@@ -67,15 +79,26 @@ class _SamplingFields(_Request):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    model: str  # type: ignore[assignment]  # required here (optional on /tokenize)
     messages: List[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     response_format: Optional[ResponseFormat] = None
     add_generation_prompt: Optional[bool] = True
+    chat_template_kwargs: Optional[Dict[str, Any]] = None  # vLLM: extra variables for the chat template
+    # not supported (a 400 from gateway.params.check_chat_request unless absent or a no-op value)
+    tools: Optional[Any] = None
+    tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[Any] = None
+    functions: Optional[Any] = None
+    function_call: Optional[Any] = None
+    echo: Optional[bool] = None
+    best_of: Optional[int] = Field(default=None, ge=1)
 
 
 class CompletionRequest(_SamplingFields):
+    model: str  # type: ignore[assignment]  # required here (optional on /tokenize)
     prompt: Union[str, List[str], List[int], List[List[int]]]
     echo: Optional[bool] = False
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
@@ -89,6 +112,7 @@ class TokenizeRequest(_Request):
     messages: Optional[List[ChatMessage]] = None
     add_special_tokens: Optional[bool] = True
     add_generation_prompt: Optional[bool] = True
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
 
 
 class DetokenizeRequest(_Request):
@@ -125,6 +149,7 @@ class ChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    refusal: Optional[str] = None  # required (nullable) by OpenAI's spec: always sent, null
 
 
 class ChatChoice(BaseModel):
@@ -141,7 +166,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: List[ChatChoice]
     usage: Usage
-    system_fingerprint: Optional[str] = None
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class Delta(BaseModel):
@@ -167,7 +192,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: List[ChunkChoice]
     usage: Optional[Usage] = None
-    system_fingerprint: Optional[str] = None
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class CompletionLogprobs(BaseModel):
@@ -191,7 +216,7 @@ class Completion(BaseModel):
     model: str
     choices: List[CompletionChoice]
     usage: Optional[Usage] = None
-    system_fingerprint: Optional[str] = None
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class ModelCard(BaseModel):

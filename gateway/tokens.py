@@ -8,8 +8,9 @@ are None), used by JSON-constrained decoding and by logprobs (`bytes`, and the `
 """
 from __future__ import annotations
 
+import inspect
 import threading
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 from gateway.errors import bad_request
 from gateway.schemas import ChatMessage
@@ -57,7 +58,16 @@ class Tokens:
         self._lock = threading.Lock()
 
     # ---- prompts ------------------------------------------------------------------------------------------------
-    def chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> List[int]:
+    def chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
+                    template_kwargs: Optional[Dict[str, Any]] = None) -> List[int]:
+        """The prompt ids of `messages` through the model's chat template; `template_kwargs` (vLLM's
+        `chat_template_kwargs`, e.g. `enable_thinking`) become extra variables of the template. A key that is one of
+        `apply_chat_template`'s own arguments (`tokenize`, `tools`, ...) is a 400, not a way around the gateway's."""
+        extra = dict(template_kwargs or {})
+        reserved = sorted(set(extra) & self._template_arguments())
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set '{reserved[0]}' (an argument of the chat template "
+                              f"call, not a template variable).", param="chat_template_kwargs")
         rendered = []
         for i, m in enumerate(messages):
             role = "system" if m.role == "developer" else m.role
@@ -66,10 +76,14 @@ class Tokens:
             raise bad_request("This model has no chat template; use /v1/completions.", param="messages")
         try:
             out = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
-                                                     tokenize=True, return_dict=True)
+                                                     tokenize=True, return_dict=True, **extra)
         except Exception as e:  # jinja errors raised by the template itself (e.g. role order it forbids)
             raise bad_request(f"The messages do not fit the model's chat template: {e}", param="messages") from None
         return list(out["input_ids"])
+
+    def _template_arguments(self) -> Set[str]:
+        params = inspect.signature(self.tokenizer.apply_chat_template).parameters.values()
+        return {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)} | {"conversation"}
 
     def encode(self, text: str, add_special_tokens: bool = False) -> List[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
