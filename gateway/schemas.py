@@ -79,7 +79,7 @@ class _SamplingFields(_Request):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    model: str  # type: ignore[assignment]  # required here (optional on /tokenize)
+    model: str  # required here (optional on /tokenize)
     messages: List[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: Optional[bool] = False
@@ -98,7 +98,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    model: str  # type: ignore[assignment]  # required here (optional on /tokenize)
+    model: str  # required here (optional on /tokenize)
     prompt: Union[str, List[str], List[int], List[List[int]]]
     echo: Optional[bool] = False
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)

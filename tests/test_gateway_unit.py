@@ -316,6 +316,143 @@ def test_fake_app_completions_n_and_usage(fake_app):
     assert r["usage"]["completion_tokens"] == 12
 
 
+
+# ---- OpenAI spec conformance (issue 23): response shapes, required model, no silently ignored parameter ----------
+def test_fake_app_response_shapes_have_refusal_and_a_fingerprint(fake_app):
+    client, _ = fake_app()
+    r = client.post("/v1/chat/completions", json=_chat(temperature=0, max_tokens=3)).json()
+    message = r["choices"][0]["message"]
+    assert "refusal" in message and message["refusal"] is None and message["role"] == "assistant"
+    assert isinstance(r["system_fingerprint"], str) and r["system_fingerprint"].startswith("swarmgate-")
+    for data in _stream(client, _chat(temperature=0, max_tokens=3, stream_options={"include_usage": True}))[:-1]:
+        chunk = json.loads(data)
+        assert isinstance(chunk["system_fingerprint"], str)
+        assert all(c["delta"].get("refusal", None) is None for c in chunk["choices"])
+    r = client.post("/v1/completions", json={"model": "fake", "prompt": "a", "max_tokens": 2}).json()
+    assert isinstance(r["system_fingerprint"], str)
+    with client.stream("POST", "/v1/completions", json={"model": "fake", "prompt": "a", "max_tokens": 2,
+                                                        "stream": True}) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    assert chunks and all(isinstance(c["system_fingerprint"], str) for c in chunks)
+
+
+def _error(r, param):
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+    return error
+
+
+def test_fake_app_model_is_required(fake_app):
+    client, model = fake_app()
+    no_model = {k: v for k, v in _chat().items() if k != "model"}
+    _error(client.post("/v1/chat/completions", json=no_model), "model")
+    _error(client.post("/v1/chat/completions", json={**no_model, "model": ""}), "model")
+    _error(client.post("/v1/chat/completions", json={**no_model, "model": None}), "model")
+    _error(client.post("/v1/completions", json={"prompt": "a"}), "model")
+    _error(client.post("/v1/completions", json={"prompt": "a", "model": ""}), "model")
+    assert client.post("/tokenize", json={"prompt": "a"}).status_code == 200  # optional there, as in vLLM
+    assert not model.sessions
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": [TOOL]}, "tools"),
+    ({"tools": []}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"functions": [TOOL["function"]]}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"stream_options": {"include_usage": True}, "stream": False}, "stream_options"),
+    ({"echo": True}, "echo"),
+    ({"best_of": 2}, "best_of"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"min_tokens": 500, "max_tokens": 5}, "min_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+    ({"messages": [{"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": None,
+                    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "42"}]}, "messages.1.tool_calls"),
+    ({"messages": [{"role": "tool", "tool_call_id": "c1", "content": "42"}]}, "messages.0.role"),
+    ({"messages": [{"role": "assistant", "content": "x", "function_call": {"name": "f", "arguments": "{}"}}]},
+     "messages.0.function_call"),
+    ({"messages": [{"role": "function", "name": "f", "content": "42"}]}, "messages.0.role"),
+])
+def test_fake_app_chat_rejects_unsupported_parameters(fake_app, extra, param):
+    client, model = fake_app()
+    error = _error(client.post("/v1/chat/completions", json=_chat(**{"max_tokens": 3, **extra})), param)
+    assert param.split(".")[-1] in error["message"] or param.startswith("messages")
+    assert not model.sessions  # found before any swarm session
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt_logprobs": 0}, "prompt_logprobs"),
+    ({"best_of": 3}, "best_of"),
+    ({"best_of": 1, "n": 2}, "best_of"),
+    ({"min_tokens": 9, "max_tokens": 2}, "min_tokens"),
+    ({"suffix": "x"}, "suffix"),
+])
+def test_fake_app_completions_reject_unsupported_parameters(fake_app, extra, param):
+    client, model = fake_app()
+    _error(client.post("/v1/completions", json={"model": "fake", "prompt": "a", "max_tokens": 2, **extra}), param)
+    assert not model.sessions
+
+
+def test_fake_app_accepts_no_op_values_and_unknown_vendor_fields(fake_app):
+    client, _ = fake_app()
+    for extra in ({"tool_choice": "none"}, {"function_call": "none"}, {"tools": None, "tool_choice": None},
+                  {"best_of": 1}, {"n": 2, "best_of": 2}, {"echo": False}, {"stream_options": None},
+                  {"some_vendor_field": {"a": 1}}, {"min_tokens": 0}):
+        r = client.post("/v1/chat/completions", json=_chat(temperature=0, max_tokens=3, **extra))
+        assert r.status_code == 200, (extra, r.text)
+    r = client.post("/v1/completions", json={"model": "fake", "prompt": "a", "max_tokens": 2, "best_of": 1,
+                                             "vendor_thing": 1})
+    assert r.status_code == 200, r.text
+    # stream_options with stream true is fine on both endpoints
+    assert _stream(client, _chat(max_tokens=2, stream_options={"include_usage": False}))[-1] == "[DONE]"
+
+
+def test_fake_app_min_tokens_masks_the_end_of_sequence(fake_app):
+    client, _ = fake_app(text="ab")  # the script: 'a', 'b', then eos forever (its logits make eos the argmax)
+    short = client.post("/v1/completions", json={"model": "fake", "prompt": "x", "max_tokens": 8,
+                                                 "temperature": 0}).json()
+    assert short["usage"]["completion_tokens"] < 8 and short["choices"][0]["finish_reason"] == "stop"
+    for endpoint, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", _chat())):
+        r = client.post(endpoint, json={**body, "model": "fake", "max_tokens": 8, "temperature": 0,
+                                        "min_tokens": 6}).json()
+        assert r["usage"]["completion_tokens"] >= 6, r
+    stopper = client.post("/v1/completions", json={"model": "fake", "prompt": "x", "max_tokens": 8, "temperature": 0,
+                                                   "min_tokens": 5, "ignore_eos": False, "stop_token_ids": [2]}).json()
+    assert stopper["usage"]["completion_tokens"] >= 5
+
+
+def test_fake_app_chat_template_kwargs_reach_the_template(fake_app, tokenizer):
+    client, _ = fake_app()
+    plain = client.post("/tokenize", json={"model": "fake", "messages": [{"role": "user", "content": "hi"}]}).json()
+    template = tokenizer.chat_template
+    try:
+        tokenizer.chat_template = template + "{% if greeting %}{{ greeting }}{% endif %}"
+        r = client.post("/tokenize", json={"model": "fake", "messages": [{"role": "user", "content": "hi"}],
+                                           "chat_template_kwargs": {"greeting": "HELLO THERE"}}).json()
+        assert r["count"] > plain["count"]
+        assert tokenizer.decode(r["tokens"]).endswith("HELLO THERE")
+        chat = client.post("/v1/chat/completions", json=_chat(max_tokens=2, temperature=0,
+                                                              chat_template_kwargs={"greeting": "HELLO THERE"}))
+        assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] > plain["count"] - 5
+    finally:
+        tokenizer.chat_template = template
+    _error(client.post("/tokenize", json={"model": "fake", "messages": [{"role": "tool", "content": "x"}]}),
+           "messages.0.role")
+
 # ---- servers' weight formats (allowed_quant_types, issue 14) --------------------------------------------------------
 def test_config_allowed_quant_types_from_cli_yaml_env(tmp_path):
     from swarm.runtime.config import ConfigError, build_parser, load_config
