@@ -240,8 +240,8 @@ def build_processors(params: SamplingParams, prompt_len: int = 0,
     if params.exponential_decay_length_penalty is not None:
         if eos is None:
             raise ValueError("`exponential_decay_length_penalty` needs an `eos_token_id`")
-        processors.append(ExponentialDecayLengthPenalty(tuple(params.exponential_decay_length_penalty), eos,
-                                                        prompt_len))
+        start, factor = params.exponential_decay_length_penalty
+        processors.append(ExponentialDecayLengthPenalty((int(start), float(factor)), eos, prompt_len))
     if params.suppress_tokens is not None:
         processors.append(SuppressTokensLogitsProcessor(params.suppress_tokens))
     if params.begin_suppress_tokens is not None:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 from transformers.generation.logits_process import LogitsProcessorList
-from transformers.generation.stopping_criteria import MaxTimeCriteria, StopStringCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from swarm.client.api import Coverage, ServerView
@@ -277,6 +277,12 @@ class DistributedModelForCausalLM(nn.Module):
     # ---- generation ---------------------------------------------------------------------------------------
     def _generation_config(self, generation_config: Optional[GenerationConfig], kwargs: dict) -> GenerationConfig:
         config = copy.deepcopy(generation_config or self.generation_config)
+        # as transformers: unset fields come from the model's config, then from transformers' global defaults (say,
+        # top_k=50 when sampling)
+        config.update(**self.generation_config.to_dict(), defaults_only=True, allow_custom_entries=True)
+        defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
+        if defaults is not None:
+            config.update(**defaults(), defaults_only=True)
         unused = config.update(**kwargs)
         if unused:
             raise TypeError(f"generate() got unexpected arguments: {sorted(unused)}")
@@ -314,8 +320,9 @@ class DistributedModelForCausalLM(nn.Module):
         def result(ids: torch.Tensor) -> Union[torch.Tensor, GenerateDecoderOnlyOutput]:
             if not as_dict:
                 return ids
-            return GenerateDecoderOnlyOutput(sequences=ids, scores=tuple(scores) if want_scores else None,
-                                             logits=tuple(raw_logits) if want_logits else None)
+            return GenerateDecoderOnlyOutput(sequences=cast(torch.LongTensor, ids),
+                                             scores=cast(Any, tuple(scores)) if want_scores else None,
+                                             logits=cast(Any, tuple(raw_logits)) if want_logits else None)
 
         if max_new <= 0:
             return result(input_ids)
