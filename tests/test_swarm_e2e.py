@@ -198,3 +198,15 @@ def test_concurrent_sessions_are_batched_and_correct(clients, swarms, reference_
         assert out.tolist() == ref.tolist()
     stats = _server_stats(model, swarm)
     assert max(s.largest_batch for s in stats.values()) >= 2
+
+
+def test_no_repeat_ngram_and_bad_words_match_transformers(clients, reference_model, tokenizer):
+    """Settings that were silently ignored (issue 23) are applied on a real swarm, as transformers applies them."""
+    model = clients(TOPOLOGIES[0])
+    ids = tokenizer(PROMPTS[0], return_tensors="pt")["input_ids"]
+    bad = [tokenizer(w, add_special_tokens=False)["input_ids"] for w in (" the", " Roman Empire")]
+    settings = dict(max_new_tokens=24, do_sample=False, no_repeat_ngram_size=2, bad_words_ids=bad)
+    ours = model.generate(ids, **settings)
+    ref = reference_model.generate(ids, **settings)
+    assert ours.tolist() == ref.tolist(), (tokenizer.decode(ours[0]), tokenizer.decode(ref[0]))
+    assert ours.tolist() != model.generate(ids, max_new_tokens=24, do_sample=False).tolist()  # the settings acted

@@ -22,20 +22,53 @@ import functools
 import math
 import secrets
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union, cast
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union, cast
 
 import torch
 from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    ExponentialDecayLengthPenalty,
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
     LogitsProcessor,
     LogitsProcessorList,
+    MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
+    TopHLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
+    TypicalLogitsWarper,
 )
+
+# `GenerationConfig` fields that `generate` cannot honour: set to anything but the value given here, they are an error
+# (never silently ignored). Each maps to the reason given in the error.
+UNSUPPORTED_GENERATION_SETTINGS: Dict[str, Tuple[Any, str]] = {
+    "output_attentions": (False, "the servers do not return attention weights"),
+    "output_hidden_states": (False, "the servers do not return the hidden states of every layer"),
+    "encoder_repetition_penalty": (1.0, "not supported by the swarm client"),
+    "encoder_no_repeat_ngram_size": (0, "not supported by the swarm client"),
+    "guidance_scale": (1.0, "classifier-free guidance (a second, unconditional forward pass) is not supported"),
+    "watermarking_config": (None, "watermarking is not supported"),
+    "token_healing": (False, "token healing is not supported"),
+    "penalty_alpha": (None, "contrastive search is not supported"),
+    "dola_layers": (None, "DoLa decoding is not supported"),
+    "prompt_lookup_num_tokens": (None, "prompt-lookup (speculative) decoding is not supported"),
+    "num_beam_groups": (1, "diverse beam search is not supported"),
+    "constraints": (None, "constrained beam search is not supported"),
+    "force_words_ids": (None, "constrained beam search is not supported"),
+    "use_mtp": (False, "multi-token prediction is not supported"),
+}
 
 
 @dataclass
@@ -58,6 +91,22 @@ class SamplingParams:
     json_mode: bool = False
     min_new_tokens: int = 0  # end-of-sequence tokens (`eos_token_id`) are masked until this many are out
     eos_token_id: Union[int, List[int], torch.Tensor, None] = None  # any integer dtype (for min_new_tokens)
+    # Hugging Face `generate`'s other processors (set by `from_generation_config`; the defaults apply nothing)
+    min_length: int = 0  # prompt + generated tokens below which end-of-sequence tokens are masked
+    sequence_bias: Any = None  # transformers' `sequence_bias` (token-id sequences -> bias)
+    no_repeat_ngram_size: int = 0
+    bad_words_ids: Optional[List[List[int]]] = None
+    forced_bos_token_id: Optional[int] = None
+    forced_eos_token_id: Union[int, List[int], None] = None  # forced at the last position (prompt + max_tokens)
+    remove_invalid_values: bool = False
+    exponential_decay_length_penalty: Optional[Tuple[int, float]] = None
+    suppress_tokens: Optional[List[int]] = None
+    begin_suppress_tokens: Optional[List[int]] = None
+    top_h: Optional[float] = None
+    typical_p: float = 1.0
+    epsilon_cutoff: float = 0.0
+    eta_cutoff: float = 0.0
+    renormalize_logits: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -65,11 +114,17 @@ class SamplingParams:
 
     @classmethod
     def from_generation_config(cls, config, max_new_tokens: int) -> "SamplingParams":
-        """The sampling of a Hugging Face `GenerationConfig` (what `transformers`' generate would apply)."""
+        """The sampling of a Hugging Face `GenerationConfig` (what `transformers`' generate would apply). A setting
+        that cannot be applied is an error naming it (`UNSUPPORTED_GENERATION_SETTINGS`), never ignored."""
+        for name, (default, why) in UNSUPPORTED_GENERATION_SETTINGS.items():
+            value = getattr(config, name, default)
+            if value is not None and value != default:
+                raise NotImplementedError(f"generate(): `{name}={value!r}` is not supported: {why}")
         sample = bool(config.do_sample)
         temperature = 1.0 if config.temperature is None else float(config.temperature)
         if sample and temperature <= 0:
             raise ValueError(f"`temperature` (={temperature}) has to be a strictly positive float when sampling")
+        get = functools.partial(getattr, config)
         return cls(
             max_tokens=max_new_tokens,
             temperature=temperature if sample else 0.0,
@@ -79,6 +134,21 @@ class SamplingParams:
             repetition_penalty=1.0 if config.repetition_penalty is None else config.repetition_penalty,
             min_new_tokens=config.min_new_tokens or 0,
             eos_token_id=config.eos_token_id,
+            min_length=get("min_length", 0) or 0,
+            sequence_bias=get("sequence_bias", None),
+            no_repeat_ngram_size=get("no_repeat_ngram_size", 0) or 0,
+            bad_words_ids=get("bad_words_ids", None),
+            forced_bos_token_id=get("forced_bos_token_id", None),
+            forced_eos_token_id=get("forced_eos_token_id", None),
+            remove_invalid_values=bool(get("remove_invalid_values", False)),
+            exponential_decay_length_penalty=get("exponential_decay_length_penalty", None),
+            suppress_tokens=get("suppress_tokens", None),
+            begin_suppress_tokens=get("begin_suppress_tokens", None),
+            top_h=get("top_h", None) if sample else None,
+            typical_p=(1.0 if get("typical_p", None) is None else get("typical_p", None)) if sample else 1.0,
+            epsilon_cutoff=(get("epsilon_cutoff", None) or 0.0) if sample else 0.0,
+            eta_cutoff=(get("eta_cutoff", None) or 0.0) if sample else 0.0,
+            renormalize_logits=bool(get("renormalize_logits", False)),
         )
 
 
@@ -136,11 +206,18 @@ class MinNewTokensProcessor(MinNewTokensLengthLogitsProcessor):
         return scores.index_fill(-1, eos, -math.inf)
 
 
-def build_processors(params: SamplingParams, prompt_len: int = 0) -> LogitsProcessorList:
-    """The processors for `params`, in the order they apply; `prompt_len`: where the generated tokens start."""
+def build_processors(params: SamplingParams, prompt_len: int = 0,
+                     custom: Optional[Sequence[LogitsProcessor]] = None) -> LogitsProcessorList:
+    """The processors for `params`, in the order they apply (transformers' order in `generate`, the OpenAI
+    penalties after its repetition penalty); `prompt_len`: where the generated tokens start. `custom`: a user's
+    `logits_processor` list, merged as transformers does: one replaces the processor of its type built here, the
+    others follow the processors and precede the sampling warpers."""
+    eos = params.eos_token_id
     processors = LogitsProcessorList()
-    if params.min_new_tokens and params.eos_token_id is not None:
-        processors.append(MinNewTokensProcessor(prompt_len, params.min_new_tokens, params.eos_token_id))
+    if params.min_new_tokens and eos is not None:
+        processors.append(MinNewTokensProcessor(prompt_len, params.min_new_tokens, eos))
+    if params.sequence_bias is not None:
+        processors.append(SequenceBiasLogitsProcessor(sequence_bias=params.sequence_bias))
     if params.logit_bias:
         # OpenAI's logit_bias: transformers' sequence bias with one-token sequences (a constant added to their logits)
         processors.append(SequenceBiasLogitsProcessor([[[int(t)], float(b)] for t, b in params.logit_bias.items()]))
@@ -148,16 +225,60 @@ def build_processors(params: SamplingParams, prompt_len: int = 0) -> LogitsProce
         processors.append(RepetitionPenaltyLogitsProcessor(penalty=params.repetition_penalty))
     if params.presence_penalty or params.frequency_penalty:
         processors.append(PresenceFrequencyPenalty(params.presence_penalty, params.frequency_penalty, prompt_len))
+    if params.no_repeat_ngram_size > 0:
+        processors.append(NoRepeatNGramLogitsProcessor(params.no_repeat_ngram_size))
+    if params.bad_words_ids is not None:
+        processors.append(NoBadWordsLogitsProcessor(params.bad_words_ids, eos))
+    if params.min_length > 0 and eos is not None:
+        processors.append(MinLengthLogitsProcessor(params.min_length, eos))
+    if params.forced_bos_token_id is not None:
+        processors.append(ForcedBOSTokenLogitsProcessor(params.forced_bos_token_id))
+    if params.forced_eos_token_id is not None:
+        processors.append(ForcedEOSTokenLogitsProcessor(prompt_len + params.max_tokens, params.forced_eos_token_id))
+    if params.remove_invalid_values:
+        processors.append(InfNanRemoveLogitsProcessor())
+    if params.exponential_decay_length_penalty is not None:
+        if eos is None:
+            raise ValueError("`exponential_decay_length_penalty` needs an `eos_token_id`")
+        start, factor = params.exponential_decay_length_penalty
+        processors.append(ExponentialDecayLengthPenalty((int(start), float(factor)), eos, prompt_len))
+    if params.suppress_tokens is not None:
+        processors.append(SuppressTokensLogitsProcessor(params.suppress_tokens))
+    if params.begin_suppress_tokens is not None:
+        begin = prompt_len if prompt_len > 1 or params.forced_bos_token_id is None else prompt_len + 1
+        processors.append(SuppressTokensAtBeginLogitsProcessor(params.begin_suppress_tokens, begin))
+    if custom:
+        processors = _merge_custom(processors, custom)
     if not params.greedy:
         if params.temperature != 1.0:
             processors.append(TemperatureLogitsWarper(params.temperature))
+        if params.top_h is not None:
+            processors.append(TopHLogitsWarper(top_h=params.top_h))
         if params.top_k:
             processors.append(TopKLogitsWarper(top_k=params.top_k, min_tokens_to_keep=1))
         if params.top_p < 1.0:
             processors.append(TopPLogitsWarper(top_p=params.top_p, min_tokens_to_keep=1))
         if params.min_p > 0:
             processors.append(MinPLogitsWarper(min_p=params.min_p, min_tokens_to_keep=1))
+        if params.typical_p < 1.0:
+            processors.append(TypicalLogitsWarper(mass=params.typical_p, min_tokens_to_keep=1))
+        if 0.0 < params.epsilon_cutoff < 1.0:
+            processors.append(EpsilonLogitsWarper(epsilon=params.epsilon_cutoff, min_tokens_to_keep=1))
+        if 0.0 < params.eta_cutoff < 1.0:
+            processors.append(EtaLogitsWarper(epsilon=params.eta_cutoff, min_tokens_to_keep=1))
+    if params.renormalize_logits:
+        processors.append(LogitNormalization())  # always the last, as in transformers
     return processors
+
+
+def _merge_custom(processors: LogitsProcessorList, custom: Sequence[LogitsProcessor]) -> LogitsProcessorList:
+    """transformers' `_merge_criteria_processor_list`: a custom processor takes the place of the one of its type."""
+    merged = LogitsProcessorList()
+    for default in processors:
+        kind = MinNewTokensLengthLogitsProcessor if isinstance(default, MinNewTokensProcessor) else type(default)
+        merged.append(next((c for c in custom if type(c) is type(default) or type(c) is kind), default))
+    merged.extend(c for c in custom if c not in merged)
+    return merged
 
 
 # ---- picking ---------------------------------------------------------------------------------------------------
@@ -178,7 +299,17 @@ def pick_tokens(scores: torch.Tensor, greedy: bool,
 def process_and_pick(processors: LogitsProcessorList, input_ids: torch.Tensor, logits: torch.Tensor,
                      greedy: bool, generators: Optional[Sequence[torch.Generator]] = None) -> torch.Tensor:
     """`pick_tokens` after the processors: input_ids [batch, seq], logits [batch, vocab] -> next tokens [batch]."""
-    return pick_tokens(processors(cast(torch.LongTensor, input_ids), logits), greedy, generators)
+    return process_and_pick_scores(processors, input_ids, logits, greedy, generators)[0]
+
+
+@torch.no_grad()
+def process_and_pick_scores(processors: LogitsProcessorList, input_ids: torch.Tensor, logits: torch.Tensor,
+                            greedy: bool, generators: Optional[Sequence[torch.Generator]] = None
+                            ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`process_and_pick`, also returning the processed scores [batch, vocab] (`generate`'s `output_scores` and
+    stopping criteria)."""
+    scores = processors(cast(torch.LongTensor, input_ids), logits)
+    return pick_tokens(scores, greedy, generators), scores
 
 
 class Sampler:

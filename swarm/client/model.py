@@ -17,15 +17,17 @@ import copy
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple, TypeVar, Union
+from typing import Any, Callable, List, Optional, Tuple, TypeVar, Union, cast
 
 import torch
 from torch import nn
 from transformers import GenerationConfig
 from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingCriteriaList, StopStringCriteria
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from swarm.client.api import Coverage, ServerView
-from swarm.client.generation import SamplingParams, build_processors, process_and_pick
+from swarm.client.generation import SamplingParams, build_processors, process_and_pick_scores
 from swarm.client.manager import ClientConfig, SwarmManager
 from swarm.client.routing import quant_allowed
 from swarm.client.rowpad import RowPadding
@@ -275,30 +277,55 @@ class DistributedModelForCausalLM(nn.Module):
     # ---- generation ---------------------------------------------------------------------------------------
     def _generation_config(self, generation_config: Optional[GenerationConfig], kwargs: dict) -> GenerationConfig:
         config = copy.deepcopy(generation_config or self.generation_config)
+        # as transformers: unset fields come from the model's config, then from transformers' global defaults (say,
+        # top_k=50 when sampling)
+        config.update(**self.generation_config.to_dict(), defaults_only=True, allow_custom_entries=True)
+        defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
+        if defaults is not None:
+            config.update(**defaults(), defaults_only=True)
         unused = config.update(**kwargs)
         if unused:
             raise TypeError(f"generate() got unexpected arguments: {sorted(unused)}")
+        config.validate()  # transformers' own checks (say, greedy with num_return_sequences > 1)
         return config
 
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, *, session: Optional[ModelSession] = None,
                  attention_mask: Optional[torch.Tensor] = None, generation_config: Optional[GenerationConfig] = None,
-                 logits_processor: Optional[LogitsProcessorList] = None, streamer=None, **kwargs) -> torch.Tensor:
-        """Like `transformers` generate: returns [batch, prompt + new] token ids."""
+                 logits_processor: Optional[LogitsProcessorList] = None,
+                 stopping_criteria: Optional[StoppingCriteriaList] = None, streamer=None, tokenizer=None,
+                 **kwargs) -> Union[torch.Tensor, GenerateDecoderOnlyOutput]:
+        """Like `transformers` generate: returns [batch * num_return_sequences, prompt + new] token ids, or with
+        `return_dict_in_generate=True` a `GenerateDecoderOnlyOutput` (`sequences`, and `scores` / `logits` when
+        `output_scores` / `output_logits`; no `past_key_values`: the cache lives on the servers). Every setting of
+        the `GenerationConfig` is applied or is an error naming it. `stop_strings` need `tokenizer=`."""
         if input_ids is None or input_ids.ndim != 2 or input_ids.shape[1] == 0:
             raise ValueError("input_ids must be a non-empty [batch, seq] tensor")
         _reject_padding(attention_mask)
         config = self._generation_config(generation_config, kwargs)
         if config.num_beams not in (None, 1):
             raise NotImplementedError("beam search is not supported yet; use num_beams=1")
+        if config.num_return_sequences not in (None, 1):  # validate() rejected it without sampling, as transformers
+            input_ids = input_ids.repeat_interleave(int(config.num_return_sequences), dim=0)
         prompt_len = input_ids.shape[1]
         max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt_len
+        params = SamplingParams.from_generation_config(config, max(max_new, 0))
+        processors = build_processors(params, prompt_len, custom=logits_processor)
+        criteria = self._stopping_criteria(config, stopping_criteria, tokenizer)
+        want_scores, want_logits = bool(config.output_scores), bool(config.output_logits)
+        as_dict = bool(config.return_dict_in_generate)
+        scores: List[torch.Tensor] = []
+        raw_logits: List[torch.Tensor] = []
+
+        def result(ids: torch.Tensor) -> Union[torch.Tensor, GenerateDecoderOnlyOutput]:
+            if not as_dict:
+                return ids
+            return GenerateDecoderOnlyOutput(sequences=cast(torch.LongTensor, ids),
+                                             scores=cast(Any, tuple(scores)) if want_scores else None,
+                                             logits=cast(Any, tuple(raw_logits)) if want_logits else None)
+
         if max_new <= 0:
-            return input_ids
-        params = SamplingParams.from_generation_config(config, max_new)
-        processors = build_processors(params, prompt_len)
-        if logits_processor is not None:
-            processors.extend(logits_processor)
+            return result(input_ids)
         eos = config.eos_token_id
         eos_ids = torch.tensor([eos] if isinstance(eos, int) else (eos or []), dtype=torch.long)
         pad = config.pad_token_id if config.pad_token_id is not None else (int(eos_ids[0]) if len(eos_ids) else 0)
@@ -317,23 +344,51 @@ class DistributedModelForCausalLM(nn.Module):
         finished = torch.zeros(ids.shape[0], dtype=torch.bool)
         try:
             for step in range(max_new):
-                # the logits [batch, vocab] and the next tokens [batch], chosen on the compute thread with the head
-                _, next_tokens = session.feed_and_pick(ids, functools.partial(process_and_pick, processors, ids,
-                                                                              greedy=params.greedy))
+                # the logits [batch, vocab], the next tokens [batch] and the processed scores [batch, vocab], chosen
+                # on the compute thread with the head
+                logits, (next_tokens, step_scores) = session.feed_and_pick(
+                    ids, functools.partial(process_and_pick_scores, processors, ids, greedy=params.greedy))
+                if want_scores:
+                    scores.append(step_scores)
+                if want_logits:
+                    raw_logits.append(logits.float())
                 next_tokens = torch.where(finished, torch.full_like(next_tokens, pad), next_tokens)
                 ids = torch.cat([ids, next_tokens[:, None]], dim=1)
                 if streamer is not None:
                     streamer.put(next_tokens.cpu())
                 if len(eos_ids):
                     finished |= torch.isin(next_tokens, eos_ids)
-                    if finished.all():
-                        break
+                if len(criteria):
+                    finished |= criteria(cast(torch.LongTensor, ids), step_scores).to(finished.device)
+                if finished.all():
+                    break
         finally:
             if streamer is not None:
                 streamer.end()
             if own_session:
                 session.close()
-        return ids
+        return result(ids)
+
+    @staticmethod
+    def _stopping_criteria(config: GenerationConfig, custom: Optional[StoppingCriteriaList],
+                           tokenizer) -> StoppingCriteriaList:
+        """transformers' stopping criteria for `max_time` and `stop_strings` (max length and end-of-sequence tokens
+        are the loop's own), merged with a user's `stopping_criteria` as transformers merges them."""
+        criteria = StoppingCriteriaList()
+        if config.max_time is not None:
+            criteria.append(MaxTimeCriteria(max_time=config.max_time))
+        if config.stop_strings is not None:
+            if tokenizer is None:
+                raise ValueError("generate(): `stop_strings` needs the model's tokenizer: pass `tokenizer=` to "
+                                 "generate")
+            criteria.append(StopStringCriteria(stop_strings=config.stop_strings, tokenizer=tokenizer))
+        for extra in custom or []:
+            same = [i for i, c in enumerate(criteria) if type(c) is type(extra)]
+            if same:
+                criteria[same[0]] = extra
+            else:
+                criteria.append(extra)
+        return criteria
 
     def shutdown(self) -> None:
         self.manager.shutdown()
