@@ -113,17 +113,20 @@ class RoutingCosts:
     cache_penalty: float = 1000.0  # added per block run on a server whose free cache is too small
 
 
+def _runs(blocks: Sequence[int]) -> List[Tuple[int, int]]:
+    """[3, 4, 5, 9] -> [(3, 5), (9, 9)]: sorted block indices as runs of consecutive ones (first, last)."""
+    runs: List[Tuple[int, int]] = []
+    for block in blocks:
+        if runs and block == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], block)
+        else:
+            runs.append((block, block))
+    return runs
+
+
 def _format_blocks(blocks: Sequence[int]) -> str:
     """[3, 4, 5, 9] -> '3-5, 9'."""
-    parts: List[str] = []
-    i = 0
-    while i < len(blocks):
-        j = i
-        while j + 1 < len(blocks) and blocks[j + 1] == blocks[j] + 1:
-            j += 1
-        parts.append(str(blocks[i]) if i == j else f"{blocks[i]}-{blocks[j]}")
-        i = j + 1
-    return ", ".join(parts)
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in _runs(blocks))
 
 
 def _check_range(start: int, end: int) -> None:
@@ -165,15 +168,7 @@ def _usable_spans(
 
 def _half_open_ranges(blocks: Sequence[int]) -> str:
     """[15, 16, 17, 40] -> '15:18, 40:41' (half-open, as the CLI and the gateway write block ranges)."""
-    parts: List[str] = []
-    i = 0
-    while i < len(blocks):
-        j = i
-        while j + 1 < len(blocks) and blocks[j + 1] == blocks[j] + 1:
-            j += 1
-        parts.append(f"{blocks[i]}:{blocks[j] + 1}")
-        i = j + 1
-    return ", ".join(parts)
+    return ", ".join(f"{a}:{b + 1}" for a, b in _runs(blocks))
 
 
 def _quant_note(spans: Sequence[ServerSpan], missing: Sequence[int], banned: Collection[str],
