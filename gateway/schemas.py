@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_serializer
 
 from swarm import __version__
 
@@ -144,6 +144,7 @@ class TokenLogprob(TopLogprob):
 
 class ChoiceLogprobs(BaseModel):
     content: Optional[List[TokenLogprob]] = None
+    refusal: Optional[List[TokenLogprob]] = None  # required (nullable) by OpenAI's spec: always sent, null
 
 
 class AssistantMessage(BaseModel):
@@ -201,6 +202,10 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: List[Optional[Dict[str, float]]] = Field(default_factory=list)
     text_offset: List[int] = Field(default_factory=list)
 
+    @field_serializer("top_logprobs")
+    def _no_null_tops(self, tops: List[Optional[Dict[str, float]]]) -> List[Dict[str, float]]:
+        return [top or {} for top in tops]  # OpenAI's spec: each position is an object (empty with logprobs=0)
+
 
 class CompletionChoice(BaseModel):
     index: int
@@ -215,8 +220,15 @@ class Completion(BaseModel):
     created: int
     model: str
     choices: List[CompletionChoice]
-    usage: Optional[Usage] = None
+    usage: Optional[Usage] = None  # OpenAI's spec: an object when present, never null (streamed chunks omit it)
     system_fingerprint: str = SYSTEM_FINGERPRINT
+
+    @model_serializer(mode="wrap")
+    def _omit_null_usage(self, handler) -> Dict[str, Any]:
+        out = handler(self)
+        if out.get("usage", ...) is None:
+            del out["usage"]
+        return out
 
 
 class ModelCard(BaseModel):

@@ -251,3 +251,19 @@ ERROR_RESPONSE: Schema = {  # ErrorResponse / Error
         },
     },
 }
+
+
+def _completion_chunk() -> Schema:
+    """A streamed `/v1/completions` chunk. The spec gives chunks the shape of CreateCompletionResponse, whose
+    `finish_reason` is a non-null string, but OpenAI's own API (and vLLM) stream `"finish_reason": null` until a
+    choice ends: a non-null value there would tell clients the choice ended. This one schema allows null on
+    such chunks; the tests check that each choice's last chunk carries a value of the spec's enum."""
+    import copy
+
+    schema = copy.deepcopy(COMPLETION)
+    choice = schema["properties"]["choices"]["items"]
+    choice["properties"]["finish_reason"] = nullable(const_enum(*COMPLETION_FINISH_REASONS))
+    return schema
+
+
+COMPLETION_CHUNK: Schema = _completion_chunk()

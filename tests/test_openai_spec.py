@@ -112,14 +112,26 @@ def test_completion_validates(fake_app, extra):
 
 @pytest.mark.parametrize("extra", COMPLETION_BODIES)
 def test_completion_stream_validates(fake_app, extra):
-    """The spec gives streamed completion chunks the shape of CreateCompletionResponse."""
+    """The spec gives streamed completion chunks the shape of CreateCompletionResponse (but for a null
+    finish_reason before a choice ends: see `openai_schemas.COMPLETION_CHUNK`)."""
     client, _ = fake_app(text="one two three four five")
     body = {"model": "fake", "prompt": "a b", "max_tokens": 4, "temperature": 0, **extra}
     for stream_options in (None, {"include_usage": True}):
         chunks = sse(client, "/v1/completions", {**body, "stream_options": stream_options})
         for chunk in chunks:
-            validate(oas.COMPLETION, chunk)
+            validate(oas.COMPLETION_CHUNK, chunk)
         assert len({c["id"] for c in chunks}) == 1
+        last = {}  # each choice's last chunk: the spec's own shape, finish_reason included
+        for chunk in chunks:
+            for choice in chunk["choices"]:
+                last[choice["index"]] = {**chunk, "choices": [choice]}
+        assert sorted(last) == list(range(len(last))) and last
+        for chunk in last.values():
+            validate(oas.COMPLETION, {k: v for k, v in chunk.items() if k != "usage"})
+        if stream_options:
+            assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] > 0
+        else:
+            assert all("usage" not in c for c in chunks)
 
 
 def test_models_validate(fake_app):
