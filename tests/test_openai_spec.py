@@ -108,6 +108,12 @@ def test_completion_validates(fake_app, extra):
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     validate(oas.COMPLETION, r.json())
+    for choice in r.json()["choices"]:
+        if "logprobs" in extra:
+            lp = choice["logprobs"]
+            assert lp["tokens"] and len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"])
+        else:
+            assert choice["logprobs"] is None
 
 
 @pytest.mark.parametrize("extra", COMPLETION_BODIES)
