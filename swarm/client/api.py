@@ -6,7 +6,8 @@ and weight formats (`coverage`), the
 servers that the client banned after failures (`banned_peers` / `unban`), and `inference_session`, which opens a
 `GenerationSession` (`swarm.client.model.ModelSession`): `feed` (make the servers hold exactly these ids, get the
 last position's logits), `feed_and_pick` (the same, with the next tokens chosen in the batched LM-head task) and
-`close`. `prompt_logprobs` scores a prompt's tokens (the completions API's `echo` with `logprobs`). Front ends use only these, never the client's routing internals, so tests may stand in a small stub.
+`close`. `prompt_logprobs` scores a prompt's tokens (the completions API's `echo` with `logprobs`). Front ends use
+only these, never the client's routing internals, so tests may stand in a small stub.
 """
 from __future__ import annotations
 
