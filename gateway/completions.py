@@ -7,6 +7,9 @@ of each choice carries the role, content deltas follow, each choice ends with on
 connection alive during a long prefill; a failure mid-stream is a `data:` line with an `error` object, then
 `[DONE]`. A client that goes away cancels its generation (which closes its swarm session). Usage always
 carries `prompt_tokens_details.cached_tokens`: the prompt tokens a pooled session already held (0 on a miss).
+A text completion with `echo` and `logprobs` also scores its prompt (`ClientModel.prompt_logprobs`, one forward pass
+per prompt after admission): the logprobs cover the prompt's tokens, then the generated ones (streamed: the first
+chunk of each choice carries the prompt's); `max_tokens: 0` with `echo` returns just the prompt.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 
 from gateway.auth import owner_of, require_api_key
 from gateway.engine import RequestRun
-from gateway.events import ChoiceDelta, Done, GenerationFailed
+from gateway.events import ChoiceDelta, Done, GenerationFailed, swarm_error
 from gateway.params import (
     chat_params,
     check_chat_request,
@@ -86,6 +89,30 @@ def completion_logprobs(state: GatewayState, tokens: List[TokenChoice], offset: 
         out.text_offset.append(offset)
         offset += len(text)
     return out
+
+
+def prompt_logprobs(state: GatewayState, ids: List[int], echo: str, top_k: int) -> CompletionLogprobs:
+    """The echoed prompt's logprobs (OpenAI's legacy `echo` + `logprobs`): one entry per prompt token, the first
+    with null `token_logprobs` and `top_logprobs`; `text_offset` is where each token starts in the echoed text.
+    Runs on a worker thread (a forward pass through the swarm)."""
+    t = state.tokens
+    scored = state.model.prompt_logprobs(ids, top_k)
+    out = CompletionLogprobs(tokens=[t.token_string(i) for i in ids], token_logprobs=[None],
+                             top_logprobs=[None], text_offset=[])
+    for entry in scored:
+        out.token_logprobs.append(entry.logprob)
+        top = [(i, lp) for i, lp in entry.top if i < t.vocab_size]
+        out.top_logprobs.append({t.token_string(i): lp for i, lp in top} if top else None)
+    for k in range(len(ids)):  # the decoded prefix's length, clipped to the echoed text
+        out.text_offset.append(min(len(t.decode(ids[:k])), len(echo)) if k else 0)
+    return out
+
+
+def _joined(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(tokens=first.tokens + then.tokens,
+                              token_logprobs=first.token_logprobs + then.token_logprobs,
+                              top_logprobs=first.top_logprobs + then.top_logprobs,
+                              text_offset=first.text_offset + then.text_offset)
 
 
 # ---- running ------------------------------------------------------------------------------------------------------
@@ -244,13 +271,31 @@ async def completions(body: CompletionRequest, request: Request):
     created = int(time.time())
     echoes = _echo_texts(body, prompts, state) if body.echo else [""] * len(prompts)
     run = await state.admit(jobs)
+    scored: List[Optional[CompletionLogprobs]] = [None] * len(prompts)
+    if body.echo and want_logprobs:
+        try:
+            for k, prompt in enumerate(prompts):
+                scored[k] = await run_in_threadpool(prompt_logprobs, state, prompt, echoes[k], body.logprobs or 0)
+        except Exception as e:
+            run.close()
+            raise swarm_error(e) from None
+        except BaseException:
+            run.close()
+            raise
+
+    def choice_logprobs(i: int, tokens: List[TokenChoice], offset: int, first: bool) -> Optional[CompletionLogprobs]:
+        if not want_logprobs:
+            return None
+        generated = completion_logprobs(state, tokens, offset)
+        prompt_part = scored[i // n] if first else None
+        return _joined(prompt_part, generated) if prompt_part is not None else generated
 
     if not body.stream:
         got = await collect(request, run, n)
         choices = []
         for i in range(n * len(prompts)):
             prefix = echoes[i // n]
-            logprobs = completion_logprobs(state, got.tokens[i], len(prefix)) if want_logprobs else None
+            logprobs = choice_logprobs(i, got.tokens[i], len(prefix), True)
             choices.append(CompletionChoice(index=i, text=prefix + got.texts[i], logprobs=logprobs,
                                             finish_reason=got.finish[i]))
         usage = got.usage()
@@ -263,12 +308,12 @@ async def completions(body: CompletionRequest, request: Request):
                           usage=usage).model_dump_json()
 
     def on_delta(index: int, event: ChoiceDelta):
-        text = event.text
-        if index not in offsets:
+        text, first = event.text, index not in offsets
+        if first:
             text = echoes[index // n] + text
-            offsets[index] = 0
-        logprobs = completion_logprobs(state, event.tokens, offsets[index]) if want_logprobs else None
-        offsets[index] += len(text)
+            offsets[index] = len(echoes[index // n])
+        logprobs = choice_logprobs(index, event.tokens, offsets[index], first)
+        offsets[index] += len(event.text)
         if text or event.finish_reason or (logprobs is not None and logprobs.tokens):
             yield chunk([CompletionChoice(index=index, text=text, logprobs=logprobs,
                                           finish_reason=event.finish_reason)])

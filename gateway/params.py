@@ -3,7 +3,8 @@
 Everything that makes a request invalid is found here, before any slot is taken or any server contacted:
 an unknown model (404 `model_not_found`), a prompt plus `max_tokens` longer than the context (400
 `context_length_exceeded`, OpenAI's wording), token ids outside the vocabulary, `n` above the limit, an
-unsupported `response_format`, and so on (400, naming the parameter). A parameter of OpenAI's or vLLM's API that
+unsupported `response_format`, `max_tokens: 0` on a text completion without `echo` (with `echo` it scores the
+prompt, as vLLM allows), and so on (400, naming the parameter). A parameter of OpenAI's or vLLM's API that
 the gateway does not support (`tools`, `functions`, `prompt_logprobs`, tool messages, ...) is a 400 naming it,
 never silently ignored (`check_chat_request`, `check_completion_request`); vLLM's `min_tokens` is applied (the
 end-of-sequence and stop token ids are masked until that many tokens are out).
@@ -193,6 +194,8 @@ def completion_params(body: CompletionRequest, prompt_len: int, limits: Limits) 
         raise bad_request("suffix is not supported by this model.", param="suffix")
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise bad_request("best_of other than n is not supported.", param="best_of")
+    if body.max_tokens == 0 and not body.echo:
+        raise bad_request("max_tokens must be at least 1 unless echo is true.", param="max_tokens")
     max_tokens = completion_budget(prompt_len, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, limits.context,
                                    "prompt")
     params = _common(body, limits, max_tokens)

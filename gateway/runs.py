@@ -70,6 +70,12 @@ class GenerationRun:
     def run(self) -> None:
         job, params, sessions, metrics = self.job, self.params, self.sessions, self.metrics
         prompt_len = len(job.prompt_ids)
+        if params.max_tokens == 0:  # `echo` with `max_tokens: 0`: nothing to generate, no session
+            for i in range(self.n):
+                self._finish(i, "", "length")
+            metrics.prompt_tokens.inc(prompt_len)
+            self.emit(Done(prompt_len, 0, 0))
+            return
         ids = torch.tensor([job.prompt_ids] * self.n, dtype=torch.long)
         lease = sessions.acquire(job.prompt_ids, self.n, params.max_tokens, job.owner)
         metrics.active_sessions.inc()

@@ -100,6 +100,7 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     model: str  # required here (optional on /tokenize)
     prompt: Union[str, List[str], List[int], List[List[int]]]
+    max_tokens: Optional[int] = Field(default=None, ge=0)  # 0 only with echo (scoring a prompt), as vLLM
     echo: Optional[bool] = False
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     suffix: Optional[str] = None

@@ -184,10 +184,34 @@ def test_text_completion_with_echo(client, tokenizer, reference_model):
     expected = tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, echo=True, logprobs=2)
     assert r.choices[0].text == prompt + expected
-    assert len(r.choices[0].logprobs.tokens) == r.usage.completion_tokens
+    # with echo the logprobs cover the prompt's tokens, then the completion's
+    assert len(r.choices[0].logprobs.tokens) == r.usage.prompt_tokens + r.usage.completion_tokens
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stream=True) if c.choices)
     assert streamed == expected
+
+
+def test_echo_logprobs_score_the_prompt_as_transformers(client, tokenizer, reference_model):
+    """lm-evaluation-harness style scoring: echo + logprobs + max_tokens 0 gives the prompt's log-likelihoods."""
+    prompt = "The three primary colours are red, yellow and blue."
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        expected = torch.log_softmax(reference_model(ids).logits[0].float(), dim=-1)
+    token_lp = expected[:-1].gather(1, ids[0, 1:, None])[:, 0].tolist()
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, temperature=0, echo=True, logprobs=1)
+    choice = r.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length" and r.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert len(lp.tokens) == ids.shape[1] and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], token_lp)) < 1e-3
+    best = expected[:-1].max(dim=-1)
+    for k, top in enumerate(lp.top_logprobs[1:]):
+        assert len(top) == 1 and abs(next(iter(top.values())) - best.values[k].item()) < 1e-3
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == ids.shape[1] + r.usage.completion_tokens
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:ids.shape[1]], token_lp)) < 1e-3
+    assert lp.text_offset[ids.shape[1]] == len(prompt)
 
 
 def test_raw_stream_protocol(gateway):

@@ -195,7 +195,7 @@ class FakeModel:
         self.config = SimpleNamespace(vocab_size=len(tokenizer), max_position_embeddings=256, eos_token_id=2)
         self.generation_config = SimpleNamespace(eos_token_id=2)
         self.script = tokenizer.encode(text, add_special_tokens=False) + [2]
-        self.fail_at, self.sessions = fail_at, []
+        self.fail_at, self.sessions, self.scored = fail_at, [], []
         self.covered = covered
         self.coverage_value = coverage  # a scripted `Coverage` (with servers and their quant types), if given
 
@@ -218,6 +218,14 @@ class FakeModel:
 
     def inference_session(self, max_length):
         return FakeSession(self, max_length)
+
+    def prompt_logprobs(self, input_ids, top_k):
+        """Scripted scores: token j of the prompt gets -j/10; the top list is it, then token 7."""
+        from swarm.client.api import PromptLogprob
+
+        self.scored.append(list(input_ids))
+        return [PromptLogprob(t, -j / 10, [(t, -j / 10), (7, -5.0)][:top_k])
+                for j, t in enumerate(input_ids) if j > 0]
 
 
 @pytest.fixture
@@ -315,6 +323,64 @@ def test_fake_app_completions_n_and_usage(fake_app):
     assert {c["finish_reason"] for c in r["choices"]} == {"length"}
     assert r["usage"]["completion_tokens"] == 12
 
+
+
+def test_fake_app_echo_logprobs_cover_the_prompt_then_the_completion(fake_app, tokenizer):
+    client, model = fake_app(text="one two three four five")
+    prompt = "Hello big world"
+    ids = tokenizer.encode(prompt)  # with BOS, as the gateway encodes it
+    body = {"model": "fake", "prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 2}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice, usage = r.json()["choices"][0], r.json()["usage"]
+    lp, text = choice["logprobs"], choice["text"]
+    assert text == prompt + "one two" and model.scored == [ids]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"])
+    assert len(lp["tokens"]) == usage["prompt_tokens"] + usage["completion_tokens"] == len(ids) + 2
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:len(ids)] == pytest.approx([-j / 10 for j in range(1, len(ids))])
+    top = lp["top_logprobs"][1]
+    assert list(top.values()) == pytest.approx([-0.1, -5.0]) and list(top)[0] == lp["tokens"][1]
+    assert len(lp["top_logprobs"][1]) == 2 and len(lp["top_logprobs"][-1]) == 2
+    offsets = lp["text_offset"]
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[len(ids)] == len(prompt)
+    for k in range(len(ids)):  # each prompt token's text is where its offset says in the echoed prompt
+        assert text[offsets[k]:offsets[k + 1]] == lp["tokens"][k] == tokenizer.decode(ids[k:k + 1])
+    assert text[offsets[len(ids)]:] == "one two"
+
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    first = chunks[0]["choices"][0]
+    assert first["text"].startswith(prompt) and first["logprobs"]["tokens"][:len(ids)] == lp["tokens"][:len(ids)]
+    assert first["logprobs"]["token_logprobs"][0] is None
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+    assert sum((x["tokens"] for x in streamed), []) == lp["tokens"]
+    assert sum((x["text_offset"] for x in streamed), []) == offsets
+
+
+def test_fake_app_echo_with_max_tokens_0_scores_the_prompt_only(fake_app, tokenizer):
+    client, model = fake_app()
+    body = {"model": "fake", "prompt": ["a b", "c d e"], "max_tokens": 0, "echo": True, "logprobs": 0,
+            "temperature": 0}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert [c["text"] for c in got["choices"]] == ["a b", "c d e"]
+    assert {c["finish_reason"] for c in got["choices"]} == {"length"}
+    assert got["usage"]["completion_tokens"] == 0
+    for c, p in zip(got["choices"], ["a b", "c d e"]):
+        assert len(c["logprobs"]["tokens"]) == len(tokenizer.encode(p))
+        assert c["logprobs"]["token_logprobs"][0] is None and None not in c["logprobs"]["token_logprobs"][1:]
+        assert c["logprobs"]["top_logprobs"] == [None] * len(c["logprobs"]["tokens"])  # logprobs 0: no top list
+    assert not model.sessions  # nothing generated: no inference session
+    with client.stream("POST", "/v1/completions", json={**body, "prompt": "a b", "stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in chunks] == [("a b", "length")]
+    plain = client.post("/v1/completions", json={**body, "logprobs": None}).json()
+    assert [c["text"] for c in plain["choices"]] == ["a b", "c d e"] and plain["choices"][0]["logprobs"] is None
+    _error(client.post("/v1/completions", json={**body, "echo": False}), "max_tokens")
+    assert client.post("/v1/chat/completions", json=_chat(max_tokens=0)).status_code == 400
+    assert not model.sessions
 
 
 # ---- OpenAI spec conformance (issue 23): response shapes, required model, no silently ignored parameter ----------

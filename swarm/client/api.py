@@ -6,11 +6,12 @@ and weight formats (`coverage`), the
 servers that the client banned after failures (`banned_peers` / `unban`), and `inference_session`, which opens a
 `GenerationSession` (`swarm.client.model.ModelSession`): `feed` (make the servers hold exactly these ids, get the
 last position's logits), `feed_and_pick` (the same, with the next tokens chosen in the batched LM-head task) and
-`close`. Front ends use only these, never the client's routing internals, so tests may stand in a small stub.
+`close`. `prompt_logprobs` scores a prompt's tokens (the completions API's `echo` with `logprobs`). Front ends use
+only these, never the client's routing internals, so tests may stand in a small stub.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, NamedTuple, Optional, Protocol, Tuple, TypeVar
+from typing import Any, Callable, List, NamedTuple, Optional, Protocol, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -35,6 +36,14 @@ class Coverage(NamedTuple):
     allowed_quant_types: Optional[Tuple[str, ...]] = None  # the client's restriction (None: any weight format)
 
 
+class PromptLogprob(NamedTuple):
+    """A prompt token scored given the tokens before it: its log-probability and the `top_k` best (id, logprob)."""
+
+    token_id: int
+    logprob: float
+    top: List[Tuple[int, float]]  # best first; empty when top_k is 0
+
+
 class GenerationSession(Protocol):
     token_ids: Optional[torch.Tensor]  # [batch, n] the ids whose states the servers hold (None before a feed)
 
@@ -57,6 +66,12 @@ class ClientModel(Protocol):
     generation_config: Any  # its GenerationConfig (eos_token_id)
 
     def inference_session(self, max_length: int) -> GenerationSession: ...
+
+    def prompt_logprobs(self, input_ids: Sequence[int], top_k: int) -> List[PromptLogprob]:
+        """Score a prompt: for each token after the first, its log-probability (log_softmax of the float32 logits)
+        given the tokens before it, with the `top_k` most likely tokens there. One forward pass through the swarm
+        (no cache), on the calling (worker) thread; `len(input_ids) - 1` entries."""
+        ...
 
     def check_route(self, cache_tokens: int = 0) -> None:
         """Raise `swarm.client.routing.RoutingError` unless a chain over every block, with cache for

@@ -17,7 +17,7 @@ import copy
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple, TypeVar, Union, cast
+from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar, Union, cast
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from swarm.client.api import Coverage, ServerView
+from swarm.client.api import Coverage, PromptLogprob, ServerView
 from swarm.client.generation import SamplingParams, build_processors, process_and_pick_scores
 from swarm.client.manager import ClientConfig, SwarmManager
 from swarm.client.routing import quant_allowed
@@ -257,6 +257,28 @@ class DistributedModelForCausalLM(nn.Module):
         normed = pool.call(PRIORITY_FORWARD, torch.no_grad()(lambda: self.norm(hidden.to(self.device, self.dtype))))
         logits = pool.call(PRIORITY_FORWARD, torch.no_grad()(lambda: self.lm_head(normed).float().cpu()))
         return CausalLMOutput(logits=logits, hidden_states=normed.cpu())
+
+    def prompt_logprobs(self, input_ids: Sequence[int], top_k: int) -> List[PromptLogprob]:
+        """Each prompt token after the first scored given the tokens before it: log_softmax of the float32 logits of
+        one forward pass (`forward`, no cache) over all but the last token; with the `top_k` best tokens there."""
+        ids = torch.tensor([list(input_ids)], dtype=torch.long)
+        if ids.shape[1] < 2:
+            return []
+        logits = self.forward(ids[:, :-1]).logits[0]  # [n - 1, vocab], float32 on the CPU
+        targets = ids[0, 1:]
+
+        @torch.no_grad()
+        def score() -> List[PromptLogprob]:
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+            if top_k > 0:
+                values, indices = logprobs.topk(min(top_k, logprobs.shape[-1]), dim=-1)
+                tops = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+            else:
+                tops = [[] for _ in chosen]
+            return [PromptLogprob(int(t), lp, top) for t, lp, top in zip(targets.tolist(), chosen, tops)]
+
+        return client_pool().call(PRIORITY_FORWARD, score)
 
     async def _forward_chain(self, hidden: torch.Tensor) -> torch.Tensor:
         import asyncio
