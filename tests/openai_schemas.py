@@ -208,7 +208,10 @@ COMPLETION: Schema = {  # CreateCompletionResponse: the non-streamed response an
                         "type": "object",
                         "properties": {
                             "text_offset": {"type": "array", "items": INTEGER},
-                            "token_logprobs": {"type": "array", "items": NUMBER},
+                            # The one relaxation of this schema: with `echo`, the first prompt token has no
+                            # context, so its logprob is null, as in OpenAI's own legacy API and vLLM (the spec
+                            # types the items as numbers); every later item must be a number.
+                            "token_logprobs": {"type": "array", "prefixItems": [nullable(NUMBER)], "items": NUMBER},
                             "tokens": {"type": "array", "items": STRING},
                             "top_logprobs": {"type": "array",
                                              "items": {"type": "object", "additionalProperties": NUMBER}},

@@ -337,7 +337,9 @@ def test_fake_app_echo_logprobs_cover_the_prompt_then_the_completion(fake_app, t
     assert text == prompt + "one two" and model.scored == [ids]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"])
     assert len(lp["tokens"]) == usage["prompt_tokens"] + usage["completion_tokens"] == len(ids) + 2
-    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    # the first prompt token has no context: a null logprob (as OpenAI's legacy API) and no alternatives ({}: the
+    # spec types top_logprobs items as objects)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] == {}
     assert lp["token_logprobs"][1:len(ids)] == pytest.approx([-j / 10 for j in range(1, len(ids))])
     top = lp["top_logprobs"][1]
     assert list(top.values()) == pytest.approx([-0.1, -5.0]) and list(top)[0] == lp["tokens"][1]
@@ -371,7 +373,7 @@ def test_fake_app_echo_with_max_tokens_0_scores_the_prompt_only(fake_app, tokeni
     for c, p in zip(got["choices"], ["a b", "c d e"]):
         assert len(c["logprobs"]["tokens"]) == len(tokenizer.encode(p))
         assert c["logprobs"]["token_logprobs"][0] is None and None not in c["logprobs"]["token_logprobs"][1:]
-        assert c["logprobs"]["top_logprobs"] == [None] * len(c["logprobs"]["tokens"])  # logprobs 0: no top list
+        assert c["logprobs"]["top_logprobs"] == [{}] * len(c["logprobs"]["tokens"])  # logprobs 0: no top list
     assert not model.sessions  # nothing generated: no inference session
     with client.stream("POST", "/v1/completions", json={**body, "prompt": "a b", "stream": True}) as s:
         chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
