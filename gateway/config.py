@@ -10,9 +10,9 @@ from typing import Any, List, Optional
 
 from pydantic import Field, field_validator
 
-from swarm.client.routing import QUANT_TYPES, normalize_quant_types
+from swarm.client.routing import normalize_quant_types
 from swarm.runtime.config import ProcessConfig
-from swarm.wire.dtypes import parse_dtype
+from swarm.wire.dtypes import QUANT_TYPES, parse_dtype
 
 
 class GatewayConfig(ProcessConfig):

@@ -11,9 +11,9 @@ from pydantic import Field, field_validator, model_validator
 
 from server.throughput import parse_throughput_mode
 from swarm.modeling.disk_cache import parse_size
-from swarm.modeling.quantize import QUANT_TYPE_HELP, QUANT_TYPES
+from swarm.modeling.quantize import QUANT_TYPE_HELP
 from swarm.runtime.config import ProcessConfig, parse_span
-from swarm.wire.dtypes import DTYPES
+from swarm.wire.dtypes import DTYPES, QUANT_TYPES
 
 
 class ServerConfig(ProcessConfig):

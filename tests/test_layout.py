@@ -19,7 +19,7 @@ PACKAGES = ("swarm", "server", "gateway")
 ALLOWED = {
     "swarm.runtime": {"swarm.runtime", "swarm"},
     "swarm.wire": {"swarm.wire", "swarm.runtime", "swarm"},
-    "swarm.modeling": {"swarm.modeling", "swarm.runtime", "swarm"},
+    "swarm.modeling": {"swarm.modeling", "swarm.wire", "swarm.runtime", "swarm"},
     "swarm.client": {"swarm.client", "swarm.wire", "swarm.modeling", "swarm.runtime", "swarm"},
     "swarm.launch": {"swarm.launch", "swarm.runtime", "swarm.modeling", "swarm"},
     "swarm": {"swarm", "swarm.runtime", "swarm.client"},

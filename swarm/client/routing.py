@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Collection, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
+from swarm.wire.dtypes import QUANT_TYPES
 from swarm.wire.records import ServerSpan, ServerState
 
 __all__ = [
@@ -52,7 +53,6 @@ __all__ = [
 _EMPTY_RTTS: Mapping[str, float] = MappingProxyType({})
 
 # the weight formats a server may announce in its record's `quant_type` (`swarm.wire.records.ServerInfo`)
-QUANT_TYPES: Tuple[str, ...] = ("none", "int8", "nf4")
 
 
 def normalize_quant_types(value: Union[None, str, Iterable[str]]) -> Optional[Tuple[str, ...]]:

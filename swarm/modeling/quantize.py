@@ -33,8 +33,8 @@ from torch import nn
 
 from swarm.modeling.layers import cache_attention
 from swarm.modeling.llama import FusedLayer, block_step
+from swarm.wire.dtypes import QUANT_TYPES
 
-QUANT_TYPES = ("none", "int8", "nf4")
 INT8_THRESHOLD = 6.0  # LLM.int8()'s outlier threshold (transformers' `llm_int8_threshold` default)
 NF4_BLOCKSIZE = 64
 QUANT_TYPE_HELP = ("linear weights of the served blocks: none, int8 (LLM.int8(), bitsandbytes Linear8bitLt, outlier "
