@@ -160,18 +160,21 @@ def _version() -> str:
 def _add_routes(app: FastAPI, state: GatewayState) -> None:
     config, tokens = state.config, state.tokens
 
-    def card() -> ModelCard:
-        return ModelCard(id=config.model_name, created=state.created, context_length=state.limits.context,
-                         max_model_len=state.limits.context)
+    def card(adapter: Optional[str] = None) -> ModelCard:
+        """The base model's card, or a LoRA adapter's: its own id, the base model as `parent` (as vLLM lists LoRA
+        modules)."""
+        return ModelCard(id=adapter or config.model_name, created=state.created, context_length=state.limits.context,
+                         max_model_len=state.limits.context, parent=config.model_name if adapter else None)
 
     @app.get("/v1/models", dependencies=[Depends(require_api_key)])
     async def list_models() -> ModelList:
-        return ModelList(data=[card()])
+        adapters = await run_in_threadpool(state.served_adapters)
+        return ModelList(data=[card()] + [card(adapter) for adapter in adapters])
 
     @app.get("/v1/models/{model_id:path}", dependencies=[Depends(require_api_key)])
     async def get_model(model_id: str) -> ModelCard:
-        check_model(model_id, config)
-        return card()
+        _, adapter = await run_in_threadpool(state.resolve_model, model_id)
+        return card(adapter)
 
     @app.post("/tokenize", dependencies=[Depends(require_api_key)])
     async def tokenize(body: TokenizeRequest):

@@ -10,6 +10,12 @@ that remembers which tokens the servers' caches hold, so `model.generate(..., se
 hold. Generation uses Hugging Face `GenerationConfig` and picks tokens through `swarm.client.generation` (the
 gateway's path too: Hugging Face logits processors, greedy or sampling) and accepts a `streamer`.
 The model implements `swarm.client.api.ClientModel` (route check, coverage, bans, sessions) for the gateway.
+
+LoRA adapters (served by block servers started with `--adapters`): `from_pretrained(..., active_adapter=NAME)` (or
+setting `model.active_adapter`) runs every session and forward pass with that adapter; `inference_session(max_length,
+adapter=NAME)` picks one per session (None: the base model). Routing then uses only servers that hold it, and
+fails with a `SessionError` / `RoutingError` naming the adapter when no chain has it. `served_adapters()` lists the
+adapters the swarm serves over every block.
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ from swarm.client.rowpad import RowPadding
 from swarm.client.session import InferenceSession, SessionError
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec, family_for
+from swarm.modeling.lora import check_adapter_name
 from swarm.runtime import aio, malloc
 from swarm.runtime.taskpool import PRIORITY_DECODE, PRIORITY_FORWARD, client_pool
 from swarm.wire.dtypes import parse_dtype
@@ -54,13 +61,28 @@ class CausalLMOutput:
     hidden_states: Optional[torch.Tensor] = None  # [batch, seq, hidden] after the final norm
 
 
+class _Active:
+    """The default of an `adapter` argument: the model's `active_adapter`."""
+
+    def __repr__(self) -> str:
+        return "ACTIVE_ADAPTER"
+
+
+ACTIVE_ADAPTER: Any = _Active()
+
+
 class ModelSession:
     """An inference session plus the token ids `[batch, n]` whose states the servers hold."""
 
-    def __init__(self, model: "DistributedModelForCausalLM", max_length: int):
+    def __init__(self, model: "DistributedModelForCausalLM", max_length: int, adapter: Optional[str] = None):
         self.model = model
-        self.session = InferenceSession(model.manager, max_length)
+        self.session = InferenceSession(model.manager, max_length, adapter=adapter)
         self.token_ids: Optional[torch.Tensor] = None
+
+    @property
+    def adapter(self) -> Optional[str]:
+        """The LoRA adapter the servers run this session with (None: the base model)."""
+        return self.session.adapter
 
     @property
     def max_length(self) -> int:
@@ -138,15 +160,33 @@ class DistributedModelForCausalLM(nn.Module):
         self.generation_config = generation_config
         self.row_padding: Optional[RowPadding] = None  # set by from_pretrained(pad_head_rows=True)
         self.name_or_path: str = ""  # set by from_pretrained
+        self._active_adapter: Optional[str] = None
+
+    @property
+    def active_adapter(self) -> Optional[str]:
+        """The LoRA adapter sessions and forward passes use unless told otherwise (None: the base model)."""
+        return self._active_adapter
+
+    @active_adapter.setter
+    def active_adapter(self, name: Optional[str]) -> None:
+        self._active_adapter = None if name is None else check_adapter_name(name)
+
+    def _adapter(self, adapter: Any) -> Optional[str]:
+        if adapter is ACTIVE_ADAPTER:
+            return self._active_adapter
+        return None if adapter is None else check_adapter_name(adapter)
 
     # ---- loading ------------------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, torch_dtype: Union[str, torch.dtype] = torch.float32,
                         cache_dir: Optional[str] = None, dht=None, device: Union[str, torch.device] = "cpu",
-                        pad_head_rows: bool = True, **client_kwargs) -> "DistributedModelForCausalLM":
+                        pad_head_rows: bool = True, active_adapter: Optional[str] = None,
+                        **client_kwargs) -> "DistributedModelForCausalLM":
         """`pad_head_rows`: on the CPU, run concurrent sessions' LM heads padded to the row count measured fastest
         (`swarm.client.rowpad`: about 10% more aggregate tokens/s with 8 sessions here, for ~0.5 s at load and a few
-        MB)."""
+        MB). `active_adapter`: the LoRA adapter (served by the swarm) to generate with; None: the base model."""
+        if active_adapter is not None:
+            check_adapter_name(active_adapter)
         client_config = ClientConfig(**client_kwargs)
         checkpoint = Checkpoint(name_or_path, cache_dir=cache_dir)
         config = checkpoint.load_config()
@@ -177,6 +217,7 @@ class DistributedModelForCausalLM(nn.Module):
         model = cls(config, family, manager, embed, norm, lm_head, generation_config).to(device).eval()
         model.requires_grad_(False)
         model.name_or_path = name_or_path
+        model.active_adapter = active_adapter
         if pad_head_rows:
             model.row_padding = RowPadding()
             model.row_padding.calibrate(model.lm_head.weight, model.lm_head.bias)  # CPU only: which batches to pad
@@ -218,13 +259,19 @@ class DistributedModelForCausalLM(nn.Module):
         parts = torch.split(logits, [x.shape[0] for x in rows])
         return [(part, _try(pick, part)) for part, (_, pick) in zip(parts, items)]
 
-    def inference_session(self, max_length: int) -> ModelSession:
-        return ModelSession(self, max_length)
+    def inference_session(self, max_length: int, adapter: Any = ACTIVE_ADAPTER) -> ModelSession:
+        """A session of up to `max_length` tokens with LoRA `adapter` (default: `active_adapter`; None: the base)."""
+        return ModelSession(self, max_length, adapter=self._adapter(adapter))
+
+    def served_adapters(self, force: bool = False) -> List[str]:
+        """The LoRA adapters that servers (of an allowed quant type) serve over every block, by name."""
+        return self.manager.served_adapters(force=force)
 
     # ---- the swarm, as a front end sees it (swarm.client.api.ClientModel) ---------------------------------
-    def check_route(self, cache_tokens: int = 0) -> None:
-        """Raise `RoutingError` unless a chain over every block with cache for `cache_tokens` can be routed now."""
-        self.manager.make_inference_chain(0, None, cache_tokens_needed=cache_tokens)
+    def check_route(self, cache_tokens: int = 0, adapter: Any = ACTIVE_ADAPTER) -> None:
+        """Raise `RoutingError` unless a chain over every block with cache for `cache_tokens` (and servers that hold
+        `adapter`; default `active_adapter`) can be routed now."""
+        self.manager.make_inference_chain(0, None, cache_tokens_needed=cache_tokens, adapter=self._adapter(adapter))
 
     def coverage(self, force: bool = False) -> Coverage:
         """Blocks served by servers of an allowed quant type, and every online server seen with its format."""
@@ -248,23 +295,26 @@ class DistributedModelForCausalLM(nn.Module):
     def unban(self, peer_id: str) -> None:
         self.manager.mark_ok(peer_id)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> CausalLMOutput:
-        """Logits for every position of `input_ids` [batch, seq] through the swarm (no cache)."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                adapter: Any = ACTIVE_ADAPTER) -> CausalLMOutput:
+        """Logits for every position of `input_ids` [batch, seq] through the swarm (no cache), with LoRA `adapter`
+        (default: `active_adapter`)."""
         _reject_padding(attention_mask)
         pool = client_pool()
         hidden = pool.call(PRIORITY_FORWARD, self.embed, input_ids)
-        hidden = aio.run(self._forward_chain(hidden))
+        hidden = aio.run(self._forward_chain(hidden, self._adapter(adapter)))
         normed = pool.call(PRIORITY_FORWARD, torch.no_grad()(lambda: self.norm(hidden.to(self.device, self.dtype))))
         logits = pool.call(PRIORITY_FORWARD, torch.no_grad()(lambda: self.lm_head(normed).float().cpu()))
         return CausalLMOutput(logits=logits, hidden_states=normed.cpu())
 
-    def prompt_logprobs(self, input_ids: Sequence[int], top_k: int) -> List[PromptLogprob]:
+    def prompt_logprobs(self, input_ids: Sequence[int], top_k: int, adapter: Any = ACTIVE_ADAPTER
+                        ) -> List[PromptLogprob]:
         """Each prompt token after the first scored given the tokens before it: log_softmax of the float32 logits of
         one forward pass (`forward`, no cache) over all but the last token; with the `top_k` best tokens there."""
         ids = torch.tensor([list(input_ids)], dtype=torch.long)
         if ids.shape[1] < 2:
             return []
-        logits = self.forward(ids[:, :-1]).logits[0]  # [n - 1, vocab], float32 on the CPU
+        logits = self.forward(ids[:, :-1], adapter=adapter).logits[0]  # [n - 1, vocab], float32 on the CPU
         targets = ids[0, 1:]
 
         @torch.no_grad()
@@ -280,16 +330,17 @@ class DistributedModelForCausalLM(nn.Module):
 
         return client_pool().call(PRIORITY_FORWARD, score)
 
-    async def _forward_chain(self, hidden: torch.Tensor) -> torch.Tensor:
+    async def _forward_chain(self, hidden: torch.Tensor, adapter: Optional[str] = None) -> torch.Tensor:
         import asyncio
 
         last_error: Optional[BaseException] = None
         for _ in range(self.manager.config.max_retries + 1):
-            hops = await asyncio.get_running_loop().run_in_executor(None, self.manager.make_forward_chain)
+            hops = await asyncio.get_running_loop().run_in_executor(
+                None, functools.partial(self.manager.make_forward_chain, adapter=adapter))
             x = hidden
             try:
                 for hop in hops:
-                    x = await self.manager.forward(hop, x)
+                    x = await self.manager.forward(hop, x, adapter)
                 return x
             except Exception as e:  # a failed server: ban it and route again
                 last_error = e

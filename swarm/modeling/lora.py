@@ -48,6 +48,9 @@ MODULES = {target: ("self_attn" if group in ("qkv", "o") else "mlp") for group, 
            for target in targets}
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.([a-z_]+)"
                   r"\.lora_([AB])\.weight$")
+ADAPTERS_HELP = ("LoRA adapters to serve on the blocks (users choose one per request): each a local directory or a "
+                 "hub repo id in peft's format (adapter_config.json + adapter_model.safetensors), optionally "
+                 "NAME=PATH_OR_REPO; named by the repo id or the directory's name otherwise")
 MAX_NAME_LEN = 128
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
 
