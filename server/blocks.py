@@ -147,7 +147,7 @@ class BlockSpan(nn.Module):
         span.fused = fused
         span.quant_type = quant_type
         for files in adapters:
-            span.adapters[files.name] = SpanAdapter.load(files, start, end, dtype, torch_device)
+            span.adapters[files.name] = SpanAdapter.load(files, start, end, dtype, torch_device, span.shape)
             logger.info(f"loaded adapter {files.name} for blocks {start}:{end} "
                         f"({span.adapters[files.name].nbytes() / 2**20:.1f} MiB)")
         return span

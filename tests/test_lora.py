@@ -183,3 +183,28 @@ def test_adapter_names():
     assert AdapterSource.parse("org/repo-lora") == AdapterSource("org/repo-lora", "org/repo-lora")
     with pytest.raises(AdapterError, match="adapter name"):
         AdapterSource.parse("bad name=/x")
+
+
+def test_gate_up_outputs_that_are_not_halves_of_one_tensor(span):
+    """`AdaptedLayer.gate_up` adds the same deltas when the base's gate and up are tensors of their own."""
+    from swarm.modeling.lora import AdaptedLayer
+
+    class Separate:  # the fused layer, with gate and up returned as separate tensors
+        def __init__(self, layer):
+            self.layer = layer
+
+        def __getattr__(self, name):
+            return getattr(self.layer, name)
+
+        def gate_up(self, h):
+            return tuple(t.clone() for t in self.layer.gate_up(h))
+
+    torch.manual_seed(0)
+    h = torch.randn(5, span.hidden_size)
+    groups = [(1, 3, span.adapters["alpha"].layers[0])]
+    joined = AdaptedLayer(span.fused[0], groups).gate_up(h)
+    separate = AdaptedLayer(Separate(span.fused[0]), groups).gate_up(h)
+    base = span.fused[0].gate_up(h)
+    for got, want, plain in zip(separate, joined, base):
+        assert torch.allclose(got, want, atol=1e-6)
+        assert torch.equal(got[[0, 3, 4]], plain[[0, 3, 4]]) and not torch.allclose(got[1:3], plain[1:3])

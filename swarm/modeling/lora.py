@@ -11,8 +11,9 @@ implement (DoRA, LoRA biases, trained base biases, `modules_to_save`, ...) are r
 
 The math (as peft's `lora.Linear.forward`): `y = base(x) + (x @ A^T) @ B^T * scaling`, scaling = `lora_alpha / r`
 (`lora_alpha / sqrt(r)` with `use_rslora`). Per block, the A matrices of the projections that share an input are
-concatenated (q/k/v: the input-normed hidden state; gate/up: the post-normed one), so each shared input takes one
-`x @ A_cat^T`, then one `addmm_` per target into its columns of the base output.
+concatenated (q/k/v: the input-normed hidden state; gate/up: the post-normed one) and their B matrices (times
+their scalings) form one block-diagonal matrix over the fused output's columns, so each projection of a row group
+takes two small matmuls, the second added in place into the base output's rows.
 
 `AdaptedLayer` wraps a server block (`swarm.modeling.llama.FusedLayer` or `swarm.modeling.quantize.
 QuantizedLayer`) for one step whose rows [rows, ...] (flattened leading dims) come in groups, each with its own
@@ -251,11 +252,11 @@ def open_adapter(source: AdapterSource, model_config, cache_dir: Optional[str] =
 
 @dataclass
 class ProjectionLora:
-    """The adapter on the projections that share one input: x [rows, in] -> t = x @ a_t [rows, sum r]; target i
-    adds t[:, r0:r1] @ b_t * scaling to its columns [c0, c1) of its output."""
+    """The adapter on the projections that share one input, as one low-rank product: x [rows, in] ->
+    (x @ a_t) @ b_t [rows, width], added to the group's whole output (q;k;v, o, gate;up or down columns)."""
 
-    a_t: torch.Tensor  # [in, sum of the targets' ranks]
-    targets: List[Tuple[str, int, int, torch.Tensor, float]]  # (target, r0, r1, b_t [r, out], scaling)
+    a_t: torch.Tensor  # [in, R]: the targets' A matrices, transposed and concatenated (R = sum of their ranks)
+    b_t: torch.Tensor  # [R, width]: block diagonal, target i's B^T * scaling_i at its rows and columns, zeros elsewhere
 
 
 @dataclass
@@ -265,8 +266,16 @@ class LayerLora:
     projections: Dict[str, ProjectionLora]
 
     def nbytes(self) -> int:
-        return sum(p.a_t.numel() * p.a_t.element_size() + sum(b.numel() * b.element_size() for _, _, _, b, _ in
-                                                               p.targets) for p in self.projections.values())
+        return sum(t.numel() * t.element_size() for p in self.projections.values() for t in (p.a_t, p.b_t))
+
+
+def _columns(shape: ModelShape) -> Dict[str, Tuple[int, int, int]]:
+    """target -> (first column, last column + 1, width) in the output of its group's fused projection."""
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    hidden, inter = shape.hidden_size, shape.intermediate_size
+    return {"q_proj": (0, q, q + 2 * kv), "k_proj": (q, q + kv, q + 2 * kv), "v_proj": (q + kv, q + 2 * kv, q + 2 * kv),
+            "o_proj": (0, hidden, hidden), "gate_proj": (0, inter, 2 * inter), "up_proj": (inter, 2 * inter, 2 * inter),
+            "down_proj": (0, hidden, hidden)}
 
 
 @dataclass
@@ -280,11 +289,12 @@ class SpanAdapter:
     layers: List[Optional[LayerLora]]
 
     @classmethod
-    def load(cls, files: AdapterFiles, start: int, end: int, dtype: torch.dtype, device: torch.device
-             ) -> "SpanAdapter":
-        """Read only the tensors of blocks [start, end) (in `dtype`, on `device`)."""
+    def load(cls, files: AdapterFiles, start: int, end: int, dtype: torch.dtype, device: torch.device,
+             shape: ModelShape) -> "SpanAdapter":
+        """Read only the tensors of blocks [start, end) (in `dtype`, on `device`) of a model of `shape`."""
         from safetensors import safe_open
 
+        columns = _columns(shape)
         layers: List[Optional[LayerLora]] = []
         with safe_open(str(files.weights), framework="pt") as f:
             for block in range(start, end):
@@ -293,13 +303,14 @@ class SpanAdapter:
                     specs = [files.targets[(block, t)] for t in targets if (block, t) in files.targets]
                     if not specs:
                         continue
-                    a = torch.cat([f.get_tensor(s.a_key) for s in specs])  # [sum r, in]
-                    entries, row = [], 0
+                    a = torch.cat([f.get_tensor(s.a_key).float() for s in specs])  # [R, in]
+                    b_t = torch.zeros(a.shape[0], columns[specs[0].target][2])  # [R, width]
+                    row = 0
                     for spec in specs:
-                        b_t = f.get_tensor(spec.b_key).t().to(device, dtype).contiguous()  # [r, out]
-                        entries.append((spec.target, row, row + spec.rank, b_t, spec.scaling))
+                        c0, c1, _ = columns[spec.target]
+                        b_t[row:row + spec.rank, c0:c1] = f.get_tensor(spec.b_key).float().t() * spec.scaling
                         row += spec.rank
-                    projections[group] = ProjectionLora(a.t().to(device, dtype).contiguous(), entries)
+                    projections[group] = ProjectionLora(a.t().to(device, dtype).contiguous(), b_t.to(device, dtype))
                 layers.append(LayerLora(projections) if projections else None)
         return cls(files.name, start, end, layers)
 
@@ -309,6 +320,17 @@ class SpanAdapter:
 
 # one group of a step's rows: rows [r0, r1) of the flattened leading dims use `lora`
 RowGroup = Tuple[int, int, LayerLora]
+
+
+def _joined(gate: torch.Tensor, up: torch.Tensor) -> Optional[torch.Tensor]:
+    """The [..., 2 * intermediate] tensor whose halves `gate` and `up` are (the fused gate/up output that `chunk`
+    split), or None if they are not such views."""
+    width = gate.shape[-1]
+    if (gate.shape != up.shape or gate.stride() != up.stride() or gate.stride(-1) != 1
+            or up.data_ptr() != gate.data_ptr() + width * gate.element_size()
+            or any(gate.stride(d) != 2 * width * math.prod(gate.shape[d + 1:-1]) for d in range(gate.dim() - 1))):
+        return None
+    return gate.as_strided((*gate.shape[:-1], 2 * width), (*gate.stride()[:-1], 1))
 
 
 class AdaptedLayer:
@@ -325,42 +347,41 @@ class AdaptedLayer:
     def __getattr__(self, name: str):  # anything else an attention may read (e.g. a sliding window)
         return getattr(self.base, name)
 
-    def _add(self, group: str, x: torch.Tensor, outputs: Dict[str, Tuple[torch.Tensor, int, int]]) -> None:
-        """Add each row group's delta for projection `group` on input x [..., in] into `outputs`: target ->
-        (output [..., cols] (a view the base result lives in), first column, last column + 1)."""
-        x2 = x.reshape(-1, x.shape[-1])  # [rows, in]
-        flat = {target: (out.view(-1, out.shape[-1]), c0, c1) for target, (out, c0, c1) in outputs.items()}
+    def _add(self, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Add each row group's delta for projection `group` on input x [..., in] into its rows of `out`
+        [..., width] (the base result, in place)."""
+        x2, out2 = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])  # [rows, in], [rows, width]
         for r0, r1, lora in self.groups:
             projection = lora.projections.get(group)
-            if projection is None:
-                continue
-            t = x2[r0:r1] @ projection.a_t  # [n, sum r]
-            for target, k0, k1, b_t, scaling in projection.targets:
-                out, c0, c1 = flat[target]
-                out[r0:r1, c0:c1].addmm_(t[:, k0:k1], b_t, alpha=scaling)  # += (x @ A^T) @ B^T * scaling
+            if projection is not None:  # rows [r0, r1) += (x @ A^T) @ B^T * scaling, for every target at once
+                out2[r0:r1].addmm_(x2[r0:r1] @ projection.a_t, projection.b_t)
 
     def qkv(self, h: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., heads + 2 * kv_heads, head_dim], with each row group's q/k/v deltas."""
         out = self.base.qkv(h)
         flat = out.flatten(-2)  # [..., (heads + 2 * kv_heads) * head_dim]
         assert flat.data_ptr() == out.data_ptr(), "the deltas must go into the returned tensor's memory"
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        self._add("qkv", h, {"q_proj": (flat, 0, q), "k_proj": (flat, q, q + kv), "v_proj": (flat, q + kv, q + 2 * kv)})
+        self._add("qkv", h, flat)
         return out
 
     def add_o_proj(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         out = self.base.add_o_proj(x, o)  # a new tensor: [..., hidden]
-        self._add("o", o, {"o_proj": (out, 0, out.shape[-1])})
+        self._add("o", o, out)
         return out
 
     def gate_up(self, h: torch.Tensor):
-        gate, up = self.base.gate_up(h)  # [..., intermediate] each (views of one output)
-        self._add("gate_up", h, {"gate_proj": (gate, 0, gate.shape[-1]), "up_proj": (up, 0, up.shape[-1])})
-        return gate, up
+        gate, up = self.base.gate_up(h)  # [..., intermediate] each (the halves of one output)
+        joined = _joined(gate, up)
+        if joined is not None:
+            self._add("gate_up", h, joined)
+            return gate, up
+        delta = torch.zeros(*gate.shape[:-1], 2 * gate.shape[-1], dtype=gate.dtype, device=gate.device)
+        self._add("gate_up", h, delta)  # separate tensors: the delta on its own, then into each
+        return gate + delta[..., :gate.shape[-1]], up + delta[..., gate.shape[-1]:]
 
     def add_down(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         out = self.base.add_down(x, h)  # a new tensor: [..., hidden]
-        self._add("down", h, {"down_proj": (out, 0, out.shape[-1])})
+        self._add("down", h, out)
         return out
 
 
