@@ -37,7 +37,7 @@ from gateway.config import GatewayConfig
 from gateway.engine import Engine
 from gateway.errors import bad_request, install_error_handlers
 from gateway.metrics import CONTENT_TYPE_LATEST, Metrics
-from gateway.params import Limits, check_messages, check_model
+from gateway.params import Limits, check_messages
 from gateway.schemas import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
 from gateway.session_pool import SessionPool
 from gateway.sessions import SessionProvider
@@ -178,7 +178,7 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
 
     @app.post("/tokenize", dependencies=[Depends(require_api_key)])
     async def tokenize(body: TokenizeRequest):
-        check_model(body.model, config)
+        await run_in_threadpool(state.resolve_model, body.model)  # the base model or a served LoRA adapter
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("Give exactly one of 'prompt' or 'messages'.", param="prompt")
         if body.messages is not None:
@@ -191,7 +191,7 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
 
     @app.post("/detokenize", dependencies=[Depends(require_api_key)])
     async def detokenize(body: DetokenizeRequest):
-        check_model(body.model, config)
+        await run_in_threadpool(state.resolve_model, body.model)  # the base model or a served LoRA adapter
         tokens.check_ids(body.tokens, "tokens")
         return {"prompt": await run_in_threadpool(tokens.decode, body.tokens)}
 
