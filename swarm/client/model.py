@@ -10,12 +10,7 @@ that remembers which tokens the servers' caches hold, so `model.generate(..., se
 hold. Generation uses Hugging Face `GenerationConfig` and picks tokens through `swarm.client.generation` (the
 gateway's path too: Hugging Face logits processors, greedy or sampling) and accepts a `streamer`.
 The model implements `swarm.client.api.ClientModel` (route check, coverage, bans, sessions) for the gateway.
-
-LoRA adapters (served by block servers started with `--adapters`): `from_pretrained(..., active_adapter=NAME)` (or
-setting `model.active_adapter`) runs every session and forward pass with that adapter; `inference_session(max_length,
-adapter=NAME)` picks one per session (None: the base model). Routing then uses only servers that hold it, and
-fails with a `SessionError` / `RoutingError` naming the adapter when no chain has it. `served_adapters()` lists the
-adapters the swarm serves over every block.
+LoRA adapters: `active_adapter`, or one per session (`swarm.client.adapters`).
 """
 from __future__ import annotations
 
@@ -32,6 +27,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from swarm.client.adapters import ACTIVE_ADAPTER, AdapterChoice
 from swarm.client.api import Coverage, PromptLogprob, ServerView
 from swarm.client.generation import SamplingParams, build_processors, process_and_pick_scores
 from swarm.client.manager import ClientConfig, SwarmManager
@@ -40,7 +36,6 @@ from swarm.client.rowpad import RowPadding
 from swarm.client.session import InferenceSession, SessionError
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec, family_for
-from swarm.modeling.lora import check_adapter_name
 from swarm.runtime import aio, malloc
 from swarm.runtime.taskpool import PRIORITY_DECODE, PRIORITY_FORWARD, client_pool
 from swarm.wire.dtypes import parse_dtype
@@ -61,16 +56,6 @@ class CausalLMOutput:
     hidden_states: Optional[torch.Tensor] = None  # [batch, seq, hidden] after the final norm
 
 
-class _Active:
-    """The default of an `adapter` argument: the model's `active_adapter`."""
-
-    def __repr__(self) -> str:
-        return "ACTIVE_ADAPTER"
-
-
-ACTIVE_ADAPTER: Any = _Active()
-
-
 class ModelSession:
     """An inference session plus the token ids `[batch, n]` whose states the servers hold."""
 
@@ -78,11 +63,6 @@ class ModelSession:
         self.model = model
         self.session = InferenceSession(model.manager, max_length, adapter=adapter)
         self.token_ids: Optional[torch.Tensor] = None
-
-    @property
-    def adapter(self) -> Optional[str]:
-        """The LoRA adapter the servers run this session with (None: the base model)."""
-        return self.session.adapter
 
     @property
     def max_length(self) -> int:
@@ -151,7 +131,7 @@ class ModelSession:
         self.close()
 
 
-class DistributedModelForCausalLM(nn.Module):
+class DistributedModelForCausalLM(AdapterChoice, nn.Module):
     def __init__(self, config, family: FamilySpec, manager: SwarmManager, embed_tokens: nn.Embedding,
                  norm: nn.Module, lm_head: nn.Linear, generation_config: GenerationConfig):
         super().__init__()
@@ -160,21 +140,6 @@ class DistributedModelForCausalLM(nn.Module):
         self.generation_config = generation_config
         self.row_padding: Optional[RowPadding] = None  # set by from_pretrained(pad_head_rows=True)
         self.name_or_path: str = ""  # set by from_pretrained
-        self._active_adapter: Optional[str] = None
-
-    @property
-    def active_adapter(self) -> Optional[str]:
-        """The LoRA adapter sessions and forward passes use unless told otherwise (None: the base model)."""
-        return self._active_adapter
-
-    @active_adapter.setter
-    def active_adapter(self, name: Optional[str]) -> None:
-        self._active_adapter = None if name is None else check_adapter_name(name)
-
-    def _adapter(self, adapter: Any) -> Optional[str]:
-        if adapter is ACTIVE_ADAPTER:
-            return self._active_adapter
-        return None if adapter is None else check_adapter_name(adapter)
 
     # ---- loading ------------------------------------------------------------------------------------------
     @classmethod
@@ -185,8 +150,6 @@ class DistributedModelForCausalLM(nn.Module):
         """`pad_head_rows`: on the CPU, run concurrent sessions' LM heads padded to the row count measured fastest
         (`swarm.client.rowpad`: about 10% more aggregate tokens/s with 8 sessions here, for ~0.5 s at load and a few
         MB). `active_adapter`: the LoRA adapter (served by the swarm) to generate with; None: the base model."""
-        if active_adapter is not None:
-            check_adapter_name(active_adapter)
         client_config = ClientConfig(**client_kwargs)
         checkpoint = Checkpoint(name_or_path, cache_dir=cache_dir)
         config = checkpoint.load_config()
@@ -263,14 +226,9 @@ class DistributedModelForCausalLM(nn.Module):
         """A session of up to `max_length` tokens with LoRA `adapter` (default: `active_adapter`; None: the base)."""
         return ModelSession(self, max_length, adapter=self._adapter(adapter))
 
-    def served_adapters(self, force: bool = False) -> List[str]:
-        """The LoRA adapters that servers (of an allowed quant type) serve over every block, by name."""
-        return self.manager.served_adapters(force=force)
-
     # ---- the swarm, as a front end sees it (swarm.client.api.ClientModel) ---------------------------------
     def check_route(self, cache_tokens: int = 0, adapter: Any = ACTIVE_ADAPTER) -> None:
-        """Raise `RoutingError` unless a chain over every block with cache for `cache_tokens` (and servers that hold
-        `adapter`; default `active_adapter`) can be routed now."""
+        """Raise `RoutingError` unless a chain over every block with cache for `cache_tokens` can be routed now."""
         self.manager.make_inference_chain(0, None, cache_tokens_needed=cache_tokens, adapter=self._adapter(adapter))
 
     def coverage(self, force: bool = False) -> Coverage:
@@ -297,8 +255,7 @@ class DistributedModelForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 adapter: Any = ACTIVE_ADAPTER) -> CausalLMOutput:
-        """Logits for every position of `input_ids` [batch, seq] through the swarm (no cache), with LoRA `adapter`
-        (default: `active_adapter`)."""
+        """Logits for every position of `input_ids` [batch, seq] through the swarm (no cache), with `adapter`."""
         _reject_padding(attention_mask)
         pool = client_pool()
         hidden = pool.call(PRIORITY_FORWARD, self.embed, input_ids)
