@@ -130,6 +130,21 @@ def test_records_list_adapters_and_routing_avoids_servers_without_them(client_mo
     assert [hop.peer_id for hop in client_model.manager.make_inference_chain(0, None, 64)] == [plain]
 
 
+def test_forward_passes_with_adapters_equal_peft(client_model, tokenizer, reference):
+    """`model.forward` (rpc_forward, no cache) with each adapter gives the peft model's logits."""
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    for adapter in ("beta", None):
+        with torch.no_grad():
+            if adapter is None:
+                with reference.disable_adapter():
+                    expected = reference(input_ids=ids).logits
+            else:
+                reference.set_adapter(adapter)
+                expected = reference(input_ids=ids).logits
+        got = client_model.forward(ids, adapter=adapter).logits
+        assert torch.allclose(got, expected, atol=1e-3), (adapter, (got - expected).abs().max())
+
+
 def test_unknown_adapter_is_a_clear_error(client_model, tokenizer):
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
     with pytest.raises(SessionError, match=r"holding LoRA adapter 'gamma'.*adapters served there: alpha, beta"):
