@@ -37,7 +37,7 @@ from gateway.config import GatewayConfig
 from gateway.engine import Engine
 from gateway.errors import bad_request, install_error_handlers
 from gateway.metrics import CONTENT_TYPE_LATEST, Metrics
-from gateway.params import Limits, check_messages, check_model
+from gateway.params import Limits, check_messages
 from gateway.schemas import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
 from gateway.session_pool import SessionPool
 from gateway.sessions import SessionProvider
@@ -160,22 +160,25 @@ def _version() -> str:
 def _add_routes(app: FastAPI, state: GatewayState) -> None:
     config, tokens = state.config, state.tokens
 
-    def card() -> ModelCard:
-        return ModelCard(id=config.model_name, created=state.created, context_length=state.limits.context,
-                         max_model_len=state.limits.context)
+    def card(adapter: Optional[str] = None) -> ModelCard:
+        """The base model's card, or a LoRA adapter's: its own id, the base model as `parent` (as vLLM lists LoRA
+        modules)."""
+        return ModelCard(id=adapter or config.model_name, created=state.created, context_length=state.limits.context,
+                         max_model_len=state.limits.context, parent=config.model_name if adapter else None)
 
     @app.get("/v1/models", dependencies=[Depends(require_api_key)])
     async def list_models() -> ModelList:
-        return ModelList(data=[card()])
+        adapters = await run_in_threadpool(state.served_adapters)
+        return ModelList(data=[card()] + [card(adapter) for adapter in adapters])
 
     @app.get("/v1/models/{model_id:path}", dependencies=[Depends(require_api_key)])
     async def get_model(model_id: str) -> ModelCard:
-        check_model(model_id, config)
-        return card()
+        _, adapter = await run_in_threadpool(state.resolve_model, model_id)
+        return card(adapter)
 
     @app.post("/tokenize", dependencies=[Depends(require_api_key)])
     async def tokenize(body: TokenizeRequest):
-        check_model(body.model, config)
+        await run_in_threadpool(state.resolve_model, body.model)  # the base model or a served LoRA adapter
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("Give exactly one of 'prompt' or 'messages'.", param="prompt")
         if body.messages is not None:
@@ -188,7 +191,7 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
 
     @app.post("/detokenize", dependencies=[Depends(require_api_key)])
     async def detokenize(body: DetokenizeRequest):
-        check_model(body.model, config)
+        await run_in_threadpool(state.resolve_model, body.model)  # the base model or a served LoRA adapter
         tokens.check_ids(body.tokens, "tokens")
         return {"prompt": await run_in_threadpool(tokens.decode, body.tokens)}
 

@@ -30,7 +30,6 @@ from gateway.params import (
     chat_params,
     check_chat_request,
     check_completion_request,
-    check_model,
     completion_params,
     completion_prompts,
 )
@@ -91,12 +90,14 @@ def completion_logprobs(state: GatewayState, tokens: List[TokenChoice], offset: 
     return out
 
 
-def prompt_logprobs(state: GatewayState, ids: List[int], echo: str, top_k: int) -> CompletionLogprobs:
+def prompt_logprobs(state: GatewayState, ids: List[int], echo: str, top_k: int, adapter: Optional[str] = None
+                    ) -> CompletionLogprobs:
     """The echoed prompt's logprobs (OpenAI's legacy `echo` + `logprobs`): one entry per prompt token, the first
     with null `token_logprobs` and `top_logprobs`; `text_offset` is where each token starts in the echoed text.
     Runs on a worker thread (a forward pass through the swarm)."""
     t = state.tokens
-    scored = state.model.prompt_logprobs(ids, top_k)
+    scored = (state.model.prompt_logprobs(ids, top_k) if adapter is None
+              else state.model.prompt_logprobs(ids, top_k, adapter=adapter))
     out = CompletionLogprobs(tokens=[t.token_string(i) for i in ids], token_logprobs=[None],
                              top_logprobs=[None], text_offset=[])
     for entry in scored:
@@ -206,7 +207,7 @@ def _include_usage(body) -> bool:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = _state(request)
-    model_name = check_model(body.model, state.config, required=True)
+    model_name, adapter = await run_in_threadpool(state.resolve_model, body.model, True)
     check_chat_request(body)
     prompt = await run_in_threadpool(state.tokens.chat_prompt, body.messages, bool(body.add_generation_prompt),
                                      body.chat_template_kwargs)
@@ -214,7 +215,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     n = body.n or 1
     completion_id = "chatcmpl-" + _request_id(request)
     created = int(time.time())
-    run = await state.admit([state.new_job(prompt, params, n, _request_id(request), owner_of(request))])
+    run = await state.admit([state.new_job(prompt, params, n, _request_id(request), owner_of(request), adapter)])
 
     if not body.stream:
         got = await collect(request, run, n)
@@ -259,13 +260,13 @@ def _echo_texts(body: CompletionRequest, prompts: List[List[int]], state: Gatewa
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     state = _state(request)
-    model_name = check_model(body.model, state.config, required=True)
+    model_name, adapter = await run_in_threadpool(state.resolve_model, body.model, True)
     check_completion_request(body)
     prompts = await run_in_threadpool(completion_prompts, body, state.tokens)
     jobs = []
     for prompt in prompts:
         params = completion_params(body, len(prompt), state.limits)
-        jobs.append(state.new_job(prompt, params, body.n or 1, _request_id(request), owner_of(request)))
+        jobs.append(state.new_job(prompt, params, body.n or 1, _request_id(request), owner_of(request), adapter))
     n, want_logprobs = body.n or 1, body.logprobs is not None
     completion_id = "cmpl-" + _request_id(request)
     created = int(time.time())
@@ -275,7 +276,8 @@ async def completions(body: CompletionRequest, request: Request):
     if body.echo and want_logprobs:
         try:
             for k, prompt in enumerate(prompts):
-                scored[k] = await run_in_threadpool(prompt_logprobs, state, prompt, echoes[k], body.logprobs or 0)
+                scored[k] = await run_in_threadpool(prompt_logprobs, state, prompt, echoes[k], body.logprobs or 0,
+                                                    adapter)
         except Exception as e:
             run.close()
             raise swarm_error(e) from None

@@ -39,6 +39,7 @@ class GenerationJob:
     arrived: float = field(default_factory=time.monotonic)
     deadline: Optional[float] = None  # time.monotonic() after which the generation is abandoned
     owner: Optional[str] = None  # session pool namespace (a hash of the API key); None: never pooled
+    adapter: Optional[str] = None  # the LoRA adapter the request named as its model (None: the base model)
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
@@ -77,7 +78,7 @@ class GenerationRun:
             self.emit(Done(prompt_len, 0, 0))
             return
         ids = torch.tensor([job.prompt_ids] * self.n, dtype=torch.long)
-        lease = sessions.acquire(job.prompt_ids, self.n, params.max_tokens, job.owner)
+        lease = sessions.acquire(job.prompt_ids, self.n, params.max_tokens, job.owner, adapter=job.adapter)
         metrics.active_sessions.inc()
         reusable, last = False, None
         try:

@@ -239,6 +239,7 @@ class ModelCard(BaseModel):
     owned_by: str = "swarmgate"
     context_length: int
     max_model_len: int
+    parent: Optional[str] = None  # a LoRA adapter's base model (None: a base model)
 
 
 class ModelList(BaseModel):

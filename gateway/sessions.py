@@ -4,6 +4,8 @@ A generation gets a `Lease` (`acquire`), sends its prompt through `prefill` (wit
 `SessionProvider`), steps with `step`, and hands the session back with `release`: to the conversation pool
 (`gateway.session_pool.SessionPool`) when it ended normally and may be reused, else it is closed. Both `prefill` and
 `step` take an optional `pick`, run with the LM head in the client's batched head task (`feed_and_pick`).
+A request for a LoRA adapter gets a session with that adapter; pooled sessions are kept per (owner, adapter)
+(`pool_namespace`), so a conversation's cache is never reused across adapters.
 """
 from __future__ import annotations
 
@@ -32,6 +34,12 @@ class Lease:
     owner: Optional[str] = None
     cached_tokens: int = 0
     reused: bool = False
+    adapter: Optional[str] = None  # the session's LoRA adapter (None: the base model)
+
+
+def pool_namespace(owner: str, adapter: Optional[str]) -> str:
+    """The pool namespace of an owner's sessions with `adapter`: the base model's is the owner itself."""
+    return owner if adapter is None else f"{owner}\x00lora:{adapter}"
 
 
 def out_of_cache(error: BaseException) -> bool:
@@ -83,22 +91,27 @@ class SessionProvider:
             except Exception as e:  # never let the sweeper die
                 logger.warning(f"expiring pooled sessions failed: {e}")
 
-    def open(self, max_length: int) -> GenerationSession:
-        return self.model.inference_session(max_length=max_length)
+    def open(self, max_length: int, adapter: Optional[str] = None) -> GenerationSession:
+        if adapter is None:
+            return self.model.inference_session(max_length=max_length)
+        return self.model.inference_session(max_length=max_length, adapter=adapter)
 
-    def acquire(self, prompt_ids: List[int], n: int, max_tokens: int, owner: Optional[str] = None) -> Lease:
-        """A session for `n` rows of `prompt_ids` plus up to `max_tokens` new tokens each."""
+    def acquire(self, prompt_ids: List[int], n: int, max_tokens: int, owner: Optional[str] = None,
+                adapter: Optional[str] = None) -> Lease:
+        """A session for `n` rows of `prompt_ids` plus up to `max_tokens` new tokens each (with LoRA `adapter`)."""
         needed = len(prompt_ids) + max_tokens
         if self.pool is None or n != 1 or owner is None or self.pool.closed:
-            return Lease(self.open(needed), n, needed)
+            return Lease(self.open(needed, adapter), n, needed, adapter=adapter)
+        owner = pool_namespace(owner, adapter)
         found = self.pool.checkout(owner, prompt_ids, needed)
         if found is not None:
             if self.metrics is not None:
                 self.metrics.pool_hits.inc()
-            return Lease(found.session, n, needed, owner, cached_tokens=found.reused_tokens, reused=True)
+            return Lease(found.session, n, needed, owner, cached_tokens=found.reused_tokens, reused=True,
+                         adapter=adapter)
         if self.metrics is not None:
             self.metrics.pool_misses.inc()
-        return Lease(self.open(self._pooled_length(needed)), n, needed, owner)
+        return Lease(self.open(self._pooled_length(needed), adapter), n, needed, owner, adapter=adapter)
 
     def _pooled_length(self, needed: int) -> int:
         length = needed + self.headroom
@@ -128,7 +141,7 @@ class SessionProvider:
             for peer in set(self.model.banned_peers()) - banned_before:
                 self.model.unban(peer)
             length = self._pooled_length(lease.needed) if lease.owner is not None else lease.needed
-            lease.session = self.open(length)
+            lease.session = self.open(length, lease.adapter)
             out = self.step(lease, ids, pick)
         if lease.cached_tokens and self.metrics is not None:
             self.metrics.pool_reused_tokens.inc(lease.cached_tokens)

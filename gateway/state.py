@@ -8,6 +8,7 @@ any response starts, so that those errors reach the client as plain HTTP errors 
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -17,12 +18,15 @@ from starlette.concurrency import run_in_threadpool
 from gateway.admission import Admission, Slot
 from gateway.config import GatewayConfig
 from gateway.engine import Engine, RequestRun
+from gateway.errors import not_found
 from gateway.events import swarm_error
 from gateway.metrics import Metrics
-from gateway.params import Limits
+from gateway.params import Limits, check_model
 from gateway.runs import GenerationJob
 from gateway.tokens import Tokens
 from swarm.client.api import ClientModel, Coverage
+
+logger = logging.getLogger("swarmgate.gateway")
 
 
 @dataclass
@@ -37,9 +41,10 @@ class GatewayState:
     created: int
 
     def new_job(self, prompt_ids: List[int], params, n: int, request_id: str,
-                 owner: Optional[str] = None) -> GenerationJob:
-        """`owner`: the session pool namespace (`gateway.auth.owner_of`); None never reuses nor pools."""
-        return GenerationJob(prompt_ids, params, n, request_id=request_id, owner=owner,
+                 owner: Optional[str] = None, adapter: Optional[str] = None) -> GenerationJob:
+        """`owner`: the session pool namespace (`gateway.auth.owner_of`); None never reuses nor pools. `adapter`:
+        the LoRA adapter the request named (`resolve_model`)."""
+        return GenerationJob(prompt_ids, params, n, request_id=request_id, owner=owner, adapter=adapter,
                              deadline=time.monotonic() + self.config.generation_timeout)
 
     async def admit(self, jobs: List[GenerationJob]) -> RequestRun:
@@ -47,17 +52,45 @@ class GatewayState:
         slot = Slot(self.admission)
         try:
             needed = max(job.n * (len(job.prompt_ids) + job.params.max_tokens) for job in jobs)
-            await run_in_threadpool(self._route, needed)
+            await run_in_threadpool(self._route, needed, jobs[0].adapter)
         except BaseException:
             slot.close()
             raise
         return RequestRun(self.engine, slot, jobs)
 
-    def _route(self, cache_tokens: int) -> None:
+    def _route(self, cache_tokens: int, adapter: Optional[str] = None) -> None:
         try:
-            self.model.check_route(cache_tokens)
+            if adapter is None:
+                self.model.check_route(cache_tokens)
+            else:
+                self.model.check_route(cache_tokens, adapter=adapter)
         except Exception as e:
             raise swarm_error(e) from None
+
+    # ---- LoRA adapters as models ----------------------------------------------------------------------------------
+    def served_adapters(self, force: bool = False) -> List[str]:
+        """The LoRA adapters the swarm serves over every block (each is a model id of its own); [] when the model
+        has no notion of adapters or the swarm's view cannot be read."""
+        served = getattr(self.model, "served_adapters", None)
+        if served is None:
+            return []
+        try:
+            return list(served(force=force))
+        except Exception as e:  # a DHT hiccup must not break /v1/models
+            logger.warning(f"cannot read the swarm's adapters: {e}")
+            return []
+
+    def resolve_model(self, requested: Optional[str], required: bool = False) -> Tuple[str, Optional[str]]:
+        """A request's `model` -> (the model id to answer with, the LoRA adapter to use or None). The base model's
+        names, or an adapter the swarm serves (the view refreshed once before a 404). Runs on a worker thread."""
+        if not requested or requested in (self.config.model_name, self.config.model):
+            return check_model(requested, self.config, required), None
+        if requested in self.served_adapters() or requested in self.served_adapters(force=True):
+            return requested, requested
+        served = self.served_adapters()
+        raise not_found(f"The model '{requested}' does not exist; this gateway serves '{self.config.model_name}'"
+                        + (f" and its LoRA adapters {', '.join(served)}" if served else "") + ".",
+                        param="model", code="model_not_found")
 
     # ---- swarm coverage -------------------------------------------------------------------------------------------
     def coverage(self, force: bool = False) -> Coverage:

@@ -1,10 +1,11 @@
 """This server's record in the DHT: starting the DHT peer, and what the server announces and when.
 
-A record (`swarm.wire.records.ServerInfo`: state, span, throughput, dtype, quant_type, free cache, RTTs to the next
-servers) is stored under each block the server holds, always with the full lifetime (`--expiration`, default twice
-`--update_period`), since the DHT keeps whichever value of a key expires later. `Announcer` keeps what was last
-announced, so that the supervisor refreshes the record every `--update_period`, or sooner when the free cache
-changed by a tenth of the budget; moving the span announces the blocks left behind as offline.
+A record (`swarm.wire.records.ServerInfo`: state, span, throughput, dtype, quant_type, LoRA adapters, free cache,
+RTTs to the next servers) is stored under each block the server holds, always with the full lifetime
+(`--expiration`, default twice `--update_period`), since the DHT keeps whichever value of a key expires later.
+`Announcer` keeps what was last announced, so that the supervisor refreshes the record every `--update_period`, or
+sooner when the free cache changed by a tenth of the budget; moving the span announces the blocks left behind as
+offline.
 """
 from __future__ import annotations
 
@@ -45,10 +46,11 @@ class Announcer:
     """What this server says about itself in the DHT (span `start:end`, state, throughput, next pings)."""
 
     def __init__(self, prefix: str, expiration: float, num_blocks_total: int, dtype: torch.dtype,
-                 free_cache_tokens: Callable[[], int], quant_type: str = "none"):
+                 free_cache_tokens: Callable[[], int], quant_type: str = "none", adapters: Sequence[str] = ()):
         self.dht: Optional[hivemind.DHT] = None  # set once the peer has started
         self.prefix, self.expiration, self.num_blocks_total = prefix, expiration, num_blocks_total
         self.dtype, self.quant_type = dtype, quant_type
+        self.adapters = tuple(adapters)  # the LoRA adapters this server holds for its blocks
         self.free_cache_tokens = free_cache_tokens
         self.start = self.end = 0
         self.state = ServerState.JOINING
@@ -60,12 +62,11 @@ class Announcer:
         self.last_announce = 0.0
 
     def info(self, state: ServerState, start: Optional[int] = None, end: Optional[int] = None) -> ServerInfo:
-        # ServerInfo's adapters stay at their default: no server option sets them yet
         return ServerInfo(state=state, start=self.start if start is None else start,
                           end=self.end if end is None else end, throughput=self.throughput,
                           cache_tokens_left=self.free_cache_tokens(), version=__version__,
                           dtype=str(self.dtype).replace("torch.", ""), quant_type=self.quant_type,
-                          next_pings=dict(self.next_pings))
+                          adapters=self.adapters, next_pings=dict(self.next_pings))
 
     async def declare(self, blocks: Sequence[int], info: ServerInfo) -> None:
         if not blocks:

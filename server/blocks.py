@@ -5,11 +5,17 @@ materialized) into the family's decoder layers, built on the meta device and fil
 (with `quant_type` int8 / nf4 each block is quantized before the next is read: `swarm.modeling.quantize`).
 `forward` runs `[batch, seq, hidden]` states through some or all of the span with explicit positions, either with a
 session's `SessionKV` (inference) or without a cache (a plain forward pass).
+
+LoRA adapters (`--adapters`, `swarm.modeling.lora`): `load` also reads the span's tensors of each adapter into
+`adapters` (name -> `SpanAdapter`). A session's adapter is its `SessionKV.adapter`; a step runs the fused layers
+wrapped by `lora.adapt_layers`, so a decode batch mixes sessions of any adapters (and none): the base projections
+run once on all rows, each adapter's rows add their low-rank deltas (sessions are ordered by adapter so that each
+adapter's rows are one contiguous group).
 """
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence
 
 import torch
 from torch import nn
@@ -18,6 +24,8 @@ from server.cache import SessionKV
 from server.decode import attention_backends, decode_step, prefill_step
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec, family_for
+from swarm.modeling.layers import cache_attention
+from swarm.modeling.lora import AdapterError, AdapterFiles, SpanAdapter, adapt_layers
 from swarm.modeling.shape import ModelShape, config_dtype
 from swarm.runtime import malloc
 from swarm.wire.dtypes import DTYPES
@@ -58,6 +66,7 @@ class BlockSpan(nn.Module):
         self.fused: list = []  # the layers as `BlockLayer`s for server.decode / server.graphs (`FamilySpec.fuse`)
         self.graphs: Optional["SpanGraphs"] = None  # set by `enable_cuda_graphs`
         self.quant_type = "none"  # or int8 / nf4: the layers are `swarm.modeling.quantize.QuantizedLayer`s
+        self.adapters: Dict[str, SpanAdapter] = {}  # LoRA adapters on this span's blocks, by name
 
     def enable_cuda_graphs(self) -> bool:
         """Replay single-session decode steps as CUDA graphs (CUDA devices, families with fused layers); True if on.
@@ -74,8 +83,9 @@ class BlockSpan(nn.Module):
 
     @classmethod
     def load(cls, checkpoint: Checkpoint, start: int, end: int, dtype_name: str = "auto",
-             device: str = "cpu", quant_type: str = "none") -> "BlockSpan":
-        """Blocks [start, end) of `checkpoint`, read, (quantized) and moved to `device` one block at a time.
+             device: str = "cpu", quant_type: str = "none", adapters: Sequence[AdapterFiles] = ()) -> "BlockSpan":
+        """Blocks [start, end) of `checkpoint`, read, (quantized) and moved to `device` one block at a time; with
+        `adapters` (checked by `swarm.modeling.lora.open_adapter`), their tensors of these blocks too.
 
         quant_type "int8" / "nf4" (`swarm.modeling.quantize`): each block is fused and quantized before the next is
         read, and its float tensors are dropped, so the process never holds the span in full precision.
@@ -84,6 +94,8 @@ class BlockSpan(nn.Module):
         family = family_for(config)
         if not 0 <= start < end <= config.num_hidden_layers:
             raise ValueError(f"blocks {start}:{end} are outside the model's 0:{config.num_hidden_layers}")
+        if adapters and family.fuse is None:
+            raise AdapterError(f"LoRA adapters need a family with fused layers ({family.model_type})")
         torch_device = torch.device(device)
         dtype = resolve_dtype(dtype_name, config, torch_device)
         quant_type = quant_type or "none"
@@ -134,12 +146,22 @@ class BlockSpan(nn.Module):
         span = cls(config, family, start, end, layers, rotary, dtype, torch_device)
         span.fused = fused
         span.quant_type = quant_type
+        for files in adapters:
+            span.adapters[files.name] = SpanAdapter.load(files, start, end, dtype, torch_device, span.shape)
+            logger.info(f"loaded adapter {files.name} for blocks {start}:{end} "
+                        f"({span.adapters[files.name].nbytes() / 2**20:.1f} MiB)")
         return span
 
-    def new_session_kv(self, batch_size: int, max_length: int, first: int, last: int) -> SessionKV:
-        """KV buffers for a session that runs blocks [first, last) of this span."""
-        return SessionKV(last - first, batch_size, self.kv_heads, self.head_dim, max_length, self.dtype,
-                         self.device, layer_offset=first - self.start)
+    def new_session_kv(self, batch_size: int, max_length: int, first: int, last: int,
+                       adapter: Optional[str] = None) -> SessionKV:
+        """KV buffers for a session that runs blocks [first, last) of this span (with LoRA `adapter`)."""
+        if adapter is not None and adapter not in self.adapters:
+            raise AdapterError(f"adapter {adapter!r} is not served here (this server has: "
+                               f"{', '.join(sorted(self.adapters)) or 'none'})")
+        kv = SessionKV(last - first, batch_size, self.kv_heads, self.head_dim, max_length, self.dtype,
+                       self.device, layer_offset=first - self.start)
+        kv.adapter = adapter
+        return kv
 
     def cache_bytes_per_token(self) -> int:
         return len(self.layers) * self.shape.cache_bytes_per_token(self.dtype)
@@ -157,6 +179,17 @@ class BlockSpan(nn.Module):
         projections and MLP run once on all rows `[sum b_i, hidden]`; attention runs per session against its own
         cache. Returns the outputs `[b_i, 1, hidden]` in the same order.
         """
+        if any(kv.adapter is not None for _, _, kv in items):
+            # each adapter's sessions next to each other (the base's first): one row group per adapter
+            order = sorted(range(len(items)), key=lambda i: items[i][2].adapter or "")
+            outputs = self._forward_batch([items[i] for i in order], first, last)
+            result = [outputs[0]] * len(items)
+            for position, i in enumerate(order):
+                result[i] = outputs[position]
+            return result
+        return self._forward_batch(items, first, last)
+
+    def _forward_batch(self, items: list, first: int, last: int) -> list:
         x = torch.cat([h.to(self.device, self.dtype).reshape(-1, self.hidden_size) for h, _, _ in items])
         sizes = [h.shape[0] for h, _, _ in items]
         position_ids = torch.cat([torch.full((b, 1), pos, device=self.device) for b, (_, pos, _) in zip(sizes, items)])
@@ -165,8 +198,15 @@ class BlockSpan(nn.Module):
         for _, pos, kv in items:
             kv.begin_step(pos)
         layers = self.fused[first - self.start:last - self.start]
+        groups, row = [], 0
+        for size, (_, _, kv) in zip(sizes, items):
+            if kv.adapter is not None:
+                groups.append((row, row + size, self.adapters[kv.adapter]))
+            row += size
+        if groups:
+            layers = adapt_layers(layers, _merge_groups(groups), first)
         try:
-            if self.graphs is not None and len(items) <= self.graphs.max_sessions:
+            if self.graphs is not None and not groups and len(items) <= self.graphs.max_sessions:
                 # each session replays its captured step (one launch each): cheaper than the eager batch's
                 # hundreds of kernel launches until the batch is large enough for the weights' reads to dominate
                 parts, row = [], 0
@@ -187,10 +227,15 @@ class BlockSpan(nn.Module):
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, start_position: int = 0, kv: Optional[SessionKV] = None,
-                first: Optional[int] = None, last: Optional[int] = None) -> torch.Tensor:
-        """hidden: [batch, seq, hidden] for positions start_position.. ; runs blocks [first, last) of the model."""
+                first: Optional[int] = None, last: Optional[int] = None, adapter: Optional[str] = None
+                ) -> torch.Tensor:
+        """hidden: [batch, seq, hidden] for positions start_position.. ; runs blocks [first, last) of the model.
+        With a LoRA adapter: `kv.adapter`, or `adapter` for a pass without a cache."""
         first = self.start if first is None else first
         last = self.end if last is None else last
+        adapter = kv.adapter if kv is not None else adapter
+        if adapter is not None and adapter not in self.adapters:
+            raise AdapterError(f"adapter {adapter!r} is not served here")
         hidden = hidden.to(self.device, self.dtype)
         batch, seq, _ = hidden.shape
         positions = torch.arange(start_position, start_position + seq, device=self.device)
@@ -212,7 +257,20 @@ class BlockSpan(nn.Module):
                 # an inference step: the fused layers (the layer modules serve passes without a cache)
                 assert position_embeddings is not None  # fused families have rotary embeddings
                 cos, sin = position_embeddings  # [batch, seq, head_dim]
-                hidden = prefill_step(self.fused[first - self.start:last - self.start], hidden, cos, sin, kv, mask)
+                layers = self.fused[first - self.start:last - self.start]
+                if adapter is not None:  # one group: all rows [batch * seq] use the session's adapter
+                    layers = adapt_layers(layers, [(0, batch * seq, self.adapters[adapter])], first)
+                hidden = prefill_step(layers, hidden, cos, sin, kv, mask)
+            elif adapter is not None:
+                # a pass without a cache on the fused layers, which the adapter wraps
+                assert position_embeddings is not None  # fused families have rotary embeddings
+                cos, sin = position_embeddings
+                layers = adapt_layers(self.fused[first - self.start:last - self.start],
+                                      [(0, batch * seq, self.adapters[adapter])], first)
+                attend = cache_attention(None, mask)
+                with attention_backends(self.device):
+                    for layer in layers:
+                        hidden = layer.step(hidden, cos, sin, attend)
             else:
                 with attention_backends(self.device):
                     hidden = self._layers(hidden, mask, position_ids, position_embeddings, kv, first, last)
@@ -230,3 +288,15 @@ class BlockSpan(nn.Module):
                         use_cache=kv is not None, position_embeddings=position_embeddings)
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden
+
+
+def _merge_groups(groups: list) -> list:
+    """[(r0, r1, adapter)] in row order -> the same with neighbours of one adapter merged into one group."""
+    merged = [groups[0]]
+    for r0, r1, adapter in groups[1:]:
+        p0, p1, previous = merged[-1]
+        if previous is adapter and p1 == r0:
+            merged[-1] = (p0, r1, adapter)
+        else:
+            merged.append((r0, r1, adapter))
+    return merged

@@ -29,6 +29,7 @@ class SessionKV:
         self.batch_size, self.max_length = batch_size, max_length
         self.layer_offset = layer_offset  # layer_idx of the first block this session uses
         self.length = 0  # positions filled (valid for all layers after a complete step)
+        self.adapter: Optional[str] = None  # the session's LoRA adapter (`BlockSpan.adapters`), None: the base
         self._step_start = 0
 
     def begin_step(self, start_position: int) -> None:

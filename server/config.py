@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 
 from server.throughput import parse_throughput_mode
 from swarm.modeling.disk_cache import parse_size
+from swarm.modeling.lora import ADAPTERS_HELP, AdapterSource
 from swarm.modeling.quantize import QUANT_TYPE_HELP
 from swarm.runtime.config import ProcessConfig, parse_span
 from swarm.wire.dtypes import DTYPES, QUANT_TYPES
@@ -31,6 +32,7 @@ class ServerConfig(ProcessConfig):
     device: str = Field(default="cpu", description="torch device (cpu, cuda, cuda:1, ...)")
     torch_dtype: str = Field(default="auto", description="auto, float32, float16 or bfloat16")
     quant_type: str = Field(default="auto", description=QUANT_TYPE_HELP)
+    adapters: List[str] = Field(default_factory=list, description=ADAPTERS_HELP)
     cuda_graphs: bool = Field(default=True, description="on CUDA devices, replay each session's single-token decode "
                                                          "step as a CUDA graph (Llama-style models)")
     decode_gather_ms: float = Field(default=20.0, ge=0, le=1000,
@@ -67,6 +69,14 @@ class ServerConfig(ProcessConfig):
     def _valid_span(cls, value):
         if value is not None:
             parse_span(value)
+        return value
+
+    @field_validator("adapters")
+    @classmethod
+    def _valid_adapters(cls, value):
+        names = [AdapterSource.parse(text).name for text in value]  # AdapterError (a ValueError) names a bad one
+        if len(set(names)) != len(names):
+            raise ValueError(f"adapter names must differ, got {names}")
         return value
 
     @field_validator("torch_dtype")

@@ -81,6 +81,11 @@ class BlockHandler(P.BlockRPC):
                 f"blocks {start}:{end} are not served here (this server holds {self.span.start}:{self.span.end})"
             )
 
+    def _check_adapter(self, adapter: Optional[str]) -> None:
+        if adapter is not None and adapter not in self.span.adapters:
+            raise P.ProtocolError(f"adapter {adapter!r} is not served here (this server has: "
+                                  f"{', '.join(sorted(self.span.adapters)) or 'none'})")
+
     def _hidden_from(self, request: runtime_pb2.ExpertRequest) -> torch.Tensor:
         if len(request.tensors) != 1:
             raise P.ProtocolError(f"expected exactly 1 tensor (hidden states), got {len(request.tensors)}")
@@ -111,6 +116,7 @@ class BlockHandler(P.BlockRPC):
                 if opened.max_length > self.max_length:
                     raise P.ProtocolError(
                         f"max_length {opened.max_length} exceeds this server's limit {self.max_length}")
+                self._check_adapter(opened.adapter)
                 handle = f"{context.remote_id}/{opened.session_id}/{uuid.uuid4().hex[:8]}"
                 await self.budget.reserve(handle, opened.batch_size * opened.max_length, self.alloc_timeout)
             except OutOfCacheError as e:
@@ -123,7 +129,8 @@ class BlockHandler(P.BlockRPC):
                 yield P.error_response("bad_request", str(e))
                 await _drain(requests)
                 return
-            kv = self.span.new_session_kv(opened.batch_size, opened.max_length, opened.start, opened.end)
+            kv = self.span.new_session_kv(opened.batch_size, opened.max_length, opened.start, opened.end,
+                                          adapter=opened.adapter)
             key = P.stream_key(opened.session_id, opened.start)
             inputs: asyncio.Queue = asyncio.Queue()  # ("client" | "push", request), or None when the client left
             if not self.push_router.register(key, inputs):
@@ -259,6 +266,7 @@ class BlockHandler(P.BlockRPC):
         try:
             message = P.decode(request.metadata, P.ForwardRequest)
             self._check_range(message.start, message.end)
+            self._check_adapter(message.adapter)
             hidden = self._hidden_from(request)
             if hidden.shape[1] > self.max_length:
                 raise P.ProtocolError(f"sequence of {hidden.shape[1]} exceeds this server's limit {self.max_length}")
@@ -266,7 +274,7 @@ class BlockHandler(P.BlockRPC):
             return P.error_response("bad_request", str(e))
         try:
             output = await self.pool.submit(
-                PRIORITY_FORWARD, self.span.forward, hidden, 0, None, message.start, message.end
+                PRIORITY_FORWARD, self.span.forward, hidden, 0, None, message.start, message.end, message.adapter
             )
         except Exception as e:
             logger.exception("forward failed")

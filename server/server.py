@@ -45,6 +45,7 @@ from server.throughput import get_throughput
 from swarm import __version__
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.disk_cache import parse_size
+from swarm.modeling.lora import AdapterSource, open_adapter
 from swarm.modeling.quantize import check_quant_support, resolve_quant_type
 from swarm.runtime import malloc
 from swarm.runtime.cpu_turns import CpuTurns, cpu_turns_enabled
@@ -77,6 +78,9 @@ class Server:
         # before the DHT starts: a quantization this machine's bitsandbytes cannot run is a one-line error
         self.quant_type = resolve_quant_type(config.quant_type, self.device)
         check_quant_support(self.quant_type, self.device, self.dtype)
+        # LoRA adapters, checked against the model before the DHT starts (a bad one is a one-line error)
+        self.adapters = [open_adapter(AdapterSource.parse(text), self.model_config, cache_dir=config.cache_dir,
+                                      max_disk_space=parse_size(config.max_disk_space)) for text in config.adapters]
         self.pinned = config.block_indices is not None
         self.rng = random.Random()
         self.dht: Optional[hivemind.DHT] = None
@@ -86,7 +90,8 @@ class Server:
         self.pool: Optional[TaskPool] = None
         self.capacity: Optional[Capacity] = None
         self.record = Announcer(self.prefix, config.expiration or 2 * config.update_period, self.num_blocks_total,
-                                self.dtype, self._free_cache_tokens, quant_type=self.quant_type)
+                                self.dtype, self._free_cache_tokens, quant_type=self.quant_type,
+                                adapters=[files.name for files in self.adapters])
         # observable counters (tests, logs)
         self.moves = self.restarts = 0
         self._stop = asyncio.Event()
@@ -132,7 +137,8 @@ class Server:
         began = time.monotonic()
         start, end = self.record.start, self.record.end
         span = await self._compute_pool().submit(PRIORITY_FORWARD, BlockSpan.load, self.checkpoint, start, end,
-                                                 self.config.torch_dtype, self.config.device, self.quant_type)
+                                                 self.config.torch_dtype, self.config.device, self.quant_type,
+                                                 self.adapters)
         malloc.trim()  # what loading (and measuring the throughput) freed: unfused checkpoint tensors
         if self.config.cuda_graphs and span.enable_cuda_graphs():
             logger.info("single-session decode steps replay CUDA graphs")
@@ -244,7 +250,7 @@ class Server:
             ready = {"peer_id": self.peer_id, "start": start, "end": end,
                      "maddrs": [str(m) for m in self.started_dht.get_visible_maddrs()], "prefix": self.prefix,
                      "throughput": self.record.throughput, "attn_cache_tokens": self.capacity.attn_cache_tokens,
-                     "quant_type": self.quant_type}
+                     "quant_type": self.quant_type, "adapters": [files.name for files in self.adapters]}
             print("SWARMGATE_READY " + json.dumps(ready), flush=True)
             logger.info(f"serving blocks {start}:{end} of {self.config.model} as {ready['peer_id']}")
             await self._supervise()

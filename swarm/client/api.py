@@ -65,17 +65,24 @@ class ClientModel(Protocol):
     config: Any  # the Hugging Face model config (vocab_size, max_position_embeddings, eos_token_id)
     generation_config: Any  # its GenerationConfig (eos_token_id)
 
-    def inference_session(self, max_length: int) -> GenerationSession: ...
+    def inference_session(self, max_length: int, adapter: Optional[str] = None) -> GenerationSession:
+        """A session of up to `max_length` tokens, with LoRA `adapter` (None: the base model)."""
+        ...
 
-    def prompt_logprobs(self, input_ids: Sequence[int], top_k: int) -> List[PromptLogprob]:
+    def served_adapters(self, force: bool = False) -> List[str]:
+        """The LoRA adapters the swarm serves over every block (`force`: refresh the swarm's view first)."""
+        ...
+
+    def prompt_logprobs(self, input_ids: Sequence[int], top_k: int, adapter: Optional[str] = None
+                        ) -> List[PromptLogprob]:
         """Score a prompt: for each token after the first, its log-probability (log_softmax of the float32 logits)
         given the tokens before it, with the `top_k` most likely tokens there. One forward pass through the swarm
         (no cache), on the calling (worker) thread; `len(input_ids) - 1` entries."""
         ...
 
-    def check_route(self, cache_tokens: int = 0) -> None:
+    def check_route(self, cache_tokens: int = 0, adapter: Optional[str] = None) -> None:
         """Raise `swarm.client.routing.RoutingError` unless a chain over every block, with cache for
-        `cache_tokens` tokens, can be routed now."""
+        `cache_tokens` tokens (and servers that hold LoRA `adapter`), can be routed now."""
         ...
 
     def coverage(self, force: bool = False) -> Coverage:

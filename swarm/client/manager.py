@@ -27,6 +27,7 @@ from swarm.client.routing import (
     find_inference_chain,
     normalize_quant_types,
     quant_allowed,
+    served_adapters,
 )
 from swarm.runtime import aio
 from swarm.wire import protocol as P
@@ -134,15 +135,22 @@ class SwarmManager:
         except RoutingError:
             return fn(self.update(force=True), start, end, banned=self.banned(), **kwargs)
 
-    def make_inference_chain(self, start: int = 0, end: Optional[int] = None, cache_tokens_needed: int = 0
-                             ) -> List[RouteHop]:
+    def make_inference_chain(self, start: int = 0, end: Optional[int] = None, cache_tokens_needed: int = 0,
+                             adapter: Optional[str] = None) -> List[RouteHop]:
+        """`adapter`: only through servers that hold this LoRA adapter (None: any server)."""
         end = self.num_blocks if end is None else end
         return self._route(find_inference_chain, start, end, cache_tokens_needed=cache_tokens_needed,
-                           client_rtts=dict(self.rtts))
+                           client_rtts=dict(self.rtts), adapter=adapter)
 
-    def make_forward_chain(self, start: int = 0, end: Optional[int] = None) -> List[RouteHop]:
+    def make_forward_chain(self, start: int = 0, end: Optional[int] = None, adapter: Optional[str] = None
+                           ) -> List[RouteHop]:
         end = self.num_blocks if end is None else end
-        return self._route(choose_forward_chain, start, end)
+        return self._route(choose_forward_chain, start, end, adapter=adapter)
+
+    def served_adapters(self, force: bool = False) -> List[str]:
+        """The LoRA adapters that servers of an allowed quant type serve over every block."""
+        return served_adapters(self.update(force=force), self.num_blocks, self.banned(),
+                               self.config.allowed_quant_types)
 
     # ---- RPC ----------------------------------------------------------------------------------------------
     def stub(self, peer_id: str):
@@ -155,8 +163,8 @@ class SwarmManager:
     def server_info(self, peer_id: str) -> P.ServerStats:
         return aio.run(self.info(peer_id), timeout=self.config.request_timeout + 5)
 
-    async def forward(self, hop: RouteHop, hidden: "torch.Tensor") -> "torch.Tensor":
-        request = P.make_request(P.ForwardRequest(start=hop.start, end=hop.end), [hidden])
+    async def forward(self, hop: RouteHop, hidden: "torch.Tensor", adapter: Optional[str] = None) -> "torch.Tensor":
+        request = P.make_request(P.ForwardRequest(start=hop.start, end=hop.end, adapter=adapter), [hidden])
         response = await self.stub(hop.peer_id).rpc_forward(request, timeout=self.config.request_timeout)
         _, tensors = P.unpack_reply(response, hop.peer_id, forward=True)
         return tensors[0]

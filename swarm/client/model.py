@@ -10,6 +10,7 @@ that remembers which tokens the servers' caches hold, so `model.generate(..., se
 hold. Generation uses Hugging Face `GenerationConfig` and picks tokens through `swarm.client.generation` (the
 gateway's path too: Hugging Face logits processors, greedy or sampling) and accepts a `streamer`.
 The model implements `swarm.client.api.ClientModel` (route check, coverage, bans, sessions) for the gateway.
+LoRA adapters: `active_adapter`, or one per session (`swarm.client.adapters`).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from swarm.client.adapters import ACTIVE_ADAPTER, AdapterChoice
 from swarm.client.api import Coverage, PromptLogprob, ServerView
 from swarm.client.generation import SamplingParams, build_processors, process_and_pick_scores
 from swarm.client.manager import ClientConfig, SwarmManager
@@ -57,9 +59,9 @@ class CausalLMOutput:
 class ModelSession:
     """An inference session plus the token ids `[batch, n]` whose states the servers hold."""
 
-    def __init__(self, model: "DistributedModelForCausalLM", max_length: int):
+    def __init__(self, model: "DistributedModelForCausalLM", max_length: int, adapter: Optional[str] = None):
         self.model = model
-        self.session = InferenceSession(model.manager, max_length)
+        self.session = InferenceSession(model.manager, max_length, adapter=adapter)
         self.token_ids: Optional[torch.Tensor] = None
 
     @property
@@ -129,7 +131,7 @@ class ModelSession:
         self.close()
 
 
-class DistributedModelForCausalLM(nn.Module):
+class DistributedModelForCausalLM(AdapterChoice, nn.Module):
     def __init__(self, config, family: FamilySpec, manager: SwarmManager, embed_tokens: nn.Embedding,
                  norm: nn.Module, lm_head: nn.Linear, generation_config: GenerationConfig):
         super().__init__()
@@ -143,10 +145,11 @@ class DistributedModelForCausalLM(nn.Module):
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, torch_dtype: Union[str, torch.dtype] = torch.float32,
                         cache_dir: Optional[str] = None, dht=None, device: Union[str, torch.device] = "cpu",
-                        pad_head_rows: bool = True, **client_kwargs) -> "DistributedModelForCausalLM":
+                        pad_head_rows: bool = True, active_adapter: Optional[str] = None,
+                        **client_kwargs) -> "DistributedModelForCausalLM":
         """`pad_head_rows`: on the CPU, run concurrent sessions' LM heads padded to the row count measured fastest
         (`swarm.client.rowpad`: about 10% more aggregate tokens/s with 8 sessions here, for ~0.5 s at load and a few
-        MB)."""
+        MB). `active_adapter`: the LoRA adapter (served by the swarm) to generate with; None: the base model."""
         client_config = ClientConfig(**client_kwargs)
         checkpoint = Checkpoint(name_or_path, cache_dir=cache_dir)
         config = checkpoint.load_config()
@@ -177,6 +180,7 @@ class DistributedModelForCausalLM(nn.Module):
         model = cls(config, family, manager, embed, norm, lm_head, generation_config).to(device).eval()
         model.requires_grad_(False)
         model.name_or_path = name_or_path
+        model.active_adapter = active_adapter
         if pad_head_rows:
             model.row_padding = RowPadding()
             model.row_padding.calibrate(model.lm_head.weight, model.lm_head.bias)  # CPU only: which batches to pad
@@ -218,13 +222,14 @@ class DistributedModelForCausalLM(nn.Module):
         parts = torch.split(logits, [x.shape[0] for x in rows])
         return [(part, _try(pick, part)) for part, (_, pick) in zip(parts, items)]
 
-    def inference_session(self, max_length: int) -> ModelSession:
-        return ModelSession(self, max_length)
+    def inference_session(self, max_length: int, adapter: Any = ACTIVE_ADAPTER) -> ModelSession:
+        """A session of up to `max_length` tokens with LoRA `adapter` (default: `active_adapter`; None: the base)."""
+        return ModelSession(self, max_length, adapter=self._adapter(adapter))
 
     # ---- the swarm, as a front end sees it (swarm.client.api.ClientModel) ---------------------------------
-    def check_route(self, cache_tokens: int = 0) -> None:
+    def check_route(self, cache_tokens: int = 0, adapter: Any = ACTIVE_ADAPTER) -> None:
         """Raise `RoutingError` unless a chain over every block with cache for `cache_tokens` can be routed now."""
-        self.manager.make_inference_chain(0, None, cache_tokens_needed=cache_tokens)
+        self.manager.make_inference_chain(0, None, cache_tokens_needed=cache_tokens, adapter=self._adapter(adapter))
 
     def coverage(self, force: bool = False) -> Coverage:
         """Blocks served by servers of an allowed quant type, and every online server seen with its format."""
@@ -248,23 +253,25 @@ class DistributedModelForCausalLM(nn.Module):
     def unban(self, peer_id: str) -> None:
         self.manager.mark_ok(peer_id)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> CausalLMOutput:
-        """Logits for every position of `input_ids` [batch, seq] through the swarm (no cache)."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                adapter: Any = ACTIVE_ADAPTER) -> CausalLMOutput:
+        """Logits for every position of `input_ids` [batch, seq] through the swarm (no cache), with `adapter`."""
         _reject_padding(attention_mask)
         pool = client_pool()
         hidden = pool.call(PRIORITY_FORWARD, self.embed, input_ids)
-        hidden = aio.run(self._forward_chain(hidden))
+        hidden = aio.run(self._forward_chain(hidden, self._adapter(adapter)))
         normed = pool.call(PRIORITY_FORWARD, torch.no_grad()(lambda: self.norm(hidden.to(self.device, self.dtype))))
         logits = pool.call(PRIORITY_FORWARD, torch.no_grad()(lambda: self.lm_head(normed).float().cpu()))
         return CausalLMOutput(logits=logits, hidden_states=normed.cpu())
 
-    def prompt_logprobs(self, input_ids: Sequence[int], top_k: int) -> List[PromptLogprob]:
+    def prompt_logprobs(self, input_ids: Sequence[int], top_k: int, adapter: Any = ACTIVE_ADAPTER
+                        ) -> List[PromptLogprob]:
         """Each prompt token after the first scored given the tokens before it: log_softmax of the float32 logits of
         one forward pass (`forward`, no cache) over all but the last token; with the `top_k` best tokens there."""
         ids = torch.tensor([list(input_ids)], dtype=torch.long)
         if ids.shape[1] < 2:
             return []
-        logits = self.forward(ids[:, :-1]).logits[0]  # [n - 1, vocab], float32 on the CPU
+        logits = self.forward(ids[:, :-1], adapter=adapter).logits[0]  # [n - 1, vocab], float32 on the CPU
         targets = ids[0, 1:]
 
         @torch.no_grad()
@@ -280,16 +287,17 @@ class DistributedModelForCausalLM(nn.Module):
 
         return client_pool().call(PRIORITY_FORWARD, score)
 
-    async def _forward_chain(self, hidden: torch.Tensor) -> torch.Tensor:
+    async def _forward_chain(self, hidden: torch.Tensor, adapter: Optional[str] = None) -> torch.Tensor:
         import asyncio
 
         last_error: Optional[BaseException] = None
         for _ in range(self.manager.config.max_retries + 1):
-            hops = await asyncio.get_running_loop().run_in_executor(None, self.manager.make_forward_chain)
+            hops = await asyncio.get_running_loop().run_in_executor(
+                None, functools.partial(self.manager.make_forward_chain, adapter=adapter))
             x = hidden
             try:
                 for hop in hops:
-                    x = await self.manager.forward(hop, x)
+                    x = await self.manager.forward(hop, x, adapter)
                 return x
             except Exception as e:  # a failed server: ban it and route again
                 last_error = e

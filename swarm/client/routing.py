@@ -24,8 +24,10 @@ swarm announces (`swarm.wire.records.ServerSpan`). It is pure: no network, no DH
 
 Only ONLINE spans are used, banned peers are skipped, and with `allowed_quant_types` (a client's choice of
 weight formats, `QUANT_TYPES`; None: any) servers whose record announces another `quant_type` are skipped too.
+With `adapter` (a LoRA adapter's name) only servers whose record lists it in `adapters` are used: a session with
+an adapter never runs a block on a server without it.
 A block that no usable server covers raises `RoutingError` naming the blocks, and saying when servers of other
-quant types do serve them.
+quant types do serve them, or that no server holds the adapter there.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ __all__ = [
     "find_inference_chain",
     "choose_forward_chain",
     "chain_cost",
+    "served_adapters",
 ]
 
 _EMPTY_RTTS: Mapping[str, float] = MappingProxyType({})
@@ -146,16 +149,18 @@ def _clean_rtt(value: object) -> Optional[float]:
 
 def _usable_spans(
     spans: Sequence[ServerSpan], start: int, end: int, banned: Collection[str],
-    allowed_quant_types: Optional[Collection[str]] = None,
+    allowed_quant_types: Optional[Collection[str]] = None, adapter: Optional[str] = None,
 ) -> Dict[str, ServerSpan]:
-    """ONLINE, non-banned spans of an allowed quant type that intersect [start, end), one per peer (the one
-    covering most of the range)."""
+    """ONLINE, non-banned spans of an allowed quant type (holding `adapter`, if given) that intersect [start, end),
+    one per peer (the one covering most of the range)."""
     banned_set = set(banned)
     chosen: Dict[str, ServerSpan] = {}
     for span in spans:
         if span.info.state != ServerState.ONLINE or span.peer_id in banned_set:
             continue
         if not quant_allowed(span, allowed_quant_types):
+            continue
+        if adapter is not None and adapter not in span.info.adapters:
             continue
         overlap = min(span.end, end) - max(span.start, start)
         if overlap <= 0:
@@ -200,7 +205,7 @@ def _quant_note(spans: Sequence[ServerSpan], missing: Sequence[int], banned: Col
 
 def _raise_if_uncovered(usable: Mapping[str, ServerSpan], start: int, end: int, *,
                         spans: Sequence[ServerSpan] = (), banned: Collection[str] = (),
-                        allowed_quant_types: Optional[Collection[str]] = None) -> None:
+                        allowed_quant_types: Optional[Collection[str]] = None, adapter: Optional[str] = None) -> None:
     delta = [0] * (end - start + 1)
     for span in usable.values():
         delta[max(span.start, start) - start] += 1
@@ -213,11 +218,24 @@ def _raise_if_uncovered(usable: Mapping[str, ServerSpan], start: int, end: int, 
             missing.append(start + offset)
     if missing:
         what = "online, not banned" + (", allowed quant type" if allowed_quant_types is not None else "")
+        if adapter is not None:
+            what += f", holding LoRA adapter {adapter!r}"
         raise RoutingError(
             f"no usable ({what}) server covers block(s) {_format_blocks(missing)} "
-            f"of the requested range [{start}, {end})" + _quant_note(spans, missing, banned, allowed_quant_types),
+            f"of the requested range [{start}, {end})" + _quant_note(spans, missing, banned, allowed_quant_types)
+            + _adapter_note(spans, missing, adapter),
             missing,
         )
+
+
+def _adapter_note(spans: Sequence[ServerSpan], missing: Sequence[int], adapter: Optional[str]) -> str:
+    """For a session with `adapter`: which adapters the ONLINE servers of the missing blocks do hold."""
+    if adapter is None or not missing:
+        return ""
+    missing_set = set(missing)
+    held = sorted({name for span in spans if span.info.state == ServerState.ONLINE
+                   and missing_set.intersection(range(span.start, span.end)) for name in span.info.adapters})
+    return f"; adapters served there: {', '.join(held) if held else 'none'}"
 
 
 def _block_cost(span: ServerSpan, cache_tokens_needed: int, costs: RoutingCosts) -> float:
@@ -242,16 +260,18 @@ def find_inference_chain(
     banned: Collection[str] = (),
     costs: RoutingCosts = RoutingCosts(),
     allowed_quant_types: Optional[Collection[str]] = None,
+    adapter: Optional[str] = None,
 ) -> List[RouteHop]:
     """The chain covering blocks [start, end) with the least expected time per decode step (see module doc).
 
     Consecutive hops are always on different servers. Ties are broken deterministically (fewer hops first,
     then peer id order). Raises RoutingError if a block is not covered by any ONLINE, non-banned server of an
-    allowed quant type (`allowed_quant_types`, None: any).
+    allowed quant type (`allowed_quant_types`, None: any) that holds `adapter` (None: any server).
     """
     _check_range(start, end)
-    usable = _usable_spans(spans, start, end, banned, allowed_quant_types)
-    _raise_if_uncovered(usable, start, end, spans=spans, banned=banned, allowed_quant_types=allowed_quant_types)
+    usable = _usable_spans(spans, start, end, banned, allowed_quant_types, adapter)
+    _raise_if_uncovered(usable, start, end, spans=spans, banned=banned, allowed_quant_types=allowed_quant_types,
+                        adapter=adapter)
 
     num = end - start
     covering: List[List[str]] = [[] for _ in range(num)]
@@ -364,13 +384,15 @@ def choose_forward_chain(
     banned: Collection[str] = (),
     rng: Optional[random.Random] = None,
     allowed_quant_types: Optional[Collection[str]] = None,
+    adapter: Optional[str] = None,
 ) -> List[RouteHop]:
     """A chain for forward passes that spreads load: at each boundary, a covering server chosen at random
     with probability proportional to its throughput, used as far as it covers. Raises RoutingError on gaps
-    (servers of quant types outside `allowed_quant_types` do not count; None: any)."""
+    (servers of quant types outside `allowed_quant_types`, or without `adapter`, do not count; None: any)."""
     _check_range(start, end)
-    usable = _usable_spans(spans, start, end, banned, allowed_quant_types)
-    _raise_if_uncovered(usable, start, end, spans=spans, banned=banned, allowed_quant_types=allowed_quant_types)
+    usable = _usable_spans(spans, start, end, banned, allowed_quant_types, adapter)
+    _raise_if_uncovered(usable, start, end, spans=spans, banned=banned, allowed_quant_types=allowed_quant_types,
+                        adapter=adapter)
     rng = rng if rng is not None else random.Random()
     ordered = sorted(usable.values(), key=lambda span: (span.start, span.peer_id))
 
@@ -386,3 +408,19 @@ def choose_forward_chain(
         hops.append(RouteHop(chosen.peer_id, position, hop_end))
         position = hop_end
     return hops
+
+
+def served_adapters(spans: Sequence[ServerSpan], num_blocks: int, banned: Collection[str] = (),
+                    allowed_quant_types: Optional[Collection[str]] = None) -> List[str]:
+    """The adapters a session can be routed with: those that usable servers holding them cover blocks
+    [0, num_blocks) with, sorted by name."""
+    names = sorted({name for span in spans for name in span.info.adapters})
+    result = []
+    for name in names:
+        usable = _usable_spans(spans, 0, num_blocks, banned, allowed_quant_types, name)
+        covered: set[int] = set()
+        for span in usable.values():
+            covered.update(range(max(span.start, 0), min(span.end, num_blocks)))
+        if len(covered) == num_blocks:
+            result.append(name)
+    return result

@@ -4,7 +4,8 @@
 every server of the chain; each server keeps the session's KV cache, so only new tokens travel. Long inputs
 are cut into chunks that fit one message. `rewind(position)` makes the next step overwrite from an earlier
 position (the servers drop the rest of their cache). The inputs sent to each span are kept so that a failed
-span can be rebuilt on a replacement server by replaying them.
+span can be rebuilt on a replacement server by replaying them. A session with a LoRA `adapter` is routed only
+through servers that hold it (failover too), and names it when it opens each server's part.
 """
 from __future__ import annotations
 
@@ -30,9 +31,11 @@ class SessionError(RuntimeError):
 class SpanStream:
     """The part of a session held by one server: blocks [hop.start, hop.end) over one bidirectional stream."""
 
-    def __init__(self, manager: SwarmManager, hop: RouteHop, session_id: str, max_length: int, batch_size: int):
+    def __init__(self, manager: SwarmManager, hop: RouteHop, session_id: str, max_length: int, batch_size: int,
+                 adapter: Optional[str] = None):
         self.manager, self.hop = manager, hop
         self.session_id, self.max_length, self.batch_size = session_id, max_length, batch_size
+        self.adapter = adapter
         self.position = 0  # tokens the server holds for this session
         self._queue: "asyncio.Queue[Optional[object]]" = asyncio.Queue()
         self._responses: Optional[AsyncGenerator] = None
@@ -67,7 +70,7 @@ class SpanStream:
         stub = self.manager.stub(self.hop.peer_id)
         self._responses = await stub.rpc_inference(aio.iterate_queue(self._queue))
         opened = P.OpenSession(session_id=self.session_id, start=self.hop.start, end=self.hop.end,
-                               max_length=self.max_length, batch_size=self.batch_size)
+                               max_length=self.max_length, batch_size=self.batch_size, adapter=self.adapter)
         self._queue.put_nowait(P.make_request(opened))
         if wait:
             await self._next_reply()
@@ -136,10 +139,12 @@ class InferenceSession:
     with `SessionError` after `max_retries` failures.
     """
 
-    def __init__(self, manager: SwarmManager, max_length: int, start: int = 0, end: Optional[int] = None):
+    def __init__(self, manager: SwarmManager, max_length: int, start: int = 0, end: Optional[int] = None,
+                 adapter: Optional[str] = None):
         if max_length <= 0:
             raise ValueError("max_length must be positive")
         self.manager, self.max_length = manager, max_length
+        self.adapter = adapter  # the LoRA adapter every server of the chain runs this session with (None: base)
         self.start, self.end = start, manager.num_blocks if end is None else end
         self.session_id = uuid.uuid4().hex
         self.position = 0
@@ -197,13 +202,14 @@ class InferenceSession:
         for _ in range(self.manager.config.max_retries + 1):
             try:
                 hops = await asyncio.get_running_loop().run_in_executor(
-                    None, lambda: self.manager.make_inference_chain(start, end, batch_size * self.max_length)
-                )
+                    None, lambda: self.manager.make_inference_chain(start, end, batch_size * self.max_length,
+                                                                    adapter=self.adapter))
             except RoutingError as e:
                 last_error = e
                 await asyncio.sleep(min(1.0, self.manager.config.ban_timeout))
                 continue
-            streams = [SpanStream(self.manager, hop, self.session_id, self.max_length, batch_size) for hop in hops]
+            streams = [SpanStream(self.manager, hop, self.session_id, self.max_length, batch_size, self.adapter)
+                       for hop in hops]
             results = await asyncio.gather(*(s.open(wait) for s in streams), return_exceptions=True)
             failed = [(s, r) for s, r in zip(streams, results) if isinstance(r, BaseException)]
             if not failed:

@@ -57,6 +57,8 @@ class OpenSession(Message):
     end: int = Field(gt=0, description="one past the last block")
     max_length: int = Field(gt=0, description="most tokens (positions) this session will hold")
     batch_size: int = Field(default=1, gt=0, le=1024)
+    adapter: Optional[str] = Field(default=None, min_length=1, max_length=128,
+                                   description="the LoRA adapter this session runs with (None: the base model)")
 
 
 class PushTarget(Message):
@@ -104,6 +106,7 @@ class ForwardRequest(Message):
     type: Literal["forward"] = "forward"
     start: int = Field(ge=0)
     end: int = Field(gt=0)
+    adapter: Optional[str] = Field(default=None, min_length=1, max_length=128, description="as in OpenSession")
 
 
 class ForwardResult(Message):

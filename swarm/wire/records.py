@@ -44,7 +44,7 @@ class ServerInfo(BaseModel):
     version: str = ""
     dtype: str = "float32"
     quant_type: str = "none"  # the served linear weights: none, int8 or nf4 (`swarmgate server --quant_type`)
-    # part of the record's wire format; no server sets adapters yet
+    # the names of the LoRA adapters the server holds for its blocks (`swarmgate server --adapters`)
     adapters: tuple[str, ...] = ()
     next_pings: Dict[str, float] = Field(default_factory=dict, description="peer id -> RTT in seconds")
 

@@ -1,0 +1,401 @@
+"""LoRA adapters on a span's blocks: reading PEFT-format adapters, and the per-row low-rank deltas of a step.
+
+An adapter is a directory (or hub repo) as `peft` saves it: `adapter_config.json` (parsed by `peft.LoraConfig`)
+and `adapter_model.safetensors`, whose tensors are named `base_model.model.model.layers.{i}.self_attn.q_proj.
+lora_A.weight` ([r, in]) and `...lora_B.weight` ([out, r]). `open_adapter` reads the config and the safetensors
+header (names and shapes, no tensor data) and checks the whole adapter against the base model at server start:
+every tensor must be a LoRA A/B pair of a Llama projection (q/k/v/o, gate/up/down) that the config targets, with
+the configured rank and the base model's shapes, for a block the model has. Features this module does not
+implement (DoRA, LoRA biases, trained base biases, `modules_to_save`, ...) are rejected with an error naming them.
+`SpanAdapter.load` then reads only the tensors of one span's blocks.
+
+The math (as peft's `lora.Linear.forward`): `y = base(x) + (x @ A^T) @ B^T * scaling`, scaling = `lora_alpha / r`
+(`lora_alpha / sqrt(r)` with `use_rslora`). Per block, the A matrices of the projections that share an input are
+concatenated (q/k/v: the input-normed hidden state; gate/up: the post-normed one) and their B matrices (times
+their scalings) form one block-diagonal matrix over the fused output's columns, so each projection of a row group
+takes two small matmuls, the second added in place into the base output's rows.
+
+`AdaptedLayer` wraps a server block (`swarm.modeling.llama.FusedLayer` or `swarm.modeling.quantize.
+QuantizedLayer`) for one step whose rows [rows, ...] (flattened leading dims) come in groups, each with its own
+adapter or none: the base projections run once on all rows, and each group adds its own delta to its rows only.
+The wrapped layer is what `block_step` reads (`step`, `qkv`, `add_o_proj`, `gate_up`, `add_down`), so the server's
+decode and prefill paths (`server.decode`) run it unchanged.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from swarm.modeling.llama import block_step
+from swarm.modeling.shape import ModelShape
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# the projections of a Llama-family block, grouped by the input they share: (group, targets)
+PROJECTIONS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
+    ("qkv", ("q_proj", "k_proj", "v_proj")), ("o", ("o_proj",)), ("gate_up", ("gate_proj", "up_proj")),
+    ("down", ("down_proj",)),
+)
+MODULES = {target: ("self_attn" if group in ("qkv", "o") else "mlp") for group, targets in PROJECTIONS
+           for target in targets}
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.([a-z_]+)"
+                  r"\.lora_([AB])\.weight$")
+ADAPTERS_HELP = ("LoRA adapters to serve on the blocks (users choose one per request): each a local directory or a "
+                 "hub repo id in peft's format (adapter_config.json + adapter_model.safetensors), optionally "
+                 "NAME=PATH_OR_REPO; named by the repo id or the directory's name otherwise")
+MAX_NAME_LEN = 128
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served on this model (missing, malformed, for another model, unsupported)."""
+
+
+@dataclass(frozen=True)
+class AdapterSource:
+    """`--adapters` entry: `NAME=PATH_OR_REPO`, or a path (named by its directory) or a hub repo id (named by it)."""
+
+    name: str
+    location: str
+
+    @classmethod
+    def parse(cls, text: str) -> "AdapterSource":
+        text = text.strip()
+        name, sep, location = text.partition("=")
+        if not sep:
+            location = text
+            local = Path(text).exists() or text.startswith((".", "/", "~"))
+            name = Path(text).expanduser().resolve().name if local else text.rstrip("/")
+        if not location:
+            raise AdapterError(f"adapter {text!r}: empty path")
+        check_adapter_name(name)
+        return cls(name, location)
+
+
+def check_adapter_name(name: str) -> str:
+    """An adapter name as it travels in records, messages and model ids; AdapterError otherwise."""
+    if not (0 < len(name) <= MAX_NAME_LEN) or not _NAME.match(name):
+        raise AdapterError(f"adapter name {name!r} must be 1-{MAX_NAME_LEN} characters of letters, digits and ._/- "
+                           f"(give one with NAME=PATH)")
+    return name
+
+
+def _target_shapes(shape: ModelShape) -> Dict[str, Tuple[int, int]]:
+    """target -> (out_features, in_features) of the base model's projection."""
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    hidden, inter = shape.hidden_size, shape.intermediate_size
+    return {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
+            "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+
+
+def _parse_config(path: Path, where: str):
+    """`peft.LoraConfig` of `adapter_config.json` at `path` (peft's own parsing and defaults)."""
+    from peft import LoraConfig, PeftType
+
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise AdapterError(f"{where}: cannot read {CONFIG_FILE}: {e}") from None
+    if not isinstance(raw, dict):
+        raise AdapterError(f"{where}: {CONFIG_FILE} is not a JSON object")
+    if raw.get("peft_type", "LORA") != PeftType.LORA.value:
+        raise AdapterError(f"{where}: peft_type {raw.get('peft_type')!r} is not LORA (only LoRA adapters are served)")
+    try:
+        config = LoraConfig.from_pretrained(str(path.parent))
+    except Exception as e:  # peft raises TypeError / ValueError for unknown or inconsistent fields
+        raise AdapterError(f"{where}: {CONFIG_FILE} is not a valid LoraConfig: {type(e).__name__}: {e}") from None
+    unsupported = []
+    if getattr(config, "use_dora", False):
+        unsupported.append("use_dora (DoRA)")
+    if getattr(config, "lora_bias", False):
+        unsupported.append("lora_bias")
+    if config.bias != "none":
+        unsupported.append(f"bias={config.bias!r} (trained base biases)")
+    if config.modules_to_save:
+        unsupported.append(f"modules_to_save {list(config.modules_to_save)}")
+    for name in ("layer_replication", "target_parameters", "trainable_token_indices", "alora_invocation_tokens",
+                 "use_bdlora", "arrow_config", "kasa_config", "monteclora_config", "velora_config"):
+        if getattr(config, name, None):
+            unsupported.append(name)
+    if getattr(config, "use_qalora", False):
+        unsupported.append("use_qalora")
+    if unsupported:
+        raise AdapterError(f"{where}: this server does not implement {', '.join(unsupported)}")
+    if config.fan_in_fan_out:
+        # as peft does for nn.Linear targets: the flag only concerns Conv1D base weights; lora_A/B are unaffected
+        logger.warning(f"{where}: fan_in_fan_out=True is ignored for Linear projections (as peft does)")
+    return config
+
+
+def _pattern_value(patterns: Dict[str, int | float], key: str, default):
+    """peft's rank_pattern / alpha_pattern lookup for module `key` (peft's own matcher)."""
+    if not patterns:
+        return default
+    from peft.utils.other import get_pattern_key
+
+    return patterns.get(get_pattern_key(list(patterns.keys()), key), default)
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """One adapted projection of one block: its tensors' names, rank and scaling."""
+
+    block: int
+    target: str
+    a_key: str
+    b_key: str
+    rank: int
+    scaling: float
+
+
+@dataclass
+class AdapterFiles:
+    """An adapter checked against a base model: its config, weights file and every (block, target) it adapts."""
+
+    name: str
+    config: object  # peft.LoraConfig
+    weights: Path
+    targets: Dict[Tuple[int, str], TargetSpec] = field(default_factory=dict)
+
+    def blocks(self) -> List[int]:
+        return sorted({block for block, _ in self.targets})
+
+
+def _safetensors_header(path: Path, where: str) -> Dict[str, dict]:
+    try:
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if not 0 < length < 1 << 28:
+                raise ValueError("bad header length")
+            header = json.loads(f.read(length))
+    except (OSError, ValueError) as e:
+        raise AdapterError(f"{where}: {path.name} is not a safetensors file: {e}") from None
+    header.pop("__metadata__", None)
+    return header
+
+
+def open_adapter(source: AdapterSource, model_config, cache_dir: Optional[str] = None,
+                 max_disk_space: Optional[int] = None) -> AdapterFiles:
+    """Find (a local directory, or a hub repo through the disk cache) and check an adapter against the base model
+    whose config is `model_config`. Reads the config and the weights' header only. AdapterError on any problem."""
+    from swarm.modeling.checkpoint import Checkpoint, CheckpointError
+
+    where = f"adapter {source.name!r} ({source.location})"
+    location = Path(source.location)
+    if location.exists() and not location.is_dir():
+        raise AdapterError(f"{where}: not a directory")
+    if not location.exists() and (source.location.startswith((".", "/", "~")) or source.location.count("/") != 1):
+        raise AdapterError(f"{where}: no such directory (nor a hub repo id of the form owner/name)")
+    try:
+        files = Checkpoint(source.location, cache_dir=cache_dir, max_disk_space=max_disk_space)
+        config_path, weights_path = files.file(CONFIG_FILE), files.file(WEIGHTS_FILE)
+    except CheckpointError as e:
+        raise AdapterError(f"{where}: {e}") from None
+    assert config_path is not None and weights_path is not None  # required files raise instead
+    config = _parse_config(config_path, where)
+    shape = ModelShape.from_config(model_config)
+    shapes = _target_shapes(shape)
+    header = _safetensors_header(weights_path, where)
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    pairs: Dict[Tuple[int, str], Dict[str, Tuple[str, List[int]]]] = {}
+    for key, info in header.items():
+        match = _KEY.match(key)
+        if match is None or match.group(3) not in MODULES or MODULES[match.group(3)] != match.group(2):
+            raise AdapterError(f"{where}: tensor {key} is not a LoRA A/B weight of a q/k/v/o/gate/up/down projection "
+                               f"of a decoder block")
+        block, target, which = int(match.group(1)), match.group(3), match.group(4)
+        if block >= model_config.num_hidden_layers:
+            raise AdapterError(f"{where}: tensor {key} is for block {block}, but the model has "
+                               f"{model_config.num_hidden_layers} blocks (an adapter for another model?)")
+        pairs.setdefault((block, target), {})[which] = (key, list(info.get("shape", [])))
+    if not pairs:
+        raise AdapterError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
+    result = AdapterFiles(source.name, config, weights_path)
+    for (block, target), found in sorted(pairs.items()):
+        if set(found) != {"A", "B"}:
+            raise AdapterError(f"{where}: block {block} {target} has lora_{''.join(found)} without its pair")
+        module_key = f"model.layers.{block}.{MODULES[target]}.{target}"
+        if not check_target_module_exists(config, module_key):
+            raise AdapterError(f"{where}: weights for {module_key}, which the config's target_modules "
+                               f"{sorted(config.target_modules or [])} do not target")
+        rank = int(_pattern_value(config.rank_pattern, module_key, config.r))
+        alpha = float(_pattern_value(config.alpha_pattern, module_key, config.lora_alpha))
+        out_features, in_features = shapes[target]
+        (a_key, a_shape), (b_key, b_shape) = found["A"], found["B"]
+        if a_shape != [rank, in_features] or b_shape != [out_features, rank]:
+            raise AdapterError(
+                f"{where}: {module_key} has lora_A {a_shape} and lora_B {b_shape}; rank {rank} on this model needs "
+                f"[{rank}, {in_features}] and [{out_features}, {rank}] (an adapter for another model, or a rank "
+                f"that disagrees with its config?)")
+        scaling = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
+        result.targets[(block, target)] = TargetSpec(block, target, a_key, b_key, rank, scaling)
+    wanted = {t for t in MODULES if check_target_module_exists(config, f"model.layers.0.{MODULES[t]}.{t}")}
+    present = {target for _, target in result.targets}
+    if isinstance(config.target_modules, (set, list, tuple)):
+        named = set(config.target_modules) & set(MODULES)
+        if named - present:
+            raise AdapterError(f"{where}: the config targets {sorted(named - present)} but the weights hold none")
+    elif wanted and not present:
+        raise AdapterError(f"{where}: the config targets {sorted(wanted)} but the weights hold none")
+    return result
+
+
+@dataclass
+class ProjectionLora:
+    """The adapter on the projections that share one input, as one low-rank product: x [rows, in] ->
+    (x @ a_t) @ b_t [rows, width], added to the group's whole output (q;k;v, o, gate;up or down columns)."""
+
+    a_t: torch.Tensor  # [in, R]: the targets' A matrices, transposed and concatenated (R = sum of their ranks)
+    b_t: torch.Tensor  # [R, width]: block diagonal, target i's B^T * scaling_i at its rows and columns, zeros elsewhere
+
+
+@dataclass
+class LayerLora:
+    """An adapter's tensors for one block: group ("qkv", "o", "gate_up", "down") -> ProjectionLora."""
+
+    projections: Dict[str, ProjectionLora]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for p in self.projections.values() for t in (p.a_t, p.b_t))
+
+
+def _columns(shape: ModelShape) -> Dict[str, Tuple[int, int, int]]:
+    """target -> (first column, last column + 1, width) in the output of its group's fused projection."""
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    hidden, inter = shape.hidden_size, shape.intermediate_size
+    return {"q_proj": (0, q, q + 2 * kv), "k_proj": (q, q + kv, q + 2 * kv), "v_proj": (q + kv, q + 2 * kv, q + 2 * kv),
+            "o_proj": (0, hidden, hidden), "gate_proj": (0, inter, 2 * inter), "up_proj": (inter, 2 * inter, 2 * inter),
+            "down_proj": (0, hidden, hidden)}
+
+
+@dataclass
+class SpanAdapter:
+    """An adapter's tensors for the blocks [start, end) of a span: `layers[i]` for block start + i (None: the
+    adapter leaves that block alone)."""
+
+    name: str
+    start: int
+    end: int
+    layers: List[Optional[LayerLora]]
+
+    @classmethod
+    def load(cls, files: AdapterFiles, start: int, end: int, dtype: torch.dtype, device: torch.device,
+             shape: ModelShape) -> "SpanAdapter":
+        """Read only the tensors of blocks [start, end) (in `dtype`, on `device`) of a model of `shape`."""
+        from safetensors import safe_open
+
+        columns = _columns(shape)
+        layers: List[Optional[LayerLora]] = []
+        with safe_open(str(files.weights), framework="pt") as f:
+            for block in range(start, end):
+                projections: Dict[str, ProjectionLora] = {}
+                for group, targets in PROJECTIONS:
+                    specs = [files.targets[(block, t)] for t in targets if (block, t) in files.targets]
+                    if not specs:
+                        continue
+                    a = torch.cat([f.get_tensor(s.a_key).float() for s in specs])  # [R, in]
+                    b_t = torch.zeros(a.shape[0], columns[specs[0].target][2])  # [R, width]
+                    row = 0
+                    for spec in specs:
+                        c0, c1, _ = columns[spec.target]
+                        b_t[row:row + spec.rank, c0:c1] = f.get_tensor(spec.b_key).float().t() * spec.scaling
+                        row += spec.rank
+                    projections[group] = ProjectionLora(a.t().to(device, dtype).contiguous(), b_t.to(device, dtype))
+                layers.append(LayerLora(projections) if projections else None)
+        return cls(files.name, start, end, layers)
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers if layer is not None)
+
+
+# one group of a step's rows: rows [r0, r1) of the flattened leading dims use `lora`
+RowGroup = Tuple[int, int, LayerLora]
+
+
+def _joined(gate: torch.Tensor, up: torch.Tensor) -> Optional[torch.Tensor]:
+    """The [..., 2 * intermediate] tensor whose halves `gate` and `up` are (the fused gate/up output that `chunk`
+    split), or None if they are not such views."""
+    width = gate.shape[-1]
+    if (gate.shape != up.shape or gate.stride() != up.stride() or gate.stride(-1) != 1
+            or up.data_ptr() != gate.data_ptr() + width * gate.element_size()
+            or any(gate.stride(d) != 2 * width * math.prod(gate.shape[d + 1:-1]) for d in range(gate.dim() - 1))):
+        return None
+    return gate.as_strided((*gate.shape[:-1], 2 * width), (*gate.stride()[:-1], 1))
+
+
+class AdaptedLayer:
+    """A block for one step whose row groups carry adapters; `block_step` reads it like the wrapped layer."""
+
+    step = block_step  # layer.step(x, cos, sin, attend)
+
+    def __init__(self, base, groups: Sequence[RowGroup]):
+        self.base, self.groups = base, groups
+        self.heads, self.kv_heads, self.head_dim = base.heads, base.kv_heads, base.head_dim
+        self.scaling, self.layer_idx, self.act = base.scaling, base.layer_idx, base.act
+        self.input_norm, self.post_norm = base.input_norm, base.post_norm
+
+    def __getattr__(self, name: str):  # anything else an attention may read (e.g. a sliding window)
+        return getattr(self.base, name)
+
+    def _add(self, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Add each row group's delta for projection `group` on input x [..., in] into its rows of `out`
+        [..., width] (the base result, in place)."""
+        x2, out2 = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])  # [rows, in], [rows, width]
+        for r0, r1, lora in self.groups:
+            projection = lora.projections.get(group)
+            if projection is not None:  # rows [r0, r1) += (x @ A^T) @ B^T * scaling, for every target at once
+                out2[r0:r1].addmm_(x2[r0:r1] @ projection.a_t, projection.b_t)
+
+    def qkv(self, h: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> [..., heads + 2 * kv_heads, head_dim], with each row group's q/k/v deltas."""
+        out = self.base.qkv(h)
+        flat = out.flatten(-2)  # [..., (heads + 2 * kv_heads) * head_dim]
+        assert flat.data_ptr() == out.data_ptr(), "the deltas must go into the returned tensor's memory"
+        self._add("qkv", h, flat)
+        return out
+
+    def add_o_proj(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        out = self.base.add_o_proj(x, o)  # a new tensor: [..., hidden]
+        self._add("o", o, out)
+        return out
+
+    def gate_up(self, h: torch.Tensor):
+        gate, up = self.base.gate_up(h)  # [..., intermediate] each (the halves of one output)
+        joined = _joined(gate, up)
+        if joined is not None:
+            self._add("gate_up", h, joined)
+            return gate, up
+        delta = torch.zeros(*gate.shape[:-1], 2 * gate.shape[-1], dtype=gate.dtype, device=gate.device)
+        self._add("gate_up", h, delta)  # separate tensors: the delta on its own, then into each
+        return gate + delta[..., :gate.shape[-1]], up + delta[..., gate.shape[-1]:]
+
+    def add_down(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        out = self.base.add_down(x, h)  # a new tensor: [..., hidden]
+        self._add("down", h, out)
+        return out
+
+
+def adapt_layers(layers: Sequence, groups: Sequence[Tuple[int, int, Optional[SpanAdapter]]], first: int) -> list:
+    """`layers` (blocks first, first + 1, ...) for one step whose rows [r0, r1) use adapter `a` (None: the base):
+    each block wrapped in an `AdaptedLayer` where some group's adapter touches it, else left as it is."""
+    adapted = []
+    for offset, layer in enumerate(layers):
+        block = first + offset
+        row_groups: List[RowGroup] = []
+        for r0, r1, adapter in groups:
+            if adapter is not None:
+                lora = adapter.layers[block - adapter.start]
+                if lora is not None:
+                    row_groups.append((r0, r1, lora))
+        adapted.append(AdaptedLayer(layer, row_groups) if row_groups else layer)
+    return adapted
