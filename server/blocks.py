@@ -64,8 +64,9 @@ class BlockSpan(nn.Module):
 
         Not for quantized spans: bitsandbytes' int8 layers pick outlier columns per input (data-dependent shapes,
         a host sync), which capture forbids; nf4's kernels are untested under capture (`swarm.modeling.quantize`).
+        Nor for spans without rotary (ALiBi families): the captured attention (`server.graphs`) adds no bias.
         """
-        if self.device.type != "cuda" or not self.can_batch or self.quant_type != "none":
+        if self.device.type != "cuda" or not self.can_batch or self.quant_type != "none" or self.rotary is None:
             return False
         from server.graphs import SpanGraphs
 
@@ -112,7 +113,7 @@ class BlockSpan(nn.Module):
             for name, tensor in list(layer.named_parameters()) + list(layer.named_buffers()):
                 if tensor.is_meta:
                     raise ValueError(f"block {index}: {name} was not loaded from the checkpoint")
-            layer.self_attn.layer_idx = index - start  # index into this span's SessionKV
+            layer.layer_idx = index - start  # index into this span's SessionKV
             del state
             if quantize is not None and fuse is not None:
                 # fused on the CPU, then each fused weight quantized as it moves to the device; the float layer
@@ -160,8 +161,9 @@ class BlockSpan(nn.Module):
         x = torch.cat([h.to(self.device, self.dtype).reshape(-1, self.hidden_size) for h, _, _ in items])
         sizes = [h.shape[0] for h, _, _ in items]
         position_ids = torch.cat([torch.full((b, 1), pos, device=self.device) for b, (_, pos, _) in zip(sizes, items)])
-        assert self.rotary is not None  # fused families have rotary embeddings
-        cos, sin = self.rotary(x, position_ids)  # [rows, 1, head_dim]
+        cos = sin = None  # without rotary (ALiBi: the attention's bias carries the positions)
+        if self.rotary is not None:
+            cos, sin = (t[:, 0] for t in self.rotary(x, position_ids))  # [rows, head_dim]
         for _, pos, kv in items:
             kv.begin_step(pos)
         layers = self.fused[first - self.start:last - self.start]
@@ -171,12 +173,13 @@ class BlockSpan(nn.Module):
                 # hundreds of kernel launches until the batch is large enough for the weights' reads to dominate
                 parts, row = [], 0
                 for size, (_, pos, kv) in zip(sizes, items):
-                    parts.append(self.graphs.step(layers, (first, last), kv, x[row:row + size], cos[row:row + size, 0],
-                                                  sin[row:row + size, 0], pos))
+                    assert cos is not None and sin is not None  # graphs are for spans with rotary
+                    parts.append(self.graphs.step(layers, (first, last), kv, x[row:row + size], cos[row:row + size],
+                                                  sin[row:row + size], pos))
                     row += size
                 x = parts[0] if len(parts) == 1 else torch.cat(parts)
             else:
-                x = decode_step(layers, x, cos[:, 0], sin[:, 0], [(size, kv) for size, (_, _, kv) in zip(sizes, items)])
+                x = decode_step(layers, x, cos, sin, [(size, kv) for size, (_, _, kv) in zip(sizes, items)])
         except BaseException:
             for _, _, kv in items:
                 kv.abort_step()
@@ -210,8 +213,7 @@ class BlockSpan(nn.Module):
         try:
             if kv is not None and self.fused:
                 # an inference step: the fused layers (the layer modules serve passes without a cache)
-                assert position_embeddings is not None  # fused families have rotary embeddings
-                cos, sin = position_embeddings  # [batch, seq, head_dim]
+                cos, sin = position_embeddings if position_embeddings is not None else (None, None)  # [batch, seq, dim]
                 hidden = prefill_step(self.fused[first - self.start:last - self.start], hidden, cos, sin, kv, mask)
             else:
                 with attention_backends(self.device):
