@@ -83,6 +83,7 @@ class BlockSpan(nn.Module):
         """
         config = checkpoint.load_config()
         family = family_for(config)
+        checkpoint.expect_prefix(family.base_prefix)
         if not 0 <= start < end <= config.num_hidden_layers:
             raise ValueError(f"blocks {start}:{end} are outside the model's 0:{config.num_hidden_layers}")
         torch_device = torch.device(device)

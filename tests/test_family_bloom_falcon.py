@@ -284,3 +284,28 @@ def test_quantized_servers_generate(case, quant_type, tmp_path, model_path, boot
         model.shutdown()
         for server in servers:
             server.terminate()
+
+
+def test_base_model_checkpoint_loads(tmp_path, model_path):
+    """BLOOM's hub checkpoints were saved from the base model: `h.0.…`, `word_embeddings.weight`, no
+    `transformer.` prefix and no head (tied). Servers and the client name them as the causal-LM class does."""
+    from server.blocks import BlockSpan
+    from swarm.modeling.checkpoint import Checkpoint
+
+    reference = _build("bloom", tmp_path / "full", model_path)
+    reference.transformer.save_pretrained(tmp_path / "base", max_shard_size="1MB")
+    checkpoint = Checkpoint(str(tmp_path / "base"))
+    assert not any(name.startswith("transformer.") for name in checkpoint.weight_map())
+    span = BlockSpan.load(checkpoint, 2, 4)
+    with torch.no_grad():
+        # hidden_states[i]: the input of block i; the last one: the output of block 3 through ln_f
+        states = reference(torch.randint(3, VOCAB, (1, 5)), output_hidden_states=True).hidden_states
+        got = reference.transformer.ln_f(span(states[2]))
+        expected = states[4]
+    assert (got - expected).abs().max() < 1e-4
+    client_part = Checkpoint(str(tmp_path / "base"))
+    client_part.expect_prefix("transformer.")
+    tensors = client_part.load_tensors(lambda name: name.startswith("transformer.word_embeddings"))
+    assert torch.equal(tensors["transformer.word_embeddings.weight"], reference.transformer.word_embeddings.weight)
+    assert set(tensors) == {"transformer.word_embeddings.weight", "transformer.word_embeddings_layernorm.weight",
+                            "transformer.word_embeddings_layernorm.bias"}

@@ -153,6 +153,7 @@ class DistributedModelForCausalLM(nn.Module):
         checkpoint = Checkpoint(name_or_path, cache_dir=cache_dir)
         config = checkpoint.load_config()
         family = family_for(config)
+        checkpoint.expect_prefix(family.base_prefix)
         dtype = parse_dtype(torch_dtype) if isinstance(torch_dtype, str) else torch_dtype
         head_key = family.head_key
         norm_keys = [key for key in (family.norm_key, family.embed_norm_key) if key]

@@ -56,6 +56,7 @@ class FamilySpec:
     fuse: Optional[str] = None  # the module's function that makes a loaded layer a `BlockLayer`
     norm_eps: str = "rms_norm_eps"  # the config attribute of the norms' epsilon
     embed_norm_key: Optional[str] = None  # prefix of a norm the client applies to the embeddings (BLOOM)
+    base_prefix: str = ""  # the base model's prefix, which checkpoints saved from the base model lack (BLOOM's)
 
     def block_tensor_prefix(self, index: int) -> str:
         return self.block_prefix.format(index)
@@ -103,6 +104,7 @@ def _layer_norm_family(model_type: str, camel: str, rotary: bool, embed_norm: bo
         fuse="fuse_layer",
         norm_eps="layer_norm_epsilon",
         embed_norm_key="transformer.word_embeddings_layernorm." if embed_norm else None,
+        base_prefix="transformer.",
     )
 
 
