@@ -157,11 +157,13 @@ def family_swarm(request, tmp_path_factory, model_path, bootstrap):
     path = tmp_path_factory.mktemp(case)
     reference = _build(case, path, model_path, chat_template=not case.startswith("bloom"))
     prefix = f"tbf-{case}"
-    servers = start_servers(str(path), [bootstrap.maddr], ["0:2", "2:4"], prefix, threads=1)
+    # split mid-model, and a spare for the second half that `test_failover_replays_the_session` kills one of
+    servers = start_servers(str(path), [bootstrap.maddr], ["0:2", "2:4", "2:4"], prefix, threads=1)
     model = None
     try:
         model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=[bootstrap.maddr],
-                                                                dht_prefix=prefix)
+                                                                dht_prefix=prefix, ban_timeout=60, step_timeout=30,
+                                                                max_retries=2)
         yield dict(case=case, path=path, prefix=prefix, servers=servers, model=model, reference=reference,
                    tokenizer=AutoTokenizer.from_pretrained(path), initial_peers=[bootstrap.maddr])
     finally:
@@ -224,6 +226,21 @@ def test_concurrent_sessions_batched_equal_single(family_swarm):
     assert max(s.largest_batch for s in stats) >= 2
 
 
+class _AfterTokens:
+    """A streamer that runs `action` once `n` new tokens have been produced."""
+
+    def __init__(self, n: int, action):
+        self.n, self.action, self.seen = n, action, -1
+
+    def put(self, value):
+        self.seen += 1  # the first put is the prompt
+        if self.seen == self.n:
+            self.action()
+
+    def end(self):
+        pass
+
+
 def test_gateway_completions_and_chat(family_swarm):
     """Completions equal the reference's greedy tokens; chat completions where the tokenizer has a chat template
     (Falcon's here), else a 400 that says so (BLOOM's)."""
@@ -253,6 +270,27 @@ def test_gateway_completions_and_chat(family_swarm):
             assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1
     finally:
         gateway.terminate()
+
+
+def test_failover_replays_the_session(family_swarm):
+    """The server of the second half dies (SIGKILL) mid-generation: the session replays its history through the
+    spare, and the greedy tokens equal the reference's. Last of the swarm's tests: it leaves one server fewer."""
+    model, reference, tokenizer = family_swarm["model"], family_swarm["reference"], family_swarm["tokenizer"]
+    by_peer = {s.peer_id: s for s in family_swarm["servers"]}
+    ids = _prompt_ids(tokenizer, PROMPTS[2])
+    with model.inference_session(max_length=ids.shape[1] + 12) as session:
+        victims = []
+
+        def kill():
+            victim = next(hop.peer_id for hop in session.session.chain if hop.start <= 2 < hop.end)
+            by_peer[victim].kill()
+            victims.append(victim)
+
+        out = model.generate(ids, session=session, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                             streamer=_AfterTokens(5, kill))
+        assert victims and session.session.failovers >= 1
+        assert victims[0] not in [hop.peer_id for hop in session.session.chain]
+    assert out.tolist() == _greedy(reference, ids, 12).tolist()
 
 
 @pytest.mark.parametrize("case, quant_type", [("bloom", "int8"), ("falcon-new", "nf4")])
