@@ -373,3 +373,26 @@ def test_a_server_of_the_family_imports_no_transformers_model_module(case, tmp_p
         "print(heavy)\n"
     )
     assert _run(code) == "[]"
+
+
+@pytest.mark.parametrize("case", ["falcon-new", "falcon-mq"])
+def test_cuda_graph_step_of_rotary_falcon_on_cpu(case, tmp_path, model_path):
+    """Rotary Falcon spans take CUDA graphs like Llama's (ALiBi spans decline them): the step a graph captures
+    (`server.graphs.static_decode_step`, attention over the whole cache with a mask) equals the span's."""
+    from server.blocks import BlockSpan
+    from server.graphs import clear_unfilled
+    from swarm.modeling.checkpoint import Checkpoint
+    from tests.test_graphs import _static_step
+
+    _build(case, tmp_path, model_path)
+    span = BlockSpan.load(Checkpoint(str(tmp_path)), 1, 4, "float32")
+    prompt = torch.randn(2, 5, span.hidden_size)
+    ref, static = span.new_session_kv(2, 24, 2, 4), span.new_session_kv(2, 24, 2, 4)
+    span.forward(prompt, 0, ref, 2, 4)
+    span.forward(prompt, 0, static, 2, 4)
+    clear_unfilled(static)
+    for position in range(5, 9):
+        x = torch.randn(2, 1, span.hidden_size)
+        expected = span.forward(x, position, ref, 2, 4)
+        got = _static_step(span, x, position, static, 2, 4)
+        assert torch.allclose(got, expected, atol=1e-4, rtol=1e-5), (got - expected).abs().max()
