@@ -185,6 +185,13 @@ def _greedy(reference, ids: torch.Tensor, n: int) -> torch.Tensor:
 
 def test_greedy_tokens_and_logits_equal_transformers(family_swarm):
     model, reference, tokenizer = family_swarm["model"], family_swarm["reference"], family_swarm["tokenizer"]
+    # the client holds the embeddings (BLOOM: and their LayerNorm), the final norm and the head, no block
+    expected_parts = {"embed_tokens.weight", "norm.weight", "norm.bias"}
+    if family_swarm["case"].startswith("bloom"):
+        expected_parts |= {"embed_norm.weight", "embed_norm.bias"}
+    if not reference.config.tie_word_embeddings:
+        expected_parts.add("lm_head.weight")
+    assert {name for name, _ in model.named_parameters()} == expected_parts
     for text in PROMPTS:
         ids = _prompt_ids(tokenizer, text)
         ours = model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False)
@@ -205,6 +212,16 @@ def test_two_turn_session(family_swarm):
         assert held > turn1.shape[1]  # the second turn reused the servers' cache of the first
     assert out1.tolist() == _greedy(reference, turn1, 8).tolist()
     assert out2.tolist() == _greedy(reference, turn2, 8).tolist()
+
+
+def test_long_prompt_prefills_in_chunks(family_swarm):
+    """A prompt over the servers' prefill chunk (256 tokens) runs as several chunks, each attending to the cache
+    of those before it (with ALiBi: positions past 256, where Falcon's bfloat16 bias rounds)."""
+    model, reference, tokenizer = family_swarm["model"], family_swarm["reference"], family_swarm["tokenizer"]
+    ids = _prompt_ids(tokenizer, " ".join(PROMPTS * 18))
+    assert ids.shape[1] > 300
+    ours = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert ours.tolist() == _greedy(reference, ids, 4).tolist()
 
 
 def test_concurrent_sessions_batched_equal_single(family_swarm):
