@@ -18,6 +18,7 @@ from server.cache import SessionKV
 from server.decode import attention_backends, decode_step, prefill_step
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec, family_for
+from swarm.modeling.layers import key_bias
 from swarm.modeling.shape import ModelShape, config_dtype
 from swarm.runtime import malloc
 from swarm.wire.dtypes import DTYPES
@@ -64,9 +65,9 @@ class BlockSpan(nn.Module):
 
         Not for quantized spans: bitsandbytes' int8 layers pick outlier columns per input (data-dependent shapes,
         a host sync), which capture forbids; nf4's kernels are untested under capture (`swarm.modeling.quantize`).
-        Nor for spans without rotary (ALiBi families): the captured attention (`server.graphs`) adds no bias.
+        Nor for ALiBi spans (BLOOM, Falcon with `alibi`): the captured attention (`server.graphs`) adds no bias.
         """
-        if self.device.type != "cuda" or not self.can_batch or self.quant_type != "none" or self.rotary is None:
+        if self.device.type != "cuda" or not self.can_batch or self.quant_type != "none" or self.alibi:
             return False
         from server.graphs import SpanGraphs
 
@@ -145,6 +146,11 @@ class BlockSpan(nn.Module):
 
     def cache_bytes_per_token(self) -> int:
         return len(self.layers) * self.shape.cache_bytes_per_token(self.dtype)
+
+    @property
+    def alibi(self) -> bool:
+        """The layers' attention adds a position bias (`swarm.modeling.layers.key_bias`)."""
+        return bool(self.fused) and key_bias(self.fused[0], 1, self.dtype, self.device) is not None
 
     @property
     def can_batch(self) -> bool:

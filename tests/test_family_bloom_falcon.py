@@ -413,3 +413,8 @@ def test_cuda_graph_step_of_rotary_falcon_on_cpu(case, tmp_path, model_path):
         expected = span.forward(x, position, ref, 2, 4)
         got = _static_step(span, x, position, static, 2, 4)
         assert torch.allclose(got, expected, atol=1e-4, rtol=1e-5), (got - expected).abs().max()
+    # the captured attention adds no bias: ALiBi spans (which `enable_cuda_graphs` declines) are told apart
+    assert not span.alibi
+    for alibi_case in ("bloom", "falcon-alibi"):
+        _build(alibi_case, tmp_path / alibi_case, model_path)
+        assert BlockSpan.load(Checkpoint(str(tmp_path / alibi_case)), 0, 1).alibi
