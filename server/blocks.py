@@ -24,7 +24,7 @@ from server.cache import SessionKV
 from server.decode import attention_backends, decode_step, prefill_step
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec, family_for
-from swarm.modeling.layers import cache_attention
+from swarm.modeling.layers import cache_attention, key_bias
 from swarm.modeling.lora import AdapterError, AdapterFiles, SpanAdapter, adapt_layers
 from swarm.modeling.shape import ModelShape, config_dtype
 from swarm.runtime import malloc
@@ -73,8 +73,9 @@ class BlockSpan(nn.Module):
 
         Not for quantized spans: bitsandbytes' int8 layers pick outlier columns per input (data-dependent shapes,
         a host sync), which capture forbids; nf4's kernels are untested under capture (`swarm.modeling.quantize`).
+        Nor for ALiBi spans (BLOOM, Falcon with `alibi`): the captured attention (`server.graphs`) adds no bias.
         """
-        if self.device.type != "cuda" or not self.can_batch or self.quant_type != "none":
+        if self.device.type != "cuda" or not self.can_batch or self.quant_type != "none" or self.alibi:
             return False
         from server.graphs import SpanGraphs
 
@@ -92,10 +93,12 @@ class BlockSpan(nn.Module):
         """
         config = checkpoint.load_config()
         family = family_for(config)
+        checkpoint.expect_prefix(family.base_prefix)
         if not 0 <= start < end <= config.num_hidden_layers:
             raise ValueError(f"blocks {start}:{end} are outside the model's 0:{config.num_hidden_layers}")
-        if adapters and family.fuse is None:
-            raise AdapterError(f"LoRA adapters need a family with fused layers ({family.model_type})")
+        if adapters and family.module != "swarm.modeling.llama":
+            raise AdapterError(f"LoRA adapters are served on llama-family blocks (llama, mistral, qwen2), "
+                               f"not on {family.model_type}")
         torch_device = torch.device(device)
         dtype = resolve_dtype(dtype_name, config, torch_device)
         quant_type = quant_type or "none"
@@ -124,7 +127,7 @@ class BlockSpan(nn.Module):
             for name, tensor in list(layer.named_parameters()) + list(layer.named_buffers()):
                 if tensor.is_meta:
                     raise ValueError(f"block {index}: {name} was not loaded from the checkpoint")
-            layer.self_attn.layer_idx = index - start  # index into this span's SessionKV
+            layer.layer_idx = index - start  # index into this span's SessionKV
             del state
             if quantize is not None and fuse is not None:
                 # fused on the CPU, then each fused weight quantized as it moves to the device; the float layer
@@ -167,6 +170,11 @@ class BlockSpan(nn.Module):
         return len(self.layers) * self.shape.cache_bytes_per_token(self.dtype)
 
     @property
+    def alibi(self) -> bool:
+        """The layers' attention adds a position bias (`swarm.modeling.layers.key_bias`)."""
+        return bool(self.fused) and key_bias(self.fused[0], 1, self.dtype, self.device) is not None
+
+    @property
     def can_batch(self) -> bool:
         """Decode steps run on the batched path of `server.decode` (the family fuses its layers)."""
         return self.family.fuse is not None
@@ -193,8 +201,9 @@ class BlockSpan(nn.Module):
         x = torch.cat([h.to(self.device, self.dtype).reshape(-1, self.hidden_size) for h, _, _ in items])
         sizes = [h.shape[0] for h, _, _ in items]
         position_ids = torch.cat([torch.full((b, 1), pos, device=self.device) for b, (_, pos, _) in zip(sizes, items)])
-        assert self.rotary is not None  # fused families have rotary embeddings
-        cos, sin = self.rotary(x, position_ids)  # [rows, 1, head_dim]
+        cos = sin = None  # without rotary (ALiBi: the attention's bias carries the positions)
+        if self.rotary is not None:
+            cos, sin = (t[:, 0] for t in self.rotary(x, position_ids))  # [rows, head_dim]
         for _, pos, kv in items:
             kv.begin_step(pos)
         layers = self.fused[first - self.start:last - self.start]
@@ -211,12 +220,13 @@ class BlockSpan(nn.Module):
                 # hundreds of kernel launches until the batch is large enough for the weights' reads to dominate
                 parts, row = [], 0
                 for size, (_, pos, kv) in zip(sizes, items):
-                    parts.append(self.graphs.step(layers, (first, last), kv, x[row:row + size], cos[row:row + size, 0],
-                                                  sin[row:row + size, 0], pos))
+                    assert cos is not None and sin is not None  # graphs are for spans with rotary
+                    parts.append(self.graphs.step(layers, (first, last), kv, x[row:row + size], cos[row:row + size],
+                                                  sin[row:row + size], pos))
                     row += size
                 x = parts[0] if len(parts) == 1 else torch.cat(parts)
             else:
-                x = decode_step(layers, x, cos[:, 0], sin[:, 0], [(size, kv) for size, (_, _, kv) in zip(sizes, items)])
+                x = decode_step(layers, x, cos, sin, [(size, kv) for size, (_, _, kv) in zip(sizes, items)])
         except BaseException:
             for _, _, kv in items:
                 kv.abort_step()
@@ -255,15 +265,14 @@ class BlockSpan(nn.Module):
         try:
             if kv is not None and self.fused:
                 # an inference step: the fused layers (the layer modules serve passes without a cache)
-                assert position_embeddings is not None  # fused families have rotary embeddings
-                cos, sin = position_embeddings  # [batch, seq, head_dim]
+                cos, sin = position_embeddings if position_embeddings is not None else (None, None)  # [batch, seq, dim]
                 layers = self.fused[first - self.start:last - self.start]
                 if adapter is not None:  # one group: all rows [batch * seq] use the session's adapter
                     layers = adapt_layers(layers, [(0, batch * seq, self.adapters[adapter])], first)
                 hidden = prefill_step(layers, hidden, cos, sin, kv, mask)
             elif adapter is not None:
                 # a pass without a cache on the fused layers, which the adapter wraps
-                assert position_embeddings is not None  # fused families have rotary embeddings
+                assert position_embeddings is not None  # adapters are served for rotary (llama-family) blocks
                 cos, sin = position_embeddings
                 layers = adapt_layers(self.fused[first - self.start:last - self.start],
                                       [(0, batch * seq, self.adapters[adapter])], first)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from server.cache import SessionKV
 from swarm.modeling.families import BlockLayer
-from swarm.modeling.layers import cache_attention
+from swarm.modeling.layers import biased_mask, cache_attention, key_bias, sdpa_attention
 
 
 def attention_backends(device: torch.device):
@@ -41,27 +41,38 @@ def sessions_attention(sessions: Sequence[Tuple[int, SessionKV]]) -> Callable:
     """Attention for single-token steps of several sessions whose rows lie one after another: each session's new
     keys/values go into its cache, its queries attend over its filled prefix.
     (layer, q [rows, heads, dim], k, v [rows, kv_heads, dim]) -> [rows, heads * dim]"""
+    biases: dict = {}  # key length -> an ALiBi layer's bias [1, heads, 1, keys], once for all layers of a step
+
     def attend(layer: BlockLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         outs: List[torch.Tensor] = []
         row = 0
         for size, kv in sessions:
             # [size, kv_heads, 1, dim] into the cache; attention over the filled prefix
             keys, values = kv.update(k[row:row + size].unsqueeze(2), v[row:row + size].unsqueeze(2), layer.layer_idx)
-            outs.append(F.scaled_dot_product_attention(q[row:row + size].unsqueeze(2), keys, values,
-                                                       scale=layer.scaling, enable_gqa=layer.heads != layer.kv_heads))
+            length = keys.shape[2]
+            if length not in biases:
+                bias = key_bias(layer, length, q.dtype, q.device)
+                biases[length] = None if bias is None else biased_mask(bias, None, 1)
+            if biases[length] is None:
+                o = F.scaled_dot_product_attention(q[row:row + size].unsqueeze(2), keys, values, scale=layer.scaling,
+                                                   enable_gqa=layer.heads != layer.kv_heads)  # [size, heads, 1, dim]
+            else:  # SDPA with a per-head mask, the query heads grouped per key/value head: [size, 1, heads, dim]
+                o = sdpa_attention(q[row:row + size].unsqueeze(2), keys, values, biases[length], layer.scaling,
+                                   layer.heads // layer.kv_heads)
+            outs.append(o.reshape(size, -1))
             row += size
-        o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)  # [rows, heads, 1, dim]
-        return o.reshape(q.shape[0], -1)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)  # [rows, heads * dim]
 
     return attend
 
 
 @torch.inference_mode()
-def decode_step(layers: Sequence[BlockLayer], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                sessions: Sequence[Tuple[int, SessionKV]]) -> torch.Tensor:
+def decode_step(layers: Sequence[BlockLayer], x: torch.Tensor, cos: Optional[torch.Tensor],
+                sin: Optional[torch.Tensor], sessions: Sequence[Tuple[int, SessionKV]]) -> torch.Tensor:
     """Run single-token steps of several sessions through `layers`.
 
-    x: [rows, hidden], the sessions' rows one after another; cos, sin: [rows, head_dim] for each row's position;
+    x: [rows, hidden], the sessions' rows one after another; cos, sin: [rows, head_dim] for each row's position
+    (None without rotary);
     sessions: (rows, kv) per session, whose `begin_step` was called. Returns [rows, hidden].
     """
     attend = sessions_attention(sessions)
@@ -72,13 +83,13 @@ def decode_step(layers: Sequence[BlockLayer], x: torch.Tensor, cos: torch.Tensor
 
 
 @torch.inference_mode()
-def prefill_step(layers: Sequence[BlockLayer], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: SessionKV,
-                 mask: Optional[torch.Tensor]) -> torch.Tensor:
+def prefill_step(layers: Sequence[BlockLayer], x: torch.Tensor, cos: Optional[torch.Tensor],
+                 sin: Optional[torch.Tensor], kv: SessionKV, mask: Optional[torch.Tensor]) -> torch.Tensor:
     """Run one session's step of `seq` tokens through `layers`, its `begin_step` called.
 
-    x: [batch, seq, hidden]; cos, sin: [batch, seq, head_dim]; mask: the additive causal mask [1, 1, seq,
-    prefix + seq], or None when the cache held nothing before this step (SDPA's square causal mask) or the step is
-    one token (it sees every key). Returns [batch, seq, hidden].
+    x: [batch, seq, hidden]; cos, sin: [batch, seq, head_dim] (None without rotary); mask: the additive causal mask
+    [1, 1, seq, prefix + seq], or None when the cache held nothing before this step (SDPA's square causal mask) or
+    the step is one token (it sees every key). Returns [batch, seq, hidden].
     """
     # the layer modules' attention (transformers' SDPA path): with a mask it expands the key/value heads rather
     # than asking SDPA for GQA, which CUDA's kernels do not combine with a mask

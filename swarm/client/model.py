@@ -1,13 +1,13 @@
 """The Hugging Face-style client model: local embeddings, final norm and LM head; remote blocks.
 
-`AutoDistributedModelForCausalLM.from_pretrained(name_or_path, initial_peers=[...])` reads only the embedding,
-final norm and LM head tensors of the checkpoint; the transformer blocks run on the swarm (other keyword arguments
-are `ClientConfig` settings, e.g. `allowed_quant_types=["none", "int8"]`: route only through servers of those
-weight formats; default: any). `model(input_ids)`
-returns logits through plain forward passes. `model.inference_session(max_length=N)` opens a `ModelSession`
-that remembers which tokens the servers' caches hold, so `model.generate(..., session=s)` across several calls
-(a multi-turn chat) sends only new tokens, rewinding the servers when the new input diverges from what they
-hold. Generation uses Hugging Face `GenerationConfig` and picks tokens through `swarm.client.generation` (the
+`AutoDistributedModelForCausalLM.from_pretrained(name_or_path, initial_peers=[...])` reads only the embedding
+(and its norm, where the family has one: BLOOM), final norm and LM head tensors of the checkpoint; the transformer
+blocks run on the swarm (other keyword arguments are `ClientConfig` settings, e.g.
+`allowed_quant_types=["none", "int8"]`: route only through servers of those weight formats; default: any).
+`model(input_ids)` returns logits through plain forward passes. `model.inference_session(max_length=N)` opens a
+`ModelSession` that remembers which tokens the servers' caches hold, so `model.generate(..., session=s)` across
+several calls (a multi-turn chat) sends only new tokens, rewinding the servers when the new input diverges from
+what they hold. Generation uses Hugging Face `GenerationConfig` and picks tokens through `swarm.client.generation` (the
 gateway's path too: Hugging Face logits processors, greedy or sampling) and accepts a `streamer`.
 The model implements `swarm.client.api.ClientModel` (route check, coverage, bans, sessions) for the gateway.
 LoRA adapters: `active_adapter`, or one per session (`swarm.client.adapters`).
@@ -133,10 +133,12 @@ class ModelSession:
 
 class DistributedModelForCausalLM(AdapterChoice, nn.Module):
     def __init__(self, config, family: FamilySpec, manager: SwarmManager, embed_tokens: nn.Embedding,
-                 norm: nn.Module, lm_head: nn.Linear, generation_config: GenerationConfig):
+                 norm: nn.Module, lm_head: nn.Linear, generation_config: GenerationConfig,
+                 embed_norm: Optional[nn.Module] = None):
         super().__init__()
         self.config, self.family, self.manager = config, family, manager
         self.embed_tokens, self.norm, self.lm_head = embed_tokens, norm, lm_head
+        self.embed_norm = embed_norm  # the family's norm of the embeddings (BLOOM's word_embeddings_layernorm)
         self.generation_config = generation_config
         self.row_padding: Optional[RowPadding] = None  # set by from_pretrained(pad_head_rows=True)
         self.name_or_path: str = ""  # set by from_pretrained
@@ -154,18 +156,20 @@ class DistributedModelForCausalLM(AdapterChoice, nn.Module):
         checkpoint = Checkpoint(name_or_path, cache_dir=cache_dir)
         config = checkpoint.load_config()
         family = family_for(config)
+        checkpoint.expect_prefix(family.base_prefix)
         dtype = parse_dtype(torch_dtype) if isinstance(torch_dtype, str) else torch_dtype
         head_key = family.head_key
-        wanted = {family.embed_key, head_key, family.norm_key + "weight", family.norm_key + "bias"}
+        norm_keys = [key for key in (family.norm_key, family.embed_norm_key) if key]
+        wanted = {family.embed_key, head_key, *(key + part for key in norm_keys for part in ("weight", "bias"))}
         tensors = checkpoint.load_tensors(lambda name: name in wanted, dtype)
         if family.embed_key not in tensors:
             raise ValueError(f"{name_or_path}: no {family.embed_key} in the checkpoint")
         # the checkpoint's tensors as they are: no randomly initialised copies (113 MB each for SmolLM2) first
         embed = nn.Embedding.from_pretrained(tensors[family.embed_key], freeze=True)
-        norm_cls = family.import_class(family.norm_class)
-        norm = norm_cls(config.hidden_size, eps=getattr(config, "rms_norm_eps", 1e-6)).to(dtype)
-        norm.load_state_dict({k[len(family.norm_key):]: v for k, v in tensors.items()
-                              if k.startswith(family.norm_key)})
+        norm = family.load_norm(config, family.norm_key, tensors).to(dtype)
+        embed_norm = None  # BLOOM's word_embeddings_layernorm
+        if family.embed_norm_key is not None:
+            embed_norm = family.load_norm(config, family.embed_norm_key, tensors).to(dtype)
         lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device="meta")
         if head_key in tensors and not getattr(config, "tie_word_embeddings", False):
             lm_head.weight = nn.Parameter(tensors[head_key], requires_grad=False)
@@ -177,7 +181,7 @@ class DistributedModelForCausalLM(AdapterChoice, nn.Module):
             generation_config = GenerationConfig.from_model_config(config)
         prefix = client_config.dht_prefix or dht_prefix_for(name_or_path)
         manager = SwarmManager(client_config, prefix, config.num_hidden_layers, dht=dht)
-        model = cls(config, family, manager, embed, norm, lm_head, generation_config).to(device).eval()
+        model = cls(config, family, manager, embed, norm, lm_head, generation_config, embed_norm).to(device).eval()
         model.requires_grad_(False)
         model.name_or_path = name_or_path
         model.active_adapter = active_adapter
@@ -200,7 +204,10 @@ class DistributedModelForCausalLM(AdapterChoice, nn.Module):
 
     @torch.no_grad()
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids.to(self.device))  # [batch, seq] -> [batch, seq, hidden]
+        """[batch, seq] -> [batch, seq, hidden]: what the first block takes (the embeddings, normed where the
+        family norms them)."""
+        hidden = self.embed_tokens(input_ids.to(self.device))
+        return hidden if self.embed_norm is None else self.embed_norm(hidden)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[batch, seq, hidden] (or [rows, hidden]) from the last block -> logits [batch, seq, vocab] (or [rows,

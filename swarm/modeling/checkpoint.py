@@ -46,6 +46,7 @@ class Checkpoint:
         else:
             self.local_dir = None  # a hub repo id
         self._weight_map: Optional[Dict[str, str]] = None
+        self._stored_names: Dict[str, str] = {}  # tensor name -> its name in the file, where they differ
 
     # ---- files -------------------------------------------------------------------------------------------
     def file(self, filename: str, required: bool = True) -> Optional[Path]:
@@ -102,6 +103,17 @@ class Checkpoint:
                 return self._weight_map
         raise CheckpointError(f"no safetensors or PyTorch weights found in {self.name!r}")
 
+    def expect_prefix(self, prefix: str, keep: str = "lm_head.") -> None:
+        """Name the tensors as the causal-LM class does when the checkpoint was saved from the base model without
+        its `prefix` (BLOOM's hub checkpoints: `h.0.…`, `word_embeddings.weight`, not `transformer.…`), as
+        transformers' loading does; names starting with `keep` stay. No-op when some name has the prefix."""
+        names = self.weight_map()
+        if not prefix or any(name.startswith(prefix) for name in names):
+            return
+        renamed = {name: name if name.startswith(keep) else prefix + name for name in names}
+        self._stored_names = {new: old for old, new in renamed.items() if new != old}
+        self._weight_map = {renamed[name]: filename for name, filename in names.items()}
+
     # ---- tensors ----------------------------------------------------------------------------------------
     def load_tensors(
         self, select: Callable[[str], bool], dtype: Optional[torch.dtype] = None
@@ -115,7 +127,8 @@ class Checkpoint:
         for filename, names in sorted(by_file.items()):
             path = self.file(filename)
             assert path is not None  # required files raise instead
-            for name, tensor in _read_tensors(path, names):
+            stored = [self._stored_names.get(name, name) for name in names]
+            for name, (_, tensor) in zip(names, _read_tensors(path, stored)):
                 if dtype is not None and tensor.is_floating_point():
                     tensor = tensor.to(dtype)
                 result[name] = tensor

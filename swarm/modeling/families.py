@@ -3,10 +3,12 @@
 Client and server must agree on how a checkpoint is cut: which tensors belong to block i (the server loads
 those), and which are the embeddings, final norm and LM head (the client loads those). One `FamilySpec` per
 supported `config.model_type` names the family's modeling module and the classes in it. A new family is one
-module plus its tests; `swarm.modeling.llama` serves llama, mistral and qwen2. A family module provides
+module plus its tests; `swarm.modeling.llama` serves llama, mistral and qwen2, `swarm.modeling.bloom` BLOOM and
+`swarm.modeling.falcon` Falcon. A family module provides
 - its decoder layer class (nn.Modules under transformers' parameter names) with transformers' calling convention
-  `layer(hidden, attention_mask, position_ids, past_key_values, position_embeddings=(cos, sin))`, and its rotary
-  embedding and RMSNorm classes (the RMSNorm is also the client's final norm);
+  `layer(hidden, attention_mask, position_ids, past_key_values, position_embeddings=(cos, sin))` (None without
+  rotary), a settable `layer_idx`, its rotary embedding class (none for ALiBi-only families) and its norm class
+  (also the client's final norm, and its embedding norm where the family has one: BLOOM);
 - optionally a function (`FamilySpec.fuse`) that turns a loaded layer into a `BlockLayer`, which the server's
   batched decode, prefill and CUDA-graph steps run; without it the server runs the layer modules.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol
+from typing import Callable, Dict, Optional, Protocol
 
 import torch
 
@@ -25,16 +27,19 @@ class UnsupportedModelError(ValueError):
 
 class BlockLayer(Protocol):
     """What the server's steps (`server.decode`, `server.graphs`) use of a layer: its attention's sizes and one
-    block step. x: [..., hidden] (tokens on the leading dims), cos and sin: [..., head_dim];
-    `attend(layer, q [..., heads, head_dim], k [..., kv_heads, head_dim], v) -> [..., heads * head_dim]` is the
-    step's attention, given q and k with rotary applied."""
+    block step. x: [..., hidden] (tokens on the leading dims), cos and sin: [..., head_dim] (None for a span
+    without rotary); `attend(layer, q [..., heads, head_dim], k [..., kv_heads, head_dim], v) -> [..., heads *
+    head_dim]` is the step's attention, given q and k with rotary applied. An ALiBi layer also has
+    `key_bias(key_length, dtype, device) -> [heads, key_length]`, the bias its attention adds
+    (`swarm.modeling.layers.key_bias`)."""
     heads: int
     kv_heads: int
     head_dim: int
     scaling: float
     layer_idx: int  # where the layer's keys/values are in the span's cache
 
-    def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Callable) -> torch.Tensor: ...
+    def step(self, x: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
+             attend: Callable) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -49,12 +54,24 @@ class FamilySpec:
     norm_class: str
     module: str  # the family's modeling module, where the classes above are
     fuse: Optional[str] = None  # the module's function that makes a loaded layer a `BlockLayer`
+    norm_eps: str = "rms_norm_eps"  # the config attribute of the norms' epsilon
+    embed_norm_key: Optional[str] = None  # prefix of a norm the client applies to the embeddings (BLOOM)
+    base_prefix: str = ""  # the base model's prefix, which checkpoints saved from the base model lack (BLOOM's)
 
     def block_tensor_prefix(self, index: int) -> str:
         return self.block_prefix.format(index)
 
     def import_class(self, name: str):
         return getattr(importlib.import_module(self.module), name)
+
+    def load_norm(self, config, prefix: str, tensors: Dict[str, torch.Tensor]) -> torch.nn.Module:
+        """The family's norm (`norm_class`, its epsilon from the config) holding the `prefix` tensors of `tensors`."""
+        norm = self.import_class(self.norm_class)(config.hidden_size, eps=getattr(config, self.norm_eps, 1e-6))
+        state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        if not state:
+            raise ValueError(f"no {prefix}* tensors in the checkpoint")
+        norm.load_state_dict(state)
+        return norm
 
 
 def _llama_like(model_type: str, camel: str) -> FamilySpec:
@@ -72,12 +89,33 @@ def _llama_like(model_type: str, camel: str) -> FamilySpec:
     )
 
 
+def _layer_norm_family(model_type: str, camel: str, rotary: bool, embed_norm: bool) -> FamilySpec:
+    """BLOOM and Falcon: `transformer.` names, LayerNorms, the layers their own `BlockLayer`s."""
+    return FamilySpec(
+        model_type=model_type,
+        block_prefix="transformer.h.{}.",
+        embed_key="transformer.word_embeddings.weight",
+        norm_key="transformer.ln_f.",
+        head_key="lm_head.weight",
+        layer_class=f"{camel}DecoderLayer",
+        rotary_class=f"{camel}RotaryEmbedding" if rotary else None,
+        norm_class=f"{camel}LayerNorm",
+        module=f"swarm.modeling.{model_type}",
+        fuse="fuse_layer",
+        norm_eps="layer_norm_epsilon",
+        embed_norm_key="transformer.word_embeddings_layernorm." if embed_norm else None,
+        base_prefix="transformer.",
+    )
+
+
 FAMILIES = {
     spec.model_type: spec
     for spec in (
         _llama_like("llama", "Llama"),
         _llama_like("mistral", "Mistral"),
         _llama_like("qwen2", "Qwen2"),
+        _layer_norm_family("bloom", "Bloom", rotary=False, embed_norm=True),  # ALiBi
+        _layer_norm_family("falcon", "Falcon", rotary=True, embed_norm=False),  # rotary, or ALiBi with `alibi`
         # Mixtral is not listed: transformers 5 fuses its experts' tensors at load time (a conversion our
         # per-block loader does not do yet), so a Mixtral checkpoint gets a clear "not supported" error.
     )

@@ -1,13 +1,19 @@
-"""Pieces that model families share, in plain torch: RMSNorm, rotary embeddings, SDPA attention, activations.
+"""Pieces that model families share, in plain torch: RMSNorm, rotary embeddings, ALiBi, SDPA attention, activations.
 
 They compute what transformers' modeling code computes with SDPA attention, op for op, so a family module built
 from them (`swarm.modeling.llama`) gives equal outputs. Why not transformers' classes: in transformers 5
 importing a model module imports torch._dynamo, torch.distributed, sympy and scipy, about 140 MB of resident
 memory in every block server and client. RoPE variants come from `transformers.modeling_rope_utils`, which
 imports none of that.
+
+ALiBi (BLOOM, Falcon with `alibi`): a layer whose `key_bias(key_length, dtype, device)` gives a bias
+[heads, key_length] (slope * key position, each family's dtype handling) gets it added to its attention logits by
+every attention callback (`cache_attention` here, `server.decode.sessions_attention`); softmax is shift-invariant per
+query, so a bias on the key position alone is the relative one. `biased_mask` merges it with the causal mask.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -113,17 +119,61 @@ def sdpa_attention(query, key, value, attention_mask: Optional[torch.Tensor], sc
     return out.transpose(1, 2).contiguous()
 
 
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """transformers' ALiBi slopes (BLOOM's `_get_alibi_slopes`, Falcon's `build_alibi_tensor`): [heads] float32, CPU."""
+    closest_power_of_2 = 2 ** math.floor(math.log2(num_heads))
+    base = torch.full((), 2 ** (-(2 ** -(math.log2(closest_power_of_2) - 3))), dtype=torch.float32, device="cpu")
+    slopes = torch.pow(base, torch.arange(1, 1 + closest_power_of_2, dtype=torch.int32, device="cpu"))
+    if closest_power_of_2 != num_heads:
+        extra_base = torch.full((), 2 ** (-(2 ** -(math.log2(2 * closest_power_of_2) - 3))), dtype=torch.float32,
+                                device="cpu")
+        remaining = min(closest_power_of_2, num_heads - closest_power_of_2)
+        extra_powers = torch.arange(1, 1 + 2 * remaining, 2, dtype=torch.int32, device="cpu")
+        slopes = torch.cat([slopes, torch.pow(extra_base, extra_powers)], dim=0)
+    return slopes
+
+
+def key_bias(layer, key_length: int, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
+    """The layer's additive attention bias over key positions 0..key_length-1, [heads, key_length]; None for a
+    layer without one (RoPE layers, whose `key_bias` is absent or returns None)."""
+    bias = getattr(layer, "key_bias", None)
+    return None if bias is None else bias(key_length, dtype, device)
+
+
+def biased_mask(bias: torch.Tensor, mask: Optional[torch.Tensor], q_length: int) -> torch.Tensor:
+    """The attention mask [1, heads, q_length, keys] of a layer with bias [heads, keys]: the bias where a query
+    may see a key, the dtype's minimum where not. mask: the additive causal mask [1, 1, q_length, keys] (0 or the
+    minimum), or None (causal over the last q_length keys; a single query sees every key)."""
+    out = bias[None, :, None, :]  # [1, heads, 1, keys]
+    keys = bias.shape[-1]
+    if mask is not None:
+        return torch.where(mask == 0, out, torch.finfo(bias.dtype).min)
+    if q_length == 1:
+        return out
+    key_positions = torch.arange(keys, device=bias.device)
+    query_positions = torch.arange(keys - q_length, keys, device=bias.device)
+    allowed = key_positions[None, :] <= query_positions[:, None]  # [q_length, keys]
+    return out.masked_fill(~allowed, torch.finfo(bias.dtype).min)
+
+
 def cache_attention(cache, mask: Optional[torch.Tensor]) -> Callable:
     """The attention of a block step through a cache with transformers' `update(k, v, layer_idx)` (or none): the
     new keys/values join the cache's, then SDPA with `mask` (None: causal over a square, or one query seeing every
-    key). The `attend` callback of a family's `block_step`:
+    key; with an ALiBi layer's bias, `biased_mask`). The `attend` callback of a family's `block_step`:
     (layer, q [batch, seq, heads, head_dim], k, v [batch, seq, kv_heads, head_dim]) -> [batch, seq, heads * head_dim].
     """
+    masks: dict = {}  # key length -> the biased mask, computed once for all layers of a step
+
     def attend(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [batch, heads, seq, head_dim]
         if cache is not None:
             k, v = cache.update(k, v, layer.layer_idx)  # [batch, kv_heads, cached + seq, head_dim]
-        out = sdpa_attention(q, k, v, mask, layer.scaling, layer.heads // layer.kv_heads)  # [batch, seq, heads, dim]
+        keys = k.shape[2]
+        if keys not in masks:
+            bias = key_bias(layer, keys, q.dtype, q.device)
+            masks[keys] = mask if bias is None else biased_mask(bias, mask, q.shape[2])
+        # [batch, seq, heads, dim]
+        out = sdpa_attention(q, k, v, masks[keys], layer.scaling, layer.heads // layer.kv_heads)
         return out.flatten(-2)
 
     return attend
@@ -135,6 +185,8 @@ def activation(name: str) -> nn.Module:
         return nn.SiLU()
     if name == "relu":
         return nn.ReLU()
+    if name == "gelu":  # transformers' GELUActivation: torch's exact (erf) GELU
+        return nn.GELU()
     from transformers.activations import ACT2FN  # the rare others, exactly as transformers has them
 
     return ACT2FN[name]

@@ -104,6 +104,10 @@ class DecoderLayer(nn.Module):
     def layer_idx(self) -> int:
         return self.self_attn.layer_idx
 
+    @layer_idx.setter
+    def layer_idx(self, value: int) -> None:
+        self.self_attn.layer_idx = value
+
     @property
     def act(self) -> nn.Module:
         return self.mlp.act_fn

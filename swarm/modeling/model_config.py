@@ -7,6 +7,12 @@ builds transformers' base `PreTrainedConfig` from the file instead, with what th
 add: its defaults for absent keys (`FAMILY_DEFAULTS`, copied from the transformers classes; a test compares
 them), `head_dim` and `num_key_value_heads` derived as those classes do, and the RoPE parameters standardized
 by transformers' own `standardize_rope_params` (legacy `rope_theta` / `rope_scaling` keys included).
+
+BLOOM and Falcon name their sizes differently; their configs get the llama names too, so that `ModelShape` and
+the rest read one vocabulary: `num_hidden_layers` / `num_attention_heads` / `hidden_size` (from `n_layer` /
+`n_head` / `n_embed` where a file uses those), `intermediate_size` (BLOOM: 4 * hidden; Falcon:
+`ffn_hidden_size`) and `num_key_value_heads`, the key/value heads the cache holds (BLOOM: all heads; Falcon:
+`num_kv_heads` with `new_decoder_architecture`, else 1 with `multi_query`, else all heads).
 """
 from __future__ import annotations
 
@@ -27,6 +33,19 @@ FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
               "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
               "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28},
 }
+_LAYER_NORM: Dict[str, Any] = dict(vocab_size=32000, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                                   layer_norm_epsilon=1e-5, initializer_range=0.02, use_cache=True, pad_token_id=None,
+                                   hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=True)
+FAMILY_DEFAULTS.update({
+    "bloom": {**_LAYER_NORM, "vocab_size": 250880, "bos_token_id": 1, "eos_token_id": 2,
+              "apply_residual_connection_post_layernorm": False, "pretraining_tp": 1, "slow_but_exact": False},
+    "falcon": {**_LAYER_NORM, "vocab_size": 65024, "hidden_size": 4544, "num_hidden_layers": 32,
+               "num_attention_heads": 71, "num_ln_in_parallel_attn": None, "num_kv_heads": None, "alibi": False,
+               "new_decoder_architecture": False, "multi_query": True, "parallel_attn": True, "bias": False,
+               "max_position_embeddings": 2048, "bos_token_id": 11, "eos_token_id": 11, "ffn_hidden_size": None,
+               "activation": "gelu"},
+})
+_ALIASES = (("n_embed", "hidden_size"), ("n_layer", "num_hidden_layers"), ("n_head", "num_attention_heads"))
 _ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta")
 
 
@@ -39,17 +58,40 @@ def model_config(data: Dict[str, Any]):
     defaults = FAMILY_DEFAULTS.get(family) if isinstance(family, str) else None
     if defaults is None:  # not a family we serve: its keys as they are (`family_for` rejects it with a clear error)
         return PreTrainedConfig(**values)
+    for alias, name in _ALIASES:  # BLOOM's (and old Falcon files') names for the sizes
+        if alias in values:
+            aliased = values.pop(alias)
+            values.setdefault(name, aliased)
     values = {**defaults, **values}
     rope = {key: values.pop(key, None) for key in _ROPE_KEYS}
     config = PreTrainedConfig(**values)
     config.head_dim = head_dim_of(config)
-    if config.num_key_value_heads is None:
+    if getattr(config, "num_key_value_heads", None) is None:
         config.num_key_value_heads = config.num_attention_heads
     if family == "qwen2" and not config.use_sliding_window:
         config.sliding_window = None
+    if family == "bloom":  # ALiBi, no RoPE; a 4 * hidden MLP
+        config.intermediate_size = 4 * config.hidden_size
+        config.num_key_value_heads = config.num_attention_heads
+        return config
+    if family == "falcon":
+        _falcon_sizes(config)
     # as the family classes do: rope_scaling (legacy) or rope_parameters, with rope_theta (default 10000) inside
     parameters = dict(rope["rope_scaling"] or rope["rope_parameters"] or {})
     parameters.setdefault("rope_theta", rope["rope_theta"] if rope["rope_theta"] is not None else config.default_theta)
     config.rope_parameters = parameters
     config.standardize_rope_params()
     return config
+
+
+def _falcon_sizes(config) -> None:
+    """FalconConfig's derived sizes, and the key/value heads of each layout under the llama name."""
+    if config.num_kv_heads is None:
+        config.num_kv_heads = config.num_attention_heads
+    if config.ffn_hidden_size is None:
+        config.ffn_hidden_size = 4 * config.hidden_size
+    config.intermediate_size = config.ffn_hidden_size
+    if config.new_decoder_architecture:
+        config.num_key_value_heads = config.num_kv_heads
+    else:
+        config.num_key_value_heads = 1 if config.multi_query else config.num_attention_heads

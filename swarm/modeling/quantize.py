@@ -13,6 +13,9 @@ modules):
 Quantization happens when the parameters move `.to(device)`; the float tensors are dropped right after, block by
 block (`server.blocks.BlockSpan.load`). Norms (and the client's embeddings and LM head) stay in float.
 
+A family whose layer is its own `BlockLayer` (BLOOM, Falcon: q/k/v fused in the checkpoint) keeps its layer and
+gets its `nn.Linear`s swapped for bitsandbytes modules (`quantize_linears`).
+
 `QuantizedLayer` has `FusedLayer`'s methods (`block_step` reads it: batched decode, chunked prefill) and
 `DecoderLayer`'s `forward` (passes without a cache), so one set of quantized weights serves every path and no
 float copy of a linear weight stays resident. bitsandbytes dequantizes per call into temporaries (nf4 on the
@@ -185,9 +188,38 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * h.to(x.dtype)
 
 
-def quantize_layer(fused: FusedLayer, quant_type: str, dtype: torch.dtype, device: torch.device) -> QuantizedLayer:
-    """The quantized block on `device` from a fused float block (which the caller then drops)."""
-    return QuantizedLayer(fused, quant_type, dtype, device)
+def quantize_layer(fused, quant_type: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """The quantized block on `device` from a fused float block (which the caller then drops): a
+    `QuantizedLayer` for the Llama family's `FusedLayer`, else the family's layer (its own `BlockLayer`: BLOOM,
+    Falcon) with its linear modules quantized (`quantize_linears`)."""
+    if isinstance(fused, FusedLayer):
+        return QuantizedLayer(fused, quant_type, dtype, device)
+    return quantize_linears(fused, quant_type, dtype, device)
+
+
+def quantize_linears(layer: nn.Module, quant_type: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """`layer` with each `nn.Linear` (subclasses included) replaced by a bitsandbytes module of its weight, and
+    its other tensors (norms) moved to `device` at `dtype`: for layers that call their projections as modules
+    and cast their outputs to the input's dtype (`swarm.modeling.bloom`, `swarm.modeling.falcon`). A fused q/k/v
+    projection is one module already, quantized row by row as transformers' `BitsAndBytesConfig` would."""
+    linears = [(name, m) for name, m in layer.named_modules() if isinstance(m, nn.Linear)]
+    if quant_type == "nf4":
+        for name, linear in linears:
+            if linear.in_features % NF4_BLOCKSIZE:
+                raise ValueError(f"nf4 needs input sizes divisible by {NF4_BLOCKSIZE}: {name} has "
+                                 f"{linear.in_features}")
+    for name, linear in linears:
+        parent_name, _, child = name.rpartition(".")
+        parent = layer.get_submodule(parent_name) if parent_name else layer
+        quantized = quantized_linear(linear.weight, linear.bias, quant_type, dtype, device)
+        setattr(parent, child, quantized)
+    # the norms (the only float tensors left) to the device; bitsandbytes' modules (nn.Linears) are there already
+    for sub in layer.modules():
+        if not isinstance(sub, nn.Linear):
+            for key, param in list(sub._parameters.items()):
+                if param is not None:
+                    sub._parameters[key] = nn.Parameter(param.detach().to(device, dtype), requires_grad=False)
+    return layer.eval().requires_grad_(False)
 
 
 def quantized_weight_bytes(module: nn.Module) -> int:

@@ -1,0 +1,113 @@
+"""The BLOOM family's decoder block: ALiBi attention, one fused query_key_value projection, LayerNorms, tanh GELU.
+
+`BloomDecoderLayer` holds transformers' module and parameter names (`input_layernorm`,
+`self_attention.query_key_value`, `self_attention.dense`, `post_attention_layernorm`, `mlp.dense_h_to_4h`,
+`mlp.dense_4h_to_h`), so a checkpoint's `transformer.h.{i}.` tensors load into it as they are, and computes what
+transformers' `BloomBlock` computes (op for op where the order matters; tests/test_family_bloom_falcon.py compares):
+- input LayerNorm; q/k/v from one projection whose output is laid out per head as (q, k, v): [heads, 3, head_dim];
+- attention with ALiBi and no rotary: transformers adds `slope_h * key_position` (float32, cast to the model's
+  dtype) to `q.k / sqrt(head_dim)` (`baddbmm`); here that bias is the attention mask's (`key_bias`, merged with
+  the causal mask by the caller's attention, `swarm.modeling.layers`), which SDPA adds to the same scaled scores;
+- dense + residual, post-attention LayerNorm, the MLP with BLOOM's tanh GELU (its own constants), + residual; with
+  `apply_residual_connection_post_layernorm` the residuals are the LayerNorms' outputs.
+
+The layer is its own `BlockLayer` (`fuse_layer` returns it): the checkpoint already fuses q/k/v, and LayerNorm is
+one torch kernel, so there is nothing to concatenate. The server's batched decode, chunked prefill and the layer's
+`forward` run the same `step`; quantization swaps its `nn.Linear`s for bitsandbytes modules
+(`swarm.modeling.quantize.quantize_linears`). Nothing here imports transformers' modeling code.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from swarm.modeling.layers import alibi_slopes, cache_attention
+
+BloomLayerNorm = nn.LayerNorm  # the final norm (`transformer.ln_f`) and the client's `word_embeddings_layernorm`
+
+
+class BloomGelu(nn.Module):
+    """transformers' `bloom_gelu_forward` (its constants, not torch's tanh GELU's)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+
+class BloomAttention(nn.Module):
+    def __init__(self, hidden_size: int, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx  # index into the cache (`BlockSpan.load` sets the span-relative one)
+        self.query_key_value = nn.Linear(hidden_size, 3 * hidden_size, bias=True)
+        self.dense = nn.Linear(hidden_size, hidden_size)
+
+
+class BloomMLP(nn.Module):
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.dense_h_to_4h = nn.Linear(hidden_size, 4 * hidden_size)
+        self.gelu_impl = BloomGelu()
+        self.dense_4h_to_h = nn.Linear(4 * hidden_size, hidden_size)
+
+
+def _project(linear: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """linear(h) in h's dtype (a quantized module may answer in its compute dtype)."""
+    return linear(h).to(h.dtype)
+
+
+class BloomDecoderLayer(nn.Module):
+    """`layer(hidden, attention_mask, position_ids, past_key_values, use_cache, position_embeddings)` -> hidden,
+    and `step(x, cos, sin, attend)` (cos/sin unused: ALiBi) for the server's steps."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        hidden = config.hidden_size
+        self.heads = self.kv_heads = config.num_attention_heads
+        self.head_dim = hidden // self.heads
+        self.scaling = 1.0 / math.sqrt(self.head_dim)  # transformers' inv_norm_factor
+        self.residual_post_norm = bool(config.apply_residual_connection_post_layernorm)
+        self.input_layernorm = nn.LayerNorm(hidden, eps=config.layer_norm_epsilon)
+        self.self_attention = BloomAttention(hidden, layer_idx)
+        self.post_attention_layernorm = nn.LayerNorm(hidden, eps=config.layer_norm_epsilon)
+        self.mlp = BloomMLP(hidden)
+        self.slopes = alibi_slopes(self.heads)  # [heads] float32 on the CPU (not a buffer: never in a checkpoint)
+
+    @property
+    def layer_idx(self) -> int:
+        return self.self_attention.layer_idx
+
+    @layer_idx.setter
+    def layer_idx(self, value: int) -> None:
+        self.self_attention.layer_idx = value
+
+    def key_bias(self, key_length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """ALiBi as BLOOM builds it: slope_h * key position in float32, then the model's dtype: [heads, keys]."""
+        positions = torch.arange(key_length, device=device)
+        return (self.slopes.to(device)[:, None] * positions).to(dtype)
+
+    def step(self, x: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
+             attend: Callable) -> torch.Tensor:
+        """One block on x: [..., hidden] (tokens on the leading dims). Returns [..., hidden]."""
+        attention, mlp = self.self_attention, self.mlp
+        normed = self.input_layernorm(x)
+        residual = normed if self.residual_post_norm else x
+        qkv = _project(attention.query_key_value, normed).unflatten(-1, (self.heads, 3, self.head_dim))
+        o = attend(self, qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :])  # [..., heads * head_dim]
+        x = residual + _project(attention.dense, o)
+        normed = self.post_attention_layernorm(x)
+        residual = normed if self.residual_post_norm else x
+        return residual + _project(mlp.dense_4h_to_h, mlp.gelu_impl(_project(mlp.dense_h_to_4h, normed)))
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,
+                position_embeddings=None, **kwargs) -> torch.Tensor:
+        """hidden_states: [batch, seq, hidden]; attention_mask: the additive causal mask or None; a cache with
+        transformers' `update` (`server.cache.SessionKV`) or None. Returns [batch, seq, hidden]."""
+        return self.step(hidden_states, None, None, cache_attention(past_key_values, attention_mask))
+
+
+def fuse_layer(layer: BloomDecoderLayer) -> BloomDecoderLayer:
+    """The layer is its own `BlockLayer` (see the module docstring)."""
+    return layer
