@@ -18,6 +18,7 @@ from server.cache import SessionKV
 from server.decode import attention_backends, decode_step, prefill_step
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec, family_for
+from swarm.modeling.layers import causal_mask
 from swarm.modeling.shape import ModelShape, config_dtype
 from swarm.runtime import malloc
 from swarm.wire.dtypes import DTYPES
@@ -58,14 +59,20 @@ class BlockSpan(nn.Module):
         self.fused: list = []  # the layers as `BlockLayer`s for server.decode / server.graphs (`FamilySpec.fuse`)
         self.graphs: Optional["SpanGraphs"] = None  # set by `enable_cuda_graphs`
         self.quant_type = "none"  # or int8 / nf4: the layers are `swarm.modeling.quantize.QuantizedLayer`s
+        # the layers' sliding window (all that have one share the config's), None if none has one
+        self.sliding_window = next((w for w in (getattr(layer, "sliding_window", None) for layer in layers) if w),
+                                   None)
 
     def enable_cuda_graphs(self) -> bool:
         """Replay single-session decode steps as CUDA graphs (CUDA devices, families with fused layers); True if on.
 
-        Not for quantized spans: bitsandbytes' int8 layers pick outlier columns per input (data-dependent shapes,
+        Not for layers with data-dependent control flow (`capturable` False: Mixtral's experts), nor for quantized
+        spans: bitsandbytes' int8 layers pick outlier columns per input (data-dependent shapes,
         a host sync), which capture forbids; nf4's kernels are untested under capture (`swarm.modeling.quantize`).
         """
         if self.device.type != "cuda" or not self.can_batch or self.quant_type != "none":
+            return False
+        if not all(getattr(layer, "capturable", True) for layer in self.fused):  # e.g. Mixtral's routing
             return False
         from server.graphs import SpanGraphs
 
@@ -195,15 +202,10 @@ class BlockSpan(nn.Module):
         batch, seq, _ = hidden.shape
         positions = torch.arange(start_position, start_position + seq, device=self.device)
         position_ids = positions.unsqueeze(0).expand(batch, -1)
-        mask = None
-        if seq > 1 and start_position > 0:
-            # queries at positions p..p+seq attend to keys 0..p+seq with key <= query: [1, 1, seq, p+seq]
-            keys = torch.arange(start_position + seq, device=self.device)
-            allowed = keys.unsqueeze(0) <= positions.unsqueeze(1)
-            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-            mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-            mask = mask[None, None]
-        # with mask None and seq > 1 (no cache before), SDPA applies its square causal mask, like transformers
+        # queries at positions p..p+seq attend to keys 0..p+seq with key <= query (and within a sliding window):
+        # [1, 1, seq, p+seq], or None where SDPA's own causal mask (or none, for one query) gives the same
+        mask = causal_mask(start_position, seq, None, self.dtype, self.device)
+        window_mask = causal_mask(start_position, seq, self.sliding_window, self.dtype, self.device)
         position_embeddings = self.rotary(hidden, position_ids) if self.rotary is not None else None
         if kv is not None:
             kv.begin_step(start_position)
@@ -212,10 +214,12 @@ class BlockSpan(nn.Module):
                 # an inference step: the fused layers (the layer modules serve passes without a cache)
                 assert position_embeddings is not None  # fused families have rotary embeddings
                 cos, sin = position_embeddings  # [batch, seq, head_dim]
-                hidden = prefill_step(self.fused[first - self.start:last - self.start], hidden, cos, sin, kv, mask)
+                hidden = prefill_step(self.fused[first - self.start:last - self.start], hidden, cos, sin, kv, mask,
+                                      window_mask)
             else:
                 with attention_backends(self.device):
-                    hidden = self._layers(hidden, mask, position_ids, position_embeddings, kv, first, last)
+                    hidden = self._layers(hidden, (mask, window_mask), position_ids, position_embeddings, kv, first,
+                                          last)
         except BaseException:
             if kv is not None:
                 kv.abort_step()
@@ -224,9 +228,11 @@ class BlockSpan(nn.Module):
             kv.end_step(seq)
         return hidden
 
-    def _layers(self, hidden, mask, position_ids, position_embeddings, kv, first: int, last: int) -> torch.Tensor:
+    def _layers(self, hidden, masks, position_ids, position_embeddings, kv, first: int, last: int) -> torch.Tensor:
+        mask, window_mask = masks  # full causal, and with the sliding window (for the layers that have one)
         for layer in self.layers[first - self.start:last - self.start]:
-            out = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=kv,
+            layer_mask = window_mask if getattr(layer, "sliding_window", None) else mask
+            out = layer(hidden, attention_mask=layer_mask, position_ids=position_ids, past_key_values=kv,
                         use_cache=kv is not None, position_embeddings=position_embeddings)
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden

@@ -39,7 +39,8 @@ def attention_backends(device: torch.device):
 
 def sessions_attention(sessions: Sequence[Tuple[int, SessionKV]]) -> Callable:
     """Attention for single-token steps of several sessions whose rows lie one after another: each session's new
-    keys/values go into its cache, its queries attend over its filled prefix.
+    keys/values go into its cache, its queries attend over its filled prefix (for a layer with a sliding window,
+    its last `window` positions).
     (layer, q [rows, heads, dim], k, v [rows, kv_heads, dim]) -> [rows, heads * dim]"""
     def attend(layer: BlockLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         outs: List[torch.Tensor] = []
@@ -47,6 +48,9 @@ def sessions_attention(sessions: Sequence[Tuple[int, SessionKV]]) -> Callable:
         for size, kv in sessions:
             # [size, kv_heads, 1, dim] into the cache; attention over the filled prefix
             keys, values = kv.update(k[row:row + size].unsqueeze(2), v[row:row + size].unsqueeze(2), layer.layer_idx)
+            window = getattr(layer, "sliding_window", None)
+            if window is not None and keys.shape[2] > window:  # the query sees the last `window` keys only
+                keys, values = keys[:, :, -window:], values[:, :, -window:]
             outs.append(F.scaled_dot_product_attention(q[row:row + size].unsqueeze(2), keys, values,
                                                        scale=layer.scaling, enable_gqa=layer.heads != layer.kv_heads))
             row += size
@@ -73,16 +77,17 @@ def decode_step(layers: Sequence[BlockLayer], x: torch.Tensor, cos: torch.Tensor
 
 @torch.inference_mode()
 def prefill_step(layers: Sequence[BlockLayer], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: SessionKV,
-                 mask: Optional[torch.Tensor]) -> torch.Tensor:
+                 mask: Optional[torch.Tensor], window_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Run one session's step of `seq` tokens through `layers`, its `begin_step` called.
 
     x: [batch, seq, hidden]; cos, sin: [batch, seq, head_dim]; mask: the additive causal mask [1, 1, seq,
     prefix + seq], or None when the cache held nothing before this step (SDPA's square causal mask) or the step is
-    one token (it sees every key). Returns [batch, seq, hidden].
+    one token (it sees every key); window_mask: the same with the layers' sliding window (`layers.causal_mask`), for
+    the layers that have one. Returns [batch, seq, hidden].
     """
     # the layer modules' attention (transformers' SDPA path): with a mask it expands the key/value heads rather
     # than asking SDPA for GQA, which CUDA's kernels do not combine with a mask
-    attend = cache_attention(kv, mask)
+    attend = cache_attention(kv, mask, window_mask)
     with attention_backends(x.device):
         for layer in layers:
             x = layer.step(x, cos, sin, attend)

@@ -44,7 +44,9 @@ def static_attention(kv: SessionKV, position: torch.Tensor, key_positions: torch
         # query heads j*group .. (j+1)*group-1 share key/value head j (as transformers' repeat_kv):
         # [batch, kv_heads, group, dim] against [batch, kv_heads, max_length, dim]
         q = q.reshape(rows, layer.kv_heads, heads // layer.kv_heads, dim)
-        o = F.scaled_dot_product_attention(q, k_buf, v_buf, attn_mask=allowed, scale=layer.scaling)
+        window = getattr(layer, "sliding_window", None)
+        mask = allowed if window is None else allowed & (key_positions > position - window).view(1, 1, 1, -1)
+        o = F.scaled_dot_product_attention(q, k_buf, v_buf, attn_mask=mask, scale=layer.scaling)
         return o.reshape(rows, heads * dim)
 
     return attend

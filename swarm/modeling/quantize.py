@@ -139,6 +139,7 @@ class QuantizedLayer(nn.Module):
         self.quant_type = quant_type
         self.heads, self.kv_heads, self.head_dim = fused.heads, fused.kv_heads, fused.head_dim
         self.scaling, self.layer_idx, self.eps = fused.scaling, fused.layer_idx, fused.eps
+        self.sliding_window = fused.sliding_window
         self.input_norm_weight = nn.Parameter(fused.input_norm_weight.detach().to(device, dtype), requires_grad=False)
         self.post_norm_weight = nn.Parameter(fused.post_norm_weight.detach().to(device, dtype), requires_grad=False)
         self.qkv_proj = quantized_linear(fused.qkv_weight, fused.qkv_bias, quant_type, dtype, device)
