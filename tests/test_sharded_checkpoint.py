@@ -1,0 +1,53 @@
+"""Sharded checkpoints (`model.safetensors.index.json` + shards, as a hub repo holds them) per family: a block span
+reads only the shards that hold its blocks' tensors, counted by the files `swarm.modeling.checkpoint` opens, and
+computes what the unsharded checkpoint's span computes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import swarm.modeling.checkpoint as checkpoint_module
+from server.blocks import BlockSpan
+from swarm.modeling.checkpoint import Checkpoint
+from tests.tiny_checkpoints import save_tiny, shard_files
+
+FAMILIES = ["llama", "mistral", "qwen2", "mixtral"]
+
+
+class OpenedFiles:
+    """Wraps `open` in `swarm.modeling.checkpoint` (where tensors are read) and records the file names opened."""
+
+    def __init__(self, monkeypatch):
+        self.names: list = []
+
+        def counting_open(path, *args, **kwargs):
+            self.names.append(str(path).rsplit("/", 1)[-1])
+            return open(path, *args, **kwargs)
+
+        monkeypatch.setattr(checkpoint_module, "open", counting_open, raising=False)
+
+
+def _shards_of(path, prefixes) -> set:
+    weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    return {file for name, file in weight_map.items() if any(name.startswith(p) for p in prefixes)}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_span_reads_only_the_shards_of_its_blocks(family, tmp_path, monkeypatch):
+    sharded, single = tmp_path / "sharded", tmp_path / "single"
+    save_tiny(family, sharded, None, max_shard_size="150KB", vocab_size=512)
+    save_tiny(family, single, None, vocab_size=512)
+    shards = shard_files(sharded)
+    assert len(shards) >= 4, shards  # the blocks lie in several shards
+    for start, end in [(0, 2), (2, 4), (3, 4)]:
+        opened = OpenedFiles(monkeypatch)
+        span = BlockSpan.load(Checkpoint(str(sharded)), start, end, "float32")
+        wanted = _shards_of(sharded, [f"model.layers.{i}." for i in range(start, end)])
+        # the shards that hold these blocks, no other (one holding two blocks is opened for each)
+        assert set(opened.names) == wanted, (start, end, opened.names)
+        assert len(wanted) < len(shards)
+        reference = BlockSpan.load(Checkpoint(str(single)), start, end, "float32")
+        x = torch.randn(1, 5, span.hidden_size)
+        assert torch.equal(span.forward(x, 0, None), reference.forward(x, 0, None))
