@@ -186,9 +186,14 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * h.to(x.dtype)
 
 
-def quantize_layer(fused: FusedLayer, quant_type: str, dtype: torch.dtype, device: torch.device) -> QuantizedLayer:
-    """The quantized block on `device` from a fused float block (which the caller then drops)."""
-    return QuantizedLayer(fused, quant_type, dtype, device)
+def quantize_layer(fused, quant_type: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """The quantized block on `device` from a fused float block (which the caller then drops): a `QuantizedLayer`
+    for a Llama-family `FusedLayer`, else the fused layer's own `quantize` (Mixtral's experts)."""
+    if isinstance(fused, FusedLayer):
+        return QuantizedLayer(fused, quant_type, dtype, device)
+    if hasattr(fused, "quantize"):
+        return fused.quantize(quant_type, dtype, device)
+    raise ValueError(f"quant_type {quant_type} is not available for {type(fused).__name__} layers")
 
 
 def quantized_weight_bytes(module: nn.Module) -> int:
