@@ -4,7 +4,7 @@ with `model.safetensors.index.json` as a hub repo holds it; Mistral, Qwen2 and M
 that the prompts outgrow. Two servers split the model mid-way (0:2, 2:4); against transformers running the same
 checkpoint: greedy tokens for 3 prompts, a 2-turn chat session, 4 concurrent sessions batched on the servers; the
 client reads only the shards with the embeddings, final norm and LM head. Mixtral also through a gateway
-(completions and chat completions)."""
+(completions and chat completions); Mistral and Mixtral sessions fail over (a server killed, the history replayed)."""
 from __future__ import annotations
 
 import json
@@ -118,3 +118,33 @@ def _check_gateway(path, bootstrap, prefix, reference, tokenizer) -> None:
         assert chat.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
     finally:
         gateway.proc.terminate()
+
+
+@pytest.mark.parametrize("family", ["mistral", "mixtral"])
+def test_failover_replays_a_session(family, tmp_path, bootstrap, model_path, tokenizer):
+    """A server of blocks 2:4 dies mid-generation (past the window): the session replays its history to the
+    other 2:4 server and the greedy tokens equal transformers'."""
+    from tests.test_failover import KillAfter
+
+    path = tmp_path / f"tiny-{family}"
+    reference = save_tiny(family, path, model_path, **WINDOWS[family])
+    prefix = f"tfo-{family}"
+    servers = {s.peer_id: s for s in start_servers(str(path), [bootstrap.maddr], ["0:2", "2:4", "2:4"], prefix,
+                                                   threads=1)}
+    model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=[bootstrap.maddr],
+                                                            dht_prefix=prefix, ban_timeout=60, max_retries=2)
+    try:
+        ids = tokenizer(PROMPTS[2], return_tensors="pt")["input_ids"]
+        with model.inference_session(max_length=ids.shape[1] + 12) as session:
+            def kill():
+                victim = next(hop.peer_id for hop in session.session.chain if hop.start <= 2 < hop.end)
+                servers[victim].kill()
+
+            out = model.generate(ids, session=session, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                 streamer=KillAfter(6, kill))
+            assert session.session.failovers >= 1
+        assert out.tolist() == _generate(reference, ids, 12).tolist()
+    finally:
+        model.shutdown()
+        for s in servers.values():
+            s.kill()
