@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 from torch import nn
 
-from server.cache import SessionKV
+from server.cache import SessionKV, cache_tokens
 from server.decode import attention_backends, decode_step, prefill_step
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec, family_for
@@ -143,10 +143,18 @@ class BlockSpan(nn.Module):
         span.quant_type = quant_type
         return span
 
+    def windows(self, first: int, last: int) -> list:
+        """The sliding window of each block in [first, last) (None: full attention)."""
+        return [getattr(layer, "sliding_window", None) for layer in self.layers[first - self.start:last - self.start]]
+
     def new_session_kv(self, batch_size: int, max_length: int, first: int, last: int) -> SessionKV:
-        """KV buffers for a session that runs blocks [first, last) of this span."""
+        """KV buffers for a session that runs blocks [first, last) of this span (ring buffers for windowed ones)."""
         return SessionKV(last - first, batch_size, self.kv_heads, self.head_dim, max_length, self.dtype,
-                         self.device, layer_offset=first - self.start)
+                         self.device, layer_offset=first - self.start, windows=self.windows(first, last))
+
+    def cache_tokens(self, max_length: int, first: int, last: int) -> int:
+        """Cache tokens per row a session of `max_length` over blocks [first, last) reserves (`server.cache`)."""
+        return cache_tokens(self.windows(first, last), max_length)
 
     def cache_bytes_per_token(self) -> int:
         return len(self.layers) * self.shape.cache_bytes_per_token(self.dtype)

@@ -40,19 +40,23 @@ def attention_backends(device: torch.device):
 def sessions_attention(sessions: Sequence[Tuple[int, SessionKV]]) -> Callable:
     """Attention for single-token steps of several sessions whose rows lie one after another: each session's new
     keys/values go into its cache, its queries attend over its filled prefix (for a layer with a sliding window,
-    its last `window` positions).
+    its last `window` positions: `SessionKV.decode_update`).
     (layer, q [rows, heads, dim], k, v [rows, kv_heads, dim]) -> [rows, heads * dim]"""
     def attend(layer: BlockLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         outs: List[torch.Tensor] = []
         row = 0
         for size, kv in sessions:
-            # [size, kv_heads, 1, dim] into the cache; attention over the filled prefix
-            keys, values = kv.update(k[row:row + size].unsqueeze(2), v[row:row + size].unsqueeze(2), layer.layer_idx)
-            window = getattr(layer, "sliding_window", None)
-            if window is not None and keys.shape[2] > window:  # the query sees the last `window` keys only
-                keys, values = keys[:, :, -window:], values[:, :, -window:]
-            outs.append(F.scaled_dot_product_attention(q[row:row + size].unsqueeze(2), keys, values,
-                                                       scale=layer.scaling, enable_gqa=layer.heads != layer.kv_heads))
+            # [size, kv_heads, 1, dim] into the cache; attention over the filled prefix (or its window)
+            keys, values, mask = kv.decode_update(k[row:row + size].unsqueeze(2), v[row:row + size].unsqueeze(2),
+                                                  layer.layer_idx)
+            if mask is None:
+                outs.append(F.scaled_dot_product_attention(q[row:row + size].unsqueeze(2), keys, values,
+                                                           scale=layer.scaling,
+                                                           enable_gqa=layer.heads != layer.kv_heads))
+            else:  # a wrapped ring buffer: its slots in the window; the query heads of a kv head as its "sequence"
+                grouped = q[row:row + size].reshape(size, layer.kv_heads, layer.heads // layer.kv_heads, -1)
+                outs.append(F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask.view(1, 1, 1, -1),
+                                                           scale=layer.scaling).reshape(size, layer.heads, 1, -1))
             row += size
         o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)  # [rows, heads, 1, dim]
         return o.reshape(q.shape[0], -1)

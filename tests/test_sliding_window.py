@@ -4,8 +4,9 @@ sequences three times as long, against transformers running the same checkpoint:
 a pass without a cache, and the CUDA-graph step's computation (run eagerly here). A query at position p sees the
 keys p - 7 .. p, as transformers' sliding-window mask.
 
-Memory: the session's cache still keeps every position (the steps attend over the window's part of it); see
-`server.cache`.
+The windowed blocks' caches are ring buffers of 2 windows (`server.cache`): the sequences here wrap them twice,
+and a prefill chunk is longer than a ring. A rewind within the ring's slack gives the same results; one farther
+back is refused with a clear error.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ CASES = {
     "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2),
     "mixtral": dict(sliding_window=WINDOW),
 }
-LENGTH = 3 * WINDOW
+LENGTH = 5 * WINDOW
+MAX_LENGTH = 64
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -53,21 +55,40 @@ def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
     assert (got - expected).abs().max().item() < 1e-4
 
 
-def test_the_layers_carry_the_window(model):
+def test_the_layers_carry_the_window_and_keep_rings(model):
     family, _, span, _, _ = model
     windows = [layer.sliding_window for layer in span.fused]
     assert windows == ([None, None, WINDOW, WINDOW] if family == "qwen2" else [WINDOW] * 4)
     assert [layer.sliding_window for layer in span.layers] == windows
+    kv = span.new_session_kv(2, MAX_LENGTH, 0, 4)
+    lengths = [MAX_LENGTH if w is None else 2 * WINDOW for w in windows]
+    assert [k.shape[2] for k in kv.keys] == [v.shape[2] for v in kv.values] == lengths
+    assert span.cache_tokens(MAX_LENGTH, 0, 4) == sum(lengths) // 4  # what a session reserves per row
+    assert span.new_session_kv(1, 12, 0, 4).keys[-1].shape[2] == 12  # shorter than a ring: as before
+
+
+def test_rewinds_within_the_ring_and_beyond(model):
+    _, reference, span, ids, expected = model
+    hidden = _embed(reference, ids)
+    kv = span.new_session_kv(2, MAX_LENGTH, 0, 4)
+    span.forward(hidden[:, :30], 0, kv)
+    span.forward(torch.randn(2, 3, span.hidden_size), 30, kv)  # a detour later taken back
+    assert kv.can_start_at(30)
+    _close(_logits(reference, span.forward(hidden[:, 30:], 30, kv)), expected[:, 30:])
+    assert not kv.can_start_at(20)  # positions 13.. are gone from the rings
+    with pytest.raises(ValueError, match="sliding-window cache"):
+        span.forward(hidden[:, 20:22], 20, kv)
 
 
 def test_prefill_in_one_step_in_chunks_and_without_a_cache(model):
     _, reference, span, ids, expected = model
     hidden = _embed(reference, ids)
-    kv = span.new_session_kv(2, 64, 0, 4)
+    kv = span.new_session_kv(2, MAX_LENGTH, 0, 4)
     _close(_logits(reference, span.forward(hidden, 0, kv)), expected)
     _close(_logits(reference, span.forward(hidden, 0, None)), expected)  # the layer modules, no cache
-    kv = span.new_session_kv(2, 64, 0, 4)
-    outs = [span.forward(hidden[:, start:end], start, kv) for start, end in [(0, 5), (5, 14), (14, 15), (15, LENGTH)]]
+    kv = span.new_session_kv(2, MAX_LENGTH, 0, 4)
+    chunks = [(0, 5), (5, 14), (14, 15), (15, LENGTH)]  # the last: 25 tokens, more than a ring's 16
+    outs = [span.forward(hidden[:, start:end], start, kv) for start, end in chunks]
     _close(_logits(reference, torch.cat(outs, dim=1)), expected)
 
 
@@ -78,7 +99,7 @@ def test_the_window_matters(model):
     for layer in span.fused:
         layer.sliding_window = None
     try:
-        got = _logits(reference, span.forward(_embed(reference, ids), 0, span.new_session_kv(2, 64, 0, 4)))
+        got = _logits(reference, span.forward(_embed(reference, ids), 0, span.new_session_kv(2, MAX_LENGTH, 0, 4)))
     finally:
         for layer, window in zip(span.fused, saved):
             layer.sliding_window = window
@@ -91,7 +112,7 @@ def test_decode_steps_batched_across_sessions(model):
     _, reference, span, ids, expected = model
     hidden = _embed(reference, ids)
     # session A: both rows, prompt of 10; session B: row 1 alone, prompt of 3
-    kv_a, kv_b = span.new_session_kv(2, 64, 0, 4), span.new_session_kv(1, 64, 0, 4)
+    kv_a, kv_b = span.new_session_kv(2, MAX_LENGTH, 0, 4), span.new_session_kv(1, MAX_LENGTH, 0, 4)
     span.forward(hidden[:, :10], 0, kv_a)
     span.forward(hidden[1:, :3], 0, kv_b)
     got_a, got_b = [], []
@@ -110,7 +131,7 @@ def test_the_graph_step_computation(model):
 
     _, reference, span, ids, expected = model
     hidden = _embed(reference, ids)
-    kv = span.new_session_kv(2, 64, 0, 4)
+    kv = span.new_session_kv(2, MAX_LENGTH, 0, 4)
     span.forward(hidden[:, :4], 0, kv)
     clear_unfilled(kv)
     key_positions = torch.arange(kv.max_length)

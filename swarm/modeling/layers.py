@@ -161,6 +161,8 @@ def cache_attention(cache, mask: Optional[torch.Tensor], window_mask: Optional[t
         if cache is not None:
             k, v = cache.update(k, v, layer.layer_idx)  # [batch, kv_heads, cached + seq, head_dim]
         layer_mask = window_mask if window_mask is not None and getattr(layer, "sliding_window", None) else mask
+        if layer_mask is not None and layer_mask.shape[-1] > k.shape[2]:
+            layer_mask = layer_mask[..., -k.shape[2]:]  # a sliding-window cache returned only the window's keys
         out = sdpa_attention(q, k, v, layer_mask, layer.scaling, layer.heads // layer.kv_heads)  # [b, seq, heads, dim]
         return out.flatten(-2)
 
