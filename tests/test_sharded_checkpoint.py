@@ -1,6 +1,6 @@
 """Sharded checkpoints (`model.safetensors.index.json` + shards, as a hub repo holds them) per family: a block span
 reads only the shards that hold its blocks' tensors, counted by the files `swarm.modeling.checkpoint` opens, and
-computes what the unsharded checkpoint's span computes."""
+computes what the unsharded checkpoint's span computes; also through a hub repo id (offline, from a hub cache)."""
 from __future__ import annotations
 
 import json
@@ -51,3 +51,31 @@ def test_a_span_reads_only_the_shards_of_its_blocks(family, tmp_path, monkeypatc
         reference = BlockSpan.load(Checkpoint(str(single)), start, end, "float32")
         x = torch.randn(1, 5, span.hidden_size)
         assert torch.equal(span.forward(x, 0, None), reference.forward(x, 0, None))
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_a_hub_repo_needs_only_the_shards_of_its_blocks(family, tmp_path, monkeypatch):
+    """The same through a hub repo id (`Checkpoint`'s hub path, `swarm.modeling.disk_cache.hub_download`), offline
+    on a hub cache that holds the config, the index and only the shards of blocks 2:4: loading them fetches
+    nothing else (offline, any other file would be an error)."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    local = tmp_path / "local"
+    save_tiny(family, local, None, max_shard_size="150KB", vocab_size=512)
+    commit = "0" * 40
+    repo = tmp_path / "hub" / "models--tests--tiny" / "snapshots" / commit
+    repo.mkdir(parents=True)
+    (repo.parent.parent / "refs").mkdir()
+    (repo.parent.parent / "refs" / "main").write_text(commit)
+    needed = _shards_of(local, ["model.layers.2.", "model.layers.3."])
+    for name in ["config.json", "model.safetensors.index.json", *needed]:
+        shutil.copy(local / name, repo / name)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    opened = OpenedFiles(monkeypatch)
+    span = BlockSpan.load(Checkpoint("tests/tiny", cache_dir=str(tmp_path / "hub")), 2, 4, "float32")
+    assert set(opened.names) == needed and len(needed) < len(shard_files(local))
+    x = torch.randn(1, 5, span.hidden_size)
+    reference = BlockSpan.load(Checkpoint(str(local)), 2, 4, "float32")
+    assert torch.equal(span.forward(x, 0, None), reference.forward(x, 0, None))
