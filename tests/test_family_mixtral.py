@@ -160,3 +160,14 @@ def test_quantized_experts(quant_type, min_cosine, tmp_path):
         kv.begin_step(5 + row)
         alone = span.forward_batch([(x[row:row + 1], 5 + row, kv)], 0, 4)[0]
         assert torch.allclose(alone, together[row], atol=1e-5, rtol=1e-5)
+
+
+def test_server_memory_counts_every_expert(mixtral):
+    """`server.memory` sizes a block from the layer module: every expert's weights (as linear weights, which
+    quantization shrinks), the router and the norms, as many parameters as transformers' block has."""
+    from server.memory import block_parameter_counts
+
+    _, path, reference, _ = mixtral
+    linear, other = block_parameter_counts(Checkpoint(str(path)).load_config())
+    assert linear + other == sum(p.numel() for p in reference.model.layers[0].parameters())
+    assert other == 2 * reference.config.hidden_size  # the two norms

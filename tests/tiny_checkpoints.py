@@ -38,7 +38,7 @@ def tiny_config(family: str, **overrides):
 
 
 def save_tiny(family: str, path: Path, tokenizer_dir: Optional[str], layout: str = "hub",
-              max_shard_size: Optional[str] = None, seed: int = 0, **overrides):
+              max_shard_size: Optional[str] = None, seed: int = 0, chat_template: bool = True, **overrides):
     """Build a random `family` model, save it (and the tokenizer from `tokenizer_dir`, if given) to `path`; return
     it (eval mode, float32). `overrides`: config values (e.g. `sliding_window=8`, a smaller `vocab_size`)."""
     from transformers import AutoModelForCausalLM
@@ -64,6 +64,8 @@ def save_tiny(family: str, path: Path, tokenizer_dir: Optional[str], layout: str
     elif layout != "hub":
         raise ValueError(f"unknown layout {layout!r}")
     for name in TOKENIZER_FILES if tokenizer_dir is not None else ():
+        if name == "chat_template.jinja" and not chat_template:
+            continue  # a tokenizer without a chat template (the bundled one keeps it in this file only)
         source = Path(tokenizer_dir) / name
         if source.is_file():
             shutil.copy(source, path / name)
