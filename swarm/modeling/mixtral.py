@@ -23,7 +23,8 @@ Two kinds of layer object, as in `swarm.modeling.llama`:
 - `QuantizedMoeLayer` (`--quant_type int8 / nf4`): the fused layer's projections as bitsandbytes modules, one per
   expert for gate/up and one for down; router and norms in float.
 Written here in plain torch rather than imported from transformers' modeling_mixtral, which would cost every
-server and client about 140 MB of imports (`swarm.modeling.layers`).
+server and client about 135 MB of resident imports (measured: importing it after torch and the config
+module), while this module adds none measurable (`swarm.modeling.layers`).
 """
 from __future__ import annotations
 
