@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence
 import torch
 from torch import nn
 
-from server.cache import SessionKV
+from server.cache import SessionKV, cache_tokens
 from server.decode import attention_backends, decode_step, prefill_step
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec, family_for
-from swarm.modeling.layers import cache_attention, key_bias
+from swarm.modeling.layers import cache_attention, causal_mask, key_bias
 from swarm.modeling.lora import AdapterError, AdapterFiles, SpanAdapter, adapt_layers
 from swarm.modeling.shape import ModelShape, config_dtype
 from swarm.runtime import malloc
@@ -67,15 +67,21 @@ class BlockSpan(nn.Module):
         self.graphs: Optional["SpanGraphs"] = None  # set by `enable_cuda_graphs`
         self.quant_type = "none"  # or int8 / nf4: the layers are `swarm.modeling.quantize.QuantizedLayer`s
         self.adapters: Dict[str, SpanAdapter] = {}  # LoRA adapters on this span's blocks, by name
+        # the layers' sliding window (all that have one share the config's), None if none has one
+        self.sliding_window = next((w for w in (getattr(layer, "sliding_window", None) for layer in layers) if w),
+                                   None)
 
     def enable_cuda_graphs(self) -> bool:
         """Replay single-session decode steps as CUDA graphs (CUDA devices, families with fused layers); True if on.
 
-        Not for quantized spans: bitsandbytes' int8 layers pick outlier columns per input (data-dependent shapes,
+        Not for layers with data-dependent control flow (`capturable` False: Mixtral's experts), nor for quantized
+        spans: bitsandbytes' int8 layers pick outlier columns per input (data-dependent shapes,
         a host sync), which capture forbids; nf4's kernels are untested under capture (`swarm.modeling.quantize`).
         Nor for ALiBi spans (BLOOM, Falcon with `alibi`): the captured attention (`server.graphs`) adds no bias.
         """
         if self.device.type != "cuda" or not self.can_batch or self.quant_type != "none" or self.alibi:
+            return False
+        if not all(getattr(layer, "capturable", True) for layer in self.fused):  # e.g. Mixtral's routing
             return False
         from server.graphs import SpanGraphs
 
@@ -155,16 +161,25 @@ class BlockSpan(nn.Module):
                         f"({span.adapters[files.name].nbytes() / 2**20:.1f} MiB)")
         return span
 
+    def windows(self, first: int, last: int) -> list:
+        """The sliding window of each block in [first, last) (None: full attention)."""
+        return [getattr(layer, "sliding_window", None) for layer in self.layers[first - self.start:last - self.start]]
+
     def new_session_kv(self, batch_size: int, max_length: int, first: int, last: int,
                        adapter: Optional[str] = None) -> SessionKV:
-        """KV buffers for a session that runs blocks [first, last) of this span (with LoRA `adapter`)."""
+        """KV buffers for a session that runs blocks [first, last) of this span (ring buffers for windowed ones),
+        with LoRA `adapter`."""
         if adapter is not None and adapter not in self.adapters:
             raise AdapterError(f"adapter {adapter!r} is not served here (this server has: "
                                f"{', '.join(sorted(self.adapters)) or 'none'})")
         kv = SessionKV(last - first, batch_size, self.kv_heads, self.head_dim, max_length, self.dtype,
-                       self.device, layer_offset=first - self.start)
+                       self.device, layer_offset=first - self.start, windows=self.windows(first, last))
         kv.adapter = adapter
         return kv
+
+    def cache_tokens(self, max_length: int, first: int, last: int) -> int:
+        """Cache tokens per row a session of `max_length` over blocks [first, last) reserves (`server.cache`)."""
+        return cache_tokens(self.windows(first, last), max_length)
 
     def cache_bytes_per_token(self) -> int:
         return len(self.layers) * self.shape.cache_bytes_per_token(self.dtype)
@@ -250,15 +265,10 @@ class BlockSpan(nn.Module):
         batch, seq, _ = hidden.shape
         positions = torch.arange(start_position, start_position + seq, device=self.device)
         position_ids = positions.unsqueeze(0).expand(batch, -1)
-        mask = None
-        if seq > 1 and start_position > 0:
-            # queries at positions p..p+seq attend to keys 0..p+seq with key <= query: [1, 1, seq, p+seq]
-            keys = torch.arange(start_position + seq, device=self.device)
-            allowed = keys.unsqueeze(0) <= positions.unsqueeze(1)
-            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-            mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-            mask = mask[None, None]
-        # with mask None and seq > 1 (no cache before), SDPA applies its square causal mask, like transformers
+        # queries at positions p..p+seq attend to keys 0..p+seq with key <= query (and within a sliding window):
+        # [1, 1, seq, p+seq], or None where SDPA's own causal mask (or none, for one query) gives the same
+        mask = causal_mask(start_position, seq, None, self.dtype, self.device)
+        window_mask = causal_mask(start_position, seq, self.sliding_window, self.dtype, self.device)
         position_embeddings = self.rotary(hidden, position_ids) if self.rotary is not None else None
         if kv is not None:
             kv.begin_step(start_position)
@@ -269,20 +279,21 @@ class BlockSpan(nn.Module):
                 layers = self.fused[first - self.start:last - self.start]
                 if adapter is not None:  # one group: all rows [batch * seq] use the session's adapter
                     layers = adapt_layers(layers, [(0, batch * seq, self.adapters[adapter])], first)
-                hidden = prefill_step(layers, hidden, cos, sin, kv, mask)
+                hidden = prefill_step(layers, hidden, cos, sin, kv, mask, window_mask)
             elif adapter is not None:
                 # a pass without a cache on the fused layers, which the adapter wraps
                 assert position_embeddings is not None  # adapters are served for rotary (llama-family) blocks
                 cos, sin = position_embeddings
                 layers = adapt_layers(self.fused[first - self.start:last - self.start],
                                       [(0, batch * seq, self.adapters[adapter])], first)
-                attend = cache_attention(None, mask)
+                attend = cache_attention(None, mask, window_mask)
                 with attention_backends(self.device):
                     for layer in layers:
                         hidden = layer.step(hidden, cos, sin, attend)
             else:
                 with attention_backends(self.device):
-                    hidden = self._layers(hidden, mask, position_ids, position_embeddings, kv, first, last)
+                    hidden = self._layers(hidden, (mask, window_mask), position_ids, position_embeddings, kv, first,
+                                          last)
         except BaseException:
             if kv is not None:
                 kv.abort_step()
@@ -291,9 +302,11 @@ class BlockSpan(nn.Module):
             kv.end_step(seq)
         return hidden
 
-    def _layers(self, hidden, mask, position_ids, position_embeddings, kv, first: int, last: int) -> torch.Tensor:
+    def _layers(self, hidden, masks, position_ids, position_embeddings, kv, first: int, last: int) -> torch.Tensor:
+        mask, window_mask = masks  # full causal, and with the sliding window (for the layers that have one)
         for layer in self.layers[first - self.start:last - self.start]:
-            out = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=kv,
+            layer_mask = window_mask if getattr(layer, "sliding_window", None) else mask
+            out = layer(hidden, attention_mask=layer_mask, position_ids=position_ids, past_key_values=kv,
                         use_cache=kv is not None, position_embeddings=position_embeddings)
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden

@@ -5,13 +5,33 @@ budget is full, else `OutOfCacheError`) and releases them when it closes. Its `S
 key/value buffers `[batch, kv_heads, max_length, head_dim]` allocated once: a step writes its new positions in
 place and attention reads a view of the filled prefix, so no step reallocates. Rewinding (a client resending
 from an earlier position) only moves the fill mark.
+
+Blocks with a sliding window W (Mistral, Mixtral, Qwen2's windowed layers) keep at most `ring_capacity(W)` =
+2 W positions (when that is less than max_length): a ring buffer, position p in slot p % capacity, so a session
+longer than that holds what its window still needs plus one window of slack for rewinds, and reserves that much
+(`cache_tokens`). A multi-token step gets its keys in position order (`update`: the cached part gathered, the new
+keys appended); a single-token step may attend over the ring as it lies with a mask of the slots in its window
+(`decode_update`). A rewind farther back than the ring still holds is refused (`can_start_at`).
 """
 from __future__ import annotations
 
 import asyncio
-from typing import Dict, List, Optional, Tuple
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+
+def ring_capacity(window: Optional[int], max_length: int) -> int:
+    """Positions a block with sliding window `window` keeps for a session of `max_length` (all of them without)."""
+    return max_length if window is None else min(max_length, 2 * window)
+
+
+def cache_tokens(windows: Sequence[Optional[int]], max_length: int) -> int:
+    """Cache tokens (each a position in every block of the span) a session of `max_length` reserves per row."""
+    if not windows:
+        return max_length
+    return math.ceil(sum(ring_capacity(w, max_length) for w in windows) / len(windows))
 
 
 class OutOfCacheError(RuntimeError):
@@ -22,40 +42,109 @@ class SessionKV:
     """Per-session KV buffers for the blocks of a span; duck-types the `Cache.update` that HF attention calls."""
 
     def __init__(self, num_layers: int, batch_size: int, kv_heads: int, head_dim: int, max_length: int,
-                 dtype: torch.dtype, device: torch.device, layer_offset: int = 0):
-        shape = (batch_size, kv_heads, max_length, head_dim)
-        self.keys: List[torch.Tensor] = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values: List[torch.Tensor] = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+                 dtype: torch.dtype, device: torch.device, layer_offset: int = 0,
+                 windows: Optional[Sequence[Optional[int]]] = None):
+        """windows: each block's sliding window (None: full attention); those blocks keep a ring buffer."""
+        self.windows: List[Optional[int]] = list(windows) if windows is not None else [None] * num_layers
+        assert len(self.windows) == num_layers
+        self.keys: List[torch.Tensor] = []
+        self.values: List[torch.Tensor] = []
+        for window in self.windows:
+            shape = (batch_size, kv_heads, ring_capacity(window, max_length), head_dim)
+            self.keys.append(torch.empty(shape, dtype=dtype, device=device))
+            self.values.append(torch.empty(shape, dtype=dtype, device=device))
         self.batch_size, self.max_length = batch_size, max_length
         self.layer_offset = layer_offset  # layer_idx of the first block this session uses
         self.length = 0  # positions filled (valid for all layers after a complete step)
         self.adapter: Optional[str] = None  # the session's LoRA adapter (`BlockSpan.adapters`), None: the base
         self._step_start = 0
+        self._lost = 0  # positions before this are overwritten in some ring buffer
+
+    def can_start_at(self, start_position: int) -> bool:
+        """Whether a step may start at `start_position` (<= length): every ring still holds the positions its
+        window needs before it."""
+        return all(window is None or max(0, start_position - window + 1) >= self._lost for window in self.windows)
 
     def begin_step(self, start_position: int) -> None:
         """Start writing at `start_position` (<= length); positions after it are discarded."""
         assert 0 <= start_position <= self.length
+        if not self.can_start_at(start_position):
+            raise ValueError(f"cannot go back to position {start_position}: the sliding-window cache keeps only "
+                             f"positions from {self._lost} on")
         self.length = start_position
         self._step_start = start_position
 
     def end_step(self, num_new: int) -> None:
         self.length = self._step_start + num_new
+        self._overwritten(self.length)
 
     def abort_step(self) -> None:
+        self._overwritten(self._step_start + 1)  # a failed single-token step may have written its position
         self.length = self._step_start
+
+    def _overwritten(self, end: int) -> None:
+        """Positions up to `end` were written: the rings have dropped those a capacity before."""
+        for k_buf, window in zip(self.keys, self.windows):
+            if window is not None:
+                self._lost = max(self._lost, end - k_buf.shape[2])
 
     # the interface HF attention layers use: returns all keys/values up to the new tokens
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
                ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """key_states, value_states: [batch, kv_heads, new, head_dim] at the step's positions. Returns the keys
+        and values of positions [0, end) in order, or for a ring buffer that has wrapped those of
+        [start - window + 1, end): the last columns of the step's mask (`swarm.modeling.layers.causal_mask`)."""
         start = self._step_start
         end = start + key_states.shape[-2]
-        k_buf, v_buf = self.keys[layer_idx - self.layer_offset], self.values[layer_idx - self.layer_offset]
-        k_buf[:, :, start:end].copy_(key_states)
-        v_buf[:, :, start:end].copy_(value_states)
-        return k_buf[:, :, :end], v_buf[:, :, :end]
+        index = layer_idx - self.layer_offset
+        k_buf, v_buf = self.keys[index], self.values[index]
+        capacity = k_buf.shape[2]
+        if end <= capacity:
+            k_buf[:, :, start:end].copy_(key_states)
+            v_buf[:, :, start:end].copy_(value_states)
+            return k_buf[:, :, :end], v_buf[:, :, :end]
+        window = self.windows[index]
+        assert window is not None  # full-attention buffers hold max_length positions
+        self._overwritten(end)
+        # the cached positions the first new query sees, gathered before the new keys may overwrite their slots
+        old = torch.arange(max(0, start - window + 1), start, device=k_buf.device) % capacity
+        keys = torch.cat([k_buf.index_select(2, old), key_states], dim=2)
+        values = torch.cat([v_buf.index_select(2, old), value_states], dim=2)
+        kept = min(end - start, capacity)  # the new positions the ring keeps: the last `capacity`
+        slots = torch.arange(end - kept, end, device=k_buf.device) % capacity
+        k_buf.index_copy_(2, slots, key_states[:, :, -kept:])
+        v_buf.index_copy_(2, slots, value_states[:, :, -kept:])
+        return keys, values
+
+    def decode_update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+                      ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """A single-token step's update without reordering: key_states, value_states [batch, kv_heads, 1,
+        head_dim]. Returns the keys and values the query attends over and a bool mask [capacity] of the slots it
+        sees, or None when it sees all returned keys (the filled prefix, or its window's end of it)."""
+        index = layer_idx - self.layer_offset
+        k_buf, window, end = self.keys[index], self.windows[index], self._step_start + 1
+        if end <= k_buf.shape[2]:
+            keys, values = self.update(key_states, value_states, layer_idx)
+            if window is not None and end > window:
+                keys, values = keys[:, :, -window:], values[:, :, -window:]
+            return keys, values, None
+        assert window is not None
+        position, capacity = end - 1, k_buf.shape[2]
+        self.keys[index][:, :, position % capacity].copy_(key_states[:, :, 0])
+        self.values[index][:, :, position % capacity].copy_(value_states[:, :, 0])
+        self._overwritten(end)
+        return self.keys[index], self.values[index], ring_window_mask(position, window, capacity, k_buf.device)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
+
+
+def ring_window_mask(position, window: int, capacity: int, device: torch.device) -> torch.Tensor:
+    """Bool [capacity]: the ring's slots whose positions a query at `position` (an int, or a long tensor [1]) sees,
+    Slot s holds the latest position <= `position` that is s modulo capacity (negative: never written yet)."""
+    slots = torch.arange(capacity, device=device)
+    held = position - (position - slots) % capacity
+    return (held > position - window) & (held >= 0)
 
 
 class CacheBudget:

@@ -39,7 +39,8 @@ def attention_backends(device: torch.device):
 
 def sessions_attention(sessions: Sequence[Tuple[int, SessionKV]]) -> Callable:
     """Attention for single-token steps of several sessions whose rows lie one after another: each session's new
-    keys/values go into its cache, its queries attend over its filled prefix.
+    keys/values go into its cache, its queries attend over its filled prefix (for a layer with a sliding window,
+    its last `window` positions: `SessionKV.decode_update`).
     (layer, q [rows, heads, dim], k, v [rows, kv_heads, dim]) -> [rows, heads * dim]"""
     biases: dict = {}  # key length -> an ALiBi layer's bias [1, heads, 1, keys], once for all layers of a step
 
@@ -47,9 +48,17 @@ def sessions_attention(sessions: Sequence[Tuple[int, SessionKV]]) -> Callable:
         outs: List[torch.Tensor] = []
         row = 0
         for size, kv in sessions:
-            # [size, kv_heads, 1, dim] into the cache; attention over the filled prefix
-            keys, values = kv.update(k[row:row + size].unsqueeze(2), v[row:row + size].unsqueeze(2), layer.layer_idx)
+            # [size, kv_heads, 1, dim] into the cache; attention over the filled prefix (or its window)
+            keys, values, mask = kv.decode_update(k[row:row + size].unsqueeze(2), v[row:row + size].unsqueeze(2),
+                                                  layer.layer_idx)
             length = keys.shape[2]
+            if mask is not None:  # a wrapped ring buffer: its slots in the window; a kv head's query heads as "seq"
+                grouped = q[row:row + size].reshape(size, layer.kv_heads, layer.heads // layer.kv_heads, -1)
+                o = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask.view(1, 1, 1, -1),
+                                                   scale=layer.scaling)
+                outs.append(o.reshape(size, -1))
+                row += size
+                continue
             if length not in biases:
                 bias = key_bias(layer, length, q.dtype, q.device)
                 biases[length] = None if bias is None else biased_mask(bias, None, 1)
@@ -84,16 +93,18 @@ def decode_step(layers: Sequence[BlockLayer], x: torch.Tensor, cos: Optional[tor
 
 @torch.inference_mode()
 def prefill_step(layers: Sequence[BlockLayer], x: torch.Tensor, cos: Optional[torch.Tensor],
-                 sin: Optional[torch.Tensor], kv: SessionKV, mask: Optional[torch.Tensor]) -> torch.Tensor:
+                 sin: Optional[torch.Tensor], kv: SessionKV, mask: Optional[torch.Tensor],
+                 window_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Run one session's step of `seq` tokens through `layers`, its `begin_step` called.
 
     x: [batch, seq, hidden]; cos, sin: [batch, seq, head_dim] (None without rotary); mask: the additive causal mask
     [1, 1, seq, prefix + seq], or None when the cache held nothing before this step (SDPA's square causal mask) or
-    the step is one token (it sees every key). Returns [batch, seq, hidden].
+    the step is one token (it sees every key); window_mask: the same with the layers' sliding window
+    (`layers.causal_mask`), for the layers that have one. Returns [batch, seq, hidden].
     """
     # the layer modules' attention (transformers' SDPA path): with a mask it expands the key/value heads rather
     # than asking SDPA for GQA, which CUDA's kernels do not combine with a mask
-    attend = cache_attention(kv, mask)
+    attend = cache_attention(kv, mask, window_mask)
     with attention_backends(x.device):
         for layer in layers:
             x = layer.step(x, cos, sin, attend)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from server.cache import SessionKV
+from server.cache import SessionKV, ring_window_mask
 from swarm.modeling.families import BlockLayer
 
 MAX_SESSIONS = 8  # up to this many sessions in one server batch replay their graphs one after another
@@ -38,13 +38,21 @@ def static_attention(kv: SessionKV, position: torch.Tensor, key_positions: torch
     def attend(layer: BlockLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         rows, heads, dim = q.shape
         index = layer.layer_idx - kv.layer_offset
-        k_buf, v_buf = kv.keys[index], kv.values[index]  # [batch, kv_heads, max_length, dim]
-        k_buf.index_copy_(2, position, k.unsqueeze(2))
-        v_buf.index_copy_(2, position, v.unsqueeze(2))
+        k_buf, v_buf = kv.keys[index], kv.values[index]  # [batch, kv_heads, max_length (or a ring's), dim]
+        capacity, window = k_buf.shape[2], getattr(layer, "sliding_window", None)
+        slot = position if capacity == kv.max_length else position % capacity
+        k_buf.index_copy_(2, slot, k.unsqueeze(2))
+        v_buf.index_copy_(2, slot, v.unsqueeze(2))
         # query heads j*group .. (j+1)*group-1 share key/value head j (as transformers' repeat_kv):
         # [batch, kv_heads, group, dim] against [batch, kv_heads, max_length, dim]
         q = q.reshape(rows, layer.kv_heads, heads // layer.kv_heads, dim)
-        o = F.scaled_dot_product_attention(q, k_buf, v_buf, attn_mask=allowed, scale=layer.scaling)
+        if window is None:
+            mask = allowed
+        elif capacity == kv.max_length:
+            mask = allowed & (key_positions > position - window).view(1, 1, 1, -1)
+        else:  # a ring buffer (`server.cache`): the slots whose positions are in the window
+            mask = ring_window_mask(position, window, capacity, position.device).view(1, 1, 1, -1)
+        o = F.scaled_dot_product_attention(q, k_buf, v_buf, attn_mask=mask, scale=layer.scaling)
         return o.reshape(rows, heads * dim)
 
     return attend
@@ -68,7 +76,7 @@ def static_decode_step(layers: Sequence[BlockLayer], x: torch.Tensor, cos: torch
 def clear_unfilled(kv: SessionKV) -> None:
     """Zero the cache positions no step has written yet: the buffers start uninitialized, and masked-out NaNs
     would still poison attention (0 * NaN). Later steps only ever write finite states."""
-    for k, v in zip(kv.keys, kv.values):
+    for k, v in zip(kv.keys, kv.values):  # a ring buffer filled once over has no unwritten slot left
         k[:, :, kv.length:].zero_()
         v[:, :, kv.length:].zero_()
 

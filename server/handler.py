@@ -118,7 +118,8 @@ class BlockHandler(P.BlockRPC):
                         f"max_length {opened.max_length} exceeds this server's limit {self.max_length}")
                 self._check_adapter(opened.adapter)
                 handle = f"{context.remote_id}/{opened.session_id}/{uuid.uuid4().hex[:8]}"
-                await self.budget.reserve(handle, opened.batch_size * opened.max_length, self.alloc_timeout)
+                await self.budget.reserve(handle, opened.batch_size * self.span.cache_tokens(
+                    opened.max_length, opened.start, opened.end), self.alloc_timeout)
             except OutOfCacheError as e:
                 handle = None
                 yield P.error_response("out_of_cache", str(e))
@@ -166,6 +167,9 @@ class BlockHandler(P.BlockRPC):
                         raise P.ProtocolError(
                             f"start_position {step.start_position} is past the {kv.length} tokens this session holds"
                         )
+                    if not kv.can_start_at(step.start_position):
+                        raise P.ProtocolError(f"start_position {step.start_position} is farther back than this "
+                                              f"session's sliding-window cache holds")
                     if step.start_position + seq > opened.max_length:
                         raise P.ProtocolError(
                             f"positions up to {step.start_position + seq} exceed the session's max_length "

@@ -45,6 +45,7 @@ from server.throughput import get_throughput
 from swarm import __version__
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.disk_cache import parse_size
+from swarm.modeling.families import family_for
 from swarm.modeling.lora import AdapterSource, open_adapter
 from swarm.modeling.quantize import check_quant_support, resolve_quant_type
 from swarm.runtime import malloc
@@ -71,6 +72,7 @@ class Server:
         self.checkpoint = Checkpoint(config.model, cache_dir=config.cache_dir,
                                      max_disk_space=parse_size(config.max_disk_space))
         self.model_config = self.checkpoint.load_config()
+        family_for(self.model_config)  # an unknown model type: one line naming the supported families
         self.num_blocks_total = self.model_config.num_hidden_layers
         self.prefix = config.dht_prefix or dht_prefix_for(config.model)
         self.device = torch.device(config.device)

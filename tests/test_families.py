@@ -51,11 +51,25 @@ def test_tiny_family_through_the_swarm(family, tmp_path, bootstrap):
 
 
 def test_unsupported_family_is_a_clear_error(tmp_path):
-    from transformers import MixtralConfig
+    from transformers import GPT2Config
 
     from swarm.modeling.checkpoint import Checkpoint
-    from swarm.modeling.families import UnsupportedModelError, family_for
+    from swarm.modeling.families import FAMILIES, UnsupportedModelError, family_for
 
-    MixtralConfig(**TINY, num_local_experts=4).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match="mixtral.*supported"):
+    GPT2Config(n_layer=2, n_embd=64, n_head=4).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError) as error:
         family_for(Checkpoint(str(tmp_path)).load_config())
+    message = str(error.value)
+    assert "\n" not in message and "'gpt2' is not supported" in message
+    assert all(repr(name) in message for name in FAMILIES) and "'mixtral'" in message
+
+
+def test_a_server_of_an_unknown_model_type_fails_with_one_line(tmp_path, capsys):
+    from transformers import GPT2Config
+
+    from server.server import main
+
+    GPT2Config(n_layer=2, n_embd=64, n_head=4).save_pretrained(tmp_path)
+    assert main([str(tmp_path), "--initial_peers", "/ip4/127.0.0.1/tcp/1/p2p/QmUnused"]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "'gpt2' is not supported" in lines[0] and "'mixtral'" in lines[0], lines

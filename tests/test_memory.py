@@ -90,15 +90,13 @@ def test_deferred_scipy_optimize_loads_on_first_use():
     assert _run(code) == "_Placeholder 100 module"  # linprog (scipy.optimize) ran
 
 
-def test_a_block_server_needs_no_transformers_model_module(tmp_path):
-    """Config, blocks (with a forward pass) and the client's norm come from swarm.modeling (llama, layers,
-    model_config)."""
-    from transformers import AutoModelForCausalLM
+@pytest.mark.parametrize("family", ["qwen2", "mixtral"])
+def test_a_block_server_needs_no_transformers_model_module(family, tmp_path):
+    """Config, blocks (with a forward pass) and the client's norm come from swarm.modeling (llama or mixtral,
+    layers, model_config)."""
+    from tests.tiny_checkpoints import save_tiny
 
-    from tests.test_families import _configs
-
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(_configs()["qwen2"]).save_pretrained(tmp_path)
+    save_tiny(family, tmp_path, None, vocab_size=512)
     code = (
         "import sys, swarm, torch, server.server\n"
         "from server.blocks import BlockSpan\n"

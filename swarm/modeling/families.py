@@ -3,8 +3,8 @@
 Client and server must agree on how a checkpoint is cut: which tensors belong to block i (the server loads
 those), and which are the embeddings, final norm and LM head (the client loads those). One `FamilySpec` per
 supported `config.model_type` names the family's modeling module and the classes in it. A new family is one
-module plus its tests; `swarm.modeling.llama` serves llama, mistral and qwen2, `swarm.modeling.bloom` BLOOM and
-`swarm.modeling.falcon` Falcon. A family module provides
+module plus its tests; `swarm.modeling.llama` serves llama, mistral and qwen2, `swarm.modeling.mixtral`
+mixtral, `swarm.modeling.bloom` BLOOM and `swarm.modeling.falcon` Falcon. A family module provides
 - its decoder layer class (nn.Modules under transformers' parameter names) with transformers' calling convention
   `layer(hidden, attention_mask, position_ids, past_key_values, position_embeddings=(cos, sin))` (None without
   rotary), a settable `layer_idx`, its rotary embedding class (none for ALiBi-only families) and its norm class
@@ -15,7 +15,7 @@ module plus its tests; `swarm.modeling.llama` serves llama, mistral and qwen2, `
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, Optional, Protocol
 
 import torch
@@ -116,8 +116,8 @@ FAMILIES = {
         _llama_like("qwen2", "Qwen2"),
         _layer_norm_family("bloom", "Bloom", rotary=False, embed_norm=True),  # ALiBi
         _layer_norm_family("falcon", "Falcon", rotary=True, embed_norm=False),  # rotary, or ALiBi with `alibi`
-        # Mixtral is not listed: transformers 5 fuses its experts' tensors at load time (a conversion our
-        # per-block loader does not do yet), so a Mixtral checkpoint gets a clear "not supported" error.
+        # Llama's attention with a mixture of experts; both layouts of the experts' tensors load
+        replace(_llama_like("mixtral", "Mixtral"), module="swarm.modeling.mixtral"),
     )
 }
 

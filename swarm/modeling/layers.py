@@ -1,4 +1,5 @@
-"""Pieces that model families share, in plain torch: RMSNorm, rotary embeddings, ALiBi, SDPA attention, activations.
+"""Pieces that model families share, in plain torch: RMSNorm, rotary embeddings, ALiBi, SDPA attention with
+causal and sliding-window masks, activations.
 
 They compute what transformers' modeling code computes with SDPA attention, op for op, so a family module built
 from them (`swarm.modeling.llama`) gives equal outputs. Why not transformers' classes: in transformers 5
@@ -156,10 +157,46 @@ def biased_mask(bias: torch.Tensor, mask: Optional[torch.Tensor], q_length: int)
     return out.masked_fill(~allowed, torch.finfo(bias.dtype).min)
 
 
-def cache_attention(cache, mask: Optional[torch.Tensor]) -> Callable:
+def sliding_window_of(config, layer_idx: int) -> Optional[int]:
+    """The sliding window of block `layer_idx` as transformers applies it: a query at position p sees the keys at
+    positions p - window + 1 .. p. Mistral and Mixtral: `sliding_window` on every layer; Qwen2: on the layers its
+    `layer_types` name "sliding_attention" (by default those from `max_window_layers` on, when
+    `use_sliding_window`). None: full causal attention."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    if getattr(config, "model_type", None) == "qwen2":
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types:
+            return window if layer_types[layer_idx] == "sliding_attention" else None
+        return window if layer_idx >= getattr(config, "max_window_layers", 0) else None
+    return int(window)
+
+
+def causal_mask(start: int, seq: int, window: Optional[int], dtype: torch.dtype, device: torch.device
+                ) -> Optional[torch.Tensor]:
+    """The additive mask [1, 1, seq, start + seq] of queries at positions start.. over keys 0..start + seq - 1:
+    key <= query, and with a `window` key > query - window. None where SDPA without a mask computes the same: a
+    first step that the window does not cut (SDPA's square causal mask), one query seeing every key."""
+    cut = window is not None and start + seq > window
+    if not cut and (start == 0 or seq == 1):
+        return None
+    queries = torch.arange(start, start + seq, device=device).unsqueeze(1)  # [seq, 1]
+    keys = torch.arange(start + seq, device=device).unsqueeze(0)  # [1, start + seq]
+    allowed = keys <= queries
+    if window is not None:
+        allowed &= keys > queries - window
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def cache_attention(cache, mask: Optional[torch.Tensor], window_mask: Optional[torch.Tensor] = None) -> Callable:
     """The attention of a block step through a cache with transformers' `update(k, v, layer_idx)` (or none): the
     new keys/values join the cache's, then SDPA with `mask` (None: causal over a square, or one query seeing every
-    key; with an ALiBi layer's bias, `biased_mask`). The `attend` callback of a family's `block_step`:
+    key; with an ALiBi layer's bias, `biased_mask`), or for layers with a `sliding_window` the step's `causal_mask`
+    with the window when one is given (a caller that passes each layer its own mask, as transformers'
+    `attention_mask`, leaves `window_mask` None). The `attend` callback of a family's `block_step`:
     (layer, q [batch, seq, heads, head_dim], k, v [batch, seq, kv_heads, head_dim]) -> [batch, seq, heads * head_dim].
     """
     masks: dict = {}  # key length -> the biased mask, computed once for all layers of a step
@@ -168,12 +205,15 @@ def cache_attention(cache, mask: Optional[torch.Tensor]) -> Callable:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [batch, heads, seq, head_dim]
         if cache is not None:
             k, v = cache.update(k, v, layer.layer_idx)  # [batch, kv_heads, cached + seq, head_dim]
-        keys = k.shape[2]
-        if keys not in masks:
-            bias = key_bias(layer, keys, q.dtype, q.device)
-            masks[keys] = mask if bias is None else biased_mask(bias, mask, q.shape[2])
+        layer_mask = window_mask if window_mask is not None and getattr(layer, "sliding_window", None) else mask
+        if layer_mask is not None and layer_mask.shape[-1] > k.shape[2]:
+            layer_mask = layer_mask[..., -k.shape[2]:]  # a sliding-window cache returned only the window's keys
+        step_key = (k.shape[2], layer_mask is window_mask)
+        if step_key not in masks:
+            bias = key_bias(layer, k.shape[2], q.dtype, q.device)
+            masks[step_key] = layer_mask if bias is None else biased_mask(bias, layer_mask, q.shape[2])
         # [batch, seq, heads, dim]
-        out = sdpa_attention(q, k, v, masks[keys], layer.scaling, layer.heads // layer.kv_heads)
+        out = sdpa_attention(q, k, v, masks[step_key], layer.scaling, layer.heads // layer.kv_heads)
         return out.flatten(-2)
 
     return attend

@@ -15,8 +15,8 @@ The callers differ only in the attention they pass: through a cache (`layers.cac
 batch, or over a whole preallocated cache for CUDA graphs. Both kinds have `step(x, cos, sin, attend)`.
 
 The families differ only in which projections carry biases: llama per `attention_bias` / `mlp_bias`, mistral
-none, qwen2 on q, k and v. Sliding windows (mistral, qwen2) are the caller's attention mask, as with
-transformers' SDPA path.
+none, qwen2 on q, k and v. A layer's `sliding_window` (mistral, qwen2's windowed layers: `layers.sliding_window_of`)
+is what the caller's attention applies: a mask (`layers.causal_mask`) or the last window's keys in a decode step.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm.modeling.layers import RMSNorm, RotaryEmbedding, activation, apply_rotary, cache_attention
+from swarm.modeling.layers import RMSNorm, RotaryEmbedding, activation, apply_rotary, cache_attention, sliding_window_of
 from swarm.modeling.shape import ModelShape
 
 # attend(layer, q [..., heads, head_dim], k [..., kv_heads, head_dim], v [..., kv_heads, head_dim])
@@ -35,17 +35,25 @@ from swarm.modeling.shape import ModelShape
 Attend = Callable[..., torch.Tensor]
 
 
-def block_step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
-    """One decoder block on x: [..., hidden], tokens on the leading dims ([batch, seq] or [rows]).
+def attention_residual(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+    """The block's first half, x + attention: [..., hidden] -> [..., hidden] (also Mixtral's, `swarm.modeling.mixtral`).
 
-    cos, sin: [..., head_dim], the rotary angles of each token's position. Returns [..., hidden].
+    cos, sin: [..., head_dim], the rotary angles of each token's position.
     """
     heads, kv_heads = layer.heads, layer.kv_heads
     qkv = layer.qkv(layer.input_norm(x))  # [..., heads + 2 * kv_heads, head_dim]
     # rotary on q and k together: [..., heads + kv_heads, head_dim]
     qk = apply_rotary(qkv[..., :heads + kv_heads, :], cos.unsqueeze(-2), sin.unsqueeze(-2))
     o = attend(layer, qk[..., :heads, :], qk[..., heads:, :], qkv[..., heads + kv_heads:, :])  # [..., heads * dim]
-    x = layer.add_o_proj(x, o)  # x + o_proj(o): [..., hidden]
+    return layer.add_o_proj(x, o)  # x + o_proj(o): [..., hidden]
+
+
+def block_step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+    """One decoder block on x: [..., hidden], tokens on the leading dims ([batch, seq] or [rows]).
+
+    cos, sin: [..., head_dim], the rotary angles of each token's position. Returns [..., hidden].
+    """
+    x = attention_residual(layer, x, cos, sin, attend)
     gate, up = layer.gate_up(layer.post_norm(x))  # [..., intermediate] each
     # in place: a 1024-token prefill chunk would otherwise hold a third [rows, intermediate] buffer
     return layer.add_down(x, layer.act(gate).mul_(up))  # x + down_proj(act(gate) * up): [..., hidden]
@@ -89,6 +97,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(shape, mlp_bias)
         self.input_layernorm = RMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
+        self.sliding_window = sliding_window_of(config, layer_idx)  # None: full causal attention
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,
@@ -174,6 +183,7 @@ class FusedLayer:
     head_dim: int
     scaling: float
     layer_idx: int
+    sliding_window: Optional[int] = None  # keys a query sees (itself included); None: all before it
 
     step = block_step  # layer.step(x, cos, sin, attend)
 
@@ -235,5 +245,5 @@ def fuse_layer(layer: DecoderLayer) -> FusedLayer:
         gate_up_bias=_share((mlp.gate_proj, mlp.up_proj), "bias"),
         down_weight_t=mlp.down_proj.weight.t(), down_bias=mlp.down_proj.bias, act=mlp.act_fn,
         heads=layer.heads, kv_heads=layer.kv_heads, head_dim=layer.head_dim, scaling=layer.scaling,
-        layer_idx=layer.layer_idx,
+        layer_idx=layer.layer_idx, sliding_window=layer.sliding_window,
     )

@@ -20,7 +20,8 @@ from typing import Any, Dict
 
 from swarm.modeling.shape import head_dim_of
 
-# defaults of transformers' LlamaConfig, MistralConfig and Qwen2Config for the keys a checkpoint may leave out
+# defaults of transformers' LlamaConfig, MistralConfig, Qwen2Config and MixtralConfig for the keys a checkpoint
+# may leave out
 _COMMON: Dict[str, Any] = dict(vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                                hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False, use_cache=True,
                                attention_dropout=0.0, initializer_range=0.02, pad_token_id=None, head_dim=None)
@@ -32,6 +33,10 @@ FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
     "qwen2": {**_COMMON, "vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32,
               "max_position_embeddings": 32768, "bos_token_id": None, "eos_token_id": None,
               "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28},
+    "mixtral": {**_COMMON, "intermediate_size": 14336, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32,
+                "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2, "sliding_window": None,
+                "num_experts_per_tok": 2, "num_local_experts": 8, "router_jitter_noise": 0.0,
+                "output_router_logits": False, "router_aux_loss_coef": 0.001},
 }
 _LAYER_NORM: Dict[str, Any] = dict(vocab_size=32000, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
                                    layer_norm_epsilon=1e-5, initializer_range=0.02, use_cache=True, pad_token_id=None,
@@ -46,6 +51,7 @@ FAMILY_DEFAULTS.update({
                "activation": "gelu"},
 })
 _ALIASES = (("n_embed", "hidden_size"), ("n_layer", "num_hidden_layers"), ("n_head", "num_attention_heads"))
+_DEFAULT_THETA = {"mixtral": 1e6}  # the family classes' `default_theta` where it is not the base class's 10000
 _ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta")
 
 
@@ -78,7 +84,8 @@ def model_config(data: Dict[str, Any]):
         _falcon_sizes(config)
     # as the family classes do: rope_scaling (legacy) or rope_parameters, with rope_theta (default 10000) inside
     parameters = dict(rope["rope_scaling"] or rope["rope_parameters"] or {})
-    parameters.setdefault("rope_theta", rope["rope_theta"] if rope["rope_theta"] is not None else config.default_theta)
+    default_theta = _DEFAULT_THETA.get(str(family), config.default_theta)
+    parameters.setdefault("rope_theta", rope["rope_theta"] if rope["rope_theta"] is not None else default_theta)
     config.rope_parameters = parameters
     config.standardize_rope_params()
     return config

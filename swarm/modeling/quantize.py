@@ -142,6 +142,7 @@ class QuantizedLayer(nn.Module):
         self.quant_type = quant_type
         self.heads, self.kv_heads, self.head_dim = fused.heads, fused.kv_heads, fused.head_dim
         self.scaling, self.layer_idx, self.eps = fused.scaling, fused.layer_idx, fused.eps
+        self.sliding_window = fused.sliding_window
         self.input_norm_weight = nn.Parameter(fused.input_norm_weight.detach().to(device, dtype), requires_grad=False)
         self.post_norm_weight = nn.Parameter(fused.post_norm_weight.detach().to(device, dtype), requires_grad=False)
         self.qkv_proj = quantized_linear(fused.qkv_weight, fused.qkv_bias, quant_type, dtype, device)
@@ -190,10 +191,13 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 def quantize_layer(fused, quant_type: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """The quantized block on `device` from a fused float block (which the caller then drops): a
-    `QuantizedLayer` for the Llama family's `FusedLayer`, else the family's layer (its own `BlockLayer`: BLOOM,
-    Falcon) with its linear modules quantized (`quantize_linears`)."""
+    `QuantizedLayer` for the Llama family's `FusedLayer`, the fused layer's own `quantize` where it has one
+    (Mixtral's experts), else the family's layer (its own `BlockLayer`: BLOOM, Falcon) with its linear modules
+    quantized (`quantize_linears`)."""
     if isinstance(fused, FusedLayer):
         return QuantizedLayer(fused, quant_type, dtype, device)
+    if hasattr(fused, "quantize"):
+        return fused.quantize(quant_type, dtype, device)
     return quantize_linears(fused, quant_type, dtype, device)
 
 

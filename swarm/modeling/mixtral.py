@@ -1,0 +1,299 @@
+"""The Mixtral family's decoder block: Llama's attention, then a sparse mixture of experts in place of the MLP.
+
+The block is `moe_block_step`: `llama.attention_residual` (input RMSNorm, q/k/v, rotary, the caller's attention,
+output projection + residual; grouped-query attention and the config's sliding window as for Mistral), then the
+post-attention RMSNorm and `sparse_moe` + residual. `sparse_moe` routes each token on its own (the router's
+softmax in float32, the top `num_experts_per_tok` of `num_local_experts`, their weights renormalized to sum to
+1) and runs every expert once on the tokens routed to it: `w2(act(w1(h)) * w3(h))` scaled by the token's weight
+and added at its row. Rows of a batched decode step (different sessions) thus each get their own experts. This is
+transformers' `MixtralSparseMoeBlock` with its eager experts, op for op (tests/test_family_mixtral.py compares).
+
+Two kinds of layer object, as in `swarm.modeling.llama`:
+- `MixtralDecoderLayer`: nn.Modules under the hub checkpoints' names (`block_sparse_moe.gate`,
+  `block_sparse_moe.experts.{e}.w1/w2/w3`), so `server.memory` counts each expert's linear weights. Its
+  `load_state_dict` also takes the fused layout of transformers 5's modules (`mlp.gate.weight`,
+  `mlp.experts.gate_up_proj` [experts, 2 * intermediate, hidden], `mlp.experts.down_proj` [experts, hidden,
+  intermediate]), as a state dict of `MixtralForCausalLM` has it (transformers 5.23's `save_pretrained` writes the
+  hub names back); each expert's weights become views of those tensors.
+- `FusedMoeLayer` (`fuse_layer`): q/k/v in one matrix (`llama.FusedLayer`'s attention methods), the experts'
+  gate/up stacked in one [experts, 2 * intermediate, hidden] tensor and down in one [experts, hidden,
+  intermediate]; the module's parameters become views into them. The server's prefill and batched decode
+  (`server.decode`) run it. Routing is data-dependent (a host sync per block to count each expert's tokens), so
+  it is not `capturable` in a CUDA graph (`server.blocks.BlockSpan.enable_cuda_graphs` declines).
+- `QuantizedMoeLayer` (`--quant_type int8 / nf4`): the fused layer's projections as bitsandbytes modules, one per
+  expert for gate/up and one for down; router and norms in float.
+Written here in plain torch rather than imported from transformers' modeling_mixtral, which would cost every
+server and client about 135 MB of resident imports (measured: importing it after torch and the config
+module), while this module adds none measurable (`swarm.modeling.layers`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from swarm.modeling.layers import RMSNorm, RotaryEmbedding, activation, cache_attention, sliding_window_of
+from swarm.modeling.llama import Attend, Attention, DecoderLayer, FusedLayer, _share, attention_residual
+from swarm.modeling.quantize import NF4_BLOCKSIZE, QuantizedLayer, quantized_linear
+from swarm.modeling.shape import ModelShape
+
+
+def sparse_moe(layer, h: torch.Tensor) -> torch.Tensor:
+    """The experts' output for h: [..., hidden] (tokens on the leading dims), each token through its top-k experts.
+
+    `layer` provides `router(h [tokens, hidden]) -> [tokens, experts]`, `expert(e, h [n, hidden]) -> [n, hidden]`,
+    `num_experts` and `top_k`. Returns [..., hidden].
+    """
+    flat = h.reshape(-1, h.shape[-1])  # [tokens, hidden]
+    probs = F.softmax(layer.router(flat).float(), dim=-1)  # [tokens, experts], float32 as transformers
+    weights, chosen = torch.topk(probs, layer.top_k, dim=-1)  # [tokens, top_k]
+    weights /= weights.sum(dim=-1, keepdim=True)
+    out = torch.zeros_like(flat)
+    # the (token, slot) assignments grouped by expert: one host sync for the counts
+    flat_chosen = chosen.reshape(-1)  # [tokens * top_k]
+    order = torch.argsort(flat_chosen, stable=True)
+    counts = torch.bincount(flat_chosen, minlength=layer.num_experts).tolist()
+    flat_weights = weights.reshape(-1)
+    begin = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        assignments = order[begin:begin + count]
+        begin += count
+        tokens = assignments // layer.top_k  # [count]
+        y = layer.expert(expert, flat[tokens]) * flat_weights[assignments, None]  # [count, hidden]
+        out.index_add_(0, tokens, y.to(out.dtype))
+    return out.view(h.shape)
+
+
+def moe_block_step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+    """One Mixtral block on x: [..., hidden] (cos, sin: [..., head_dim]), as `llama.block_step`. -> [..., hidden]"""
+    x = attention_residual(layer, x, cos, sin, attend)
+    return x + sparse_moe(layer, layer.post_norm(x))
+
+
+class Expert(nn.Module):
+    """One expert's gated MLP under the hub names: w1 (gate), w3 (up), w2 (down)."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, intermediate, bias=False)
+        self.w2 = nn.Linear(intermediate, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, intermediate, bias=False)
+
+
+class SparseMoe(nn.Module):
+    def __init__(self, config, shape: ModelShape):
+        super().__init__()
+        self.num_experts, self.top_k = int(config.num_local_experts), int(config.num_experts_per_tok)
+        self.gate = nn.Linear(shape.hidden_size, self.num_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(Expert(shape.hidden_size, shape.intermediate_size)
+                                     for _ in range(self.num_experts))
+        self.act_fn = activation(shape.hidden_act)
+
+
+def from_fused_layout(state: Dict[str, torch.Tensor], num_experts: int) -> Dict[str, torch.Tensor]:
+    """A block's state dict with transformers 5's fused expert tensors renamed to the hub's per-expert names (as
+    views); a state dict in the hub layout is returned as it is."""
+    if "mlp.experts.gate_up_proj" not in state and "mlp.gate.weight" not in state:
+        return state
+    state = dict(state)
+    gate_up, down = state.pop("mlp.experts.gate_up_proj", None), state.pop("mlp.experts.down_proj", None)
+    if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3 or len(gate_up) != num_experts \
+            or len(down) != num_experts or gate_up.shape[1] % 2 or gate_up.shape[1] // 2 != down.shape[2]:
+        raise ValueError(f"fused Mixtral experts need mlp.experts.gate_up_proj [{num_experts}, 2 * intermediate, "
+                         f"hidden] and mlp.experts.down_proj [{num_experts}, hidden, intermediate]; got "
+                         f"{None if gate_up is None else list(gate_up.shape)} and "
+                         f"{None if down is None else list(down.shape)}")
+    intermediate = down.shape[2]
+    if "mlp.gate.weight" in state:
+        state["block_sparse_moe.gate.weight"] = state.pop("mlp.gate.weight")
+    for e in range(num_experts):
+        state[f"block_sparse_moe.experts.{e}.w1.weight"] = gate_up[e, :intermediate]
+        state[f"block_sparse_moe.experts.{e}.w3.weight"] = gate_up[e, intermediate:]
+        state[f"block_sparse_moe.experts.{e}.w2.weight"] = down[e]
+    return state
+
+
+class MixtralDecoderLayer(nn.Module):
+    """`layer(hidden, attention_mask, position_ids, past_key_values, use_cache, position_embeddings)` -> hidden."""
+
+    step = moe_block_step  # layer.step(x, cos, sin, attend)
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        shape = ModelShape.from_config(config)
+        self.hidden_size = shape.hidden_size
+        self.heads, self.kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        self.scaling = shape.scaling
+        self.self_attn = Attention(shape, layer_idx, qkv_bias=False, o_bias=False)
+        self.block_sparse_moe = SparseMoe(config, shape)
+        self.num_experts, self.top_k = self.block_sparse_moe.num_experts, self.block_sparse_moe.top_k
+        self.input_layernorm = RMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
+        self.sliding_window = sliding_window_of(config, layer_idx)  # None: full causal attention
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Either layout of the experts' tensors (`from_fused_layout`)."""
+        return super().load_state_dict(from_fused_layout(dict(state_dict), self.num_experts), strict=strict,
+                                       assign=assign)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,
+                position_embeddings=None, **kwargs) -> torch.Tensor:
+        """hidden_states: [batch, seq, hidden]; position_embeddings: (cos, sin) [batch, seq, head_dim]."""
+        cos, sin = position_embeddings
+        return moe_block_step(self, hidden_states, cos, sin, cache_attention(past_key_values, attention_mask))
+
+    # what the block step reads: the attention as Llama's layer module, the experts one by one
+    @property
+    def layer_idx(self) -> int:
+        return self.self_attn.layer_idx
+
+    @layer_idx.setter
+    def layer_idx(self, value: int) -> None:
+        self.self_attn.layer_idx = value
+
+    input_norm = DecoderLayer.input_norm
+    post_norm = DecoderLayer.post_norm
+    qkv = DecoderLayer.qkv
+    add_o_proj = DecoderLayer.add_o_proj
+
+    def router(self, h: torch.Tensor) -> torch.Tensor:
+        return self.block_sparse_moe.gate(h)
+
+    def expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        expert = cast(Expert, self.block_sparse_moe.experts[e])
+        return expert.w2(self.block_sparse_moe.act_fn(expert.w1(h)) * expert.w3(h))
+
+
+# the shared pieces under the family's names (`swarm.modeling.families`)
+MixtralRMSNorm = RMSNorm
+MixtralRotaryEmbedding = RotaryEmbedding
+
+
+@dataclass(eq=False)
+class FusedMoeLayer:
+    """One Mixtral block's weights for the server's steps (views shared with the layer module)."""
+    input_norm_weight: torch.Tensor  # [hidden]
+    post_norm_weight: torch.Tensor  # [hidden]
+    eps: float
+    qkv_weight: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    o_weight_t: torch.Tensor  # [heads * head_dim, hidden] (transposed view, for addmm)
+    router_weight: torch.Tensor  # [experts, hidden]
+    gate_up_weight: torch.Tensor  # [experts, 2 * intermediate, hidden]: each expert's w1 rows, then its w3 rows
+    down_weight: torch.Tensor  # [experts, hidden, intermediate]
+    act: nn.Module
+    num_experts: int
+    top_k: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    layer_idx: int
+    sliding_window: Optional[int] = None
+    qkv_bias: Optional[torch.Tensor] = None  # Mixtral has none (FusedLayer's methods read them)
+    o_bias: Optional[torch.Tensor] = None
+
+    step = moe_block_step  # layer.step(x, cos, sin, attend)
+    capturable = False  # data-dependent routing: no CUDA graphs
+
+    def quantize(self, quant_type: str, dtype: torch.dtype, device: torch.device) -> "QuantizedMoeLayer":
+        """`swarm.modeling.quantize.quantize_layer` for this family."""
+        return QuantizedMoeLayer(self, quant_type, dtype, device)
+
+    input_norm = FusedLayer.input_norm
+    post_norm = FusedLayer.post_norm
+    qkv = FusedLayer.qkv
+    add_o_proj = FusedLayer.add_o_proj
+
+    def router(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.router_weight)
+
+    def expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        """h: [n, hidden] -> [n, hidden], as transformers' fused `MixtralExperts` (gate and up in one matmul)."""
+        gate, up = F.linear(h, self.gate_up_weight[e]).chunk(2, dim=-1)
+        return F.linear(self.act(gate).mul_(up), self.down_weight[e])
+
+
+def _stack_experts(experts: nn.ModuleList, names: tuple) -> torch.Tensor:
+    """Stack each expert's `names` weights (concatenated along rows) into [experts, rows, in]; afterwards the
+    experts' parameters are views of the result."""
+    stacked = torch.stack([torch.cat([getattr(expert, name).weight.detach() for name in names]) for expert in experts])
+    for e, expert in enumerate(experts):
+        row = 0
+        for name in names:
+            linear = getattr(expert, name)
+            rows = linear.weight.shape[0]
+            linear.weight = nn.Parameter(stacked[e, row:row + rows], requires_grad=False)
+            row += rows
+    return stacked
+
+
+def fuse_layer(layer: MixtralDecoderLayer) -> FusedMoeLayer:
+    """The fused view of a loaded layer; afterwards its q/k/v and experts' parameters are views into it."""
+    attn, moe = layer.self_attn, layer.block_sparse_moe
+    qkv_weight = _share((attn.q_proj, attn.k_proj, attn.v_proj), "weight")
+    assert qkv_weight is not None  # weights, unlike biases, always exist
+    return FusedMoeLayer(
+        input_norm_weight=layer.input_layernorm.weight, post_norm_weight=layer.post_attention_layernorm.weight,
+        eps=layer.input_layernorm.variance_epsilon, qkv_weight=qkv_weight, o_weight_t=attn.o_proj.weight.t(),
+        router_weight=moe.gate.weight, gate_up_weight=_stack_experts(moe.experts, ("w1", "w3")),
+        down_weight=_stack_experts(moe.experts, ("w2",)), act=moe.act_fn, num_experts=moe.num_experts,
+        top_k=moe.top_k, heads=layer.heads, kv_heads=layer.kv_heads, head_dim=layer.head_dim,
+        scaling=layer.scaling, layer_idx=layer.layer_idx, sliding_window=layer.sliding_window,
+    )
+
+
+class QuantizedMoeLayer(nn.Module):
+    """One Mixtral block with int8 / nf4 projections (`swarm.modeling.quantize`): q/k/v in one quantized module, o,
+    and per expert its gate/up rows in one and its down projection in one; the router and the norms stay in float
+    (the router is tiny, and its top-k choice is what quantization noise should not flip). `FusedMoeLayer`'s
+    methods for `moe_block_step`, `MixtralDecoderLayer`'s `forward`."""
+
+    step = moe_block_step
+    capturable = False
+
+    def __init__(self, fused: FusedMoeLayer, quant_type: str, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        num_experts, two_intermediate, hidden = fused.gate_up_weight.shape
+        if quant_type == "nf4" and (hidden % NF4_BLOCKSIZE or (two_intermediate // 2) % NF4_BLOCKSIZE):
+            raise ValueError(f"nf4 needs hidden ({hidden}) and intermediate ({two_intermediate // 2}) sizes divisible "
+                             f"by {NF4_BLOCKSIZE}")
+        self.quant_type = quant_type
+        self.heads, self.kv_heads, self.head_dim = fused.heads, fused.kv_heads, fused.head_dim
+        self.scaling, self.layer_idx, self.eps = fused.scaling, fused.layer_idx, fused.eps
+        self.sliding_window, self.num_experts, self.top_k = fused.sliding_window, num_experts, fused.top_k
+        self.input_norm_weight = nn.Parameter(fused.input_norm_weight.detach().to(device, dtype), requires_grad=False)
+        self.post_norm_weight = nn.Parameter(fused.post_norm_weight.detach().to(device, dtype), requires_grad=False)
+        self.router_weight = nn.Parameter(fused.router_weight.detach().to(device, dtype), requires_grad=False)
+        self.qkv_proj = quantized_linear(fused.qkv_weight, None, quant_type, dtype, device)
+        self.o_proj = quantized_linear(fused.o_weight_t.t(), None, quant_type, dtype, device)
+        self.gate_up_projs = nn.ModuleList(quantized_linear(fused.gate_up_weight[e], None, quant_type, dtype, device)
+                                           for e in range(num_experts))
+        self.down_projs = nn.ModuleList(quantized_linear(fused.down_weight[e], None, quant_type, dtype, device)
+                                        for e in range(num_experts))
+        self.act = fused.act
+        self.eval()
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,
+                position_embeddings=None, **kwargs) -> torch.Tensor:
+        """`MixtralDecoderLayer.forward`'s call: [batch, seq, hidden] -> [batch, seq, hidden]."""
+        cos, sin = position_embeddings
+        return moe_block_step(self, hidden_states, cos, sin, cache_attention(past_key_values, attention_mask))
+
+    input_norm = QuantizedLayer.input_norm
+    post_norm = QuantizedLayer.post_norm
+    qkv = QuantizedLayer.qkv
+    add_o_proj = QuantizedLayer.add_o_proj
+
+    def router(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.router_weight)
+
+    def expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_projs[e](h).to(h.dtype).chunk(2, dim=-1)
+        return self.down_projs[e](self.act(gate).mul_(up)).to(h.dtype)
