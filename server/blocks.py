@@ -159,14 +159,15 @@ class BlockSpan(nn.Module):
         """
         x = torch.cat([h.to(self.device, self.dtype).reshape(-1, self.hidden_size) for h, _, _ in items])
         sizes = [h.shape[0] for h, _, _ in items]
-        position_ids = torch.cat([torch.full((b, 1), pos, device=self.device) for b, (_, pos, _) in zip(sizes, items)])
+        position_ids = torch.cat([kv.position_ids(pos, 1) for _, pos, kv in items])  # [rows, 1]
         assert self.rotary is not None  # fused families have rotary embeddings
         cos, sin = self.rotary(x, position_ids)  # [rows, 1, head_dim]
         for _, pos, kv in items:
             kv.begin_step(pos)
         layers = self.fused[first - self.start:last - self.start]
         try:
-            if self.graphs is not None and len(items) <= self.graphs.max_sessions:
+            if self.graphs is not None and len(items) <= self.graphs.max_sessions and \
+                    all(kv.padding is None for _, _, kv in items):
                 # each session replays its captured step (one launch each): cheaper than the eager batch's
                 # hundreds of kernel launches until the batch is large enough for the weights' reads to dominate
                 parts, row = [], 0
@@ -196,7 +197,10 @@ class BlockSpan(nn.Module):
         positions = torch.arange(start_position, start_position + seq, device=self.device)
         position_ids = positions.unsqueeze(0).expand(batch, -1)
         mask = None
-        if seq > 1 and start_position > 0:
+        if kv is not None and kv.padding is not None:  # a left-padded batch: per-row positions and key mask
+            position_ids = kv.position_ids(start_position, seq)
+            mask = kv.key_mask(start_position, seq, self.dtype)  # [batch, 1, seq, start_position + seq]
+        elif seq > 1 and start_position > 0:
             # queries at positions p..p+seq attend to keys 0..p+seq with key <= query: [1, 1, seq, p+seq]
             keys = torch.arange(start_position + seq, device=self.device)
             allowed = keys.unsqueeze(0) <= positions.unsqueeze(1)

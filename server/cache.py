@@ -4,7 +4,10 @@ A session reserves `batch_size * max_length` cache tokens when it opens (waiting
 budget is full, else `OutOfCacheError`) and releases them when it closes. Its `SessionKV` holds, per block,
 key/value buffers `[batch, kv_heads, max_length, head_dim]` allocated once: a step writes its new positions in
 place and attention reads a view of the filled prefix, so no step reallocates. Rewinding (a client resending
-from an earlier position) only moves the fill mark.
+from an earlier position) only moves the fill mark. Beam search reorders the rows of the filled prefix in place
+(`reorder`, by the beams' parent ids). A left-padded batch keeps each row's count of leading padding positions
+(`padding`): those keys are never attended (`key_mask`), and each row's positions count from its first real
+token (`position_ids`), as transformers computes `position_ids` from an attention mask.
 """
 from __future__ import annotations
 
@@ -30,6 +33,45 @@ class SessionKV:
         self.layer_offset = layer_offset  # layer_idx of the first block this session uses
         self.length = 0  # positions filled (valid for all layers after a complete step)
         self._step_start = 0
+        self.padding: Optional[torch.Tensor] = None  # [batch] long: leading padding positions per row, or none
+
+    # ---- rows: padding and beam reordering ------------------------------------------------------------------
+    def set_padding(self, padding: Optional[List[int]]) -> None:
+        """Each row's leading padding positions (set by a step at position 0); None or all zeros: no padding."""
+        if padding is None or not any(padding):
+            self.padding = None
+        else:
+            self.padding = torch.tensor(padding, dtype=torch.long, device=self.keys[0].device)
+
+    @torch.inference_mode()
+    def reorder(self, hypo_ids: torch.Tensor, length: int) -> None:
+        """Row i of positions [0, length) becomes what row hypo_ids[i] held, in every layer (beam search)."""
+        hypo_ids = hypo_ids.to(self.keys[0].device)
+        for buf in self.keys + self.values:
+            buf[:, :, :length].copy_(buf[:, :, :length].index_select(0, hypo_ids))
+        if self.padding is not None:
+            self.padding = self.padding.index_select(0, hypo_ids)
+
+    def position_ids(self, start: int, seq: int) -> torch.Tensor:
+        """[batch, seq] rotary positions of the absolute positions start..start+seq: shifted by each row's padding
+        (padding positions get 0, as transformers' `cumsum(mask) - 1` masked with 0)."""
+        positions = torch.arange(start, start + seq, device=self.keys[0].device)
+        if self.padding is None:
+            return positions.unsqueeze(0).expand(self.batch_size, -1)
+        return (positions.unsqueeze(0) - self.padding.unsqueeze(1)).clamp_(min=0)
+
+    def key_mask(self, start: int, seq: int, dtype: torch.dtype) -> torch.Tensor:
+        """The additive mask [batch, 1, seq, start + seq] of queries start.. over keys 0..: causal, padding keys
+        hidden (a padding position sees itself only, so that no row of the softmax is empty)."""
+        device = self.keys[0].device
+        queries = torch.arange(start, start + seq, device=device)
+        keys = torch.arange(start + seq, device=device)
+        allowed = (keys.unsqueeze(0) <= queries.unsqueeze(1)).unsqueeze(0)  # [1, seq, keys]
+        if self.padding is not None:
+            real = keys.unsqueeze(0) >= self.padding.unsqueeze(1)  # [batch, keys]
+            allowed = allowed & (real.unsqueeze(1) | (keys.unsqueeze(0) == queries.unsqueeze(1)).unsqueeze(0))
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+        return mask.masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
 
     def begin_step(self, start_position: int) -> None:
         """Start writing at `start_position` (<= length); positions after it are discarded."""

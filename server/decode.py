@@ -47,13 +47,29 @@ def sessions_attention(sessions: Sequence[Tuple[int, SessionKV]]) -> Callable:
         for size, kv in sessions:
             # [size, kv_heads, 1, dim] into the cache; attention over the filled prefix
             keys, values = kv.update(k[row:row + size].unsqueeze(2), v[row:row + size].unsqueeze(2), layer.layer_idx)
-            outs.append(F.scaled_dot_product_attention(q[row:row + size].unsqueeze(2), keys, values,
-                                                       scale=layer.scaling, enable_gqa=layer.heads != layer.kv_heads))
+            if kv.padding is not None:  # a left-padded session: its padding keys hidden
+                outs.append(_padded_attention(layer, q[row:row + size], keys, values, kv))
+            else:
+                outs.append(F.scaled_dot_product_attention(q[row:row + size].unsqueeze(2), keys, values,
+                                                           scale=layer.scaling,
+                                                           enable_gqa=layer.heads != layer.kv_heads))
             row += size
         o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)  # [rows, heads, 1, dim]
         return o.reshape(q.shape[0], -1)
 
     return attend
+
+
+def _padded_attention(layer: BlockLayer, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv: SessionKV
+                      ) -> torch.Tensor:
+    """One query per row over a left-padded session's cache: q [size, heads, dim], keys/values [size, kv_heads,
+    length, dim] -> [size, heads, 1, dim]. The query heads are grouped per key/value head (no mask with GQA in
+    CUDA's kernels); the mask [size, 1, 1, length] hides each row's padding."""
+    size, length = q.shape[0], keys.shape[2]
+    mask = kv.key_mask(length - 1, 1, q.dtype)  # [size, 1, 1, length]
+    grouped = q.reshape(size, layer.kv_heads, layer.heads // layer.kv_heads, q.shape[-1])
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=layer.scaling)
+    return out.reshape(size, layer.heads, 1, q.shape[-1])
 
 
 @torch.inference_mode()
