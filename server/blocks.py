@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 from torch import nn
 
-from server.cache import SessionKV
+from server.cache import SessionKV, padded_key_mask
 from server.decode import attention_backends, decode_step, prefill_step
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec, family_for
@@ -188,8 +188,11 @@ class BlockSpan(nn.Module):
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, start_position: int = 0, kv: Optional[SessionKV] = None,
-                first: Optional[int] = None, last: Optional[int] = None) -> torch.Tensor:
-        """hidden: [batch, seq, hidden] for positions start_position.. ; runs blocks [first, last) of the model."""
+                first: Optional[int] = None, last: Optional[int] = None,
+                padding: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """hidden: [batch, seq, hidden] for positions start_position.. ; runs blocks [first, last) of the model.
+        `padding` [batch] (a pass without a cache): each row's leading padding keys are hidden, the positions
+        left as they are (transformers' forward with an attention mask and no position ids)."""
         first = self.start if first is None else first
         last = self.end if last is None else last
         hidden = hidden.to(self.device, self.dtype)
@@ -200,6 +203,8 @@ class BlockSpan(nn.Module):
         if kv is not None and kv.padding is not None:  # a left-padded batch: per-row positions and key mask
             position_ids = kv.position_ids(start_position, seq)
             mask = kv.key_mask(start_position, seq, self.dtype)  # [batch, 1, seq, start_position + seq]
+        elif padding is not None:
+            mask = padded_key_mask(padding.to(self.device), start_position, seq, self.dtype, self.device)
         elif seq > 1 and start_position > 0:
             # queries at positions p..p+seq attend to keys 0..p+seq with key <= query: [1, 1, seq, p+seq]
             keys = torch.arange(start_position + seq, device=self.device)

@@ -53,26 +53,14 @@ class SessionKV:
             self.padding = self.padding.index_select(0, hypo_ids)
 
     def position_ids(self, start: int, seq: int) -> torch.Tensor:
-        """[batch, seq] rotary positions of the absolute positions start..start+seq: shifted by each row's padding
-        (padding positions get 0, as transformers' `cumsum(mask) - 1` masked with 0)."""
-        positions = torch.arange(start, start + seq, device=self.keys[0].device)
-        if self.padding is None:
-            return positions.unsqueeze(0).expand(self.batch_size, -1)
-        return (positions.unsqueeze(0) - self.padding.unsqueeze(1)).clamp_(min=0)
+        """[batch, seq] rotary positions of the absolute positions start..start+seq (`padded_positions`)."""
+        return padded_positions(self.padding, start, seq, self.batch_size, self.keys[0].device)
 
     def key_mask(self, start: int, seq: int, dtype: torch.dtype) -> torch.Tensor:
-        """The additive mask [batch, 1, seq, start + seq] of queries start.. over keys 0..: causal, padding keys
-        hidden (a padding position sees itself only, so that no row of the softmax is empty)."""
-        device = self.keys[0].device
-        queries = torch.arange(start, start + seq, device=device)
-        keys = torch.arange(start + seq, device=device)
-        allowed = (keys.unsqueeze(0) <= queries.unsqueeze(1)).unsqueeze(0)  # [1, seq, keys]
-        if self.padding is not None:
-            real = keys.unsqueeze(0) >= self.padding.unsqueeze(1)  # [batch, keys]
-            allowed = allowed & (real.unsqueeze(1) | (keys.unsqueeze(0) == queries.unsqueeze(1)).unsqueeze(0))
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-        return mask.masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
+        """[batch, 1, seq, start + seq] additive mask of this step's queries (`padded_key_mask`)."""
+        return padded_key_mask(self.padding, start, seq, dtype, self.keys[0].device)
 
+    # ---- steps ----------------------------------------------------------------------------------------------
     def begin_step(self, start_position: int) -> None:
         """Start writing at `start_position` (<= length); positions after it are discarded."""
         assert 0 <= start_position <= self.length
@@ -145,3 +133,27 @@ class CacheBudget:
         async with cond:
             self.used_tokens -= self._sessions.pop(handle, 0)
             cond.notify_all()
+
+
+def padded_positions(padding: Optional[torch.Tensor], start: int, seq: int, batch: int, device: torch.device
+                     ) -> torch.Tensor:
+    """[batch, seq] rotary positions of the absolute positions start..start+seq, shifted by each row's padding
+    [batch] (padding positions get 0, as transformers' `cumsum(mask) - 1` masked with 0)."""
+    positions = torch.arange(start, start + seq, device=device)
+    if padding is None:
+        return positions.unsqueeze(0).expand(batch, -1)
+    return (positions.unsqueeze(0) - padding.unsqueeze(1)).clamp_(min=0)
+
+
+def padded_key_mask(padding: Optional[torch.Tensor], start: int, seq: int, dtype: torch.dtype,
+                    device: torch.device) -> torch.Tensor:
+    """The additive mask [batch or 1, 1, seq, start + seq] of queries start.. over keys 0..: causal, each row's
+    leading `padding` keys hidden (a padding position sees itself only, so that no row of the softmax is empty)."""
+    queries = torch.arange(start, start + seq, device=device)
+    keys = torch.arange(start + seq, device=device)
+    allowed = (keys.unsqueeze(0) <= queries.unsqueeze(1)).unsqueeze(0)  # [1, seq, keys]
+    if padding is not None:
+        real = keys.unsqueeze(0) >= padding.unsqueeze(1)  # [batch, keys]
+        allowed = allowed & (real.unsqueeze(1) | (keys.unsqueeze(0) == queries.unsqueeze(1)).unsqueeze(0))
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)

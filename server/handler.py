@@ -273,11 +273,16 @@ class BlockHandler(P.BlockRPC):
             hidden = self._hidden_from(request)
             if hidden.shape[1] > self.max_length:
                 raise P.ProtocolError(f"sequence of {hidden.shape[1]} exceeds this server's limit {self.max_length}")
+            padding = message.left_padding
+            if padding is not None and (len(padding) != hidden.shape[0] or max(padding) >= hidden.shape[1]):
+                raise P.ProtocolError(f"left_padding must have one entry per row ({hidden.shape[0]}), each below "
+                                      f"the sequence length {hidden.shape[1]}")
         except P.ProtocolError as e:
             return P.error_response("bad_request", str(e))
         try:
             output = await self.pool.submit(
-                PRIORITY_FORWARD, self.span.forward, hidden, 0, None, message.start, message.end
+                PRIORITY_FORWARD, self.span.forward, hidden, 0, None, message.start, message.end,
+                None if padding is None else torch.tensor(padding)
             )
         except Exception as e:
             logger.exception("forward failed")

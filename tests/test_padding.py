@@ -101,3 +101,15 @@ def test_row_helpers():
     reuse, parents = held_prefix(held, torch.tensor([[1, 2, 4, 0], [1, 2, 4, 0], [1, 2, 3, 0]]))
     assert (reuse, parents) == (3, [1, 1, 0])
     assert held_prefix(held, torch.tensor([[1, 2, 3, 0], [7, 7, 7, 7], [1, 9, 9, 9]])) == (0, None)
+
+
+def test_forward_on_a_padded_batch_equals_transformers(model, batch, reference_model):
+    """`model(input_ids, attention_mask)` (no cache): the padding keys are hidden, positions as transformers'
+    forward leaves them; the logits of every real position equal transformers'."""
+    ours = model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    with torch.no_grad():
+        ref = reference_model(**batch).logits
+        unmasked = reference_model(batch["input_ids"]).logits
+    real = batch["attention_mask"].bool()
+    assert (ours[real] - ref[real]).abs().max().item() < 1e-3
+    assert (ours[real] - unmasked[real]).abs().max().item() > 1e-1  # the mask matters: the test can fail

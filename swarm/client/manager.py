@@ -155,8 +155,10 @@ class SwarmManager:
     def server_info(self, peer_id: str) -> P.ServerStats:
         return aio.run(self.info(peer_id), timeout=self.config.request_timeout + 5)
 
-    async def forward(self, hop: RouteHop, hidden: "torch.Tensor") -> "torch.Tensor":
-        request = P.make_request(P.ForwardRequest(start=hop.start, end=hop.end), [hidden])
+    async def forward(self, hop: RouteHop, hidden: "torch.Tensor",
+                      left_padding: Optional[List[int]] = None) -> "torch.Tensor":
+        """hidden [batch, seq, hidden] through the hop's blocks (no cache); `left_padding`: keys never attended."""
+        request = P.make_request(P.ForwardRequest(start=hop.start, end=hop.end, left_padding=left_padding), [hidden])
         response = await self.stub(hop.peer_id).rpc_forward(request, timeout=self.config.request_timeout)
         _, tensors = P.unpack_reply(response, hop.peer_id, forward=True)
         return tensors[0]

@@ -265,11 +265,13 @@ class DistributedModelForCausalLM(nn.Module):
         self.manager.mark_ok(peer_id)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> CausalLMOutput:
-        """Logits for every position of `input_ids` [batch, seq] through the swarm (no cache)."""
-        _reject_padding(attention_mask)
+        """Logits for every position of `input_ids` [batch, seq] through the swarm (no cache). `attention_mask`
+        (left padding): padding keys are never attended; positions are not shifted, as in transformers' forward
+        without `position_ids`."""
+        padding = left_padding(attention_mask, input_ids)
         pool = client_pool()
         hidden = pool.call(PRIORITY_FORWARD, self.embed, input_ids)
-        hidden = aio.run(self._forward_chain(hidden))
+        hidden = aio.run(self._forward_chain(hidden, padding))
         normed = pool.call(PRIORITY_FORWARD, torch.no_grad()(lambda: self.norm(hidden.to(self.device, self.dtype))))
         logits = pool.call(PRIORITY_FORWARD, torch.no_grad()(lambda: self.lm_head(normed).float().cpu()))
         return CausalLMOutput(logits=logits, hidden_states=normed.cpu())
@@ -296,7 +298,7 @@ class DistributedModelForCausalLM(nn.Module):
 
         return client_pool().call(PRIORITY_FORWARD, score)
 
-    async def _forward_chain(self, hidden: torch.Tensor) -> torch.Tensor:
+    async def _forward_chain(self, hidden: torch.Tensor, padding: Optional[List[int]] = None) -> torch.Tensor:
         import asyncio
 
         last_error: Optional[BaseException] = None
@@ -305,7 +307,7 @@ class DistributedModelForCausalLM(nn.Module):
             x = hidden
             try:
                 for hop in hops:
-                    x = await self.manager.forward(hop, x)
+                    x = await self.manager.forward(hop, x, padding)
                 return x
             except Exception as e:  # a failed server: ban it and route again
                 last_error = e
@@ -422,12 +424,6 @@ def _try(pick, logits: torch.Tensor):
         return pick(logits)
     except Exception as e:
         return e
-
-
-def _reject_padding(attention_mask: Optional[torch.Tensor]) -> None:
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise NotImplementedError("forward() takes no padded batches (generate() does): send sequences of equal "
-                                  "length")
 
 
 class AutoDistributedModelForCausalLM:

@@ -152,6 +152,10 @@ class ForwardRequest(Message):
     type: Literal["forward"] = "forward"
     start: int = Field(ge=0)
     end: int = Field(gt=0)
+    left_padding: Optional[List[Annotated[int, Field(ge=0)]]] = Field(
+        default=None, max_length=MAX_BATCH,
+        description="each row's count of leading padding positions, never attended (length = batch, each below "
+                    "the sequence length); positions are not shifted, as transformers' forward without position ids")
 
 
 class ForwardResult(Message):
