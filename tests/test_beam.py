@@ -12,6 +12,7 @@ from transformers.generation.logits_process import LogitsProcessor, LogitsProces
 
 from swarm import AutoDistributedModelForCausalLM
 from swarm.client.manager import ClientConfig, SwarmManager
+from swarm.client.model import DistributedModelForCausalLM
 from swarm.launch.topology import start_servers
 from swarm.runtime import aio
 from swarm.wire import protocol as P
@@ -37,6 +38,43 @@ def model(swarms, model_path):
 @pytest.fixture(scope="module")
 def batch(tokenizer):
     return tokenizer(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
+
+
+# ---- the beam-search loop alone: the local reference model through a stand-in session (fast, no processes) -------
+class _RecomputingSession:
+    """Recomputes every row from scratch each feed (no cache, so `hypo_ids` need no reorder), with transformers'
+    positions for left padding: what the swarm's sessions must be equivalent to."""
+
+    def __init__(self, model):
+        self.model, self.hypo_calls = model, []
+
+    def feed(self, ids, hypo_ids=None, left_padding=None):
+        self.hypo_calls.append(hypo_ids)
+        mask = torch.ones_like(ids)
+        for row, pad in enumerate(left_padding or []):
+            mask[row, :pad] = 0
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        return self.model(ids, attention_mask=mask, position_ids=positions).logits[:, -1]
+
+    def close(self):
+        pass
+
+
+def test_the_beam_loop_equals_transformers_beam_search(reference_model, batch):
+    local = DistributedModelForCausalLM.__new__(DistributedModelForCausalLM)
+    torch.nn.Module.__init__(local)
+    local.generation_config = reference_model.generation_config
+    session = _RecomputingSession(reference_model)
+    local.inference_session = lambda max_length: session
+    settings = dict(max_new_tokens=5, num_beams=3, num_return_sequences=2, do_sample=True, top_k=20)
+    torch.manual_seed(11)
+    ours = local.generate(**batch, **settings)
+    torch.manual_seed(11)
+    assert ours.tolist() == reference_model.generate(**batch, **settings).tolist()
+    rows = len(PROMPTS) * 3
+    assert session.hypo_calls[0] is None and all(len(h) == rows for h in session.hypo_calls[1:])
+    with pytest.raises(ValueError, match="streamer"):
+        local.generate(**batch, max_new_tokens=2, num_beams=2, streamer=object())
 
 
 BEAM_CASES = [

@@ -113,3 +113,27 @@ def test_forward_on_a_padded_batch_equals_transformers(model, batch, reference_m
     real = batch["attention_mask"].bool()
     assert (ours[real] - ref[real]).abs().max().item() < 1e-3
     assert (ours[real] - unmasked[real]).abs().max().item() > 1e-1  # the mask matters: the test can fail
+
+
+def test_session_cache_rows_reorder_and_padding():
+    """`SessionKV` alone: a reorder moves every layer's rows of the kept positions (and their padding); padded
+    rows' positions count from their first real token and their padding keys are hidden."""
+    from server.cache import SessionKV, padded_key_mask
+
+    kv = SessionKV(2, 3, 1, 2, 6, torch.float32, torch.device("cpu"))
+    for layer in range(2):
+        kv.keys[layer].copy_(torch.arange(3.0).view(3, 1, 1, 1).expand(3, 1, 6, 2) + 10 * layer)
+        kv.values[layer].copy_(kv.keys[layer])
+    kv.set_padding([0, 2, 1])
+    kv.reorder(torch.tensor([1, 1, 0]), length=4)
+    assert kv.keys[1][:, 0, :4, 0].tolist() == [[11.0] * 4, [11.0] * 4, [10.0] * 4]
+    assert kv.keys[1][:, 0, 4:, 0].tolist() == [[10.0] * 2, [11.0] * 2, [12.0] * 2]  # past `length`: untouched
+    assert kv.padding is not None and kv.padding.tolist() == [2, 2, 0]
+    assert kv.position_ids(1, 3).tolist() == [[0, 0, 1], [0, 0, 1], [1, 2, 3]]
+    hidden = kv.key_mask(3, 1, torch.float32)[:, 0, 0] < 0  # [rows, keys]: which keys a step at 3 cannot see
+    assert hidden.tolist() == [[True, True, False, False], [True, True, False, False], [False] * 4]
+    # a padding query sees itself only (no empty softmax row); without padding the mask is causal
+    assert (padded_key_mask(torch.tensor([2]), 0, 3, torch.float32, torch.device("cpu"))[0, 0] < 0).tolist() == [
+        [False, True, True], [True, False, True], [True, True, False]]
+    kv.set_padding([0, 0, 0])
+    assert kv.padding is None and kv.position_ids(2, 2).tolist() == [[2, 3]] * 3
