@@ -174,14 +174,14 @@ class BlockHandler(P.BlockRPC):
                     yield P.error_response("bad_request", str(e))
                     continue
                 try:
-                    if step.start_position == 0:
-                        kv.set_padding(step.left_padding)
                     if step.hypo_ids is not None and (step.reorder_id == 0 or step.reorder_id != last_reorder_id):
                         # beam search: the kept positions' rows follow their beams (once per reorder id: a step
                         # retried after a failover may reach a server that already applied it)
                         await self.pool.submit(PRIORITY_DECODE, kv.reorder, torch.tensor(step.hypo_ids),
                                                step.start_position)
                         last_reorder_id = step.reorder_id
+                    if step.start_position == 0:  # the rows start afresh: their padding is this step's
+                        kv.set_padding(step.left_padding)
                     output = await self._compute(hidden, step.start_position, kv, opened.start, opened.end)
                 except Exception as e:
                     logger.exception("inference step failed")

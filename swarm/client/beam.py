@@ -46,6 +46,8 @@ def beam_search(session: BeamSession, input_ids: torch.Tensor, left_padding: Opt
     Returns [batch * num_return_sequences, prompt + generated] ids, or the `GenerateBeamDecoderOnlyOutput`."""
     do_sample, early_stopping, length_penalty = config.do_sample, config.early_stopping, config.length_penalty
     max_length, num_beams, num_return_sequences = config.max_length, config.num_beams, config.num_return_sequences
+    if config.low_memory:
+        raise ValueError("`low_memory=True` is not supported by beam search (transformers 5 dropped it too)")
     as_dict = bool(config.return_dict_in_generate)
     want_scores, want_logits = as_dict and bool(config.output_scores), as_dict and bool(config.output_logits)
     batch_size, cur_len = input_ids.shape

@@ -309,8 +309,8 @@ class InferenceSession:
         padding = _check_rows("left_padding", left_padding, batch, self.max_length)
         if padding is not None and self.position != 0:
             raise ValueError("left_padding is only accepted on a step at position 0")
-        if hypo is not None and hypo == list(range(batch)):
-            hypo = None  # the identity: nothing to reorder
+        if hypo is not None and (hypo == list(range(batch)) or self.position == 0):
+            hypo = None  # the identity, or nothing held: nothing to reorder
         outputs = []
         chunk = self._chunk_len(hidden)
         for offset in range(0, seq, chunk):
