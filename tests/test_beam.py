@@ -13,6 +13,7 @@ from transformers.generation.logits_process import LogitsProcessor, LogitsProces
 from swarm import AutoDistributedModelForCausalLM
 from swarm.client.manager import ClientConfig, SwarmManager
 from swarm.client.model import DistributedModelForCausalLM
+from swarm.client.rows import held_prefix
 from swarm.launch.topology import start_servers
 from swarm.runtime import aio
 from swarm.wire import protocol as P
@@ -123,15 +124,16 @@ def test_beam_search_across_the_turns_of_one_session(model, tokenizer, reference
         assert first.tolist() == reference_model.generate(first_ids, max_new_tokens=new, num_beams=beams).tolist()
         turn = tokenizer([" And of Italy?"], return_tensors="pt", add_special_tokens=False)["input_ids"]
         second_ids = torch.cat([first, turn], dim=1)
+        # what the session's rows keep of the second turn's beams, its held rows matched to them
+        kept, _ = held_prefix(session.token_ids, second_ids.repeat_interleave(beams, dim=0))
         sent = []  # the sequence length of each step the session sends in the second turn
         step = session.session.step
         session.session.step = lambda hidden, **kw: (sent.append(hidden.shape[1]), step(hidden, **kw))[1]
         second = model.generate(second_ids, session=session, max_new_tokens=new, num_beams=beams)
     ref = reference_model.generate(second_ids, max_new_tokens=new, num_beams=beams)
     assert second.tolist() == ref.tolist()
-    # the first turn's prompt is never sent again: at most the part of the answer the best beam does not share
-    # with the beams the session held, and the new turn
-    assert sent[0] < second_ids.shape[1] - first_ids.shape[1]
+    # only what the held beams do not share with the best one goes out again: never the first turn's prompt
+    assert kept > first_ids.shape[1] and sent[0] == second_ids.shape[1] - kept
 
 
 class _KillAfter(LogitsProcessor):
