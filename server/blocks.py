@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence
 import torch
 from torch import nn
 
-from server.cache import SessionKV, cache_tokens
+from server.cache import SessionKV, cache_tokens, padded_key_mask
 from server.decode import attention_backends, decode_step, prefill_step
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec, family_for
@@ -215,7 +215,7 @@ class BlockSpan(nn.Module):
     def _forward_batch(self, items: list, first: int, last: int) -> list:
         x = torch.cat([h.to(self.device, self.dtype).reshape(-1, self.hidden_size) for h, _, _ in items])
         sizes = [h.shape[0] for h, _, _ in items]
-        position_ids = torch.cat([torch.full((b, 1), pos, device=self.device) for b, (_, pos, _) in zip(sizes, items)])
+        position_ids = torch.cat([kv.position_ids(pos, 1) for _, pos, kv in items])  # [rows, 1]
         cos = sin = None  # without rotary (ALiBi: the attention's bias carries the positions)
         if self.rotary is not None:
             cos, sin = (t[:, 0] for t in self.rotary(x, position_ids))  # [rows, head_dim]
@@ -230,7 +230,8 @@ class BlockSpan(nn.Module):
         if groups:
             layers = adapt_layers(layers, _merge_groups(groups), first)
         try:
-            if self.graphs is not None and not groups and len(items) <= self.graphs.max_sessions:
+            if self.graphs is not None and not groups and len(items) <= self.graphs.max_sessions and \
+                    all(kv.padding is None for _, _, kv in items):
                 # each session replays its captured step (one launch each): cheaper than the eager batch's
                 # hundreds of kernel launches until the batch is large enough for the weights' reads to dominate
                 parts, row = [], 0
@@ -252,10 +253,12 @@ class BlockSpan(nn.Module):
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, start_position: int = 0, kv: Optional[SessionKV] = None,
-                first: Optional[int] = None, last: Optional[int] = None, adapter: Optional[str] = None
-                ) -> torch.Tensor:
+                first: Optional[int] = None, last: Optional[int] = None, adapter: Optional[str] = None,
+                padding: Optional[torch.Tensor] = None) -> torch.Tensor:
         """hidden: [batch, seq, hidden] for positions start_position.. ; runs blocks [first, last) of the model.
-        With a LoRA adapter: `kv.adapter`, or `adapter` for a pass without a cache."""
+        With a LoRA adapter: `kv.adapter`, or `adapter` for a pass without a cache. `padding` [batch] (a pass
+        without a cache): each row's leading padding keys are hidden, the positions left as they are
+        (transformers' forward with an attention mask and no position ids)."""
         first = self.start if first is None else first
         last = self.end if last is None else last
         adapter = kv.adapter if kv is not None else adapter
@@ -269,6 +272,15 @@ class BlockSpan(nn.Module):
         # [1, 1, seq, p+seq], or None where SDPA's own causal mask (or none, for one query) gives the same
         mask = causal_mask(start_position, seq, None, self.dtype, self.device)
         window_mask = causal_mask(start_position, seq, self.sliding_window, self.dtype, self.device)
+        row_padding = kv.padding if kv is not None else padding
+        if row_padding is not None:  # a left-padded batch: each row's padding keys hidden
+            if self.alibi:
+                raise ValueError("left-padded batches are not supported on ALiBi blocks (BLOOM, Falcon with alibi)")
+            if kv is not None:
+                position_ids = kv.position_ids(start_position, seq)  # positions count from each row's first token
+            mask = padded_key_mask(row_padding.to(self.device), start_position, seq, self.dtype, self.device)
+            # [batch, 1, seq, p+seq]; the window's cut too where one applies
+            window_mask = mask if window_mask is None else torch.minimum(mask, window_mask)
         position_embeddings = self.rotary(hidden, position_ids) if self.rotary is not None else None
         if kv is not None:
             kv.begin_step(start_position)

@@ -12,6 +12,11 @@ longer than that holds what its window still needs plus one window of slack for 
 (`cache_tokens`). A multi-token step gets its keys in position order (`update`: the cached part gathered, the new
 keys appended); a single-token step may attend over the ring as it lies with a mask of the slots in its window
 (`decode_update`). A rewind farther back than the ring still holds is refused (`can_start_at`).
+
+Beam search reorders the rows of the filled prefix in place
+(`reorder`, by the beams' parent ids). A left-padded batch keeps each row's count of leading padding positions
+(`padding`): those keys are never attended (`key_mask`), and each row's positions count from its first real
+token (`position_ids`), as transformers computes `position_ids` from an attention mask.
 """
 from __future__ import annotations
 
@@ -59,12 +64,44 @@ class SessionKV:
         self.adapter: Optional[str] = None  # the session's LoRA adapter (`BlockSpan.adapters`), None: the base
         self._step_start = 0
         self._lost = 0  # positions before this are overwritten in some ring buffer
+        self.padding: Optional[torch.Tensor] = None  # [batch] long: leading padding positions per row, or none
 
     def can_start_at(self, start_position: int) -> bool:
         """Whether a step may start at `start_position` (<= length): every ring still holds the positions its
         window needs before it."""
         return all(window is None or max(0, start_position - window + 1) >= self._lost for window in self.windows)
 
+    @property
+    def step_start(self) -> int:
+        """The position of the running step's first token (`begin_step`)."""
+        return self._step_start
+
+    # ---- rows: padding and beam reordering ------------------------------------------------------------------
+    def set_padding(self, padding: Optional[List[int]]) -> None:
+        """Each row's leading padding positions (set by a step at position 0); None or all zeros: no padding."""
+        if padding is None or not any(padding):
+            self.padding = None
+        else:
+            self.padding = torch.tensor(padding, dtype=torch.long, device=self.keys[0].device)
+
+    @torch.inference_mode()
+    def reorder(self, hypo_ids: torch.Tensor, length: int) -> None:
+        """Row i of positions [0, length) becomes what row hypo_ids[i] held, in every layer (beam search)."""
+        hypo_ids = hypo_ids.to(self.keys[0].device)
+        for buf in self.keys + self.values:
+            buf[:, :, :length].copy_(buf[:, :, :length].index_select(0, hypo_ids))
+        if self.padding is not None:
+            self.padding = self.padding.index_select(0, hypo_ids)
+
+    def position_ids(self, start: int, seq: int) -> torch.Tensor:
+        """[batch, seq] rotary positions of the absolute positions start..start+seq (`padded_positions`)."""
+        return padded_positions(self.padding, start, seq, self.batch_size, self.keys[0].device)
+
+    def key_mask(self, start: int, seq: int, dtype: torch.dtype) -> torch.Tensor:
+        """[batch, 1, seq, start + seq] additive mask of this step's queries (`padded_key_mask`)."""
+        return padded_key_mask(self.padding, start, seq, dtype, self.keys[0].device)
+
+    # ---- steps ----------------------------------------------------------------------------------------------
     def begin_step(self, start_position: int) -> None:
         """Start writing at `start_position` (<= length); positions after it are discarded."""
         assert 0 <= start_position <= self.length
@@ -193,3 +230,27 @@ class CacheBudget:
         async with cond:
             self.used_tokens -= self._sessions.pop(handle, 0)
             cond.notify_all()
+
+
+def padded_positions(padding: Optional[torch.Tensor], start: int, seq: int, batch: int, device: torch.device
+                     ) -> torch.Tensor:
+    """[batch, seq] rotary positions of the absolute positions start..start+seq, shifted by each row's padding
+    [batch] (padding positions get 0, as transformers' `cumsum(mask) - 1` masked with 0)."""
+    positions = torch.arange(start, start + seq, device=device)
+    if padding is None:
+        return positions.unsqueeze(0).expand(batch, -1)
+    return (positions.unsqueeze(0) - padding.unsqueeze(1)).clamp_(min=0)
+
+
+def padded_key_mask(padding: Optional[torch.Tensor], start: int, seq: int, dtype: torch.dtype,
+                    device: torch.device) -> torch.Tensor:
+    """The additive mask [batch or 1, 1, seq, start + seq] of queries start.. over keys 0..: causal, each row's
+    leading `padding` keys hidden (a padding position sees itself only, so that no row of the softmax is empty)."""
+    queries = torch.arange(start, start + seq, device=device)
+    keys = torch.arange(start + seq, device=device)
+    allowed = (keys.unsqueeze(0) <= queries.unsqueeze(1)).unsqueeze(0)  # [1, seq, keys]
+    if padding is not None:
+        real = keys.unsqueeze(0) >= padding.unsqueeze(1)  # [batch, keys]
+        allowed = allowed & (real.unsqueeze(1) | (keys.unsqueeze(0) == queries.unsqueeze(1)).unsqueeze(0))
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)

@@ -52,6 +52,10 @@ def sessions_attention(sessions: Sequence[Tuple[int, SessionKV]]) -> Callable:
             keys, values, mask = kv.decode_update(k[row:row + size].unsqueeze(2), v[row:row + size].unsqueeze(2),
                                                   layer.layer_idx)
             length = keys.shape[2]
+            if kv.padding is not None:  # a left-padded session: its padding keys hidden
+                outs.append(_padded_attention(layer, q[row:row + size], keys, values, kv, mask))
+                row += size
+                continue
             if mask is not None:  # a wrapped ring buffer: its slots in the window; a kv head's query heads as "seq"
                 grouped = q[row:row + size].reshape(size, layer.kv_heads, layer.heads // layer.kv_heads, -1)
                 o = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask.view(1, 1, 1, -1),
@@ -73,6 +77,29 @@ def sessions_attention(sessions: Sequence[Tuple[int, SessionKV]]) -> Callable:
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)  # [rows, heads * dim]
 
     return attend
+
+
+def _padded_attention(layer: BlockLayer, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv: SessionKV,
+                      ring: Optional[torch.Tensor]) -> torch.Tensor:
+    """One query per row over a left-padded session's cache: q [size, heads, dim], keys/values [size, kv_heads,
+    length, dim] as `SessionKV.decode_update` returned them (the prefix's last keys in order, or a wrapped ring
+    whose visible slots are `ring` [length]) -> [size, heads * dim]. The query heads are grouped per key/value head
+    (no mask with GQA in CUDA's kernels); the mask [size, 1, 1, length] hides each row's padding keys."""
+    size, length = q.shape[0], keys.shape[2]
+    assert kv.padding is not None
+    position = kv.step_start  # this step's query position
+    slots = torch.arange(length, device=q.device)
+    if ring is None:  # the last `length` positions, in order
+        held = slots + (position + 1 - length)
+    else:  # slot s holds the latest position <= `position` that is s modulo the ring's capacity
+        held = position - (position - slots) % length
+    allowed = (held.unsqueeze(0) >= kv.padding.unsqueeze(1)) | (held == position).unsqueeze(0)  # [size, length]
+    if ring is not None:
+        allowed &= ring.unsqueeze(0)
+    mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, torch.finfo(q.dtype).min)
+    grouped = q.reshape(size, layer.kv_heads, layer.heads // layer.kv_heads, q.shape[-1])
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask[:, None, None, :], scale=layer.scaling)
+    return out.reshape(size, -1)
 
 
 @torch.inference_mode()

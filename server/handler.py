@@ -1,7 +1,8 @@
 """The RPC handlers of a block server: inference streams, forward passes and the info call.
 
 Every request is validated before any tensor work (message schema and version, block range, tensor dtype and
-shape, positions against the session's cache and `max_length`, finite values). A bad step gets an
+shape, positions against the session's cache and `max_length`, finite values, beam parent ids and padding against
+the session's rows). A bad step gets an
 `ErrorReply` on its own stream and leaves the session as it was; other sessions and the server go on. A
 session's cache is reserved when its stream opens and released when the stream ends for any reason.
 """
@@ -141,6 +142,7 @@ class BlockHandler(P.BlockRPC):
             pump = asyncio.ensure_future(_pump(requests, inputs))
             yield P.make_response(P.StepResult(position=0))  # the session is open
             last_step_id = -1
+            last_reorder_id = 0  # the last `Step.reorder_id` applied to this session's cache rows
             while True:
                 try:
                     item = await asyncio.wait_for(inputs.get(), timeout=self.step_timeout)
@@ -154,7 +156,7 @@ class BlockHandler(P.BlockRPC):
                     if source == "push":
                         pushed = P.decode(request.metadata, P.PushStep)
                         step = P.Step(start_position=pushed.start_position, step_id=pushed.step_id,
-                                      push_chain=pushed.push_chain)
+                                      push_chain=pushed.push_chain, **pushed.row_edits())
                     else:
                         step = P.decode(request.metadata, P.Step)
                     if step.step_id and step.step_id <= last_step_id:
@@ -175,6 +177,7 @@ class BlockHandler(P.BlockRPC):
                             f"positions up to {step.start_position + seq} exceed the session's max_length "
                             f"{opened.max_length}"
                         )
+                    P.check_row_edits(step, batch, opened.max_length)
                 except P.ProtocolError as e:
                     if source == "push":
                         logger.warning(f"dropping a malformed push for {key}: {e}")
@@ -182,6 +185,14 @@ class BlockHandler(P.BlockRPC):
                     yield P.error_response("bad_request", str(e))
                     continue
                 try:
+                    if step.hypo_ids is not None and (step.reorder_id == 0 or step.reorder_id != last_reorder_id):
+                        # beam search: the kept positions' rows follow their beams (once per reorder id: a step
+                        # retried after a failover may reach a server that already applied it)
+                        await self.pool.submit(PRIORITY_DECODE, kv.reorder, torch.tensor(step.hypo_ids),
+                                               step.start_position)
+                        last_reorder_id = step.reorder_id
+                    if step.start_position == 0:  # the rows start afresh: their padding is this step's
+                        kv.set_padding(step.left_padding)
                     output = await self._compute(hidden, step.start_position, kv, opened.start, opened.end)
                 except Exception as e:
                     logger.exception("inference step failed")
@@ -193,7 +204,7 @@ class BlockHandler(P.BlockRPC):
                 self.counters.steps_from_push += source == "push"
                 # push first (the next server starts at once), then the copy the client keeps for failover
                 was_pushed = bool(step.push_chain) and self.pusher is not None and self.pusher.push(
-                    step.push_chain, step.start_position, step.step_id, output)
+                    step.push_chain, step.start_position, step.step_id, output, step.row_edits())
                 self.counters.pushes_sent += was_pushed
                 if was_pushed:
                     # let the other sessions of this batch (resumed in the same loop turn) push theirs before any
@@ -274,11 +285,16 @@ class BlockHandler(P.BlockRPC):
             hidden = self._hidden_from(request)
             if hidden.shape[1] > self.max_length:
                 raise P.ProtocolError(f"sequence of {hidden.shape[1]} exceeds this server's limit {self.max_length}")
+            padding = message.left_padding
+            if padding is not None and (len(padding) != hidden.shape[0] or max(padding) >= hidden.shape[1]):
+                raise P.ProtocolError(f"left_padding must have one entry per row ({hidden.shape[0]}), each below "
+                                      f"the sequence length {hidden.shape[1]}")
         except P.ProtocolError as e:
             return P.error_response("bad_request", str(e))
         try:
             output = await self.pool.submit(
-                PRIORITY_FORWARD, self.span.forward, hidden, 0, None, message.start, message.end, message.adapter
+                PRIORITY_FORWARD, self.span.forward, hidden, 0, None, message.start, message.end, message.adapter,
+                None if padding is None else torch.tensor(padding)
             )
         except Exception as e:
             logger.exception("forward failed")

@@ -77,8 +77,10 @@ class PushSender:
         finally:
             channel.alive = False
 
-    def push(self, chain: list, start_position: int, step_id: int, output: torch.Tensor) -> bool:
-        """Queue the output for chain[0] (telling it the rest of the chain); False if no live stream took it."""
+    def push(self, chain: list, start_position: int, step_id: int, output: torch.Tensor,
+             row_edits: Optional[dict] = None) -> bool:
+        """Queue the output for chain[0] (telling it the rest of the chain and the step's row edits: beam parents,
+        padding, `P.RowEdits`); False if no live stream took it."""
         if self.closed:
             return False  # the span is no longer served here; the client's copy of the step goes on
         target = chain[0]
@@ -92,7 +94,7 @@ class PushSender:
         if not channel.alive:
             return False
         message = P.PushStep(stream_key=target.stream_key, start_position=start_position, step_id=step_id,
-                             push_chain=list(chain[1:]))
+                             push_chain=list(chain[1:]), **(row_edits or {}))
         channel.queue.put_nowait(P.make_request(message, [output]))
         return True
 

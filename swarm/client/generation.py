@@ -206,12 +206,14 @@ class MinNewTokensProcessor(MinNewTokensLengthLogitsProcessor):
         return scores.index_fill(-1, eos, -math.inf)
 
 
-def build_processors(params: SamplingParams, prompt_len: int = 0,
-                     custom: Optional[Sequence[LogitsProcessor]] = None) -> LogitsProcessorList:
+def build_processors(params: SamplingParams, prompt_len: int = 0, custom: Optional[Sequence[LogitsProcessor]] = None,
+                     min_tokens_to_keep: int = 1) -> LogitsProcessorList:
     """The processors for `params`, in the order they apply (transformers' order in `generate`, the OpenAI
     penalties after its repetition penalty); `prompt_len`: where the generated tokens start. `custom`: a user's
     `logits_processor` list, merged as transformers does: one replaces the processor of its type built here, the
-    others follow the processors and precede the sampling warpers."""
+    others follow the processors and precede the sampling warpers. `min_tokens_to_keep`: the warpers' (beam
+    sampling keeps one more than there are end-of-sequence ids, as transformers)."""
+    keep = min_tokens_to_keep
     eos = params.eos_token_id
     processors = LogitsProcessorList()
     if params.min_new_tokens and eos is not None:
@@ -255,17 +257,17 @@ def build_processors(params: SamplingParams, prompt_len: int = 0,
         if params.top_h is not None:
             processors.append(TopHLogitsWarper(top_h=params.top_h))
         if params.top_k:
-            processors.append(TopKLogitsWarper(top_k=params.top_k, min_tokens_to_keep=1))
+            processors.append(TopKLogitsWarper(top_k=params.top_k, min_tokens_to_keep=keep))
         if params.top_p < 1.0:
-            processors.append(TopPLogitsWarper(top_p=params.top_p, min_tokens_to_keep=1))
+            processors.append(TopPLogitsWarper(top_p=params.top_p, min_tokens_to_keep=keep))
         if params.min_p > 0:
-            processors.append(MinPLogitsWarper(min_p=params.min_p, min_tokens_to_keep=1))
+            processors.append(MinPLogitsWarper(min_p=params.min_p, min_tokens_to_keep=keep))
         if params.typical_p < 1.0:
-            processors.append(TypicalLogitsWarper(mass=params.typical_p, min_tokens_to_keep=1))
+            processors.append(TypicalLogitsWarper(mass=params.typical_p, min_tokens_to_keep=keep))
         if 0.0 < params.epsilon_cutoff < 1.0:
-            processors.append(EpsilonLogitsWarper(epsilon=params.epsilon_cutoff, min_tokens_to_keep=1))
+            processors.append(EpsilonLogitsWarper(epsilon=params.epsilon_cutoff, min_tokens_to_keep=keep))
         if 0.0 < params.eta_cutoff < 1.0:
-            processors.append(EtaLogitsWarper(epsilon=params.eta_cutoff, min_tokens_to_keep=1))
+            processors.append(EtaLogitsWarper(epsilon=params.eta_cutoff, min_tokens_to_keep=keep))
     if params.renormalize_logits:
         processors.append(LogitNormalization())  # always the last, as in transformers
     return processors

@@ -8,13 +8,14 @@ blocks run on the swarm (other keyword arguments are `ClientConfig` settings, e.
 `ModelSession` that remembers which tokens the servers' caches hold, so `model.generate(..., session=s)` across
 several calls (a multi-turn chat) sends only new tokens, rewinding the servers when the new input diverges from
 what they hold. Generation uses Hugging Face `GenerationConfig` and picks tokens through `swarm.client.generation` (the
-gateway's path too: Hugging Face logits processors, greedy or sampling) and accepts a `streamer`.
+gateway's path too: Hugging Face logits processors, greedy or sampling) and accepts a `streamer`; `num_beams > 1`
+runs transformers' beam search with the servers' caches reordered in place (`swarm.client.beam`). Batches of
+prompts of different lengths are left-padded with an `attention_mask` (`swarm.client.rows`).
 The model implements `swarm.client.api.ClientModel` (route check, coverage, bans, sessions) for the gateway.
 LoRA adapters: `active_adapter`, or one per session (`swarm.client.adapters`).
 """
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 from dataclasses import dataclass
@@ -24,15 +25,18 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 from transformers.generation.logits_process import LogitsProcessorList
-from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingCriteriaList, StopStringCriteria
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
 from swarm.client.adapters import ACTIVE_ADAPTER, AdapterChoice
 from swarm.client.api import Coverage, PromptLogprob, ServerView
+from swarm.client.beam import beam_search
+from swarm.client.genconfig import resolve_generation_config, stopping_criteria_for
 from swarm.client.generation import SamplingParams, build_processors, process_and_pick_scores
 from swarm.client.manager import ClientConfig, SwarmManager
 from swarm.client.routing import quant_allowed
 from swarm.client.rowpad import RowPadding
+from swarm.client.rows import held_prefix, left_padding
 from swarm.client.session import InferenceSession, SessionError
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec, family_for
@@ -57,12 +61,14 @@ class CausalLMOutput:
 
 
 class ModelSession:
-    """An inference session plus the token ids `[batch, n]` whose states the servers hold."""
+    """An inference session plus the token ids `[batch, n]` whose states the servers hold (and their rows' left
+    padding)."""
 
     def __init__(self, model: "DistributedModelForCausalLM", max_length: int, adapter: Optional[str] = None):
         self.model = model
         self.session = InferenceSession(model.manager, max_length, adapter=adapter)
         self.token_ids: Optional[torch.Tensor] = None
+        self.left_padding: Optional[List[int]] = None
 
     @property
     def max_length(self) -> int:
@@ -72,38 +78,48 @@ class ModelSession:
     def position(self) -> int:
         return self.session.position
 
-    def reusable_prefix(self, input_ids: torch.Tensor) -> int:
-        """How many leading tokens of `input_ids` the servers already hold (at most len - 1: the last token
-        is always sent again, as its logits are needed)."""
-        if self.token_ids is None or self.token_ids.shape[0] != input_ids.shape[0]:
-            return 0
-        n = min(self.token_ids.shape[1], input_ids.shape[1] - 1)
-        if n <= 0:
-            return 0
-        same = (self.token_ids[:, :n] == input_ids[:, :n]).all(dim=0)
-        mismatch = (~same).nonzero()
-        return int(mismatch[0]) if len(mismatch) else n
+    def reusable_prefix(self, input_ids: torch.Tensor, hypo_ids: Optional[List[int]] = None,
+                        left_padding: Optional[List[int]] = None) -> Tuple[int, Optional[List[int]]]:
+        """(how many leading tokens of `input_ids` the servers already hold, at most len - 1: the last token is
+        always sent again, as its logits are needed; the held row each row continues, None for the same rows).
+        `hypo_ids`: the caller's parents of the rows (beam search), `left_padding`: the rows' padding."""
+        held, held_padding = self.token_ids, self.left_padding
+        if hypo_ids is not None and held is not None and held.shape[0] == len(hypo_ids):
+            held = held[hypo_ids]
+        reuse, parents = held_prefix(held, input_ids)
+        if parents is not None:
+            hypo_ids = parents if hypo_ids is None else [hypo_ids[p] for p in parents]
+        if held_padding is not None and hypo_ids is not None:
+            held_padding = [held_padding[i] for i in hypo_ids]
+        if held_padding != left_padding:
+            return 0, None  # other padding: other positions and masks, everything is computed again
+        return reuse, hypo_ids if reuse > 0 else None
 
     def open(self, batch_size: int = 1) -> "ModelSession":
         """Route and open the servers' sessions now (else the first `feed` does it); errors surface here."""
         self.session.open(batch_size)
         return self
 
-    def feed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def feed(self, input_ids: torch.Tensor, hypo_ids: Optional[List[int]] = None,
+             left_padding: Optional[List[int]] = None) -> torch.Tensor:
         """Make the servers hold exactly `input_ids` [batch, n]; returns the last position's logits [batch, vocab].
+        `hypo_ids` [batch]: row i continues held row hypo_ids[i] (beam search: the servers reorder their caches);
+        `left_padding` [batch]: each row's leading padding positions (`swarm.client.rows.left_padding`).
 
         The LM head runs on the process's compute thread (`swarm.runtime.taskpool.client_pool`): the heads of concurrent
         sessions' steps become one pass there. So does the embedding, unless it is a few rows (a decode step:
         a lookup too small to be worth a hand-over)."""
-        return self._feed(input_ids, None)[0]
+        return self._feed(input_ids, None, hypo_ids, left_padding)[0]
 
-    def feed_and_pick(self, input_ids: torch.Tensor, pick: Callable[[torch.Tensor], T]) -> Tuple[torch.Tensor, T]:
+    def feed_and_pick(self, input_ids: torch.Tensor, pick: Callable[[torch.Tensor], T],
+                      left_padding: Optional[List[int]] = None) -> Tuple[torch.Tensor, T]:
         """`feed`, then `pick(logits)` (the next tokens [batch], or the gateway's per-row choices) in the same
         compute-thread task as the LM head: returns (logits [batch, vocab], what pick returned)."""
-        return self._feed(input_ids, pick)
+        return self._feed(input_ids, pick, None, left_padding)
 
-    def _feed(self, input_ids: torch.Tensor, pick) -> Tuple[torch.Tensor, Any]:
-        reuse = self.reusable_prefix(input_ids)
+    def _feed(self, input_ids: torch.Tensor, pick, hypo_ids: Optional[List[int]],
+              left_padding: Optional[List[int]]) -> Tuple[torch.Tensor, Any]:
+        reuse, hypo_ids = self.reusable_prefix(input_ids, hypo_ids, left_padding)
         if reuse < self.session.position:
             self.session.rewind(reuse)
         new_ids = input_ids[:, reuse:]
@@ -112,8 +128,8 @@ class ModelSession:
             hidden = self.model.embed(new_ids)  # [batch, n, hidden]: serial kernels, no OpenMP team here
         else:
             hidden = pool.call(PRIORITY_DECODE, self.model.embed, new_ids)
-        out = self.session.step(hidden)
-        self.token_ids = input_ids.clone()
+        out = self.session.step(hidden, hypo_ids=hypo_ids, left_padding=left_padding if reuse == 0 else None)
+        self.token_ids, self.left_padding = input_ids.clone(), left_padding
         logits, picked = pool.call_batchable(PRIORITY_DECODE, ("head", id(self.model)), self.model.head_rows,
                                              (out[:, -1], pick), source=id(self))
         if isinstance(picked, BaseException):  # this session's own error (say, a user's logits processor)
@@ -262,11 +278,13 @@ class DistributedModelForCausalLM(AdapterChoice, nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 adapter: Any = ACTIVE_ADAPTER) -> CausalLMOutput:
-        """Logits for every position of `input_ids` [batch, seq] through the swarm (no cache), with `adapter`."""
-        _reject_padding(attention_mask)
+        """Logits for every position of `input_ids` [batch, seq] through the swarm (no cache), with `adapter`.
+        `attention_mask` (left padding): padding keys are never attended; positions are not shifted, as in
+        transformers' forward without `position_ids`."""
+        padding = left_padding(attention_mask, input_ids)
         pool = client_pool()
         hidden = pool.call(PRIORITY_FORWARD, self.embed, input_ids)
-        hidden = aio.run(self._forward_chain(hidden, self._adapter(adapter)))
+        hidden = aio.run(self._forward_chain(hidden, self._adapter(adapter), padding))
         normed = pool.call(PRIORITY_FORWARD, torch.no_grad()(lambda: self.norm(hidden.to(self.device, self.dtype))))
         logits = pool.call(PRIORITY_FORWARD, torch.no_grad()(lambda: self.lm_head(normed).float().cpu()))
         return CausalLMOutput(logits=logits, hidden_states=normed.cpu())
@@ -294,7 +312,8 @@ class DistributedModelForCausalLM(AdapterChoice, nn.Module):
 
         return client_pool().call(PRIORITY_FORWARD, score)
 
-    async def _forward_chain(self, hidden: torch.Tensor, adapter: Optional[str] = None) -> torch.Tensor:
+    async def _forward_chain(self, hidden: torch.Tensor, adapter: Optional[str] = None,
+                             padding: Optional[List[int]] = None) -> torch.Tensor:
         import asyncio
 
         last_error: Optional[BaseException] = None
@@ -304,7 +323,7 @@ class DistributedModelForCausalLM(AdapterChoice, nn.Module):
             x = hidden
             try:
                 for hop in hops:
-                    x = await self.manager.forward(hop, x, adapter)
+                    x = await self.manager.forward(hop, x, adapter, padding)
                 return x
             except Exception as e:  # a failed server: ban it and route again
                 last_error = e
@@ -312,43 +331,37 @@ class DistributedModelForCausalLM(AdapterChoice, nn.Module):
         raise SessionError(f"forward pass failed after {self.manager.config.max_retries + 1} tries: {last_error}")
 
     # ---- generation ---------------------------------------------------------------------------------------
-    def _generation_config(self, generation_config: Optional[GenerationConfig], kwargs: dict) -> GenerationConfig:
-        config = copy.deepcopy(generation_config or self.generation_config)
-        # as transformers: unset fields come from the model's config, then from transformers' global defaults (say,
-        # top_k=50 when sampling)
-        config.update(**self.generation_config.to_dict(), defaults_only=True, allow_custom_entries=True)
-        defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
-        if defaults is not None:
-            config.update(**defaults(), defaults_only=True)
-        unused = config.update(**kwargs)
-        if unused:
-            raise TypeError(f"generate() got unexpected arguments: {sorted(unused)}")
-        config.validate()  # transformers' own checks (say, greedy with num_return_sequences > 1)
-        return config
-
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, *, session: Optional[ModelSession] = None,
                  attention_mask: Optional[torch.Tensor] = None, generation_config: Optional[GenerationConfig] = None,
                  logits_processor: Optional[LogitsProcessorList] = None,
                  stopping_criteria: Optional[StoppingCriteriaList] = None, streamer=None, tokenizer=None,
-                 **kwargs) -> Union[torch.Tensor, GenerateDecoderOnlyOutput]:
+                 **kwargs) -> Union[torch.Tensor, GenerateDecoderOnlyOutput, GenerateBeamDecoderOnlyOutput]:
         """Like `transformers` generate: returns [batch * num_return_sequences, prompt + new] token ids, or with
         `return_dict_in_generate=True` a `GenerateDecoderOnlyOutput` (`sequences`, and `scores` / `logits` when
-        `output_scores` / `output_logits`; no `past_key_values`: the cache lives on the servers). Every setting of
-        the `GenerationConfig` is applied or is an error naming it. `stop_strings` need `tokenizer=`."""
+        `output_scores` / `output_logits`; no `past_key_values`: the cache lives on the servers), with
+        `num_beams > 1` transformers' beam search (`swarm.client.beam`, a `GenerateBeamDecoderOnlyOutput`). Every
+        setting of the `GenerationConfig` is applied or is an error naming it. `stop_strings` need `tokenizer=`.
+        `attention_mask` [batch, seq]: prompts of different lengths, left-padded."""
         if input_ids is None or input_ids.ndim != 2 or input_ids.shape[1] == 0:
             raise ValueError("input_ids must be a non-empty [batch, seq] tensor")
-        _reject_padding(attention_mask)
-        config = self._generation_config(generation_config, kwargs)
-        if config.num_beams not in (None, 1):
-            raise NotImplementedError("beam search is not supported yet; use num_beams=1")
-        if config.num_return_sequences not in (None, 1):  # validate() rejected it without sampling, as transformers
+        padding = left_padding(attention_mask, input_ids)
+        config = resolve_generation_config(self.generation_config, generation_config, kwargs)
+        beams = int(config.num_beams or 1)
+        if beams > 1 and streamer is not None:
+            raise ValueError("`streamer` cannot be used with beam search (as in transformers); use num_beams=1")
+        if config.num_return_sequences not in (None, 1) and beams == 1:  # validate() rejected it without sampling
             input_ids = input_ids.repeat_interleave(int(config.num_return_sequences), dim=0)
+            padding = None if padding is None else [p for p in padding for _ in range(config.num_return_sequences)]
         prompt_len = input_ids.shape[1]
         max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt_len
         params = SamplingParams.from_generation_config(config, max(max_new, 0))
-        processors = build_processors(params, prompt_len, custom=logits_processor)
-        criteria = self._stopping_criteria(config, stopping_criteria, tokenizer)
+        # beam sampling keeps one token more than there are end-of-sequence ids, as transformers
+        eos_list = [] if config.eos_token_id is None else torch.tensor(config.eos_token_id).reshape(-1).tolist()
+        processors = build_processors(params, prompt_len, custom=logits_processor,
+                                      min_tokens_to_keep=len(eos_list) + 1 if beams > 1 else 1)
+        criteria = stopping_criteria_for(config, stopping_criteria, tokenizer, prompt_len + max_new if beams > 1
+                                           else None)
         want_scores, want_logits = bool(config.output_scores), bool(config.output_logits)
         as_dict = bool(config.return_dict_in_generate)
         scores: List[torch.Tensor] = []
@@ -375,6 +388,14 @@ class DistributedModelForCausalLM(AdapterChoice, nn.Module):
                 f"prompt ({prompt_len}) + max_new_tokens ({max_new}) exceeds the session's max_length "
                 f"{session.max_length}"
             )
+        if beams > 1:
+            config.max_length = prompt_len + max_new
+            try:
+                return beam_search(session, input_ids, padding, config, processors, criteria,
+                                   torch.tensor(eos_list) if eos_list else None, config.pad_token_id)
+            finally:
+                if own_session:
+                    session.close()
         if streamer is not None:
             streamer.put(input_ids.cpu())
         ids = input_ids
@@ -384,7 +405,8 @@ class DistributedModelForCausalLM(AdapterChoice, nn.Module):
                 # the logits [batch, vocab], the next tokens [batch] and the processed scores [batch, vocab], chosen
                 # on the compute thread with the head
                 logits, (next_tokens, step_scores) = session.feed_and_pick(
-                    ids, functools.partial(process_and_pick_scores, processors, ids, greedy=params.greedy))
+                    ids, functools.partial(process_and_pick_scores, processors, ids, greedy=params.greedy),
+                    **({} if padding is None else {"left_padding": padding}))
                 if want_scores:
                     scores.append(step_scores)
                 if want_logits:
@@ -406,27 +428,6 @@ class DistributedModelForCausalLM(AdapterChoice, nn.Module):
                 session.close()
         return result(ids)
 
-    @staticmethod
-    def _stopping_criteria(config: GenerationConfig, custom: Optional[StoppingCriteriaList],
-                           tokenizer) -> StoppingCriteriaList:
-        """transformers' stopping criteria for `max_time` and `stop_strings` (max length and end-of-sequence tokens
-        are the loop's own), merged with a user's `stopping_criteria` as transformers merges them."""
-        criteria = StoppingCriteriaList()
-        if config.max_time is not None:
-            criteria.append(MaxTimeCriteria(max_time=config.max_time))
-        if config.stop_strings is not None:
-            if tokenizer is None:
-                raise ValueError("generate(): `stop_strings` needs the model's tokenizer: pass `tokenizer=` to "
-                                 "generate")
-            criteria.append(StopStringCriteria(stop_strings=config.stop_strings, tokenizer=tokenizer))
-        for extra in custom or []:
-            same = [i for i, c in enumerate(criteria) if type(c) is type(extra)]
-            if same:
-                criteria[same[0]] = extra
-            else:
-                criteria.append(extra)
-        return criteria
-
     def shutdown(self) -> None:
         self.manager.shutdown()
 
@@ -439,11 +440,6 @@ def _try(pick, logits: torch.Tensor):
         return pick(logits)
     except Exception as e:
         return e
-
-
-def _reject_padding(attention_mask: Optional[torch.Tensor]) -> None:
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise NotImplementedError("padded batches are not supported: send sequences of equal length")
 
 
 class AutoDistributedModelForCausalLM:

@@ -6,6 +6,11 @@ are cut into chunks that fit one message. `rewind(position)` makes the next step
 position (the servers drop the rest of their cache). The inputs sent to each span are kept so that a failed
 span can be rebuilt on a replacement server by replaying them. A session with a LoRA `adapter` is routed only
 through servers that hold it (failover too), and names it when it opens each server's part.
+
+Beam search: `step(hidden, hypo_ids=...)` makes every server reorder the session's cache rows by the beams'
+parent ids before the step (no re-prefill); the kept inputs are reordered the same way once a span has done it,
+so a replay rebuilds the reordered cache. A left-padded batch: `step(hidden, left_padding=...)` at position 0
+tells the servers each row's leading padding (never attended; positions count from the first real token).
 """
 from __future__ import annotations
 
@@ -81,9 +86,11 @@ class SpanStream:
     def key(self) -> str:
         return P.stream_key(self.session_id, self.hop.start)
 
-    def send(self, hidden: torch.Tensor, start_position: int, step_id: int, push_chain=()) -> None:
-        """Queue a step: hidden [batch, seq, hidden] for positions start_position.. (returns at once)."""
-        step = P.Step(start_position=start_position, step_id=step_id, push_chain=list(push_chain))
+    def send(self, hidden: torch.Tensor, start_position: int, step_id: int, push_chain=(),
+             edits: Optional[dict] = None) -> None:
+        """Queue a step: hidden [batch, seq, hidden] for positions start_position.. (returns at once); `edits`:
+        the step's `P.RowEdits` fields (beam parents, padding)."""
+        step = P.Step(start_position=start_position, step_id=step_id, push_chain=list(push_chain), **(edits or {}))
         self._queue.put_nowait(P.make_request(step, [hidden]))
 
     async def receive(self, start_position: int, seq: int, timeout: Optional[float] = None):
@@ -97,8 +104,9 @@ class SpanStream:
         self.position = reply.position
         return tensors[0], reply.pushed
 
-    async def step(self, hidden: torch.Tensor, start_position: int, step_id: int) -> torch.Tensor:
-        self.send(hidden, start_position, step_id)
+    async def step(self, hidden: torch.Tensor, start_position: int, step_id: int,
+                   edits: Optional[dict] = None) -> torch.Tensor:
+        self.send(hidden, start_position, step_id, edits=edits)
         output, _ = await self.receive(start_position, hidden.shape[1])
         return output
 
@@ -114,11 +122,21 @@ class SpanStream:
 
 
 class _History:
-    """The hidden states sent into one block boundary, positions [0, length): [batch, max_length, hidden]."""
+    """The hidden states sent into one block boundary, positions [0, length): [batch, max_length, hidden], and
+    the rows' left padding sent with them (replayed with position 0)."""
 
-    def __init__(self, batch: int, max_length: int, hidden_size: int, dtype: torch.dtype):
+    def __init__(self, batch: int, max_length: int, hidden_size: int, dtype: torch.dtype,
+                 padding: Optional[List[int]] = None):
         self.buffer = torch.empty(batch, max_length, hidden_size, dtype=dtype)
         self.length = 0
+        self.padding = padding
+
+    def reorder(self, hypo_ids: List[int], length: int) -> None:
+        """Row i of positions [0, length) becomes row hypo_ids[i], as the servers reordered their caches."""
+        index = torch.tensor(hypo_ids)
+        self.buffer[:, :length] = self.buffer[:, :length].index_select(0, index)
+        if self.padding is not None:
+            self.padding = [self.padding[i] for i in hypo_ids]
 
     def write(self, start_position: int, hidden: torch.Tensor) -> None:
         end = start_position + hidden.shape[1]
@@ -156,8 +174,12 @@ class InferenceSession:
         self._step_id = 0  # one id per chunk step (and per replayed chunk), shared by every server of the chain
 
     # ---- public, synchronous ------------------------------------------------------------------------------
-    def step(self, hidden: torch.Tensor) -> torch.Tensor:
-        return aio.run(self.astep(hidden))
+    def step(self, hidden: torch.Tensor, hypo_ids: Optional[Sequence[int]] = None,
+             left_padding: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """hidden [batch, seq, hidden] for positions position.. -> the last block's output, same shape.
+        `hypo_ids` [batch]: first, row i of the held positions becomes row hypo_ids[i] (beam search's parents);
+        `left_padding` [batch] (only at position 0): each row's leading padding positions."""
+        return aio.run(self.astep(hidden, hypo_ids, left_padding))
 
     def open(self, batch_size: int = 1) -> None:
         """Open the chain now for `batch_size` rows (the first step does it otherwise)."""
@@ -241,11 +263,12 @@ class InferenceSession:
             x = self._history[failed.hop.start].read(self.position)  # [batch, position, hidden]
             for stream in replacement:
                 if stream.hop.start != failed.hop.start:  # a new boundary inside the span: record its inputs
-                    history = _History(self.batch_size, self.max_length, x.shape[-1], x.dtype)
+                    history = _History(self.batch_size, self.max_length, x.shape[-1], x.dtype,
+                                       self._history[failed.hop.start].padding)
                     history.write(0, x)
                     self._history[stream.hop.start] = history
                 try:
-                    x = await self._replay(stream, x)
+                    x = await self._replay(stream, x, self._history[failed.hop.start].padding)
                 except Exception:
                     self.manager.ban(stream.hop.peer_id)
                     await asyncio.gather(*(s.close() for s in replacement), return_exceptions=True)
@@ -253,10 +276,12 @@ class InferenceSession:
         self._streams[index:index + 1] = replacement
         self.failovers += 1
 
-    async def _replay(self, stream: SpanStream, x: torch.Tensor) -> torch.Tensor:
-        """Send positions [0, len) of `x` [batch, len, hidden] through `stream` in chunks; return its output."""
+    async def _replay(self, stream: SpanStream, x: torch.Tensor, padding: Optional[List[int]]) -> torch.Tensor:
+        """Send positions [0, len) of `x` [batch, len, hidden] (rows left-padded by `padding`) through `stream` in
+        chunks; return its output."""
         chunk = self._chunk_len(x)
-        outputs = [await stream.step(x[:, offset:offset + chunk], offset, self._next_step_id())
+        outputs = [await stream.step(x[:, offset:offset + chunk], offset, self._next_step_id(),
+                                     dict(left_padding=padding) if offset == 0 else None)
                    for offset in range(0, x.shape[1], chunk)]
         return torch.cat(outputs, dim=1)
 
@@ -268,8 +293,9 @@ class InferenceSession:
         batch, _, hidden_size = hidden.shape
         return max(1, self.manager.config.max_chunk_bytes // (batch * hidden_size * hidden.element_size()))
 
-    async def astep(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [batch, seq, hidden] for positions position.. ; returns the last block's output."""
+    async def astep(self, hidden: torch.Tensor, hypo_ids: Optional[Sequence[int]] = None,
+                    left_padding: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """hidden: [batch, seq, hidden] for positions position.. ; returns the last block's output (`step`)."""
         if self._closed:
             raise SessionError("this inference session is closed")
         if hidden.ndim != 3:
@@ -285,14 +311,22 @@ class InferenceSession:
             await self._open(batch, wait=False)
         elif batch != self.batch_size:
             raise ValueError(f"batch size {batch} differs from the session's {self.batch_size}")
+        hypo = _check_rows("hypo_ids", hypo_ids, batch, batch)
+        padding = _check_rows("left_padding", left_padding, batch, self.max_length)
+        if padding is not None and self.position != 0:
+            raise ValueError("left_padding is only accepted on a step at position 0")
+        if hypo is not None and (hypo == list(range(batch)) or self.position == 0):
+            hypo = None  # the identity, or nothing held: nothing to reorder
         outputs = []
         chunk = self._chunk_len(hidden)
         for offset in range(0, seq, chunk):
-            outputs.append(await self._step_chunk(hidden[:, offset:offset + chunk]))
+            outputs.append(await self._step_chunk(hidden[:, offset:offset + chunk], hypo if offset == 0 else None,
+                                                  padding))
             self.position += outputs[-1].shape[1]
         return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
 
-    async def _step_chunk(self, x: torch.Tensor) -> torch.Tensor:
+    async def _step_chunk(self, x: torch.Tensor, hypo_ids: Optional[List[int]] = None,
+                          left_padding: Optional[List[int]] = None) -> torch.Tensor:
         """Send x [batch, seq, hidden] through the chain.
 
         With push, the client sends the step to the first server only, naming the rest of the chain; each
@@ -302,10 +336,19 @@ class InferenceSession:
         within `push_timeout`, the client sends it there itself (servers drop the second copy by step id), so a
         dead next server costs at most that long before failover starts. After a failure the rest of the step goes
         through the client.
+
+        `hypo_ids` reorder the held rows first, named by this step's first id (`reorder_id`): a server applies it
+        once, and a replacement, rebuilt from the history still in the old order, applies it like the others. Each
+        boundary's history is reordered once its server has answered. `left_padding` goes with a step at 0.
         """
         config = self.manager.config
         seq = x.shape[1]
         step_id = self._next_step_id()
+        edits: dict = {}
+        if hypo_ids is not None:
+            edits.update(hypo_ids=hypo_ids, reorder_id=step_id)
+        if self.position == 0:
+            edits.update(left_padding=left_padding)
         assert self.batch_size is not None, "the session is not open"
         failures, index = 0, 0
         delivered = False  # whether the current stream got this step by push from the previous one
@@ -315,6 +358,8 @@ class InferenceSession:
             if history is None:
                 history = self._history[stream.hop.start] = _History(self.batch_size, self.max_length, x.shape[-1],
                                                                      x.dtype)
+            if self.position == 0:
+                history.padding = left_padding
             history.write(self.position, x)
             try:
                 if not delivered:
@@ -322,13 +367,13 @@ class InferenceSession:
                     chain = [P.PushTarget(peer_id=s.hop.peer_id, stream_key=s.key) for s in rest]
                     # push decode steps (prefill goes through the client), once the next servers have opened
                     use_push = config.use_push and seq == 1 and not any(s.open_pending for s in rest)
-                    stream.send(x, self.position, step_id, chain if use_push else ())
+                    stream.send(x, self.position, step_id, chain if use_push else (), edits)
                     out, pushed = await stream.receive(self.position, seq)
                 else:
                     try:
                         out, pushed = await stream.receive(self.position, seq, timeout=config.push_timeout)
                     except asyncio.TimeoutError:  # the push got lost: deliver it ourselves
-                        stream.send(x, self.position, step_id, ())
+                        stream.send(x, self.position, step_id, (), edits)
                         out, pushed = await stream.receive(self.position, seq)
             except Exception as e:  # connection lost, time-out, or an error reply: the server is failed
                 error: BaseException = e
@@ -347,7 +392,21 @@ class InferenceSession:
                 step_id = self._next_step_id()  # the replay used newer ids: servers drop older ones as copies
                 continue  # the same boundary, now on the replacement
             self.manager.mark_ok(stream.hop.peer_id)
+            if hypo_ids is not None:  # this span reordered its cache: so does the history that rebuilds it
+                history.reorder(hypo_ids, self.position)
             delivered = pushed
             x = out
             index += 1
         return x
+
+
+def _check_rows(name: str, values: Optional[Sequence[int]], batch: int, bound: int) -> Optional[List[int]]:
+    """`values` as a list of one int per row, each in [0, bound); ValueError naming `name` otherwise."""
+    if values is None:
+        return None
+    rows = [int(v) for v in values]
+    if len(rows) != batch:
+        raise ValueError(f"{name} has {len(rows)} entries; the session has {batch} rows")
+    if any(not 0 <= v < bound for v in rows):
+        raise ValueError(f"{name} must be in [0, {bound}), got {rows}")
+    return rows

@@ -8,7 +8,10 @@ wrong versions, and tensors are checked (dtype, byte size, element count) before
 RPCs (see `BlockRPC`):
 - `rpc_inference`: a bidirectional stream per session. The first request is `OpenSession`; then each
   `Step` carries hidden states `[batch, seq, hidden]` starting at `start_position`; each gets a `StepResult`
-  (the output hidden states) or an `ErrorReply`. Closing the stream frees the session's KV cache.
+  (the output hidden states) or an `ErrorReply`. Closing the stream frees the session's KV cache. A step may
+  reorder the cache's rows first (`hypo_ids`: beam search's parent beams) and a step at position 0 may set the
+  rows' left padding (`left_padding`: those keys are never attended, each row's positions start at its first
+  real token, as transformers computes `position_ids` from an attention mask).
 - `rpc_push`: a long-lived stream from one server to the next carrying `PushStep`s: in a decode step each
   server hands its output straight to the next server of the chain (named by the client in `Step.push_to`).
 - `rpc_forward`: one pass of hidden states through a block range, no cache.
@@ -18,17 +21,18 @@ from __future__ import annotations
 
 import json
 import math
-from typing import AsyncIterator, Final, List, Literal, Optional, Sequence, Tuple, Type, TypeVar, Union
+from typing import Annotated, AsyncIterator, Final, List, Literal, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 import torch
 from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from swarm.wire.dtypes import DTYPES, WIRE_DTYPES, dtype_name
 
 PROTOCOL_VERSION: Final = 1
 MAX_SESSION_ID_LEN = 128
+MAX_BATCH = 1024
 
 M = TypeVar("M", bound="Message")
 
@@ -56,7 +60,7 @@ class OpenSession(Message):
     start: int = Field(ge=0, description="first block of this server's part of the chain")
     end: int = Field(gt=0, description="one past the last block")
     max_length: int = Field(gt=0, description="most tokens (positions) this session will hold")
-    batch_size: int = Field(default=1, gt=0, le=1024)
+    batch_size: int = Field(default=1, gt=0, le=MAX_BATCH)
     adapter: Optional[str] = Field(default=None, min_length=1, max_length=128,
                                    description="the LoRA adapter this session runs with (None: the base model)")
 
@@ -66,7 +70,51 @@ class PushTarget(Message):
     stream_key: str = Field(min_length=1, max_length=MAX_SESSION_ID_LEN + 16)
 
 
-class Step(Message):
+RowIndex = Annotated[int, Field(ge=0, lt=MAX_BATCH)]
+
+
+class RowEdits(Message):
+    """What a step may change in the session's cache rows before it runs (`Step` and `PushStep` carry the same);
+    their lengths and ranges against the session's batch are checked by the server (`check_row_edits`)."""
+
+    hypo_ids: Optional[List[RowIndex]] = Field(
+        default=None, max_length=MAX_BATCH,
+        description="beam search: before this step, row i of the kept positions [0, start_position) becomes what "
+                    "row hypo_ids[i] held (length = batch, each in [0, batch))")
+    reorder_id: int = Field(default=0, ge=0, description="names the reorder: a server applies one nonzero "
+                                                         "reorder_id once (a step retried after a failover carries "
+                                                         "it again); 0: always apply")
+    left_padding: Optional[List[Annotated[int, Field(ge=0)]]] = Field(
+        default=None, max_length=MAX_BATCH,
+        description="only at start_position 0: each row's count of leading padding positions (never attended; "
+                    "the row's positions count from its first real token); absent at 0: no padding")
+
+    @model_validator(mode="after")
+    def _padding_at_start(self):
+        if self.left_padding is not None and getattr(self, "start_position", 0) != 0:
+            raise ValueError("left_padding is only accepted on a step at start_position 0")
+        return self
+
+    def row_edits(self) -> dict:
+        return dict(hypo_ids=self.hypo_ids, reorder_id=self.reorder_id, left_padding=self.left_padding)
+
+
+def check_row_edits(edits: RowEdits, batch: int, max_length: int) -> None:
+    """ProtocolError unless `hypo_ids` / `left_padding` fit a session of `batch` rows and `max_length` positions."""
+    if edits.hypo_ids is not None:
+        if len(edits.hypo_ids) != batch:
+            raise ProtocolError(f"hypo_ids has {len(edits.hypo_ids)} entries; the session has {batch} rows")
+        bad = [i for i in edits.hypo_ids if i >= batch]
+        if bad:
+            raise ProtocolError(f"hypo_ids {bad} are out of range for a session of {batch} rows")
+    if edits.left_padding is not None:
+        if len(edits.left_padding) != batch:
+            raise ProtocolError(f"left_padding has {len(edits.left_padding)} entries; the session has {batch} rows")
+        if max(edits.left_padding) >= max_length:
+            raise ProtocolError(f"left_padding {max(edits.left_padding)} is not below max_length {max_length}")
+
+
+class Step(RowEdits):
     type: Literal["step"] = "step"
     start_position: int = Field(ge=0, description="position of the first token in this step")
     step_id: int = Field(default=0, ge=0)
@@ -74,8 +122,8 @@ class Step(Message):
                                          description="the servers after this one: push the output to the first")
 
 
-class PushStep(Message):
-    """A server's output pushed to the next server of a chain (rpc_push stream)."""
+class PushStep(RowEdits):
+    """A server's output pushed to the next server of a chain (rpc_push stream), with the step's row edits."""
 
     type: Literal["push"] = "push"
     stream_key: str = Field(min_length=1, max_length=MAX_SESSION_ID_LEN + 16)
@@ -107,6 +155,10 @@ class ForwardRequest(Message):
     start: int = Field(ge=0)
     end: int = Field(gt=0)
     adapter: Optional[str] = Field(default=None, min_length=1, max_length=128, description="as in OpenSession")
+    left_padding: Optional[List[Annotated[int, Field(ge=0)]]] = Field(
+        default=None, max_length=MAX_BATCH,
+        description="each row's count of leading padding positions, never attended (length = batch, each below "
+                    "the sequence length); positions are not shifted, as transformers' forward without position ids")
 
 
 class ForwardResult(Message):
