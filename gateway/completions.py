@@ -53,6 +53,10 @@ from gateway.schemas import (
     Usage,
 )
 from gateway.state import GatewayState
+from gateway.structured import check as check_grammar
+from gateway.structured import request_grammar
+from gateway.toolparse import ToolCallParser, call_chunks, finish_reason, parse_all
+from gateway.tools import check_tools
 from swarm.client.generation import TokenChoice
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -208,19 +212,29 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = _state(request)
     model_name = check_model(body.model, state.config, required=True)
     check_chat_request(body)
+    tool_choice = check_tools(body.tools, body.tool_choice)
+    tools = body.tools if tool_choice != "none" else None
     prompt = await run_in_threadpool(state.tokens.chat_prompt, body.messages, bool(body.add_generation_prompt),
-                                     body.chat_template_kwargs)
-    params = chat_params(body, len(prompt), state.limits)
+                                     body.chat_template_kwargs, tools)
+    grammar, blame = request_grammar(body, tool_choice)
+    if grammar is not None:
+        await run_in_threadpool(check_grammar, state.tokens, grammar, blame)
+    params = chat_params(body, len(prompt), state.limits, grammar)
     n = body.n or 1
+    names = [t.function.name for t in tools] if tools else None  # None: the output is not parsed for tool calls
+    max_calls = 1 if body.parallel_tool_calls is False else None
     completion_id = "chatcmpl-" + _request_id(request)
     created = int(time.time())
     run = await state.admit([state.new_job(prompt, params, n, _request_id(request), owner_of(request))])
 
     if not body.stream:
         got = await collect(request, run, n)
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=got.texts[i]),
-                              logprobs=chat_logprobs(state, got.tokens[i]) if params.logprobs else None,
-                              finish_reason=got.finish[i]) for i in range(n)]
+        choices = []
+        for i in range(n):
+            content, calls = parse_all(got.texts[i], names, max_calls) if names is not None else (got.texts[i], [])
+            choices.append(ChatChoice(index=i, message=AssistantMessage(content=content, tool_calls=calls or None),
+                                      logprobs=chat_logprobs(state, got.tokens[i]) if params.logprobs else None,
+                                      finish_reason=finish_reason(got.finish[i], len(calls))))
         usage = got.usage()
         return ChatCompletion(id=completion_id, created=created, model=model_name, choices=choices, usage=usage)
 
@@ -228,12 +242,27 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         return ChatCompletionChunk(id=completion_id, created=created, model=model_name, choices=choices,
                                    usage=usage).model_dump_json()
 
+    parsers = [ToolCallParser(names, max_calls) for _ in range(n)] if names is not None else None
+    calls_sent = [0] * n
+
     def on_delta(index: int, event: ChoiceDelta):
         logprobs = chat_logprobs(state, event.tokens) if params.logprobs and event.tokens else None
-        if event.text or logprobs is not None:
-            yield chunk([ChunkChoice(index=index, delta=Delta(content=event.text), logprobs=logprobs)])
+        text, calls = event.text, []
+        if parsers is not None:  # content outside tool-call blocks, and each call once its block closed
+            parsed = parsers[index].feed(event.text)
+            if event.finish_reason:
+                rest = parsers[index].finish()
+                parsed.content, parsed.calls = parsed.content + rest.content, parsed.calls + rest.calls
+            text, calls = parsed.content, parsed.calls
+        if text or logprobs is not None:
+            yield chunk([ChunkChoice(index=index, delta=Delta(content=text or None), logprobs=logprobs)])
+        for call in calls:
+            for piece in call_chunks(calls_sent[index], call):
+                yield chunk([ChunkChoice(index=index, delta=Delta(tool_calls=[piece]))])
+            calls_sent[index] += 1
         if event.finish_reason:
-            yield chunk([ChunkChoice(index=index, delta=Delta(), finish_reason=event.finish_reason)])
+            reason = finish_reason(event.finish_reason, calls_sent[index])
+            yield chunk([ChunkChoice(index=index, delta=Delta(), finish_reason=reason)])
 
     def on_usage(usage: Usage) -> Optional[str]:
         return chunk([], usage) if _include_usage(body) else None

@@ -2,7 +2,7 @@
 
 Requests accept and ignore unknown fields (OpenAI's SDK sends vendor fields such as `top_k` at the top level
 through `extra_body`); known fields are range-checked, and a violation becomes a 400 naming the field. Fields of
-OpenAI's or vLLM's API that the gateway does not support (`tools`, `functions`, `prompt_logprobs`, ...) are
+OpenAI's or vLLM's API that the gateway does not support (`functions`, `prompt_logprobs`, ...) are
 declared here all the same, so that `gateway.params` can answer them with a 400 instead of ignoring them.
 `model` is required on both completion endpoints, as in OpenAI's spec.
 Responses mirror OpenAI's objects: `chat.completion`, `chat.completion.chunk`, `text_completion`, the model
@@ -30,22 +30,65 @@ class ContentPart(_Request):
     text: Optional[str] = None
 
 
+class FunctionCallIn(_Request):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+
+class ToolCallIn(_Request):
+    """A tool call of an earlier assistant message, sent back in the history."""
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, List[ContentPart]]] = None
     name: Optional[str] = None
-    # not supported (a 400 from gateway.params.check_messages), declared so that they are never dropped silently
-    tool_calls: Optional[Any] = None
-    tool_call_id: Optional[str] = None
-    function_call: Optional[Any] = None
+    tool_calls: Optional[List[ToolCallIn]] = None  # assistant messages only
+    tool_call_id: Optional[str] = None  # tool messages: the call they answer
+    function_call: Optional[Any] = None  # deprecated: a 400 from gateway.params.check_messages
+
+
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: Optional[str] = None
+    parameters: Optional[Dict[str, Any]] = None  # a JSON Schema of the arguments object (absent: no arguments)
+    strict: Optional[bool] = None  # the arguments always validate when a call is forced; auto calls are parsed
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Request):
     include_usage: Optional[bool] = False
 
 
+class JsonSchemaFormat(_Request):
+    name: str = Field(default="response", pattern=FUNCTION_NAME)
+    description: Optional[str] = None
+    schema_: Optional[Dict[str, Any]] = Field(default=None, alias="schema")  # absent: any JSON object
+    strict: Optional[bool] = None  # the output always follows the schema, strict or not
+
+
 class ResponseFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None  # required with type json_schema
 
 
 class _SamplingFields(_Request):
@@ -87,10 +130,10 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: Optional[ResponseFormat] = None
     add_generation_prompt: Optional[bool] = True
     chat_template_kwargs: Optional[Dict[str, Any]] = None  # vLLM: extra variables for the chat template
+    tools: Optional[List[ToolDefinition]] = Field(default=None, min_length=1)
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = None  # false: at most one tool call
     # not supported (a 400 from gateway.params.check_chat_request unless absent or a no-op value)
-    tools: Optional[Any] = None
-    tool_choice: Optional[Any] = None
-    parallel_tool_calls: Optional[Any] = None
     functions: Optional[Any] = None
     function_call: Optional[Any] = None
     echo: Optional[bool] = None
@@ -148,10 +191,29 @@ class ChoiceLogprobs(BaseModel):
     refusal: Optional[List[TokenLogprob]] = None  # required (nullable) by OpenAI's spec: always sent, null
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
     refusal: Optional[str] = None  # required (nullable) by OpenAI's spec: always sent, null
+    tool_calls: Optional[List[ToolCall]] = None  # omitted when there are none (the spec: an array when present)
+
+    @model_serializer(mode="wrap")
+    def _omit_no_calls(self, handler) -> Dict[str, Any]:
+        out = handler(self)
+        if out.get("tool_calls", ...) is None:
+            del out["tool_calls"]
+        return out
 
 
 class ChatChoice(BaseModel):
@@ -171,13 +233,29 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
-class Delta(BaseModel):
-    role: Optional[str] = None
-    content: Optional[str] = None
-
+class _NoNulls(BaseModel):
     @model_serializer(mode="wrap")
     def _drop_none(self, handler) -> Dict[str, Any]:
         return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class FunctionCallChunk(_NoNulls):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class ToolCallChunk(_NoNulls):
+    """A streamed piece of a tool call: the first has `id`, `type` and the function's name, later ones arguments."""
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[FunctionCallChunk] = None
+
+
+class Delta(_NoNulls):
+    role: Optional[str] = None
+    content: Optional[str] = None
+    tool_calls: Optional[List[ToolCallChunk]] = None
 
 
 class ChunkChoice(BaseModel):

@@ -173,7 +173,7 @@ def test_error_bodies_validate(fake_app):
         _assert_error(client.post(path, content=b"{not json", headers={**auth, "Content-Type": "application/json"}),
                       400)
         _assert_error(client.post(path, json={**body, "max_tokens": 10_000}, headers=auth), 400)
-    _assert_error(client.post("/v1/chat/completions", json=_chat(tools=[]), headers=auth), 400, "tools")
+    _assert_error(client.post("/v1/chat/completions", json=_chat(functions=[]), headers=auth), 400, "functions")
     _assert_error(client.get("/v1/no-such-route", headers=auth), 404)
     _assert_error(client.put("/v1/models", headers=auth), 405)
 
