@@ -108,16 +108,21 @@ def _tool_body(**extra):
     return {"model": "fake", "messages": ASK, "tools": TOOLS, "temperature": 0, "max_tokens": 80, **extra}
 
 
-def test_fake_app_tool_calls_whole_and_streamed(tokenizer):
+def tool_app(tokenizer, text: str = SCRIPT):
+    """The in-process app over a model scripted to write `text` (test_gateway_unit's), with room for the tools."""
     from starlette.testclient import TestClient
 
     from gateway.app import create_app
     from gateway.config import GatewayConfig
     from tests.test_gateway_unit import FakeModel
 
-    model = FakeModel(tokenizer, SCRIPT)
+    model = FakeModel(tokenizer, text)
     model.config.max_position_embeddings = 1024  # room for the tools' system prompt
-    client = TestClient(create_app(GatewayConfig(model="fake"), model=model, tokenizer=tokenizer))
+    return TestClient(create_app(GatewayConfig(model="fake"), model=model, tokenizer=tokenizer))
+
+
+def test_fake_app_tool_calls_whole_and_streamed(tokenizer):
+    client = tool_app(tokenizer)
     r = client.post("/v1/chat/completions", json=_tool_body())
     assert r.status_code == 200, r.text
     validate(oas.CHAT_COMPLETION, r.json())
