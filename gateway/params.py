@@ -19,6 +19,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import bad_request, not_found
 from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
 from gateway.tokens import Tokens
+from gateway.unsupported import CHAT, COMPLETIONS, check
 from swarm.client.generation import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
@@ -99,12 +100,14 @@ def check_chat_request(body: ChatCompletionRequest) -> None:
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise bad_request("best_of other than n is not supported.", param="best_of")
     _check_shared(body)
+    check(body, CHAT)
     check_messages(body.messages)
 
 
 def check_completion_request(body: CompletionRequest) -> None:
     """The 400s of a text completion request that do not depend on its prompts."""
     _check_shared(body)
+    check(body, COMPLETIONS)
 
 
 def _common(body: _SamplingFields, limits: Limits, max_tokens: int) -> SamplingParams:

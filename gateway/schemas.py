@@ -114,6 +114,31 @@ class _SamplingFields(_Request):
     user: Optional[str] = None
     min_tokens: Optional[int] = Field(default=None, ge=0)  # vLLM: end-of-sequence / stop ids masked until then
     prompt_logprobs: Optional[int] = None  # vLLM extra, not supported: a 400 when given
+    # not supported: gateway.unsupported.SHARED (a 400 naming the field unless null or a value that asks for nothing)
+    use_beam_search: Optional[bool] = None
+    length_penalty: Optional[float] = None
+    include_stop_str_in_output: Optional[bool] = None
+    skip_special_tokens: Optional[bool] = None
+    spaces_between_special_tokens: Optional[bool] = None
+    truncate_prompt_tokens: Optional[int] = None
+    allowed_token_ids: Optional[List[int]] = None
+    bad_words: Optional[List[str]] = None
+    priority: Optional[int] = None
+    logits_processors: Optional[List[Any]] = None
+    return_tokens_as_token_ids: Optional[bool] = None
+    return_token_ids: Optional[bool] = None
+    guided_json: Optional[Any] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[List[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
+    structured_outputs: Optional[Dict[str, Any]] = None
+    structural_tag: Optional[str] = None
+    request_id: Optional[str] = None
+    cache_salt: Optional[str] = None
+    kv_transfer_params: Optional[Dict[str, Any]] = None
+    vllm_xargs: Optional[Dict[str, Any]] = None
 
     def stop_list(self) -> List[str]:
         if self.stop is None:
@@ -138,6 +163,25 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: Optional[Any] = None
     echo: Optional[bool] = None
     best_of: Optional[int] = Field(default=None, ge=1)
+    # not supported: gateway.unsupported.CHAT
+    modalities: Optional[List[str]] = None
+    audio: Optional[Dict[str, Any]] = None
+    prediction: Optional[Dict[str, Any]] = None
+    web_search_options: Optional[Dict[str, Any]] = None
+    reasoning_effort: Optional[str] = None
+    verbosity: Optional[str] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
+    add_special_tokens: Optional[bool] = None
+    continue_final_message: Optional[bool] = None
+    documents: Optional[List[Dict[str, Any]]] = None
+    chat_template: Optional[str] = None
+    mm_processor_kwargs: Optional[Dict[str, Any]] = None
+    # accepted, no effect on the output (as with `user`)
+    metadata: Optional[Dict[str, str]] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None  # conversations are found again by their tokens (session pool)
 
 
 class CompletionRequest(_SamplingFields):
@@ -148,6 +192,10 @@ class CompletionRequest(_SamplingFields):
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     suffix: Optional[str] = None
     best_of: Optional[int] = Field(default=None, ge=1)
+    # not supported: gateway.unsupported.COMPLETIONS
+    add_special_tokens: Optional[bool] = None
+    prompt_embeds: Optional[Any] = None
+    response_format: Optional[Dict[str, Any]] = None
 
 
 class TokenizeRequest(_Request):
