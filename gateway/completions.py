@@ -291,9 +291,13 @@ async def completions(body: CompletionRequest, request: Request):
     model_name = check_model(body.model, state.config, required=True)
     check_completion_request(body)
     prompts = await run_in_threadpool(completion_prompts, body, state.tokens)
+    grammar, blame = request_grammar(body)
+    if grammar is not None:
+        await run_in_threadpool(check_grammar, state.tokens, grammar, blame)
     jobs = []
     for prompt in prompts:
         params = completion_params(body, len(prompt), state.limits)
+        params.grammar = grammar
         jobs.append(state.new_job(prompt, params, body.n or 1, _request_id(request), owner_of(request)))
     n, want_logprobs = body.n or 1, body.logprobs is not None
     completion_id = "cmpl-" + _request_id(request)

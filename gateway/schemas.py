@@ -114,6 +114,12 @@ class _SamplingFields(_Request):
     user: Optional[str] = None
     min_tokens: Optional[int] = Field(default=None, ge=0)  # vLLM: end-of-sequence / stop ids masked until then
     prompt_logprobs: Optional[int] = None  # vLLM extra, not supported: a 400 when given
+    # vLLM's guided decoding (gateway.structured)
+    guided_json: Optional[Union[Dict[str, Any], str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[List[str]] = None
+    guided_grammar: Optional[str] = None
+    structured_outputs: Optional[Dict[str, Any]] = None
     # not supported: gateway.unsupported.SHARED (a 400 naming the field unless null or a value that asks for nothing)
     use_beam_search: Optional[bool] = None
     length_penalty: Optional[float] = None
@@ -127,13 +133,8 @@ class _SamplingFields(_Request):
     logits_processors: Optional[List[Any]] = None
     return_tokens_as_token_ids: Optional[bool] = None
     return_token_ids: Optional[bool] = None
-    guided_json: Optional[Any] = None
-    guided_regex: Optional[str] = None
-    guided_choice: Optional[List[str]] = None
-    guided_grammar: Optional[str] = None
     guided_decoding_backend: Optional[str] = None
     guided_whitespace_pattern: Optional[str] = None
-    structured_outputs: Optional[Dict[str, Any]] = None
     structural_tag: Optional[str] = None
     request_id: Optional[str] = None
     cache_salt: Optional[str] = None
@@ -192,10 +193,10 @@ class CompletionRequest(_SamplingFields):
     logprobs: Optional[int] = Field(default=None, ge=0, le=20)
     suffix: Optional[str] = None
     best_of: Optional[int] = Field(default=None, ge=1)
+    response_format: Optional[ResponseFormat] = None  # vLLM: structured output on text completions too
     # not supported: gateway.unsupported.COMPLETIONS
     add_special_tokens: Optional[bool] = None
     prompt_embeds: Optional[Any] = None
-    response_format: Optional[Dict[str, Any]] = None
 
 
 class TokenizeRequest(_Request):

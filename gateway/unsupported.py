@@ -14,8 +14,6 @@ from gateway.errors import bad_request
 
 Table = Dict[str, Tuple[Tuple[Any, ...], str]]  # name -> (values that ask for nothing, why it is refused)
 
-_NO_STRUCTURED = "use response_format (json_object / json_schema) instead"
-
 SHARED: Table = {  # vLLM's sampling and output extras
     "use_beam_search": ((False,), "beam search is not supported by the gateway"),
     "length_penalty": ((1, 1.0), "it only applies to beam search"),
@@ -29,14 +27,9 @@ SHARED: Table = {  # vLLM's sampling and output extras
     "logits_processors": ((), "custom logits processors cannot be sent over HTTP here"),
     "return_tokens_as_token_ids": ((False,), "logprobs carry token strings and bytes"),
     "return_token_ids": ((False,), "use /tokenize"),
-    "guided_json": ((), _NO_STRUCTURED),
-    "guided_regex": ((), _NO_STRUCTURED),
-    "guided_choice": ((), _NO_STRUCTURED),
-    "guided_grammar": ((), _NO_STRUCTURED),
-    "guided_decoding_backend": ((), _NO_STRUCTURED),
-    "guided_whitespace_pattern": ((), _NO_STRUCTURED),
-    "structured_outputs": ((), _NO_STRUCTURED),
-    "structural_tag": ((), _NO_STRUCTURED),
+    "guided_decoding_backend": (("auto", "guidance", "llguidance"), "guided decoding always runs on llguidance"),
+    "guided_whitespace_pattern": ((), "JSON is written compactly"),
+    "structural_tag": ((), "structural tags are not supported; use tools or response_format"),
     "request_id": ((), "the gateway names requests itself (X-Request-Id)"),
     "cache_salt": ((), "pooled sessions are namespaced by API key"),
     "kv_transfer_params": ((), "no disaggregated prefill"),
@@ -65,7 +58,6 @@ COMPLETIONS: Table = {
     **SHARED,
     "add_special_tokens": ((True,), "the tokenizer's special tokens are always added"),
     "prompt_embeds": ((), "prompts are text or token ids"),
-    "response_format": ((), "structured output is on /v1/chat/completions"),
 }
 
 

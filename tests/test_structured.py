@@ -8,6 +8,7 @@ not), checked structurally against the schema, never against fixed text."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -75,6 +76,62 @@ def test_unenforceable_schemas_are_refused(grammar_tokenizer):
     assert check_grammar(grammar_tokenizer, json_schema_grammar({"type": "object", "dependentSchemas": {"a": {}}}))
     assert check_grammar(grammar_tokenizer, json_schema_grammar({"$ref": "#/$defs/missing"}))
     assert check_grammar(grammar_tokenizer, "start: (")
+
+
+# ---- the app over a scripted model (which writes other text than the constraint allows) --------------------------
+GUIDED = [  # (request fields, a check of the output text)
+    ({"guided_choice": ["yes", "no way"]}, lambda t: t in ("yes", "no way")),
+    ({"structured_outputs": {"choice": ["left", "right"]}}, lambda t: t in ("left", "right")),
+    ({"guided_regex": "[a-c]{2,5}-[0-9]+"}, lambda t: re.fullmatch("[a-c]{2,5}-[0-9]+", t)),
+    ({"guided_grammar": 'start: "x=" /[0-9]{1,3}/ ";"'}, lambda t: re.fullmatch("x=[0-9]{1,3};", t)),
+    ({"guided_grammar": 'root ::= "v" [0-9] [0-9]'}, lambda t: re.fullmatch("v[0-9][0-9]", t)),  # GBNF
+    ({"guided_json": CAT}, lambda t: Draft202012Validator(CAT).is_valid(json.loads(t))),
+    ({"guided_json": json.dumps(NESTED)}, lambda t: Draft202012Validator(NESTED).is_valid(json.loads(t))),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": CAT}}},
+     lambda t: Draft202012Validator(CAT).is_valid(json.loads(t))),
+]
+
+
+@pytest.fixture(scope="module")
+def scripted(tokenizer):
+    from tests.test_tools import tool_app
+
+    with tool_app(tokenizer, 'Sure! {"name": "Tom", "age": 3} is a cat, yes.') as client:
+        yield client
+
+
+@pytest.mark.parametrize("fields, ok", GUIDED, ids=lambda v: str(v)[:30] if isinstance(v, dict) else "")
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
+def test_guided_decoding_is_enforced_on_both_endpoints(scripted, endpoint, fields, ok):
+    base = ({"messages": [{"role": "user", "content": "hi"}]} if endpoint == "/v1/chat/completions"
+            else {"prompt": "Answer:"})
+    for extra in ({"temperature": 0}, {"temperature": 1.0, "seed": 3, "n": 2}):
+        r = scripted.post(endpoint, json={"model": "fake", "max_tokens": 150, **base, **fields, **extra})
+        assert r.status_code == 200, r.text
+        for choice in r.json()["choices"]:
+            text = choice["message"]["content"] if "message" in choice else choice["text"]
+            assert choice["finish_reason"] == "stop" and ok(text), text
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),  # the second in gateway.structured's order
+    ({"structured_outputs": {"json_object": True}, "guided_regex": "a"}, "structured_outputs.json_object"),
+    ({"response_format": {"type": "json_object"}, "guided_json": {}}, "guided_json"),
+    ({"guided_regex": "("}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_grammar": "start: ("}, "guided_grammar"),
+    ({"structured_outputs": {"xml": "x"}}, "structured_outputs.xml"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": {"$ref": "#/nope"}}}},
+     "response_format.json_schema.schema"),
+])
+def test_bad_constraints_are_400s(scripted, fields, param):
+    for endpoint, base in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                           ("/v1/completions", {"prompt": "a"})):
+        r = scripted.post(endpoint, json={"model": "fake", "max_tokens": 5, **base, **fields})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
 # ---- end to end -------------------------------------------------------------------------------------------------

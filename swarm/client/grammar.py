@@ -1,7 +1,8 @@
 """Structured output: constraining token choices to a grammar with llguidance.
 
 A grammar is llguidance's text form: a Lark grammar (which may embed JSON Schemas with `%json {...}`) or the JSON
-grammar that `json_schema_grammar(schema)` compiles from a JSON Schema. `GrammarTokenizer` (one per tokenizer, built
+grammar that `json_schema_grammar(schema)` compiles from a JSON Schema (`regex_grammar`, `choice_grammar` and
+`lark_grammar`, which also takes GBNF, for vLLM's guided decoding). `GrammarTokenizer` (one per tokenizer, built
 once: ~0.4 s for a 49k vocabulary) holds llguidance's view of a Hugging Face fast tokenizer; `check_grammar` says why a
 grammar cannot be used ("" when it can). `GrammarConstraint` is one sequence's matcher, the `TokenConstraint` that
 `swarm.client.generation.Sampler` applies: `mask()` is the [vocab] bool of the tokens that may come next (llguidance
@@ -12,7 +13,7 @@ JSON is written compactly with one space after `,` and `:` (no free whitespace: 
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 
@@ -25,6 +26,25 @@ def json_schema_grammar(schema: Dict[str, Any]) -> str:
     import llguidance
 
     return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=dict(JSON_STYLE))  # type: ignore[arg-type]
+
+
+def regex_grammar(regex: str) -> str:
+    """llguidance's grammar for the texts that fully match `regex` (Rust regex syntax)."""
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_regex(regex)
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """A grammar for exactly one of `choices`."""
+    return "start: " + " | ".join(json.dumps(c) for c in choices) + "\n"
+
+
+def lark_grammar(text: str) -> str:
+    """A grammar given as Lark (llguidance's dialect) or as GBNF (llama.cpp's, converted)."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    return any_to_lark(text)
 
 
 def styled_schema(schema: Dict[str, Any]) -> str:
