@@ -344,10 +344,10 @@ class Sampler:
         if allowed.shape[0] < logits.shape[0]:
             allowed = torch.cat([allowed, allowed.new_zeros(logits.shape[0] - allowed.shape[0])])
         masked = logits.masked_fill(~allowed[: logits.shape[0]], float("-inf"))[None]  # [1, vocab]
-        scores = self.processors(ids, masked)
-        if not bool(torch.isfinite(scores).any()):  # the processors masked every allowed token (min_tokens vs a
-            scores = masked  # closed document): the grammar wins
-        if not bool(torch.isfinite(scores).any()):
+        scores = self.processors(ids, masked) if self.processors else masked
+        if self.processors and not bool(torch.isfinite(scores).any()):  # the processors masked every allowed
+            scores = masked  # token (min_tokens where only the end of sequence may follow): the grammar wins
+        if not bool(allowed.any()):
             raise RuntimeError("no token continues the constrained text")
         return int(pick_tokens(scores, self.params.greedy, [self.generator])[0])
 

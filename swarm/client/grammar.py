@@ -100,9 +100,9 @@ class GrammarConstraint:
 
     def mask(self) -> torch.Tensor:
         """[vocab] bool: the tokens that keep the text a valid prefix (end-of-sequence where it may end)."""
-        import llguidance.torch
-
-        llguidance.torch.fill_next_token_bitmask(self.matcher, self._bitmask)
+        # what llguidance.torch.fill_next_token_bitmask does, without importing that module (it sets up
+        # torch.compile for a GPU kernel: seconds of imports on the first structured request)
+        self.matcher.unsafe_compute_mask_ptr(self._bitmask.data_ptr(), self._words * 4)
         bits = (self._bitmask[0, :, None] >> self.tokenizer._bits) & 1  # [words, 32]
         return bits.reshape(-1)[: self.tokenizer.vocab_size].bool()
 
