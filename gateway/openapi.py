@@ -3,7 +3,8 @@
 FastAPI derives it from the request models of `gateway.schemas`; `install(app, model_names)` then (once, on first
 request) narrows `model` (and the model id of `GET /v1/models/{id}`) to the names this gateway serves (any other
 is a 404), and documents what the gateway
-answers for an invalid body: a 400 with OpenAI's error object, not FastAPI's 422. Clients and property-based tests
+answers for an invalid body: a 400 with OpenAI's error object, not FastAPI's 422. The request models' examples
+(`gateway.schemas`) name the served model. Clients and property-based tests
 (tests/test_api_property.py, schemathesis) generate requests from it.
 """
 from __future__ import annotations
@@ -35,6 +36,8 @@ def _narrow(schema: Dict[str, Any], names: Sequence[str]) -> None:
         if "model" in properties:
             served = {"type": "string", "enum": list(dict.fromkeys(names))}
             properties["model"] = served if required else {"anyOf": [served, {"type": "null"}]}
+        for example in components.get(model, {}).get("examples", []):
+            example["model"] = names[0]
     components["ErrorResponse"] = ERROR_SCHEMA
     for operations in schema.get("paths", {}).values():
         for operation in operations.values():

@@ -147,7 +147,28 @@ class _SamplingFields(_Request):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CHAT_EXAMPLES: Any = [  # in /openapi.json (gateway.openapi sets `model` to the served name)
+    {"model": "MODEL", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8},
+    {"model": "MODEL", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [_WEATHER],
+     "tool_choice": "required", "max_tokens": 24, "temperature": 0},
+    {"model": "MODEL", "messages": [{"role": "user", "content": "A cat as JSON"}], "stream": True, "max_tokens": 16,
+     "response_format": {"type": "json_schema", "json_schema": {"name": "cat", "schema": {
+         "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}}},
+    {"model": "MODEL", "messages": [{"role": "user", "content": "Hi"}], "n": 2, "logprobs": True, "top_logprobs": 2,
+     "stop": ["."], "seed": 1, "max_tokens": 8, "stream": True, "stream_options": {"include_usage": True}},
+]
+COMPLETION_EXAMPLES: Any = [
+    {"model": "MODEL", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
+    {"model": "MODEL", "prompt": ["Once upon", "a time"], "max_tokens": 4, "echo": True, "logprobs": 2, "n": 2},
+    {"model": "MODEL", "prompt": "Answer:", "max_tokens": 4, "guided_choice": ["yes", "no"], "stream": True},
+]
+
+
 class ChatCompletionRequest(_SamplingFields):
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"examples": CHAT_EXAMPLES})
+
     model: str  # required here (optional on /tokenize)
     messages: List[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
@@ -186,6 +207,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"examples": COMPLETION_EXAMPLES})
+
     model: str  # required here (optional on /tokenize)
     prompt: Union[str, List[str], List[int], List[List[int]]]
     max_tokens: Optional[int] = Field(default=None, ge=0)  # 0 only with echo (scoring a prompt), as vLLM

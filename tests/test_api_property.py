@@ -1,6 +1,7 @@
 """A property-based HTTP test of the whole API (issue 23): schemathesis generates requests for every operation of the
-gateway's own OpenAPI description (FastAPI's /openapi.json, from the request models of `gateway.schemas`), valid and
-invalid, and each answer must be: no 5xx; a 200 of /v1/chat/completions, /v1/completions or /v1/models that
+gateway's own OpenAPI description (FastAPI's /openapi.json, from the request models of `gateway.schemas`, with
+`model` narrowed to the served names by `gateway.openapi`): the documented examples, then generated valid and
+invalid requests; each answer must be: no 5xx; a 200 of /v1/chat/completions, /v1/completions or /v1/models that
 validates against OpenAI's schemas (tests/openai_schemas.py; streamed answers chunk by chunk, ending with [DONE]);
 an error of the OpenAI error schema; and the process still up at the end.
 
@@ -9,13 +10,13 @@ generation kept small (max_tokens / max_completion_tokens at most 3, n at most 2
 in-process over the scripted model (fast) and once against a real gateway process on the test swarm (slow)."""
 from __future__ import annotations
 
-import itertools
 import json
 from typing import Any, Dict, List
 
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
@@ -75,18 +76,19 @@ def check_response(method: str, path: str, case, response) -> None:
 
 
 def run_property_test(schema, examples: int, **call_kwargs: Any) -> Dict[str, int]:
-    """Every operation of `schema`, `examples` generated cases each, valid ones (positive) and invalid ones
-    (negative; none for an operation without inputs); returns the count of answers by operation and status
-    ("POST /v1/completions 200": 7)."""
+    """Every operation of `schema`: its documented examples (the request models' `examples`), then `examples`
+    generated cases, valid ones (positive) and invalid ones (negative; none for an operation without inputs).
+    Returns the count of answers by operation and status ("POST /v1/completions 200": 7)."""
     statuses: Dict[str, int] = {}
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions", "/v1/models"}
-    for operation, mode in itertools.product(operations, (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)):
+
+    def run(operation, strategy, count: int) -> None:
         method, path = operation.method.upper(), operation.path
 
-        @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+        @settings(max_examples=count, deadline=None, derandomize=True, database=None,
                   phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-        @given(case=operation.as_strategy(generation_mode=mode))
+        @given(case=strategy)
         def check(case):
             bounded(case)
             response = case.call(**call_kwargs)
@@ -94,10 +96,17 @@ def run_property_test(schema, examples: int, **call_kwargs: Any) -> Dict[str, in
             statuses[key] = statuses.get(key, 0) + 1
             check_response(method, path, case, response)
 
+        check()
+
+    for operation in operations:
+        documented = operation.get_strategies_from_examples()
+        if documented:
+            run(operation, st.one_of(documented), 2 * len(documented))
+        run(operation, operation.as_strategy(generation_mode=GenerationMode.POSITIVE), examples)
         try:
-            check()
+            run(operation, operation.as_strategy(generation_mode=GenerationMode.NEGATIVE), examples)
         except Unsatisfiable:  # no invalid input exists (GET /health takes none)
-            assert mode == GenerationMode.NEGATIVE, (method, path)
+            pass
     return statuses
 
 
