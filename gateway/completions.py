@@ -55,7 +55,7 @@ from gateway.schemas import (
 from gateway.state import GatewayState
 from gateway.structured import check as check_grammar
 from gateway.structured import request_grammar
-from gateway.toolparse import ToolCallParser, call_chunks, finish_reason, parse_all
+from gateway.toolparse import ToolCallParser, finish_reason, parse_all
 from gateway.tools import check_tools
 from swarm.client.generation import TokenChoice
 
@@ -223,6 +223,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     n = body.n or 1
     names = [t.function.name for t in tools] if tools else None  # None: the output is not parsed for tool calls
     max_calls = 1 if body.parallel_tool_calls is False else None
+    forced = tool_choice not in ("none", "auto")  # the grammar guarantees the calls: stream their arguments
     completion_id = "chatcmpl-" + _request_id(request)
     created = int(time.time())
     run = await state.admit([state.new_job(prompt, params, n, _request_id(request), owner_of(request))])
@@ -231,7 +232,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         got = await collect(request, run, n)
         choices = []
         for i in range(n):
-            content, calls = parse_all(got.texts[i], names, max_calls) if names is not None else (got.texts[i], [])
+            content, calls = (parse_all(got.texts[i], names, max_calls, forced) if names is not None
+                              else (got.texts[i], []))
             choices.append(ChatChoice(index=i, message=AssistantMessage(content=content, tool_calls=calls or None),
                                       logprobs=chat_logprobs(state, got.tokens[i]) if params.logprobs else None,
                                       finish_reason=finish_reason(got.finish[i], len(calls))))
@@ -242,26 +244,23 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         return ChatCompletionChunk(id=completion_id, created=created, model=model_name, choices=choices,
                                    usage=usage).model_dump_json()
 
-    parsers = [ToolCallParser(names, max_calls) for _ in range(n)] if names is not None else None
-    calls_sent = [0] * n
+    parsers = [ToolCallParser(names, max_calls, forced) for _ in range(n)] if names is not None else None
 
     def on_delta(index: int, event: ChoiceDelta):
         logprobs = chat_logprobs(state, event.tokens) if params.logprobs and event.tokens else None
-        text, calls = event.text, []
-        if parsers is not None:  # content outside tool-call blocks, and each call once its block closed
+        text, pieces = event.text, []
+        if parsers is not None:  # content outside tool-call blocks, and the calls' pieces
             parsed = parsers[index].feed(event.text)
             if event.finish_reason:
                 rest = parsers[index].finish()
-                parsed.content, parsed.calls = parsed.content + rest.content, parsed.calls + rest.calls
-            text, calls = parsed.content, parsed.calls
+                parsed.content, parsed.chunks = parsed.content + rest.content, parsed.chunks + rest.chunks
+            text, pieces = parsed.content, parsed.chunks
         if text or logprobs is not None:
             yield chunk([ChunkChoice(index=index, delta=Delta(content=text or None), logprobs=logprobs)])
-        for call in calls:
-            for piece in call_chunks(calls_sent[index], call):
-                yield chunk([ChunkChoice(index=index, delta=Delta(tool_calls=[piece]))])
-            calls_sent[index] += 1
+        for piece in pieces:
+            yield chunk([ChunkChoice(index=index, delta=Delta(tool_calls=[piece]))])
         if event.finish_reason:
-            reason = finish_reason(event.finish_reason, calls_sent[index])
+            reason = finish_reason(event.finish_reason, len(parsers[index].calls) if parsers is not None else 0)
             yield chunk([ChunkChoice(index=index, delta=Delta(), finish_reason=reason)])
 
     def on_usage(usage: Usage) -> Optional[str]:

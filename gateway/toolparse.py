@@ -8,13 +8,17 @@ content, as vLLM's Hermes parser does. With `max_calls` (`parallel_tool_calls: f
 `finish()` reads a block the model ended without its closing tag. A whole response is the same parser fed the whole
 text (`parse_all`), so the streamed and the non-streamed answers agree by construction.
 
-Calls stream as OpenAI streams them: per call, a chunk with `index`, `id` (`call_...`), `type` and the function's
-name (empty arguments), then its arguments (`call_chunks`; the arguments come in one piece, once the block has
-closed and parsed, so that a call is never streamed and then retracted).
+Calls stream as OpenAI streams them (`Parsed.chunks`): per call, a chunk with `index`, `id` (`call_...`), `type` and
+the function's name (empty arguments), then its arguments. A forced call (`stream_arguments`: the grammar guarantees
+a valid call) streams its arguments as they are generated, fragment by fragment (everything up to the last `}` so
+far: the block's own closing brace is never sent), and its `arguments` are exactly the generated text; a call the
+model chose (`auto`) is sent once its block has closed and parsed (`call_chunks`: arguments in one piece, re-encoded
+by `json.dumps`), so that a call is never streamed and then retracted.
 """
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Collection, List, Optional, Tuple
@@ -30,7 +34,21 @@ def new_call_id() -> str:
 @dataclass
 class Parsed:
     content: str = ""
-    calls: List[ToolCall] = field(default_factory=list)
+    calls: List[ToolCall] = field(default_factory=list)  # calls whose block closed
+    chunks: List[ToolCallChunk] = field(default_factory=list)  # what to stream of the calls
+
+
+@dataclass
+class _OpenCall:
+    """A forced call being streamed: its arguments start at `start` in the block; `sent` is how far they went."""
+    id: str
+    name: str
+    index: int
+    start: int
+    sent: int
+
+
+_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 
 
 def _close_index(body: str) -> int:
@@ -61,8 +79,9 @@ def _held(text: str, marker: str) -> int:
 
 
 class ToolCallParser:
-    def __init__(self, names: Collection[str], max_calls: Optional[int] = None):
-        self.names, self.max_calls = set(names), max_calls
+    def __init__(self, names: Collection[str], max_calls: Optional[int] = None, stream_arguments: bool = False):
+        self.names, self.max_calls, self.stream_arguments = set(names), max_calls, stream_arguments
+        self.open: Optional[_OpenCall] = None
         self.buffer = ""  # text not yet consumed
         self.inside = False  # the buffer starts inside a block (after its opening tag)
         self.after_block = False  # whitespace right after a block is dropped
@@ -75,6 +94,8 @@ class ToolCallParser:
         while True:
             if self.inside:
                 end = _close_index(self.buffer)
+                if self.stream_arguments:
+                    self._stream(out, end)
                 if end < 0:
                     return out
                 self._block(self.buffer[:end], out, closed=True)
@@ -114,11 +135,39 @@ class ToolCallParser:
             out.content += text
             self.started = True
 
+    def _stream(self, out: Parsed, end: int) -> None:
+        """A forced call's header once its name is out, then its arguments as they grow (all but what follows the
+        last `}`, which may be the block's own closing brace)."""
+        if self.open is None:
+            match = _HEADER.match(self.buffer)
+            full = self.max_calls is not None and len(self.calls) >= self.max_calls
+            if match is None or match.end() == len(self.buffer) or full:  # (wait for the arguments' first byte)
+                return
+            name = json.loads(f'"{match.group(1)}"')
+            if name not in self.names:
+                return
+            self.open = _OpenCall(new_call_id(), name, len(self.calls), match.end(), match.end())
+            out.chunks.append(ToolCallChunk(index=self.open.index, id=self.open.id, type="function",
+                                            function=FunctionCallChunk(name=name, arguments="")))
+        limit = self.buffer.rfind("}", 0, end if end >= 0 else len(self.buffer))
+        if limit > self.open.sent:
+            piece, self.open.sent = self.buffer[self.open.sent:limit], limit
+            out.chunks.append(ToolCallChunk(index=self.open.index, function=FunctionCallChunk(arguments=piece)))
+
     def _block(self, body: str, out: Parsed, closed: bool) -> None:
+        opened, self.open = self.open, None
+        if opened is not None:  # streamed: its arguments are the text that was streamed
+            if self._call(body) is not None:
+                streamed = ToolCall(id=opened.id, function=FunctionCall(name=opened.name,
+                                                                        arguments=body[opened.start:opened.sent]))
+                self.calls.append(streamed)
+                out.calls.append(streamed)
+            return
         call = self._call(body)
         if call is None:
             self._content(CALL_OPEN + body + (CALL_CLOSE if closed else ""), out)
         elif self.max_calls is None or len(self.calls) < self.max_calls:
+            out.chunks.extend(call_chunks(len(self.calls), call))
             self.calls.append(call)
             out.calls.append(call)
 
@@ -136,10 +185,10 @@ class ToolCallParser:
                                                                 arguments=json.dumps(arguments, ensure_ascii=False)))
 
 
-def parse_all(text: str, names: Collection[str], max_calls: Optional[int] = None) -> Tuple[Optional[str],
-                                                                                            List[ToolCall]]:
-    """A whole choice's (content or None, tool calls)."""
-    parser = ToolCallParser(names, max_calls)
+def parse_all(text: str, names: Collection[str], max_calls: Optional[int] = None,
+              stream_arguments: bool = False) -> Tuple[Optional[str], List[ToolCall]]:
+    """A whole choice's (content or None, tool calls), as the same parser streams them."""
+    parser = ToolCallParser(names, max_calls, stream_arguments)
     first, last = parser.feed(text), parser.finish()
     content = first.content + last.content
     return (content or None), first.calls + last.calls

@@ -99,6 +99,31 @@ def test_parser_whole_and_streamed_agree():
     assert parse_all("plain answer", SCHEMAS) == ("plain answer", [])
 
 
+FORCED = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}ris", "unit": "celsius"}}\n</tool_call>\n'
+          '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "UTC"}}\n</tool_call>')
+
+
+def test_forced_calls_stream_their_arguments_fragment_by_fragment():
+    """A forced call (the grammar guarantees it) streams its arguments as they come: the fragments join to exactly
+    the arguments of the whole answer, which are the generated text, and the block's closing brace is never sent."""
+    content, calls = parse_all(FORCED, SCHEMAS, stream_arguments=True)
+    assert content is None and [json.loads(c.function.arguments) for c in calls] == [
+        {"city": "Pa}ris", "unit": "celsius"}, {"timezone": "UTC"}]
+    rng = random.Random(1)
+    for _ in range(30):
+        cuts = sorted(rng.sample(range(1, len(FORCED)), 20))
+        parser = ToolCallParser(SCHEMAS, stream_arguments=True)
+        parts = [parser.feed(FORCED[a:b]) for a, b in zip([0] + cuts, cuts + [len(FORCED)])] + [parser.finish()]
+        pieces = [p for part in parts for p in part.chunks]
+        assert not "".join(part.content for part in parts)
+        for index, call in enumerate(calls):
+            mine = [p for p in pieces if p.index == index]
+            assert mine[0].id.startswith("call_") and mine[0].function.name == call.function.name
+            assert all(p.id is None and p.function.name is None for p in mine[1:])
+            assert "".join(p.function.arguments for p in mine) == call.function.arguments
+        assert len(pieces) > 2 * len(calls)  # the arguments came in several fragments
+
+
 # ---- the app over a scripted model ----------------------------------------------------------------------------------
 SCRIPT = ('Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
           '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"timezone": "CET"}}\n</tool_call>')
@@ -185,7 +210,7 @@ def test_streamed_forced_call_matches_the_whole_one(client):
     whole = client.chat.completions.create(**kwargs)
     _check_calls(whole.choices[0].message, set(SCHEMAS))
     calls: dict = {}
-    finish = None
+    finish, fragments = None, 0
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         validate(oas.CHAT_COMPLETION_CHUNK, chunk.model_dump(exclude_unset=True))
         for c in chunk.choices:
@@ -194,9 +219,11 @@ def test_streamed_forced_call_matches_the_whole_one(client):
                 entry = calls.setdefault(piece.index, ["", ""])
                 entry[0] += piece.function.name or "" if piece.function else ""
                 entry[1] += piece.function.arguments or "" if piece.function else ""
+                fragments += bool(piece.function and piece.function.arguments)
     expected = [[c.function.name, c.function.arguments] for c in whole.choices[0].message.tool_calls]
     assert whole.choices[0].finish_reason == finish == "tool_calls"
     assert [calls[i] for i in sorted(calls)] == expected
+    assert fragments > 1  # a forced call's arguments stream as they are generated
 
 
 def test_history_with_tool_calls_and_results(client):
