@@ -1,11 +1,10 @@
 """The gateway's OpenAPI description (`GET /openapi.json`) made exact for this deployment.
 
-FastAPI derives it from the request models of `gateway.schemas`; `install(app, model_names)` then (once, on first
-request) narrows `model` (and the model id of `GET /v1/models/{id}`) to the names this gateway serves (any other
-is a 404), and documents what the gateway
-answers for an invalid body: a 400 with OpenAI's error object, not FastAPI's 422. The request models' examples
-(`gateway.schemas`) name the served model. Clients and property-based tests
-(tests/test_api_property.py, schemathesis) generate requests from it.
+FastAPI derives it from the request models of `gateway.schemas`; `install(app, model_names)` then narrows `model`
+(and the id of `GET /v1/models/{id}`) to the ids this gateway serves (any other is a 404), sets the request models'
+examples to the served model, and documents what the gateway answers for an invalid body: a 400 with OpenAI's error
+object, not FastAPI's 422. Clients and property-based tests (tests/test_api_property.py, schemathesis) generate
+requests from it.
 """
 from __future__ import annotations
 
@@ -52,11 +51,11 @@ def _narrow(schema: Dict[str, Any], names: Sequence[str]) -> None:
 
 
 def install(app: FastAPI, model_names: Callable[[], Sequence[str]]) -> None:
+    """`model_names()`: the ids served now (the base model first; served LoRA adapters may come and go, so the
+    description is built on each request of it, a few ms)."""
     def openapi() -> Dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            _narrow(schema, model_names())
-            app.openapi_schema = schema
-        return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        _narrow(schema, model_names())
+        return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
