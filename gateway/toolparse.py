@@ -10,9 +10,9 @@ text (`parse_all`), so the streamed and the non-streamed answers agree by constr
 
 Calls stream as OpenAI streams them (`Parsed.chunks`): per call, a chunk with `index`, `id` (`call_...`), `type` and
 the function's name (empty arguments), then its arguments. A forced call (`stream_arguments`: the grammar guarantees
-a valid call) streams its arguments as they are generated, fragment by fragment (everything up to the last `}` so
-far: the block's own closing brace is never sent), and its `arguments` are exactly the generated text; a call the
-model chose (`auto`) is sent once its block has closed and parsed (`call_chunks`: arguments in one piece, re-encoded
+a valid call) streams its arguments as they are generated, fragment by fragment (a `}` that may be the block's own
+closing brace waits for what follows it), and its `arguments` are exactly the generated text; a call the model chose
+(`auto`) is sent once its block has closed and parsed (`call_chunks`: arguments in one piece, re-encoded
 by `json.dumps`), so that a call is never streamed and then retracted.
 """
 from __future__ import annotations
@@ -136,8 +136,8 @@ class ToolCallParser:
             self.started = True
 
     def _stream(self, out: Parsed, end: int) -> None:
-        """A forced call's header once its name is out, then its arguments as they grow (all but what follows the
-        last `}`, which may be the block's own closing brace)."""
+        """A forced call's header once its name is out, then its arguments as they grow (all but a last `}` that may
+        be the block's own closing brace)."""
         if self.open is None:
             match = _HEADER.match(self.buffer)
             full = self.max_calls is not None and len(self.calls) >= self.max_calls
@@ -149,7 +149,11 @@ class ToolCallParser:
             self.open = _OpenCall(new_call_id(), name, len(self.calls), match.end(), match.end())
             out.chunks.append(ToolCallChunk(index=self.open.index, id=self.open.id, type="function",
                                             function=FunctionCallChunk(name=name, arguments="")))
-        limit = self.buffer.rfind("}", 0, end if end >= 0 else len(self.buffer))
+        limit = self.buffer.rfind("}", self.open.sent, end if end >= 0 else len(self.buffer))
+        if end < 0:  # still open: a last `}` followed by nothing but the start of the closing tag may be the block's
+            tail = self.buffer[limit + 1:].lstrip() if limit >= 0 else "x"  # own brace: held back, the rest is sent
+            if not CALL_CLOSE.startswith(tail):
+                limit = len(self.buffer)
         if limit > self.open.sent:
             piece, self.open.sent = self.buffer[self.open.sent:limit], limit
             out.chunks.append(ToolCallChunk(index=self.open.index, function=FunctionCallChunk(arguments=piece)))

@@ -121,7 +121,11 @@ def test_forced_calls_stream_their_arguments_fragment_by_fragment():
             assert mine[0].id.startswith("call_") and mine[0].function.name == call.function.name
             assert all(p.id is None and p.function.name is None for p in mine[1:])
             assert "".join(p.function.arguments for p in mine) == call.function.arguments
-        assert len(pieces) > 2 * len(calls)  # the arguments came in several fragments
+    parser = ToolCallParser(SCHEMAS, stream_arguments=True)  # token by token (here: character by character)
+    pieces = [p for char in FORCED for p in parser.feed(char).chunks] + parser.finish().chunks
+    for index, call in enumerate(calls):
+        fragments = [p.function.arguments for p in pieces if p.index == index and p.id is None]
+        assert len(fragments) > 5 and "".join(fragments) == call.function.arguments
 
 
 # ---- the app over a scripted model ----------------------------------------------------------------------------------
