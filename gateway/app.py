@@ -37,6 +37,7 @@ from gateway.config import GatewayConfig
 from gateway.engine import Engine
 from gateway.errors import bad_request, install_error_handlers
 from gateway.metrics import CONTENT_TYPE_LATEST, Metrics
+from gateway.openapi import install as install_openapi
 from gateway.params import Limits, check_messages
 from gateway.schemas import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
 from gateway.session_pool import SessionPool
@@ -148,6 +149,8 @@ def create_app(config: GatewayConfig, model=None, tokenizer=None) -> FastAPI:
     app.add_middleware(RequestContext, metrics=metrics)
     app.include_router(completions_router)
     _add_routes(app, state)
+    # `model` in /openapi.json: the served names (the base and its adapters)
+    install_openapi(app, lambda: (config.model_name, config.model, *state.served_adapters()))
     return app
 
 

@@ -52,6 +52,10 @@ from gateway.schemas import (
     Usage,
 )
 from gateway.state import GatewayState
+from gateway.structured import check as check_grammar
+from gateway.structured import request_grammar
+from gateway.toolparse import ToolCallParser, finish_reason, parse_all
+from gateway.tools import check_tools
 from swarm.client.generation import TokenChoice
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -209,19 +213,31 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     state = _state(request)
     model_name, adapter = await run_in_threadpool(state.resolve_model, body.model, True)
     check_chat_request(body)
+    tool_choice = check_tools(body.tools, body.tool_choice)
+    tools = body.tools if tool_choice != "none" else None
     prompt = await run_in_threadpool(state.tokens.chat_prompt, body.messages, bool(body.add_generation_prompt),
-                                     body.chat_template_kwargs)
-    params = chat_params(body, len(prompt), state.limits)
+                                     body.chat_template_kwargs, tools)
+    grammar, blame = request_grammar(body, tool_choice)
+    if grammar is not None:
+        await run_in_threadpool(check_grammar, state.tokens, grammar, blame)
+    params = chat_params(body, len(prompt), state.limits, grammar)
     n = body.n or 1
+    names = [t.function.name for t in tools] if tools else None  # None: the output is not parsed for tool calls
+    max_calls = 1 if body.parallel_tool_calls is False else None
+    forced = tool_choice not in ("none", "auto")  # the grammar guarantees the calls: stream their arguments
     completion_id = "chatcmpl-" + _request_id(request)
     created = int(time.time())
     run = await state.admit([state.new_job(prompt, params, n, _request_id(request), owner_of(request), adapter)])
 
     if not body.stream:
         got = await collect(request, run, n)
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=got.texts[i]),
-                              logprobs=chat_logprobs(state, got.tokens[i]) if params.logprobs else None,
-                              finish_reason=got.finish[i]) for i in range(n)]
+        choices = []
+        for i in range(n):
+            content, calls = (parse_all(got.texts[i], names, max_calls, forced) if names is not None
+                              else (got.texts[i], []))
+            choices.append(ChatChoice(index=i, message=AssistantMessage(content=content, tool_calls=calls or None),
+                                      logprobs=chat_logprobs(state, got.tokens[i]) if params.logprobs else None,
+                                      finish_reason=finish_reason(got.finish[i], len(calls))))
         usage = got.usage()
         return ChatCompletion(id=completion_id, created=created, model=model_name, choices=choices, usage=usage)
 
@@ -229,12 +245,24 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         return ChatCompletionChunk(id=completion_id, created=created, model=model_name, choices=choices,
                                    usage=usage).model_dump_json()
 
+    parsers = [ToolCallParser(names, max_calls, forced) for _ in range(n)] if names is not None else None
+
     def on_delta(index: int, event: ChoiceDelta):
         logprobs = chat_logprobs(state, event.tokens) if params.logprobs and event.tokens else None
-        if event.text or logprobs is not None:
-            yield chunk([ChunkChoice(index=index, delta=Delta(content=event.text), logprobs=logprobs)])
+        text, pieces = event.text, []
+        if parsers is not None:  # content outside tool-call blocks, and the calls' pieces
+            parsed = parsers[index].feed(event.text)
+            if event.finish_reason:
+                rest = parsers[index].finish()
+                parsed.content, parsed.chunks = parsed.content + rest.content, parsed.chunks + rest.chunks
+            text, pieces = parsed.content, parsed.chunks
+        if text or logprobs is not None:
+            yield chunk([ChunkChoice(index=index, delta=Delta(content=text or None), logprobs=logprobs)])
+        for piece in pieces:
+            yield chunk([ChunkChoice(index=index, delta=Delta(tool_calls=[piece]))])
         if event.finish_reason:
-            yield chunk([ChunkChoice(index=index, delta=Delta(), finish_reason=event.finish_reason)])
+            reason = finish_reason(event.finish_reason, len(parsers[index].calls) if parsers is not None else 0)
+            yield chunk([ChunkChoice(index=index, delta=Delta(), finish_reason=reason)])
 
     def on_usage(usage: Usage) -> Optional[str]:
         return chunk([], usage) if _include_usage(body) else None
@@ -263,9 +291,13 @@ async def completions(body: CompletionRequest, request: Request):
     model_name, adapter = await run_in_threadpool(state.resolve_model, body.model, True)
     check_completion_request(body)
     prompts = await run_in_threadpool(completion_prompts, body, state.tokens)
+    grammar, blame = request_grammar(body)
+    if grammar is not None:
+        await run_in_threadpool(check_grammar, state.tokens, grammar, blame)
     jobs = []
     for prompt in prompts:
         params = completion_params(body, len(prompt), state.limits)
+        params.grammar = grammar
         jobs.append(state.new_job(prompt, params, body.n or 1, _request_id(request), owner_of(request), adapter))
     n, want_logprobs = body.n or 1, body.logprobs is not None
     completion_id = "cmpl-" + _request_id(request)

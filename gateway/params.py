@@ -3,21 +3,23 @@
 Everything that makes a request invalid is found here, before any slot is taken or any server contacted:
 an unknown model (404 `model_not_found`), a prompt plus `max_tokens` longer than the context (400
 `context_length_exceeded`, OpenAI's wording), token ids outside the vocabulary, `n` above the limit, an
-unsupported `response_format`, `max_tokens: 0` on a text completion without `echo` (with `echo` it scores the
-prompt, as vLLM allows), and so on (400, naming the parameter). A parameter of OpenAI's or vLLM's API that
-the gateway does not support (`tools`, `functions`, `prompt_logprobs`, tool messages, ...) is a 400 naming it,
-never silently ignored (`check_chat_request`, `check_completion_request`); vLLM's `min_tokens` is applied (the
-end-of-sequence and stop token ids are masked until that many tokens are out).
+`max_tokens: 0` on a text completion without `echo` (with `echo` it scores the prompt, as vLLM allows), and so on
+(400, naming the parameter). A parameter of OpenAI's or vLLM's API that the gateway does not support (`functions`,
+`function_call`, `prompt_logprobs`, chat `echo`, ...) is a 400 naming it, never silently ignored
+(`check_chat_request`, `check_completion_request`; docs/openai_api.md lists every parameter); vLLM's `min_tokens`
+is applied (the end-of-sequence and stop token ids are masked until that many tokens are out). Tools and
+`response_format` are checked by `gateway.tools` and `gateway.structured`, which give `chat_params` its grammar.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple, cast
+from typing import List, Optional, Sequence, Tuple, cast
 
 from gateway.config import GatewayConfig
 from gateway.errors import bad_request, not_found
 from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
 from gateway.tokens import Tokens
+from gateway.unsupported import CHAT, COMPLETIONS, check
 from swarm.client.generation import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
@@ -73,15 +75,11 @@ def _unsupported(name: str, why: str = "") -> Exception:
 
 
 def check_messages(messages: Sequence[ChatMessage]) -> None:
-    """Tool calls in the conversation cannot be rendered faithfully (the template is not given tools): a 400."""
+    """The deprecated `function_call` of assistant messages is a 400 (tools replace functions; use `tool_calls`)."""
     for i, m in enumerate(messages):
-        if m.role == "tool":
-            raise bad_request("Messages with role 'tool' are not supported: this gateway does not support tools.",
-                              param=f"messages.{i}.role")
-        for field in ("tool_calls", "tool_call_id", "function_call"):
-            if getattr(m, field) is not None:
-                raise bad_request(f"'{field}' in messages is not supported: this gateway does not support tools.",
-                                  param=f"messages.{i}.{field}")
+        if m.function_call is not None:
+            raise bad_request("'function_call' in messages is not supported (deprecated): use 'tool_calls'.",
+                              param=f"messages.{i}.function_call")
 
 
 def _check_shared(body: _SamplingFields) -> None:
@@ -91,33 +89,25 @@ def _check_shared(body: _SamplingFields) -> None:
         raise _unsupported("prompt_logprobs")
 
 
-def _no_tool_use(value: Any) -> bool:
-    return value is None or value == "none"
-
-
 def check_chat_request(body: ChatCompletionRequest) -> None:
     """The 400s of a chat request that do not depend on its prompt, before the chat template runs."""
-    if body.tools is not None:
-        raise _unsupported("tools", " (no tool calling)")
-    if not _no_tool_use(body.tool_choice):
-        raise _unsupported("tool_choice", "; only 'none' is accepted")
-    if body.parallel_tool_calls is not None:
-        raise _unsupported("parallel_tool_calls", " (no tool calling)")
     if body.functions is not None:
-        raise _unsupported("functions", " (no function calling)")
-    if not _no_tool_use(body.function_call):
-        raise _unsupported("function_call", "; only 'none' is accepted")
+        raise _unsupported("functions", " (deprecated: use 'tools')")
+    if body.function_call is not None and body.function_call != "none":
+        raise _unsupported("function_call", " (deprecated: use 'tool_choice'); only 'none' is accepted")
     if body.echo:
         raise _unsupported("echo", " on chat completions")
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise bad_request("best_of other than n is not supported.", param="best_of")
     _check_shared(body)
+    check(body, CHAT)
     check_messages(body.messages)
 
 
 def check_completion_request(body: CompletionRequest) -> None:
     """The 400s of a text completion request that do not depend on its prompts."""
     _check_shared(body)
+    check(body, COMPLETIONS)
 
 
 def _common(body: _SamplingFields, limits: Limits, max_tokens: int) -> SamplingParams:
@@ -154,7 +144,9 @@ def _common(body: _SamplingFields, limits: Limits, max_tokens: int) -> SamplingP
     )
 
 
-def chat_params(body: ChatCompletionRequest, prompt_len: int, limits: Limits) -> SamplingParams:
+def chat_params(body: ChatCompletionRequest, prompt_len: int, limits: Limits, grammar: Optional[str] = None
+                ) -> SamplingParams:
+    """`grammar`: the structured output's (`gateway.structured.request_grammar`), None for free text."""
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = completion_budget(prompt_len, requested, limits.default_max_tokens, limits.context, "messages")
     params = _common(body, limits, max_tokens)
@@ -162,11 +154,7 @@ def chat_params(body: ChatCompletionRequest, prompt_len: int, limits: Limits) ->
         raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
     params.logprobs = bool(body.logprobs)
     params.top_logprobs = body.top_logprobs or 0
-    if body.response_format is not None:
-        if body.response_format.type == "json_schema":
-            raise bad_request("response_format 'json_schema' is not supported; use 'json_object'.",
-                              param="response_format")
-        params.json_mode = body.response_format.type == "json_object"
+    params.grammar = grammar
     return params
 
 

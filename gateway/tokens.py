@@ -1,10 +1,11 @@
 """The tokenizer side of the gateway: chat template, prompt encoding, token bytes and token strings.
 
 `Tokens` wraps a Hugging Face tokenizer: `chat_prompt(messages)` renders the model's chat template (with the
-generation prompt) into ids; `encode`/`decode` for text completions and incremental decoding; `token_bytes`
-is each id's exact bytes (byte-level BPE tokens mapped back through the GPT-2 byte alphabet; special tokens
-are None), used by JSON-constrained decoding and by logprobs (`bytes`, and the `token` string, which is
-`bytes:\\x..` for a token that is not valid UTF-8 on its own, as OpenAI does).
+generation prompt, and a tool-calling request's tools through `gateway.tools`) into ids; `encode`/`decode` for text
+completions and incremental decoding; `token_bytes` is each id's exact bytes (byte-level BPE tokens mapped back
+through the GPT-2 byte alphabet; special tokens are None), used by logprobs (`bytes`, and the `token` string, which is
+`bytes:\\x..` for a token that is not valid UTF-8 on its own, as OpenAI does); `grammar_tokenizer` is llguidance's
+view of the tokenizer for structured output (built on first use).
 """
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import threading
 from typing import Any, Dict, List, Optional, Sequence, Set
 
 from gateway.errors import bad_request
-from gateway.schemas import ChatMessage
+from gateway.schemas import ChatMessage, ToolDefinition
+from gateway.tools import render_messages, tool_dicts
+from swarm.client.grammar import GrammarTokenizer
 
 
 def _bytes_to_unicode() -> Dict[int, str]:
@@ -54,26 +57,29 @@ class Tokens:
         self.eos_token_ids = sorted({int(i) for i in eos_token_ids} | (
             {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()))
         self._token_bytes: Optional[List[Optional[bytes]]] = None
-        self._first_bytes = None
+        self._grammar_tokenizer: Optional[GrammarTokenizer] = None
         self._lock = threading.Lock()
 
     # ---- prompts ------------------------------------------------------------------------------------------------
     def chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
-                    template_kwargs: Optional[Dict[str, Any]] = None) -> List[int]:
+                    template_kwargs: Optional[Dict[str, Any]] = None,
+                    tools: Optional[Sequence[ToolDefinition]] = None) -> List[int]:
         """The prompt ids of `messages` through the model's chat template; `template_kwargs` (vLLM's
         `chat_template_kwargs`, e.g. `enable_thinking`) become extra variables of the template. A key that is one of
-        `apply_chat_template`'s own arguments (`tokenize`, `tools`, ...) is a 400, not a way around the gateway's."""
+        `apply_chat_template`'s own arguments (`tokenize`, `tools`, ...) is a 400, not a way around the gateway's.
+        `tools`: the tools to show the model (the template's own rendering when it has one, else Hermes')."""
         extra = dict(template_kwargs or {})
         reserved = sorted(set(extra) & self._template_arguments())
         if reserved:
             raise bad_request(f"chat_template_kwargs may not set '{reserved[0]}' (an argument of the chat template "
                               f"call, not a template variable).", param="chat_template_kwargs")
-        rendered = []
-        for i, m in enumerate(messages):
-            role = "system" if m.role == "developer" else m.role
-            rendered.append({"role": role, "content": message_text(m, i)})
-        if getattr(self.tokenizer, "chat_template", None) is None:
+        template = getattr(self.tokenizer, "chat_template", None)
+        if template is None:
             raise bad_request("This model has no chat template; use /v1/completions.", param="messages")
+        native = isinstance(template, str) and "tools" in template
+        rendered = render_messages(messages, [message_text(m, i) for i, m in enumerate(messages)], tools, native)
+        if tools and native:
+            extra["tools"] = tool_dicts(tools)
         try:
             out = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
                                                      tokenize=True, return_dict=True, **extra)
@@ -124,15 +130,14 @@ class Tokens:
         return table
 
     @property
-    def first_bytes(self):
-        """[vocab] tensor of each token's first byte (256: none), for the JSON constraint."""
-        from gateway.jsonmode import first_byte_index
-
-        table = self.token_bytes
+    def grammar_tokenizer(self) -> GrammarTokenizer:
+        """llguidance's tokenizer (for `swarm.client.grammar` constraints), built on first use."""
         with self._lock:
-            if self._first_bytes is None:
-                self._first_bytes = first_byte_index(table)
-            return self._first_bytes
+            if self._grammar_tokenizer is None:
+                eos = self.tokenizer.eos_token_id
+                self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, self.vocab_size,
+                                                           int(eos) if eos is not None else None)
+            return self._grammar_tokenizer
 
     def token_string(self, token_id: int) -> str:
         data = self.token_bytes[token_id]

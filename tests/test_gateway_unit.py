@@ -1,4 +1,4 @@
-"""Gateway pieces without a swarm: stop-string hold-back, incremental decoding, the JSON constraint, sampling,
+"""Gateway pieces without a swarm: stop-string hold-back, incremental decoding, sampling,
 schemas and errors, and the whole app in-process over a scripted fake model (no network)."""
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import torch
 
 from gateway.auth import key_matches
 from gateway.config import GatewayConfig
-from gateway.jsonmode import JsonConstraint, JsonPrefix
 from gateway.state import format_ranges
 from gateway.textstream import StopMatcher, TextStream
 from swarm.client.api import Coverage
@@ -66,56 +65,6 @@ def test_text_stream_never_splits_multibyte_characters(tokenizer):
     assert "".join(deltas) == text
     assert all("\ufffd" not in d for d in deltas)
     assert any(len(tokenizer.decode([i])) and "\ufffd" in tokenizer.decode([i]) for i in ids)  # the case is real
-
-
-# ---- JSON ---------------------------------------------------------------------------------------------------------
-VALID = ['{}', '{"a": 1}', '{"a": [1, 2.5e-3, -0.0, true, false, null], "b": {"c": "x\\"y\\u00e9"}}',
-         '{\n  "name": "Felix",\n  "tags": [],\n  "n": {"deep": [[{}]]}\n}', '{"k":-12E+2}']
-INVALID = ['[1]', ' {}', '{"a" 1}', '{"a": 01}', '{"a": tru}', '{"a": 1,}', '{,}', '{"a": "\x01"}', '{}}',
-           '{"a": 1.}', '{"a": -}', '{"a": [1 2]}', "{'a': 1}"]
-
-
-@pytest.mark.parametrize("doc", VALID)
-def test_json_prefix_accepts_valid_documents_and_completes_every_prefix(doc):
-    state = JsonPrefix()
-    assert state.feed(doc.encode()) and state.complete
-    for cut in range(len(doc)):
-        prefix = JsonPrefix()
-        assert prefix.feed(doc[:cut].encode()), doc[:cut]
-        closed = doc[:cut] + prefix.completion()
-        assert isinstance(json.loads(closed), dict), closed
-
-
-@pytest.mark.parametrize("doc", INVALID)
-def test_json_prefix_rejects_invalid_documents(doc):
-    state = JsonPrefix()
-    assert not (state.feed(doc.encode()) and state.complete)
-
-
-def test_json_prefix_bounds_whitespace():
-    state = JsonPrefix(max_ws=4)
-    assert state.feed(b'{    ') and not state.copy().feed(b' ')
-
-
-@pytest.mark.parametrize("seed, budget", [(0, 200), (1, 30), (2, 12), (3, 8)])
-def test_constrained_sampling_always_parses(tokenizer, seed, budget):
-    from gateway.tokens import Tokens
-
-    tokens = Tokens(tokenizer, [2])
-    params = SamplingParams(max_tokens=budget, temperature=1.0, seed=seed, json_mode=True)
-    constraint = JsonConstraint(tokens.token_bytes, tokens.encode, tokens.first_bytes)
-    sampler = Sampler(params, 1, tokens.vocab_size, constraint=constraint)
-    generator = torch.Generator().manual_seed(seed)
-    ids = [1]
-    for step in range(budget):
-        logits = torch.randn(tokens.vocab_size, generator=generator) * 3
-        choice = sampler.choose(torch.tensor(ids), logits, budget - step)
-        ids.append(choice.token_id)
-        if constraint.complete:
-            break
-    text = tokenizer.decode(ids[1:], skip_special_tokens=True)
-    assert isinstance(json.loads(text), dict), text
-    assert len(ids) - 1 <= budget
 
 
 # ---- sampling -----------------------------------------------------------------------------------------------------
@@ -428,12 +377,19 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"tools": [TOOL]}, "tools"),
     ({"tools": []}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": "auto"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"tool_choice": {"type": "function", "function": {"name": "g"}}, "tools": [TOOL]}, "tool_choice"),
+    ({"parallel_tool_calls": "sometimes"}, "parallel_tool_calls"),
+    ({"tools": [TOOL, TOOL]}, "tools.1.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools.0.function.parameters"),
+    ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "dependentSchemas": {"a": {}}}}}}, "response_format.json_schema.schema"),
     ({"functions": [TOOL["function"]]}, "functions"),
     ({"function_call": "auto"}, "function_call"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
@@ -447,9 +403,11 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
     ({"messages": [{"role": "user", "content": "hi"},
                    {"role": "assistant", "content": None,
-                    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-                   {"role": "tool", "tool_call_id": "c1", "content": "42"}]}, "messages.1.tool_calls"),
-    ({"messages": [{"role": "tool", "tool_call_id": "c1", "content": "42"}]}, "messages.0.role"),
+                    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{x"}}]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "42"}]},
+     "messages.1.tool_calls.0.function.arguments"),
+    ({"messages": [{"role": "user", "content": "hi", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages.0.tool_calls"),
     ({"messages": [{"role": "assistant", "content": "x", "function_call": {"name": "f", "arguments": "{}"}}]},
      "messages.0.function_call"),
     ({"messages": [{"role": "function", "name": "f", "content": "42"}]}, "messages.0.role"),
@@ -518,8 +476,8 @@ def test_fake_app_chat_template_kwargs_reach_the_template(fake_app, tokenizer):
         assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] > plain["count"] - 5
     finally:
         tokenizer.chat_template = template
-    _error(client.post("/tokenize", json={"model": "fake", "messages": [{"role": "tool", "content": "x"}]}),
-           "messages.0.role")
+    tool = client.post("/tokenize", json={"model": "fake", "messages": [{"role": "tool", "content": "x"}]}).json()
+    assert "<tool_response>\nx\n</tool_response>" in tokenizer.decode(tool["tokens"])  # gateway.tools' rendering
 
 # ---- servers' weight formats (allowed_quant_types, issue 14) --------------------------------------------------------
 def test_config_allowed_quant_types_from_cli_yaml_env(tmp_path):

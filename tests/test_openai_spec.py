@@ -173,7 +173,7 @@ def test_error_bodies_validate(fake_app):
         _assert_error(client.post(path, content=b"{not json", headers={**auth, "Content-Type": "application/json"}),
                       400)
         _assert_error(client.post(path, json={**body, "max_tokens": 10_000}, headers=auth), 400)
-    _assert_error(client.post("/v1/chat/completions", json=_chat(tools=[]), headers=auth), 400, "tools")
+    _assert_error(client.post("/v1/chat/completions", json=_chat(functions=[]), headers=auth), 400, "functions")
     _assert_error(client.get("/v1/no-such-route", headers=auth), 404)
     _assert_error(client.put("/v1/models", headers=auth), 405)
 
@@ -188,3 +188,24 @@ def test_swarm_errors_validate(fake_app):
     for chunk in chunks:
         validate(oas.CHAT_COMPLETION_CHUNK, chunk)
     validate(oas.ERROR_RESPONSE, error)  # a mid-stream failure is an error event of the error schema
+
+
+@pytest.mark.parametrize("extra", [
+    {}, {"n": 2, "logprobs": True}, {"tool_choice": "required"}, {"parallel_tool_calls": False},
+    {"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, {"tool_choice": "none"},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+], ids=lambda v: str(v)[:40])
+def test_tool_call_responses_and_chunks_validate(tokenizer, extra):
+    """Tool calls (message.tool_calls, delta.tool_calls) and structured output validate, whole and streamed."""
+    from tests.test_tools import _tool_body, tool_app
+
+    client = tool_app(tokenizer)
+    r = client.post("/v1/chat/completions", json=_tool_body(**extra))
+    assert r.status_code == 200, r.text
+    validate(oas.CHAT_COMPLETION, r.json())
+    chunks = sse(client, "/v1/chat/completions", _tool_body(**extra, stream_options={"include_usage": True}))
+    for chunk in chunks:
+        validate(oas.CHAT_COMPLETION_CHUNK, chunk)
+    if extra.get("tool_choice", "auto") != "none" and "response_format" not in extra:
+        assert any("tool_calls" in c["delta"] for chunk in chunks for c in chunk["choices"])
+        assert all(c["message"]["tool_calls"] for c in r.json()["choices"])

@@ -11,10 +11,10 @@ draw from the softmax, with the global RNG (`generate`: `torch.manual_seed` repr
 with one `torch.Generator` per row (the gateway's seeded choices).
 
 `Sampler` is one gateway choice's state: its processors, its own generator (seed + choice index; a random seed when
-none is given), an optional token constraint (`TokenConstraint`, e.g. the gateway's JSON mode: rejection sampling
-from the constrained distribution, forced closing tokens near the end of the budget) and logprobs taken from the
-model's unprocessed distribution. `RowSamplers` holds a batch's samplers and makes the `pick` that
-`ModelSession.feed_and_pick` runs in the batched head task.
+none is given), an optional token constraint (`TokenConstraint`: `swarm.client.grammar.GrammarConstraint` for
+structured output, whose mask sets the scores of the tokens that may not follow to -inf before the processors) and
+logprobs taken from the model's unprocessed distribution. `RowSamplers` holds a batch's samplers and makes the `pick`
+that `ModelSession.feed_and_pick` runs in the batched head task.
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
-    json_mode: bool = False
+    grammar: Optional[str] = None  # llguidance grammar the output must follow (`swarm.client.grammar`)
     min_new_tokens: int = 0  # end-of-sequence tokens (`eos_token_id`) are masked until this many are out
     eos_token_id: Union[int, List[int], torch.Tensor, None] = None  # any integer dtype (for min_new_tokens)
     # Hugging Face `generate`'s other processors (set by `from_generation_config`; the defaults apply nothing)
@@ -157,22 +157,17 @@ class TokenChoice:
     token_id: int
     logprob: Optional[float] = None
     top: List[Tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
-    forced: bool = False  # written to close a constrained document before max_tokens ran out
 
 
 class TokenConstraint(Protocol):
-    """What `Sampler` needs from a constraint on the output (the gateway's `JsonConstraint`)."""
+    """What `Sampler` needs from a constraint on the output (`swarm.client.grammar.GrammarConstraint`)."""
 
     @property
     def complete(self) -> bool: ...
 
-    def candidates(self) -> torch.Tensor: ...  # [vocab] bool, a superset of the tokens that may follow
-
-    def allows(self, token_id: int, budget: Optional[int] = None) -> bool: ...
+    def mask(self) -> torch.Tensor: ...  # [vocab] bool, exactly the tokens that may follow
 
     def advance(self, token_id: int) -> None: ...
-
-    def closing_tokens(self) -> List[int]: ...
 
 
 # ---- processors that transformers lacks ------------------------------------------------------------------------
@@ -317,10 +312,6 @@ def process_and_pick_scores(processors: LogitsProcessorList, input_ids: torch.Te
 class Sampler:
     """Picks the tokens of one choice of a request."""
 
-    MAX_REJECTIONS = 64
-    CLOSING_LOOKAHEAD = 24  # check that the document can still be closed when this few tokens are left
-    SCAN_WITH_BUDGET = 2048  # most likely tokens checked against that budget before closing outright
-
     def __init__(self, params: SamplingParams, prompt_len: int, vocab_size: int, index: int = 0,
                  constraint: Optional[TokenConstraint] = None):
         self.params, self.prompt_len, self.vocab_size = params, prompt_len, vocab_size
@@ -328,15 +319,14 @@ class Sampler:
         seed = params.seed + index if params.seed is not None else secrets.randbits(62)
         self.generator = torch.Generator().manual_seed(seed % (1 << 63))
         self.constraint = constraint
-        self._forcing: List[int] = []
 
     @torch.no_grad()
     def choose(self, input_ids: torch.Tensor, logits: torch.Tensor, remaining: int) -> TokenChoice:
         """input_ids: [seq] this choice's ids so far; logits: [vocab] for the next position; `remaining`: tokens
         this choice may still generate, including this one."""
         logits = logits[: self.vocab_size].float()
-        token, forced = self._pick(input_ids, logits, remaining)
-        choice = TokenChoice(token, forced=forced)
+        token = self._pick(input_ids, logits)
+        choice = TokenChoice(token)
         if self.params.logprobs:
             logprobs = torch.log_softmax(logits, dim=-1)
             choice.logprob = float(logprobs[token])
@@ -347,46 +337,21 @@ class Sampler:
             self.constraint.advance(token)
         return choice
 
-    def _pick(self, input_ids: torch.Tensor, logits: torch.Tensor, remaining: int) -> Tuple[int, bool]:
-        c = self.constraint
-        if c is not None:
-            if not self._forcing:
-                closing = c.closing_tokens()
-                if closing and len(closing) >= remaining:
-                    self._forcing = closing
-            if self._forcing:
-                return self._forcing.pop(0), True
-        scores = self.processors(cast(torch.LongTensor, input_ids[None]), logits[None])  # [1, vocab]
-        if c is None:
-            return int(pick_tokens(scores, self.params.greedy, [self.generator])[0]), False
-        # near the end of the budget, a token must also leave room to close the document
-        budget = remaining - 1 if remaining <= self.CLOSING_LOOKAHEAD else None
-        return self._constrained(c, scores[0], budget)
-
-    def _constrained(self, c: TokenConstraint, scores: torch.Tensor, budget: Optional[int]) -> Tuple[int, bool]:
-        scores = scores.masked_fill(~c.candidates(), float("-inf"))  # exact: those tokens cannot follow
-        if self.params.greedy:
-            best = int(torch.argmax(scores))
-            if c.allows(best, budget):
-                return best, False
-        else:
-            probs = torch.softmax(scores, dim=-1)
-            for _ in range(self.MAX_REJECTIONS):
-                if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
-                    break
-                token = int(torch.multinomial(probs, 1, generator=self.generator))
-                if c.allows(token, budget):
-                    return token, False
-                probs[token] = 0
-        order = torch.argsort(scores, descending=True).tolist()
-        for token in order[:self.SCAN_WITH_BUDGET] if budget is not None else order:
-            if c.allows(token, budget):
-                return token, False
-        closing = c.closing_tokens()
-        if closing:  # the likely tokens cannot close in time: start writing the shortest closing text
-            self._forcing = closing[1:]
-            return closing[0], True
-        raise RuntimeError("no token continues the constrained text")  # unreachable for a tokenizer with ASCII tokens
+    def _pick(self, input_ids: torch.Tensor, logits: torch.Tensor) -> int:
+        ids = cast(torch.LongTensor, input_ids[None])
+        if self.constraint is None:
+            scores = self.processors(ids, logits[None])  # [1, vocab]
+            return int(pick_tokens(scores, self.params.greedy, [self.generator])[0])
+        allowed = self.constraint.mask()  # [vocab] bool
+        if allowed.shape[0] < logits.shape[0]:
+            allowed = torch.cat([allowed, allowed.new_zeros(logits.shape[0] - allowed.shape[0])])
+        masked = logits.masked_fill(~allowed[: logits.shape[0]], float("-inf"))[None]  # [1, vocab]
+        scores = self.processors(ids, masked) if self.processors else masked
+        if self.processors and not bool(torch.isfinite(scores).any()):  # the processors masked every allowed
+            scores = masked  # token (min_tokens where only the end of sequence may follow): the grammar wins
+        if not bool(allowed.any()):
+            raise RuntimeError("no token continues the constrained text")
+        return int(pick_tokens(scores, self.params.greedy, [self.generator])[0])
 
 
 class RowSamplers:
