@@ -89,7 +89,8 @@ def load_model(config: GatewayConfig):
     return AutoDistributedModelForCausalLM.from_pretrained(
         config.model, initial_peers=config.initial_peers, dht_prefix=config.dht_prefix,
         torch_dtype=config.torch_dtype, step_timeout=config.step_timeout, request_timeout=config.rpc_timeout,
-        allowed_quant_types=config.allowed_quant_types,
+        allowed_quant_types=config.allowed_quant_types, swarm_key=config.swarm_key,
+        swarm_key_file=config.swarm_key_file,
         pad_head_rows=False)  # its buffers and timing runs cost the gateway ~5 MB of its 450 MB RSS budget
 
 

@@ -11,11 +11,11 @@ from typing import Any, List, Optional
 from pydantic import Field, field_validator
 
 from swarm.client.routing import normalize_quant_types
-from swarm.runtime.config import ProcessConfig
+from swarm.runtime.swarm_key import SwarmKeySettings
 from swarm.wire.dtypes import QUANT_TYPES, parse_dtype
 
 
-class GatewayConfig(ProcessConfig):
+class GatewayConfig(SwarmKeySettings):
     model: str = Field(description="model served by the swarm: bundled name, local checkpoint directory or hub id")
     initial_peers: List[str] = Field(default_factory=list, description="multiaddrs of DHT peers of the swarm")
     dht_prefix: Optional[str] = Field(default=None, description="DHT key prefix (default: from the model name)")

@@ -20,6 +20,7 @@ from hivemind.utils import get_dht_time
 from server.config import ServerConfig
 from server.pings import measure_next_pings
 from swarm import __version__
+from swarm.runtime.swarm_key import SwarmKey, dht_kwargs, proof_for
 from swarm.wire.records import ServerInfo, ServerSpan, ServerState, declare_blocks, fetch_block_records, online_spans
 
 logger = logging.getLogger("swarmgate.server")
@@ -33,6 +34,7 @@ def start_dht(config: ServerConfig) -> hivemind.DHT:
     return hivemind.DHT(
         initial_peers=[] if config.new_swarm else config.initial_peers, start=True, host_maddrs=host_maddrs,
         announce_maddrs=config.announce_maddrs or None, identity_path=config.identity_path, client_mode=False,
+        **dht_kwargs(config.load_swarm_key()),
     )
 
 
@@ -45,8 +47,10 @@ class Announcer:
     """What this server says about itself in the DHT (span `start:end`, state, throughput, next pings)."""
 
     def __init__(self, prefix: str, expiration: float, num_blocks_total: int, dtype: torch.dtype,
-                 free_cache_tokens: Callable[[], int], quant_type: str = "none"):
+                 free_cache_tokens: Callable[[], int], quant_type: str = "none",
+                 swarm_key: Optional[SwarmKey] = None):
         self.dht: Optional[hivemind.DHT] = None  # set once the peer has started
+        self.swarm_key = swarm_key  # a private swarm's key: pings prove membership with it
         self.prefix, self.expiration, self.num_blocks_total = prefix, expiration, num_blocks_total
         self.dtype, self.quant_type = dtype, quant_type
         self.free_cache_tokens = free_cache_tokens
@@ -102,7 +106,8 @@ class Announcer:
             self.next_pings = {}
             return
         try:
-            self.next_pings = await measure_next_pings(p2p, await self.spans(), peer_id, self.end)
+            self.next_pings = await measure_next_pings(p2p, await self.spans(), peer_id, self.end,
+                                                       proof=proof_for(self.swarm_key, peer_id))
         except Exception as e:  # measuring is best effort; the record goes out anyway
             logger.debug(f"measuring next pings failed: {e}")
 

@@ -86,7 +86,8 @@ class Server:
         self.pool: Optional[TaskPool] = None
         self.capacity: Optional[Capacity] = None
         self.record = Announcer(self.prefix, config.expiration or 2 * config.update_period, self.num_blocks_total,
-                                self.dtype, self._free_cache_tokens, quant_type=self.quant_type)
+                                self.dtype, self._free_cache_tokens, quant_type=self.quant_type,
+                                swarm_key=config.load_swarm_key())
         # observable counters (tests, logs)
         self.moves = self.restarts = 0
         self._stop = asyncio.Event()
@@ -139,7 +140,8 @@ class Server:
         assert self.capacity is not None, "plan() sizes the server before it loads blocks"
         handler = self.handler_class(span, self.config.model, __version__, CacheBudget(self.capacity.attn_cache_tokens),
                                      self._compute_pool(), max_length=self.config.max_length,
-                                     alloc_timeout=self.config.alloc_timeout, step_timeout=self.config.step_timeout)
+                                     alloc_timeout=self.config.alloc_timeout, step_timeout=self.config.step_timeout,
+                                     swarm_key=self.record.swarm_key)
         if self.p2p is None:
             self.p2p = await self.started_dht.replicate_p2p()
         await handler.add_p2p_handlers(self.p2p)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 import hivemind
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from swarm.client.routing import (
     QUANT_TYPES,
@@ -29,6 +29,7 @@ from swarm.client.routing import (
     quant_allowed,
 )
 from swarm.runtime import aio
+from swarm.runtime.swarm_key import SwarmKey, dht_kwargs, proof_for
 from swarm.wire import protocol as P
 from swarm.wire.records import ServerSpan, fetch_block_records, online_spans
 
@@ -60,11 +61,27 @@ class ClientConfig(BaseModel):
         default=None, description=f"weight formats of the servers a route may use, of {', '.join(QUANT_TYPES)} "
                                   f"(a server's announced quant_type); None: any, so a mixed swarm works")
 
+    swarm_key: Optional[SecretStr] = Field(default=None, description="a private swarm's shared secret (see "
+                                                                     "swarm.runtime.swarm_key)")
+    swarm_key_file: Optional[str] = Field(default=None, description="a file holding the private swarm's key")
+
     @field_validator("allowed_quant_types", mode="before")
     @classmethod
     def _valid_quant_types(cls, value: Any) -> Optional[List[str]]:
         normalized = normalize_quant_types(value)  # ValueError naming the bad value and the choices
         return None if normalized is None else list(normalized)
+
+    @model_validator(mode="after")
+    def _loadable_key(self):
+        if self.swarm_key is not None and self.swarm_key_file is not None:
+            raise ValueError("give the swarm key once: swarm_key or swarm_key_file, not both")
+        self.load_swarm_key()
+        return self
+
+    def load_swarm_key(self) -> Optional[SwarmKey]:
+        if self.swarm_key_file is not None:
+            return SwarmKey.from_file(self.swarm_key_file)
+        return None if self.swarm_key is None else SwarmKey(self.swarm_key.get_secret_value())
 
 
 class SwarmManager:
@@ -72,9 +89,12 @@ class SwarmManager:
         if not config.initial_peers and dht is None:
             raise ValueError("initial_peers is required: the multiaddr(s) of a peer of the swarm")
         self.config, self.prefix, self.num_blocks = config, prefix, num_blocks
-        self.dht = dht or hivemind.DHT(initial_peers=config.initial_peers, client_mode=True, start=True)
+        key = config.load_swarm_key()
+        self.dht = dht or hivemind.DHT(initial_peers=config.initial_peers, client_mode=True, start=True,
+                                       **dht_kwargs(key))
         self._own_dht = dht is None
         self.p2p: P2P = aio.run(self.dht.replicate_p2p(), timeout=60)
+        self.member_proof = proof_for(key, self.p2p.peer_id)  # sent with every block RPC (private swarms)
         self.spans: List[ServerSpan] = []
         self._last_update = 0.0
         self._bans: Dict[str, tuple[float, int]] = {}  # peer id -> (banned until, consecutive failures)
@@ -149,14 +169,15 @@ class SwarmManager:
         return P.BlockRPC.get_stub(self.p2p, PeerID.from_base58(peer_id))
 
     async def info(self, peer_id: str) -> P.ServerStats:
-        response = await self.stub(peer_id).rpc_info(runtime_pb2.ExpertUID(uid=""), timeout=self.config.request_timeout)
+        response = await self.stub(peer_id).rpc_info(runtime_pb2.ExpertUID(uid=self.member_proof),
+                                                     timeout=self.config.request_timeout)
         return P.parse_stats(response)
 
     def server_info(self, peer_id: str) -> P.ServerStats:
         return aio.run(self.info(peer_id), timeout=self.config.request_timeout + 5)
 
     async def forward(self, hop: RouteHop, hidden: "torch.Tensor") -> "torch.Tensor":
-        request = P.make_request(P.ForwardRequest(start=hop.start, end=hop.end), [hidden])
+        request = P.make_request(P.ForwardRequest(start=hop.start, end=hop.end), [hidden], uid=self.member_proof)
         response = await self.stub(hop.peer_id).rpc_forward(request, timeout=self.config.request_timeout)
         _, tensors = P.unpack_reply(response, hop.peer_id, forward=True)
         return tensors[0]

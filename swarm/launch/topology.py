@@ -124,9 +124,9 @@ def wait_all(procs: Sequence[ManagedProcess], timeout: float = 180) -> List[Mana
 
 
 def start_bootstrap(host: str = LOCALHOST, port: int = 0, name: str = "dht", *, threads: Optional[int] = None,
-                    log_dir: Optional[str] = None, timeout: float = 60) -> ManagedProcess:
-    """A bootstrap DHT peer, ready (its `.maddr` is what servers and clients join)."""
-    return wait_all([ManagedProcess(["dht", "--host_maddrs", f"/ip4/{host}/tcp/{port}"], name,
+                    log_dir: Optional[str] = None, timeout: float = 60, extra: Sequence[str] = ()) -> ManagedProcess:
+    """A bootstrap DHT peer, ready (its `.maddr` is what servers and clients join); `extra`: more flags."""
+    return wait_all([ManagedProcess(["dht", "--host_maddrs", f"/ip4/{host}/tcp/{port}", *extra], name,
                                     env=thread_env(threads), log_dir=log_dir)], timeout)[0]
 
 
@@ -187,8 +187,10 @@ class Topology:
 
     def __init__(self, model: str, spans: Sequence[Optional[str]] = (), prefix: Optional[str] = None,
                  server_args: Sequence[str] = (), *, name: str = "swarm", host: str = LOCALHOST, dht_port: int = 0,
-                 threads: Optional[int] = None, log_dir: Optional[str] = None, ready_timeout: float = 180):
+                 threads: Optional[int] = None, log_dir: Optional[str] = None, ready_timeout: float = 180,
+                 dht_args: Sequence[str] = ()):
         self.model, self.spans, self.prefix, self.server_args = model, list(spans), prefix, list(server_args)
+        self.dht_args = list(dht_args)
         self.name, self.host, self.dht_port = name, host, dht_port
         self.threads, self.log_dir, self.ready_timeout = threads, log_dir, ready_timeout
         self.procs: List[ManagedProcess] = []
@@ -207,7 +209,7 @@ class Topology:
     def start(self) -> "Topology":
         """The bootstrap peer, then the servers of `spans` (ready)."""
         self.bootstrap = start_bootstrap(self.host, self.dht_port, self._named("dht"), threads=self.threads,
-                                         log_dir=self.log_dir)
+                                         log_dir=self.log_dir, extra=self.dht_args)
         self.procs.append(self.bootstrap)
         if self.spans:
             self.add_servers(self.spans)

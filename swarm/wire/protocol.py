@@ -13,6 +13,9 @@ RPCs (see `BlockRPC`):
   server hands its output straight to the next server of the chain (named by the client in `Step.push_to`).
 - `rpc_forward`: one pass of hidden states through a block range, no cache.
 - `rpc_info`: `ServerStats`.
+
+In a private swarm the `uid` of a stream's first request (of every `rpc_forward` request, of `rpc_info`'s
+`ExpertUID`) carries the caller's membership proof (`swarm.runtime.swarm_key`); otherwise it is empty.
 """
 from __future__ import annotations
 
