@@ -48,6 +48,11 @@ class ClientConfig(BaseModel):
     dht_prefix: Optional[str] = Field(default=None, description="DHT key prefix (default: from the model name)")
     request_timeout: float = Field(default=60.0, gt=0, description="seconds for a forward or info call")
     step_timeout: float = Field(default=120.0, gt=0, description="seconds for one inference step")
+    liveness_interval: Optional[float] = Field(
+        default=5.0, gt=0, description="while a step's reply is late, ping its server every this many seconds; one "
+                                       "unanswered within liveness_timeout fails the server over (a cut link sends no "
+                                       "error); None: wait the whole step_timeout")
+    liveness_timeout: float = Field(default=10.0, gt=0, description="seconds a liveness ping may take")
     update_period: float = Field(default=30.0, gt=0, description="seconds between refreshes of the swarm view")
     max_retries: int = Field(default=3, ge=0, description="times a failed step is re-routed before giving up")
     ban_timeout: float = Field(default=15.0, gt=0, description="first ban of a failed server, doubled each time")
