@@ -20,7 +20,7 @@ from hivemind.utils import get_dht_time
 from server.config import ServerConfig
 from server.pings import measure_next_pings
 from swarm import __version__
-from swarm.runtime.swarm_key import SwarmKey, dht_kwargs, proof_for
+from swarm.runtime.swarm_key import SwarmKey, join_dht, proof_for
 from swarm.wire.records import ServerInfo, ServerSpan, ServerState, declare_blocks, fetch_block_records, online_spans
 
 logger = logging.getLogger("swarmgate.server")
@@ -31,10 +31,10 @@ def start_dht(config: ServerConfig) -> hivemind.DHT:
     if not config.new_swarm and not config.initial_peers:
         raise ValueError("give --initial_peers to join a swarm, or --new_swarm to start one")
     host_maddrs = [f"/ip4/0.0.0.0/tcp/{config.port}"] if config.port is not None else config.host_maddrs
-    return hivemind.DHT(
-        initial_peers=[] if config.new_swarm else config.initial_peers, start=True, host_maddrs=host_maddrs,
-        announce_maddrs=config.announce_maddrs or None, identity_path=config.identity_path, client_mode=False,
-        **dht_kwargs(config.load_swarm_key()),
+    return join_dht(
+        config.load_swarm_key(), initial_peers=[] if config.new_swarm else config.initial_peers,
+        host_maddrs=host_maddrs, announce_maddrs=config.announce_maddrs or None, identity_path=config.identity_path,
+        client_mode=False,
     )
 
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 import secrets
 
+import httpx
 import pytest
 import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from swarm import AutoDistributedModelForCausalLM
-from swarm.launch.topology import Topology, start_server
+from swarm.launch.topology import Topology, start_gateway, start_server
 from swarm.runtime.swarm_key import SwarmKey
 from swarm.wire import protocol as P
 
@@ -61,6 +62,8 @@ def test_members_generate_the_reference_text(private, member, key_file, tokenize
     assert torch.equal(_greedy(member, tokenizer), expected)
     assert private.bootstrap.ready["swarm_key"] == SwarmKey.from_file(key_file).fingerprint
     assert {s.peer_id for s in member.manager.update(force=True)} == {s.peer_id for s in private.servers}
+    second = next(s for s in private.servers if s.ready["start"] == 15)
+    assert member.manager.server_info(second.peer_id).steps_from_push > 0  # server-to-server pushes prove it too
 
 
 @pytest.mark.parametrize("outsider_key", [None, "wrong"])
@@ -92,6 +95,29 @@ def test_outsider_client_is_refused(private, model_path, key):
     with pytest.raises(RuntimeError, match="bootstrap failed"):
         AutoDistributedModelForCausalLM.from_pretrained(model_path, initial_peers=private.initial_peers,
                                                         dht_prefix=PREFIX, **kwargs)
+
+
+def test_gateway_serves_with_the_key_and_cannot_start_without_it(private, model_path, key_file, tokenizer, member):
+    outsider = start_gateway(model_path, private.initial_peers, PREFIX, name="outsider-gateway", threads=1,
+                             timeout=None)
+    try:
+        with pytest.raises(RuntimeError, match="exited") as info:
+            outsider.wait_ready(timeout=120)
+        assert "bootstrap failed" in str(info.value) and "--swarm_key_file" in str(info.value)
+    finally:
+        outsider.kill()
+    gateway = start_gateway(model_path, private.initial_peers, PREFIX, ["--swarm_key_file", key_file],
+                            name="private-gateway", threads=1)
+    try:
+        url = gateway.ready["url"]
+        assert httpx.get(url + "/health", timeout=30).json()["status"] == "ok"
+        body = {"model": httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"], "temperature": 0,
+                "prompt": PROMPT, "max_tokens": NEW}
+        text = httpx.post(url + "/v1/completions", json=body, timeout=300).json()["choices"][0]["text"]
+        ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+        assert text == tokenizer.decode(_greedy(member, tokenizer)[0, ids.shape[1]:], skip_special_tokens=True)
+    finally:
+        gateway.terminate()
 
 
 async def _direct_calls(server_maddr: str, server_peer: str, proof_for_me) -> dict:

@@ -29,7 +29,7 @@ from swarm.client.routing import (
     quant_allowed,
 )
 from swarm.runtime import aio
-from swarm.runtime.swarm_key import SwarmKey, dht_kwargs, proof_for
+from swarm.runtime.swarm_key import SwarmKey, join_dht, proof_for
 from swarm.wire import protocol as P
 from swarm.wire.records import ServerSpan, fetch_block_records, online_spans
 
@@ -95,8 +95,7 @@ class SwarmManager:
             raise ValueError("initial_peers is required: the multiaddr(s) of a peer of the swarm")
         self.config, self.prefix, self.num_blocks = config, prefix, num_blocks
         key = config.load_swarm_key()
-        self.dht = dht or hivemind.DHT(initial_peers=config.initial_peers, client_mode=True, start=True,
-                                       **dht_kwargs(key))
+        self.dht = dht or join_dht(key, initial_peers=config.initial_peers, client_mode=True)
         self._own_dht = dht is None
         self.p2p: P2P = aio.run(self.dht.replicate_p2p(), timeout=60)
         self.member_proof = proof_for(key, self.p2p.peer_id)  # sent with every block RPC (private swarms)

@@ -13,11 +13,10 @@ import sys
 import threading
 from typing import List, Optional
 
-import hivemind
 from pydantic import Field
 
 from swarm.runtime.config import config_from_argv, setup_logging
-from swarm.runtime.swarm_key import SwarmKeySettings, dht_kwargs
+from swarm.runtime.swarm_key import SwarmKeySettings, join_dht
 
 logger = logging.getLogger("swarmgate.dht")
 
@@ -42,9 +41,8 @@ def main(argv=None) -> int:
     if key is not None:
         logger.info(f"private swarm: DHT requests need the swarm key (fingerprint {key.fingerprint})")
     try:
-        dht = hivemind.DHT(start=True, host_maddrs=config.host_maddrs, announce_maddrs=config.announce_maddrs or None,
-                           identity_path=config.identity_path, initial_peers=config.initial_peers,
-                           **dht_kwargs(key))
+        dht = join_dht(key, host_maddrs=config.host_maddrs, announce_maddrs=config.announce_maddrs or None,
+                       identity_path=config.identity_path, initial_peers=config.initial_peers)
     except Exception as e:
         print(f"error: cannot start the DHT peer: {e}", file=sys.stderr)
         return 1

@@ -23,6 +23,7 @@ import secrets
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import hivemind
 from hivemind.p2p import PeerID
 from hivemind.utils.auth import AuthorizedRequestBase, AuthorizedResponseBase, AuthorizerBase
 from hivemind.utils.timed_storage import TimedStorage, get_dht_time
@@ -125,6 +126,19 @@ class SwarmKeyAuthorizer(AuthorizerBase):
         signature, auth.signature = auth.signature, b""
         expected = self.key.mac(b"dht-response", response.SerializeToString())
         return hmac.compare_digest(signature, expected)
+
+
+def join_dht(key: Optional[SwarmKey], **kwargs: Any) -> Any:
+    """`hivemind.DHT(start=True, **kwargs)` as a member of the swarm of `key` (None: an open swarm). A failed
+    bootstrap says what to check: in a private swarm, members do not answer a peer without the same key."""
+    try:
+        return hivemind.DHT(start=True, **kwargs, **dht_kwargs(key))
+    except RuntimeError as e:
+        if "bootstrap failed" not in str(e):
+            raise
+        held = f"this peer's key has fingerprint {key.fingerprint}" if key else "this peer has no swarm key"
+        raise RuntimeError(f"{e} Check the initial peers' addresses; if the swarm is private, every member needs "
+                           f"its key (--swarm_key_file): {held}.") from None
 
 
 def dht_kwargs(key: Optional[SwarmKey]) -> dict:
