@@ -113,7 +113,11 @@ class SwarmManager:
                 self.spans = online_spans(records)
                 self._last_update = time.monotonic()
                 if self.config.measure_rtt:
-                    self.rtts.update(aio.run(self._ping(s.peer_id for s in self._allowed(self.spans))))
+                    # banned servers are not routed to anyway; a silent one would hold the refresh up for the
+                    # ping's whole time-out (a failover refreshes here before it re-routes)
+                    banned = set(self.banned())
+                    self.rtts.update(aio.run(self._ping(s.peer_id for s in self._allowed(self.spans)
+                                                        if s.peer_id not in banned)))
             return self.spans
 
     def _allowed(self, spans: List[ServerSpan]) -> List[ServerSpan]:
