@@ -1,5 +1,6 @@
-"""The client's liveness check of a late step, without processes: a stand-in manager whose info call answers or
-hangs, and a reply stream that answers late or never (`tests/test_multihost.py` cuts a real link)."""
+"""The client's liveness check of a late step: first without processes (a stand-in manager whose info call answers
+or hangs, a reply stream that answers late or never), then on real processes, a server frozen mid-generation
+(`tests/test_multihost.py` cuts a real link between network namespaces)."""
 from __future__ import annotations
 
 import asyncio
@@ -68,3 +69,43 @@ def test_without_liveness_pings_the_step_time_out_applies():
 def test_liveness_settings_are_validated(value):
     with pytest.raises(ValueError):
         ClientConfig(liveness_interval=value)
+
+
+def test_a_frozen_server_mid_generation_is_failed_over_on_loopback(model_path, bootstrap, tokenizer, reference_model):
+    """Where network namespaces are not permitted, a frozen server (SIGSTOP to its process group: p2pd included, so
+    its connections stay open and say nothing) stands in for a cut link: the default liveness settings fail it
+    over and the greedy tokens equal transformers' (the session's step time-out alone would wait 120 s)."""
+    import os
+    import signal
+
+    from swarm import AutoDistributedModelForCausalLM
+    from swarm.launch.topology import start_servers
+    from tests.test_failover import KillAfter
+
+    prefix = "tfrozen"
+    servers = start_servers(model_path, [bootstrap.maddr], ["0:30", "0:30"], prefix, ["--throughput", "100"],
+                            threads=1)
+    model = AutoDistributedModelForCausalLM.from_pretrained(model_path, initial_peers=[bootstrap.maddr],
+                                                            dht_prefix=prefix)
+    try:
+        ids = tokenizer("Frozen hosts say nothing, so", return_tensors="pt")["input_ids"]
+        new = 16
+        ref = reference_model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        by_peer = {s.peer_id: s for s in servers}
+        with model.inference_session(max_length=ids.shape[1] + new) as session:
+            def freeze():
+                victim = by_peer[session.session.chain[0].peer_id]
+                os.killpg(victim.proc.pid, signal.SIGSTOP)
+                freeze.victim = victim.peer_id
+
+            began = time.monotonic()
+            out = model.generate(ids, session=session, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                 streamer=KillAfter(6, freeze))
+            print(f"\n{new} tokens with a server frozen after 6: {time.monotonic() - began:.1f}s")
+            assert session.session.failovers == 1
+            assert [hop.peer_id for hop in session.session.chain] != [freeze.victim]
+        assert out.tolist() == ref.tolist()
+    finally:
+        model.shutdown()
+        for s in servers:
+            s.kill()  # SIGKILL ends stopped processes too
