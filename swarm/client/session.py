@@ -54,15 +54,22 @@ class SpanStream:
             self._pending = None
         except asyncio.TimeoutError:
             if timeout is None:
-                self._pending = None
+                self._abandon_pending()
             raise
         except StopAsyncIteration:
             self._pending = None
             raise P.RemoteError("closed", "the server closed the session", self.hop.peer_id) from None
         except Exception:
-            self._pending = None
+            self._abandon_pending()
             raise
         return P.unpack_reply(response, self.hop.peer_id)
+
+    def _abandon_pending(self) -> None:
+        """Give up on the reply still awaited from a failed server (cancelled: it would end, unread, in an
+        exception that asyncio reports as never retrieved)."""
+        if self._pending is not None and not self._pending.done():
+            self._pending.cancel()
+        self._pending = None
 
     async def _wait_while_alive(self, pending: asyncio.Future):
         """The reply, waited for up to `step_timeout`. While it is late, the server is pinged (an info call on a new
