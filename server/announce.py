@@ -47,16 +47,15 @@ class Announcer:
     """What this server says about itself in the DHT (span `start:end`, state, throughput, next pings)."""
 
     def __init__(self, prefix: str, expiration: float, num_blocks_total: int, dtype: torch.dtype,
-                 free_cache_tokens: Callable[[], int], quant_type: str = "none",
-                 swarm_key: Optional[SwarmKey] = None):
+                 free_cache_tokens: Callable[[], int], quant_type: str = "none"):
         self.dht: Optional[hivemind.DHT] = None  # set once the peer has started
-        self.swarm_key = swarm_key  # a private swarm's key: pings prove membership with it
         self.prefix, self.expiration, self.num_blocks_total = prefix, expiration, num_blocks_total
         self.dtype, self.quant_type = dtype, quant_type
         self.free_cache_tokens = free_cache_tokens
         self.start = self.end = 0
         self.state = ServerState.JOINING
         self.throughput = 1.0
+        self.swarm_key: Optional[SwarmKey] = None  # a private swarm's key (set by the server): pings prove membership
         self.next_pings: Dict[str, float] = {}  # peer id -> RTT (s) to servers that can run block `end`
         # observable counters (tests, logs) and what the last announcement said
         self.announcements = 0

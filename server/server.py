@@ -86,12 +86,12 @@ class Server:
         self.pool: Optional[TaskPool] = None
         self.capacity: Optional[Capacity] = None
         self.record = Announcer(self.prefix, config.expiration or 2 * config.update_period, self.num_blocks_total,
-                                self.dtype, self._free_cache_tokens, quant_type=self.quant_type,
-                                swarm_key=config.load_swarm_key())
+                                self.dtype, self._free_cache_tokens, quant_type=self.quant_type)
         # observable counters (tests, logs)
         self.moves = self.restarts = 0
         self._stop = asyncio.Event()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self.record.swarm_key = config.load_swarm_key()  # a private swarm's: handlers and pings use it
 
     @property
     def started_dht(self) -> hivemind.DHT:

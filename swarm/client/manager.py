@@ -174,18 +174,18 @@ class SwarmManager:
 
     # ---- RPC ----------------------------------------------------------------------------------------------
     def stub(self, peer_id: str):
-        return P.BlockRPC.get_stub(self.p2p, PeerID.from_base58(peer_id))
+        """A stub for `peer_id` whose calls carry this peer's membership proof (private swarms)."""
+        return P.ProvedStub(P.BlockRPC.get_stub(self.p2p, PeerID.from_base58(peer_id)), self.member_proof)
 
     async def info(self, peer_id: str) -> P.ServerStats:
-        response = await self.stub(peer_id).rpc_info(runtime_pb2.ExpertUID(uid=self.member_proof),
-                                                     timeout=self.config.request_timeout)
+        response = await self.stub(peer_id).rpc_info(runtime_pb2.ExpertUID(uid=""), timeout=self.config.request_timeout)
         return P.parse_stats(response)
 
     def server_info(self, peer_id: str) -> P.ServerStats:
         return aio.run(self.info(peer_id), timeout=self.config.request_timeout + 5)
 
     async def forward(self, hop: RouteHop, hidden: "torch.Tensor") -> "torch.Tensor":
-        request = P.make_request(P.ForwardRequest(start=hop.start, end=hop.end), [hidden], uid=self.member_proof)
+        request = P.make_request(P.ForwardRequest(start=hop.start, end=hop.end), [hidden])
         response = await self.stub(hop.peer_id).rpc_forward(request, timeout=self.config.request_timeout)
         _, tensors = P.unpack_reply(response, hop.peer_id, forward=True)
         return tensors[0]

@@ -108,7 +108,7 @@ class SpanStream:
         self._responses = await stub.rpc_inference(aio.iterate_queue(self._queue))
         opened = P.OpenSession(session_id=self.session_id, start=self.hop.start, end=self.hop.end,
                                max_length=self.max_length, batch_size=self.batch_size)
-        self._queue.put_nowait(P.make_request(opened, uid=self.manager.member_proof))
+        self._queue.put_nowait(P.make_request(opened))
         if wait:
             await self._next_reply()
         else:
