@@ -4,11 +4,14 @@ the pause at failover. Starts its own bootstrap peer and servers on loopback; pr
 Messages per token are counted from the servers' counters: messages the client sends, pushes between servers,
 replies to the client. The failover pause is the longest gap between two tokens of a 40-token greedy
 generation in which the server of the last span is SIGKILLed after 10 tokens (a replacement exists), next to
-the median gap.
+the median gap; `failover_frozen` stops it with SIGSTOP instead (a frozen host or a cut link: no connection
+error ever comes, the client's liveness ping finds it silent).
 """
 from __future__ import annotations
 
 import json
+import os
+import signal
 import statistics
 import sys
 import time
@@ -72,7 +75,8 @@ def main() -> None:
     with Topology(path, name="bench-chain", ready_timeout=300) as topology:
         dht = topology.bootstrap
         servers = {}
-        for name, spans in {**TOPOLOGIES, "failover": ["0:15", "15:30", "15:30"]}.items():
+        failover = ["0:15", "15:30", "15:30"]
+        for name, spans in {**TOPOLOGIES, "failover": failover, "failover_frozen": failover}.items():
             servers[name] = [topology.add_server(span, ["--throughput", "1"], name=f"bench-{name}-{i}", wait=False,
                                                  prefix=f"bench-{name}")
                              for i, span in enumerate(spans)]
@@ -85,26 +89,37 @@ def main() -> None:
                     path, initial_peers=[dht.maddr], dht_prefix=f"bench-{name}", use_push=push)
                 result[f"{name}_{'push' if push else 'no_push'}"] = run_chain(model, peers)
                 model.shutdown()
-        # failover pause
-        model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=[dht.maddr],
-                                                                dht_prefix="bench-failover")
-        by_peer = {s.peer_id: s for s in servers["failover"]}
-        model.generate(PROMPT, max_new_tokens=4)
-        with model.inference_session(max_length=PROMPT.shape[1] + 40) as session:
-            def maybe_kill(n):
-                if n == 10:
-                    victim = next(h.peer_id for h in session.session.chain if h.start == 15)
-                    by_peer[victim].kill()
-
-            clock = Clock(maybe_kill)
-            model.generate(PROMPT, session=session, max_new_tokens=40, min_new_tokens=40, do_sample=False,
-                           streamer=clock)
-            failovers = session.session.failovers
-        model.shutdown()
-        g = gaps(clock.times)
-        result["failover"] = {"pause_ms": round(1000 * max(g), 1),
-                              "median_token_ms": round(1000 * statistics.median(g), 1), "failovers": failovers}
+        # failover pause: a killed server (its connections reset), a frozen one (SIGSTOP: they stay open, silent)
+        for name, stop in (("failover", lambda proc: proc.kill()),
+                           ("failover_frozen", lambda proc: os.killpg(proc.proc.pid, signal.SIGSTOP))):
+            result[name] = pause_at_failover(path, dht.maddr, servers[name], name, stop)
     print(json.dumps(result))
+
+
+def pause_at_failover(path: str, maddr: str, servers: list, name: str, stop) -> dict:
+    """The longest gap between tokens of a 40-token greedy generation whose last-span server is stopped after 10."""
+    from swarm import AutoDistributedModelForCausalLM
+
+    model = AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=[maddr], dht_prefix=f"bench-{name}")
+    by_peer = {s.peer_id: s for s in servers}
+    model.generate(PROMPT, max_new_tokens=4)
+    stopped = []
+    with model.inference_session(max_length=PROMPT.shape[1] + 40) as session:
+        def maybe_stop(n):
+            if n == 10:
+                stopped.append(by_peer[next(h.peer_id for h in session.session.chain if h.start == 15)])
+                stop(stopped[-1])
+
+        clock = Clock(maybe_stop)
+        model.generate(PROMPT, session=session, max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                       streamer=clock)
+        failovers = session.session.failovers
+    model.shutdown()
+    for proc in stopped:
+        proc.kill()  # a frozen process would sit out SIGTERM's whole grace period at the end
+    g = gaps(clock.times)
+    return {"pause_ms": round(1000 * max(g), 1), "median_token_ms": round(1000 * statistics.median(g), 1),
+            "failovers": failovers}
 
 
 if __name__ == "__main__":

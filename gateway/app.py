@@ -3,9 +3,9 @@
 `create_app(config, model=None, tokenizer=None)` builds the app around one client model (loaded here when not
 given: embeddings, final norm and LM head; the blocks run on the swarm) and its tokenizer. Routes: the OpenAI
 endpoints (`gateway.completions`), `GET /v1/models`, `POST /tokenize`, `POST /detokenize` (all behind the
-API keys when configured), and the public `GET /health` (200 when every block is served, else 503 naming
-the missing ones) and `GET /metrics` (Prometheus). Every response carries `X-Request-Id` (echoed or
-created); CORS is on for the configured origins.
+API keys when configured), and `GET /health` (200 when every block is served, else 503 naming the missing
+ones) and `GET /metrics` (Prometheus), public unless `--protect_probes`. Every response carries
+`X-Request-Id` (echoed or created); CORS is on for the configured origins.
 
 `main(argv)` parses flags / YAML / environment into `GatewayConfig`, serves with uvicorn, and prints
 `SWARMGATE_READY {"url": "http://host:port"}` on stdout once it accepts connections.
@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from gateway.admission import Admission
-from gateway.auth import require_api_key
+from gateway.auth import require_api_key, require_probe_key
 from gateway.completions import router as completions_router
 from gateway.config import GatewayConfig
 from gateway.engine import Engine
@@ -90,7 +90,8 @@ def load_model(config: GatewayConfig):
     return AutoDistributedModelForCausalLM.from_pretrained(
         config.model, initial_peers=config.initial_peers, dht_prefix=config.dht_prefix,
         torch_dtype=config.torch_dtype, step_timeout=config.step_timeout, request_timeout=config.rpc_timeout,
-        allowed_quant_types=config.allowed_quant_types,
+        allowed_quant_types=config.allowed_quant_types, swarm_key=config.swarm_key,
+        swarm_key_file=config.swarm_key_file,
         pad_head_rows=False)  # its buffers and timing runs cost the gateway ~5 MB of its 450 MB RSS budget
 
 
@@ -198,7 +199,7 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
         tokens.check_ids(body.tokens, "tokens")
         return {"prompt": await run_in_threadpool(tokens.decode, body.tokens)}
 
-    @app.get("/health")
+    @app.get("/health", dependencies=[Depends(require_probe_key)])
     async def health():
         try:
             coverage = await run_in_threadpool(state.coverage, True)
@@ -217,7 +218,7 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
         return {"status": "ok", "blocks": total, "servers": servers, "model": config.model_name,
                 **quant_summary(coverage)}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(require_probe_key)])
     async def prometheus_metrics():
         return Response(await run_in_threadpool(state.metrics.render), media_type=CONTENT_TYPE_LATEST)
 

@@ -6,16 +6,17 @@ into the `swarmgate gateway MODEL ...` command line and `swarm.runtime.config.lo
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from pathlib import Path
+from typing import Any, List, Optional, Tuple
 
-from pydantic import Field, field_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from swarm.client.routing import normalize_quant_types
-from swarm.runtime.config import ProcessConfig
+from swarm.runtime.swarm_key import SwarmKeySettings
 from swarm.wire.dtypes import QUANT_TYPES, parse_dtype
 
 
-class GatewayConfig(ProcessConfig):
+class GatewayConfig(SwarmKeySettings):
     model: str = Field(description="model served by the swarm: bundled name, local checkpoint directory or hub id")
     initial_peers: List[str] = Field(default_factory=list, description="multiaddrs of DHT peers of the swarm")
     dht_prefix: Optional[str] = Field(default=None, description="DHT key prefix (default: from the model name)")
@@ -24,7 +25,14 @@ class GatewayConfig(ProcessConfig):
     served_model_name: Optional[str] = Field(
         default=None, description="model id clients send and /v1/models lists (default: the model's name)")
     api_keys: List[str] = Field(default_factory=list,
-                                description="accepted bearer keys; empty: no authentication")
+                                description="accepted bearer keys (any of them; empty, with no --api_key_file: no "
+                                            "authentication)")
+    api_key_file: Optional[str] = Field(
+        default=None, description="file of accepted bearer keys, one a line ('#' starts a comment), added to "
+                                  "--api_keys (keeps keys off the command line)")
+    protect_probes: bool = Field(
+        default=False, description="require an API key for /health and /metrics too (default: they stay public, "
+                                   "for load balancers and Prometheus)")
     max_concurrent: int = Field(default=8, gt=0, description="generations running at once")
     max_queue: int = Field(default=32, ge=0, description="requests waiting for a slot before 429 is returned")
     queue_timeout: float = Field(default=120.0, gt=0, description="seconds a request may wait for a slot (then 503)")
@@ -79,6 +87,26 @@ class GatewayConfig(ProcessConfig):
         if any(not key for key in value):
             raise ValueError("API keys must not be empty")
         return value
+
+    _file_keys: Tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="after")
+    def _read_key_file(self):
+        if self.api_key_file is not None:
+            try:
+                lines = Path(self.api_key_file).read_text().splitlines()
+            except OSError as e:
+                raise ValueError(f"cannot read api_key_file {self.api_key_file!r}: {e.strerror or e}") from None
+            keys = tuple(k for k in (line.split("#", 1)[0].strip() for line in lines) if k)
+            if not keys:
+                raise ValueError(f"api_key_file {self.api_key_file!r} holds no key")
+            self._file_keys = keys
+        return self
+
+    @property
+    def accepted_api_keys(self) -> Tuple[str, ...]:
+        """Every key that authenticates a request: `api_keys` and those of `api_key_file` (empty: no auth)."""
+        return (*self.api_keys, *self._file_keys)
 
     @property
     def model_name(self) -> str:

@@ -21,6 +21,7 @@ from hivemind.utils import get_dht_time
 from server.config import ServerConfig
 from server.pings import measure_next_pings
 from swarm import __version__
+from swarm.runtime.swarm_key import SwarmKey, join_dht, proof_for
 from swarm.wire.records import ServerInfo, ServerSpan, ServerState, declare_blocks, fetch_block_records, online_spans
 
 logger = logging.getLogger("swarmgate.server")
@@ -31,9 +32,10 @@ def start_dht(config: ServerConfig) -> hivemind.DHT:
     if not config.new_swarm and not config.initial_peers:
         raise ValueError("give --initial_peers to join a swarm, or --new_swarm to start one")
     host_maddrs = [f"/ip4/0.0.0.0/tcp/{config.port}"] if config.port is not None else config.host_maddrs
-    return hivemind.DHT(
-        initial_peers=[] if config.new_swarm else config.initial_peers, start=True, host_maddrs=host_maddrs,
-        announce_maddrs=config.announce_maddrs or None, identity_path=config.identity_path, client_mode=False,
+    return join_dht(
+        config.load_swarm_key(), initial_peers=[] if config.new_swarm else config.initial_peers,
+        host_maddrs=host_maddrs, announce_maddrs=config.announce_maddrs or None, identity_path=config.identity_path,
+        client_mode=False,
     )
 
 
@@ -55,6 +57,7 @@ class Announcer:
         self.start = self.end = 0
         self.state = ServerState.JOINING
         self.throughput = 1.0
+        self.swarm_key: Optional[SwarmKey] = None  # a private swarm's key (set by the server): pings prove membership
         self.next_pings: Dict[str, float] = {}  # peer id -> RTT (s) to servers that can run block `end`
         # observable counters (tests, logs) and what the last announcement said
         self.announcements = 0
@@ -103,7 +106,8 @@ class Announcer:
             self.next_pings = {}
             return
         try:
-            self.next_pings = await measure_next_pings(p2p, await self.spans(), peer_id, self.end)
+            self.next_pings = await measure_next_pings(p2p, await self.spans(), peer_id, self.end,
+                                                       proof=proof_for(self.swarm_key, peer_id))
         except Exception as e:  # measuring is best effort; the record goes out anyway
             logger.debug(f"measuring next pings failed: {e}")
 

@@ -13,11 +13,12 @@ from server.throughput import parse_throughput_mode
 from swarm.modeling.disk_cache import parse_size
 from swarm.modeling.lora import ADAPTERS_HELP, AdapterSource
 from swarm.modeling.quantize import QUANT_TYPE_HELP
-from swarm.runtime.config import ProcessConfig, parse_span
+from swarm.runtime.config import parse_span
+from swarm.runtime.swarm_key import SwarmKeySettings
 from swarm.wire.dtypes import DTYPES, QUANT_TYPES
 
 
-class ServerConfig(ProcessConfig):
+class ServerConfig(SwarmKeySettings):
     model: str = Field(description="model to serve: bundled name, local checkpoint directory or hub repo id")
     new_swarm: bool = Field(default=False, description="start a new swarm (no initial peers)")
     initial_peers: List[str] = Field(default_factory=list, description="multiaddrs of peers to join")

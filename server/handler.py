@@ -4,7 +4,9 @@ Every request is validated before any tensor work (message schema and version, b
 shape, positions against the session's cache and `max_length`, finite values, beam parent ids and padding against
 the session's rows). A bad step gets an
 `ErrorReply` on its own stream and leaves the session as it was; other sessions and the server go on. A
-session's cache is reserved when its stream opens and released when the stream ends for any reason.
+session's cache is reserved when its stream opens and released when the stream ends for any reason. In a
+private swarm (`swarm_key`), every RPC is refused (`forbidden`) unless its first request proves the caller's
+membership for the connection's peer id (`swarm.runtime.swarm_key`).
 """
 from __future__ import annotations
 
@@ -24,10 +26,13 @@ from server.blocks import BlockSpan
 from server.cache import CacheBudget, OutOfCacheError
 from server.push import PushRouter, PushSender
 from swarm.runtime import malloc
+from swarm.runtime.swarm_key import SwarmKey, proof_for
 from swarm.runtime.taskpool import PRIORITY_DECODE, PRIORITY_FORWARD, PRIORITY_PREFILL, TaskPool
 from swarm.wire import protocol as P
 
 logger = logging.getLogger(__name__)
+
+NOT_A_MEMBER = "this is a private swarm: the request carries no valid proof of its swarm key"
 
 
 @dataclass
@@ -64,8 +69,9 @@ async def _drain(requests: AsyncIterator, timeout: float = 2.0, max_messages: in
 class BlockHandler(P.BlockRPC):
     def __init__(self, span: BlockSpan, model_name: str, version: str, budget: CacheBudget, pool: TaskPool,
                  max_length: int, alloc_timeout: float, step_timeout: float, max_batch_tokens: int = 1 << 16,
-                 prefill_chunk: int = 256):
+                 prefill_chunk: int = 256, swarm_key: Optional[SwarmKey] = None):
         self.span, self.model_name, self.version = span, model_name, version
+        self.swarm_key = swarm_key
         self.budget, self.pool = budget, pool
         self.max_length, self.alloc_timeout, self.step_timeout = max_length, alloc_timeout, step_timeout
         self.max_batch_tokens = max_batch_tokens
@@ -76,6 +82,13 @@ class BlockHandler(P.BlockRPC):
         self.pusher: Optional[PushSender] = None
 
     # ---- validation -------------------------------------------------------------------------------------
+    def _admits(self, context: P2PContext, proof: str) -> bool:
+        """Whether the caller may use this server: any peer in an open swarm, members in a private one."""
+        if self.swarm_key is None or self.swarm_key.is_member(context.remote_id, proof):
+            return True
+        logger.warning(f"refused an RPC from {context.remote_id}: no valid proof of the swarm key")
+        return False
+
     def _check_range(self, start: int, end: int) -> None:
         if not (self.span.start <= start < end <= self.span.end):
             raise P.ProtocolError(
@@ -108,6 +121,10 @@ class BlockHandler(P.BlockRPC):
             try:
                 first = await asyncio.wait_for(requests.__anext__(), timeout=self.step_timeout)
             except (StopAsyncIteration, asyncio.TimeoutError):
+                return
+            if not self._admits(context, first.uid):
+                yield P.error_response("forbidden", NOT_A_MEMBER)
+                await _drain(requests)
                 return
             try:
                 opened = P.decode(first.metadata, P.OpenSession)
@@ -250,7 +267,7 @@ class BlockHandler(P.BlockRPC):
 
     # ---- push ---------------------------------------------------------------------------------------------
     async def add_p2p_handlers(self, p2p, *args, **kwargs) -> None:
-        self.pusher = PushSender(p2p)
+        self.pusher = PushSender(p2p, proof=proof_for(self.swarm_key, p2p.peer_id))
         await super().add_p2p_handlers(p2p, *args, **kwargs)
 
     async def remove_p2p_handlers(self, p2p, *args, **kwargs) -> None:
@@ -266,7 +283,12 @@ class BlockHandler(P.BlockRPC):
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Pushes from a previous server: each goes to the input queue of the session part it names."""
+        admitted = False
         async for request in requests:
+            if not admitted:  # the first push of a stream proves membership for the whole stream
+                if not self._admits(context, request.uid):
+                    return
+                admitted = True
             try:
                 key = P.decode(request.metadata, P.PushStep).stream_key
             except P.ProtocolError as e:
@@ -278,6 +300,8 @@ class BlockHandler(P.BlockRPC):
 
     # ---- forward (no cache) -----------------------------------------------------------------------------
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        if not self._admits(context, request.uid):
+            return P.error_response("forbidden", NOT_A_MEMBER)
         try:
             message = P.decode(request.metadata, P.ForwardRequest)
             self._check_range(message.start, message.end)
@@ -317,4 +341,6 @@ class BlockHandler(P.BlockRPC):
         )
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        if not self._admits(context, request.uid):
+            raise PermissionError(NOT_A_MEMBER)  # the caller gets an RPC error
         return runtime_pb2.ExpertInfo(serialized_info=P.encode(self.stats()))

@@ -21,11 +21,11 @@ from swarm.wire.records import ServerSpan, ServerState
 UNREACHABLE = 1e6
 
 
-async def ping(p2p: P2P, peer_id: str, timeout: float = 2.0) -> float:
+async def ping(p2p: P2P, peer_id: str, timeout: float = 2.0, proof: str = "") -> float:
     start = time.perf_counter()
     try:
         stub = P.BlockRPC.get_stub(p2p, PeerID.from_base58(peer_id))
-        await stub.rpc_info(runtime_pb2.ExpertUID(uid=""), timeout=timeout)
+        await stub.rpc_info(runtime_pb2.ExpertUID(uid=proof), timeout=timeout)
     except Exception:
         return UNREACHABLE
     return time.perf_counter() - start
@@ -42,7 +42,8 @@ def next_candidates(spans: Sequence[ServerSpan], my_peer_id: str, end: int, max_
 
 
 async def measure_next_pings(p2p: P2P, spans: Sequence[ServerSpan], my_peer_id: str, end: int,
-                             max_peers: int = 8, timeout: float = 2.0) -> Dict[str, float]:
+                             max_peers: int = 8, timeout: float = 2.0, proof: str = "") -> Dict[str, float]:
+    """`proof`: this server's membership proof in a private swarm (`swarm.runtime.swarm_key`)."""
     peers = next_candidates(spans, my_peer_id, end, max_peers)
-    rtts = await asyncio.gather(*(ping(p2p, peer, timeout) for peer in peers))
+    rtts = await asyncio.gather(*(ping(p2p, peer, timeout, proof) for peer in peers))
     return dict(zip(peers, rtts))

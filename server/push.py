@@ -53,8 +53,9 @@ class _Channel:
 class PushSender:
     """One push stream per next server, opened on first use and reopened after a failure."""
 
-    def __init__(self, p2p: P2P):
+    def __init__(self, p2p: P2P, proof: str = ""):
         self.p2p = p2p
+        self.proof = proof  # this server's membership proof in a private swarm (sent with each push)
         self._channels: Dict[str, _Channel] = {}
         self.closed = False
 
@@ -95,7 +96,7 @@ class PushSender:
             return False
         message = P.PushStep(stream_key=target.stream_key, start_position=start_position, step_id=step_id,
                              push_chain=list(chain[1:]), **(row_edits or {}))
-        channel.queue.put_nowait(P.make_request(message, [output]))
+        channel.queue.put_nowait(P.make_request(message, [output], uid=self.proof))
         return True
 
     def close(self) -> None:

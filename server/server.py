@@ -98,6 +98,7 @@ class Server:
         self.moves = self.restarts = 0
         self._stop = asyncio.Event()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self.record.swarm_key = config.load_swarm_key()  # a private swarm's: handlers and pings use it
 
     @property
     def started_dht(self) -> hivemind.DHT:
@@ -147,7 +148,8 @@ class Server:
         assert self.capacity is not None, "plan() sizes the server before it loads blocks"
         handler = self.handler_class(span, self.config.model, __version__, CacheBudget(self.capacity.attn_cache_tokens),
                                      self._compute_pool(), max_length=self.config.max_length,
-                                     alloc_timeout=self.config.alloc_timeout, step_timeout=self.config.step_timeout)
+                                     alloc_timeout=self.config.alloc_timeout, step_timeout=self.config.step_timeout,
+                                     swarm_key=self.record.swarm_key)
         if self.p2p is None:
             self.p2p = await self.started_dht.replicate_p2p()
         await handler.add_p2p_handlers(self.p2p)

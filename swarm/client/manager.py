@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 import hivemind
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from swarm.client.routing import (
     QUANT_TYPES,
@@ -30,6 +30,7 @@ from swarm.client.routing import (
     served_adapters,
 )
 from swarm.runtime import aio
+from swarm.runtime.swarm_key import SwarmKey, join_dht, proof_for
 from swarm.wire import protocol as P
 from swarm.wire.records import ServerSpan, fetch_block_records, online_spans
 
@@ -48,6 +49,11 @@ class ClientConfig(BaseModel):
     dht_prefix: Optional[str] = Field(default=None, description="DHT key prefix (default: from the model name)")
     request_timeout: float = Field(default=60.0, gt=0, description="seconds for a forward or info call")
     step_timeout: float = Field(default=120.0, gt=0, description="seconds for one inference step")
+    liveness_interval: Optional[float] = Field(
+        default=5.0, gt=0, description="while a step's reply is late, ping its server every this many seconds; one "
+                                       "unanswered within liveness_timeout fails the server over (a cut link sends no "
+                                       "error); None: wait the whole step_timeout")
+    liveness_timeout: float = Field(default=10.0, gt=0, description="seconds a liveness ping may take")
     update_period: float = Field(default=30.0, gt=0, description="seconds between refreshes of the swarm view")
     max_retries: int = Field(default=3, ge=0, description="times a failed step is re-routed before giving up")
     ban_timeout: float = Field(default=15.0, gt=0, description="first ban of a failed server, doubled each time")
@@ -61,11 +67,27 @@ class ClientConfig(BaseModel):
         default=None, description=f"weight formats of the servers a route may use, of {', '.join(QUANT_TYPES)} "
                                   f"(a server's announced quant_type); None: any, so a mixed swarm works")
 
+    swarm_key: Optional[SecretStr] = Field(default=None, description="a private swarm's shared secret (see "
+                                                                     "swarm.runtime.swarm_key)")
+    swarm_key_file: Optional[str] = Field(default=None, description="a file holding the private swarm's key")
+
     @field_validator("allowed_quant_types", mode="before")
     @classmethod
     def _valid_quant_types(cls, value: Any) -> Optional[List[str]]:
         normalized = normalize_quant_types(value)  # ValueError naming the bad value and the choices
         return None if normalized is None else list(normalized)
+
+    @model_validator(mode="after")
+    def _loadable_key(self):
+        if self.swarm_key is not None and self.swarm_key_file is not None:
+            raise ValueError("give the swarm key once: swarm_key or swarm_key_file, not both")
+        self.load_swarm_key()
+        return self
+
+    def load_swarm_key(self) -> Optional[SwarmKey]:
+        if self.swarm_key_file is not None:
+            return SwarmKey.from_file(self.swarm_key_file)
+        return None if self.swarm_key is None else SwarmKey(self.swarm_key.get_secret_value())
 
 
 class SwarmManager:
@@ -73,9 +95,11 @@ class SwarmManager:
         if not config.initial_peers and dht is None:
             raise ValueError("initial_peers is required: the multiaddr(s) of a peer of the swarm")
         self.config, self.prefix, self.num_blocks = config, prefix, num_blocks
-        self.dht = dht or hivemind.DHT(initial_peers=config.initial_peers, client_mode=True, start=True)
+        key = config.load_swarm_key()
+        self.dht = dht or join_dht(key, initial_peers=config.initial_peers, client_mode=True)
         self._own_dht = dht is None
         self.p2p: P2P = aio.run(self.dht.replicate_p2p(), timeout=60)
+        self.member_proof = proof_for(key, self.p2p.peer_id)  # sent with every block RPC (private swarms)
         self.spans: List[ServerSpan] = []
         self._last_update = 0.0
         self._bans: Dict[str, tuple[float, int]] = {}  # peer id -> (banned until, consecutive failures)
@@ -90,7 +114,11 @@ class SwarmManager:
                 self.spans = online_spans(records)
                 self._last_update = time.monotonic()
                 if self.config.measure_rtt:
-                    self.rtts.update(aio.run(self._ping(s.peer_id for s in self._allowed(self.spans))))
+                    # banned servers are not routed to anyway; a silent one would hold the refresh up for the
+                    # ping's whole time-out (a failover refreshes here before it re-routes)
+                    banned = set(self.banned())
+                    self.rtts.update(aio.run(self._ping(s.peer_id for s in self._allowed(self.spans)
+                                                        if s.peer_id not in banned)))
             return self.spans
 
     def _allowed(self, spans: List[ServerSpan]) -> List[ServerSpan]:
@@ -154,7 +182,8 @@ class SwarmManager:
 
     # ---- RPC ----------------------------------------------------------------------------------------------
     def stub(self, peer_id: str):
-        return P.BlockRPC.get_stub(self.p2p, PeerID.from_base58(peer_id))
+        """A stub for `peer_id` whose calls carry this peer's membership proof (private swarms)."""
+        return P.ProvedStub(P.BlockRPC.get_stub(self.p2p, PeerID.from_base58(peer_id)), self.member_proof)
 
     async def info(self, peer_id: str) -> P.ServerStats:
         response = await self.stub(peer_id).rpc_info(runtime_pb2.ExpertUID(uid=""), timeout=self.config.request_timeout)

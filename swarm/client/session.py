@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from typing import AsyncGenerator, List, Optional, Sequence
 
 import torch
+from hivemind.p2p import P2PHandlerError
 
 from swarm.client.manager import SwarmManager
 from swarm.client.routing import RouteHop, RoutingError
@@ -52,21 +54,59 @@ class SpanStream:
             assert self._responses is not None, "the stream is not open"
             self._pending = asyncio.ensure_future(self._responses.__anext__())
         try:
-            # shield: a short wait (for a push) that times out must not lose the reply still on its way
-            response = await asyncio.wait_for(asyncio.shield(self._pending),
-                                              timeout=timeout or self.manager.config.step_timeout)
+            if timeout is None:
+                response = await self._wait_while_alive(self._pending)
+            else:
+                # shield: a short wait (for a push) that times out must not lose the reply still on its way
+                response = await asyncio.wait_for(asyncio.shield(self._pending), timeout=timeout)
             self._pending = None
         except asyncio.TimeoutError:
             if timeout is None:
-                self._pending = None
+                self._abandon_pending()
             raise
         except StopAsyncIteration:
             self._pending = None
             raise P.RemoteError("closed", "the server closed the session", self.hop.peer_id) from None
         except Exception:
-            self._pending = None
+            self._abandon_pending()
             raise
         return P.unpack_reply(response, self.hop.peer_id)
+
+    def _abandon_pending(self) -> None:
+        """Give up on the reply still awaited from a failed server (cancelled: it would end, unread, in an
+        exception that asyncio reports as never retrieved)."""
+        if self._pending is not None and not self._pending.done():
+            self._pending.cancel()
+        self._pending = None
+
+    async def _wait_while_alive(self, pending: asyncio.Future):
+        """The reply, waited for up to `step_timeout`. While it is late, the server is pinged (an info call on a new
+        stream) every `liveness_interval` seconds: a ping unanswered within `liveness_timeout` means the server is
+        unreachable (a cut link, a frozen host: no connection error ever comes), so the session fails over after
+        about interval + timeout seconds instead of the whole step time-out."""
+        config = self.manager.config
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + config.step_timeout
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise asyncio.TimeoutError(f"no reply within step_timeout={config.step_timeout:g}s")
+            interval = config.liveness_interval
+            await asyncio.wait({pending}, timeout=left if interval is None else min(left, interval))
+            if pending.done():
+                return pending.result()
+            if interval is not None and not await self._answers_ping() and not pending.done():
+                raise P.RemoteError("unreachable", f"no reply for {interval:g}s and no answer to a ping within "
+                                                   f"{config.liveness_timeout:g}s", self.hop.peer_id)
+
+    async def _answers_ping(self) -> bool:
+        try:
+            await asyncio.wait_for(self.manager.info(self.hop.peer_id), self.manager.config.liveness_timeout)
+        except P2PHandlerError:
+            return True  # the server answered, if with an error: it is reachable
+        except Exception:
+            return False
+        return True
 
     async def open(self, wait: bool = True) -> None:
         """Open the stream and the server's session. With `wait=False` the OpenSession reply is read before the
@@ -255,9 +295,10 @@ class InferenceSession:
         failed = self._streams[index]
         assert self.batch_size is not None, "the session is not open"
         logger.warning(f"server {failed.hop.peer_id} failed on blocks {failed.hop.start}:{failed.hop.end}: "
-                       f"{error}; re-routing that span")
+                       f"{type(error).__name__}: {error}; re-routing that span")
         self.manager.ban(failed.hop.peer_id)
         asyncio.ensure_future(failed.close())
+        began = time.monotonic()
         replacement = await self._open_span(failed.hop.start, failed.hop.end, self.batch_size, reasons=[str(error)])
         if self.position > 0:
             x = self._history[failed.hop.start].read(self.position)  # [batch, position, hidden]
@@ -275,6 +316,8 @@ class InferenceSession:
                     raise
         self._streams[index:index + 1] = replacement
         self.failovers += 1
+        logger.info(f"blocks {failed.hop.start}:{failed.hop.end} re-routed to {[s.hop.peer_id for s in replacement]} "
+                    f"and {self.position} positions replayed in {time.monotonic() - began:.1f}s")
 
     async def _replay(self, stream: SpanStream, x: torch.Tensor, padding: Optional[List[int]]) -> torch.Tensor:
         """Send positions [0, len) of `x` [batch, len, hidden] (rows left-padded by `padding`) through `stream` in

@@ -13,15 +13,15 @@ import sys
 import threading
 from typing import List, Optional
 
-import hivemind
 from pydantic import Field
 
-from swarm.runtime.config import ProcessConfig, config_from_argv, setup_logging
+from swarm.runtime.config import config_from_argv, setup_logging
+from swarm.runtime.swarm_key import SwarmKeySettings, join_dht
 
 logger = logging.getLogger("swarmgate.dht")
 
 
-class BootstrapConfig(ProcessConfig):
+class BootstrapConfig(SwarmKeySettings):
     host_maddrs: List[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/31337"],
                                    description="multiaddrs to listen on")
     announce_maddrs: List[str] = Field(default_factory=list, description="multiaddrs to announce to others")
@@ -37,14 +37,18 @@ def main(argv=None) -> int:
     config = config_from_argv(BootstrapConfig, argv, "swarmgate dht", "Run a bootstrap DHT peer for a private swarm.",
                               section="dht")
     setup_logging(config.log_level)
+    key = config.load_swarm_key()
+    if key is not None:
+        logger.info(f"private swarm: DHT requests need the swarm key (fingerprint {key.fingerprint})")
     try:
-        dht = hivemind.DHT(start=True, host_maddrs=config.host_maddrs, announce_maddrs=config.announce_maddrs or None,
-                           identity_path=config.identity_path, initial_peers=config.initial_peers)
+        dht = join_dht(key, host_maddrs=config.host_maddrs, announce_maddrs=config.announce_maddrs or None,
+                       identity_path=config.identity_path, initial_peers=config.initial_peers)
     except Exception as e:
         print(f"error: cannot start the DHT peer: {e}", file=sys.stderr)
         return 1
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
-    print("SWARMGATE_READY " + json.dumps({"peer_id": dht.peer_id.to_base58(), "maddrs": maddrs}), flush=True)
+    print("SWARMGATE_READY " + json.dumps({"peer_id": dht.peer_id.to_base58(), "maddrs": maddrs,
+                                               "swarm_key": key.fingerprint if key else None}), flush=True)
     for m in maddrs:
         print(f"join with: --initial_peers {m}", flush=True)
     if config.write_maddrs:

@@ -12,7 +12,9 @@
   started first, on exit (also when starting fails half-way).
 
 `threads=N` (tests, benchmarks on shared cores) gives a process N intra-op threads: `OMP_NUM_THREADS` (unless the
-environment already sets it) and `--num_threads N` for servers and gateways.
+environment already sets it) and `--num_threads N` for servers and gateways. `wrap` prefixes the command line, e.g.
+`["ip", "netns", "exec", "ns1"]` runs the process in a network namespace (it keeps the environment, PYTHONPATH
+included, and exec's in place, so the process group is still the one `terminate` and `kill` signal).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ class ManagedProcess:
     logging to a file."""
 
     def __init__(self, args: Sequence[str], name: str, env: Optional[Dict[str, str]] = None,
-                 log_dir: Optional[str] = None, module: Optional[str] = None):
+                 log_dir: Optional[str] = None, module: Optional[str] = None, wrap: Sequence[str] = ()):
         self.name = name
         if log_dir:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
@@ -46,7 +48,7 @@ class ManagedProcess:
             self.log_path = Path(tempfile.mkstemp(prefix=f"swarmgate-{name}-", suffix=".log")[1])
         self._log = open(self.log_path, "w")
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        command = [sys.executable, "-m", module or CLI, *args]
+        command = [*wrap, sys.executable, "-m", module or CLI, *args]
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO,
                                      start_new_session=True)
         self.ready: Optional[dict] = None
@@ -124,16 +126,17 @@ def wait_all(procs: Sequence[ManagedProcess], timeout: float = 180) -> List[Mana
 
 
 def start_bootstrap(host: str = LOCALHOST, port: int = 0, name: str = "dht", *, threads: Optional[int] = None,
-                    log_dir: Optional[str] = None, timeout: float = 60) -> ManagedProcess:
-    """A bootstrap DHT peer, ready (its `.maddr` is what servers and clients join)."""
-    return wait_all([ManagedProcess(["dht", "--host_maddrs", f"/ip4/{host}/tcp/{port}"], name,
-                                    env=thread_env(threads), log_dir=log_dir)], timeout)[0]
+                    log_dir: Optional[str] = None, timeout: float = 60, extra: Sequence[str] = (),
+                    wrap: Sequence[str] = ()) -> ManagedProcess:
+    """A bootstrap DHT peer, ready (its `.maddr` is what servers and clients join); `extra`: more flags."""
+    return wait_all([ManagedProcess(["dht", "--host_maddrs", f"/ip4/{host}/tcp/{port}", *extra], name,
+                                    env=thread_env(threads), log_dir=log_dir, wrap=wrap)], timeout)[0]
 
 
 def start_server(model: str, initial_peers: Sequence[str], span: Optional[str] = None, prefix: Optional[str] = None,
                  extra: Sequence[str] = (), *, name: Optional[str] = None, host: str = LOCALHOST,
                  threads: Optional[int] = None, env: Optional[Dict[str, str]] = None, log_dir: Optional[str] = None,
-                 module: Optional[str] = None) -> ManagedProcess:
+                 module: Optional[str] = None, wrap: Sequence[str] = ()) -> ManagedProcess:
     """A block server serving `span` ("start:end"; None: it places itself), not yet waited for. `module` runs
     instead of `swarmgate server` (it gets the same arguments)."""
     args = [model, "--initial_peers", *initial_peers, "--host_maddrs", f"/ip4/{host}/tcp/0"]
@@ -144,7 +147,7 @@ def start_server(model: str, initial_peers: Sequence[str], span: Optional[str] =
     args += _thread_args(threads) + list(extra)
     name = name or f"server-{prefix or 'swarm'}-{(span or 'placed').replace(':', '-')}"
     return ManagedProcess(args if module else ["server", *args], name, env={**thread_env(threads), **(env or {})},
-                          log_dir=log_dir, module=module)
+                          log_dir=log_dir, module=module, wrap=wrap)
 
 
 def start_servers(model: str, initial_peers: Sequence[str], spans: Sequence[Optional[str]],
@@ -167,13 +170,13 @@ def start_servers(model: str, initial_peers: Sequence[str], spans: Sequence[Opti
 def start_gateway(model: str, initial_peers: Sequence[str], prefix: Optional[str] = None, extra: Sequence[str] = (),
                   *, name: str = "gateway", host: str = LOCALHOST, port: int = 0, threads: Optional[int] = None,
                   env: Optional[Dict[str, str]] = None, log_dir: Optional[str] = None,
-                  timeout: Optional[float] = 180) -> ManagedProcess:
+                  timeout: Optional[float] = 180, wrap: Sequence[str] = ()) -> ManagedProcess:
     """The HTTP gateway (its URL is `.ready["url"]`), waited for unless `timeout` is None."""
     args = ["gateway", model, "--initial_peers", *initial_peers]
     if prefix is not None:
         args += ["--dht_prefix", prefix]
     args += ["--host", host, "--port", str(port), *_thread_args(threads), *extra]
-    proc = ManagedProcess(args, name, env={**thread_env(threads), **(env or {})}, log_dir=log_dir)
+    proc = ManagedProcess(args, name, env={**thread_env(threads), **(env or {})}, log_dir=log_dir, wrap=wrap)
     return proc if timeout is None else wait_all([proc], timeout)[0]
 
 
@@ -187,8 +190,10 @@ class Topology:
 
     def __init__(self, model: str, spans: Sequence[Optional[str]] = (), prefix: Optional[str] = None,
                  server_args: Sequence[str] = (), *, name: str = "swarm", host: str = LOCALHOST, dht_port: int = 0,
-                 threads: Optional[int] = None, log_dir: Optional[str] = None, ready_timeout: float = 180):
+                 threads: Optional[int] = None, log_dir: Optional[str] = None, ready_timeout: float = 180,
+                 dht_args: Sequence[str] = ()):
         self.model, self.spans, self.prefix, self.server_args = model, list(spans), prefix, list(server_args)
+        self.dht_args = list(dht_args)
         self.name, self.host, self.dht_port = name, host, dht_port
         self.threads, self.log_dir, self.ready_timeout = threads, log_dir, ready_timeout
         self.procs: List[ManagedProcess] = []
@@ -207,7 +212,7 @@ class Topology:
     def start(self) -> "Topology":
         """The bootstrap peer, then the servers of `spans` (ready)."""
         self.bootstrap = start_bootstrap(self.host, self.dht_port, self._named("dht"), threads=self.threads,
-                                         log_dir=self.log_dir)
+                                         log_dir=self.log_dir, extra=self.dht_args)
         self.procs.append(self.bootstrap)
         if self.spans:
             self.add_servers(self.spans)

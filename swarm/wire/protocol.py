@@ -16,6 +16,10 @@ RPCs (see `BlockRPC`):
   server hands its output straight to the next server of the chain (named by the client in `Step.push_to`).
 - `rpc_forward`: one pass of hidden states through a block range, no cache.
 - `rpc_info`: `ServerStats`.
+
+In a private swarm the `uid` of a stream's first request (of every `rpc_forward` request, of `rpc_info`'s
+`ExpertUID`) carries the caller's membership proof (`swarm.runtime.swarm_key`; `ProvedStub` stamps it);
+otherwise it is empty.
 """
 from __future__ import annotations
 
@@ -309,6 +313,37 @@ class BlockRPC(ServicerBase):
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         raise NotImplementedError
+
+
+class ProvedStub:
+    """A `BlockRPC` stub whose calls carry `proof` (a private swarm's membership proof, `swarm.runtime.swarm_key`)
+    in the `uid` of their request, or of a stream's first request; with an empty proof requests go as they are."""
+
+    def __init__(self, stub, proof: str):
+        self._stub, self._proof = stub, proof
+
+    def _proved(self, request):
+        if self._proof:
+            request.uid = self._proof
+        return request
+
+    async def _first_proved(self, requests: AsyncIterator) -> AsyncIterator:
+        first = True
+        async for request in requests:
+            yield self._proved(request) if first else request
+            first = False
+
+    async def rpc_info(self, request: runtime_pb2.ExpertUID, **kwargs):
+        return await self._stub.rpc_info(self._proved(request), **kwargs)
+
+    async def rpc_forward(self, request: runtime_pb2.ExpertRequest, **kwargs):
+        return await self._stub.rpc_forward(self._proved(request), **kwargs)
+
+    async def rpc_inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], **kwargs):
+        return await self._stub.rpc_inference(self._first_proved(requests), **kwargs)
+
+    async def rpc_push(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], **kwargs):
+        return await self._stub.rpc_push(self._first_proved(requests), **kwargs)
 
 
 def parse_stats(info: runtime_pb2.ExpertInfo) -> ServerStats:
