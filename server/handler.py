@@ -1,4 +1,5 @@
-"""The RPC handlers of a block server: inference streams, forward passes and the info call.
+"""The RPC handlers of a block server: inference streams, forward passes and the info call (the training passes
+are `server.training.TrainingHandler`'s, which this class extends).
 
 Every request is validated before any tensor work (message schema and version, block range, tensor dtype and
 shape, positions against the session's cache and `max_length`, finite values). A bad step gets an
@@ -22,6 +23,7 @@ from hivemind.proto import runtime_pb2
 from server.blocks import BlockSpan
 from server.cache import CacheBudget, OutOfCacheError
 from server.push import PushRouter, PushSender
+from server.training import TrainingHandler
 from swarm.runtime import malloc
 from swarm.runtime.taskpool import PRIORITY_DECODE, PRIORITY_FORWARD, PRIORITY_PREFILL, TaskPool
 from swarm.wire import protocol as P
@@ -60,7 +62,7 @@ async def _drain(requests: AsyncIterator, timeout: float = 2.0, max_messages: in
         return
 
 
-class BlockHandler(P.BlockRPC):
+class BlockHandler(TrainingHandler):
     def __init__(self, span: BlockSpan, model_name: str, version: str, budget: CacheBudget, pool: TaskPool,
                  max_length: int, alloc_timeout: float, step_timeout: float, max_batch_tokens: int = 1 << 16,
                  prefill_chunk: int = 256):
@@ -286,6 +288,7 @@ class BlockHandler(P.BlockRPC):
             steps_from_push=self.counters.steps_from_push, pushes_sent=self.counters.pushes_sent,
             decode_batches=self.pool.batches_done, largest_batch=self.pool.largest_batch,
             decode_compute_seconds=round(self.counters.compute_seconds, 6),
+            training_tokens_processed=self.training_tokens,
         )
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:

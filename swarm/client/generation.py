@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union, cast
 
 import torch
+from transformers import GenerationConfig
 from transformers.generation.logits_process import (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
@@ -50,6 +51,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
     TypicalLogitsWarper,
 )
+from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingCriteriaList, StopStringCriteria
 
 # `GenerationConfig` fields that `generate` cannot honour: set to anything but the value given here, they are an error
 # (never silently ignored). Each maps to the reason given in the error.
@@ -403,3 +405,24 @@ class RowSamplers:
                ) -> List[Optional[TokenChoice]]:
         return [None if left is None else sampler.choose(input_ids[i], logits[i], left)
                 for i, (sampler, left) in enumerate(zip(self.samplers, remaining))]
+
+
+def stopping_criteria_for(config: "GenerationConfig", custom: Optional[StoppingCriteriaList],
+                          tokenizer) -> StoppingCriteriaList:
+    """transformers' stopping criteria for `max_time` and `stop_strings` (max length and end-of-sequence tokens
+    are the loop's own), merged with a user's `stopping_criteria` as transformers merges them."""
+    criteria = StoppingCriteriaList()
+    if config.max_time is not None:
+        criteria.append(MaxTimeCriteria(max_time=config.max_time))
+    if config.stop_strings is not None:
+        if tokenizer is None:
+            raise ValueError("generate(): `stop_strings` needs the model's tokenizer: pass `tokenizer=` to "
+                             "generate")
+        criteria.append(StopStringCriteria(stop_strings=config.stop_strings, tokenizer=tokenizer))
+    for extra in custom or []:
+        same = [i for i, c in enumerate(criteria) if type(c) is type(extra)]
+        if same:
+            criteria[same[0]] = extra
+        else:
+            criteria.append(extra)
+    return criteria

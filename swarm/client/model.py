@@ -23,12 +23,14 @@ import torch
 from torch import nn
 from transformers import GenerationConfig
 from transformers.generation.logits_process import LogitsProcessorList
-from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingCriteriaList, StopStringCriteria
+from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from swarm.client import ptune as tuning
 from swarm.client.api import Coverage, PromptLogprob, ServerView
-from swarm.client.generation import SamplingParams, build_processors, process_and_pick_scores
+from swarm.client.generation import SamplingParams, build_processors, process_and_pick_scores, stopping_criteria_for
 from swarm.client.manager import ClientConfig, SwarmManager
+from swarm.client.remote_autograd import RemoteBlocks
 from swarm.client.routing import quant_allowed
 from swarm.client.rowpad import RowPadding
 from swarm.client.session import InferenceSession, SessionError
@@ -102,14 +104,17 @@ class ModelSession:
 
     def _feed(self, input_ids: torch.Tensor, pick) -> Tuple[torch.Tensor, Any]:
         reuse = self.reusable_prefix(input_ids)
-        if reuse < self.session.position:
-            self.session.rewind(reuse)
+        offset = tuning.session_offset(self.model)  # shallow prompts (`swarm.client.ptune`) hold the first positions
+        if reuse + offset < self.session.position:
+            self.session.rewind(reuse + offset)
         new_ids = input_ids[:, reuse:]
         pool = client_pool()
         if new_ids.numel() * self.model.config.hidden_size < SMALL_EMBED_ELEMENTS:
             hidden = self.model.embed(new_ids)  # [batch, n, hidden]: serial kernels, no OpenMP team here
         else:
             hidden = pool.call(PRIORITY_DECODE, self.model.embed, new_ids)
+        if offset and self.session.position == 0:
+            hidden = tuning.with_prompts(self.model, hidden)
         out = self.session.step(hidden)
         self.token_ids = input_ids.clone()
         logits, picked = pool.call_batchable(PRIORITY_DECODE, ("head", id(self.model)), self.model.head_rows,
@@ -138,13 +143,17 @@ class DistributedModelForCausalLM(nn.Module):
         self.generation_config = generation_config
         self.row_padding: Optional[RowPadding] = None  # set by from_pretrained(pad_head_rows=True)
         self.name_or_path: str = ""  # set by from_pretrained
+        self.ptune: Optional[tuning.PromptTuning] = None  # from_pretrained(tuning_mode=..., pre_seq_len=...)
+        self.remote_blocks: Optional[RemoteBlocks] = None  # the differentiable blocks, made on first use
 
     # ---- loading ------------------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, torch_dtype: Union[str, torch.dtype] = torch.float32,
                         cache_dir: Optional[str] = None, dht=None, device: Union[str, torch.device] = "cpu",
-                        pad_head_rows: bool = True, **client_kwargs) -> "DistributedModelForCausalLM":
-        """`pad_head_rows`: on the CPU, run concurrent sessions' LM heads padded to the row count measured fastest
+                        pad_head_rows: bool = True, tuning_mode: Optional[str] = None, pre_seq_len: int = 0,
+                        **client_kwargs) -> "DistributedModelForCausalLM":
+        """`tuning_mode` "ptune" / "deep_ptune" with `pre_seq_len`: trainable soft prompts (`swarm.client.ptune`).
+        `pad_head_rows`: on the CPU, run concurrent sessions' LM heads padded to the row count measured fastest
         (`swarm.client.rowpad`: about 10% more aggregate tokens/s with 8 sessions here, for ~0.5 s at load and a few
         MB)."""
         client_config = ClientConfig(**client_kwargs)
@@ -177,6 +186,8 @@ class DistributedModelForCausalLM(nn.Module):
         model = cls(config, family, manager, embed, norm, lm_head, generation_config).to(device).eval()
         model.requires_grad_(False)
         model.name_or_path = name_or_path
+        if tuning_mode is not None:
+            model.ptune = tuning.make_prompt_tuning(model, tuning_mode, pre_seq_len)
         if pad_head_rows:
             model.row_padding = RowPadding()
             model.row_padding.calibrate(model.lm_head.weight, model.lm_head.bias)  # CPU only: which batches to pad
@@ -219,7 +230,9 @@ class DistributedModelForCausalLM(nn.Module):
         return [(part, _try(pick, part)) for part, (_, pick) in zip(parts, items)]
 
     def inference_session(self, max_length: int) -> ModelSession:
-        return ModelSession(self, max_length)
+        if self.ptune is not None and self.ptune.deep_prompts is not None:
+            return cast(ModelSession, tuning.PromptedSession(self, max_length))
+        return ModelSession(self, max_length + tuning.session_offset(self))
 
     # ---- the swarm, as a front end sees it (swarm.client.api.ClientModel) ---------------------------------
     def check_route(self, cache_tokens: int = 0) -> None:
@@ -248,9 +261,15 @@ class DistributedModelForCausalLM(nn.Module):
     def unban(self, peer_id: str) -> None:
         self.manager.mark_ok(peer_id)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> CausalLMOutput:
-        """Logits for every position of `input_ids` [batch, seq] through the swarm (no cache)."""
+    def forward(self, input_ids: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                inputs_embeds: Optional[torch.Tensor] = None) -> CausalLMOutput:
+        """Logits for every position of `input_ids` [batch, seq] (or `inputs_embeds` [batch, seq, hidden]) through
+        the swarm (no cache); differentiable (`swarm.client.ptune.trainable_forward`) when prompts, trainable
+        modules or inputs that require grad are involved, so that `loss.backward()` works."""
         _reject_padding(attention_mask)
+        if tuning.needs_autograd(self, inputs_embeds):
+            return CausalLMOutput(*tuning.trainable_forward(self, input_ids, inputs_embeds))
+        assert input_ids is not None
         pool = client_pool()
         hidden = pool.call(PRIORITY_FORWARD, self.embed, input_ids)
         hidden = aio.run(self._forward_chain(hidden))
@@ -333,7 +352,7 @@ class DistributedModelForCausalLM(nn.Module):
         max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt_len
         params = SamplingParams.from_generation_config(config, max(max_new, 0))
         processors = build_processors(params, prompt_len, custom=logits_processor)
-        criteria = self._stopping_criteria(config, stopping_criteria, tokenizer)
+        criteria = stopping_criteria_for(config, stopping_criteria, tokenizer)
         want_scores, want_logits = bool(config.output_scores), bool(config.output_logits)
         as_dict = bool(config.return_dict_in_generate)
         scores: List[torch.Tensor] = []
@@ -390,27 +409,6 @@ class DistributedModelForCausalLM(nn.Module):
             if own_session:
                 session.close()
         return result(ids)
-
-    @staticmethod
-    def _stopping_criteria(config: GenerationConfig, custom: Optional[StoppingCriteriaList],
-                           tokenizer) -> StoppingCriteriaList:
-        """transformers' stopping criteria for `max_time` and `stop_strings` (max length and end-of-sequence tokens
-        are the loop's own), merged with a user's `stopping_criteria` as transformers merges them."""
-        criteria = StoppingCriteriaList()
-        if config.max_time is not None:
-            criteria.append(MaxTimeCriteria(max_time=config.max_time))
-        if config.stop_strings is not None:
-            if tokenizer is None:
-                raise ValueError("generate(): `stop_strings` needs the model's tokenizer: pass `tokenizer=` to "
-                                 "generate")
-            criteria.append(StopStringCriteria(stop_strings=config.stop_strings, tokenizer=tokenizer))
-        for extra in custom or []:
-            same = [i for i, c in enumerate(criteria) if type(c) is type(extra)]
-            if same:
-                criteria[same[0]] = extra
-            else:
-                criteria.append(extra)
-        return criteria
 
     def shutdown(self) -> None:
         self.manager.shutdown()
