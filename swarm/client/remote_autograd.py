@@ -46,6 +46,7 @@ class RemoteBlocks:
         self.manager = manager
         self.load: Dict[str, int] = {}  # requests in flight per server (on the client loop only)
         self.calls = 0  # training calls sent (forward and backward), for tests and benchmarks
+        self.failed: List[str] = []  # servers whose calls failed (then banned), oldest first
 
     def __call__(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor] = None) -> torch.Tensor:
         """hidden [batch, seq, hidden] -> the last block's output [batch, seq, hidden]; prompts (optional)
@@ -97,6 +98,7 @@ class RemoteBlocks:
         if isinstance(error, P.RemoteError) and error.code == "bad_request" and "not served here" not in error.message:
             raise error  # the request itself is wrong: another server would refuse it too
         self.manager.ban(hop.peer_id)
+        self.failed.append(hop.peer_id)
         if tries > self.manager.config.max_retries:
             raise TrainingError(f"training pass failed after {tries} tries: {error}") from error
 
