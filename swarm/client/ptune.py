@@ -92,10 +92,10 @@ def needs_autograd(model: DistributedModel, inputs_embeds: Optional[torch.Tensor
     return torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
 
 
-def trainable_forward(model: DistributedModel, input_ids: Optional[torch.Tensor],
-                      inputs_embeds: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(logits [batch, seq, vocab] (float32), final-norm states [batch, seq, hidden]) of the input positions,
-    differentiable with respect to `inputs_embeds`, the prompts and any trainable client module."""
+def trainable_hidden(model: DistributedModel, input_ids: Optional[torch.Tensor],
+                     inputs_embeds: Optional[torch.Tensor]) -> torch.Tensor:
+    """Final-norm states [batch, seq, hidden] of the input positions (the prompts' dropped), differentiable with
+    respect to `inputs_embeds`, the prompts and any trainable client module."""
     if inputs_embeds is None:
         if input_ids is None or input_ids.ndim != 2 or input_ids.shape[1] == 0:
             raise ValueError("input_ids must be a non-empty [batch, seq] tensor")
@@ -112,9 +112,15 @@ def trainable_forward(model: DistributedModel, input_ids: Optional[torch.Tensor]
     if model.remote_blocks is None:
         model.remote_blocks = RemoteBlocks(model.manager)
     out = model.remote_blocks(hidden.cpu(), None if deep is None else deep.cpu())[:, pre:]
-    normed = model.norm(out.to(model.device))
-    logits = model.lm_head(normed).float()
-    return logits, normed
+    return model.norm(out.to(model.device))
+
+
+def trainable_forward(model: DistributedModel, input_ids: Optional[torch.Tensor],
+                      inputs_embeds: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(logits [batch, seq, vocab] (float32), final-norm states [batch, seq, hidden]): `trainable_hidden`, then
+    the LM head."""
+    normed = trainable_hidden(model, input_ids, inputs_embeds)
+    return model.lm_head(normed).float(), normed
 
 
 def session_offset(model: DistributedModel) -> int:
