@@ -6,15 +6,17 @@ Starts its own bootstrap peer and servers (one intra-op thread each) on loopback
   (weights frozen, as when tuning prompts), `model(inputs_embeds=...)` + `loss.backward()`; the swarm's backward
   recomputes each span's forward (the servers keep nothing between calls), so it does about twice the local work.
   The local reference runs `LlamaForCausalLM` with one intra-op thread, like each server.
-- Decode latency: the per-token gap of a greedy generation (median and p90), alone and while a client thread runs
-  training passes on the same servers (their training pieces run below decode steps: `PRIORITY_TRAINING`).
+- Decode latency: the per-token gap of a greedy generation (median and p90), alone and while another client
+  process runs training passes on the same servers (their training pieces run below decode steps:
+  `PRIORITY_TRAINING`, one block of at most 1024 tokens each). On a shared CPU the training client's own work
+  (the LM head's forward and backward) competes for the cores too.
 """
 from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -90,24 +92,41 @@ def main() -> None:
 
         decode_gaps(model)  # warm-up
         result["decode_idle"] = summary(decode_gaps(model))
-        stop, steps = threading.Event(), [0]
-
-        def load() -> None:
-            while not stop.is_set():
-                train_step(model, model.embed_tokens, ids)
-                steps[0] += 1
-
-        trainer = threading.Thread(target=load, daemon=True)
-        trainer.start()
-        time.sleep(2.0)  # the training passes under way
+        trainer = subprocess.Popen([sys.executable, __file__, "--load", swarm.initial_peers[0], swarm.prefix],
+                                   stdout=subprocess.PIPE, text=True)
         try:
+            assert trainer.stdout is not None
+            assert trainer.stdout.readline().strip() == "training", "the training load did not start"
+            before = _training_tokens(model)
             result["decode_while_training"] = summary(decode_gaps(model))
+            result["training_tokens_during_decode"] = _training_tokens(model) - before
         finally:
-            stop.set()
-            trainer.join()
-        result["training_steps_during_decode"] = steps[0]
+            trainer.terminate()
+            trainer.wait(30)
     print(json.dumps(result))
 
 
+def _training_tokens(model) -> int:
+    return sum(model.manager.server_info(s.peer_id).training_tokens_processed for s in model.manager.update())
+
+
+def load(initial_peer: str, prefix: str) -> None:
+    """The training load: training passes on the swarm until terminated."""
+    from swarm import AutoDistributedModelForCausalLM
+    from swarm.modeling.prepare import prepare_model
+
+    torch.set_num_threads(1)
+    model = AutoDistributedModelForCausalLM.from_pretrained(str(prepare_model()), initial_peers=[initial_peer],
+                                                           dht_prefix=prefix, pad_head_rows=False)
+    ids = torch.randint(100, 40000, (BATCH, SEQ))
+    train_step(model, model.embed_tokens, ids)
+    print("training", flush=True)
+    while True:
+        train_step(model, model.embed_tokens, ids)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--load"]:
+        load(sys.argv[2], sys.argv[3])
+    else:
+        main()

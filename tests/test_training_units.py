@@ -149,3 +149,46 @@ def test_quantized_blocks_pass_input_gradients_on_cpu(checkpoint, quant_type):
     else:
         float_grad, _ = block_backward(BlockSpan.load(checkpoint, 0, 1), 0, hidden, None, grad)
         assert (grad_in - float_grad).norm() < 0.1 * float_grad.norm()
+
+
+def test_a_long_training_pass_lets_decode_steps_in_between(checkpoint, monkeypatch):
+    """A training forward runs in one-block pieces of at most `train_piece_tokens` at `PRIORITY_TRAINING`: a decode
+    step submitted while it runs goes before the pass's next pieces, not after the whole pass."""
+    import server.training as training
+    from server.blocks import BlockSpan
+    from swarm.runtime.taskpool import PRIORITY_DECODE, TaskPool
+
+    log: list = []
+    original = training.block_forward
+
+    def logged(span, index, hidden, prompt):
+        log.append(("train", index, hidden.shape[0]))
+        return original(span, index, hidden, prompt)
+
+    monkeypatch.setattr(training, "block_forward", logged)
+
+    class Handler(training.TrainingHandler):
+        def __init__(self, span, pool):
+            self.span, self.pool, self.max_length, self.max_batch_tokens = span, pool, 1024, 1 << 16
+            self.train_piece_tokens = 16  # 2 rows of 8 tokens per piece
+
+    pool = TaskPool(adapt_threads=False)
+    handler = Handler(BlockSpan.load(checkpoint, 0, 2), pool)
+    hidden = torch.randn(8, 8, 576)
+
+    async def run():
+        task = asyncio.ensure_future(handler._forward_pieces(hidden, None, 0, 2))
+        while not log:
+            await asyncio.sleep(0.001)
+        await pool.submit(PRIORITY_DECODE, lambda: log.append(("decode",)))
+        output, _ = await task
+        return output
+
+    try:
+        output = asyncio.run(run())
+    finally:
+        pool.shutdown()
+    assert [entry[0] for entry in log].count("train") == 8  # 2 blocks x 4 pieces of 2 rows
+    assert log.index(("decode",)) <= 2  # after the piece under way (and at most one more), not after all 8
+    torch.testing.assert_close(output, training.block_forward(handler.span, 1, original(handler.span, 0, hidden, None),
+                                                               None))
