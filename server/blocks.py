@@ -4,7 +4,8 @@
 materialized) into the family's decoder layers, built on the meta device and filled in place, one block at a time
 (with `quant_type` int8 / nf4 each block is quantized before the next is read: `swarm.modeling.quantize`).
 `forward` runs `[batch, seq, hidden]` states through some or all of the span with explicit positions, either with a
-session's `SessionKV` (inference) or without a cache (a plain forward pass).
+session's `SessionKV` (inference) or without a cache (a plain forward pass), optionally adding a session's deep
+prompts to each block's input at positions below pre_seq_len (`add_prompt`).
 """
 from __future__ import annotations
 
@@ -38,6 +39,16 @@ def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"unknown torch_dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor, start_position: int) -> torch.Tensor:
+    """A block's input with its deep prompt added (Petals' convention): hidden [batch, seq, hidden] holds positions
+    start_position.., prompt [batch | 1, pre_seq_len, hidden] positions 0..pre_seq_len; they add where they
+    overlap."""
+    k = min(prompt.shape[1], start_position + hidden.shape[1]) - start_position
+    if k <= 0:
+        return hidden
+    return torch.cat([hidden[:, :k] + prompt[:, start_position:start_position + k], hidden[:, k:]], dim=1)
 
 
 def _starts_with(prefix: str) -> Callable[[str], bool]:
@@ -187,8 +198,12 @@ class BlockSpan(nn.Module):
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, start_position: int = 0, kv: Optional[SessionKV] = None,
-                first: Optional[int] = None, last: Optional[int] = None) -> torch.Tensor:
-        """hidden: [batch, seq, hidden] for positions start_position.. ; runs blocks [first, last) of the model."""
+                first: Optional[int] = None, last: Optional[int] = None,
+                prompts: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """hidden: [batch, seq, hidden] for positions start_position.. ; runs blocks [first, last) of the model.
+        prompts: deep prompts [last - first, batch | 1, pre_seq_len, hidden] (`add_prompt`), or None."""
+        if prompts is not None and start_position >= prompts.shape[2]:
+            prompts = None  # past the prompts' positions
         first = self.start if first is None else first
         last = self.end if last is None else last
         hidden = hidden.to(self.device, self.dtype)
@@ -212,10 +227,16 @@ class BlockSpan(nn.Module):
                 # an inference step: the fused layers (the layer modules serve passes without a cache)
                 assert position_embeddings is not None  # fused families have rotary embeddings
                 cos, sin = position_embeddings  # [batch, seq, head_dim]
-                hidden = prefill_step(self.fused[first - self.start:last - self.start], hidden, cos, sin, kv, mask)
+                layers = self.fused[first - self.start:last - self.start]
+                if prompts is None:
+                    hidden = prefill_step(layers, hidden, cos, sin, kv, mask)
+                else:  # one block at a time, each input with its prompt
+                    for layer, prompt in zip(layers, prompts):
+                        hidden = prefill_step([layer], add_prompt(hidden, prompt, start_position), cos, sin, kv, mask)
             else:
                 with attention_backends(self.device):
-                    hidden = self._layers(hidden, mask, position_ids, position_embeddings, kv, first, last)
+                    hidden = self._layers(hidden, mask, position_ids, position_embeddings, kv, first, last, prompts,
+                                          start_position)
         except BaseException:
             if kv is not None:
                 kv.abort_step()
@@ -224,8 +245,11 @@ class BlockSpan(nn.Module):
             kv.end_step(seq)
         return hidden
 
-    def _layers(self, hidden, mask, position_ids, position_embeddings, kv, first: int, last: int) -> torch.Tensor:
-        for layer in self.layers[first - self.start:last - self.start]:
+    def _layers(self, hidden, mask, position_ids, position_embeddings, kv, first: int, last: int,
+                prompts: Optional[torch.Tensor] = None, start_position: int = 0) -> torch.Tensor:
+        for i, layer in enumerate(self.layers[first - self.start:last - self.start]):
+            if prompts is not None:
+                hidden = add_prompt(hidden, prompts[i], start_position)
             out = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=kv,
                         use_cache=kv is not None, position_embeddings=position_embeddings)
             hidden = out[0] if isinstance(out, tuple) else out

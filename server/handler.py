@@ -108,6 +108,7 @@ class BlockHandler(TrainingHandler):
             try:
                 opened = P.decode(first.metadata, P.OpenSession)
                 self._check_range(opened.start, opened.end)
+                prompts = self._session_prompts(first, opened)  # deep prompts [blocks, batch | 1, pre, hidden]
                 if not self.accepting:
                     raise OutOfCacheError("this server is shutting down and takes no new sessions")
                 if opened.max_length > self.max_length:
@@ -173,7 +174,7 @@ class BlockHandler(TrainingHandler):
                     yield P.error_response("bad_request", str(e))
                     continue
                 try:
-                    output = await self._compute(hidden, step.start_position, kv, opened.start, opened.end)
+                    output = await self._compute(hidden, step.start_position, kv, opened.start, opened.end, prompts)
                 except Exception as e:
                     logger.exception("inference step failed")
                     yield P.error_response("internal", f"step failed: {type(e).__name__}: {e}")
@@ -206,11 +207,12 @@ class BlockHandler(TrainingHandler):
                     # the last open session closed: the caches' memory back to the OS (swarm.runtime.malloc)
                     malloc.trim()
 
-    async def _compute(self, hidden: torch.Tensor, start_position: int, kv, first: int, last: int) -> torch.Tensor:
+    async def _compute(self, hidden: torch.Tensor, start_position: int, kv, first: int, last: int,
+                       prompts: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One step of a session: decode steps are batched with other sessions'; a long prefill runs in chunks
         of `prefill_chunk` tokens at a lower priority, so that other sessions' decode steps go in between."""
         seq = hidden.shape[1]
-        if seq == 1 and self.span.can_batch:
+        if seq == 1 and self.span.can_batch and (prompts is None or start_position >= prompts.shape[2]):
             return await self.pool.submit_batchable(
                 PRIORITY_DECODE, (id(self), first, last), partial(self._decode_batch, first=first, last=last),
                 (hidden, start_position, kv), source=id(kv))
@@ -218,7 +220,7 @@ class BlockHandler(TrainingHandler):
         for offset in range(0, seq, self.prefill_chunk):
             chunk = hidden[:, offset:offset + self.prefill_chunk]
             outputs.append(await self.pool.submit(PRIORITY_PREFILL, self.span.forward, chunk, start_position + offset,
-                                                  kv, first, last))
+                                                  kv, first, last, prompts))
         return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
 
     def _decode_batch(self, items: list, first: int, last: int) -> list:

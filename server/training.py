@@ -27,6 +27,7 @@ import torch
 from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
+from server.blocks import add_prompt
 from server.decode import attention_backends
 from swarm.runtime.taskpool import PRIORITY_TRAINING
 from swarm.wire import protocol as P
@@ -45,8 +46,7 @@ def _run_block(span: "BlockSpan", index: int, hidden: torch.Tensor, prompt: Opti
     """Block `index` (of the model) on hidden [batch, seq, hidden], positions from 0, causal, no cache; the prompt
     [batch | 1, pre_seq_len, hidden] is added to the first positions of its input."""
     if prompt is not None:
-        pre = prompt.shape[1]
-        hidden = torch.cat([hidden[:, :pre] + prompt, hidden[:, pre:]], dim=1)
+        hidden = add_prompt(hidden, prompt, 0)
     batch, seq, _ = hidden.shape
     position_ids = torch.arange(seq, device=span.device).unsqueeze(0).expand(batch, -1)
     embeddings = span.rotary(hidden, position_ids) if span.rotary is not None else None
@@ -141,6 +141,27 @@ class TrainingHandler(P.BlockRPC):
                 raise P.ProtocolError(f"{name} contains NaN or infinite values")
         cast = [None if t is None else t.to(self.span.device, self.span.dtype) for t in (hidden, grad, prompts)]
         return message, cast[0], cast[1], cast[2]
+
+    def _session_prompts(self, request: runtime_pb2.ExpertRequest, opened: P.OpenSession) -> Optional[torch.Tensor]:
+        """An inference session's deep prompts (the OpenSession request's tensor when `prompts`), validated:
+        [end - start, batch_size | 1, pre_seq_len, hidden] in the span's dtype."""
+        count = 1 if opened.prompts else 0
+        if len(request.tensors) != count:
+            raise P.ProtocolError(f"OpenSession with prompts={opened.prompts} carries {count} tensor(s), "
+                                  f"got {len(request.tensors)}")
+        if not opened.prompts:
+            return None
+        blocks = opened.end - opened.start
+        prompts = P.deserialize_tensor(request.tensors[0], max_elements=blocks * self.max_batch_tokens *
+                                       self.span.hidden_size)
+        if (prompts.ndim != 4 or prompts.shape[0] != blocks or prompts.shape[1] not in (1, opened.batch_size)
+                or not 0 < prompts.shape[2] <= opened.max_length or prompts.shape[3] != self.span.hidden_size):
+            raise P.ProtocolError(
+                f"prompts must have shape [{blocks}, {opened.batch_size} or 1, 0 < pre_seq_len <= max_length, "
+                f"{self.span.hidden_size}], got {list(prompts.shape)}")
+        if not torch.isfinite(prompts).all():
+            raise P.ProtocolError("prompts contain NaN or infinite values")
+        return prompts.to(self.span.device, self.span.dtype)
 
     # ---- the passes, in pieces ----------------------------------------------------------------------------
     async def _forward_pieces(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor], start: int, end: int,

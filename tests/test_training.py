@@ -2,12 +2,15 @@
 calls get a clear error on that call only."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hivemind.proto import runtime_pb2
 from hivemind.utils.asyncio import as_aiter
 
 from swarm import AutoDistributedModelForCausalLM
+from swarm.client.session import InferenceSession, SessionError
 from swarm.runtime import aio
 from swarm.wire import protocol as P
 from swarm.wire import streaming
@@ -41,36 +44,47 @@ def loss_of(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
                                              ids[:, 1:].reshape(-1))
 
 
-def reference_grads(reference_model, ids, prompts=None, deep=None):
-    """(loss, grad wrt the inputs' embeddings, grad wrt prompts, grad wrt deep prompts) by transformers' autograd;
-    `deep` [num_blocks, pre, hidden] is added to the first positions of each decoder layer's input by hooks."""
-    embeds = reference_model.get_input_embeddings()(ids).detach().requires_grad_(True)
-    leaves = [embeds]
-    hidden = embeds
-    if prompts is not None:
-        prompts = prompts.detach().clone().requires_grad_(True)
-        leaves.append(prompts)
-        hidden = torch.cat([prompts.unsqueeze(0).expand(ids.shape[0], -1, -1), embeds], dim=1)
+@contextlib.contextmanager
+def deep_prompt_hooks(reference_model, deep):
+    """Add `deep` [num_blocks, pre, hidden] to the first positions of each decoder layer's input (no cache)."""
     hooks = []
-    if deep is not None:
-        deep = deep.detach().clone().requires_grad_(True)
-        leaves.append(deep)
-        for i, layer in enumerate(reference_model.model.layers):
-            def add(module, args, kwargs, i=i):
-                h = args[0] if args else kwargs["hidden_states"]
-                h = torch.cat([h[:, :deep.shape[1]] + deep[i], h[:, deep.shape[1]:]], dim=1)
-                if args:
-                    return (h,) + tuple(args[1:]), kwargs
-                return args, {**kwargs, "hidden_states": h}
-            hooks.append(layer.register_forward_pre_hook(add, with_kwargs=True))
+    for i, layer in enumerate(reference_model.model.layers if deep is not None else []):
+        def add(module, args, kwargs, i=i):
+            h = args[0] if args else kwargs["hidden_states"]
+            h = torch.cat([h[:, :deep.shape[1]] + deep[i], h[:, deep.shape[1]:]], dim=1)
+            if args:
+                return (h,) + tuple(args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": h}
+        hooks.append(layer.register_forward_pre_hook(add, with_kwargs=True))
     try:
-        logits = reference_model(inputs_embeds=hidden).logits
+        yield
     finally:
         for hook in hooks:
             hook.remove()
+
+
+def reference_logits(reference_model, embeds, prompts=None, deep=None):
+    """transformers' logits [batch, seq, vocab] of the input positions, with prompts prepended and deep prompts
+    added at each layer."""
+    hidden = embeds
     if prompts is not None:
-        logits = logits[:, prompts.shape[0]:]
-    loss = loss_of(logits, ids)
+        hidden = torch.cat([prompts.unsqueeze(0).expand(embeds.shape[0], -1, -1), embeds], dim=1)
+    with deep_prompt_hooks(reference_model, deep):
+        logits = reference_model(inputs_embeds=hidden).logits
+    return logits if prompts is None else logits[:, prompts.shape[0]:]
+
+
+def reference_grads(reference_model, ids, prompts=None, deep=None):
+    """(loss, grads wrt the inputs' embeddings[, the prompts, the deep prompts]) by transformers' autograd."""
+    embeds = reference_model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    leaves = [embeds]
+    if prompts is not None:
+        prompts = prompts.detach().clone().requires_grad_(True)
+        leaves.append(prompts)
+    if deep is not None:
+        deep = deep.detach().clone().requires_grad_(True)
+        leaves.append(deep)
+    loss = loss_of(reference_logits(reference_model, embeds, prompts, deep), ids)
     grads = torch.autograd.grad(loss, leaves)
     return loss.detach(), grads
 
@@ -150,5 +164,35 @@ def test_bad_training_calls_get_clear_errors(model_path, swarm):
         # the server goes on serving
         again = _call(model, first.peer_id, "rpc_train_backward", P.TrainBackward(start=3, end=5), [hidden, hidden])
         assert again[1][0].shape == hidden.shape
+    finally:
+        model.shutdown()
+
+
+def test_deep_prompts_in_inference_sessions_match_transformers(model_path, swarm, reference_model, tokenizer):
+    """generate() with trained deep prompts: the servers' sessions add them (sent once with OpenSession) at the
+    prompt positions of each block, as in training; greedy tokens equal transformers' recomputed step by step."""
+    model = client(model_path, swarm, tuning_mode="deep_ptune", pre_seq_len=PRE, max_retries=0)
+    try:
+        ptune = model.ptune
+        assert ptune is not None and ptune.deep_prompts is not None
+        torch.manual_seed(2)
+        with torch.no_grad():
+            ptune.deep_prompts.normal_(std=0.5)
+        ids = tokenizer(TEXTS[0], return_tensors="pt")["input_ids"]
+        out = model.generate(ids, max_new_tokens=6, do_sample=False)
+        expected = ids
+        with torch.no_grad():
+            for _ in range(6):
+                embeds = reference_model.get_input_embeddings()(expected)
+                logits = reference_logits(reference_model, embeds, ptune.prompts, ptune.deep_prompts)
+                expected = torch.cat([expected, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+            plain = reference_model.generate(ids, max_new_tokens=6, do_sample=False)
+        assert out.tolist() == expected.tolist()
+        assert out.tolist() != plain.tolist()  # the prompts did change the answer
+        # prompts longer than the session: refused with a clear error when the session opens
+        bad = InferenceSession(model.manager, 4, prompts=torch.randn(30, 1, 5, 576))
+        with pytest.raises(SessionError, match="prompts must have shape"):
+            bad.open(1)
+        bad.close()
     finally:
         model.shutdown()

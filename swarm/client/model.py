@@ -61,7 +61,7 @@ class ModelSession:
 
     def __init__(self, model: "DistributedModelForCausalLM", max_length: int):
         self.model = model
-        self.session = InferenceSession(model.manager, max_length)
+        self.session = InferenceSession(model.manager, max_length, prompts=tuning.session_prompts(model))
         self.token_ids: Optional[torch.Tensor] = None
 
     @property
@@ -230,8 +230,6 @@ class DistributedModelForCausalLM(nn.Module):
         return [(part, _try(pick, part)) for part, (_, pick) in zip(parts, items)]
 
     def inference_session(self, max_length: int) -> ModelSession:
-        if self.ptune is not None and self.ptune.deep_prompts is not None:
-            return cast(ModelSession, tuning.PromptedSession(self, max_length))
         return ModelSession(self, max_length + tuning.session_offset(self))
 
     # ---- the swarm, as a front end sees it (swarm.client.api.ClientModel) ---------------------------------

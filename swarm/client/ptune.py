@@ -10,14 +10,14 @@ module (`model.ptune`), the only trainable parameters unless the user adds modul
 a trainable module, or inputs that require grad): embeddings, `swarm.client.remote_autograd.RemoteBlocks`, final
 norm and LM head in the caller's thread, under autograd; the prompt positions are dropped from the output.
 
-Trained prompts serve generation too: shallow prompts go in front of an inference session's first step
-(`ModelSession` shifts its positions by N); with deep prompts, `PromptedSession` generates by recomputing the
-whole sequence with `trainable_forward` at each step (the servers' inference sessions do not carry deep prompts
-yet). `save` / `load` write and read the prompts with their mode (safetensors).
+Trained prompts serve generation too: the input prompts go in front of an inference session's first step
+(`ModelSession` shifts its positions by N) and the deep prompts travel once per server, with its `OpenSession`
+(the servers add them to the prompt positions of each block's input, as in training). `save` / `load` write and
+read the prompts with their mode (safetensors).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple, TypeVar
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import nn
@@ -28,7 +28,6 @@ from swarm.client.remote_autograd import RemoteBlocks
 DistributedModel = Any
 
 TUNING_MODES = ("ptune", "deep_ptune")
-T = TypeVar("T")
 
 
 class PromptTuning(nn.Module):
@@ -128,36 +127,15 @@ def session_offset(model: DistributedModel) -> int:
     return model.ptune.pre_seq_len if model.ptune is not None else 0
 
 
+def session_prompts(model: DistributedModel) -> Optional[torch.Tensor]:
+    """The deep prompts an inference session sends to its servers [num_blocks, 1, pre_seq_len, hidden], or None."""
+    if model.ptune is None or model.ptune.deep_prompts is None:
+        return None
+    return model.ptune.deep_prompts.detach().unsqueeze(1).cpu()
+
+
 def with_prompts(model: DistributedModel, hidden: torch.Tensor) -> torch.Tensor:
     """A session's first step: the prompts [batch, pre_seq_len, hidden] in front of hidden [batch, n, hidden]."""
     assert model.ptune is not None
     with torch.no_grad():
         return torch.cat([model.ptune.input_prompts(hidden.shape[0]).to(hidden.dtype), hidden], dim=1)
-
-
-class PromptedSession:
-    """Generation with deep prompts: each step recomputes the whole sequence with `trainable_forward` (no cache
-    on the servers). Has the parts of `ModelSession` that `generate` uses."""
-
-    def __init__(self, model: DistributedModel, max_length: int):
-        self.model, self.max_length, self.position = model, max_length, 0
-
-    def feed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.feed_and_pick(input_ids, lambda logits: None)[0]
-
-    def feed_and_pick(self, input_ids: torch.Tensor, pick: Callable[[torch.Tensor], T]) -> Tuple[torch.Tensor, T]:
-        if input_ids.shape[1] > self.max_length:
-            raise ValueError(f"{input_ids.shape[1]} tokens exceed the session's max_length {self.max_length}")
-        with torch.no_grad():
-            logits = trainable_forward(self.model, input_ids, None)[0][:, -1].cpu()  # [batch, vocab]
-        self.position = input_ids.shape[1]
-        return logits, pick(logits)
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self) -> "PromptedSession":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()

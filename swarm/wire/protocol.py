@@ -6,7 +6,8 @@ Transport: hivemind P2P protobuf handlers. Each request/response is a `runtime_p
 wrong versions, and tensors are checked (dtype, byte size, element count) before they are materialized.
 
 RPCs (see `BlockRPC`):
-- `rpc_inference`: a bidirectional stream per session. The first request is `OpenSession`; then each
+- `rpc_inference`: a bidirectional stream per session. The first request is `OpenSession` (with deep prompts
+  as its tensor if `prompts`); then each
   `Step` carries hidden states `[batch, seq, hidden]` starting at `start_position`; each gets a `StepResult`
   (the output hidden states) or an `ErrorReply`. Closing the stream frees the session's KV cache.
 - `rpc_push`: a long-lived stream from one server to the next carrying `PushStep`s: in a decode step each
@@ -62,6 +63,8 @@ class OpenSession(Message):
     end: int = Field(gt=0, description="one past the last block")
     max_length: int = Field(gt=0, description="most tokens (positions) this session will hold")
     batch_size: int = Field(default=1, gt=0, le=1024)
+    prompts: bool = Field(default=False, description="the request carries deep prompts [end - start, batch | 1, "
+                                                     "pre_seq_len, hidden], added to each block's first positions")
 
 
 class PushTarget(Message):
