@@ -2,9 +2,9 @@
 
 The weights stay frozen; only the inputs (and deep prompts) get gradients. A training forward runs the span's
 layer modules without a cache (`BlockSpan.layers`, the same modules as `rpc_forward`, outside inference mode).
-A backward keeps nothing from the forward call: it reruns the span from the hidden states the client sends,
-keeping each block's input, then walks the blocks backwards, recomputing each one with autograd on (input and
-prompt as leaves) and pulling `grad_output` back through it.
+A backward keeps nothing from the forward call: it reruns the span from the hidden states the client sends, with
+autograd on for each block's input (and prompt) only, keeping each piece's graph, then walks the blocks backwards
+pulling `grad_output` through those graphs (one forward + one backward of work per block).
 
 Scheduling: every piece of work is one block over at most `train_piece_tokens` tokens (whole rows), submitted to
 the compute thread at `PRIORITY_TRAINING`, below decode steps, prefill chunks and plain forwards, so a long
@@ -61,17 +61,28 @@ def block_forward(span: "BlockSpan", index: int, hidden: torch.Tensor, prompt: O
         return _run_block(span, index, hidden, prompt)
 
 
-def block_backward(span: "BlockSpan", index: int, hidden: torch.Tensor, prompt: Optional[torch.Tensor],
-                   grad_output: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(grad wrt the block's input [batch, seq, hidden], grad wrt its prompt or None): the block recomputed with
-    autograd on for the input and prompt only (the weights do not require grad)."""
+def block_graph(span: "BlockSpan", index: int, hidden: torch.Tensor, prompt: Optional[torch.Tensor]
+                ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """The block's output with its autograd graph, and the graph's leaves: the input (and the prompt); the weights
+    do not require grad, so the graph keeps only what the input's gradient needs."""
     with torch.enable_grad():
         leaves = [hidden.detach().requires_grad_(True)]
         if prompt is not None:
             leaves.append(prompt.detach().requires_grad_(True))
-        out = _run_block(span, index, leaves[0], leaves[1] if prompt is not None else None)
-        grads = torch.autograd.grad(out, leaves, grad_output)
-    return grads[0], (grads[1] if prompt is not None else None)
+        return _run_block(span, index, leaves[0], leaves[1] if prompt is not None else None), leaves
+
+
+def graph_backward(out: torch.Tensor, leaves: List[torch.Tensor], grad_output: torch.Tensor
+                   ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(grad wrt the input [batch, seq, hidden], grad wrt the prompt or None) through a `block_graph`."""
+    grads = torch.autograd.grad(out, leaves, grad_output)
+    return grads[0], (grads[1] if len(grads) > 1 else None)
+
+
+def block_backward(span: "BlockSpan", index: int, hidden: torch.Tensor, prompt: Optional[torch.Tensor],
+                   grad_output: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """`block_graph` then `graph_backward`: one block's gradients for its input and prompt."""
+    return graph_backward(*block_graph(span, index, hidden, prompt), grad_output)
 
 
 def _pieces(batch: int, seq: int, piece_tokens: int) -> List[slice]:
@@ -164,32 +175,37 @@ class TrainingHandler(P.BlockRPC):
         return prompts.to(self.span.device, self.span.dtype)
 
     # ---- the passes, in pieces ----------------------------------------------------------------------------
-    async def _forward_pieces(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor], start: int, end: int,
-                              keep_inputs: bool = False) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-        """The span's output [batch, seq, hidden] and (if `keep_inputs`) each block's input."""
-        inputs: List[torch.Tensor] = []
+    async def _forward_pieces(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor], start: int, end: int
+                              ) -> torch.Tensor:
+        """The span's output [batch, seq, hidden], without autograd."""
         pieces = _pieces(hidden.shape[0], hidden.shape[1], self.train_piece_tokens)
         for index in range(start, end):
-            if keep_inputs:
-                inputs.append(hidden)
             prompt = None if prompts is None else prompts[index - start]
             outs = [await self.pool.submit(PRIORITY_TRAINING, block_forward, self.span, index, hidden[rows],
                                            _rows(prompt, rows)) for rows in pieces]
             hidden = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return hidden, inputs
+        return hidden
 
     async def _backward_pieces(self, hidden: torch.Tensor, grad: torch.Tensor, prompts: Optional[torch.Tensor],
                                start: int, end: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        _, inputs = await self._forward_pieces(hidden, prompts, start, end, keep_inputs=True)
+        """The span's forward again, each piece keeping its autograd graph (the call's only state, dropped block by
+        block as the gradients go back), then the pieces' backwards in reverse order."""
         pieces = _pieces(hidden.shape[0], hidden.shape[1], self.train_piece_tokens)
+        graphs: List[list] = []  # per block, per piece: (output with its graph, leaves)
+        x = hidden
+        for index in range(start, end):
+            prompt = None if prompts is None else prompts[index - start]
+            level = [await self.pool.submit(PRIORITY_TRAINING, block_graph, self.span, index, x[rows],
+                                            _rows(prompt, rows)) for rows in pieces]
+            graphs.append(level)
+            x = torch.cat([out.detach() for out, _ in level]) if len(level) > 1 else level[0][0].detach()
         grad_prompts = None if prompts is None else torch.zeros_like(prompts)
         for index in reversed(range(start, end)):
-            prompt = None if prompts is None else prompts[index - start]
+            level = graphs.pop()
             grads_in = []
-            for rows in pieces:
-                grad_in, grad_prompt = await self.pool.submit(
-                    PRIORITY_TRAINING, block_backward, self.span, index, inputs[index - start][rows],
-                    _rows(prompt, rows), grad[rows])
+            for rows, (out, leaves) in zip(pieces, level):
+                grad_in, grad_prompt = await self.pool.submit(PRIORITY_TRAINING, graph_backward, out, leaves,
+                                                              grad[rows])
                 grads_in.append(grad_in)
                 if grad_prompts is not None and grad_prompt is not None:
                     if prompts is not None and prompts.shape[1] == 1:
@@ -209,7 +225,7 @@ class TrainingHandler(P.BlockRPC):
             yield P.error_response("bad_request", str(e))
             return
         try:
-            output, _ = await self._forward_pieces(hidden, prompts, message.start, message.end)
+            output = await self._forward_pieces(hidden, prompts, message.start, message.end)
         except Exception as e:
             logger.exception("training forward failed")
             yield P.error_response("internal", f"training forward failed: {type(e).__name__}: {e}")

@@ -181,8 +181,7 @@ def test_a_long_training_pass_lets_decode_steps_in_between(checkpoint, monkeypat
         while not log:
             await asyncio.sleep(0.001)
         await pool.submit(PRIORITY_DECODE, lambda: log.append(("decode",)))
-        output, _ = await task
-        return output
+        return await task
 
     try:
         output = asyncio.run(run())
