@@ -4,7 +4,8 @@
 materialized) into the family's decoder layers, built on the meta device and filled in place, one block at a time
 (with `quant_type` int8 / nf4 each block is quantized before the next is read: `swarm.modeling.quantize`).
 `forward` runs `[batch, seq, hidden]` states through some or all of the span with explicit positions, either with a
-session's `SessionKV` (inference) or without a cache (a plain forward pass).
+session's `SessionKV` (inference) or without a cache (a plain forward pass), optionally adding a session's deep
+prompts to each block's input at positions below pre_seq_len (`add_prompt`).
 
 LoRA adapters (`--adapters`, `swarm.modeling.lora`): `load` also reads the span's tensors of each adapter into
 `adapters` (name -> `SpanAdapter`). A session's adapter is its `SessionKV.adapter`; a step runs the fused layers
@@ -46,6 +47,16 @@ def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"unknown torch_dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor, start_position: int) -> torch.Tensor:
+    """A block's input with its deep prompt added (Petals' convention): hidden [batch, seq, hidden] holds positions
+    start_position.., prompt [batch | 1, pre_seq_len, hidden] positions 0..pre_seq_len; they add where they
+    overlap."""
+    k = min(prompt.shape[1], start_position + hidden.shape[1]) - start_position
+    if k <= 0:
+        return hidden
+    return torch.cat([hidden[:, :k] + prompt[:, start_position:start_position + k], hidden[:, k:]], dim=1)
 
 
 def _starts_with(prefix: str) -> Callable[[str], bool]:
@@ -254,11 +265,14 @@ class BlockSpan(nn.Module):
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, start_position: int = 0, kv: Optional[SessionKV] = None,
                 first: Optional[int] = None, last: Optional[int] = None, adapter: Optional[str] = None,
-                padding: Optional[torch.Tensor] = None) -> torch.Tensor:
+                padding: Optional[torch.Tensor] = None, prompts: Optional[torch.Tensor] = None) -> torch.Tensor:
         """hidden: [batch, seq, hidden] for positions start_position.. ; runs blocks [first, last) of the model.
         With a LoRA adapter: `kv.adapter`, or `adapter` for a pass without a cache. `padding` [batch] (a pass
         without a cache): each row's leading padding keys are hidden, the positions left as they are
-        (transformers' forward with an attention mask and no position ids)."""
+        (transformers' forward with an attention mask and no position ids). prompts: deep prompts
+        [last - first, batch | 1, pre_seq_len, hidden] (`add_prompt`), or None."""
+        if prompts is not None and start_position >= prompts.shape[2]:
+            prompts = None  # past the prompts' positions
         first = self.start if first is None else first
         last = self.end if last is None else last
         adapter = kv.adapter if kv is not None else adapter
@@ -291,7 +305,12 @@ class BlockSpan(nn.Module):
                 layers = self.fused[first - self.start:last - self.start]
                 if adapter is not None:  # one group: all rows [batch * seq] use the session's adapter
                     layers = adapt_layers(layers, [(0, batch * seq, self.adapters[adapter])], first)
-                hidden = prefill_step(layers, hidden, cos, sin, kv, mask, window_mask)
+                if prompts is None:
+                    hidden = prefill_step(layers, hidden, cos, sin, kv, mask, window_mask)
+                else:  # one block at a time, each input with its prompt
+                    for layer, prompt in zip(layers, prompts):
+                        hidden = prefill_step([layer], add_prompt(hidden, prompt, start_position), cos, sin, kv, mask,
+                                              window_mask)
             elif adapter is not None:
                 # a pass without a cache on the fused layers, which the adapter wraps
                 assert position_embeddings is not None  # adapters are served for rotary (llama-family) blocks
@@ -305,7 +324,7 @@ class BlockSpan(nn.Module):
             else:
                 with attention_backends(self.device):
                     hidden = self._layers(hidden, (mask, window_mask), position_ids, position_embeddings, kv, first,
-                                          last)
+                                          last, prompts, start_position)
         except BaseException:
             if kv is not None:
                 kv.abort_step()
@@ -314,9 +333,12 @@ class BlockSpan(nn.Module):
             kv.end_step(seq)
         return hidden
 
-    def _layers(self, hidden, masks, position_ids, position_embeddings, kv, first: int, last: int) -> torch.Tensor:
+    def _layers(self, hidden, masks, position_ids, position_embeddings, kv, first: int, last: int,
+                prompts: Optional[torch.Tensor] = None, start_position: int = 0) -> torch.Tensor:
         mask, window_mask = masks  # full causal, and with the sliding window (for the layers that have one)
-        for layer in self.layers[first - self.start:last - self.start]:
+        for i, layer in enumerate(self.layers[first - self.start:last - self.start]):
+            if prompts is not None:
+                hidden = add_prompt(hidden, prompts[i], start_position)
             layer_mask = window_mask if getattr(layer, "sliding_window", None) else mask
             out = layer(hidden, attention_mask=layer_mask, position_ids=position_ids, past_key_values=kv,
                         use_cache=kv is not None, position_embeddings=position_embeddings)

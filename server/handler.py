@@ -1,4 +1,5 @@
-"""The RPC handlers of a block server: inference streams, forward passes and the info call.
+"""The RPC handlers of a block server: inference streams, forward passes and the info call (the training passes
+are `server.training.TrainingHandler`'s, which this class extends).
 
 Every request is validated before any tensor work (message schema and version, block range, tensor dtype and
 shape, positions against the session's cache and `max_length`, finite values, beam parent ids and padding against
@@ -25,6 +26,7 @@ from hivemind.proto import runtime_pb2
 from server.blocks import BlockSpan
 from server.cache import CacheBudget, OutOfCacheError
 from server.push import PushRouter, PushSender
+from server.training import TrainingHandler
 from swarm.runtime import malloc
 from swarm.runtime.swarm_key import SwarmKey, proof_for
 from swarm.runtime.taskpool import PRIORITY_DECODE, PRIORITY_FORWARD, PRIORITY_PREFILL, TaskPool
@@ -66,7 +68,7 @@ async def _drain(requests: AsyncIterator, timeout: float = 2.0, max_messages: in
         return
 
 
-class BlockHandler(P.BlockRPC):
+class BlockHandler(TrainingHandler):
     def __init__(self, span: BlockSpan, model_name: str, version: str, budget: CacheBudget, pool: TaskPool,
                  max_length: int, alloc_timeout: float, step_timeout: float, max_batch_tokens: int = 1 << 16,
                  prefill_chunk: int = 256, swarm_key: Optional[SwarmKey] = None):
@@ -129,6 +131,7 @@ class BlockHandler(P.BlockRPC):
             try:
                 opened = P.decode(first.metadata, P.OpenSession)
                 self._check_range(opened.start, opened.end)
+                prompts = self._session_prompts(first, opened)  # deep prompts [blocks, batch | 1, pre, hidden]
                 if not self.accepting:
                     raise OutOfCacheError("this server is shutting down and takes no new sessions")
                 if opened.max_length > self.max_length:
@@ -210,7 +213,8 @@ class BlockHandler(P.BlockRPC):
                         last_reorder_id = step.reorder_id
                     if step.start_position == 0:  # the rows start afresh: their padding is this step's
                         kv.set_padding(step.left_padding)
-                    output = await self._compute(hidden, step.start_position, kv, opened.start, opened.end)
+                    output = await self._compute(hidden, step.start_position, kv, opened.start, opened.end,
+                                                  prompts)
                 except Exception as e:
                     logger.exception("inference step failed")
                     yield P.error_response("internal", f"step failed: {type(e).__name__}: {e}")
@@ -243,19 +247,20 @@ class BlockHandler(P.BlockRPC):
                     # the last open session closed: the caches' memory back to the OS (swarm.runtime.malloc)
                     malloc.trim()
 
-    async def _compute(self, hidden: torch.Tensor, start_position: int, kv, first: int, last: int) -> torch.Tensor:
+    async def _compute(self, hidden: torch.Tensor, start_position: int, kv, first: int, last: int,
+                       prompts: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One step of a session: decode steps are batched with other sessions'; a long prefill runs in chunks
         of `prefill_chunk` tokens at a lower priority, so that other sessions' decode steps go in between."""
         seq = hidden.shape[1]
-        if seq == 1 and self.span.can_batch:
+        if seq == 1 and self.span.can_batch and (prompts is None or start_position >= prompts.shape[2]):
             return await self.pool.submit_batchable(
                 PRIORITY_DECODE, (id(self), first, last), partial(self._decode_batch, first=first, last=last),
                 (hidden, start_position, kv), source=id(kv))
         outputs = []
         for offset in range(0, seq, self.prefill_chunk):
             chunk = hidden[:, offset:offset + self.prefill_chunk]
-            outputs.append(await self.pool.submit(PRIORITY_PREFILL, self.span.forward, chunk, start_position + offset,
-                                                  kv, first, last))
+            outputs.append(await self.pool.submit(PRIORITY_PREFILL, partial(self.span.forward, prompts=prompts), chunk,
+                                                  start_position + offset, kv, first, last))
         return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
 
     def _decode_batch(self, items: list, first: int, last: int) -> list:
@@ -338,6 +343,7 @@ class BlockHandler(P.BlockRPC):
             steps_from_push=self.counters.steps_from_push, pushes_sent=self.counters.pushes_sent,
             decode_batches=self.pool.batches_done, largest_batch=self.pool.largest_batch,
             decode_compute_seconds=round(self.counters.compute_seconds, 6),
+            training_tokens_processed=self.training_tokens,
         )
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:

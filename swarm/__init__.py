@@ -1,6 +1,7 @@
 """swarmgate's swarm library: protocol, DHT records, routing, client sessions and the client model.
 
-`from swarm import AutoDistributedModelForCausalLM` gives the Hugging Face-style client model; the heavy
+`from swarm import AutoDistributedModelForCausalLM` gives the Hugging Face-style client model
+(`AutoDistributedModelForSequenceClassification`: a trainable classification head on top); the heavy
 imports happen on first use so that servers and tools importing `swarm.*` modules stay light.
 """
 __version__ = "0.1.0"
@@ -12,7 +13,8 @@ _tune_openmp_env()  # before torch loads, if it has not yet (swarm.runtime.threa
 # before hivemind loads: it imports scipy.optimize, which we never use (swarm.runtime.deferred_imports)
 _defer_unused_imports()
 
-__all__ = ["AutoDistributedModelForCausalLM", "DistributedModelForCausalLM", "__version__"]
+__all__ = ["AutoDistributedModelForCausalLM", "DistributedModelForCausalLM",
+           "AutoDistributedModelForSequenceClassification", "__version__"]
 
 
 def __getattr__(name):
@@ -20,4 +22,8 @@ def __getattr__(name):
         from swarm.client import model
 
         return getattr(model, name)
+    if name == "AutoDistributedModelForSequenceClassification":
+        from swarm.client import classification
+
+        return classification.AutoDistributedModelForSequenceClassification
     raise AttributeError(name)

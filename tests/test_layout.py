@@ -43,9 +43,12 @@ def imports(path: Path, top_level_only: bool) -> Iterator[str]:
     """The project modules `path` imports (`from a.b import c` yields a.b and a.b.c; the caller keeps known ones)."""
     tree = ast.parse(path.read_text())
     nodes = tree.body if top_level_only else list(ast.walk(tree))
-    if top_level_only:  # module-level statements, including those inside `if`/`try` at module level
+    if top_level_only:  # module-level statements, including those inside `if`/`try` at module level, except the
+        # type-only imports under `if TYPE_CHECKING:`, which never run
         nodes = [n for stmt in tree.body for n in ast.walk(stmt)
-                 if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+                 if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                 and not (isinstance(stmt, ast.If) and isinstance(stmt.test, ast.Name)
+                          and stmt.test.id == "TYPE_CHECKING")]
     for node in nodes:
         if isinstance(node, ast.Import):
             for alias in node.names:

@@ -24,6 +24,7 @@ from swarm.client.routing import (
     RouteHop,
     RoutingError,
     choose_forward_chain,
+    choose_training_chain,
     find_inference_chain,
     normalize_quant_types,
     quant_allowed,
@@ -63,6 +64,10 @@ class ClientConfig(BaseModel):
     use_push: bool = Field(default=True, description="servers push decode steps straight to the next server")
     push_timeout: float = Field(default=1.0, gt=0, description="seconds to wait for a pushed decode step before "
                                                                 "sending it to the next server directly")
+    training_sub_batch_tokens: int = Field(default=1024, gt=0, description="most tokens per training sub-batch: "
+                                           "a larger batch is split and its parts sent to servers in parallel")
+    training_timeout: float = Field(default=300.0, gt=0, description="seconds for one training forward or backward "
+                                                                      "call to one server")
     allowed_quant_types: Optional[List[str]] = Field(
         default=None, description=f"weight formats of the servers a route may use, of {', '.join(QUANT_TYPES)} "
                                   f"(a server's announced quant_type); None: any, so a mixed swarm works")
@@ -179,6 +184,10 @@ class SwarmManager:
         """The LoRA adapters that servers of an allowed quant type serve over every block."""
         return served_adapters(self.update(force=force), self.num_blocks, self.banned(),
                                self.config.allowed_quant_types)
+
+    def make_training_chain(self, start: int, end: int, load: Optional[Dict[str, int]] = None) -> List[RouteHop]:
+        """A chain for one training sub-batch over blocks [start, end), spread by `load` (requests in flight)."""
+        return self._route(choose_training_chain, start, end, load=dict(load or {}))
 
     # ---- RPC ----------------------------------------------------------------------------------------------
     def stub(self, peer_id: str):

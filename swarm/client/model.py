@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar, Union, cast
+from typing import Any, List, Optional, Sequence, Union, cast
 
 import torch
 from torch import nn
@@ -28,123 +28,34 @@ from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
+from swarm.client import ptune as tuning
 from swarm.client.adapters import ACTIVE_ADAPTER, AdapterChoice
 from swarm.client.api import Coverage, PromptLogprob, ServerView
 from swarm.client.beam import beam_search
 from swarm.client.genconfig import resolve_generation_config, stopping_criteria_for
 from swarm.client.generation import SamplingParams, build_processors, process_and_pick_scores
 from swarm.client.manager import ClientConfig, SwarmManager
+from swarm.client.model_session import ModelSession
+from swarm.client.remote_autograd import RemoteBlocks
 from swarm.client.routing import quant_allowed
 from swarm.client.rowpad import RowPadding
-from swarm.client.rows import held_prefix, left_padding
-from swarm.client.session import InferenceSession, SessionError
+from swarm.client.rows import left_padding
+from swarm.client.session import SessionError
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec, family_for
 from swarm.runtime import aio, malloc
-from swarm.runtime.taskpool import PRIORITY_DECODE, PRIORITY_FORWARD, client_pool
+from swarm.runtime.taskpool import PRIORITY_FORWARD, client_pool
 from swarm.wire.dtypes import parse_dtype
 from swarm.wire.records import dht_prefix_for
 
 logger = logging.getLogger(__name__)
 
-# embeddings of fewer elements than this run in the caller's thread: below torch's parallel grain size (32768),
-# the lookup is serial and starts no OpenMP team there (`swarm.runtime.threads`)
-SMALL_EMBED_ELEMENTS = 32768
-
-T = TypeVar("T")
 
 
 @dataclass
 class CausalLMOutput:
     logits: torch.Tensor  # [batch, seq, vocab]
     hidden_states: Optional[torch.Tensor] = None  # [batch, seq, hidden] after the final norm
-
-
-class ModelSession:
-    """An inference session plus the token ids `[batch, n]` whose states the servers hold (and their rows' left
-    padding)."""
-
-    def __init__(self, model: "DistributedModelForCausalLM", max_length: int, adapter: Optional[str] = None):
-        self.model = model
-        self.session = InferenceSession(model.manager, max_length, adapter=adapter)
-        self.token_ids: Optional[torch.Tensor] = None
-        self.left_padding: Optional[List[int]] = None
-
-    @property
-    def max_length(self) -> int:
-        return self.session.max_length
-
-    @property
-    def position(self) -> int:
-        return self.session.position
-
-    def reusable_prefix(self, input_ids: torch.Tensor, hypo_ids: Optional[List[int]] = None,
-                        left_padding: Optional[List[int]] = None) -> Tuple[int, Optional[List[int]]]:
-        """(how many leading tokens of `input_ids` the servers already hold, at most len - 1: the last token is
-        always sent again, as its logits are needed; the held row each row continues, None for the same rows).
-        `hypo_ids`: the caller's parents of the rows (beam search), `left_padding`: the rows' padding."""
-        held, held_padding = self.token_ids, self.left_padding
-        if hypo_ids is not None and held is not None and held.shape[0] == len(hypo_ids):
-            held = held[hypo_ids]
-        reuse, parents = held_prefix(held, input_ids)
-        if parents is not None:
-            hypo_ids = parents if hypo_ids is None else [hypo_ids[p] for p in parents]
-        if held_padding is not None and hypo_ids is not None:
-            held_padding = [held_padding[i] for i in hypo_ids]
-        if held_padding != left_padding:
-            return 0, None  # other padding: other positions and masks, everything is computed again
-        return reuse, hypo_ids if reuse > 0 else None
-
-    def open(self, batch_size: int = 1) -> "ModelSession":
-        """Route and open the servers' sessions now (else the first `feed` does it); errors surface here."""
-        self.session.open(batch_size)
-        return self
-
-    def feed(self, input_ids: torch.Tensor, hypo_ids: Optional[List[int]] = None,
-             left_padding: Optional[List[int]] = None) -> torch.Tensor:
-        """Make the servers hold exactly `input_ids` [batch, n]; returns the last position's logits [batch, vocab].
-        `hypo_ids` [batch]: row i continues held row hypo_ids[i] (beam search: the servers reorder their caches);
-        `left_padding` [batch]: each row's leading padding positions (`swarm.client.rows.left_padding`).
-
-        The LM head runs on the process's compute thread (`swarm.runtime.taskpool.client_pool`): the heads of concurrent
-        sessions' steps become one pass there. So does the embedding, unless it is a few rows (a decode step:
-        a lookup too small to be worth a hand-over)."""
-        return self._feed(input_ids, None, hypo_ids, left_padding)[0]
-
-    def feed_and_pick(self, input_ids: torch.Tensor, pick: Callable[[torch.Tensor], T],
-                      left_padding: Optional[List[int]] = None) -> Tuple[torch.Tensor, T]:
-        """`feed`, then `pick(logits)` (the next tokens [batch], or the gateway's per-row choices) in the same
-        compute-thread task as the LM head: returns (logits [batch, vocab], what pick returned)."""
-        return self._feed(input_ids, pick, None, left_padding)
-
-    def _feed(self, input_ids: torch.Tensor, pick, hypo_ids: Optional[List[int]],
-              left_padding: Optional[List[int]]) -> Tuple[torch.Tensor, Any]:
-        reuse, hypo_ids = self.reusable_prefix(input_ids, hypo_ids, left_padding)
-        if reuse < self.session.position:
-            self.session.rewind(reuse)
-        new_ids = input_ids[:, reuse:]
-        pool = client_pool()
-        if new_ids.numel() * self.model.config.hidden_size < SMALL_EMBED_ELEMENTS:
-            hidden = self.model.embed(new_ids)  # [batch, n, hidden]: serial kernels, no OpenMP team here
-        else:
-            hidden = pool.call(PRIORITY_DECODE, self.model.embed, new_ids)
-        out = self.session.step(hidden, hypo_ids=hypo_ids, left_padding=left_padding if reuse == 0 else None)
-        self.token_ids, self.left_padding = input_ids.clone(), left_padding
-        logits, picked = pool.call_batchable(PRIORITY_DECODE, ("head", id(self.model)), self.model.head_rows,
-                                             (out[:, -1], pick), source=id(self))
-        if isinstance(picked, BaseException):  # this session's own error (say, a user's logits processor)
-            raise picked
-        return logits, picked
-
-    def close(self) -> None:
-        self.session.close()
-        client_pool().gatherer.forget(id(self))  # concurrent sessions' heads stop waiting for this one
-
-    def __enter__(self) -> "ModelSession":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class DistributedModelForCausalLM(AdapterChoice, nn.Module):
@@ -158,14 +69,18 @@ class DistributedModelForCausalLM(AdapterChoice, nn.Module):
         self.generation_config = generation_config
         self.row_padding: Optional[RowPadding] = None  # set by from_pretrained(pad_head_rows=True)
         self.name_or_path: str = ""  # set by from_pretrained
+        self.ptune: Optional[tuning.PromptTuning] = None  # from_pretrained(tuning_mode=..., pre_seq_len=...)
+        self.remote_blocks: Optional[RemoteBlocks] = None  # the differentiable blocks, made on first use
 
     # ---- loading ------------------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, torch_dtype: Union[str, torch.dtype] = torch.float32,
                         cache_dir: Optional[str] = None, dht=None, device: Union[str, torch.device] = "cpu",
                         pad_head_rows: bool = True, active_adapter: Optional[str] = None,
+                        tuning_mode: Optional[str] = None, pre_seq_len: int = 0,
                         **client_kwargs) -> "DistributedModelForCausalLM":
-        """`pad_head_rows`: on the CPU, run concurrent sessions' LM heads padded to the row count measured fastest
+        """`tuning_mode` "ptune" / "deep_ptune" with `pre_seq_len`: trainable soft prompts (`swarm.client.ptune`).
+        `pad_head_rows`: on the CPU, run concurrent sessions' LM heads padded to the row count measured fastest
         (`swarm.client.rowpad`: about 10% more aggregate tokens/s with 8 sessions here, for ~0.5 s at load and a few
         MB). `active_adapter`: the LoRA adapter (served by the swarm) to generate with; None: the base model."""
         client_config = ClientConfig(**client_kwargs)
@@ -201,6 +116,8 @@ class DistributedModelForCausalLM(AdapterChoice, nn.Module):
         model.requires_grad_(False)
         model.name_or_path = name_or_path
         model.active_adapter = active_adapter
+        if tuning_mode is not None:
+            model.ptune = tuning.make_prompt_tuning(model, tuning_mode, pre_seq_len)
         if pad_head_rows:
             model.row_padding = RowPadding()
             model.row_padding.calibrate(model.lm_head.weight, model.lm_head.bias)  # CPU only: which batches to pad
@@ -247,7 +164,7 @@ class DistributedModelForCausalLM(AdapterChoice, nn.Module):
 
     def inference_session(self, max_length: int, adapter: Any = ACTIVE_ADAPTER) -> ModelSession:
         """A session of up to `max_length` tokens with LoRA `adapter` (default: `active_adapter`; None: the base)."""
-        return ModelSession(self, max_length, adapter=self._adapter(adapter))
+        return ModelSession(self, max_length + tuning.session_offset(self), adapter=self._adapter(adapter))
 
     # ---- the swarm, as a front end sees it (swarm.client.api.ClientModel) ---------------------------------
     def check_route(self, cache_tokens: int = 0, adapter: Any = ACTIVE_ADAPTER) -> None:
@@ -276,11 +193,21 @@ class DistributedModelForCausalLM(AdapterChoice, nn.Module):
     def unban(self, peer_id: str) -> None:
         self.manager.mark_ok(peer_id)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                adapter: Any = ACTIVE_ADAPTER) -> CausalLMOutput:
-        """Logits for every position of `input_ids` [batch, seq] through the swarm (no cache), with `adapter`.
-        `attention_mask` (left padding): padding keys are never attended; positions are not shifted, as in
-        transformers' forward without `position_ids`."""
+    def forward(self, input_ids: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                inputs_embeds: Optional[torch.Tensor] = None, adapter: Any = ACTIVE_ADAPTER) -> CausalLMOutput:
+        """Logits for every position of `input_ids` [batch, seq] (or `inputs_embeds` [batch, seq, hidden]) through
+        the swarm (no cache), with LoRA `adapter`. `attention_mask` (left padding): padding keys are never attended;
+        positions are not shifted, as in transformers' forward without `position_ids`. Differentiable
+        (`swarm.client.ptune.trainable_forward`, base model, no padding) when prompts, trainable modules or inputs
+        that require grad are involved, so that `loss.backward()` works."""
+        if tuning.needs_autograd(self, inputs_embeds):
+            if attention_mask is not None and not bool(attention_mask.all()):
+                raise ValueError("training passes do not take padded batches (attention_mask with zeros)")
+            if self._adapter(adapter) is not None:
+                raise ValueError("training passes run on the base model, not on a LoRA adapter")
+            return CausalLMOutput(*tuning.trainable_forward(self, input_ids, inputs_embeds))
+        if input_ids is None:
+            raise ValueError("input_ids are needed (inputs_embeds only for differentiable passes)")
         padding = left_padding(attention_mask, input_ids)
         pool = client_pool()
         hidden = pool.call(PRIORITY_FORWARD, self.embed, input_ids)

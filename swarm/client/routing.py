@@ -19,6 +19,10 @@ swarm announces (`swarm.wire.records.ServerSpan`). It is pure: no network, no DH
   (all with the same default cost) are relaxed through the cheapest sender instead of all pairs, so a
   boundary costs O(k log k + measured pings) for k covering servers rather than O(k^2).
 
+* `choose_training_chain` spreads training passes (`swarm.client.remote_autograd`) for throughput: at each
+  boundary the covering server with the least expected time for one more request, (its requests in flight + 1)
+  / throughput, so that concurrent sub-batches go to all the servers of a span, not only the fastest chain.
+
 * `choose_forward_chain` spreads forward passes without a cache (`rpc_forward`) over the swarm: at each
   boundary it picks one covering server at random, weighted by throughput, and uses it as far as it reaches.
 
@@ -49,6 +53,7 @@ __all__ = [
     "RoutingCosts",
     "find_inference_chain",
     "choose_forward_chain",
+    "choose_training_chain",
     "chain_cost",
     "served_adapters",
 ]
@@ -424,3 +429,36 @@ def served_adapters(spans: Sequence[ServerSpan], num_blocks: int, banned: Collec
         if len(covered) == num_blocks:
             result.append(name)
     return result
+
+
+def choose_training_chain(
+    spans: Sequence[ServerSpan],
+    start: int,
+    end: int,
+    *,
+    load: Optional[Mapping[str, int]] = None,
+    banned: Collection[str] = (),
+    rng: Optional[random.Random] = None,
+    allowed_quant_types: Optional[Collection[str]] = None,
+) -> List[RouteHop]:
+    """A chain for one training sub-batch: at each boundary, the covering server with the least
+    (`load[peer]` + 1) / throughput (`load`: requests this client has in flight there), then the one reaching
+    furthest, ties broken at random; used as far as it covers. Raises RoutingError on gaps."""
+    _check_range(start, end)
+    usable = _usable_spans(spans, start, end, banned, allowed_quant_types)
+    _raise_if_uncovered(usable, start, end, spans=spans, banned=banned, allowed_quant_types=allowed_quant_types)
+    rng = rng if rng is not None else random.Random()
+    load = load or {}
+    hops: List[RouteHop] = []
+    position = start
+    while position < end:
+        candidates = [span for span in usable.values() if span.start <= position < span.end]
+        if hops:
+            candidates = [span for span in candidates if span.peer_id != hops[-1].peer_id] or candidates
+        rng.shuffle(candidates)
+        chosen = min(candidates, key=lambda span: ((load.get(span.peer_id, 0) + 1) / max(span.info.throughput, 1e-9),
+                                                   -span.end))
+        hop_end = min(chosen.end, end)
+        hops.append(RouteHop(chosen.peer_id, position, hop_end))
+        position = hop_end
+    return hops

@@ -39,8 +39,9 @@ class SpanStream:
     """The part of a session held by one server: blocks [hop.start, hop.end) over one bidirectional stream."""
 
     def __init__(self, manager: SwarmManager, hop: RouteHop, session_id: str, max_length: int, batch_size: int,
-                 adapter: Optional[str] = None):
+                 adapter: Optional[str] = None, prompts: Optional[torch.Tensor] = None):
         self.manager, self.hop = manager, hop
+        self.prompts = prompts  # deep prompts of this hop's blocks [hop.length, 1, pre_seq_len, hidden], or None
         self.session_id, self.max_length, self.batch_size = session_id, max_length, batch_size
         self.adapter = adapter
         self.position = 0  # tokens the server holds for this session
@@ -115,8 +116,9 @@ class SpanStream:
         stub = self.manager.stub(self.hop.peer_id)
         self._responses = await stub.rpc_inference(aio.iterate_queue(self._queue))
         opened = P.OpenSession(session_id=self.session_id, start=self.hop.start, end=self.hop.end,
-                               max_length=self.max_length, batch_size=self.batch_size, adapter=self.adapter)
-        self._queue.put_nowait(P.make_request(opened))
+                               max_length=self.max_length, batch_size=self.batch_size, adapter=self.adapter,
+                               prompts=self.prompts is not None)
+        self._queue.put_nowait(P.make_request(opened, [] if self.prompts is None else [self.prompts]))
         if wait:
             await self._next_reply()
         else:
@@ -198,13 +200,16 @@ class InferenceSession:
     """
 
     def __init__(self, manager: SwarmManager, max_length: int, start: int = 0, end: Optional[int] = None,
-                 adapter: Optional[str] = None):
+                 adapter: Optional[str] = None, prompts: Optional[torch.Tensor] = None):
+        """`prompts`: deep prompts [num_blocks, 1, pre_seq_len, hidden] (`swarm.client.ptune`), sent to each server
+        with its blocks' part when its stream opens."""
         if max_length <= 0:
             raise ValueError("max_length must be positive")
         self.manager, self.max_length = manager, max_length
         self.adapter = adapter  # the LoRA adapter every server of the chain runs this session with (None: base)
         self.start, self.end = start, manager.num_blocks if end is None else end
         self.session_id = uuid.uuid4().hex
+        self.prompts = prompts
         self.position = 0
         self.batch_size: Optional[int] = None
         self._streams: List[SpanStream] = []
@@ -270,8 +275,8 @@ class InferenceSession:
                 last_error = e
                 await asyncio.sleep(min(1.0, self.manager.config.ban_timeout))
                 continue
-            streams = [SpanStream(self.manager, hop, self.session_id, self.max_length, batch_size, self.adapter)
-                       for hop in hops]
+            streams = [SpanStream(self.manager, hop, self.session_id, self.max_length, batch_size, self.adapter,
+                                  None if self.prompts is None else self.prompts[hop.start:hop.end]) for hop in hops]
             results = await asyncio.gather(*(s.open(wait) for s in streams), return_exceptions=True)
             failed = [(s, r) for s, r in zip(streams, results) if isinstance(r, BaseException)]
             if not failed:

@@ -1,7 +1,8 @@
 """The compute thread of a process: one worker thread runs all tensor work in priority order, and batches.
 
 A block server's RPC handlers live on the asyncio loop and must never block it; they `submit` a function with a
-priority (decode steps, then prefill chunks, then forward/backward passes) and await its result. A client's
+priority (decode steps, then prefill chunks, then forward passes, then training passes cut
+into one-block pieces) and await its result. A client's
 threads (one per conversation in the gateway) `call` it and block. One worker keeps torch's intra-op threads
 for a single pass at a time, so concurrent sessions do not thrash the cores, and it is the only thread of the
 process that starts OpenMP teams (`swarm.runtime.threads`). `submit_batchable` / `call_batchable` queue an item under a
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 PRIORITY_DECODE = 0
 PRIORITY_PREFILL = 1
 PRIORITY_FORWARD = 2
+PRIORITY_TRAINING = 3  # training forward/backward pieces (one block of a sub-batch each): below all inference
 PRIORITY_INFERENCE = PRIORITY_DECODE
 OVERLAP_MEMORY = 1.0  # seconds after tasks last overlapped during which threads adapt to the free cores
 GATHER_MAX = 0.020  # longest wait (seconds) for a batch's missing sources

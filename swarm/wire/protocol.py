@@ -6,7 +6,8 @@ Transport: hivemind P2P protobuf handlers. Each request/response is a `runtime_p
 wrong versions, and tensors are checked (dtype, byte size, element count) before they are materialized.
 
 RPCs (see `BlockRPC`):
-- `rpc_inference`: a bidirectional stream per session. The first request is `OpenSession`; then each
+- `rpc_inference`: a bidirectional stream per session. The first request is `OpenSession` (with deep prompts
+  as its tensor if `prompts`); then each
   `Step` carries hidden states `[batch, seq, hidden]` starting at `start_position`; each gets a `StepResult`
   (the output hidden states) or an `ErrorReply`. Closing the stream frees the session's KV cache. A step may
   reorder the cache's rows first (`hypo_ids`: beam search's parent beams) and a step at position 0 may set the
@@ -15,6 +16,11 @@ RPCs (see `BlockRPC`):
 - `rpc_push`: a long-lived stream from one server to the next carrying `PushStep`s: in a decode step each
   server hands its output straight to the next server of the chain (named by the client in `Step.push_to`).
 - `rpc_forward`: one pass of hidden states through a block range, no cache.
+- `rpc_train_forward` / `rpc_train_backward`: streamed (`swarm.wire.streaming`, chunks under the message limit)
+  passes for training. `TrainForward` + hidden `[batch, seq, hidden]` (+ deep prompts `[blocks, batch | 1,
+  pre_seq_len, hidden]`, added to the first pre_seq_len positions of each block's input) -> `TrainResult` + the
+  output; `TrainBackward` + hidden, grad_output (+ prompts) -> `TrainResult` + grad_input (+ grad_prompts). The
+  server keeps nothing between the two calls: backward recomputes the span's forward from the inputs it is sent.
 - `rpc_info`: `ServerStats`.
 
 In a private swarm the `uid` of a stream's first request (of every `rpc_forward` request, of `rpc_info`'s
@@ -67,6 +73,8 @@ class OpenSession(Message):
     batch_size: int = Field(default=1, gt=0, le=MAX_BATCH)
     adapter: Optional[str] = Field(default=None, min_length=1, max_length=128,
                                    description="the LoRA adapter this session runs with (None: the base model)")
+    prompts: bool = Field(default=False, description="the request carries deep prompts [end - start, batch | 1, "
+                                                     "pre_seq_len, hidden], added to each block's first positions")
 
 
 class PushTarget(Message):
@@ -169,6 +177,32 @@ class ForwardResult(Message):
     type: Literal["forward_result"] = "forward_result"
 
 
+class TrainForward(Message):
+    """tensors: hidden [batch, seq, hidden], then deep prompts [end - start, batch | 1, pre_seq_len, hidden] if
+    `prompts`."""
+
+    type: Literal["train_forward"] = "train_forward"
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+    prompts: bool = False
+
+
+class TrainBackward(Message):
+    """tensors: hidden (the span's input) and grad_output, both [batch, seq, hidden], then the prompts if
+    `prompts`."""
+
+    type: Literal["train_backward"] = "train_backward"
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+    prompts: bool = False
+
+
+class TrainResult(Message):
+    """tensors: the output (forward) or grad_input, then grad_prompts (backward with prompts)."""
+
+    type: Literal["train_result"] = "train_result"
+
+
 class ServerStats(Message):
     type: Literal["info"] = "info"
     version: str
@@ -189,6 +223,7 @@ class ServerStats(Message):
     decode_batches: int = 0
     largest_batch: int = 0
     decode_compute_seconds: float = 0.0
+    training_tokens_processed: int = Field(default=0, description="tokens of training forward/backward passes")
 
 
 ReplyMessage = Union[StepResult, ErrorReply]
@@ -304,6 +339,18 @@ class BlockRPC(ServicerBase):
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         raise NotImplementedError
+
+    async def rpc_train_forward(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError
+        yield  # pragma: no cover
+
+    async def rpc_train_backward(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError
+        yield  # pragma: no cover
 
     async def rpc_push(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext

@@ -1,0 +1,115 @@
+"""A client model's inference session: `ModelSession` pairs an `InferenceSession` with the token ids `[batch, n]`
+whose states the servers hold, so that a new call sends only what they do not hold yet (rewinding them where the new
+input diverges), with beam parents (`hypo_ids`), left padding and shallow prompts (`swarm.client.ptune`) applied."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple, TypeVar
+
+import torch
+
+from swarm.client import ptune as tuning
+from swarm.client.rows import held_prefix
+from swarm.client.session import InferenceSession
+from swarm.runtime.taskpool import PRIORITY_DECODE, client_pool
+
+if TYPE_CHECKING:
+    from swarm.client.model import DistributedModelForCausalLM
+
+# embeddings of fewer elements than this run in the caller's thread: below torch's parallel grain size (32768),
+# the lookup is serial and starts no OpenMP team there (`swarm.runtime.threads`)
+SMALL_EMBED_ELEMENTS = 32768
+
+T = TypeVar("T")
+
+
+class ModelSession:
+    """An inference session plus the token ids `[batch, n]` whose states the servers hold (and their rows' left
+    padding)."""
+
+    def __init__(self, model: "DistributedModelForCausalLM", max_length: int, adapter: Optional[str] = None):
+        self.model = model
+        self.session = InferenceSession(model.manager, max_length, adapter=adapter,
+                                        prompts=tuning.session_prompts(model))
+        self.token_ids: Optional[torch.Tensor] = None
+        self.left_padding: Optional[List[int]] = None
+
+    @property
+    def max_length(self) -> int:
+        return self.session.max_length
+
+    @property
+    def position(self) -> int:
+        return self.session.position
+
+    def reusable_prefix(self, input_ids: torch.Tensor, hypo_ids: Optional[List[int]] = None,
+                        left_padding: Optional[List[int]] = None) -> Tuple[int, Optional[List[int]]]:
+        """(how many leading tokens of `input_ids` the servers already hold, at most len - 1: the last token is
+        always sent again, as its logits are needed; the held row each row continues, None for the same rows).
+        `hypo_ids`: the caller's parents of the rows (beam search), `left_padding`: the rows' padding."""
+        held, held_padding = self.token_ids, self.left_padding
+        if hypo_ids is not None and held is not None and held.shape[0] == len(hypo_ids):
+            held = held[hypo_ids]
+        reuse, parents = held_prefix(held, input_ids)
+        if parents is not None:
+            hypo_ids = parents if hypo_ids is None else [hypo_ids[p] for p in parents]
+        if held_padding is not None and hypo_ids is not None:
+            held_padding = [held_padding[i] for i in hypo_ids]
+        if held_padding != left_padding:
+            return 0, None  # other padding: other positions and masks, everything is computed again
+        return reuse, hypo_ids if reuse > 0 else None
+
+    def open(self, batch_size: int = 1) -> "ModelSession":
+        """Route and open the servers' sessions now (else the first `feed` does it); errors surface here."""
+        self.session.open(batch_size)
+        return self
+
+    def feed(self, input_ids: torch.Tensor, hypo_ids: Optional[List[int]] = None,
+             left_padding: Optional[List[int]] = None) -> torch.Tensor:
+        """Make the servers hold exactly `input_ids` [batch, n]; returns the last position's logits [batch, vocab].
+        `hypo_ids` [batch]: row i continues held row hypo_ids[i] (beam search: the servers reorder their caches);
+        `left_padding` [batch]: each row's leading padding positions (`swarm.client.rows.left_padding`).
+
+        The LM head runs on the process's compute thread (`swarm.runtime.taskpool.client_pool`): the heads of concurrent
+        sessions' steps become one pass there. So does the embedding, unless it is a few rows (a decode step:
+        a lookup too small to be worth a hand-over)."""
+        return self._feed(input_ids, None, hypo_ids, left_padding)[0]
+
+    def feed_and_pick(self, input_ids: torch.Tensor, pick: Callable[[torch.Tensor], T],
+                      left_padding: Optional[List[int]] = None) -> Tuple[torch.Tensor, T]:
+        """`feed`, then `pick(logits)` (the next tokens [batch], or the gateway's per-row choices) in the same
+        compute-thread task as the LM head: returns (logits [batch, vocab], what pick returned)."""
+        return self._feed(input_ids, pick, None, left_padding)
+
+    def _feed(self, input_ids: torch.Tensor, pick, hypo_ids: Optional[List[int]],
+              left_padding: Optional[List[int]]) -> Tuple[torch.Tensor, Any]:
+        offset = tuning.session_offset(self.model)  # shallow prompts (`swarm.client.ptune`) hold the first positions
+        if offset and left_padding:
+            raise ValueError("left-padded batches cannot be combined with shallow prompt tuning (ptune)")
+        reuse, hypo_ids = self.reusable_prefix(input_ids, hypo_ids, left_padding)
+        if reuse + offset < self.session.position:
+            self.session.rewind(reuse + offset)
+        new_ids = input_ids[:, reuse:]
+        pool = client_pool()
+        if new_ids.numel() * self.model.config.hidden_size < SMALL_EMBED_ELEMENTS:
+            hidden = self.model.embed(new_ids)  # [batch, n, hidden]: serial kernels, no OpenMP team here
+        else:
+            hidden = pool.call(PRIORITY_DECODE, self.model.embed, new_ids)
+        if offset and self.session.position == 0:
+            hidden = tuning.with_prompts(self.model, hidden)
+        out = self.session.step(hidden, hypo_ids=hypo_ids, left_padding=left_padding if reuse == 0 else None)
+        self.token_ids, self.left_padding = input_ids.clone(), left_padding
+        logits, picked = pool.call_batchable(PRIORITY_DECODE, ("head", id(self.model)), self.model.head_rows,
+                                             (out[:, -1], pick), source=id(self))
+        if isinstance(picked, BaseException):  # this session's own error (say, a user's logits processor)
+            raise picked
+        return logits, picked
+
+    def close(self) -> None:
+        self.session.close()
+        client_pool().gatherer.forget(id(self))  # concurrent sessions' heads stop waiting for this one
+
+    def __enter__(self) -> "ModelSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
