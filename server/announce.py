@@ -20,6 +20,7 @@ from hivemind.utils import get_dht_time
 from server.config import ServerConfig
 from server.pings import measure_next_pings
 from swarm import __version__
+from swarm.runtime.dht_process import DHTProcess
 from swarm.wire.records import ServerInfo, ServerSpan, ServerState, declare_blocks, fetch_block_records, online_spans
 
 logger = logging.getLogger("swarmgate.server")
@@ -30,7 +31,7 @@ def start_dht(config: ServerConfig) -> hivemind.DHT:
     if not config.new_swarm and not config.initial_peers:
         raise ValueError("give --initial_peers to join a swarm, or --new_swarm to start one")
     host_maddrs = [f"/ip4/0.0.0.0/tcp/{config.port}"] if config.port is not None else config.host_maddrs
-    return hivemind.DHT(
+    return DHTProcess(
         initial_peers=[] if config.new_swarm else config.initial_peers, start=True, host_maddrs=host_maddrs,
         announce_maddrs=config.announce_maddrs or None, identity_path=config.identity_path, client_mode=False,
     )
@@ -45,10 +46,10 @@ class Announcer:
     """What this server says about itself in the DHT (span `start:end`, state, throughput, next pings)."""
 
     def __init__(self, prefix: str, expiration: float, num_blocks_total: int, dtype: torch.dtype,
-                 free_cache_tokens: Callable[[], int], quant_type: str = "none"):
+                 free_cache_tokens: Callable[[], int], quant_type: str = "none", public_name: str = ""):
         self.dht: Optional[hivemind.DHT] = None  # set once the peer has started
         self.prefix, self.expiration, self.num_blocks_total = prefix, expiration, num_blocks_total
-        self.dtype, self.quant_type = dtype, quant_type
+        self.dtype, self.quant_type, self.public_name = dtype, quant_type, public_name
         self.free_cache_tokens = free_cache_tokens
         self.start = self.end = 0
         self.state = ServerState.JOINING
@@ -65,7 +66,7 @@ class Announcer:
                           end=self.end if end is None else end, throughput=self.throughput,
                           cache_tokens_left=self.free_cache_tokens(), version=__version__,
                           dtype=str(self.dtype).replace("torch.", ""), quant_type=self.quant_type,
-                          next_pings=dict(self.next_pings))
+                          next_pings=dict(self.next_pings), public_name=self.public_name)
 
     async def declare(self, blocks: Sequence[int], info: ServerInfo) -> None:
         if not blocks:

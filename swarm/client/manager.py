@@ -29,6 +29,7 @@ from swarm.client.routing import (
     quant_allowed,
 )
 from swarm.runtime import aio
+from swarm.runtime.dht_process import DHTProcess
 from swarm.wire import protocol as P
 from swarm.wire.records import ServerSpan, fetch_block_records, online_spans
 
@@ -72,7 +73,7 @@ class SwarmManager:
         if not config.initial_peers and dht is None:
             raise ValueError("initial_peers is required: the multiaddr(s) of a peer of the swarm")
         self.config, self.prefix, self.num_blocks = config, prefix, num_blocks
-        self.dht = dht or hivemind.DHT(initial_peers=config.initial_peers, client_mode=True, start=True)
+        self.dht = dht or DHTProcess(initial_peers=config.initial_peers, client_mode=True, start=True)
         self._own_dht = dht is None
         self.p2p: P2P = aio.run(self.dht.replicate_p2p(), timeout=60)
         self.spans: List[ServerSpan] = []
@@ -112,6 +113,10 @@ class SwarmManager:
         peer_ids = list(dict.fromkeys(peer_ids))[: self.config.max_pings]
         results = await asyncio.gather(*(one(p) for p in peer_ids))
         return dict(zip(peer_ids, results))
+
+    def measure_rtts(self, peer_ids, timeout: float = 2.0) -> Dict[str, float]:
+        """RTT (seconds) of an info call to each server now (infinity: no answer within `timeout`)."""
+        return aio.run(self._ping(peer_ids, timeout), timeout=timeout + 10)
 
     def banned(self) -> List[str]:
         now = time.monotonic()

@@ -1,22 +1,23 @@
 """`swarmgate dht`: a bootstrap DHT peer that others join; it serves no blocks.
 
 It listens on `--host_maddrs` (optionally with a fixed `--identity_path`, so its address is known in advance),
-prints `SWARMGATE_READY {json}` with the multiaddrs others join with, and runs until SIGINT/SIGTERM.
+prints `SWARMGATE_READY {json}` with the multiaddrs others join with, and runs until SIGINT/SIGTERM (then stops
+its DHT process and p2pd: `swarm.runtime.lifecycle`).
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 from typing import List, Optional
 
-import hivemind
 from pydantic import Field
 
+from swarm.runtime import lifecycle
 from swarm.runtime.config import ProcessConfig, config_from_argv, setup_logging
+from swarm.runtime.dht_process import DHTProcess
 
 logger = logging.getLogger("swarmgate.dht")
 
@@ -37,11 +38,15 @@ def main(argv=None) -> int:
     config = config_from_argv(BootstrapConfig, argv, "swarmgate dht", "Run a bootstrap DHT peer for a private swarm.",
                               section="dht")
     setup_logging(config.log_level)
+    lifecycle.become_subreaper()
+    stop = threading.Event()
+    lifecycle.on_stop_signals(stop.set)
     try:
-        dht = hivemind.DHT(start=True, host_maddrs=config.host_maddrs, announce_maddrs=config.announce_maddrs or None,
-                           identity_path=config.identity_path, initial_peers=config.initial_peers)
+        dht = DHTProcess(start=True, host_maddrs=config.host_maddrs, announce_maddrs=config.announce_maddrs or None,
+                         identity_path=config.identity_path, initial_peers=config.initial_peers)
     except Exception as e:
         print(f"error: cannot start the DHT peer: {e}", file=sys.stderr)
+        lifecycle.reap_descendants()
         return 1
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
     print("SWARMGATE_READY " + json.dumps({"peer_id": dht.peer_id.to_base58(), "maddrs": maddrs}), flush=True)
@@ -53,9 +58,10 @@ def main(argv=None) -> int:
         with open(tmp, "w") as f:
             f.write("\n".join(reachable) + "\n")
         os.replace(tmp, config.write_maddrs)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    dht.shutdown()
+    try:
+        stop.wait()
+        logger.info("shutting down")
+    finally:
+        dht.shutdown()
+        lifecycle.reap_descendants()
     return 0
