@@ -9,6 +9,7 @@ COMMANDS = {
     "dht": ("swarm.launch.bootstrap", "run a bootstrap DHT peer"),
     "server": ("server.server", "serve a range of a model's blocks"),
     "gateway": ("gateway.app", "serve the OpenAI-compatible HTTP API over the swarm"),
+    "status": ("swarm.client.status", "print a swarm's servers and block coverage (no gateway needed)"),
     "up": ("swarm.launch.local_swarm", "start a local swarm (bootstrap, servers, gateway) from a YAML file"),
 }
 
