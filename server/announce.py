@@ -46,12 +46,13 @@ class Announcer:
     """What this server says about itself in the DHT (span `start:end`, state, throughput, next pings)."""
 
     def __init__(self, prefix: str, expiration: float, num_blocks_total: int, dtype: torch.dtype,
-                 free_cache_tokens: Callable[[], int], quant_type: str = "none", public_name: str = ""):
+                 free_cache_tokens: Callable[[], int], quant_type: str = "none"):
         self.dht: Optional[hivemind.DHT] = None  # set once the peer has started
         self.prefix, self.expiration, self.num_blocks_total = prefix, expiration, num_blocks_total
-        self.dtype, self.quant_type, self.public_name = dtype, quant_type, public_name
+        self.dtype, self.quant_type = dtype, quant_type
         self.free_cache_tokens = free_cache_tokens
         self.start = self.end = 0
+        self.public_name = ""  # the operator's `--public_name` (set by the server)
         self.state = ServerState.JOINING
         self.throughput = 1.0
         self.next_pings: Dict[str, float] = {}  # peer id -> RTT (s) to servers that can run block `end`
@@ -62,11 +63,11 @@ class Announcer:
 
     def info(self, state: ServerState, start: Optional[int] = None, end: Optional[int] = None) -> ServerInfo:
         # ServerInfo's adapters stay at their default: no server option sets them yet
-        return ServerInfo(state=state, start=self.start if start is None else start,
+        return ServerInfo(state=state, public_name=self.public_name, start=self.start if start is None else start,
                           end=self.end if end is None else end, throughput=self.throughput,
                           cache_tokens_left=self.free_cache_tokens(), version=__version__,
                           dtype=str(self.dtype).replace("torch.", ""), quant_type=self.quant_type,
-                          next_pings=dict(self.next_pings), public_name=self.public_name)
+                          next_pings=dict(self.next_pings))
 
     async def declare(self, blocks: Sequence[int], info: ServerInfo) -> None:
         if not blocks:

@@ -91,12 +91,12 @@ class Server:
         self.pool: Optional[TaskPool] = None
         self.capacity: Optional[Capacity] = None
         self.record = Announcer(self.prefix, config.expiration or 2 * config.update_period, self.num_blocks_total,
-                                self.dtype, self._free_cache_tokens, quant_type=self.quant_type,
-                                public_name=config.public_name)
+                                self.dtype, self._free_cache_tokens, quant_type=self.quant_type)
         # observable counters (tests, logs)
         self.moves = self.restarts = 0
         self._stop = asyncio.Event()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self.record.public_name = config.public_name
 
     @property
     def started_dht(self) -> hivemind.DHT:

@@ -32,7 +32,7 @@ from swarm.client.manager import ClientConfig, SwarmManager
 from swarm.client.routing import quant_allowed
 from swarm.client.rowpad import RowPadding
 from swarm.client.session import InferenceSession, SessionError
-from swarm.client.status import SwarmStatus, collect_status
+from swarm.client.status import SwarmStatusView
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec, family_for
 from swarm.runtime import aio, malloc
@@ -130,7 +130,7 @@ class ModelSession:
         self.close()
 
 
-class DistributedModelForCausalLM(nn.Module):
+class DistributedModelForCausalLM(SwarmStatusView, nn.Module):
     def __init__(self, config, family: FamilySpec, manager: SwarmManager, embed_tokens: nn.Embedding,
                  norm: nn.Module, lm_head: nn.Linear, generation_config: GenerationConfig):
         super().__init__()
@@ -241,10 +241,6 @@ class DistributedModelForCausalLM(nn.Module):
         return Coverage([i for i in range(num_blocks) if i not in covered], num_blocks,
                         sum(view.allowed for view in views), views,
                         None if allowed_types is None else tuple(allowed_types))
-
-    def swarm_status(self, model_name: str) -> SwarmStatus:
-        """A fresh snapshot of the swarm (records read now, every server pinged) for status pages."""
-        return collect_status(self.manager, model_name)
 
     def banned_peers(self) -> List[str]:
         """Servers this client avoids for now, after they failed."""

@@ -4,7 +4,8 @@
 `SwarmStatus`: one `ServerStatus` per server still in the swarm (online or joining; a server that announced
 `offline` has left and is not listed; one that does not answer a ping is `unreachable`) and one `BlockStatus` per
 block (how many online, reachable servers hold it and their summed throughput). `collect_status(manager, model)`
-reads the records through a client's `SwarmManager` and pings each server from here. The gateway's `/status` page
+reads the records through a client's `SwarmManager` and pings each server from here (`SwarmStatusView`: the
+client model's `swarm_status`). The gateway's `/status` page
 and `/status.json` (`gateway.status`) and the `swarmgate status` command (`main` here: a table in the terminal,
 or `--json`) show the same snapshot. Every string in it comes from untrusted records: whoever renders it escapes it.
 """
@@ -14,7 +15,7 @@ import json
 import math
 import sys
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from pydantic import BaseModel, Field
 
@@ -94,6 +95,16 @@ def collect_status(manager, model: str, ping: bool = True) -> SwarmStatus:
         peers = [span.peer_id for span in online_spans(records, include_joining=True)]
         rtts = manager.measure_rtts(peers)
     return build_status(records, model, manager.prefix, rtts)
+
+
+class SwarmStatusView:
+    """`ClientModel.swarm_status` for a client model holding a `SwarmManager` as `self.manager` (a mixin)."""
+
+    manager: Any
+
+    def swarm_status(self, model_name: str) -> SwarmStatus:
+        """A fresh snapshot of the swarm (records read now, every server pinged) for status pages."""
+        return collect_status(self.manager, model_name)
 
 
 # ---- the terminal view ----------------------------------------------------------------------------------------------
