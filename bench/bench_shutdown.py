@@ -75,7 +75,7 @@ def main() -> None:
     try:
         for run in range(args.runs):
             for group in (False, True):
-                mode = "group" if group else "alone"
+                mode = "group" if group else "process alone"
                 dht = topology.start_bootstrap(name="bench-sd-dht2", threads=1)
                 times.setdefault(f"dht, SIGTERM to the {mode}", []).append(_time_exit(dht, group))
                 for load in (False, True):

@@ -45,7 +45,7 @@ from gateway.sessions import SessionProvider
 from gateway.state import GatewayState, format_ranges, quant_note, quant_summary
 from gateway.status import add_status_routes
 from gateway.tokens import Tokens
-from swarm.runtime import lifecycle, malloc
+from swarm.runtime import malloc
 from swarm.runtime.taskpool import stop_client_pool
 
 logger = logging.getLogger("swarmgate.gateway")
@@ -278,7 +278,6 @@ def main(argv=None) -> int:
         torch.set_num_threads(config.num_threads)
     model: Optional[Any] = None
     code = 1
-    lifecycle.become_subreaper()  # p2pd stays our descendant even if the DHT process dies first
     try:
         sock = _listen(config.host, config.port)
         # the tokenizer first: what parsing it takes and frees (tens of MB) goes back to the OS before the weights
@@ -302,8 +301,6 @@ def main(argv=None) -> int:
         if model is not None:
             model.shutdown()
         stop_client_pool()
-        lifecycle.reap_descendants()
-        lifecycle.finish(code)  # worker threads stuck on a dead peer must not hold the exit
     return code
 
 

@@ -306,7 +306,6 @@ def main(argv=None, server_class: Type[Server] = Server) -> int:
     setup_logging(config.log_level)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    lifecycle.become_subreaper()  # p2pd stays our descendant even if the DHT process dies first
     try:
         server = server_class(config)
         return asyncio.run(server.run())
@@ -314,5 +313,3 @@ def main(argv=None, server_class: Type[Server] = Server) -> int:
         logger.error(f"server failed: {e}")
         print(f"error: {e}", file=sys.stderr)
         return 1
-    finally:
-        lifecycle.reap_descendants()

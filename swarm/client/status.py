@@ -139,7 +139,6 @@ def main(argv=None) -> int:
     """`swarmgate status MODEL --initial_peers ...`: the swarm's snapshot as a table (or JSON), without a gateway."""
     from swarm.client.manager import ClientConfig, SwarmManager
     from swarm.modeling.checkpoint import Checkpoint
-    from swarm.runtime import lifecycle
     from swarm.runtime.config import ProcessConfig, config_from_argv, setup_logging
     from swarm.wire.records import dht_prefix_for
 
@@ -158,7 +157,6 @@ def main(argv=None) -> int:
     if not config.initial_peers:
         print("error: --initial_peers is required: the multiaddr(s) of a peer of the swarm", file=sys.stderr)
         return 2
-    lifecycle.become_subreaper()
     manager = None
     try:
         num_blocks = Checkpoint(config.model).load_config().num_hidden_layers
@@ -174,4 +172,3 @@ def main(argv=None) -> int:
     finally:
         if manager is not None:
             manager.shutdown()
-        lifecycle.reap_descendants()

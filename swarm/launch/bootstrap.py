@@ -38,7 +38,6 @@ def main(argv=None) -> int:
     config = config_from_argv(BootstrapConfig, argv, "swarmgate dht", "Run a bootstrap DHT peer for a private swarm.",
                               section="dht")
     setup_logging(config.log_level)
-    lifecycle.become_subreaper()
     stop = threading.Event()
     lifecycle.on_stop_signals(stop.set)
     try:
@@ -46,7 +45,6 @@ def main(argv=None) -> int:
                          identity_path=config.identity_path, initial_peers=config.initial_peers)
     except Exception as e:
         print(f"error: cannot start the DHT peer: {e}", file=sys.stderr)
-        lifecycle.reap_descendants()
         return 1
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
     print("SWARMGATE_READY " + json.dumps({"peer_id": dht.peer_id.to_base58(), "maddrs": maddrs}), flush=True)
@@ -63,5 +61,4 @@ def main(argv=None) -> int:
         logger.info("shutting down")
     finally:
         dht.shutdown()
-        lifecycle.reap_descendants()
     return 0

@@ -89,7 +89,6 @@ def up(config: UpConfig) -> int:
         return 1
     finally:
         swarm.close()
-        lifecycle.reap_descendants()
         print("stopped all processes", flush=True)
 
 

@@ -10,8 +10,10 @@ children (the hivemind DHT process, p2pd) got it too and may already be gone.
   wait for them (no zombies). Each process's `main` calls it last.
 - `quiet_lost_connections(loop)`: once stopping, a connection lost in a background task (p2pd killed by the same
   signal) is logged at debug level instead of as an error with a traceback.
-- `finish(code, timeout)`: the last call of a `main`: waits up to `timeout` s for other non-daemon threads (e.g.
-  worker threads stuck on a dead peer), then exits at once with `code` rather than hang in the interpreter's exit.
+- `finish(code, timeout)`: the end of a `swarmgate` process (`swarm.launch.cli`), once its subcommand returned:
+  reaps the descendants, gives other non-daemon threads up to `timeout` s (worker threads stuck on a dead peer
+  must not hold the exit), flushes logs and stdio and exits with `code` without the interpreter's finalization
+  (freeing a loaded model and C++ destructors took ~4 s on a busy machine, after everything had stopped).
 - `on_stop_signals(callback)`: SIGTERM and SIGINT call `callback` once; a second signal means "now": the process
   reaps its descendants and exits at once with status 1.
 """
@@ -25,7 +27,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, NoReturn
 
 import psutil
 
@@ -103,17 +105,17 @@ def quiet_lost_connections(loop: asyncio.AbstractEventLoop) -> None:
     loop.set_exception_handler(handler)
 
 
-def finish(code: int, timeout: float = 2.0) -> int:
-    """Return `code` if only daemon threads remain within `timeout` s; otherwise flush and `os._exit(code)`."""
+def finish(code: int, timeout: float = 2.0) -> NoReturn:
+    """Reap the descendants, wait up to `timeout` s for non-daemon threads, flush, `os._exit(code)`."""
+    reap_descendants()
     deadline = time.monotonic() + timeout
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join(max(0.0, deadline - time.monotonic()))
     lingering = [t.name for t in threading.enumerate() if t.is_alive() and not t.daemon
                  and t is not threading.current_thread()]
-    if not lingering:
-        return code
-    logger.warning(f"threads still running at exit ({', '.join(lingering)}): exiting without waiting for them")
+    if lingering:
+        logger.warning(f"threads still running at exit ({', '.join(lingering)}): exiting without waiting for them")
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
