@@ -3,9 +3,10 @@
 `create_app(config, model=None, tokenizer=None)` builds the app around one client model (loaded here when not
 given: embeddings, final norm and LM head; the blocks run on the swarm) and its tokenizer. Routes: the OpenAI
 endpoints (`gateway.completions`), `GET /v1/models`, `POST /tokenize`, `POST /detokenize` (all behind the
-API keys when configured), and `GET /health` (200 when every block is served, else 503 naming the missing
-ones) and `GET /metrics` (Prometheus), public unless `--protect_probes`. Every response carries
-`X-Request-Id` (echoed or created); CORS is on for the configured origins.
+API keys when configured), `GET /health` (200 when every block is served, else 503 naming the missing
+ones) and `GET /metrics` (Prometheus), public unless `--protect_probes`, and the public swarm status page
+`GET /status` / `/status.json` (`gateway.status`). Every response carries `X-Request-Id` (echoed or created);
+CORS is on for the configured origins.
 
 `main(argv)` parses flags / YAML / environment into `GatewayConfig`, serves with uvicorn, and prints
 `SWARMGATE_READY {"url": "http://host:port"}` on stdout once it accepts connections.
@@ -43,14 +44,16 @@ from gateway.schemas import DetokenizeRequest, ModelCard, ModelList, TokenizeReq
 from gateway.session_pool import SessionPool
 from gateway.sessions import SessionProvider
 from gateway.state import GatewayState, format_ranges, quant_note, quant_summary
+from gateway.status import add_status_routes
 from gateway.tokens import Tokens
 from swarm.runtime import malloc
+from swarm.runtime.taskpool import stop_client_pool
 
 logger = logging.getLogger("swarmgate.gateway")
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize",
-              "/detokenize"}
+              "/detokenize", "/status", "/status.json"}
 
 
 class RequestContext:
@@ -152,6 +155,7 @@ def create_app(config: GatewayConfig, model=None, tokenizer=None) -> FastAPI:
     _add_routes(app, state)
     # `model` in /openapi.json: the served names (the base and its adapters)
     install_openapi(app, lambda: (config.model_name, config.model, *state.served_adapters()))
+    add_status_routes(app, state)
     return app
 
 
@@ -241,8 +245,15 @@ def _listen(host: str, port: int) -> socket.socket:
 async def _serve(app: FastAPI, config: GatewayConfig, sock: socket.socket) -> None:
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level.lower(), timeout_graceful_shutdown=5,
-                                           access_log=False))
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:  # end running generations now, so that their streams close before the grace
+                threading.Thread(target=app.state.gateway.engine.shutdown, name="stop-generations",
+                                 daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, log_level=config.log_level.lower(), timeout_graceful_shutdown=5,
+                                   access_log=False))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
@@ -273,6 +284,7 @@ def main(argv=None) -> int:
 
         torch.set_num_threads(config.num_threads)
     model: Optional[Any] = None
+    code = 1
     try:
         sock = _listen(config.host, config.port)
         # the tokenizer first: what parsing it takes and frees (tens of MB) goes back to the OS before the weights
@@ -287,14 +299,16 @@ def main(argv=None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: None)
         asyncio.run(_serve(app, config, sock))
-        return 0
+        logger.info("stopping: closing the swarm client")
+        code = 0
     except (ValueError, RuntimeError, OSError) as e:
         logger.error(f"gateway failed: {e}")
         print(f"error: {e}", file=sys.stderr)
-        return 1
     finally:
         if model is not None:
             model.shutdown()
+        stop_client_pool()
+    return code
 
 
 if __name__ == "__main__":

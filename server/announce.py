@@ -55,6 +55,7 @@ class Announcer:
         self.adapters = tuple(adapters)  # the LoRA adapters this server holds for its blocks
         self.free_cache_tokens = free_cache_tokens
         self.start = self.end = 0
+        self.public_name = ""  # the operator's `--public_name` (set by the server)
         self.state = ServerState.JOINING
         self.throughput = 1.0
         self.swarm_key: Optional[SwarmKey] = None  # a private swarm's key (set by the server): pings prove membership
@@ -65,7 +66,7 @@ class Announcer:
         self.last_announce = 0.0
 
     def info(self, state: ServerState, start: Optional[int] = None, end: Optional[int] = None) -> ServerInfo:
-        return ServerInfo(state=state, start=self.start if start is None else start,
+        return ServerInfo(state=state, public_name=self.public_name, start=self.start if start is None else start,
                           end=self.end if end is None else end, throughput=self.throughput,
                           cache_tokens_left=self.free_cache_tokens(), version=__version__,
                           dtype=str(self.dtype).replace("torch.", ""), quant_type=self.quant_type,

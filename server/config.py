@@ -63,6 +63,8 @@ class ServerConfig(SwarmKeySettings):
     max_disk_space: Optional[str] = Field(default=None, description="size limit of the download cache (e.g. 50GB); "
                                                                      "least recently used files are evicted")
     num_threads: Optional[int] = Field(default=None, gt=0, description="torch intra-op threads")
+    public_name: str = Field(default="", max_length=128,
+                             description="a name for this server shown on swarm status pages (e.g. who runs it)")
     log_level: str = Field(default="INFO", description="logging level")
 
     @field_validator("block_indices")

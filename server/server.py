@@ -13,7 +13,9 @@ Lifecycle (each step's module in brackets):
    (`server.spans.maybe_rebalance`). If the serving loop dies (an exception while announcing, rebalancing or
    loading), it is restarted with back-off: blocks that are missing are reloaded, a dead compute thread is
    replaced, and the record is announced again.
-7. On SIGINT/SIGTERM: stop taking sessions, announce `offline`, shut down and exit 0.
+7. On SIGINT/SIGTERM (to the process or its whole group): stop taking sessions, announce `offline` if the DHT
+   peer still can, stop the compute thread, the DHT process and p2pd (`swarm.runtime.dht_process`), reap any
+   descendant left (`swarm.runtime.lifecycle`) and exit 0, within a few seconds; a second signal exits at once.
 
 The typed configuration is `server.config.ServerConfig`. `main(argv, server_class)` lets a test run the normal
 entry point with a subclass (e.g. a handler that injects faults, `tests/faulty_server.py`).
@@ -25,7 +27,6 @@ import gc
 import json
 import logging
 import random
-import signal
 import sys
 import threading
 import time
@@ -48,7 +49,7 @@ from swarm.modeling.disk_cache import parse_size
 from swarm.modeling.families import family_for
 from swarm.modeling.lora import AdapterSource, open_adapter
 from swarm.modeling.quantize import check_quant_support, resolve_quant_type
-from swarm.runtime import malloc
+from swarm.runtime import lifecycle, malloc
 from swarm.runtime.cpu_turns import CpuTurns, cpu_turns_enabled
 from swarm.runtime.taskpool import PRIORITY_FORWARD, TaskPool
 from swarm.runtime.threads import serial_torch_here
@@ -59,6 +60,10 @@ __all__ = ["Server", "ServerConfig", "main"]
 logger = logging.getLogger("swarmgate.server")
 
 MAX_RESTART_DELAY = 30.0
+DHT_DEATH_GRACE = 2.0  # seconds a server whose DHT process died waits for its own stop signal
+OFFLINE_TIMEOUT = 2.5  # seconds to announce offline when stopping
+UNLOAD_TIMEOUT = 1.0  # seconds to unregister the RPC handlers, to close the P2P handle
+POOL_STOP_TIMEOUT = 2.0  # seconds the compute thread gets to finish its queued work
 
 
 class Server:
@@ -99,6 +104,7 @@ class Server:
         self._stop = asyncio.Event()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.record.swarm_key = config.load_swarm_key()  # a private swarm's: handlers and pings use it
+        self.record.public_name = config.public_name
 
     @property
     def started_dht(self) -> hivemind.DHT:
@@ -222,6 +228,12 @@ class Server:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
+                if self.dht is not None and not self.dht.is_alive():
+                    # a stop signal sent to the whole group reaches the DHT process too, maybe first
+                    if await self.sleep(DHT_DEATH_GRACE):
+                        return
+                    raise SystemExit("the DHT peer process died; exiting so that a supervisor restarts the "
+                                     "server") from None
                 self.restarts += 1
                 failures = 1 if time.monotonic() - began > 10 * self.config.update_period else failures + 1
                 delay = min(MAX_RESTART_DELAY, self.config.update_period, 0.5 * 2 ** (failures - 1))
@@ -233,8 +245,7 @@ class Server:
         loop = self._loop = asyncio.get_running_loop()
         serial_torch_here()  # tensor work runs on the compute thread; the loop only validates and moves messages
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, self._stop.set)
+            lifecycle.on_stop_signals(self.request_stop)
         self.capacity = await loop.run_in_executor(None, spans.plan, self.config, self.model_config, self.dtype,
                                                    self.num_blocks_total, self.quant_type)
         self.dht = self.record.dht = await loop.run_in_executor(None, start_dht, self.config)
@@ -258,18 +269,43 @@ class Server:
             print("SWARMGATE_READY " + json.dumps(ready), flush=True)
             logger.info(f"serving blocks {start}:{end} of {self.config.model} as {ready['peer_id']}")
             await self._supervise()
-            logger.info("shutting down: announcing offline")
-            if self.handler is not None:
-                self.handler.accepting = False
-            # same lifetime as the online record: the DHT keeps whichever value expires later
-            await self.announce(ServerState.OFFLINE)
-            await self.unload_blocks()
+            await self._leave()
             return 0
         finally:
-            if self.pool is not None:
-                self.pool.shutdown()
-            if self.dht is not None:
-                await loop.run_in_executor(None, self.dht.shutdown)
+            await self._close()
+
+    async def _leave(self) -> None:
+        """Stop taking sessions, announce offline when the DHT peer still can, stop serving; each step bounded
+        (the whole shutdown fits in a few seconds, also when p2pd or the DHT process is already gone)."""
+        logger.info("shutting down: announcing offline")
+        lifecycle.quiet_lost_connections(asyncio.get_running_loop())
+        if self.handler is not None:
+            self.handler.accepting = False
+        if self.dht is not None and self.dht.is_alive():
+            try:
+                # same lifetime as the online record: the DHT keeps whichever value expires later
+                await asyncio.wait_for(self.announce(ServerState.OFFLINE), OFFLINE_TIMEOUT)
+                logger.info("announced offline")
+            except Exception as e:
+                logger.warning(f"could not announce offline ({type(e).__name__}: {e}); the record expires instead")
+        else:
+            logger.warning("the DHT process is gone: cannot announce offline; the record expires instead")
+        try:
+            await asyncio.wait_for(self.unload_blocks(), UNLOAD_TIMEOUT)
+        except Exception as e:  # p2pd is gone (its socket with it): nothing left to unregister from
+            logger.info(f"stopped serving without unregistering the handlers ({type(e).__name__}: {e})")
+
+    async def _close(self) -> None:
+        """Stop the compute thread, the P2P handle and the DHT process (killed if it does not stop in time)."""
+        if self.pool is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.pool.shutdown, POOL_STOP_TIMEOUT)
+        if self.p2p is not None:
+            try:  # our handle on p2pd: its reader tasks end instead of being destroyed pending at exit
+                await asyncio.wait_for(self.p2p.shutdown(), UNLOAD_TIMEOUT)
+            except Exception:
+                pass
+        if self.dht is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.dht.shutdown)
 
 
 def main(argv=None, server_class: Type[Server] = Server) -> int:

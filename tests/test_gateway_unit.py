@@ -165,6 +165,12 @@ class FakeModel:
     def unban(self, peer_id):
         pass
 
+    def swarm_status(self, model_name):
+        """An empty swarm (no records): the status page's data for a model without servers."""
+        from swarm.client.status import build_status
+
+        return build_status([{} for _ in range(4)], model_name, "fake")
+
     def inference_session(self, max_length):
         return FakeSession(self, max_length)
 

@@ -11,9 +11,12 @@ only these, never the client's routing internals, so tests may stand in a small 
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, NamedTuple, Optional, Protocol, Sequence, Tuple, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, List, NamedTuple, Optional, Protocol, Sequence, Tuple, TypeVar
 
 import torch
+
+if TYPE_CHECKING:
+    from swarm.client.status import SwarmStatus
 
 T = TypeVar("T")
 
@@ -87,6 +90,11 @@ class ClientModel(Protocol):
 
     def coverage(self, force: bool = False) -> Coverage:
         """Which blocks the swarm serves, from the client's view (`force`: refresh it first)."""
+        ...
+
+    def swarm_status(self, model_name: str) -> "SwarmStatus":
+        """A fresh snapshot of the swarm for status pages (`swarm.client.status`): every server with its RTT from
+        here, and the coverage of each block."""
         ...
 
     def banned_peers(self) -> List[str]: ...

@@ -147,6 +147,10 @@ class SwarmManager:
         results = await asyncio.gather(*(one(p) for p in peer_ids))
         return dict(zip(peer_ids, results))
 
+    def measure_rtts(self, peer_ids, timeout: float = 2.0) -> Dict[str, float]:
+        """RTT (seconds) of an info call to each server now (infinity: no answer within `timeout`)."""
+        return aio.run(self._ping(peer_ids, timeout), timeout=timeout + 10)
+
     def banned(self) -> List[str]:
         now = time.monotonic()
         return [peer for peer, (until, _) in self._bans.items() if until > now]

@@ -41,6 +41,7 @@ from swarm.client.routing import quant_allowed
 from swarm.client.rowpad import RowPadding
 from swarm.client.rows import left_padding
 from swarm.client.session import SessionError
+from swarm.client.status import SwarmStatusView
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec, family_for
 from swarm.runtime import aio, malloc
@@ -58,7 +59,7 @@ class CausalLMOutput:
     hidden_states: Optional[torch.Tensor] = None  # [batch, seq, hidden] after the final norm
 
 
-class DistributedModelForCausalLM(AdapterChoice, nn.Module):
+class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
     def __init__(self, config, family: FamilySpec, manager: SwarmManager, embed_tokens: nn.Embedding,
                  norm: nn.Module, lm_head: nn.Linear, generation_config: GenerationConfig,
                  embed_norm: Optional[nn.Module] = None):

@@ -1,20 +1,21 @@
 """`swarmgate dht`: a bootstrap DHT peer that others join; it serves no blocks.
 
 It listens on `--host_maddrs` (optionally with a fixed `--identity_path`, so its address is known in advance),
-prints `SWARMGATE_READY {json}` with the multiaddrs others join with, and runs until SIGINT/SIGTERM.
+prints `SWARMGATE_READY {json}` with the multiaddrs others join with, and runs until SIGINT/SIGTERM (then stops
+its DHT process and p2pd: `swarm.runtime.lifecycle`).
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 from typing import List, Optional
 
 from pydantic import Field
 
+from swarm.runtime import lifecycle
 from swarm.runtime.config import config_from_argv, setup_logging
 from swarm.runtime.swarm_key import SwarmKeySettings, join_dht
 
@@ -40,6 +41,8 @@ def main(argv=None) -> int:
     key = config.load_swarm_key()
     if key is not None:
         logger.info(f"private swarm: DHT requests need the swarm key (fingerprint {key.fingerprint})")
+    stop = threading.Event()
+    lifecycle.on_stop_signals(stop.set)
     try:
         dht = join_dht(key, host_maddrs=config.host_maddrs, announce_maddrs=config.announce_maddrs or None,
                        identity_path=config.identity_path, initial_peers=config.initial_peers)
@@ -57,9 +60,9 @@ def main(argv=None) -> int:
         with open(tmp, "w") as f:
             f.write("\n".join(reachable) + "\n")
         os.replace(tmp, config.write_maddrs)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    dht.shutdown()
+    try:
+        stop.wait()
+        logger.info("shutting down")
+    finally:
+        dht.shutdown()
     return 0

@@ -1,4 +1,8 @@
-"""The `swarmgate` command: one entry point, a subcommand per process kind (imported lazily)."""
+"""The `swarmgate` command: one entry point, a subcommand per process kind (imported lazily).
+
+The process ends here (`swarm.runtime.lifecycle.finish`): once the subcommand returned, its descendants are reaped
+and the process exits without the interpreter's finalization (seconds of freeing a loaded model on a busy machine).
+The subcommands' `main` functions do not reap nor exit, so that tests may call them in-process."""
 from __future__ import annotations
 
 import sys
@@ -9,6 +13,7 @@ COMMANDS = {
     "dht": ("swarm.launch.bootstrap", "run a bootstrap DHT peer"),
     "server": ("server.server", "serve a range of a model's blocks"),
     "gateway": ("gateway.app", "serve the OpenAI-compatible HTTP API over the swarm"),
+    "status": ("swarm.client.status", "print a swarm's servers and block coverage (no gateway needed)"),
     "up": ("swarm.launch.local_swarm", "start a local swarm (bootstrap, servers, gateway) from a YAML file"),
 }
 
@@ -25,11 +30,22 @@ def main(argv=None) -> int:
         return 0 if argv else 2
     import importlib
 
+    from swarm.runtime import lifecycle
     from swarm.runtime.threads import tune_openmp_env
 
     tune_openmp_env()
+    lifecycle.become_subreaper()  # p2pd stays our descendant even if its DHT process dies first
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    return module.main(argv[1:]) or 0
+    try:
+        code = module.main(argv[1:]) or 0
+    except SystemExit as e:  # argparse errors and --help, a server whose DHT process died
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        lifecycle.reap_descendants()
+        raise
+    return lifecycle.finish(code)
 
 
 if __name__ == "__main__":

@@ -3,11 +3,11 @@ processes, for machines without Docker; the same topology as `docker-compose.yml
 
 This module is the YAML config and the CLI glue; the processes are started by `swarm.launch.topology`. `up`
 starts the bootstrap peer, then the servers (joining the bootstrap), then the gateway, prints their addresses,
-and on Ctrl-C / SIGTERM (or when one of them exits) stops them all (SIGTERM, then SIGKILL).
+and on Ctrl-C / SIGTERM (or when one of them exits) stops them all within seconds (SIGTERM, then SIGKILL;
+a second Ctrl-C kills them at once).
 """
 from __future__ import annotations
 
-import signal
 import sys
 import threading
 from typing import List, Optional
@@ -15,6 +15,7 @@ from typing import List, Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from swarm.launch.topology import Topology
+from swarm.runtime import lifecycle
 from swarm.runtime.config import ProcessConfig, config_from_argv, parse_span
 
 
@@ -58,8 +59,7 @@ def up(config: UpConfig) -> int:
     if bundled is not None:
         print(f"model: {config.model} -> {bundled}", flush=True)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    lifecycle.on_stop_signals(stop.set)  # a second Ctrl-C kills everything at once
     swarm = Topology(config.model, name="", host=config.host, dht_port=config.dht_port, log_dir=config.log_dir,
                      ready_timeout=config.ready_timeout)
     try:

@@ -8,8 +8,8 @@
   exits or the wait times out; `terminate` sends SIGTERM, then SIGKILLs the whole group (a DHT child and its
   p2p daemon included).
 - `start_bootstrap`, `start_server(s)`, `start_gateway` build each kind's command line.
-- `Topology` (a context manager) owns one bootstrap peer, its servers and gateways, and stops them all, last
-  started first, on exit (also when starting fails half-way).
+- `Topology` (a context manager) owns one bootstrap peer, its servers and gateways, and stops them all on exit
+  (also when starting fails half-way) within `STOP_TIMEOUT`: gateways and servers together, then the bootstrap.
 
 `threads=N` (tests, benchmarks on shared cores) gives a process N intra-op threads: `OMP_NUM_THREADS` (unless the
 environment already sets it) and `--num_threads N` for servers and gateways. `wrap` prefixes the command line, e.g.
@@ -32,6 +32,7 @@ READY = "SWARMGATE_READY "
 REPO = Path(__file__).resolve().parents[2]
 CLI = "swarm.launch.cli"
 LOCALHOST = "127.0.0.1"
+STOP_TIMEOUT = 8.0  # seconds `Topology.close` gives its processes before SIGKILL
 
 
 class ManagedProcess:
@@ -81,15 +82,23 @@ class ManagedProcess:
 
     def terminate(self, timeout: float = 30) -> Optional[int]:
         """SIGTERM and wait; then SIGKILL whatever is left of its process group (e.g. a DHT child)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
+        self.signal(signal.SIGTERM)
+        self.wait(timeout)
         returncode = self.proc.poll()
         self.kill()
         return returncode
+
+    def signal(self, sig: int) -> None:
+        """Send `sig` to the process (not its group) if it is still running."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> Optional[int]:
+        """Its exit status, waiting up to `timeout` s; None if it is still running."""
+        try:
+            return self.proc.wait(max(0.0, timeout))
+        except subprocess.TimeoutExpired:
+            return None
 
     def kill(self) -> None:
         """SIGKILL the whole process group (the process, its DHT child and that child's p2p daemon)."""
@@ -254,9 +263,18 @@ class Topology:
         """A process of this topology that has exited, if any."""
         return next((p for p in self.procs if p.proc.poll() is not None), None)
 
-    def close(self) -> None:
-        for proc in reversed(self.procs):
-            proc.terminate()
+    def close(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Stop every process within `timeout` s: SIGTERM to the gateways and servers at once, then to the
+        bootstrap peer (so that servers can still announce offline); SIGKILL to the groups of those left."""
+        deadline = time.monotonic() + timeout
+        stages = [[p for p in self.procs if p is not self.bootstrap], [p for p in self.procs if p is self.bootstrap]]
+        for stage in stages:
+            for proc in reversed(stage):
+                proc.signal(signal.SIGTERM)
+            for proc in stage:
+                proc.wait(deadline - time.monotonic())
+        for proc in self.procs:
+            proc.kill()
         self.procs.clear()
 
     def __enter__(self) -> "Topology":

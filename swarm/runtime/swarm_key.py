@@ -23,7 +23,6 @@ import secrets
 from pathlib import Path
 from typing import Any, Optional, Union
 
-import hivemind
 from hivemind.p2p import PeerID
 from hivemind.utils.auth import AuthorizedRequestBase, AuthorizedResponseBase, AuthorizerBase
 from hivemind.utils.timed_storage import TimedStorage, get_dht_time
@@ -129,10 +128,13 @@ class SwarmKeyAuthorizer(AuthorizerBase):
 
 
 def join_dht(key: Optional[SwarmKey], **kwargs: Any) -> Any:
-    """`hivemind.DHT(start=True, **kwargs)` as a member of the swarm of `key` (None: an open swarm). A failed
+    """`hivemind.DHT(start=True, **kwargs)` as a member of the swarm of `key` (None: an open swarm), run as a
+    `swarm.runtime.dht_process.DHTProcess` (a child process that never outlives, nor hangs, its parent). A failed
     bootstrap says what to check: in a private swarm, members do not answer a peer without the same key."""
+    from swarm.runtime.dht_process import DHTProcess
+
     try:
-        return hivemind.DHT(start=True, **kwargs, **dht_kwargs(key))
+        return DHTProcess(start=True, **kwargs, **dht_kwargs(key))
     except RuntimeError as e:
         if "bootstrap failed" not in str(e):
             raise

@@ -277,8 +277,12 @@ class TaskPool:
         """Whether the worker thread still runs (a dead one is replaced by the server's self-healing)."""
         return self._thread.is_alive()
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait: float = 0.0) -> None:
+        """Stop after the queued tasks; wait up to `wait` s for the thread (a process must not exit while its
+        compute thread is inside a torch op: C++ aborts with `terminate called without an active exception`)."""
         self._queue.put((float("inf"), next(self._counter), None, None, None, None, None, None))
+        if wait > 0 and self._thread is not threading.current_thread():
+            self._thread.join(wait)
 
 
 def _deliver(loop: Optional[asyncio.AbstractEventLoop], future, result: Any, error: Optional[BaseException]) -> None:
@@ -310,3 +314,11 @@ def client_pool() -> TaskPool:
         if _shared is None or not _shared.is_alive():
             _shared = TaskPool(name="client-compute", turns=CpuTurns() if cpu_turns_enabled() else None)
         return _shared
+
+
+def stop_client_pool(wait: float = 2.0) -> None:
+    """Stop the client compute thread, if started, waiting up to `wait` s (before the process exits)."""
+    with _shared_lock:
+        pool = _shared
+    if pool is not None and pool.is_alive():
+        pool.shutdown(wait)

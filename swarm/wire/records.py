@@ -42,6 +42,8 @@ class ServerInfo(BaseModel):
     throughput: float = Field(default=1.0, gt=0, description="decode steps per second for one block")
     cache_tokens_left: int = Field(default=0, ge=0)
     version: str = ""
+    public_name: str = Field(default="", max_length=128, description="the operator's name for this server "
+                                                                     "(untrusted text: escape it where shown)")
     dtype: str = "float32"
     quant_type: str = "none"  # the served linear weights: none, int8 or nf4 (`swarmgate server --quant_type`)
     # the names of the LoRA adapters the server holds for its blocks (`swarmgate server --adapters`)

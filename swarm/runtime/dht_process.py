@@ -1,0 +1,110 @@
+"""The hivemind DHT peer as a child process that never outlives, nor hangs, its parent.
+
+`hivemind.DHT` runs its node in a forked child (which starts p2pd as its own child). `DHTProcess` is that class
+with the shutdown paths made safe for every process kind (server, gateway, bootstrap peer):
+
+- In the child: the signal handling inherited from the parent is reset (an asyncio loop's handlers would make the
+  child ignore SIGTERM and write to the parent's wake-up socket): SIGTERM ends it, SIGINT is ignored (hivemind's
+  choice: the parent decides). A watchdog thread ends the child, and p2pd with it, if its parent disappears.
+- In the parent: when the child dies for any reason (e.g. SIGTERM to the whole process group), every DHT call
+  still waiting for it fails at once instead of blocking its thread forever (which would also block the exit).
+- `shutdown(timeout)` (also at interpreter exit): asks the child to stop, SIGKILLs it (and its p2pd) after
+  `timeout` seconds, and never raises when the child is already gone.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing.connection
+import os
+import signal
+import threading
+import time
+
+import hivemind
+import psutil
+from hivemind.utils.mpfuture import MPFuture
+
+logger = logging.getLogger("swarmgate.dht")
+
+SHUTDOWN_TIMEOUT = 2.0  # seconds the child gets to stop cleanly before it is killed
+PARENT_CHECK_PERIOD = 1.0
+
+
+class DHTGone(RuntimeError):
+    """A DHT call whose DHT process is no longer running."""
+
+
+def fail_pending_calls(reason: str) -> int:
+    """Fail every DHT call of this process still waiting for an answer (their DHT process is gone)."""
+    failed = 0
+    for ref in list((MPFuture._active_futures or {}).values()):
+        future = ref()
+        if future is None or future.done():
+            continue
+        try:
+            future.set_exception(DHTGone(reason))
+            failed += 1
+        except Exception:  # finished meanwhile
+            pass
+    return failed
+
+
+def _kill_own_children() -> None:
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        time.sleep(PARENT_CHECK_PERIOD)
+        if os.getppid() != parent_pid:
+            _kill_own_children()  # p2pd
+            os._exit(0)
+
+
+class DHTProcess(hivemind.DHT):
+    """`hivemind.DHT` (same arguments) with the child's signals reset, a parent watchdog in the child, pending calls
+    failed when the child dies, and a `shutdown` that always ends the child within its timeout."""
+
+    def start(self) -> None:
+        super().start()
+        threading.Thread(target=self._watch_child, name="dht-process-watch", daemon=True).start()
+        atexit.register(self.shutdown)  # a client that never calls shutdown() still stops its DHT and p2pd
+
+    def _watch_child(self) -> None:
+        multiprocessing.connection.wait([self.sentinel])
+        failed = fail_pending_calls("the DHT process has exited")
+        if failed:
+            logger.debug(f"the DHT process exited; failed {failed} pending call(s)")
+
+    def run(self) -> None:  # in the child
+        try:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except ValueError:  # not the child's main thread (cannot happen with fork; kept safe)
+            pass
+        threading.Thread(target=_watch_parent, args=(os.getppid(),), name="parent-watch", daemon=True).start()
+        super().run()
+
+    def shutdown(self, timeout: float = SHUTDOWN_TIMEOUT) -> None:
+        if self.is_alive():
+            try:
+                self._outer_pipe.send(("_shutdown", [], {}))
+            except (OSError, ValueError):  # the child is exiting, or the pipe was closed by an earlier shutdown
+                pass
+            self.join(timeout)
+        if self.is_alive():
+            logger.warning(f"the DHT process did not stop within {timeout:.0f}s; killing it")
+            try:
+                for child in psutil.Process(self.pid).children(recursive=True):
+                    child.kill()
+            except psutil.Error:
+                pass
+            self.kill()
+            self.join(1.0)
+        fail_pending_calls("the DHT peer was shut down")
