@@ -12,7 +12,7 @@ import asyncio
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set
 
 import hivemind
 from hivemind.p2p import P2P, PeerID
@@ -57,6 +57,11 @@ class ClientConfig(BaseModel):
     use_push: bool = Field(default=True, description="servers push decode steps straight to the next server")
     push_timeout: float = Field(default=1.0, gt=0, description="seconds to wait for a pushed decode step before "
                                                                 "sending it to the next server directly")
+    verify: bool = Field(default=False, description="spot-check servers' outputs on independent servers "
+                                                    "(swarm.client.verify): every new server, then each span with "
+                                                    "verify_probability per step; outvoted servers are never used")
+    verify_probability: float = Field(default=0.05, ge=0, le=1, description="chance that a span's output is checked "
+                                                                            "at a step (with verify)")
     allowed_quant_types: Optional[List[str]] = Field(
         default=None, description=f"weight formats of the servers a route may use, of {', '.join(QUANT_TYPES)} "
                                   f"(a server's announced quant_type); None: any, so a mixed swarm works")
@@ -79,6 +84,7 @@ class SwarmManager:
         self.spans: List[ServerSpan] = []
         self._last_update = 0.0
         self._bans: Dict[str, tuple[float, int]] = {}  # peer id -> (banned until, consecutive failures)
+        self.distrusted: Set[str] = set()  # servers outvoted by spot-checks (swarm.client.verify): never routed to
         self.rtts: Dict[str, float] = {}  # peer id -> client RTT in seconds, measured at each refresh
         self._lock = threading.Lock()
 
@@ -116,7 +122,7 @@ class SwarmManager:
 
     def banned(self) -> List[str]:
         now = time.monotonic()
-        return [peer for peer, (until, _) in self._bans.items() if until > now]
+        return [peer for peer, (until, _) in self._bans.items() if until > now] + sorted(self.distrusted)
 
     def ban(self, peer_id: str) -> float:
         _, failures = self._bans.get(peer_id, (0.0, 0))

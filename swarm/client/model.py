@@ -34,6 +34,7 @@ from swarm.client.manager import ClientConfig, SwarmManager
 from swarm.client.routing import quant_allowed
 from swarm.client.rowpad import RowPadding
 from swarm.client.session import InferenceSession, SessionError
+from swarm.client.verify import OutputsRetracted
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec, family_for
 from swarm.runtime import aio, malloc
@@ -112,8 +113,10 @@ class ModelSession:
             hidden = self.model.embed(new_ids)  # [batch, n, hidden]: serial kernels, no OpenMP team here
         else:
             hidden = pool.call(PRIORITY_DECODE, self.model.embed, new_ids)
-        out = self.session.step(hidden)
-        self.token_ids = input_ids.clone()
+        try:
+            out = self.session.step(hidden)
+        finally:  # what the servers hold (less after a failure or `OutputsRetracted`)
+            self.token_ids = input_ids[:, :self.session.position].clone()
         logits, picked = pool.call_batchable(PRIORITY_DECODE, ("head", id(self.model)), self.model.head_rows,
                                              (out[:, -1], pick), source=id(self))
         if isinstance(picked, BaseException):  # this session's own error (say, a user's logits processor)
@@ -364,20 +367,20 @@ class DistributedModelForCausalLM(AdapterChoice, nn.Module):
         if session is None:
             session = self.inference_session(max_length=prompt_len + max_new)
         elif prompt_len + max_new - 1 > session.max_length:
-            raise SessionError(
-                f"prompt ({prompt_len}) + max_new_tokens ({max_new}) exceeds the session's max_length "
-                f"{session.max_length}"
-            )
+            raise SessionError(f"prompt ({prompt_len}) + max_new_tokens ({max_new}) exceeds the session's max_length "
+                               f"{session.max_length}")
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        ids = input_ids
-        finished = torch.zeros(ids.shape[0], dtype=torch.bool)
+        ids, finished = input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool)
         try:
-            for step in range(max_new):
-                # the logits [batch, vocab], the next tokens [batch] and the processed scores [batch, vocab], chosen
-                # on the compute thread with the head
-                logits, (next_tokens, step_scores) = session.feed_and_pick(
-                    ids, functools.partial(process_and_pick_scores, processors, ids, greedy=params.greedy))
+            while ids.shape[1] < prompt_len + max_new:
+                # logits [batch, vocab], next tokens [batch], processed scores [batch, vocab]: on the head's thread
+                try:
+                    logits, (next_tokens, step_scores) = session.feed_and_pick(
+                        ids, functools.partial(process_and_pick_scores, processors, ids, greedy=params.greedy))
+                except OutputsRetracted as retracted:  # a lying server was caught: pick its tokens again
+                    ids, finished = retracted.retract(ids, prompt_len, eos_ids, scores, raw_logits)
+                    continue
                 if want_scores:
                     scores.append(step_scores)
                 if want_logits:
