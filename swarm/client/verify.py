@@ -12,8 +12,11 @@ Majority: a first referee that agrees clears the server. If it disagrees, a seco
 with two of three opinions wins; the minority server (or referee chain) is distrusted for the life of the
 client (`SwarmManager.distrusted`: routing never uses it again), logged and counted. A server found wrong
 raises `ServerMismatch` in the session's step, which re-routes and replays its span as failover does, so the
-session's output is the honest servers'. A span no other server covers cannot be checked (`unverifiable`); a
-tie (one referee, or three different answers) is `unresolved` and bans nobody.
+session's output is the honest servers': when the server's wrong outputs began before this step, the session
+rewinds to that position and raises `OutputsRetracted`, and `generate` picks the tokens from there again (tokens a
+streamer already received cannot be taken back). A span no other server covers cannot be checked (`unverifiable`); a
+tie (one referee, or three different answers) is `unresolved` and bans nobody. The referee returns whole hidden
+states anyway (`rpc_forward`), so they are compared directly rather than through TOPLOC-style commitments.
 """
 from __future__ import annotations
 
