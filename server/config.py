@@ -45,6 +45,17 @@ class ServerConfig(SwarmKeySettings):
         default=None, gt=0, description="KV cache budget in tokens (batch x length); default: up to 16384, less if "
                                         "memory is short")
     max_length: int = Field(default=8192, gt=0, description="longest session (tokens) accepted")
+    max_sessions_per_peer: int = Field(default=128, gt=0, description="most inference sessions one peer (client or "
+                                                                       "gateway) may hold open on this server")
+    max_streams: int = Field(default=512, gt=0, description="most inference streams open at once, all peers together")
+    max_message_bytes: int = Field(default=64 << 20, gt=0, description="largest RPC message accepted (metadata and "
+                                                                      "tensors, bytes); clients send long inputs in "
+                                                                      "chunks")
+    max_step_tokens: int = Field(default=16384, gt=0, description="most tokens (batch x sequence) in one inference "
+                                                                  "step or forward call: a longer prompt must come "
+                                                                  "in chunks")
+    max_queued_steps: int = Field(default=64, gt=0, description="steps of one session waiting to run; more: the "
+                                                                "server stops reading that stream until it catches up")
     alloc_timeout: float = Field(default=5.0, ge=0, description="seconds a new session waits for cache")
     step_timeout: float = Field(default=300.0, gt=0, description="seconds an idle session is kept open")
     update_period: float = Field(default=120.0, gt=0, description="seconds between DHT record refreshes")

@@ -3,7 +3,8 @@ are `server.training.TrainingHandler`'s, which this class extends).
 
 Every request is validated before any tensor work (message schema and version, block range, tensor dtype and
 shape, positions against the session's cache and `max_length`, finite values, beam parent ids and padding against
-the session's rows). A bad step gets an
+the session's rows) and against the resource limits of `server/limits.py` (message size, tokens per step, streams,
+sessions per peer, queued steps). A bad step gets an
 `ErrorReply` on its own stream and leaves the session as it was; other sessions and the server go on. A
 session's cache is reserved when its stream opens and released when the stream ends for any reason. In a
 private swarm (`swarm_key`), every RPC is refused (`forbidden`) unless its first request proves the caller's
@@ -25,6 +26,7 @@ from hivemind.proto import runtime_pb2
 
 from server.blocks import BlockSpan
 from server.cache import CacheBudget, OutOfCacheError
+from server.limits import LimitError, RpcLimits, StreamLimiter
 from server.push import PushRouter, PushSender
 from server.training import TrainingHandler
 from swarm.runtime import malloc
@@ -48,14 +50,16 @@ class Counters:
 
 
 async def _pump(requests: AsyncIterator, inputs: asyncio.Queue) -> None:
-    """Move the client's requests into the session's input queue; None marks the client's end."""
+    """Move the client's requests into the session's (bounded) input queue; None marks the client's end. A full
+    queue stops reading the stream (back-pressure on the client) instead of holding its messages in memory."""
     try:
         async for request in requests:
-            inputs.put_nowait(("client", request))
+            await inputs.put(("client", request))
+    except asyncio.CancelledError:
+        raise
     except Exception as e:
         logger.debug(f"client stream ended: {e}")
-    finally:
-        inputs.put_nowait(None)
+    await inputs.put(None)
 
 
 async def _drain(requests: AsyncIterator, timeout: float = 2.0, max_messages: int = 64) -> None:
@@ -71,12 +75,13 @@ async def _drain(requests: AsyncIterator, timeout: float = 2.0, max_messages: in
 class BlockHandler(TrainingHandler):
     def __init__(self, span: BlockSpan, model_name: str, version: str, budget: CacheBudget, pool: TaskPool,
                  max_length: int, alloc_timeout: float, step_timeout: float, max_batch_tokens: int = 1 << 16,
-                 prefill_chunk: int = 256, swarm_key: Optional[SwarmKey] = None):
+                 prefill_chunk: int = 256, swarm_key: Optional[SwarmKey] = None, limits: RpcLimits = RpcLimits()):
         self.span, self.model_name, self.version = span, model_name, version
         self.swarm_key = swarm_key
         self.budget, self.pool = budget, pool
         self.max_length, self.alloc_timeout, self.step_timeout = max_length, alloc_timeout, step_timeout
-        self.max_batch_tokens = max_batch_tokens
+        self.limits, self.streams = limits, StreamLimiter(limits)
+        self.max_batch_tokens = max_batch_tokens  # tokens per training pass (`server.training`)
         self.prefill_chunk = prefill_chunk
         self.counters = Counters()
         self.accepting = True
@@ -105,11 +110,14 @@ class BlockHandler(TrainingHandler):
     def _hidden_from(self, request: runtime_pb2.ExpertRequest) -> torch.Tensor:
         if len(request.tensors) != 1:
             raise P.ProtocolError(f"expected exactly 1 tensor (hidden states), got {len(request.tensors)}")
-        hidden = P.deserialize_tensor(request.tensors[0], max_elements=self.max_batch_tokens * self.span.hidden_size)
-        if hidden.ndim != 3 or hidden.shape[-1] != self.span.hidden_size or hidden.shape[1] == 0:
+        shape = list(request.tensors[0].size)
+        if len(shape) != 3 or shape[-1] != self.span.hidden_size or shape[1] <= 0 or shape[0] <= 0:
             raise P.ProtocolError(
-                f"hidden states must have shape [batch, seq>0, {self.span.hidden_size}], got {list(hidden.shape)}"
+                f"hidden states must have shape [batch, seq>0, {self.span.hidden_size}], got {shape}"
             )
+        self.limits.check_step_tokens(shape[0] * shape[1])
+        hidden = P.deserialize_tensor(request.tensors[0],
+                                      max_elements=self.limits.max_step_tokens * self.span.hidden_size)
         if not torch.isfinite(hidden).all():
             raise P.ProtocolError("hidden states contain NaN or infinite values")
         return hidden
@@ -118,7 +126,12 @@ class BlockHandler(TrainingHandler):
     async def rpc_inference(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        handle = registered = pump = kv = None
+        handle = registered = pump = kv = peer = None
+        try:
+            self.streams.enter_stream()
+        except LimitError as e:
+            yield P.error_response("over_limit", str(e))
+            return
         try:
             try:
                 first = await asyncio.wait_for(requests.__anext__(), timeout=self.step_timeout)
@@ -129,6 +142,7 @@ class BlockHandler(TrainingHandler):
                 await _drain(requests)
                 return
             try:
+                self.limits.check_message(first)
                 opened = P.decode(first.metadata, P.OpenSession)
                 self._check_range(opened.start, opened.end)
                 prompts = self._session_prompts(first, opened)  # deep prompts [blocks, batch | 1, pre, hidden]
@@ -138,9 +152,16 @@ class BlockHandler(TrainingHandler):
                     raise P.ProtocolError(
                         f"max_length {opened.max_length} exceeds this server's limit {self.max_length}")
                 self._check_adapter(opened.adapter)
+                self.streams.open_session(str(context.remote_id))
+                peer = str(context.remote_id)
                 handle = f"{context.remote_id}/{opened.session_id}/{uuid.uuid4().hex[:8]}"
                 await self.budget.reserve(handle, opened.batch_size * self.span.cache_tokens(
                     opened.max_length, opened.start, opened.end), self.alloc_timeout)
+            except LimitError as e:
+                handle = None
+                yield P.error_response("over_limit", str(e))
+                await _drain(requests)
+                return
             except OutOfCacheError as e:
                 handle = None
                 yield P.error_response("out_of_cache", str(e))
@@ -154,7 +175,9 @@ class BlockHandler(TrainingHandler):
             kv = self.span.new_session_kv(opened.batch_size, opened.max_length, opened.start, opened.end,
                                           adapter=opened.adapter)
             key = P.stream_key(opened.session_id, opened.start)
-            inputs: asyncio.Queue = asyncio.Queue()  # ("client" | "push", request), or None when the client left
+            # ("client" | "push", request), or None when the client left; bounded: a flood waits (client) or is
+            # dropped (push) instead of growing memory
+            inputs: asyncio.Queue = asyncio.Queue(maxsize=self.limits.max_queued_steps)
             if not self.push_router.register(key, inputs):
                 yield P.error_response("bad_request", f"session part {key} is already open here")
                 return
@@ -179,6 +202,7 @@ class BlockHandler(TrainingHandler):
                                       push_chain=pushed.push_chain, **pushed.row_edits())
                     else:
                         step = P.decode(request.metadata, P.Step)
+                    self.limits.check_message(request)
                     if step.step_id and step.step_id <= last_step_id:
                         continue  # the other copy of a step already processed (push and client fallback)
                     hidden = self._hidden_from(request)
@@ -198,11 +222,11 @@ class BlockHandler(TrainingHandler):
                             f"{opened.max_length}"
                         )
                     P.check_row_edits(step, batch, opened.max_length)
-                except P.ProtocolError as e:
+                except (P.ProtocolError, LimitError) as e:
                     if source == "push":
                         logger.warning(f"dropping a malformed push for {key}: {e}")
                         continue
-                    yield P.error_response("bad_request", str(e))
+                    yield P.error_response("over_limit" if isinstance(e, LimitError) else "bad_request", str(e))
                     continue
                 try:
                     if step.hypo_ids is not None and (step.reorder_id == 0 or step.reorder_id != last_reorder_id):
@@ -234,6 +258,9 @@ class BlockHandler(TrainingHandler):
                 yield P.make_response(P.StepResult(position=kv.length, step_id=step.step_id, pushed=was_pushed),
                                       [output])
         finally:
+            self.streams.exit_stream()
+            if peer is not None:
+                self.streams.close_session(peer)
             if kv is not None:
                 self.pool.gatherer.forget(id(kv))  # batches stop waiting for this session's steps
             kv = None  # the session's cache buffers are freed here
@@ -295,8 +322,9 @@ class BlockHandler(TrainingHandler):
                     return
                 admitted = True
             try:
+                self.limits.check_message(request)
                 key = P.decode(request.metadata, P.PushStep).stream_key
-            except P.ProtocolError as e:
+            except (P.ProtocolError, LimitError) as e:
                 logger.warning(f"malformed push from {context.remote_id}: {e}")
                 continue
             self.push_router.deliver(key, request)  # unknown keys: the session already ended
@@ -308,6 +336,7 @@ class BlockHandler(TrainingHandler):
         if not self._admits(context, request.uid):
             return P.error_response("forbidden", NOT_A_MEMBER)
         try:
+            self.limits.check_message(request)
             message = P.decode(request.metadata, P.ForwardRequest)
             self._check_range(message.start, message.end)
             self._check_adapter(message.adapter)
@@ -318,6 +347,8 @@ class BlockHandler(TrainingHandler):
             if padding is not None and (len(padding) != hidden.shape[0] or max(padding) >= hidden.shape[1]):
                 raise P.ProtocolError(f"left_padding must have one entry per row ({hidden.shape[0]}), each below "
                                       f"the sequence length {hidden.shape[1]}")
+        except LimitError as e:
+            return P.error_response("over_limit", str(e))
         except P.ProtocolError as e:
             return P.error_response("bad_request", str(e))
         try:

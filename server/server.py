@@ -41,6 +41,7 @@ from server.blocks import BlockSpan, resolve_dtype
 from server.cache import CacheBudget
 from server.config import ServerConfig
 from server.handler import BlockHandler
+from server.limits import RpcLimits
 from server.memory import Capacity
 from server.throughput import get_throughput
 from swarm import __version__
@@ -155,7 +156,12 @@ class Server:
         handler = self.handler_class(span, self.config.model, __version__, CacheBudget(self.capacity.attn_cache_tokens),
                                      self._compute_pool(), max_length=self.config.max_length,
                                      alloc_timeout=self.config.alloc_timeout, step_timeout=self.config.step_timeout,
-                                     swarm_key=self.record.swarm_key)
+                                     swarm_key=self.record.swarm_key,
+                                     limits=RpcLimits(max_sessions_per_peer=self.config.max_sessions_per_peer,
+                                                      max_streams=self.config.max_streams,
+                                                      max_message_bytes=self.config.max_message_bytes,
+                                                      max_step_tokens=self.config.max_step_tokens,
+                                                      max_queued_steps=self.config.max_queued_steps))
         if self.p2p is None:
             self.p2p = await self.started_dht.replicate_p2p()
         await handler.add_p2p_handlers(self.p2p)

@@ -1,26 +1,47 @@
-"""A test-only block server that answers every inference step after the N-th with an error.
+"""A test-only block server that fails or lies: errors after N steps, or perturbed outputs.
 
     python -m tests.faulty_server MODEL [swarmgate server flags] --fail_after_steps N
+    python -m tests.faulty_server MODEL [swarmgate server flags] --perturb_after_steps N [--perturb_every K]
 
-It runs the normal server entry point (`server.server.main`) with a handler whose computation fails once N
-steps have been served, so the client sees the handler's ordinary `internal` error reply. The failover tests
+It runs the normal server entry point (`server.server.main`) with a handler that either answers every inference
+step after the N-th served one with the handler's ordinary `internal` error reply (`--fail_after_steps`), or,
+from each session's N-th step on, adds noise of the output's own scale to what it returns
+(`--perturb_after_steps`; with `--perturb_every K`, only every K-th session it opens lies): a malicious server
+that spot-checks (`swarm.client.verify`) must catch. Forward passes (what referees run) stay honest. The tests
 start it through `swarm.launch.topology.start_server(..., module="tests.faulty_server")`.
 """
 from __future__ import annotations
 
 import sys
+import weakref
+from typing import Optional
 
 
-def faulty_server(fail_after_steps: int) -> type:
-    """A `Server` subclass whose handler fails every inference step after `fail_after_steps` served ones."""
+def faulty_server(fail_after_steps: Optional[int] = None, perturb_after_steps: Optional[int] = None,
+                  perturb_every: int = 1) -> type:
+    """A `Server` subclass whose handler fails, or perturbs, inference steps as described above."""
+    import torch
+
     from server.handler import BlockHandler
     from server.server import Server
 
     class FaultyHandler(BlockHandler):
-        async def _compute(self, *args, **kwargs):
-            if self.counters.inference_steps >= fail_after_steps:
+        sessions_seen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # kv -> [ordinal, steps served]
+        sessions_opened = 0
+
+        async def _compute(self, hidden, start_position, kv, *args, **kwargs):
+            if fail_after_steps is not None and self.counters.inference_steps >= fail_after_steps:
                 raise RuntimeError(f"injected fault after {fail_after_steps} steps")
-            return await super()._compute(*args, **kwargs)
+            output = await super()._compute(hidden, start_position, kv, *args, **kwargs)
+            if perturb_after_steps is not None:
+                if kv not in self.sessions_seen:
+                    self.sessions_seen[kv] = [FaultyHandler.sessions_opened, 0]
+                    FaultyHandler.sessions_opened += 1
+                seen = self.sessions_seen[kv]
+                seen[1] += 1
+                if seen[1] > perturb_after_steps and seen[0] % perturb_every == 0:
+                    output = output + torch.randn_like(output) * output.float().std().to(output.dtype)
+            return output
 
     class FaultyServer(Server):
         handler_class = FaultyHandler
@@ -28,14 +49,25 @@ def faulty_server(fail_after_steps: int) -> type:
     return FaultyServer
 
 
+def _pop_flag(argv: list, name: str) -> Optional[int]:
+    if name not in argv:
+        return None
+    at = argv.index(name)
+    value = int(argv[at + 1])
+    del argv[at:at + 2]
+    return value
+
+
 def run(argv: list) -> int:
     from server.server import main
 
-    if "--fail_after_steps" not in argv:
-        raise SystemExit("tests.faulty_server needs --fail_after_steps N")
-    at = argv.index("--fail_after_steps")
-    steps = int(argv[at + 1])
-    return main(argv[:at] + argv[at + 2:], server_class=faulty_server(steps))
+    argv = list(argv)
+    fail = _pop_flag(argv, "--fail_after_steps")
+    perturb = _pop_flag(argv, "--perturb_after_steps")
+    every = _pop_flag(argv, "--perturb_every") or 1
+    if fail is None and perturb is None:
+        raise SystemExit("tests.faulty_server needs --fail_after_steps N or --perturb_after_steps N")
+    return main(argv, server_class=faulty_server(fail, perturb, every))
 
 
 if __name__ == "__main__":

@@ -165,7 +165,7 @@ def fake_manager(spans: List[ServerSpan], allowed: Optional[List[str]], num_bloc
     manager = SwarmManager.__new__(SwarmManager)  # no DHT: the swarm view is given
     manager.config = ClientConfig(allowed_quant_types=allowed, measure_rtt=False)
     manager.prefix, manager.num_blocks = "m", num_blocks
-    manager.spans, manager.rtts, manager._bans = list(spans), {}, {}
+    manager.spans, manager.rtts, manager._bans, manager.distrusted = list(spans), {}, {}, set()
     manager._last_update = time.monotonic()
     import threading
 

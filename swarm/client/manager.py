@@ -12,7 +12,7 @@ import asyncio
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set
 
 import hivemind
 from hivemind.p2p import P2P, PeerID
@@ -68,6 +68,11 @@ class ClientConfig(BaseModel):
                                            "a larger batch is split and its parts sent to servers in parallel")
     training_timeout: float = Field(default=300.0, gt=0, description="seconds for one training forward or backward "
                                                                       "call to one server")
+    verify: bool = Field(default=False, description="spot-check servers' outputs on independent servers "
+                                                    "(swarm.client.verify): every new server, then each span with "
+                                                    "verify_probability per step; outvoted servers are never used")
+    verify_probability: float = Field(default=0.05, ge=0, le=1, description="chance that a span's output is checked "
+                                                                            "at a step (with verify)")
     allowed_quant_types: Optional[List[str]] = Field(
         default=None, description=f"weight formats of the servers a route may use, of {', '.join(QUANT_TYPES)} "
                                   f"(a server's announced quant_type); None: any, so a mixed swarm works")
@@ -108,6 +113,7 @@ class SwarmManager:
         self.spans: List[ServerSpan] = []
         self._last_update = 0.0
         self._bans: Dict[str, tuple[float, int]] = {}  # peer id -> (banned until, consecutive failures)
+        self.distrusted: Set[str] = set()  # servers outvoted by spot-checks (swarm.client.verify): never routed to
         self.rtts: Dict[str, float] = {}  # peer id -> client RTT in seconds, measured at each refresh
         self._lock = threading.Lock()
 
@@ -153,7 +159,7 @@ class SwarmManager:
 
     def banned(self) -> List[str]:
         now = time.monotonic()
-        return [peer for peer, (until, _) in self._bans.items() if until > now]
+        return [peer for peer, (until, _) in self._bans.items() if until > now] + sorted(self.distrusted)
 
     def ban(self, peer_id: str) -> float:
         _, failures = self._bans.get(peer_id, (0.0, 0))

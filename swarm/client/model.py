@@ -42,6 +42,7 @@ from swarm.client.rowpad import RowPadding
 from swarm.client.rows import left_padding
 from swarm.client.session import SessionError
 from swarm.client.status import SwarmStatusView
+from swarm.client.verify import OutputsRetracted
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec, family_for
 from swarm.runtime import aio, malloc
@@ -326,15 +327,17 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
                     session.close()
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        ids = input_ids
-        finished = torch.zeros(ids.shape[0], dtype=torch.bool)
+        ids, finished = input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool)
         try:
-            for step in range(max_new):
-                # the logits [batch, vocab], the next tokens [batch] and the processed scores [batch, vocab], chosen
-                # on the compute thread with the head
-                logits, (next_tokens, step_scores) = session.feed_and_pick(
-                    ids, functools.partial(process_and_pick_scores, processors, ids, greedy=params.greedy),
-                    **({} if padding is None else {"left_padding": padding}))
+            while ids.shape[1] < prompt_len + max_new:
+                # logits [batch, vocab], next tokens [batch], processed scores [batch, vocab]: on the head's thread
+                try:
+                    logits, (next_tokens, step_scores) = session.feed_and_pick(
+                        ids, functools.partial(process_and_pick_scores, processors, ids, greedy=params.greedy),
+                        **({} if padding is None else {"left_padding": padding}))
+                except OutputsRetracted as retracted:  # a lying server was caught: pick its tokens again
+                    ids, finished = retracted.retract(ids, prompt_len, eos_ids, scores, raw_logits)
+                    continue
                 if want_scores:
                     scores.append(step_scores)
                 if want_logits:

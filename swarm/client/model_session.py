@@ -96,8 +96,11 @@ class ModelSession:
             hidden = pool.call(PRIORITY_DECODE, self.model.embed, new_ids)
         if offset and self.session.position == 0:
             hidden = tuning.with_prompts(self.model, hidden)
-        out = self.session.step(hidden, hypo_ids=hypo_ids, left_padding=left_padding if reuse == 0 else None)
-        self.token_ids, self.left_padding = input_ids.clone(), left_padding
+        try:
+            out = self.session.step(hidden, hypo_ids=hypo_ids, left_padding=left_padding if reuse == 0 else None)
+        finally:  # what the servers hold (less after a failure or `swarm.client.verify.OutputsRetracted`)
+            self.token_ids = input_ids[:, :max(self.session.position - offset, 0)].clone()
+            self.left_padding = left_padding
         logits, picked = pool.call_batchable(PRIORITY_DECODE, ("head", id(self.model)), self.model.head_rows,
                                              (out[:, -1], pick), source=id(self))
         if isinstance(picked, BaseException):  # this session's own error (say, a user's logits processor)

@@ -25,6 +25,7 @@ from hivemind.p2p import P2PHandlerError
 
 from swarm.client.manager import SwarmManager
 from swarm.client.routing import RouteHop, RoutingError
+from swarm.client.verify import OutputsRetracted, ServerMismatch, verifier_for
 from swarm.runtime import aio
 from swarm.wire import protocol as P
 
@@ -217,6 +218,7 @@ class InferenceSession:
         self._closed = False
         self.failovers = 0
         self._step_id = 0  # one id per chunk step (and per replayed chunk), shared by every server of the chain
+        self._verifier = verifier_for(manager)  # spot-checks of servers' outputs (None: off)
 
     # ---- public, synchronous ------------------------------------------------------------------------------
     def step(self, hidden: torch.Tensor, hypo_ids: Optional[Sequence[int]] = None,
@@ -399,6 +401,7 @@ class InferenceSession:
             edits.update(left_padding=left_padding)
         assert self.batch_size is not None, "the session is not open"
         failures, index = 0, 0
+        checks = self._verifier.plan([s.hop for s in self._streams]) if self._verifier else set()
         delivered = False  # whether the current stream got this step by push from the previous one
         while index < len(self._streams):
             stream = self._streams[index]
@@ -414,7 +417,7 @@ class InferenceSession:
                     rest = self._streams[index + 1:]
                     chain = [P.PushTarget(peer_id=s.hop.peer_id, stream_key=s.key) for s in rest]
                     # push decode steps (prefill goes through the client), once the next servers have opened
-                    use_push = config.use_push and seq == 1 and not any(s.open_pending for s in rest)
+                    use_push = config.use_push and seq == 1 and not any(s.open_pending for s in rest) and not checks
                     stream.send(x, self.position, step_id, chain if use_push else (), edits)
                     out, pushed = await stream.receive(self.position, seq)
                 else:
@@ -423,6 +426,9 @@ class InferenceSession:
                     except asyncio.TimeoutError:  # the push got lost: deliver it ourselves
                         stream.send(x, self.position, step_id, (), edits)
                         out, pushed = await stream.receive(self.position, seq)
+                if index in checks and self._verifier is not None:  # ServerMismatch: failover like an error
+                    await self._verifier.check(stream.hop, history.read(self.position + seq),
+                                               self._outputs_of(stream.hop.end, out), self.adapter)
             except Exception as e:  # connection lost, time-out, or an error reply: the server is failed
                 error: BaseException = e
                 while True:
@@ -436,6 +442,9 @@ class InferenceSession:
                         raise
                     except Exception as replay_error:  # the replacement failed too: try another one
                         error = replay_error
+                if isinstance(e, ServerMismatch) and e.position < self.position:
+                    self.position = e.position  # earlier outputs were wrong too: the caller feeds them again
+                    raise OutputsRetracted(e.position) from e
                 delivered = False
                 step_id = self._next_step_id()  # the replay used newer ids: servers drop older ones as copies
                 continue  # the same boundary, now on the replacement
@@ -445,8 +454,22 @@ class InferenceSession:
             delivered = pushed
             x = out
             index += 1
+        if self._verifier is not None:  # the last span's outputs, which a check compares too
+            self._boundary(self.end, x).write(self.position, x)
         return x
 
+    def _boundary(self, block: int, like: torch.Tensor) -> _History:
+        if block not in self._history:
+            assert self.batch_size is not None
+            self._history[block] = _History(self.batch_size, self.max_length, like.shape[-1], like.dtype)
+        return self._history[block]
+
+    def _outputs_of(self, end: int, out: torch.Tensor) -> torch.Tensor:
+        """What the span ending at block `end` returned: recorded positions [0, position), then `out`."""
+        recorded = self._history.get(end)
+        if recorded is None or recorded.length < self.position:
+            return out
+        return torch.cat([recorded.read(self.position), out], dim=1)
 
 def _check_rows(name: str, values: Optional[Sequence[int]], batch: int, bound: int) -> Optional[List[int]]:
     """`values` as a list of one int per row, each in [0, bound); ValueError naming `name` otherwise."""

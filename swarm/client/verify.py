@@ -1,0 +1,210 @@
+"""Spot-checks of untrusted servers' outputs: a span's recorded inputs re-run on an independent server.
+
+With `ClientConfig.verify`, before each step `Verifier.plan` picks the spans of the chain to check: always a server
+not checked yet, else each span with probability `verify_probability`. A checked step goes through the client
+(no push), and its output is compared with a referee's: the span's whole recorded input history
+`[batch, n, hidden]` (the same `_History` failover replays) sent as one forward pass (`rpc_forward`, no cache)
+through other servers covering the same blocks with the same dtype and weight format (from their DHT records).
+The comparison (`divergence`) is per position, relative to each row's typical magnitude, within a tolerance per
+dtype and quantization (`tolerance`).
+
+Majority: a first referee that agrees clears the server. If it disagrees, a second referee decides: the side
+with two of three opinions wins; the minority server (or referee chain) is distrusted for the life of the
+client (`SwarmManager.distrusted`: routing never uses it again), logged and counted. A server found wrong
+raises `ServerMismatch` in the session's step, which re-routes and replays its span as failover does, so the
+session's output is the honest servers': when the server's wrong outputs began before this step, the session
+rewinds to that position and raises `OutputsRetracted`, and `generate` picks the tokens from there again (tokens a
+streamer already received cannot be taken back). A span no other server covers cannot be checked (`unverifiable`); a
+tie (one referee, or three different answers) is `unresolved` and bans nobody. The referee returns whole hidden
+states anyway (`rpc_forward`), so they are compared directly rather than through TOPLOC-style commitments.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import weakref
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Set
+
+import torch
+
+from swarm.client.manager import SwarmManager
+from swarm.client.routing import RouteHop, RoutingError, choose_forward_chain
+
+logger = logging.getLogger(__name__)
+
+# largest honest divergence (see `divergence`) by serving dtype; a quantized weight format adds its own margin
+DTYPE_TOLERANCE = {"float32": 0.02, "float16": 0.1, "bfloat16": 0.15}
+QUANT_TOLERANCE = {"none": 0.0, "int8": 0.3, "nf4": 0.3}  # int8 decode vs prefill: ~0.16 seen
+
+
+class ServerMismatch(RuntimeError):
+    """A server's output disagreed with the majority of independent servers over the same blocks, first at
+    `position`."""
+
+    def __init__(self, message: str, position: int):
+        super().__init__(message)
+        self.position = position
+
+
+class OutputsRetracted(RuntimeError):
+    """Outputs the session returned for positions `position`.. came from a server found wrong since: the session
+    now holds only positions [0, position); the caller feeds the tokens after them again (`generate` does)."""
+
+    def __init__(self, position: int):
+        super().__init__(f"outputs from position {position} on were wrong and are retracted")
+        self.position = position
+
+    def retract(self, ids: torch.Tensor, prompt_len: int, eos_ids: torch.Tensor, *per_token: list) -> tuple:
+        """For a generation loop: ids [batch, n] cut to the tokens picked from outputs before `position` (and the
+        per-token lists, such as scores, cut alike); returns (ids, finished [batch])."""
+        keep = max(self.position + 1, prompt_len)
+        for values in per_token:
+            del values[keep - prompt_len:]
+        ids = ids[:, :keep]
+        return ids, torch.isin(ids[:, prompt_len:], eos_ids).any(dim=1)
+
+
+@dataclass
+class VerifyStats:
+    """Counters for a client's checks (the gateway can expose them as metrics)."""
+
+    checks: int = 0  # spans checked against at least one referee
+    passed: int = 0
+    mismatches: int = 0  # servers found wrong by a majority (distrusted)
+    unverifiable: int = 0  # checks skipped: no other server covers the span with the same dtype and weights
+    unresolved: int = 0  # disagreements without a majority (no ban)
+    referee_failures: int = 0  # referee calls that failed (the referee is not an opinion)
+    largest_passed: float = 0.0  # the largest divergence of a check that passed (how close honest servers are)
+    distrusted: List[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__, distrusted=list(self.distrusted))
+
+
+def tolerance(dtype: str, quant_type: str) -> float:
+    return DTYPE_TOLERANCE.get(dtype, 0.15) + QUANT_TOLERANCE.get(quant_type, 0.1)
+
+
+def position_divergence(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How far two outputs [batch, seq, hidden] differ at each position [seq]: the mean of
+    |a - b| / (|b| + median |b|) over hidden, the largest over the batch (a few massive activations cannot hide a
+    change of the others)."""
+    a, b = a.float(), b.float()
+    scale = b.abs().median(dim=-1, keepdim=True).values + 1e-6  # [batch, seq, 1]
+    return ((a - b).abs() / (b.abs() + scale)).mean(dim=-1).amax(dim=0)  # [seq]
+
+
+def divergence(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest `position_divergence` of two outputs [batch, seq, hidden]."""
+    per_position = position_divergence(a, b)
+    return float(per_position.max()) if per_position.numel() else 0.0
+
+
+class Verifier:
+    """One client's checks: which servers were checked, counters, and the distrusted servers (on the manager)."""
+
+    def __init__(self, manager: SwarmManager, rng: Optional[random.Random] = None):
+        self.manager, self.config = manager, manager.config
+        self.checked: Set[str] = set()
+        self.stats = VerifyStats()
+        self.rng = rng or random.Random()
+
+    def plan(self, hops: Sequence[RouteHop]) -> Set[int]:
+        """The indexes of the hops to check at this step."""
+        return {i for i, hop in enumerate(hops)
+                if hop.peer_id not in self.checked or self.rng.random() < self.config.verify_probability}
+
+    def _referee_chain(self, hop: RouteHop, exclude: Set[str], adapter: Optional[str]) -> List[RouteHop]:
+        spans = self.manager.allowed_spans()
+        audited = next((s for s in spans if s.peer_id == hop.peer_id), None)
+        dtype = audited.info.dtype if audited else None
+        quant = audited.info.quant_type if audited else None
+        same = [s for s in spans if s.peer_id not in exclude and (audited is None or (
+            s.info.dtype == dtype and s.info.quant_type == quant))]
+        return choose_forward_chain(same, hop.start, hop.end, banned=self.manager.banned(), rng=self.rng,
+                                    adapter=adapter)
+
+    async def _referee(self, hop: RouteHop, inputs: torch.Tensor, seq: int, exclude: Set[str],
+                       adapter: Optional[str]) -> Optional[tuple]:
+        """(peers, output [batch, seq, hidden]) of an independent chain over hop's blocks (its last seq positions),
+        or None if none is left."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                chain = await loop.run_in_executor(None, self._referee_chain, hop, exclude, adapter)
+            except RoutingError:
+                return None
+            peers = [h.peer_id for h in chain]
+            exclude.update(peers)
+            try:
+                x = inputs
+                for referee in chain:
+                    x = await self.manager.forward(referee, x, adapter)
+                return peers, x[:, -seq:]
+            except Exception as e:  # a referee that fails gives no opinion; try another
+                self.stats.referee_failures += 1
+                logger.info(f"referee {peers} failed: {e}")
+
+    async def check(self, hop: RouteHop, inputs: torch.Tensor, output: torch.Tensor,
+                    adapter: Optional[str] = None) -> None:
+        """inputs: the span's whole input history [batch, n, hidden]; output: what it returned for the last seq
+        positions [batch, seq, hidden] (seq <= n: the session passes every output it recorded). Raises
+        ServerMismatch, with the first wrong position, if a majority of independent servers disagrees with it."""
+        spans = {s.peer_id: s for s in self.manager.spans}
+        record = spans.get(hop.peer_id)
+        tol = tolerance(record.info.dtype, record.info.quant_type) if record else tolerance("bfloat16", "nf4")
+        seq = output.shape[1]
+        exclude = {hop.peer_id} | self.manager.distrusted
+        first = await self._referee(hop, inputs, seq, exclude, adapter)
+        self.checked.add(hop.peer_id)
+        if first is None:
+            self.stats.unverifiable += 1
+            return
+        self.stats.checks += 1
+        first_divergence = divergence(output, first[1])
+        if first_divergence <= tol:
+            self.stats.passed += 1
+            self.stats.largest_passed = max(self.stats.largest_passed, first_divergence)
+            return
+        second = await self._referee(hop, inputs, seq, exclude, adapter)
+        if second is None:
+            self.stats.unresolved += 1
+            logger.warning(f"server {hop.peer_id} and referee {first[0]} disagree on blocks {hop.start}:{hop.end} "
+                           f"(divergence {divergence(output, first[1]):.3g} > {tol}); no third server to decide")
+            return
+        with_audited = divergence(output, second[1]) <= tol
+        with_first = divergence(first[1], second[1]) <= tol
+        if with_audited and not with_first:
+            self.stats.passed += 1
+            self._distrust(first[0], hop)
+        elif with_first and not with_audited:
+            self._distrust([hop.peer_id], hop)
+            wrong = (position_divergence(output, first[1]) > tol).nonzero()
+            position = inputs.shape[1] - seq + (int(wrong[0]) if len(wrong) else 0)
+            raise ServerMismatch(f"server {hop.peer_id} returned wrong outputs for blocks {hop.start}:{hop.end} from "
+                                 f"position {position} (divergence {first_divergence:.3g} > {tol} from two other "
+                                 f"servers)", position)
+        else:
+            self.stats.unresolved += 1
+
+    def _distrust(self, peers: Sequence[str], hop: RouteHop) -> None:
+        for peer in peers:
+            logger.warning(f"server {peer} disagrees with the majority on blocks {hop.start}:{hop.end}: distrusted "
+                           f"for the life of this client")
+            self.manager.distrusted.add(peer)
+            self.stats.distrusted.append(peer)
+        self.stats.mismatches += len(peers)
+
+
+_verifiers: "weakref.WeakKeyDictionary[SwarmManager, Verifier]" = weakref.WeakKeyDictionary()
+
+
+def verifier_for(manager: SwarmManager) -> Optional[Verifier]:
+    """The manager's verifier (shared by its sessions), or None when `ClientConfig.verify` is off."""
+    if not manager.config.verify:
+        return None
+    if manager not in _verifiers:
+        _verifiers[manager] = Verifier(manager)
+    return _verifiers[manager]

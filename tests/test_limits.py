@@ -1,0 +1,154 @@
+"""Resource limits of a real block server (`server/limits.py`): over a cap a clear `over_limit` error on that
+call only, nothing held afterwards, and no memory growth from oversize messages."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import psutil
+import pytest
+import torch
+from hivemind.proto import runtime_pb2
+
+from server.config import ServerConfig
+from swarm.client.manager import ClientConfig, SwarmManager
+from swarm.runtime import aio
+from swarm.wire import protocol as P
+
+HIDDEN = 576
+LIMITS = ("--max_sessions_per_peer", "2", "--max_streams", "4", "--max_message_bytes", "1000000",
+          "--max_step_tokens", "64")
+
+
+@pytest.fixture(scope="module")
+def limited(swarms):
+    swarm = swarms.get(("0:30",), extra=LIMITS)
+    m = SwarmManager(ClientConfig(initial_peers=swarm["initial_peers"]), swarm["prefix"], 30)
+    yield m, swarm["servers"][0]
+    m.shutdown()
+
+
+def _open(session_id: str) -> runtime_pb2.ExpertRequest:
+    return P.make_request(P.OpenSession(session_id=session_id, start=0, end=30, max_length=16))
+
+
+class Stream:
+    """One inference stream kept open: send requests one by one, read each reply."""
+
+    def __init__(self, manager: SwarmManager, peer_id: str):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.manager, self.peer_id = manager, peer_id
+        self.responses = None
+
+    async def _gen(self):
+        while (item := await self.queue.get()) is not None:
+            yield item
+
+    def start(self) -> "Stream":
+        async def go():
+            self.responses = await self.manager.stub(self.peer_id).rpc_inference(self._gen())
+        aio.run(go(), timeout=60)
+        return self
+
+    def ask(self, request):
+        async def go():
+            self.queue.put_nowait(request)
+            return P.decode_reply((await asyncio.wait_for(self.responses.__anext__(), 60)).metadata)
+        return aio.run(go(), timeout=90)
+
+    def close(self) -> None:
+        async def go():
+            self.queue.put_nowait(None)
+            try:
+                await asyncio.wait_for(self.responses.aclose(), 10)
+            except Exception:
+                pass
+        aio.run(go(), timeout=30)
+
+
+def _wait_idle(manager: SwarmManager, peer_id: str, timeout: float = 60) -> P.ServerStats:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = manager.server_info(peer_id)
+        if (stats.sessions_open, stats.cache_tokens_used) == (0, 0) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.2)
+
+
+def test_limit_flags_are_documented_and_checked():
+    fields = ServerConfig.model_fields
+    for name in ("max_sessions_per_peer", "max_streams", "max_message_bytes", "max_step_tokens", "max_queued_steps"):
+        assert fields[name].description, name
+    with pytest.raises(ValueError, match="max_streams"):
+        ServerConfig(model="m", max_streams=0)
+
+
+def test_sessions_per_peer_and_open_streams(limited):
+    m, server = limited
+    a, b = Stream(m, server.peer_id).start(), Stream(m, server.peer_id).start()
+    idle = []
+    try:
+        assert isinstance(a.ask(_open("a")), P.StepResult)
+        assert isinstance(b.ask(_open("b")), P.StepResult)
+        c = Stream(m, server.peer_id).start()
+        refused = c.ask(_open("c"))
+        assert isinstance(refused, P.ErrorReply) and refused.code == "over_limit"
+        assert "max_sessions_per_peer" in refused.message
+        c.close()
+        # two streams that have sent nothing yet still count against --max_streams 4: a fifth is refused
+        idle = [Stream(m, server.peer_id).start() for _ in range(2)]
+        time.sleep(1.0)
+        fifth = Stream(m, server.peer_id).start()
+        refused = fifth.ask(_open("e"))
+        assert isinstance(refused, P.ErrorReply) and refused.code == "over_limit" and "max_streams" in refused.message
+        fifth.close()
+        # the open sessions are unaffected
+        reply = a.ask(P.make_request(P.Step(start_position=0), [torch.randn(1, 2, HIDDEN)]))
+        assert isinstance(reply, P.StepResult) and reply.position == 2
+    finally:
+        for s in [a, b, *idle]:
+            s.close()
+    stats = _wait_idle(m, server.peer_id)
+    assert (stats.sessions_open, stats.cache_tokens_used) == (0, 0), stats
+    again = Stream(m, server.peer_id).start()  # every slot came back
+    try:
+        assert isinstance(again.ask(_open("again")), P.StepResult)
+    finally:
+        again.close()
+
+
+def test_step_tokens_and_message_bytes(limited):
+    m, server = limited
+    s = Stream(m, server.peer_id).start()
+    try:
+        assert isinstance(s.ask(_open("long")), P.StepResult)
+        long_prompt = s.ask(P.make_request(P.Step(start_position=0), [torch.randn(1, 100, HIDDEN)]))
+        assert isinstance(long_prompt, P.ErrorReply) and long_prompt.code == "over_limit"
+        assert "max_step_tokens" in long_prompt.message
+        huge = s.ask(P.make_request(P.Step(start_position=0), [torch.randn(1, 500, HIDDEN)]))  # 1.15 MB
+        assert isinstance(huge, P.ErrorReply) and "max_message_bytes" in huge.message
+        ok = s.ask(P.make_request(P.Step(start_position=0), [torch.randn(1, 16, HIDDEN)]))
+        assert isinstance(ok, P.StepResult) and ok.position == 16
+    finally:
+        s.close()
+    stub = m.stub(server.peer_id)
+    response = aio.run(stub.rpc_forward(P.make_request(P.ForwardRequest(start=0, end=30),
+                                                       [torch.randn(2, 40, HIDDEN)]), timeout=60))
+    reply = P.decode_reply(response.metadata, forward=True)
+    assert isinstance(reply, P.ErrorReply) and "max_step_tokens" in reply.message  # 80 tokens in one call
+
+
+def test_oversize_messages_do_not_grow_memory(limited):
+    m, server = limited
+    rss = psutil.Process(server.proc.pid).memory_info().rss
+    s = Stream(m, server.peer_id).start()
+    try:
+        assert isinstance(s.ask(_open("flood")), P.StepResult)
+        for _ in range(30):
+            reply = s.ask(P.make_request(P.Step(start_position=0), [torch.randn(1, 600, HIDDEN)]))  # 1.4 MB each
+            assert isinstance(reply, P.ErrorReply) and reply.code == "over_limit"
+    finally:
+        s.close()
+    _wait_idle(m, server.peer_id)
+    grown = psutil.Process(server.proc.pid).memory_info().rss - rss
+    assert grown < 32 << 20, f"the server grew by {grown >> 20} MiB after 42 MB of refused messages"
