@@ -139,10 +139,11 @@ def main(argv=None) -> int:
     """`swarmgate status MODEL --initial_peers ...`: the swarm's snapshot as a table (or JSON), without a gateway."""
     from swarm.client.manager import ClientConfig, SwarmManager
     from swarm.modeling.checkpoint import Checkpoint
-    from swarm.runtime.config import ProcessConfig, config_from_argv, setup_logging
+    from swarm.runtime.config import config_from_argv, setup_logging
+    from swarm.runtime.swarm_key import SwarmKeySettings
     from swarm.wire.records import dht_prefix_for
 
-    class StatusConfig(ProcessConfig):
+    class StatusConfig(SwarmKeySettings):  # a private swarm's members answer only peers with its key
         model: str = Field(description="the model: bundled name, local checkpoint directory or hub repo id (its "
                                        "config gives the number of blocks)")
         initial_peers: List[str] = Field(default_factory=list, description="multiaddrs of peers of the swarm")
@@ -161,8 +162,9 @@ def main(argv=None) -> int:
     try:
         num_blocks = Checkpoint(config.model).load_config().num_hidden_layers
         prefix = config.dht_prefix or dht_prefix_for(config.model)
-        manager = SwarmManager(ClientConfig(initial_peers=config.initial_peers, measure_rtt=False), prefix,
-                               num_blocks)
+        client = ClientConfig(initial_peers=config.initial_peers, measure_rtt=False,
+                              swarm_key_file=config.swarm_key_file, swarm_key=config.swarm_key)
+        manager = SwarmManager(client, prefix, num_blocks)
         status = collect_status(manager, config.model, ping=config.ping)
         print(json.dumps(status.model_dump(mode="json"), indent=1) if config.json_output else format_table(status))
         return 0
