@@ -113,6 +113,29 @@ class TrainingHandler(P.BlockRPC):
     def _check_range(self, start: int, end: int) -> None:
         raise NotImplementedError
 
+    def _admits(self, context: P2PContext, proof: str) -> bool:
+        """Whether the caller may use this server (`BlockHandler`: members only in a private swarm)."""
+        raise NotImplementedError
+
+    async def _admitted(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+                        ) -> Optional[AsyncIterator[runtime_pb2.ExpertRequest]]:
+        """The stream (its first request put back) when its first request proves the caller's membership (a private
+        swarm; any caller in an open one), else None."""
+        try:
+            first = await requests.__anext__()
+        except StopAsyncIteration:
+            first = None
+        if first is not None and not self._admits(context, first.uid):
+            return None
+
+        async def chained() -> AsyncIterator[runtime_pb2.ExpertRequest]:
+            if first is not None:
+                yield first
+            async for request in requests:
+                yield request
+
+        return chained()
+
     # ---- validation ---------------------------------------------------------------------------------------
     def _max_train_bytes(self) -> int:
         # hidden + grad_output + prompts for every block (each at most max_batch_tokens rows of float32)
@@ -223,6 +246,12 @@ class TrainingHandler(P.BlockRPC):
     async def rpc_train_forward(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        admitted = await self._admitted(requests, context)
+        if admitted is None:
+            yield P.error_response("forbidden", "this is a private swarm: the request carries no valid proof of its "
+                                                "swarm key")
+            return
+        requests = admitted
         try:
             message, hidden, _, prompts = await self._read_train(requests, P.TrainForward)
         except (P.ProtocolError, ValueError) as e:
@@ -241,6 +270,12 @@ class TrainingHandler(P.BlockRPC):
     async def rpc_train_backward(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        admitted = await self._admitted(requests, context)
+        if admitted is None:
+            yield P.error_response("forbidden", "this is a private swarm: the request carries no valid proof of its "
+                                                "swarm key")
+            return
+        requests = admitted
         try:
             message, hidden, grad, prompts = await self._read_train(requests, P.TrainBackward)
         except (P.ProtocolError, ValueError) as e:

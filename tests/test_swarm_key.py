@@ -94,3 +94,14 @@ def test_settings_take_the_key_from_a_file_or_the_environment_once(tmp_path):
         load_config(SwarmKeySettings, environ={"SWARMGATE_SWARM_KEY_FILE": str(tmp_path / "nope")})
     with pytest.raises(ConfigError, match="at least 16"):
         load_config(SwarmKeySettings, environ={"SWARMGATE_SWARM_KEY": "short"})
+
+
+def test_every_rpc_of_a_block_server_carries_the_membership_proof():
+    """`ProvedStub` stamps the proof on each RPC a server serves: one it lacks would reach a keyed server
+    unproved and be refused (the training RPCs once were)."""
+    from server.handler import BlockHandler
+    from swarm.wire.protocol import ProvedStub
+
+    served = {name for name in dir(BlockHandler) if name.startswith("rpc_")}
+    assert {"rpc_inference", "rpc_forward", "rpc_train_forward", "rpc_train_backward"} <= served
+    assert served <= {name for name in dir(ProvedStub) if name.startswith("rpc_")}

@@ -10,6 +10,7 @@ import torch
 from swarm.client import ptune as tuning
 from swarm.client.rows import held_prefix
 from swarm.client.session import InferenceSession
+from swarm.client.verify import OutputsRetracted
 from swarm.runtime.taskpool import PRIORITY_DECODE, client_pool
 
 if TYPE_CHECKING:
@@ -98,6 +99,12 @@ class ModelSession:
             hidden = tuning.with_prompts(self.model, hidden)
         try:
             out = self.session.step(hidden, hypo_ids=hypo_ids, left_padding=left_padding if reuse == 0 else None)
+        except OutputsRetracted as e:  # positions count the shallow prompts: the caller's count tokens
+            if not offset:
+                raise
+            if e.position < offset:
+                self.session.rewind(0)  # the prompts' own outputs were wrong: they go again
+            raise OutputsRetracted(max(e.position - offset, 0)) from e
         finally:  # what the servers hold (less after a failure or `swarm.client.verify.OutputsRetracted`)
             self.token_ids = input_ids[:, :max(self.session.position - offset, 0)].clone()
             self.left_padding = left_padding

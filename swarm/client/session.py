@@ -219,6 +219,7 @@ class InferenceSession:
         self.failovers = 0
         self._step_id = 0  # one id per chunk step (and per replayed chunk), shared by every server of the chain
         self._verifier = verifier_for(manager)  # spot-checks of servers' outputs (None: off)
+        self.verify_steps = True  # False: no spot-checks on this session's steps (beam search turns them off)
 
     # ---- public, synchronous ------------------------------------------------------------------------------
     def step(self, hidden: torch.Tensor, hypo_ids: Optional[Sequence[int]] = None,
@@ -401,7 +402,10 @@ class InferenceSession:
             edits.update(left_padding=left_padding)
         assert self.batch_size is not None, "the session is not open"
         failures, index = 0, 0
-        checks = self._verifier.plan([s.hop for s in self._streams]) if self._verifier else set()
+        # spot-checks (swarm.client.verify): not on a step that reorders beams (the recorded rows follow only once the
+        # span has answered) nor with deep prompts (a referee's plain forward pass cannot carry them)
+        checkable = self.verify_steps and hypo_ids is None and self.prompts is None
+        checks = self._verifier.plan([s.hop for s in self._streams]) if self._verifier and checkable else set()
         delivered = False  # whether the current stream got this step by push from the previous one
         while index < len(self._streams):
             stream = self._streams[index]
@@ -428,7 +432,7 @@ class InferenceSession:
                         out, pushed = await stream.receive(self.position, seq)
                 if index in checks and self._verifier is not None:  # ServerMismatch: failover like an error
                     await self._verifier.check(stream.hop, history.read(self.position + seq),
-                                               self._outputs_of(stream.hop.end, out), self.adapter)
+                                               self._outputs_of(stream.hop.end, out), self.adapter, history.padding)
             except Exception as e:  # connection lost, time-out, or an error reply: the server is failed
                 error: BaseException = e
                 while True:

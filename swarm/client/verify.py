@@ -127,7 +127,7 @@ class Verifier:
                                     adapter=adapter)
 
     async def _referee(self, hop: RouteHop, inputs: torch.Tensor, seq: int, exclude: Set[str],
-                       adapter: Optional[str]) -> Optional[tuple]:
+                       adapter: Optional[str], left_padding: Optional[List[int]] = None) -> Optional[tuple]:
         """(peers, output [batch, seq, hidden]) of an independent chain over hop's blocks (its last seq positions),
         or None if none is left."""
         loop = asyncio.get_running_loop()
@@ -141,15 +141,16 @@ class Verifier:
             try:
                 x = inputs
                 for referee in chain:
-                    x = await self.manager.forward(referee, x, adapter)
+                    x = await self.manager.forward(referee, x, adapter, left_padding)
                 return peers, x[:, -seq:]
             except Exception as e:  # a referee that fails gives no opinion; try another
                 self.stats.referee_failures += 1
                 logger.info(f"referee {peers} failed: {e}")
 
     async def check(self, hop: RouteHop, inputs: torch.Tensor, output: torch.Tensor,
-                    adapter: Optional[str] = None) -> None:
-        """inputs: the span's whole input history [batch, n, hidden]; output: what it returned for the last seq
+                    adapter: Optional[str] = None, left_padding: Optional[List[int]] = None) -> None:
+        """`left_padding`: the rows' leading padding (a left-padded batch), hidden from the referee too. inputs: the
+        span's whole input history [batch, n, hidden]; output: what it returned for the last seq
         positions [batch, seq, hidden] (seq <= n: the session passes every output it recorded). Raises
         ServerMismatch, with the first wrong position, if a majority of independent servers disagrees with it."""
         spans = {s.peer_id: s for s in self.manager.spans}
@@ -157,7 +158,7 @@ class Verifier:
         tol = tolerance(record.info.dtype, record.info.quant_type) if record else tolerance("bfloat16", "nf4")
         seq = output.shape[1]
         exclude = {hop.peer_id} | self.manager.distrusted
-        first = await self._referee(hop, inputs, seq, exclude, adapter)
+        first = await self._referee(hop, inputs, seq, exclude, adapter, left_padding)
         self.checked.add(hop.peer_id)
         if first is None:
             self.stats.unverifiable += 1
@@ -168,7 +169,7 @@ class Verifier:
             self.stats.passed += 1
             self.stats.largest_passed = max(self.stats.largest_passed, first_divergence)
             return
-        second = await self._referee(hop, inputs, seq, exclude, adapter)
+        second = await self._referee(hop, inputs, seq, exclude, adapter, left_padding)
         if second is None:
             self.stats.unresolved += 1
             logger.warning(f"server {hop.peer_id} and referee {first[0]} disagree on blocks {hop.start}:{hop.end} "

@@ -392,6 +392,12 @@ class ProvedStub:
     async def rpc_push(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], **kwargs):
         return await self._stub.rpc_push(self._first_proved(requests), **kwargs)
 
+    async def rpc_train_forward(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], **kwargs):
+        return await self._stub.rpc_train_forward(self._first_proved(requests), **kwargs)
+
+    async def rpc_train_backward(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], **kwargs):
+        return await self._stub.rpc_train_backward(self._first_proved(requests), **kwargs)
+
 
 def parse_stats(info: runtime_pb2.ExpertInfo) -> ServerStats:
     return decode(info.serialized_info, ServerStats)
