@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench setup clean
+.PHONY: run test test-extended bench setup clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -24,7 +24,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q --tb=short tests
+	$(BIN)/python -m pytest -q --tb=short -m "not extended" tests
+
+# the extended tier (tests/conftest.py EXTENDED): long scenarios and extra variants, about 10 minutes
+test-extended: $(STAMP)
+	$(BIN)/python -m pytest -q --tb=short -m extended tests
 
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py

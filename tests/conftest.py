@@ -18,14 +18,55 @@ torch.set_num_threads(1)
 
 # Every fixture that starts block servers or gateways depends on `bootstrap`: a test that needs it is `slow`,
 # so that `pytest -m "not slow"` is the fast loop (pure code, single layers, local models) while `make test`
-# runs everything.
+# runs everything but the `extended` tier.
 PROCESS_FIXTURES = {"bootstrap"}
+
+# The extended tier (`make test-extended`, about 10 minutes): the long scenarios and the extra variants of cases
+# that `make test` already covers once, so that `make test` stays well under 15 minutes on 2 cores. Each entry is a
+# node id prefix, with what still covers its ground in `make test`.
+EXTENDED = (
+    # 500 honest steps each (about 2.5 min); the lying-server test checks honest sessions pass too
+    "tests/test_verify.py::test_honest_",
+    # every signal x target x load combination; make test keeps one of each process kind (below)
+    *(f"tests/test_shutdown.py::{case}" for case in (
+        "test_dht_stops[SIGTERM-group]", "test_dht_stops[SIGINT-alone]", "test_dht_stops[SIGINT-group]",
+        "test_server_stops[SIGTERM-alone]", "test_server_stops[SIGTERM-group]", "test_server_stops[SIGINT-group]",
+        "test_server_stops[SIGINT-alone]", "test_server_stops[SIGTERM-alone-load]",
+        "test_server_stops[SIGINT-group-load]", "test_gateway_stops[SIGTERM-alone]",
+        "test_gateway_stops[SIGTERM-group]", "test_gateway_stops[SIGINT-group]", "test_gateway_stops[SIGINT-alone]",
+        "test_gateway_stops[SIGTERM-alone-load]", "test_gateway_stops[SIGINT-group-load]",
+        "test_up_stops[SIGTERM-alone]", "test_up_stops[SIGINT-group]", "test_client_exits_quietly[exit]")),
+    # the 2- and 3-hop topologies (make test: the 0:15 + 15:30 split, and every other e2e test on it)
+    "tests/test_swarm_e2e.py::test_greedy_generation_matches_transformers[0:10+10:20+20:30]",
+    "tests/test_swarm_e2e.py::test_greedy_generation_matches_transformers[0:20+10:30]",
+    # placement scenarios of three servers (make test: placement policy on synthetic swarms, the serving loop)
+    "tests/test_self_placement.py::test_three_servers_cover_the_model_and_recover_from_a_crash",
+    "tests/test_self_placement.py::test_a_moving_server_lets_running_sessions_finish",
+    # the nf4 -> int8 -> float failover chain (make test: quantized swarms, failover on float)
+    "tests/test_quant_swarm.py::test_a_mixed_swarm_fails_over_from_nf4_to_int8_to_float",
+    # a link cut in network namespaces (make test: processes on their own hosts; a frozen server on loopback)
+    "tests/test_multihost.py::test_a_cut_link_mid_stream_fails_over_with_the_same_text",
+    # schemathesis against a real gateway (make test: the same properties on the in-process app)
+    "tests/test_api_property.py::test_property_against_a_real_gateway",
+    # out-of-cache scenarios that wait for time-outs (make test: the budget's waits, pooled eviction)
+    "tests/test_session_pool.py::test_out_of_cache_evicts_pooled_sessions_and_retries",
+    "tests/test_cache_budget.py::test_session_gets_out_of_cache_after_the_timeout",
+    # the prompt-tuning example's training runs (make test: gradients vs transformers, classification training)
+    "tests/test_training_example.py::",
+    # Falcon's multi-query layout through a swarm (make test: in process against transformers; new layout, ALiBi)
+    *(f"tests/test_family_bloom_falcon.py::{name}[falcon-mq]" for name in (
+        "test_greedy_tokens_and_logits_equal_transformers", "test_two_turn_session",
+        "test_long_prompt_prefills_in_chunks", "test_concurrent_sessions_batched_equal_single",
+        "test_gateway_completions_and_chat", "test_failover_replays_the_session")),
+)
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        if item.nodeid.startswith(EXTENDED):
+            item.add_marker(pytest.mark.extended)
 
 
 @pytest.fixture(scope="session")
