@@ -53,6 +53,13 @@ EXTENDED = (
     "tests/test_cache_budget.py::test_session_gets_out_of_cache_after_the_timeout",
     # the prompt-tuning example's training runs (make test: gradients vs transformers, classification training)
     "tests/test_training_example.py::",
+    # a frozen server on loopback (make test: the liveness rules, fast; failover of killed and erroring servers)
+    "tests/test_liveness.py::test_a_frozen_server_mid_generation_is_failed_over_on_loopback",
+    # llama and qwen2 tiny checkpoints through a split swarm (make test: SmolLM2 is a llama, qwen2 in process;
+    # mistral and mixtral through swarms), and mistral's failover (make test: mixtral's)
+    "tests/test_family_swarms.py::test_family_through_a_split_swarm[llama]",
+    "tests/test_family_swarms.py::test_family_through_a_split_swarm[qwen2]",
+    "tests/test_family_swarms.py::test_failover_replays_a_session[mistral]",
     # Falcon's multi-query layout through a swarm (make test: in process against transformers; new layout, ALiBi)
     *(f"tests/test_family_bloom_falcon.py::{name}[falcon-mq]" for name in (
         "test_greedy_tokens_and_logits_equal_transformers", "test_two_turn_session",
