@@ -30,13 +30,12 @@ from server.limits import LimitError, RpcLimits, StreamLimiter
 from server.push import PushRouter, PushSender
 from server.training import TrainingHandler
 from swarm.runtime import malloc
-from swarm.runtime.swarm_key import SwarmKey, proof_for
+from swarm.runtime.swarm_key import NOT_A_MEMBER, SwarmKey, proof_for
 from swarm.runtime.taskpool import PRIORITY_DECODE, PRIORITY_FORWARD, PRIORITY_PREFILL, TaskPool
 from swarm.wire import protocol as P
 
 logger = logging.getLogger(__name__)
 
-NOT_A_MEMBER = "this is a private swarm: the request carries no valid proof of its swarm key"
 NO_ALIBI_PADDING = "left-padded batches are not supported on ALiBi blocks (BLOOM, Falcon with alibi)"
 
 

@@ -21,7 +21,7 @@ positions of block `start + i`'s input.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, AsyncIterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, List, Optional, Tuple
 
 import torch
 from hivemind.p2p import P2PContext
@@ -30,6 +30,7 @@ from hivemind.proto import runtime_pb2
 from server.blocks import add_prompt
 from server.decode import attention_backends
 from swarm.modeling.layers import causal_mask
+from swarm.runtime.swarm_key import NOT_A_MEMBER
 from swarm.runtime.taskpool import PRIORITY_TRAINING
 from swarm.wire import protocol as P
 from swarm.wire import streaming
@@ -246,49 +247,43 @@ class TrainingHandler(P.BlockRPC):
     async def rpc_train_forward(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        admitted = await self._admitted(requests, context)
-        if admitted is None:
-            yield P.error_response("forbidden", "this is a private swarm: the request carries no valid proof of its "
-                                                "swarm key")
-            return
-        requests = admitted
-        try:
-            message, hidden, _, prompts = await self._read_train(requests, P.TrainForward)
-        except (P.ProtocolError, ValueError) as e:
-            yield P.error_response("bad_request", str(e))
-            return
-        try:
-            output = await self._forward_pieces(hidden, prompts, message.start, message.end)
-        except Exception as e:
-            logger.exception("training forward failed")
-            yield P.error_response("internal", f"training forward failed: {type(e).__name__}: {e}")
-            return
-        self.training_tokens += hidden.shape[0] * hidden.shape[1]
-        for response in streaming.pack(runtime_pb2.ExpertResponse, P.TrainResult(), [output]):
+        async def forward(message, hidden, grad, prompts) -> List[torch.Tensor]:
+            return [await self._forward_pieces(hidden, prompts, message.start, message.end)]
+
+        async for response in self._train_rpc(requests, context, P.TrainForward, "forward", forward):
             yield response
 
     async def rpc_train_backward(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        async def backward(message, hidden, grad, prompts) -> List[torch.Tensor]:
+            assert grad is not None
+            grad_input, grad_prompts = await self._backward_pieces(hidden, grad, prompts, message.start, message.end)
+            return [grad_input] if grad_prompts is None else [grad_input, grad_prompts]
+
+        async for response in self._train_rpc(requests, context, P.TrainBackward, "backward", backward):
+            yield response
+
+    async def _train_rpc(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext,
+                         message_type: Any, name: str, compute: Callable[..., Awaitable[List[torch.Tensor]]]
+                         ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """One training call: admission (private swarms), the streamed request read and checked, `compute`, and
+        its tensors streamed back; every failure is an error reply on this call only."""
         admitted = await self._admitted(requests, context)
         if admitted is None:
-            yield P.error_response("forbidden", "this is a private swarm: the request carries no valid proof of its "
-                                                "swarm key")
+            yield P.error_response("forbidden", NOT_A_MEMBER)
             return
-        requests = admitted
         try:
-            message, hidden, grad, prompts = await self._read_train(requests, P.TrainBackward)
+            message, hidden, grad, prompts = await self._read_train(admitted, message_type)
         except (P.ProtocolError, ValueError) as e:
             yield P.error_response("bad_request", str(e))
             return
-        assert grad is not None
         try:
-            grad_input, grad_prompts = await self._backward_pieces(hidden, grad, prompts, message.start, message.end)
+            tensors = await compute(message, hidden, grad, prompts)
         except Exception as e:
-            logger.exception("training backward failed")
-            yield P.error_response("internal", f"training backward failed: {type(e).__name__}: {e}")
+            logger.exception(f"training {name} failed")
+            yield P.error_response("internal", f"training {name} failed: {type(e).__name__}: {e}")
             return
         self.training_tokens += hidden.shape[0] * hidden.shape[1]
-        tensors = [grad_input] if grad_prompts is None else [grad_input, grad_prompts]
         for response in streaming.pack(runtime_pb2.ExpertResponse, P.TrainResult(), tensors):
             yield response

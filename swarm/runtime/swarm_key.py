@@ -127,6 +127,9 @@ class SwarmKeyAuthorizer(AuthorizerBase):
         return hmac.compare_digest(signature, expected)
 
 
+NOT_A_MEMBER = "this is a private swarm: the request carries no valid proof of its swarm key"
+
+
 def join_dht(key: Optional[SwarmKey], **kwargs: Any) -> Any:
     """`hivemind.DHT(start=True, **kwargs)` as a member of the swarm of `key` (None: an open swarm), run as a
     `swarm.runtime.dht_process.DHTProcess` (a child process that never outlives, nor hangs, its parent). A failed
