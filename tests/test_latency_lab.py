@@ -1,0 +1,145 @@
+"""The latency lab's links measure what they are configured to (`swarm.launch.relay`, `swarm.launch.latency_lab`).
+
+The machine running the suite is loaded, which only ever adds time: a relayed round trip is compared with the
+same round trip without the delay (medians of many small messages for raw TCP; for hivemind RPCs, the fastest
+sample, since several processes must wake per call), and the delay is the difference. No sample may come in
+under the configured round trip: that would mean a path around the relay.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import statistics
+import threading
+import time
+
+import pytest
+
+from swarm.launch.latency_lab import CLIENT, LatencyLab
+from swarm.launch.topology import ManagedProcess
+
+ROUNDS = 25
+
+
+@pytest.fixture()
+def echo_port():
+    """A TCP echo server on loopback (a thread per connection)."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=lambda c=conn: [c.sendall(d) for d in iter(lambda: c.recv(1 << 16), b"")],
+                             daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield server.getsockname()[1]
+    server.close()
+
+
+def round_trips(port: int, source: str = "127.0.0.1", rounds: int = ROUNDS, size: int = 200) -> list:
+    """Seconds per echo of `size` bytes, from `source`."""
+    conn = socket.create_connection(("127.0.0.1", port), source_address=(source, 0), timeout=10)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    out = []
+    with conn:
+        for i in range(rounds):
+            payload = bytes([i % 256]) * size
+            start = time.perf_counter()
+            conn.sendall(payload)
+            got = b""
+            while len(got) < size:
+                got += conn.recv(1 << 16)
+            out.append(time.perf_counter() - start)
+            assert got == payload
+    return out
+
+
+def start_relay(tmp_path, target_port: int, table: dict) -> tuple:
+    links = tmp_path / "links.json"
+    links.write_text(json.dumps(table))
+    relay = ManagedProcess(["--listen", "127.0.0.1:0", "--target", f"127.0.0.1:{target_port}", "--links", str(links)],
+                           "relay", log_dir=str(tmp_path), module="swarm.launch.relay")
+    return relay, int(relay.wait_ready(30)["listen"].rsplit(":", 1)[1])
+
+
+def test_a_relayed_link_adds_its_configured_delay_each_way(tmp_path, echo_port):
+    # 127.0.0.2 is another source address on loopback: the relay tells the link by it
+    relay, port = start_relay(tmp_path, echo_port, {"default": 0.025, "delays": {"127.0.0.2": 0.005}})
+    try:
+        direct = statistics.median(round_trips(echo_port))
+        for source, one_way in (("127.0.0.1", 25), ("127.0.0.2", 5)):
+            samples = round_trips(port, source)
+            added = (statistics.median(samples) - direct) * 1000
+            assert abs(added / 2 - one_way) <= 3, (source, added, samples)
+            assert min(samples) * 1000 >= 2 * one_way  # never faster than the link
+        # a new table (SIGHUP) applies to the next chunks
+        (tmp_path / "links.json").write_text(json.dumps({"version": 2, "default": 0.010}))
+        relay.signal(__import__("signal").SIGHUP)
+        deadline = time.monotonic() + 10
+        while "links version 2" not in relay.log_path.read_text():
+            assert time.monotonic() < deadline, relay.log_tail()
+            time.sleep(0.05)
+        added = (statistics.median(round_trips(port)) - direct) * 1000
+        assert abs(added / 2 - 10) <= 3, added
+    finally:
+        relay.terminate()
+
+
+def test_jitter_and_a_bandwidth_cap_keep_the_bytes_in_order(tmp_path, echo_port):
+    relay, port = start_relay(tmp_path, echo_port, {"default": 0.002, "jitter": 0.002, "bandwidth": 2e6})
+    try:
+        payload = bytes(range(256)) * 2000  # 512 KB: at 2 MB/s, at least 0.25 s each way
+        conn = socket.create_connection(("127.0.0.1", port), timeout=20)
+        with conn:
+            start = time.perf_counter()
+            sender = threading.Thread(target=conn.sendall, args=(payload,))
+            sender.start()
+            got = b""
+            while len(got) < len(payload):
+                got += conn.recv(1 << 16)
+            took = time.perf_counter() - start
+            sender.join()
+        assert got == payload
+        assert took >= len(payload) / 2e6  # the cap holds (it can only be slower)
+    finally:
+        relay.terminate()
+
+
+async def _hivemind_pings(initial_peers, peer_id: str, rounds: int, lab: LatencyLab, latencies) -> dict:
+    from hivemind.dht.protocol import DHTProtocol
+    from hivemind.p2p import P2P, PeerID, ServicerBase
+    from hivemind.proto import dht_pb2
+
+    p2p = await P2P.create(initial_peers=initial_peers)
+    try:
+        stub = ServicerBase.get_stub.__func__(DHTProtocol, p2p, PeerID.from_base58(peer_id))
+        out = {}
+        for ms in latencies:
+            lab.set_links(links={(CLIENT, "dht"): ms})
+            await stub.rpc_ping(dht_pb2.PingRequest(validate=False), timeout=10)  # a new table: next chunks
+            samples = []
+            for _ in range(rounds):
+                start = time.perf_counter()
+                await stub.rpc_ping(dht_pb2.PingRequest(validate=False), timeout=10)
+                samples.append(time.perf_counter() - start)
+            out[ms] = samples
+        return out
+    finally:
+        await p2p.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(LatencyLab.unavailable() is not None, reason=str(LatencyLab.unavailable()))
+def test_a_hivemind_ping_through_the_lab_takes_the_configured_round_trip(tmp_path):
+    with LatencyLab("unused: no servers", latency_ms=0, log_dir=str(tmp_path)) as lab:
+        pings = asyncio.run(_hivemind_pings(lab.initial_peers, lab.peers["dht"].peer_id, 12, lab, (0, 25)))
+        added = (min(pings[25]) - min(pings[0])) * 1000
+        assert abs(added / 2 - 25) <= 3, pings
+        assert min(pings[25]) * 1000 >= 50  # no path around the relay
+        assert "10." in lab.initial_peers[0] and "/tcp/4000/" in lab.initial_peers[0]
