@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from swarm.launch.latency_lab import CLIENT, LatencyLab
 from swarm.launch.topology import ManagedProcess
@@ -143,3 +144,34 @@ def test_a_hivemind_ping_through_the_lab_takes_the_configured_round_trip(tmp_pat
         assert abs(added / 2 - 25) <= 3, pings
         assert min(pings[25]) * 1000 >= 50  # no path around the relay
         assert "10." in lab.initial_peers[0] and "/tcp/4000/" in lab.initial_peers[0]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(LatencyLab.unavailable() is not None, reason=str(LatencyLab.unavailable()))
+def test_greedy_generation_through_delayed_links_matches_transformers(tmp_path, model_path, reference_model):
+    """Two servers behind 5 ms links (s0 -> s1: 15 ms): the same greedy tokens as transformers, and the RTTs that
+    routing uses (the client's pings, the servers' `next_pings` in the DHT) include the links' delay."""
+    from swarm import AutoDistributedModelForCausalLM
+
+    prompt = torch.tensor([[1, 504, 3458, 314, 4086, 28, 260, 1345, 2024, 30]])
+    with LatencyLab(model_path, latency_ms=5, links={("s0", "s1"): 15}, log_dir=str(tmp_path),
+                    server_args=["--throughput", "1", "--update_period", "3"]) as lab:
+        lab.add_server("15:30")  # s0 is the second span's server: s1 pings it once it is up
+        lab.add_server("0:15")
+        model = AutoDistributedModelForCausalLM.from_pretrained(model_path, initial_peers=lab.initial_peers,
+                                                                dht_prefix=lab.prefix)
+        try:
+            ours = model.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+            ref = reference_model.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+            assert ours.tolist() == ref.tolist()
+            assert model.manager.rtts and min(model.manager.rtts.values()) >= 2 * 0.005
+            deadline = time.monotonic() + 30
+            while True:  # s1 refreshes its record every 3 s
+                pings = {p: r for s in model.manager.update(force=True) if s.peer_id == lab.peers["s1"].peer_id
+                         for p, r in s.info.next_pings.items()}
+                if pings or time.monotonic() > deadline:
+                    break
+                time.sleep(1)
+            assert pings.get(lab.peers["s0"].peer_id, 0) >= 2 * 0.015, pings
+        finally:
+            model.shutdown()
