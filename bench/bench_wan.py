@@ -118,27 +118,27 @@ def bench_topology(path: str, servers: int, args) -> Dict[str, dict]:
     rows: Dict[str, dict] = {}
     with LatencyLab(path, TOPOLOGIES[servers], latency_ms=0, server_args=SERVER_ARGS,
                     prefix=f"wan{servers}") as lab:
-        models = {v: AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=lab.initial_peers,
-                                                                     dht_prefix=lab.prefix, **v.client)
-                  for v in variants(args)}
+        models = [(v, AutoDistributedModelForCausalLM.from_pretrained(path, initial_peers=lab.initial_peers,
+                                                                      dht_prefix=lab.prefix, **v.client))
+                  for v in variants(args)]
         try:
-            for model in models.values():
+            for _, model in models:
                 model.generate(PROMPT, max_new_tokens=3)  # warm-up: connections, routes
             compute: Dict[tuple, float] = {}
             for latency in [0.0, *args.latencies]:
                 lab.set_links(latency)
-                for variant, model in models.items():
+                for variant, model in models:
                     for sessions in args.sessions:
                         cell = run_cell(model, args, sessions, variant)
                         if latency == 0:
-                            compute[(variant, sessions)] = cell["ms_per_token"]
+                            compute[(variant.label, sessions)] = cell["ms_per_token"]
                         push = variant.client.get("use_push", True)
-                        cell.update(estimate(latency, servers, push, compute[(variant, sessions)], sessions))
+                        cell.update(estimate(latency, servers, push, compute[(variant.label, sessions)], sessions))
                         key = f"{servers}_servers/{latency:g}ms/{variant.label}/{sessions}_sessions"
                         rows[key] = cell
                         print(key, json.dumps(cell), file=sys.stderr, flush=True)
         finally:
-            for model in models.values():
+            for _, model in models:
                 model.shutdown()
     return rows
 
