@@ -19,12 +19,11 @@ the servers' `--update_period`).
         model = AutoDistributedModelForCausalLM.from_pretrained(model_path, initial_peers=lab.initial_peers,
                                                                  dht_prefix=lab.prefix)
 
-By hand: `python -m swarm.launch.latency_lab --spans 0:15 15:30 --latency_ms 25` (root) keeps one up and prints
-its `--initial_peers`.
+By hand: `swarmgate lab --spans 0:15 15:30 --latency_ms 25 --links client-s1=50` (root; `LabConfig`) keeps one
+up and prints its `--initial_peers` until Ctrl-C.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -35,9 +34,13 @@ import time
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from pydantic import Field, field_validator
+
 from swarm.launch.netns import Host, NetLab
 from swarm.launch.relay import RELOADED, LinkTable
 from swarm.launch.topology import ManagedProcess, start_gateway, start_server, thread_env, wait_all
+from swarm.runtime import lifecycle
+from swarm.runtime.config import ProcessConfig, config_from_argv, parse_span
 
 CLIENT = "client"  # the root namespace: this process and gateways
 RELAY_PORT = 4000  # each peer's relay, on its host's bridge address
@@ -209,44 +212,70 @@ class LatencyLab:
         self.close()
 
 
-def _parse_link(text: str) -> Tuple[Tuple[str, str], float]:
+def parse_link(text: str) -> Tuple[Tuple[str, str], float]:
+    """'A-B=MS' (e.g. 'client-s1=50') -> (("client", "s1"), 50.0); ValueError with a readable message otherwise."""
     pair, _, ms = text.partition("=")
     a, _, b = pair.partition("-")
-    if not (a and b and ms):
-        raise argparse.ArgumentTypeError(f"expected A-B=MS (e.g. client-s1=50), got {text!r}")
-    return (a, b), float(ms)
+    try:
+        value = float(ms)
+    except ValueError:
+        value = -1.0
+    if not (a and b) or value < 0:
+        raise ValueError(f"expected A-B=MS with MS >= 0 (e.g. client-s1=50), got {text!r}")
+    return (a, b), value
+
+
+class LabConfig(ProcessConfig):
+    model: Optional[str] = Field(default=None, description="model for the servers (default: the bundled one)")
+    spans: List[str] = Field(default_factory=lambda: ["0:15", "15:30"], description="one server (s0, s1, ...) per "
+                                                                                    "span start:end")
+    latency_ms: float = Field(default=25.0, ge=0, description="one-way latency of every link (ms)")
+    links: List[str] = Field(default_factory=list, description="links with their own latency, A-B=MS (peers: "
+                                                               "client, dht, s0, s1, ...), e.g. client-s1=50")
+    jitter_ms: float = Field(default=0.0, ge=0, description="uniform +- jitter per chunk (ms); bytes stay in order")
+    bandwidth: Optional[float] = Field(default=None, gt=0, description="cap in bytes/s per direction of a connection")
+    gateway: bool = Field(default=False, description="also start a gateway on the client side (loopback)")
+    log_dir: Optional[str] = Field(default=None, description="where the processes' logs and link tables go "
+                                                             "(default: a new temporary directory)")
+
+    @field_validator("spans")
+    @classmethod
+    def _spans(cls, value: List[str]) -> List[str]:
+        for span in value:
+            parse_span(span)
+        return value
+
+    @field_validator("links")
+    @classmethod
+    def _links(cls, value: List[str]) -> List[str]:
+        for link in value:
+            parse_link(link)
+        return value
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m swarm.launch.latency_lab",
-                                     description="Keep a local swarm up whose links have a wide-area latency "
-                                                 "(needs root: network namespaces).")
-    parser.add_argument("--model", default=None, help="model (default: the bundled one)")
-    parser.add_argument("--spans", nargs="*", default=["0:15", "15:30"], help="one server per span")
-    parser.add_argument("--latency_ms", type=float, default=25.0, help="one-way latency of every link (ms)")
-    parser.add_argument("--link", type=_parse_link, action="append", default=[],
-                        help="one link's latency, A-B=MS (peers: client, dht, s0, s1, ...); repeatable")
-    parser.add_argument("--jitter_ms", type=float, default=0.0, help="uniform +- jitter per chunk (ms)")
-    parser.add_argument("--bandwidth", type=float, default=None, help="bytes/s per direction of a connection")
-    parser.add_argument("--gateway", action="store_true", help="also start a gateway (client side)")
-    args = parser.parse_args(argv)
+    config = config_from_argv(LabConfig, argv, "swarmgate lab",
+                              "Keep a local swarm up whose links have a wide-area latency: each peer in its own "
+                              "network namespace behind a delaying relay (needs root).")
     why = LatencyLab.unavailable()
     if why:
-        parser.error(why)
+        print(f"error: {why}", file=sys.stderr)
+        return 1
     from swarm.modeling.prepare import prepare_model
 
-    model = args.model or str(prepare_model())
+    model = config.model or str(prepare_model())
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with LatencyLab(model, args.spans, args.latency_ms, dict(args.link), jitter_ms=args.jitter_ms,
-                    bandwidth=args.bandwidth, threads=None) as lab:
+    lifecycle.on_stop_signals(stop.set)
+    with LatencyLab(model, config.spans, config.latency_ms, dict(map(parse_link, config.links)),
+                    jitter_ms=config.jitter_ms, bandwidth=config.bandwidth, threads=None,
+                    log_dir=config.log_dir) as lab:
+        gateway = (lab.add_gateway().ready or {}).get("url") if config.gateway else None
         print(json.dumps({"initial_peers": lab.initial_peers, "dht_prefix": lab.prefix, "logs": lab.log_dir,
                           "peers": {n: {"address": lab.address(n), "peer_id": p.peer_id} for n, p in lab.peers.items()},
-                          "gateway": (lab.add_gateway().ready or {}).get("url") if args.gateway else None}), flush=True)
-        try:
-            stop.wait()
-        except KeyboardInterrupt:
-            pass
+                          "gateway": gateway}), flush=True)
+        print(f"join with: --initial_peers {lab.initial_peers[0]} --dht_prefix {lab.prefix}. Ctrl-C stops it.",
+              flush=True)
+        stop.wait()
     return 0
 
 
