@@ -1,6 +1,6 @@
 """A delaying TCP relay: the wide-area link of the latency lab (`swarm.launch.latency_lab`), as real traffic.
 
-`python -m swarm.launch.relay --listen HOST:PORT --target HOST:PORT --links FILE` accepts connections on
+`python -m swarm.launch.relay --listen HOST:PORT --target HOST:PORT --links FILE` (`RelayConfig`) accepts connections on
 `--listen` and forwards each one to `--target`, in both directions. Every chunk read is released to the other
 side after the one-way delay of that connection's link: the link is named by the connecting side's source IP
 address (`LinkTable.delays`, seconds; `default` for any other source), so one relay in front of a peer gives
@@ -13,7 +13,6 @@ waits for that line) and runs until SIGTERM/SIGINT.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -22,7 +21,9 @@ import socket
 import sys
 from typing import Dict, Optional, Tuple
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from swarm.runtime.config import ProcessConfig, config_from_argv
 
 READY = "SWARMGATE_READY "
 RELOADED = "relay: links version "  # printed after each reload (`LatencyLab.set_links` waits for it)
@@ -43,10 +44,32 @@ class LinkTable(BaseModel):
 
 
 def parse_hostport(text: str) -> Tuple[str, int]:
+    """'HOST:PORT' -> (host, port); ValueError with a readable message otherwise."""
     host, _, port = text.rpartition(":")
-    if not host or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
     return host, int(port)
+
+
+class RelayConfig(ProcessConfig):
+    listen: str = Field(description="HOST:PORT to accept connections on (port 0: any free one)")
+    target: str = Field(description="HOST:PORT to forward them to")
+    links: str = Field(description="JSON file of the link table (LinkTable), read again on SIGHUP")
+
+    @field_validator("listen", "target")
+    @classmethod
+    def _hostport(cls, value: str) -> str:
+        parse_hostport(value)
+        return value
+
+    @field_validator("links")
+    @classmethod
+    def _table(cls, value: str) -> str:
+        try:
+            load_table(value)
+        except OSError as e:
+            raise ValueError(f"cannot read {value}: {e}") from None
+        return value
 
 
 class Relay:
@@ -129,9 +152,9 @@ def load_table(path: str) -> LinkTable:
         return LinkTable.model_validate(json.load(f))
 
 
-async def _main(args: argparse.Namespace) -> int:
-    relay = Relay(args.target, load_table(args.links))
-    server = await relay.serve(*args.listen)
+async def _main(config: RelayConfig) -> int:
+    relay = Relay(parse_hostport(config.target), load_table(config.links))
+    server = await relay.serve(*parse_hostport(config.listen))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -139,30 +162,22 @@ async def _main(args: argparse.Namespace) -> int:
 
     def reload() -> None:
         try:
-            relay.table = load_table(args.links)
+            relay.table = load_table(config.links)
             print(f"{RELOADED}{relay.table.version}", flush=True)
         except (OSError, ValueError) as e:  # keep the old table
-            print(f"relay: cannot reload {args.links}: {e}", file=sys.stderr, flush=True)
+            print(f"relay: cannot reload {config.links}: {e}", file=sys.stderr, flush=True)
 
     loop.add_signal_handler(signal.SIGHUP, reload)
-    port = server.sockets[0].getsockname()[1]
-    print(READY + json.dumps({"listen": f"{args.listen[0]}:{port}", "target": "%s:%d" % args.target}), flush=True)
+    host, port = server.sockets[0].getsockname()[:2]
+    print(READY + json.dumps({"listen": f"{host}:{port}", "target": config.target}), flush=True)
     await stop.wait()
     server.close()
     return 0
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m swarm.launch.relay", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--listen", type=parse_hostport, required=True, help="HOST:PORT to accept connections on")
-    parser.add_argument("--target", type=parse_hostport, required=True, help="HOST:PORT to forward them to")
-    parser.add_argument("--links", required=True, help="JSON file of the link table (LinkTable), re-read on SIGHUP")
-    args = parser.parse_args(argv)
-    try:
-        load_table(args.links)
-    except (OSError, ValueError) as e:
-        parser.error(f"--links {args.links}: {e}")
-    return asyncio.run(_main(args))
+    config = config_from_argv(RelayConfig, argv, "python -m swarm.launch.relay", __doc__.split("\n\n")[0])
+    return asyncio.run(_main(config))
 
 
 if __name__ == "__main__":
