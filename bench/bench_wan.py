@@ -3,9 +3,11 @@ token for 1 and 8 concurrent sessions, 2 and 3 servers, one-way latencies of 5, 
 and without server-to-server push; and the routing choice when two chains of different latency serve the same
 blocks. Needs root (network namespaces). Prints one JSON object.
 
-Each topology's swarm starts once; the relays' latencies change between rows (`LatencyLab.set_links`). Row `0`
-(the same relays, no delay) is the loopback baseline: its ms per token is the `compute` of the estimate, per
-topology, push setting and number of sessions. Each figure comes with its estimate: per token,
+Each topology's swarm starts once; the relays' latencies change between cells (`LatencyLab.set_links`). Each
+cell is measured right after the same cell at 0 ms (the same relays, no delay: loopback), whose ms per token is the
+cell's `compute` (paired, because the load of a shared machine drifts over minutes); `hops_per_token` is
+(ms per token - compute) / latency, the one-way trips a token really costs (`est_hops`: the model's). Each figure
+comes with its estimate: per token,
 `(k + 1) * latency + compute` with push (client -> s1 -> ... -> sk -> client), `2k * latency + compute` without
 (the client relays every hop); tokens/s = 1 / that (times the sessions for the aggregate). Decode rates are
 measured after the first new token; TTFT is from the call to the first new token (prefill of a 13-token prompt
@@ -128,16 +130,20 @@ def bench_topology(path: str, servers: int, args) -> Dict[str, dict]:
         try:
             for _, model in models:
                 model.generate(PROMPT, max_new_tokens=3)  # warm-up: connections, routes
-            compute: Dict[tuple, float] = {}
-            for latency in [0.0, *args.latencies]:
-                lab.set_links(latency)
+            for latency in args.latencies:
                 for variant, model in models:
                     for sessions in args.sessions:
+                        # paired: the same cell without delay just before, so that both see the same load
+                        lab.set_links(0)
+                        compute = run_cell(model, args, sessions, variant)["ms_per_token"]
+                        lab.set_links(latency)
                         cell = run_cell(model, args, sessions, variant)
-                        if latency == 0:
-                            compute[(variant.label, sessions)] = cell["ms_per_token"]
                         push = variant.client.get("use_push", True)
-                        cell.update(estimate(latency, servers, push, compute[(variant.label, sessions)], sessions))
+                        cell.update(compute_ms_per_token=compute,
+                                    hops_per_token=round((cell["ms_per_token"] - compute) / latency, 2) if latency
+                                    else None,
+                                    est_hops=servers + 1 if push else 2 * servers,
+                                    **estimate(latency, servers, push, compute, sessions))
                         key = f"{servers}_servers/{latency:g}ms/{variant.label}/{sessions}_sessions"
                         rows[key] = cell
                         print(key, json.dumps(cell), file=sys.stderr, flush=True)
