@@ -17,10 +17,30 @@ import time
 import pytest
 import torch
 
-from swarm.launch.latency_lab import CLIENT, LatencyLab
+from swarm.launch.latency_lab import CLIENT, LabConfig, LatencyLab, parse_link
+from swarm.launch.relay import LinkTable, RelayConfig
 from swarm.launch.topology import ManagedProcess
 
 ROUNDS = 25
+
+
+def test_lab_and_relay_configs_reject_bad_links_and_addresses(tmp_path):
+    assert parse_link("client-s1=50") == (("client", "s1"), 50.0)
+    for bad in ("client-s1", "client=5", "a-b=-1", "a-b=x"):
+        with pytest.raises(ValueError):
+            parse_link(bad)
+    with pytest.raises(ValueError, match="links"):
+        LabConfig(links=["s0-s1=5", "oops"])
+    with pytest.raises(ValueError, match="spans"):
+        LabConfig(spans=["0:15", "15"])
+    links = tmp_path / "links.json"
+    links.write_text(LinkTable(delays={"10.0.0.1": 0.02}, default=0.01).model_dump_json())
+    assert RelayConfig(listen="127.0.0.1:0", target="127.0.0.1:4001", links=str(links)).links == str(links)
+    with pytest.raises(ValueError, match="listen"):
+        RelayConfig(listen="127.0.0.1", target="127.0.0.1:4001", links=str(links))
+    links.write_text('{"default": -1}')
+    with pytest.raises(ValueError, match="links"):
+        RelayConfig(listen="127.0.0.1:0", target="127.0.0.1:4001", links=str(links))
 
 
 @pytest.fixture()
