@@ -6,7 +6,8 @@ blocks. Needs root (network namespaces). Prints one JSON object.
 Each topology's swarm starts once; the relays' latencies change between cells (`LatencyLab.set_links`). Each
 cell is measured right after the same cell at 0 ms (the same relays, no delay: loopback), whose ms per token is the
 cell's `compute` (paired, because the load of a shared machine drifts over minutes); `hops_per_token` is
-(ms per token - compute) / latency, the one-way trips a token really costs (`est_hops`: the model's). Each figure
+(ms per token - compute) / latency, the one-way trips a token really costs (`est_hops`: the model's), and
+`hops_per_token_fastest` the same from the fastest token of each (the least disturbed by load). Each figure
 comes with its estimate: per token,
 `(k + 1) * latency + compute` with push (client -> s1 -> ... -> sk -> client), `2k * latency + compute` without
 (the client relays every hop); tokens/s = 1 / that (times the sessions for the aggregate). Decode rates are
@@ -108,7 +109,7 @@ def run_cell(model, args, sessions: int, variant: Optional[Variant] = None) -> d
     wall = max(r["last"] for r in runs) - min(r["first"] for r in runs)
     gaps = [g for r in runs for g in r["gaps"]]
     return {"tokens_per_s": round(decoded / wall, 2), "ms_per_token": round(1000 * statistics.median(gaps), 1),
-            "max_gap_ms": round(1000 * max(gaps), 1),
+            "min_gap_ms": round(1000 * min(gaps), 1), "max_gap_ms": round(1000 * max(gaps), 1),
             "ttft_ms": round(1000 * statistics.median(r["first"] - r["start"] for r in runs), 1)}
 
 
@@ -116,6 +117,11 @@ def estimate(latency_ms: float, servers: int, push: bool, compute_ms: float, ses
     hops = servers + 1 if push else 2 * servers
     per_token = hops * latency_ms + compute_ms
     return {"est_ms_per_token": round(per_token, 1), "est_tokens_per_s": round(sessions * 1000 / per_token, 2)}
+
+
+def trips(cell: dict, base: dict, key: str, latency_ms: float) -> Optional[float]:
+    """One-way trips per token: the time `key` gained over the 0 ms `base`, in latencies."""
+    return round((cell[key] - base[key]) / latency_ms, 2) if latency_ms else None
 
 
 def bench_topology(path: str, servers: int, args) -> Dict[str, dict]:
@@ -135,13 +141,14 @@ def bench_topology(path: str, servers: int, args) -> Dict[str, dict]:
                     for sessions in args.sessions:
                         # paired: the same cell without delay just before, so that both see the same load
                         lab.set_links(0)
-                        compute = run_cell(model, args, sessions, variant)["ms_per_token"]
+                        base = run_cell(model, args, sessions, variant)
+                        compute = base["ms_per_token"]
                         lab.set_links(latency)
                         cell = run_cell(model, args, sessions, variant)
                         push = variant.client.get("use_push", True)
                         cell.update(compute_ms_per_token=compute,
-                                    hops_per_token=round((cell["ms_per_token"] - compute) / latency, 2) if latency
-                                    else None,
+                                    hops_per_token=trips(cell, base, "ms_per_token", latency),
+                                    hops_per_token_fastest=trips(cell, base, "min_gap_ms", latency),
                                     est_hops=servers + 1 if push else 2 * servers,
                                     **estimate(latency, servers, push, compute, sessions))
                         key = f"{servers}_servers/{latency:g}ms/{variant.label}/{sessions}_sessions"
