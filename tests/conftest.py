@@ -65,6 +65,9 @@ EXTENDED = (
         "test_greedy_tokens_and_logits_equal_transformers", "test_two_turn_session",
         "test_long_prompt_prefills_in_chunks", "test_concurrent_sessions_batched_equal_single",
         "test_gateway_completions_and_chat", "test_failover_replays_the_session")),
+    # generation through the latency lab's delayed links (make test: the lab's links measure their latency, a
+    # hivemind ping through it; greedy equality on loopback swarms)
+    "tests/test_latency_lab.py::test_greedy_generation_through_delayed_links_matches_transformers",
 )
 
 

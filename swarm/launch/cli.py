@@ -15,6 +15,7 @@ COMMANDS = {
     "gateway": ("gateway.app", "serve the OpenAI-compatible HTTP API over the swarm"),
     "status": ("swarm.client.status", "print a swarm's servers and block coverage (no gateway needed)"),
     "up": ("swarm.launch.local_swarm", "start a local swarm (bootstrap, servers, gateway) from a YAML file"),
+    "lab": ("swarm.launch.latency_lab", "a local swarm over emulated wide-area links (needs root; README)"),
 }
 
 

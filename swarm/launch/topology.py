@@ -145,10 +145,10 @@ def start_bootstrap(host: str = LOCALHOST, port: int = 0, name: str = "dht", *, 
 def start_server(model: str, initial_peers: Sequence[str], span: Optional[str] = None, prefix: Optional[str] = None,
                  extra: Sequence[str] = (), *, name: Optional[str] = None, host: str = LOCALHOST,
                  threads: Optional[int] = None, env: Optional[Dict[str, str]] = None, log_dir: Optional[str] = None,
-                 module: Optional[str] = None, wrap: Sequence[str] = ()) -> ManagedProcess:
-    """A block server serving `span` ("start:end"; None: it places itself), not yet waited for. `module` runs
-    instead of `swarmgate server` (it gets the same arguments)."""
-    args = [model, "--initial_peers", *initial_peers, "--host_maddrs", f"/ip4/{host}/tcp/0"]
+                 module: Optional[str] = None, wrap: Sequence[str] = (), port: int = 0) -> ManagedProcess:
+    """A block server serving `span` ("start:end"; None: it places itself) listening on `host:port` (0: any free
+    port), not yet waited for. `module` runs instead of `swarmgate server` (it gets the same arguments)."""
+    args = [model, "--initial_peers", *initial_peers, "--host_maddrs", f"/ip4/{host}/tcp/{port}"]
     if span is not None:
         args += ["--block_indices", span]
     if prefix is not None:

@@ -1,4 +1,4 @@
-"""A small lab of hosts for tests: one Linux network namespace per host, joined by veth pairs to a bridge.
+"""A lab of hosts for tests and benchmarks: one Linux network namespace per host, joined by veth pairs to a bridge.
 
 `NetLab` (a context manager) makes a bridge in the root namespace with the address `.254` of a private /24
 (so that the test process can reach every host), and `add_host(name)` a namespace with loopback up and one
