@@ -54,6 +54,38 @@ def run(swarm: BenchSwarm, probability, new: int, runs: int) -> dict:
 
 
 LIE_AFTER = 3
+GATEWAY_SETTINGS = [("off", []), ("p5_holdback8", ["--verify_rate", "0.05", "--verify_holdback", "8"]),
+                    ("p5_holdback32", ["--verify_rate", "0.05", "--verify_holdback", "32"])]
+
+
+def through_gateway(swarm: BenchSwarm, new: int, runs: int) -> dict:
+    """Streamed chat completions (greedy, `new` tokens, EOS ignored) through a gateway per setting: median time to
+    the first text and end-to-end tokens/s (text held back for checks arrives later, in bigger chunks)."""
+    import statistics
+
+    import openai
+
+    results = {}
+    for name, flags in GATEWAY_SETTINGS:
+        gateway = swarm.add_gateway(f"bench-verify-gw-{name}", flags)
+        try:
+            client = openai.OpenAI(base_url=gateway.ready["url"] + "/v1", api_key="unused", max_retries=0)
+            served = client.models.list().data[0].id
+            samples = []
+            for i in range(runs + 1):  # the first one warms routes and caches up
+                began, first = time.perf_counter(), None
+                for chunk in client.chat.completions.create(
+                        model=served, messages=[{"role": "user", "content": PROMPT}], temperature=0, max_tokens=new,
+                        stream=True, extra_body={"ignore_eos": True}):
+                    if first is None and chunk.choices and chunk.choices[0].delta.content:
+                        first = time.perf_counter() - began
+                if i:
+                    samples.append((first, new / (time.perf_counter() - began)))
+            results[name] = {"first_text_s": round(statistics.median(s[0] for s in samples), 3),
+                             "tokens_per_s": round(statistics.median(s[1] for s in samples), 3)}
+        finally:
+            gateway.terminate()
+    return results
 
 
 def detection(swarm: BenchSwarm, probability: float, trials: int, max_steps: int) -> dict:
@@ -111,13 +143,17 @@ def main() -> None:
     parser.add_argument("--detect_probability", type=float, default=0.05, help="check rate of the detection trials")
     parser.add_argument("--max_steps", type=int, default=120, help="steps after the first lie a trial may run")
     parser.add_argument("--skip_speed", action="store_true", help="only the detection trials")
+    parser.add_argument("--gateway", action="store_true", help="also streamed through gateways (off, 5%% with "
+                                                               "holdbacks of 8 and 32 tokens)")
     args = parser.parse_args()
     results: dict = {}
-    caught = None
+    caught, gateway = None, None
     with BenchSwarm("bench-verify", ["0:30", "0:30"]) as swarm:
         for name, probability in [("off", None), ("p0", 0.0), ("p5", 0.05), ("p100", 1.0)]:
             if not args.skip_speed:
                 results[name] = run(swarm, probability, args.new, args.runs)
+        if args.gateway:
+            gateway = through_gateway(swarm, args.new, args.runs)
         if args.trials:
             caught = detection(swarm, args.detect_probability, args.trials, args.max_steps)
     base = results["off"]["tokens_per_s"] if results else None
@@ -125,7 +161,8 @@ def main() -> None:
         entry["slowdown"] = round(1 - entry["tokens_per_s"] / base, 4) if base else None
     print(json.dumps({"benchmark": "verify", "new_tokens": args.new, "runs": args.runs, "cpus": os.cpu_count(),
                       "note": "two servers over all 30 blocks on one shared machine; p0 = only the first check of "
-                              "each new server", "results": results, "detection": caught}))
+                              "each new server", "results": results, "gateway": gateway,
+                      "detection": caught}))
 
 
 if __name__ == "__main__":

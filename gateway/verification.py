@@ -11,8 +11,9 @@ came from was checked:
 - A step that checks every span of the chain (`GenerationSession.check_next_step`) is asked for when a stream has
   run `holdback` tokens ahead of its last full check, or when every choice has finished (non-streamed responses:
   only then). Once that step returns, every output the session holds was checked (or could not be: a span that one
-  server alone covers is counted `unverifiable`), so the held events go out. When every choice has finished, that
-  step feeds the last picked tokens only to check them: one more decode step per response.
+  server alone covers is counted `unverifiable`), so the held events go out. A step that every choice's
+  `max_tokens` makes the last is checked so; when choices end otherwise (end of sequence, stop string), one more
+  step feeds the last picked tokens only to check them.
 - On `OutputsRetracted` the run goes back to the snapshot at the retracted position, the events held since are
   dropped, and the loop picks again from there: the response is what honest servers give.
 
@@ -101,8 +102,10 @@ class RunVerification:
         if self.picked not in self.snapshots:
             self.snapshots[self.picked] = self._snapshot()
         ahead = self.picked - self.released
-        due = all_finished or (self.holdback is not None and ahead >= self.holdback)
-        if ahead > 0 and due and not self.full_check:
+        run = self.run  # its last step (every choice reaches max_tokens with it) is checked: no step after it
+        last = all(done or count + 1 >= run.params.max_tokens for done, count in zip(run.finished, run.generated))
+        due = all_finished or last or (self.holdback is not None and ahead >= self.holdback)
+        if (ahead > 0 or last) and due and not self.full_check:
             check = getattr(session, "check_next_step", None)
             if check is not None and check():
                 self.full_check = True

@@ -26,7 +26,7 @@ VOCAB = 1100
 
 
 def honest_next(token: int) -> int:
-    return (token * 7 + 3) % PICK + 1000  # ids of whole words
+    return (token + 1) % PICK + 1000  # ids of whole words, none repeated within PICK tokens
 
 
 class LyingSession:
@@ -100,14 +100,14 @@ def tokens(tokenizer):
     return Tokens(tokenizer)
 
 
-def run(model, tokens, prompt, max_tokens, stream, holdback=4, provider=None, owner=None, n=1):
+def run(model, tokens, prompt, max_tokens, stream, holdback=4, provider=None, owner=None, n=1, stop=()):
     """The real `Engine.run`; returns (each choice's emitted token ids, the events)."""
     metrics = Metrics()
     provider = provider or SessionProvider(model, metrics=metrics)
     engine = Engine(model, tokens, metrics, max_workers=1, sessions=provider, verify_holdback=holdback)
     events: list = []
     model.session_kwargs["emitted"] = events
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, stop_token_ids=list(stop))
     try:
         engine.run(GenerationJob(prompt, params, n, owner=owner, stream=stream), events.append)
     finally:
@@ -125,16 +125,22 @@ def honest(prompt, max_tokens):
     return out
 
 
+@pytest.mark.parametrize("ending", ["length", "stop"])
 @pytest.mark.parametrize("stream", [True, False])
-def test_retracted_picks_are_redone_and_never_emitted(tokens, stream):
+def test_retracted_picks_are_redone_and_never_emitted(tokens, stream, ending):
     prompt = [5, 6, 7]
     model = StubModel(lie_from=4, reveal=6)  # lies at feeds 4 and 5, caught at feed 6
-    out, _, metrics = run(model, tokens, prompt, 12, stream, holdback=8, n=2)
-    assert out == [honest(prompt, 12)] * 2  # the wrong picks never went out; the text is the honest one
+    stop = [honest(prompt, 12)[9]] if ending == "stop" else []  # the tenth pick ends it
+    out, _, metrics = run(model, tokens, prompt, 12, stream, holdback=8, n=2, stop=stop)
+    expected = honest(prompt, 12)[:9] if stop else honest(prompt, 12)
+    assert out == [expected] * 2  # the wrong picks never went out; the text is the honest one
     session = model.sessions[0]
     assert metrics.registry.get_sample_value("swarmgate_verify_retracted_tokens_total") == 2
-    assert session.full_checks[-1] and session.token_ids.shape[1] == len(prompt) + 12  # the last picks checked
-    if not stream:  # held to the end: one full check, on the extra step that feeds the last picks
+    # the last step checks every span: the one max_tokens makes the last, or one more after a stop (it feeds the
+    # last picks only to check them)
+    assert session.full_checks[-1]
+    assert session.token_ids.shape[1] == len(prompt) + (10 if stop else 11)
+    if not stream:  # held to the end: one full check
         assert sum(session.full_checks) == 1
 
 
