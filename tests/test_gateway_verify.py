@@ -15,7 +15,8 @@ from swarm.launch.topology import start_server, start_servers
 from tests.gateway_fixtures import SPANS, one_torch_thread, start_gateway  # noqa: F401
 
 MODEL = "smollm2-135m-instruct"
-NEW = 12  # tokens per completion (the unverifiable case: 6)
+NEW = 12  # tokens per completion through the liar's swarm
+SHORT = 6  # through the split swarm
 PERTURB_AFTER = 3  # steps of each session the liar serves honestly (its first check passes)
 
 
@@ -36,13 +37,13 @@ def metric(url: str, name: str, labels: str = "") -> float:
     return 0.0
 
 
-def chat(gw, messages, stream: bool) -> str:
+def chat(gw, messages, stream: bool, new: int = NEW) -> str:
     client = gw.client()
     if not stream:
-        return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW,
+        return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=new,
                                               temperature=0).choices[0].message.content
     return "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=NEW, temperature=0, stream=True) if chunk.choices)
+        model=MODEL, messages=messages, max_tokens=new, temperature=0, stream=True) if chunk.choices)
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +94,8 @@ def test_one_server_per_span_is_counted_unverifiable(swarms, model_path, tokeniz
     gw = start_gateway(model_path, swarms.get(SPANS), "--verify_rate", "1", name="gateway-verify")
     try:
         messages = [{"role": "user", "content": "Say hello."}]
-        assert chat(gw, messages, stream=True) == reference_text(tokenizer, reference_model, messages, NEW)
-        assert metric(gw.url, "swarmgate_verify_unverifiable_total") >= 2 * NEW  # both spans, every step
+        assert chat(gw, messages, True, SHORT) == reference_text(tokenizer, reference_model, messages, SHORT)
+        assert metric(gw.url, "swarmgate_verify_unverifiable_total") >= 2 * SHORT  # both spans, every step
         assert metric(gw.url, "swarmgate_verify_checks_total") == 0
         assert metric(gw.url, "swarmgate_verify_mismatches_total") == 0
         status = httpx.get(gw.url + "/status.json", timeout=30).json()
