@@ -137,7 +137,7 @@ class RunVerification:
         self._restore(snapshot)
         self.held = self.held[:snapshot.held]
         self.snapshots = {k: v for k, v in self.snapshots.items() if k <= tokens}
-        self.picked, self.full_check = tokens, False
+        self.picked = tokens  # a full check asked for stays asked: the session keeps the request after a failed step
         return ids[:, :keep]
 
     # ---- helpers --------------------------------------------------------------------------------------------------

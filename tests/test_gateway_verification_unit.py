@@ -51,14 +51,14 @@ class LyingSession:
     def feed(self, ids: torch.Tensor) -> torch.Tensor:
         self.feeds += 1
         self.full_checks.append(self.asked)
-        self.asked = False
         sent = sum(len(e.tokens) for e in self.emitted or () if isinstance(e, ChoiceDelta) and e.index == 0)
         self.emitted_at_feed.append((ids.shape[1], sent))
         if self.feeds == self.lie_from:
             self.lie_position = ids.shape[1] - 1  # this step's output (at the last fed position) is the first lie
         if self.feeds == self.reveal:
             self.token_ids = ids[:, :self.lie_position].clone()
-            raise OutputsRetracted(self.lie_position)
+            raise OutputsRetracted(self.lie_position)  # (a full check asked for stays asked, as in InferenceSession)
+        self.asked = False
         self.token_ids = ids.clone()
         lying = self.lie_position is not None and self.feeds >= self.lie_from and self.feeds < (self.reveal or 1 << 30)
         logits = torch.full((ids.shape[0], VOCAB), -10.0)
@@ -176,3 +176,14 @@ def test_a_pooled_session_through_a_distrusted_server_is_not_reused(tokens):
     run(model, tokens, prompt + out[0] + [11], 4, False, provider=provider, owner="u")
     assert model.sessions[0].closed and len(model.sessions) == 2
     assert metrics.registry.get_sample_value("swarmgate_pool_evictions_total", {"reason": "distrusted"}) == 1
+
+
+def test_a_liar_caught_by_the_holdback_check_is_retracted_before_its_text_goes_out(tokens):
+    prompt = [20, 21]
+    model = StubModel(lie_from=3, reveal=5)  # feed 5 is the full check a stream asks for after 4 held tokens
+    out, _, metrics = run(model, tokens, prompt, 10, True, holdback=4)
+    session = model.sessions[0]
+    assert session.full_checks[4], "the fifth feed was the hold-back check"
+    assert out == [honest(prompt, 10)]
+    assert metrics.registry.get_sample_value("swarmgate_verify_retracted_tokens_total") == 2
+    assert session.full_checks[5] and session.emitted_at_feed[6][1] > 0, "the re-run full check released the text"
