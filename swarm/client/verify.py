@@ -194,12 +194,15 @@ class Verifier:
             self.stats.unresolved += 1
 
     def _distrust(self, peers: Sequence[str], hop: RouteHop) -> None:
+        """Distrust `peers`; one already distrusted (caught again by another session still on it) counts once."""
         for peer in peers:
+            if peer in self.manager.distrusted:
+                continue
             logger.warning(f"server {peer} disagrees with the majority on blocks {hop.start}:{hop.end}: distrusted "
                            f"for the life of this client")
             self.manager.distrusted.add(peer)
             self.stats.distrusted.append(peer)
-        self.stats.mismatches += len(peers)
+            self.stats.mismatches += 1
 
 
 _verifiers: "weakref.WeakKeyDictionary[SwarmManager, Verifier]" = weakref.WeakKeyDictionary()
