@@ -94,7 +94,7 @@ def load_model(config: GatewayConfig):
         config.model, initial_peers=config.initial_peers, dht_prefix=config.dht_prefix,
         torch_dtype=config.torch_dtype, step_timeout=config.step_timeout, request_timeout=config.rpc_timeout,
         allowed_quant_types=config.allowed_quant_types, swarm_key=config.swarm_key,
-        swarm_key_file=config.swarm_key_file,
+        swarm_key_file=config.swarm_key_file, verify=config.verify_rate > 0, verify_probability=config.verify_rate,
         pad_head_rows=False)  # its buffers and timing runs cost the gateway ~5 MB of its 450 MB RSS budget
 
 
@@ -133,10 +133,12 @@ def create_app(config: GatewayConfig, model=None, tokenizer=None) -> FastAPI:
                            on_evict=metrics.count_eviction)
         metrics.pool = pool
     sessions = SessionProvider(model, pool, metrics, headroom=config.pool_headroom, context=context)
-    engine = Engine(model, tokens, metrics, max_workers=config.max_concurrent, sessions=sessions)
+    engine = Engine(model, tokens, metrics, max_workers=config.max_concurrent, sessions=sessions,
+                    verify_holdback=config.verify_holdback)
     state = GatewayState(config=config, model=model, tokens=tokens, engine=engine, admission=admission,
                          metrics=metrics, limits=limits, created=int(time.time()))
     metrics.coverage_source = state.coverage_numbers
+    metrics.verify_source = getattr(model, "verify_stats", None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -65,6 +65,17 @@ class GatewayConfig(SwarmKeySettings):
     allowed_quant_types: Optional[List[str]] = Field(
         default=None, description=f"route only through servers announcing one of these weight formats "
                                   f"({', '.join(QUANT_TYPES)}); default: any (a mixed swarm works)")
+    verify_rate: float = Field(
+        default=0.0, ge=0, le=1,
+        description="spot-check servers' outputs (swarm.client.verify): the chance, per decode step and per span, that "
+                    "a span's outputs are re-run on an independent server and compared; every server is also checked "
+                    "the first time it is used, and a server outvoted by two others is distrusted for the gateway's "
+                    "life (0: off, no checks at all)")
+    verify_holdback: int = Field(
+        default=8, ge=1,
+        description="with --verify_rate: tokens a streamed choice may run ahead of its last full check before every "
+                    "span is checked; text is sent only once checked, so it never has to be taken back (the bounded "
+                    "delay of a stream; a non-streamed response is checked once, at its end)")
     torch_dtype: str = Field(default="float32", description="dtype of the local embeddings and LM head")
     num_threads: Optional[int] = Field(default=None, gt=0, description="torch intra-op threads")
     log_level: str = Field(default="INFO", description="logging level")

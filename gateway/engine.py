@@ -27,8 +27,9 @@ logger = logging.getLogger("swarmgate.gateway")
 
 class Engine:
     def __init__(self, model: ClientModel, tokens: Tokens, metrics: Metrics, max_workers: int,
-                 sessions: Optional[SessionProvider] = None):
+                 sessions: Optional[SessionProvider] = None, verify_holdback: int = 8):
         self.model, self.tokens, self.metrics = model, tokens, metrics
+        self.verify_holdback = verify_holdback  # with spot-checks: tokens a stream's text may wait for its check
         self.sessions = sessions or SessionProvider(model)
         # tensor work: swarm.runtime.taskpool.client_pool
         self.executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="generation",
@@ -51,7 +52,8 @@ class Engine:
         """Run `job` on this (worker) thread, handing its events to `emit` (`gateway.runs.GenerationRun`)."""
         self._active[id(job)] = job  # what `shutdown` cancels
         try:
-            GenerationRun(job, emit, self.sessions, self.tokens, self.metrics, self.vocab_size).run()
+            GenerationRun(job, emit, self.sessions, self.tokens, self.metrics, self.vocab_size,
+                          self.verify_holdback).run()
         finally:
             self._active.pop(id(job), None)
 

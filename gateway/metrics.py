@@ -4,11 +4,14 @@ Requests by endpoint and status, time to first token and inter-token latency his
 completion token counters, active sessions, queue length, the conversation session pool (hits, misses, prompt
 tokens reused, evictions by reason, pooled sessions and the cache they reserve), and the swarm's coverage
 (blocks served by at least one online server, out of the model's blocks), refreshed from the client's cached
-view at each scrape.
+view at each scrape, and with `--verify_rate` the spot-checks of servers' outputs (`swarm.client.verify`, read at
+each scrape): checks done and passed, servers outvoted (`mismatches`, each then distrusted), checks impossible
+because one server alone covers a span (`unverifiable`), disagreements without a majority, the distrusted servers
+by peer id, and the tokens the gateway picked again after a retraction.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Iterator, Optional, Tuple
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,  # noqa: F401  (re-exported for the /metrics route)
@@ -18,6 +21,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 60)
 
@@ -48,7 +52,8 @@ class Metrics:
                                           registry=r)
         self.pool_evictions = Counter("swarmgate_pool_evictions",
                                       "pooled sessions closed, by reason (ttl, capacity, outgrown, superseded, "
-                                      "out_of_cache, open_failed, failed, shutdown)", ["reason"], registry=r)
+                                      "out_of_cache, open_failed, failed, distrusted, shutdown)", ["reason"],
+                                      registry=r)
         self.pool_sessions = Gauge("swarmgate_pool_sessions", "idle sessions kept in the pool", registry=r)
         self.pool_cache_tokens = Gauge("swarmgate_pool_cache_tokens",
                                        "KV cache tokens the pooled sessions reserve on the servers (max_length each)",
@@ -61,7 +66,12 @@ class Metrics:
                                     registry=r)
         self.blocks_total = Gauge("swarmgate_swarm_blocks_total", "blocks of the model", registry=r)
         self.servers_online = Gauge("swarmgate_swarm_servers_online", "online servers of the model", registry=r)
+        self.verify_retracted_tokens = Counter(
+            "swarmgate_verify_retracted_tokens", "tokens picked from outputs that spot-checks found wrong, dropped and "
+                                                 "picked again (per choice row)", registry=r)
         self.coverage_source = coverage  # () -> (blocks covered, blocks total, servers online)
+        self.verify_source: Optional[Callable[[], Any]] = None  # () -> swarm.client.verify.VerifyStats or None (off)
+        r.register(_VerifyCollector(self))
         self.pool: Optional[Any] = None  # the SessionPool, read at each scrape
 
     def count_eviction(self, reason: str, count: int = 1) -> None:
@@ -85,3 +95,38 @@ class Metrics:
             except Exception:  # the swarm view is best effort here; /health reports failures
                 pass
         return generate_latest(self.registry)
+
+
+_VERIFY_COUNTERS = (
+    ("checks", "spans whose outputs were checked against at least one independent server"),
+    ("passed", "checks that found the outputs right"),
+    ("mismatches", "servers outvoted by two independent servers (each is then distrusted: banned for good)"),
+    ("unverifiable", "checks impossible: no other server covers the span with the same dtype and weights"),
+    ("unresolved", "disagreements without a majority (nobody banned)"),
+    ("referee_failures", "calls to an independent server for a check that failed"),
+)
+
+
+class _VerifyCollector:
+    """The client verifier's counters, read at each scrape (nothing while verification is off)."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Any]:
+        source = self.metrics.verify_source
+        stats = source() if source is not None else None
+        if stats is None:
+            return
+        for name, help_text in _VERIFY_COUNTERS:
+            yield CounterMetricFamily(f"swarmgate_verify_{name}", help_text, value=getattr(stats, name))
+        distrusted = GaugeMetricFamily("swarmgate_verify_distrusted", "servers distrusted after spot-checks (1 each)",
+                                       labels=["peer_id"])
+        for peer in dict.fromkeys(stats.distrusted):
+            distrusted.add_metric([peer], 1)
+        yield distrusted
+        yield GaugeMetricFamily("swarmgate_verify_distrusted_servers", "how many servers are distrusted",
+                                value=len(set(stats.distrusted)))
+        yield GaugeMetricFamily("swarmgate_verify_largest_passed_divergence",
+                                "the largest divergence of a check that passed (how close honest servers are)",
+                                value=stats.largest_passed)

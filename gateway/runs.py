@@ -24,8 +24,10 @@ from gateway.metrics import Metrics
 from gateway.sessions import SessionProvider
 from gateway.textstream import TextStream
 from gateway.tokens import Tokens
+from gateway.verification import RunVerification, verification_on
 from swarm.client.generation import RowSamplers, Sampler, SamplingParams, TokenChoice
 from swarm.client.grammar import GrammarConstraint
+from swarm.client.verify import OutputsRetracted
 
 logger = logging.getLogger("swarmgate.gateway")
 
@@ -41,14 +43,20 @@ class GenerationJob:
     owner: Optional[str] = None  # session pool namespace (a hash of the API key); None: never pooled
     adapter: Optional[str] = None  # the LoRA adapter the request named as its model (None: the base model)
     cancel: threading.Event = field(default_factory=threading.Event)
+    stream: bool = False  # streamed to the client (with spot-checks, its text is held back at most a few tokens)
 
 
 class GenerationRun:
     """Runs `job` to its end on the calling (worker) thread, handing events to `emit`."""
 
     def __init__(self, job: GenerationJob, emit: Callable[[Any], None], sessions: SessionProvider, tokens: Tokens,
-                 metrics: Metrics, vocab_size: int):
-        self.job, self.emit, self.sessions, self.metrics = job, emit, sessions, metrics
+                 metrics: Metrics, vocab_size: int, verify_holdback: int = 8):
+        self.sessions, self.metrics = sessions, metrics
+        # spot-checks: text events wait until checked; picks made from retracted outputs are redone
+        self.verification = RunVerification(self, emit, verification_on(sessions.model),
+                                            verify_holdback if job.stream else None, len(job.prompt_ids),
+                                            metrics.verify_retracted_tokens.inc)
+        self.job, self.emit = job, self.verification.emit
         params, n = job.params, job.n
         self.params, self.n = params, n
         grammar = params.grammar
@@ -79,9 +87,9 @@ class GenerationRun:
         ids = torch.tensor([job.prompt_ids] * self.n, dtype=torch.long)
         lease = sessions.acquire(job.prompt_ids, self.n, params.max_tokens, job.owner, adapter=job.adapter)
         metrics.active_sessions.inc()
-        reusable, last = False, None
+        reusable, last, step = False, None, 0
         try:
-            for step in range(params.max_tokens):
+            while not all(self.finished) or self.verification.unsettled:  # (unsettled: one more step checks)
                 if job.cancel.is_set():
                     raise Cancelled()
                 if job.deadline is not None and time.monotonic() > job.deadline:
@@ -91,11 +99,17 @@ class GenerationRun:
                              for i in range(self.n)]
                 pick = self.samplers.picker(ids, remaining)
                 head_pick = pick if self.pick_in_head else None
+                self.verification.before_step(lease.session, all(self.finished))
                 # logits [n, vocab], float32; the first step sends the prompt (less what a pooled session holds)
-                if step == 0:
-                    logits, choices = sessions.prefill(lease, ids, head_pick)
-                else:
-                    logits, choices = sessions.step(lease, ids, head_pick)
+                try:
+                    if step == 0:
+                        logits, choices = sessions.prefill(lease, ids, head_pick)
+                    else:
+                        logits, choices = sessions.step(lease, ids, head_pick)
+                except OutputsRetracted as retracted:  # a lying server was caught: pick from there again
+                    ids = self.verification.retract(retracted, ids)
+                    continue
+                step += 1
                 if not self.pick_in_head:
                     choices = pick(logits)
                 now = time.monotonic()
@@ -106,9 +120,8 @@ class GenerationRun:
                 last = now
                 next_tokens = [self.pad if choice is None else self._take(i, choice)
                                for i, choice in enumerate(choices)]
-                if all(self.finished):
-                    break
                 ids = torch.cat([ids, torch.tensor(next_tokens, dtype=torch.long)[:, None]], dim=1)
+                self.verification.after_step(ids)
             reusable = True
         finally:
             metrics.active_sessions.dec()

@@ -17,6 +17,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 
 from gateway.metrics import Metrics
+from gateway.verification import distrusted_in
 from swarm.client.api import ClientModel, GenerationSession
 from swarm.wire.protocol import RemoteError
 
@@ -64,7 +65,8 @@ class SessionProvider:
     prefix of its prompt (`cached_tokens` of them are not sent again); otherwise it opens a fresh one with
     `max_length` = prompt + max_tokens + `headroom` (capped by the context), so that later turns of the
     conversation fit in it. A generation that ended normally gives its session back to the pool, keyed by the
-    tokens the servers hold. Requests with n > 1 never use the pool (their batched sessions are closed).
+    tokens the servers hold. Requests with n > 1 never use the pool (their batched sessions are closed). A pooled
+session whose chain includes a server that spot-checks distrusted since is closed instead of reused ("distrusted").
 
     The first step (`prefill`) is where reuse can go wrong, and it falls back without an error the client did
     not cause: if a reused session fails (its servers dropped it, a server died), it is closed and the prompt
@@ -104,6 +106,11 @@ class SessionProvider:
             return Lease(self.open(needed, adapter), n, needed, adapter=adapter)
         owner = pool_namespace(owner, adapter)
         found = self.pool.checkout(owner, prompt_ids, needed)
+        if found is not None and distrusted_in(self.model, found.session):  # its states may be a liar's: drop it
+            logger.warning("a pooled session runs through a distrusted server: closed, not reused")
+            self._close(found.session)
+            self._count_eviction("distrusted")
+            found = None
         if found is not None:
             if self.metrics is not None:
                 self.metrics.pool_hits.inc()

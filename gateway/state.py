@@ -41,10 +41,10 @@ class GatewayState:
     created: int
 
     def new_job(self, prompt_ids: List[int], params, n: int, request_id: str,
-                 owner: Optional[str] = None, adapter: Optional[str] = None) -> GenerationJob:
+                owner: Optional[str] = None, adapter: Optional[str] = None, stream: bool = False) -> GenerationJob:
         """`owner`: the session pool namespace (`gateway.auth.owner_of`); None never reuses nor pools. `adapter`:
-        the LoRA adapter the request named (`resolve_model`)."""
-        return GenerationJob(prompt_ids, params, n, request_id=request_id, owner=owner, adapter=adapter,
+        the LoRA adapter the request named (`resolve_model`); `stream`: the response is streamed."""
+        return GenerationJob(prompt_ids, params, n, request_id=request_id, owner=owner, adapter=adapter, stream=stream,
                              deadline=time.monotonic() + self.config.generation_timeout)
 
     async def admit(self, jobs: List[GenerationJob]) -> RequestRun:

@@ -1,12 +1,13 @@
-"""The gateway's swarm status page: `GET /status` (HTML) and `GET /status.json` (the same data).
-
-The data is the swarm's snapshot (`swarm.client.status.SwarmStatus`: a coverage entry per block, a row per
-server with its RTT from this gateway) read through the client model (`ClientModel.swarm_status`), plus this
-gateway's own figures: sessions pooled, requests running and queued, and generated tokens per second over the
-last minute. Snapshots are cached for `CACHE_SECONDS` so that many open pages cost one DHT read and one round of
-pings. The page is one self-contained HTML document (inline CSS and JS, no external assets) that fetches
-`/status.json` every few seconds and builds the DOM with `textContent` only: peer names and every other string
-from the records are untrusted and never parsed as HTML. Both routes are public, like `/health` and `/metrics`.
+"""The gateway's swarm status page: `GET /status` (HTML) and `GET /status.json` (the same data). The data is the
+swarm's snapshot (`swarm.client.status.SwarmStatus`: a coverage entry per block, a row per server with its RTT from
+this gateway) read through the client model (`ClientModel.swarm_status`), plus this gateway's own figures: sessions
+pooled, requests running and queued, and generated tokens per second over the last minute, and with `--verify_rate`
+the spot-checks' counters (`verification`; null when off), each server marked `distrusted` when the checks outvoted
+it (the page shows its state as "distrusted"). Snapshots are cached for `CACHE_SECONDS` so that many open pages cost
+one DHT read and one round of pings. The page is one self-contained HTML document (inline CSS and JS, no external
+assets) that fetches `/status.json` every few seconds and builds the DOM with `textContent` only: peer names and
+every other string from the records are untrusted and never parsed as HTML. Both routes are public, like `/health`
+and `/metrics`.
 """
 from __future__ import annotations
 
@@ -63,7 +64,13 @@ class StatusSource:
                 swarm = await run_in_threadpool(self.state.model.swarm_status, self.state.config.model_name)
                 self._cached = (time.monotonic(), swarm.model_dump(mode="json"))
             swarm_data = self._cached[1]
-        return {**swarm_data, "gateway": self.gateway_figures()}
+        stats_of = getattr(self.state.model, "verify_stats", None)
+        stats = stats_of() if stats_of is not None else None
+        distrusted = set(stats.distrusted) if stats is not None else set()
+        servers = [{**server, "distrusted": server.get("peer_id") in distrusted}
+                   for server in swarm_data.get("servers", [])]
+        verification = None if stats is None else {k: v for k, v in stats.as_dict().items()}
+        return {**swarm_data, "servers": servers, "gateway": self.gateway_figures(), "verification": verification}
 
 
 def add_status_routes(app: FastAPI, state) -> None:
@@ -100,6 +107,7 @@ th,td{border:1px solid #ddd;padding:3px 7px;text-align:left;white-space:nowrap}
 th{background:#f0f0f0} td.num{text-align:right} td.peer{font-family:monospace}
 td.name{max-width:16em;overflow:hidden;text-overflow:ellipsis}
 .online{color:#2e7d32}.joining{color:#f57f17}.unreachable{color:#b00020}
+.distrusted{color:#fff;background:#b00020;font-weight:600}
 .figures{display:flex;gap:1.5em;flex-wrap:wrap}.figures div{background:#fff;border:1px solid #ddd;padding:.4em .8em}
 .figures b{display:block;font-size:1.3em}
 </style></head>
@@ -145,13 +153,14 @@ function render(data) {
   const body = document.getElementById("servers");
   body.replaceChildren();
   for (const s of data.servers) {
-    const row = el("tr"); row.dataset.peer = s.peer_id; row.dataset.state = s.state;
+    const state = s.distrusted ? "distrusted" : s.state;
+    const row = el("tr"); row.dataset.peer = s.peer_id; row.dataset.state = state;
     const peer = el("td", s.peer_id.length > 20 ? s.peer_id.slice(0, 12) + "…" + s.peer_id.slice(-6) : s.peer_id,
       "peer");
     const name = el("td", s.public_name, "name");
     peer.title = s.peer_id; name.title = s.public_name;
     row.append(peer, name, el("td", s.start + ":" + s.end),
-      el("td", s.state, s.state), el("td", fmt(s.throughput, 1), "num"), el("td", s.cache_tokens_left, "num"),
+      el("td", state, state), el("td", fmt(s.throughput, 1), "num"), el("td", s.cache_tokens_left, "num"),
       el("td", s.quant_type + " / " + s.dtype), el("td", s.adapters.length ? s.adapters.join(", ") : "-"),
       el("td", s.version), el("td", s.rtt_ms === null ? "-" : fmt(s.rtt_ms, 1), "num"));
     body.appendChild(row);
@@ -161,6 +170,9 @@ function render(data) {
   const items = [["sessions pooled", g.sessions_pooled], ["requests running", g.requests_running],
     ["requests queued", g.requests_queued], ["tokens/s (1 min)", fmt(g.tokens_per_second, 1)],
     ["tokens generated", g.tokens_generated]];
+  const v = data.verification;
+  if (v) items.push(["spot-checks passed / done", v.passed + " / " + v.checks],
+    ["unverifiable (one server per span)", v.unverifiable], ["servers distrusted", v.distrusted.length]);
   for (const [label, value] of items) {
     const box = el("div"); box.append(el("b", value), el("span", label)); figures.appendChild(box);
   }

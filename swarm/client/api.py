@@ -6,7 +6,8 @@ and weight formats (`coverage`), the
 servers that the client banned after failures (`banned_peers` / `unban`), and `inference_session`, which opens a
 `GenerationSession` (`swarm.client.model.ModelSession`): `feed` (make the servers hold exactly these ids, get the
 last position's logits), `feed_and_pick` (the same, with the next tokens chosen in the batched LM-head task) and
-`close`. `prompt_logprobs` scores a prompt's tokens (the completions API's `echo` with `logprobs`). Front ends use
+`close` (and, with spot-checks on, `check_next_step` and `servers`; `ClientModel.verify_stats` gives their counters).
+`prompt_logprobs` scores a prompt's tokens (the completions API's `echo` with `logprobs`). Front ends use
 only these, never the client's routing internals, so tests may stand in a small stub.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 if TYPE_CHECKING:
     from swarm.client.status import SwarmStatus
+    from swarm.client.verify import VerifyStats
 
 T = TypeVar("T")
 
@@ -63,6 +65,15 @@ class GenerationSession(Protocol):
 
     def close(self) -> None: ...
 
+    # spot-checks (`swarm.client.verify`); optional: front ends use getattr, test doubles may lack them
+    def check_next_step(self) -> bool:
+        """Ask that the next feed check every span's outputs; False when this session cannot be checked."""
+        ...
+
+    def servers(self) -> List[str]:
+        """Peer ids of the servers holding this session's states."""
+        ...
+
 
 class ClientModel(Protocol):
     config: Any  # the Hugging Face model config (vocab_size, max_position_embeddings, eos_token_id)
@@ -100,5 +111,9 @@ class ClientModel(Protocol):
     def banned_peers(self) -> List[str]: ...
 
     def unban(self, peer_id: str) -> None: ...
+
+    def verify_stats(self) -> Optional["VerifyStats"]:
+        """Spot-checks of servers' outputs (`swarm.client.verify`): counters and distrusted servers; None: off."""
+        ...
 
     def shutdown(self) -> None: ...

@@ -42,7 +42,7 @@ from swarm.client.rowpad import RowPadding
 from swarm.client.rows import check_padding_supported, left_padding
 from swarm.client.session import SessionError
 from swarm.client.status import SwarmStatusView
-from swarm.client.verify import OutputsRetracted
+from swarm.client.verify import OutputsRetracted, VerifyStats, verifier_for
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec, family_for
 from swarm.runtime import aio, malloc
@@ -194,6 +194,12 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
 
     def unban(self, peer_id: str) -> None:
         self.manager.mark_ok(peer_id)
+
+    def verify_stats(self) -> Optional[VerifyStats]:
+        """The spot-checks' counters and the distrusted servers (`swarm.client.verify`); None when verification is
+        off."""
+        verifier = verifier_for(self.manager)
+        return None if verifier is None else verifier.stats
 
     def forward(self, input_ids: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
                 inputs_embeds: Optional[torch.Tensor] = None, adapter: Any = ACTIVE_ADAPTER) -> CausalLMOutput:

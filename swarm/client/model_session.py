@@ -59,6 +59,20 @@ class ModelSession:
             return 0, None  # other padding: other positions and masks, everything is computed again
         return reuse, hypo_ids if reuse > 0 else None
 
+    def check_next_step(self) -> bool:
+        """Ask that the next `feed` spot-check every span of the chain (`swarm.client.verify`): once it returns, every
+        output the session holds was checked (or is unverifiable: one server covers the span). False when this
+        session's steps cannot be checked (verification off, deep prompts); nothing is asked then."""
+        inner = self.session
+        if inner._verifier is None or inner.prompts is not None or not inner.verify_steps:
+            return False
+        inner.check_all_next = True
+        return True
+
+    def servers(self) -> List[str]:
+        """The peer ids of the servers that hold this session's states now."""
+        return [hop.peer_id for hop in self.session.chain]
+
     def open(self, batch_size: int = 1) -> "ModelSession":
         """Route and open the servers' sessions now (else the first `feed` does it); errors surface here."""
         self.session.open(batch_size)

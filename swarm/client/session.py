@@ -220,6 +220,7 @@ class InferenceSession:
         self._step_id = 0  # one id per chunk step (and per replayed chunk), shared by every server of the chain
         self._verifier = verifier_for(manager)  # spot-checks of servers' outputs (None: off)
         self.verify_steps = True  # False: no spot-checks on this session's steps (beam search turns them off)
+        self.check_all_next = False  # True: the next step checks every span (`check_next_step`; then reset)
 
     # ---- public, synchronous ------------------------------------------------------------------------------
     def step(self, hidden: torch.Tensor, hypo_ids: Optional[Sequence[int]] = None,
@@ -374,6 +375,7 @@ class InferenceSession:
             outputs.append(await self._step_chunk(hidden[:, offset:offset + chunk], hypo if offset == 0 else None,
                                                   padding))
             self.position += outputs[-1].shape[1]
+        self.check_all_next = False
         return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
 
     async def _step_chunk(self, x: torch.Tensor, hypo_ids: Optional[List[int]] = None,
@@ -406,6 +408,11 @@ class InferenceSession:
         # span has answered) nor with deep prompts (a referee's plain forward pass cannot carry them)
         checkable = self.verify_steps and hypo_ids is None and self.prompts is None
         checks = self._verifier.plan([s.hop for s in self._streams]) if self._verifier and checkable else set()
+        # every span when asked (a front end releasing held-back text), and any span on a server distrusted since
+        # it joined this session (what it returned before may be wrong: the check finds from where)
+        every = checkable and self._verifier is not None and self.check_all_next
+        if checkable:
+            checks |= {i for i, s in enumerate(self._streams) if s.hop.peer_id in self.manager.distrusted}
         delivered = False  # whether the current stream got this step by push from the previous one
         while index < len(self._streams):
             stream = self._streams[index]
@@ -421,7 +428,8 @@ class InferenceSession:
                     rest = self._streams[index + 1:]
                     chain = [P.PushTarget(peer_id=s.hop.peer_id, stream_key=s.key) for s in rest]
                     # push decode steps (prefill goes through the client), once the next servers have opened
-                    use_push = config.use_push and seq == 1 and not any(s.open_pending for s in rest) and not checks
+                    use_push = (config.use_push and seq == 1 and not any(s.open_pending for s in rest) and not checks
+                                and not every)
                     stream.send(x, self.position, step_id, chain if use_push else (), edits)
                     out, pushed = await stream.receive(self.position, seq)
                 else:
@@ -430,9 +438,11 @@ class InferenceSession:
                     except asyncio.TimeoutError:  # the push got lost: deliver it ourselves
                         stream.send(x, self.position, step_id, (), edits)
                         out, pushed = await stream.receive(self.position, seq)
-                if index in checks and self._verifier is not None:  # ServerMismatch: failover like an error
+                if (index in checks or every) and self._verifier is not None:  # ServerMismatch: a failover
                     await self._verifier.check(stream.hop, history.read(self.position + seq),
                                                self._outputs_of(stream.hop.end, out), self.adapter, history.padding)
+                    if stream.hop.peer_id in self.manager.distrusted:  # right here, but outvoted elsewhere: leave it
+                        raise ServerMismatch(f"server {stream.hop.peer_id} is distrusted", self.position)
             except Exception as e:  # connection lost, time-out, or an error reply: the server is failed
                 error: BaseException = e
                 while True:

@@ -15,7 +15,10 @@ raises `ServerMismatch` in the session's step, which re-routes and replays its s
 session's output is the honest servers': when the server's wrong outputs began before this step, the session
 rewinds to that position and raises `OutputsRetracted`, and `generate` picks the tokens from there again (tokens a
 streamer already received cannot be taken back). A span no other server covers cannot be checked (`unverifiable`); a
-tie (one referee, or three different answers) is `unresolved` and bans nobody. The referee returns whole hidden
+tie (one referee, or three different answers) is `unresolved` and bans nobody. A front end that holds text back
+until it is checked asks for a check of every span at the next step (`ModelSession.check_next_step`); a session
+whose chain holds a server distrusted since (by another session of the client) checks that span at its next step,
+retracting what was wrong, and leaves the server. The referee returns whole hidden
 states anyway (`rpc_forward`), so they are compared directly rather than through TOPLOC-style commitments.
 """
 from __future__ import annotations
@@ -191,12 +194,15 @@ class Verifier:
             self.stats.unresolved += 1
 
     def _distrust(self, peers: Sequence[str], hop: RouteHop) -> None:
+        """Distrust `peers`; one already distrusted (caught again by another session still on it) counts once."""
         for peer in peers:
+            if peer in self.manager.distrusted:
+                continue
             logger.warning(f"server {peer} disagrees with the majority on blocks {hop.start}:{hop.end}: distrusted "
                            f"for the life of this client")
             self.manager.distrusted.add(peer)
             self.stats.distrusted.append(peer)
-        self.stats.mismatches += len(peers)
+            self.stats.mismatches += 1
 
 
 _verifiers: "weakref.WeakKeyDictionary[SwarmManager, Verifier]" = weakref.WeakKeyDictionary()

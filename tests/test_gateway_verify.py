@@ -1,0 +1,104 @@
+"""Spot-checks through the gateway (`--verify_rate`, `gateway.verification`) on real processes.
+
+A swarm of one lying server (`tests/faulty_server.py`: honest for each session's first steps, then perturbed outputs)
+that routing prefers, and two honest servers over the same blocks: greedy chat completions, streamed and not, give
+exactly the local `transformers` text; the liar shows as distrusted in `/metrics` and `/status.json`. Over the
+shared split swarm (one server per span) nothing can be checked: the unverifiable counter rises, with no false alarm.
+"""
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from swarm.launch.topology import start_server, start_servers
+from tests.gateway_fixtures import SPANS, one_torch_thread, start_gateway  # noqa: F401
+
+MODEL = "smollm2-135m-instruct"
+NEW = 12  # tokens per completion through the liar's swarm
+SHORT = 6  # through the split swarm
+PERTURB_AFTER = 3  # steps of each session the liar serves honestly (its first check passes)
+
+
+def reference_text(tokenizer, reference_model, messages, max_new_tokens: int) -> str:
+    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = reference_model.generate(enc["input_ids"], attention_mask=enc["attention_mask"],
+                                       max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    """A sample of the gateway's /metrics (0 when absent)."""
+    wanted = f"{name}{{{labels}}}" if labels else name
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(wanted + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def chat(gw, messages, stream: bool, new: int = NEW) -> str:
+    client = gw.client()
+    if not stream:
+        return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=new,
+                                              temperature=0).choices[0].message.content
+    return "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=new, temperature=0, stream=True) if chunk.choices)
+
+
+@pytest.fixture(scope="module")
+def lying_swarm(model_path, bootstrap):
+    prefix = "tgwverify"
+    liar = start_server(model_path, [bootstrap.maddr], "0:30", prefix,
+                        ["--throughput", "100", "--perturb_after_steps", str(PERTURB_AFTER)],
+                        name="server-liar", threads=1, module="tests.faulty_server")
+    try:
+        liar.wait_ready()
+        honest = start_servers(model_path, [bootstrap.maddr], ["0:30", "0:30"], prefix, ["--throughput", "1"],
+                               threads=1)
+    except BaseException:
+        liar.kill()
+        raise
+    swarm = {"prefix": prefix, "initial_peers": [bootstrap.maddr], "liar": liar, "servers": honest}
+    yield swarm
+    for server in [liar, *honest]:
+        server.terminate()
+
+
+def test_a_lying_server_is_caught_through_the_gateway(lying_swarm, model_path, tokenizer, reference_model):
+    # a rare random check: the liar is caught by the full check a stream asks for after 4 held tokens, one step
+    # after its first lie, so that pick is retracted and redone (unless a random check, p = 0.001, caught it first)
+    gw = start_gateway(model_path, lying_swarm, "--verify_rate", "0.001", "--verify_holdback", "4")
+    try:
+        liar = lying_swarm["liar"].peer_id
+        first = [{"role": "user", "content": "Name three rivers of Europe."}]
+        # streamed, through the liar (routing prefers it): its text waits for checks, the wrong picks are redone
+        assert chat(gw, first, stream=True) == reference_text(tokenizer, reference_model, first, NEW)
+        assert metric(gw.url, "swarmgate_verify_mismatches_total") == 1
+        assert metric(gw.url, "swarmgate_verify_distrusted", f'peer_id="{liar}"') == 1
+        assert metric(gw.url, "swarmgate_verify_checks_total") >= 2
+        assert metric(gw.url, "swarmgate_verify_retracted_tokens_total") >= 1
+        status = httpx.get(gw.url + "/status.json", timeout=30).json()
+        marks = {s["peer_id"]: s["distrusted"] for s in status["servers"]}
+        assert marks[liar] is True and sum(marks.values()) == 1, marks
+        assert status["verification"]["distrusted"] == [liar]
+        # not streamed, on the honest servers: the same text as transformers, no new alarm
+        second = [{"role": "user", "content": "What is the capital of Italy?"}]
+        assert chat(gw, second, stream=False) == reference_text(tokenizer, reference_model, second, NEW)
+        assert metric(gw.url, "swarmgate_verify_mismatches_total") == 1
+    finally:
+        gw.proc.terminate()
+
+
+def test_one_server_per_span_is_counted_unverifiable(swarms, model_path, tokenizer, reference_model):
+    gw = start_gateway(model_path, swarms.get(SPANS), "--verify_rate", "1", name="gateway-verify")
+    try:
+        messages = [{"role": "user", "content": "Say hello."}]
+        assert chat(gw, messages, True, SHORT) == reference_text(tokenizer, reference_model, messages, SHORT)
+        assert metric(gw.url, "swarmgate_verify_unverifiable_total") >= 2 * SHORT  # both spans, every step
+        assert metric(gw.url, "swarmgate_verify_checks_total") == 0
+        assert metric(gw.url, "swarmgate_verify_mismatches_total") == 0
+        status = httpx.get(gw.url + "/status.json", timeout=30).json()
+        assert not any(s["distrusted"] for s in status["servers"]) and status["verification"]["distrusted"] == []
+    finally:
+        gw.proc.terminate()
