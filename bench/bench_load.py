@@ -19,8 +19,9 @@ Measures, in one run:
   aggregate rate while the short ones run and after they finished;
 - a py-spy profile of the gateway during a wave of 8 (top functions by share of busy samples);
 - overload: 12 requests at once on the small gateway: 200s, 429s (Retry-After), their latency, hangs.
-Prints one JSON object (with a `markdown` section that run_all writes) and replaces the bench_load section of
-docs/benchmarks.md.
+The swarm's processes take CPU turns (swarm/runtime/cpu_turns.py) with each other only: their TMPDIR holds a
+lock of their own (`--shared_cpu_turns`: the machine-wide one). Prints one JSON object (with a `markdown`
+section that run_all writes) and replaces the bench_load section of docs/benchmarks.md.
 
 Usage: python bench/bench_load.py [--concurrency 1,4,8,16,32] [--tokens 64] [--quick] [--no_profile]
 """
@@ -173,7 +174,7 @@ async def join(http, url, model, tokens: int, probe_messages) -> dict:
 
     idle = [(await stream_chat(http, url, probe_body(k))).ttft for k in range(3)]
     background = [Stream(sent=0.0) for _ in range(8)]
-    tasks = [asyncio.create_task(stream_chat(http, url, body(model, i, 3 * tokens), background[i]))
+    tasks = [asyncio.create_task(stream_chat(http, url, body(model, i, 2 * tokens), background[i]))
              for i in range(8)]
     await wait_for(lambda: all(len(s.times) >= 4 for s in background))
     steady = time.perf_counter()
@@ -299,6 +300,10 @@ def main() -> int:
     parser.add_argument("--local_batches", default="1,8,16", help="batch sizes of the local transformers limit")
     parser.add_argument("--quick", action="store_true", help="waves of 1 and 8, 32 tokens, no profile")
     parser.add_argument("--no_profile", action="store_true", help="skip the py-spy profile")
+    parser.add_argument("--shared_cpu_turns", action="store_true",
+                        help="let the swarm take CPU turns (swarm/runtime/cpu_turns.py) with every other swarmgate "
+                             "process of this user on the machine (default: a lock of its own, so that other "
+                             "swarms' work does not block it while the local baseline runs free)")
     parser.add_argument("--no_write", action="store_true", help="do not write docs/benchmarks.md")
     parser.add_argument("--local_only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -320,6 +325,9 @@ def main() -> int:
     print(f"local: {local}", file=sys.stderr, flush=True)
     out_dir = Path(os.environ.get("BENCH_OUT", "/tmp")) / f"bench-load-{os.getpid()}"
     out_dir.mkdir(parents=True, exist_ok=True)
+    if not args.shared_cpu_turns:  # the swarm's processes take CPU turns among themselves only (a lock of their own)
+        (out_dir / "tmp").mkdir(exist_ok=True)
+        os.environ["TMPDIR"] = str(out_dir / "tmp")
     biggest = max(args.concurrency)
     with BenchSwarm("bench-load", ["0:15", "15:30"], server_args=["--attn_cache_tokens", "40000"]) as swarm:
         tok = AutoTokenizer.from_pretrained(swarm.path)

@@ -10,6 +10,9 @@ from typing import List
 
 FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^():]*)(?::(?P<line>\d+))?\)$")
 PROJECT = ("gateway/", "swarm/", "server/")
+# leaves where a thread waits (py-spy's --nonblocking sampling may still count them as active): reported apart
+WAITING = ("Condition.wait (threading.py)", "Event.wait (threading.py)", "EpollSelector.select (selectors.py)",
+           "CpuTurns.__enter__ (swarm/runtime/cpu_turns.py)")
 
 
 def _frame(frame: str):
@@ -28,19 +31,22 @@ def _short(file: str) -> str:
 
 
 def profile_summary(raw: str, wall_s: float, rate: int, top: int = 12) -> dict:
-    """From py-spy's raw output (`frame;frame;... count`, root first): busy samples, the gateway's busy share of
-    one core, top functions by self share (the leaf frame), project functions (gateway/, swarm/, server/) by
-    inclusive share, files by self share."""
+    """From py-spy's raw output (`frame;frame;... count`, root first): busy samples (those whose leaf is a wait
+    in `WAITING` counted apart), the gateway's busy share of one core, top functions by self share (the leaf
+    frame), project functions (gateway/, swarm/, server/) by inclusive share, files by self share."""
     leaf, inclusive, files = Counter(), Counter(), Counter()
-    total = 0
+    total = waiting = 0
     for line in raw.splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
         n = int(count)
-        total += n
         frames = [_frame(f) for f in stack.split(";")]
         func, file = frames[-1]
+        if f"{func} ({_short(file)})" in WAITING:
+            waiting += n
+            continue
+        total += n
         leaf[f"{func} ({_short(file)})"] += n
         files[_short(file)] += n
         for key in {f"{f} ({_short(p)})" for f, p in frames if any(m in p for m in PROJECT)}:
@@ -50,6 +56,7 @@ def profile_summary(raw: str, wall_s: float, rate: int, top: int = 12) -> dict:
         return [[k, round(100 * v / total, 1)] for k, v in counter.most_common(top)] if total else []
 
     return {"busy_samples": total, "busy_share_of_one_core": round(total / (wall_s * rate), 2),
+            "waiting_samples": waiting,
             "top_self_pct": shares(leaf), "top_project_inclusive_pct": shares(inclusive),
             "top_files_self_pct": shares(files)}
 
@@ -76,8 +83,8 @@ def markdown(r: dict) -> List[str]:
         out.append(f"| {n} | {w['tokens_per_s']} | {local_s} | {ratio} | {_pct(w['ttft_ms'])} | {_pct(w['itl_ms'])} "
                    f"| {w['gateway_cpu_ms_per_token']} / {w['gateway_tree_cpu_ms_per_token']} | "
                    f"{w['servers_cpu_ms_per_token']} | {w['gateway_rss_peak_mb']} |")
-    batches = ", ".join(f"batch {k}: {v}" for k, v in local.items() if k != "threads")
-    out += ["", f"Local transformers (not through the swarm): {batches}.",
+    batches = ", ".join(f"batch {k}: {v['e2e']} / {v['decode']}" for k, v in local.items() if k != "threads")
+    out += ["", f"Local transformers tokens/s (e2e / decode): {batches}.",
             "", "Continuous batching: a 9th request arriving while 8 stream.", "",
             "| 9th request | idle TTFT ms | TTFT amid 8 ms | ratio | others' inter-chunk ms before | during its "
             "prefill (mean / max) | ratio |", "|---|---|---|---|---|---|---|"]
@@ -101,7 +108,8 @@ def markdown(r: dict) -> List[str]:
     p = r.get("profile_8_streams")
     if p and "error" not in p:
         out += ["", f"Profile of the gateway process during 8 streams (py-spy, 100 Hz, {p['busy_samples']} busy "
-                f"samples, {p['busy_share_of_one_core']} of one core busy; {p['tokens']} tokens):", "",
+                f"samples, {p['busy_share_of_one_core']} of one core busy, {p.get('waiting_samples', 0)} more samples "
+                f"waiting on a condition, the event loop's select or the CPU turn; {p['tokens']} tokens):", "",
                 "| top functions (self) | % | project functions (inclusive) | % | files (self) | % |",
                 "|---|---|---|---|---|---|"]
         rows = max(len(p["top_self_pct"]), len(p["top_project_inclusive_pct"]))
