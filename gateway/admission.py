@@ -31,7 +31,9 @@ class Admission:
         return self._semaphore
 
     async def acquire(self) -> None:
-        if self.running >= self.max_concurrent and self.waiting >= self.max_queue:
+        # `waiting` includes requests that already hold their slot but have not resumed yet (requests arriving in
+        # the same event-loop turn): count running and waiting together, or a burst overfills the queue
+        if self.running + self.waiting >= self.max_concurrent + self.max_queue:
             raise rate_limited(
                 f"The gateway is at capacity ({self.running} generations running, {self.waiting} waiting); "
                 f"retry after {self.retry_after}s.", self.retry_after)

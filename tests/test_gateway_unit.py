@@ -561,3 +561,38 @@ def test_health_names_blocks_served_only_by_disallowed_formats(fake_app):
     client, _ = fake_app(covered=False)  # no server at all: the message says only that
     body = client.get("/health").json()
     assert body["message"] == "blocks 0:4 are not served by any online server"
+
+
+def test_admission_refuses_past_running_plus_queue_even_when_requests_arrive_together():
+    """12 requests in the same event-loop turn on max_concurrent=2, max_queue=2: 2 run, 2 wait, 8 get 429 with
+    Retry-After (the requests that have their slot but have not resumed yet count as taken); released slots go
+    to the waiting ones."""
+    import asyncio
+
+    from gateway.admission import Admission
+    from gateway.errors import APIError
+
+    async def scenario():
+        admission = Admission(2, 2, queue_timeout=30, retry_after=3)
+
+        async def one():
+            try:
+                await admission.acquire()
+                return "admitted"
+            except APIError as e:
+                return e.status, e.headers
+
+        tasks = [asyncio.create_task(one()) for _ in range(12)]
+        await asyncio.sleep(0.05)
+        first = [t.result() for t in tasks if t.done()]
+        assert sorted(map(str, first)) == sorted(["admitted"] * 2 + [str((429, {"Retry-After": "3"}))] * 8)
+        assert (admission.running, admission.waiting) == (2, 2)
+        admission.release()
+        admission.release()
+        await asyncio.sleep(0.05)
+        assert all(t.done() for t in tasks) and (admission.running, admission.waiting) == (2, 0)
+        admission.release()
+        admission.release()
+        assert admission.running == 0
+
+    asyncio.run(scenario())
