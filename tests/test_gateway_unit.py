@@ -67,6 +67,30 @@ def test_text_stream_never_splits_multibyte_characters(tokenizer):
     assert any(len(tokenizer.decode([i])) and "\ufffd" in tokenizer.decode([i]) for i in ids)  # the case is real
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_incremental_decoding_gives_the_whole_decode(tokenizer, seed):
+    """`Tokens.decode_stream` (tokenizers' DecodeStream) gives exactly the text of decoding the whole list, on real
+    text (multi-byte characters, code, specials) and on random ids, while costing the same per token however long
+    the text is (it never re-decodes the list)."""
+    from gateway.tokens import Tokens
+    tokens = Tokens(tokenizer)
+    text = "Voilà: 世界, émoji 🎉🧪 and ñ.\n```py\ndef f(x):\n    return x  # done\n```<|im_end|> tail"
+    generator = torch.Generator().manual_seed(seed)
+    for ids in (tokenizer.encode(text, add_special_tokens=False),
+                torch.randint(0, len(tokenizer), (200,), generator=generator).tolist()):
+        calls = []
+
+        def whole(x):
+            calls.append(len(x))
+            return tokenizer.decode(x, skip_special_tokens=True)
+
+        stream = TextStream(whole, step=tokens.decode_stream())
+        deltas = [stream.add(i)[0] for i in ids] + [stream.flush()]
+        assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
+        assert all("\ufffd" not in d for d in deltas[:-1]) or "\ufffd" in tokenizer.decode(ids)
+        assert not calls  # the whole list was never decoded
+
+
 # ---- sampling -----------------------------------------------------------------------------------------------------
 def test_sampler_greedy_seeded_bias_and_penalties():
     logits = torch.tensor([0.0, 2.0, 1.0, 0.5])
