@@ -97,8 +97,11 @@ class ModelSession:
             hidden = pool.call(PRIORITY_DECODE, self.model.embed, new_ids)
         if offset and self.session.position == 0:
             hidden = tuning.with_prompts(self.model, hidden)
-        head = ("head", id(self.model))
-        if new_ids.shape[1] == 1:  # a decode step: concurrent sessions' heads wait for it (`TaskPool` docstring)
+        # A decode step's head is expected by concurrent sessions' heads, which wait for it (`TaskPool` docstring);
+        # a prompt's head (the first token) waits for no one: it is not held up by a round it is not part of yet
+        decode = new_ids.shape[1] == 1
+        head = ("head", id(self.model)) if decode else ("prompt head", id(self.model))
+        if decode:
             pool.gatherer.expect(head, id(self))
         try:
             out = self.session.step(hidden, hypo_ids=hypo_ids, left_padding=left_padding if reuse == 0 else None)
