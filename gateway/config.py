@@ -33,8 +33,9 @@ class GatewayConfig(SwarmKeySettings):
     protect_probes: bool = Field(
         default=False, description="require an API key for /health and /metrics too (default: they stay public, "
                                    "for load balancers and Prometheus)")
-    max_concurrent: int = Field(default=8, gt=0, description="generations running at once")
-    max_queue: int = Field(default=32, ge=0, description="requests waiting for a slot before 429 is returned")
+    max_concurrent: int = Field(default=32, gt=0,
+                                description="generations running at once (each holds a session in the swarm)")
+    max_queue: int = Field(default=64, ge=0, description="requests waiting for a slot before 429 is returned")
     queue_timeout: float = Field(default=120.0, gt=0, description="seconds a request may wait for a slot (then 503)")
     retry_after: int = Field(default=2, ge=0, description="Retry-After seconds sent with 429")
     generation_timeout: float = Field(default=600.0, gt=0, description="seconds one request may generate")

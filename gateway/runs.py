@@ -68,7 +68,7 @@ class GenerationRun:
         # Structured output picks here, on the worker: each step's grammar mask (llguidance, ~0.1 ms) and the
         # matcher's state stay on this request's thread instead of holding up every other session's head.
         self.pick_in_head = grammar is None
-        self.texts = [TextStream(tokens.decode, params.stop) for _ in range(n)]
+        self.texts = [TextStream(tokens.decode, params.stop, tokens.decode_stream()) for _ in range(n)]
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokens.eos_token_ids))
         self.pad = tokens.eos_token_ids[0] if tokens.eos_token_ids else 0
         self.pending: List[List[TokenChoice]] = [[] for _ in range(n)]

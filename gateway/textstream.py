@@ -2,9 +2,11 @@
 
 `StopMatcher` finds the first occurrence of any stop string and, while streaming, how much of the text is
 safe to send: a suffix that could still grow into a stop string is held back, so a stop string never leaks,
-not even in part. `TextStream` decodes a choice's whole id list after each token and emits only the new
-suffix, and never while the text ends with U+FFFD (an incomplete multi-byte character): a delta never
-splits a character. Both are pure (no model, no network) and unit-tested.
+not even in part. `TextStream` turns a choice's ids into text incrementally: with a `tokenizers` `DecodeStream`
+(`Tokens.decode_stream`), each token costs the same however long the text already is (it buffers a character's
+bytes until the character is complete); without one, it decodes the whole id list after each token and waits
+while the text ends with U+FFFD (an incomplete multi-byte character). Either way a delta never splits a
+character. Both are pure (no model, no network) and unit-tested.
 """
 from __future__ import annotations
 
@@ -41,8 +43,11 @@ class StopMatcher:
 class TextStream:
     """One choice's text: feed token ids, get the text deltas that are safe to send."""
 
-    def __init__(self, decode: Callable[[List[int]], str], stops: Sequence[str] = ()):
-        self._decode = decode
+    def __init__(self, decode: Callable[[List[int]], str], stops: Sequence[str] = (),
+                 step: Optional[Callable[[int], Optional[str]]] = None):
+        """`decode`: ids -> text (the whole list); `step`: an incremental decoder (token id -> the text it completes,
+        None while a character is incomplete), used instead of `decode` when given."""
+        self._decode, self._step = decode, step
         self.matcher = StopMatcher(stops)
         self.ids: List[int] = []
         self.text = ""  # decoded generated text so far (without the prefix)
@@ -53,9 +58,15 @@ class TextStream:
         """Append a token; returns (delta to send, whether a stop string matched). After a match the text
         ends right before the stop string."""
         self.ids.append(token_id)
-        self.text = self._decode(self.ids)
-        if self.text.endswith(REPLACEMENT):
-            return "", False
+        if self._step is not None:
+            chunk = self._step(token_id)
+            if not chunk:
+                return "", False
+            self.text += chunk
+        else:
+            self.text = self._decode(self.ids)
+            if self.text.endswith(REPLACEMENT):
+                return "", False
         index = self.matcher.find(self.text, self.sent)
         if index is not None:
             delta = self.text[self.sent:index]

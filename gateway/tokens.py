@@ -2,16 +2,18 @@
 
 `Tokens` wraps a Hugging Face tokenizer: `chat_prompt(messages)` renders the model's chat template (with the
 generation prompt, and a tool-calling request's tools through `gateway.tools`) into ids; `encode`/`decode` for text
-completions and incremental decoding; `token_bytes` is each id's exact bytes (byte-level BPE tokens mapped back
-through the GPT-2 byte alphabet; special tokens are None), used by logprobs (`bytes`, and the `token` string, which is
-`bytes:\\x..` for a token that is not valid UTF-8 on its own, as OpenAI does); `grammar_tokenizer` is llguidance's
-view of the tokenizer for structured output (built on first use).
+completions, `decode_stream` for incremental decoding; `token_bytes` is each id's exact bytes (byte-level BPE tokens
+mapped back through the GPT-2 byte alphabet; special tokens are None), used by logprobs (`bytes`, and the `token`
+string, which is `bytes:\\x..` for a token that is not valid UTF-8 on its own, as OpenAI does); `grammar_tokenizer`
+is llguidance's view of the tokenizer for structured output (built on first use).
 """
 from __future__ import annotations
 
 import inspect
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+
+from tokenizers.decoders import DecodeStream
 
 from gateway.errors import bad_request
 from gateway.schemas import ChatMessage, ToolDefinition
@@ -96,6 +98,16 @@ class Tokens:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def decode_stream(self) -> Optional[Callable[[int], Optional[str]]]:
+        """A fresh incremental decoder for one choice (token id -> the text it completes, or None while a character
+        is incomplete), giving the same text as `decode`; None where the tokenizer has no fast backend or cleans up
+        spaces after decoding (then `decode` of the whole list is the only exact way)."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or getattr(self.tokenizer, "clean_up_tokenization_spaces", False):
+            return None
+        stream = DecodeStream(skip_special_tokens=True)
+        return lambda token_id: stream.step(backend, token_id)
 
     def check_ids(self, ids: Sequence[int], param: str) -> None:
         bad = [i for i in ids if not 0 <= int(i) < self.vocab_size]

@@ -67,6 +67,30 @@ def test_text_stream_never_splits_multibyte_characters(tokenizer):
     assert any(len(tokenizer.decode([i])) and "\ufffd" in tokenizer.decode([i]) for i in ids)  # the case is real
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_incremental_decoding_gives_the_whole_decode(tokenizer, seed):
+    """`Tokens.decode_stream` (tokenizers' DecodeStream) gives exactly the text of decoding the whole list, on real
+    text (multi-byte characters, code, specials) and on random ids, while costing the same per token however long
+    the text is (it never re-decodes the list)."""
+    from gateway.tokens import Tokens
+    tokens = Tokens(tokenizer)
+    text = "Voilà: 世界, émoji 🎉🧪 and ñ.\n```py\ndef f(x):\n    return x  # done\n```<|im_end|> tail"
+    generator = torch.Generator().manual_seed(seed)
+    for ids in (tokenizer.encode(text, add_special_tokens=False),
+                torch.randint(0, len(tokenizer), (200,), generator=generator).tolist()):
+        calls = []
+
+        def whole(x):
+            calls.append(len(x))
+            return tokenizer.decode(x, skip_special_tokens=True)
+
+        stream = TextStream(whole, step=tokens.decode_stream())
+        deltas = [stream.add(i)[0] for i in ids] + [stream.flush()]
+        assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
+        assert all("\ufffd" not in d for d in deltas[:-1]) or "\ufffd" in tokenizer.decode(ids)
+        assert not calls  # the whole list was never decoded
+
+
 # ---- sampling -----------------------------------------------------------------------------------------------------
 def test_sampler_greedy_seeded_bias_and_penalties():
     logits = torch.tensor([0.0, 2.0, 1.0, 0.5])
@@ -87,6 +111,23 @@ def test_sampler_greedy_seeded_bias_and_penalties():
     sampler = Sampler(SamplingParams(max_tokens=1, temperature=0, logprobs=True, top_logprobs=2), 1, 4)
     lp = sampler.choose(ids, logits, 1)
     assert lp.top[0][0] == 1 and lp.top[1][0] == 2 and abs(lp.logprob - torch.log_softmax(logits, 0)[1].item()) < 1e-6
+
+
+def test_seeded_draws_follow_the_distribution_exactly():
+    """`generation.draw` (the gateway's per-request seeded sampling): frequencies over 40000 draws within 4 standard
+    deviations of each probability, never a token of probability zero (also at the ends), unnormalized input."""
+    from swarm.client.generation import draw
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.15, 0.05, 0.0]) * 3.0  # not normalized
+    generator = torch.Generator().manual_seed(123)
+    n = 40000
+    counts = torch.bincount(torch.tensor([draw(probs, generator) for _ in range(n)]), minlength=7).double()
+    expected = probs.double() / probs.sum()
+    assert counts[expected == 0].sum() == 0
+    sigma = (expected * (1 - expected) / n).sqrt()
+    assert ((counts / n - expected).abs() <= 4 * sigma + 1e-12).all(), counts / n
+    one = torch.zeros(49152)
+    one[-1] = 1.0  # all the mass on the last token; and on the first
+    assert draw(one, generator) == 49151 and draw(torch.flip(one, [0]), generator) == 0
 
 
 def test_small_helpers():

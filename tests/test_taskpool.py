@@ -194,3 +194,38 @@ def test_groups_a_pass_apart_merge_into_one_batch():
     # gather window late (seen ~1 run in 6 on 2 loaded cores, before and after the restructuring)
     merged = sizes[sizes.index(3):] if 3 in sizes else []
     assert sizes[-4:].count(3) >= 3 and merged.count(3) >= len(merged) - 2, sizes
+
+
+def _expected_batch(arrival_gap: float, expect_second: bool, since_ago: float = 0.0) -> list:
+    """Two sources with items of a tracked key: the second's item comes `arrival_gap` s after the first's; returns
+    the batch sizes. `expect_second`: it was announced as on its way (`Gatherer.expect`), `since_ago` s ago."""
+    pool = TaskPool(adapt_threads=False, gather_max=0.005)
+    sizes = []
+
+    def batch(items):
+        sizes.append(len(items))
+        return items
+
+    pool.gatherer.expect("head", "a")
+    if expect_second:
+        pool.gatherer.expect("head", "b", time.monotonic() - since_ago)
+
+    def second():
+        time.sleep(arrival_gap)
+        pool.call_batchable(PRIORITY_DECODE, "head", batch, 2, source="b")
+
+    _run_then_shut_down(pool, [threading.Thread(target=pool.call_batchable, args=(PRIORITY_DECODE, "head", batch,
+                                                                                   1), kwargs={"source": "a"}),
+                               threading.Thread(target=second)])
+    return sizes
+
+
+def test_a_batch_waits_for_the_sources_on_their_way():
+    # 60 ms apart: far past the 5 ms guess from periods, but b said it is coming (a session's step in the swarm)
+    assert _expected_batch(0.06, expect_second=True) == [2]
+
+
+def test_a_batch_does_not_wait_for_sources_not_on_their_way_nor_late_ones():
+    assert _expected_batch(0.06, expect_second=False) == [1, 1]  # b's step is not in the swarm: nobody waits
+    # b has been on its way for longer than twice the longest wait (a failover replaying history): not waited for
+    assert _expected_batch(0.06, expect_second=True, since_ago=1.0) == [1, 1]

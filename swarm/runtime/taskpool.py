@@ -18,6 +18,12 @@ apart are merged: a group smaller than the other (on a tie, the group without th
 the worker has nothing else to do, up to the other group's expected arrival (at most one of its own periods,
 and not again for a few periods), so it joins them from then on.
 
+Where the process knows which sources will come, it says so: a client session `expect`s its head item for the
+time its step is in the swarm (`in_flight`). A batch of that key then waits for exactly the sources still in flight
+(at most `EXPECT_MAX` and one of their periods past the first item), and for no one else: concurrent sessions that
+drifted apart in the servers meet again at the head, every round, instead of running separate passes through the
+swarm, and a session that is not stepping (between requests, or prefilling a long prompt) holds nobody up.
+
 Processes on one machine take turns for CPU work (`swarm.runtime.cpu_turns`): each task runs under the machine-wide turn
 with all threads. Without turns, a worker uses fewer threads while its tasks overlap and other processes keep
 cores busy (`swarm.runtime.threads.FreeCores`).
@@ -51,6 +57,7 @@ GATHER_MAX = 0.020  # longest wait (seconds) for a batch's missing sources
 DUE_PERIODS = 2.0  # a source is due while its last item is younger than this many of its step periods
 SAME_GROUP = 0.25  # missing sources expected within this share of a period belong to the present group
 MERGE_BACKOFF = 8.0  # periods after a merging wait before the next one may start
+EXPECT_MAX = 0.25  # longest wait (seconds) of a batch for sources whose items are known to be on their way
 
 
 class Gatherer:
@@ -62,6 +69,36 @@ class Gatherer:
         self._compute: dict = {}  # key -> moving average of one batch's seconds
         self._lock = threading.Lock()  # `forget` comes from other threads
         self._no_merge_until: dict = {}  # key -> time before which no merging wait starts again
+        self._expected: dict = {}  # key -> {source: since when its item is on its way} (`expect`)
+        self._tracked: set = set()  # keys whose sources say when they will come: no guessing from periods
+
+    def expect(self, key: Hashable, source: Hashable, now: Optional[float] = None) -> None:
+        """`source`'s next item of `key` is on its way (a session's step is in the swarm)."""
+        with self._lock:
+            self._tracked.add(key)
+            self._expected.setdefault(key, {})[source] = time.monotonic() if now is None else now
+
+    def unexpect(self, key: Hashable, source: Hashable) -> None:
+        """`source` will not send the item it was expected to (its step failed), or the item arrived."""
+        with self._lock:
+            self._expected.get(key, {}).pop(source, None)
+
+    def tracked(self, key: Hashable) -> bool:
+        with self._lock:
+            return key in self._tracked
+
+    def in_flight(self, key: Hashable, present: set, now: float) -> dict:
+        """Sources of a tracked `key` whose items are on their way and not in `present`, with until when a batch
+        waits for them: `EXPECT_MAX` after the first present item and at most one period of the present sources;
+        a source on its way for two periods already is late (say, failing over) and not waited for."""
+        with self._lock:
+            expected = {s: t for s, t in self._expected.get(key, {}).items() if s not in present}
+            seen = self._seen.get(key, {})
+            periods = [seen[s][1] for s in present if s in seen and seen[s][1] is not None]
+        period = min(periods) if periods else None
+        limit = EXPECT_MAX if period is None else min(EXPECT_MAX, period)
+        late = 2 * (period or EXPECT_MAX)  # on its way for longer (a failover replaying history): nobody waits
+        return {s: min(now + limit, since + late) for s, since in expected.items() if since + late > now}
 
     def note(self, key: Hashable, sources: List[Hashable], now: float) -> None:
         with self._lock:
@@ -80,6 +117,8 @@ class Gatherer:
         with self._lock:
             for seen in self._seen.values():
                 seen.pop(source, None)
+            for expected in self._expected.values():
+                expected.pop(source, None)
 
     def due(self, key: Hashable, present: set, now: float) -> dict:
         """Sources of `key` expected in this round that are not in `present`, with their expected arrival."""
@@ -176,9 +215,11 @@ class TaskPool:
                        item: Any, source: Hashable = None) -> Any:
         """From plain code: `batch_fn([items...])[i]` with other queued items of `key` (blocks)."""
         if threading.current_thread() is self._thread:
+            self.gatherer.unexpect(key, source)
             return batch_fn([item])[0]
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._queue.put((priority, next(self._counter), key, None, future, batch_fn, (item, source), {}))
+        self.gatherer.unexpect(key, source)  # it is here (a batch still waiting sees it as present)
         return future.result()
 
     def _take_batch(self, first) -> list:
@@ -188,13 +229,17 @@ class TaskPool:
         batch, others = [first], []  # type: list, list
         missing: Optional[dict] = None
         short = deadline = 0.0
+        tracked = self.gatherer.tracked(key)
         while len(batch) < self.max_batch:
             try:
                 task = self._queue.get_nowait()
             except queue.Empty:
                 present = {t[6][1] for t in batch}
                 now = time.monotonic()
-                if missing is None:  # decided once the queue is drained: who is here, who is due
+                if missing is None and tracked:  # the sources on their way, no guessing
+                    missing = self.gatherer.in_flight(key, present, now)
+                    deadline = short = max(missing.values(), default=now)
+                elif missing is None:  # decided once the queue is drained: who is here, who is due
                     missing = self.gatherer.due(key, present, now)
                     deadline = self.gatherer.deadline(key, present, missing, now)
                     short = now + self.gatherer.wait_limit(key)
