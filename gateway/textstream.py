@@ -44,10 +44,11 @@ class TextStream:
     """One choice's text: feed token ids, get the text deltas that are safe to send."""
 
     def __init__(self, decode: Callable[[List[int]], str], stops: Sequence[str] = (),
-                 step: Optional[Callable[[int], Optional[str]]] = None):
-        """`decode`: ids -> text (the whole list); `step`: an incremental decoder (token id -> the text it completes,
-        None while a character is incomplete), used instead of `decode` when given."""
-        self._decode, self._step = decode, step
+                 new_step: Optional[Callable[[], Callable[[int], Optional[str]]]] = None):
+        """`decode`: ids -> text (the whole list); `new_step`: makes an incremental decoder (token id -> the text it
+        completes, None while a character is incomplete), used instead of `decode` when given."""
+        self._decode, self._new_step = decode, new_step
+        self._step = new_step() if new_step is not None else None
         self.matcher = StopMatcher(stops)
         self.ids: List[int] = []
         self.text = ""  # decoded generated text so far (without the prefix)
@@ -79,6 +80,18 @@ class TextStream:
             delta, self.sent = self.text[self.sent:safe], safe
             return delta, False
         return "", False
+
+    def __copy__(self) -> "TextStream":
+        """An independent copy (a snapshot to go back to): its own ids and, where it decodes incrementally, its own
+        decoder brought to the same point by replaying the ids."""
+        clone = object.__new__(TextStream)
+        clone.__dict__.update(self.__dict__)
+        clone.ids = list(self.ids)
+        if self._new_step is not None:
+            clone._step = self._new_step()
+            for token_id in self.ids:
+                clone._step(token_id)
+        return clone
 
     def flush(self) -> str:
         """The text held back so far (at the end of a choice that did not hit a stop string)."""

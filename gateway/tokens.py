@@ -99,15 +99,19 @@ class Tokens:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def decode_stream(self) -> Optional[Callable[[int], Optional[str]]]:
-        """A fresh incremental decoder for one choice (token id -> the text it completes, or None while a character
-        is incomplete), giving the same text as `decode`; None where the tokenizer has no fast backend or cleans up
-        spaces after decoding (then `decode` of the whole list is the only exact way)."""
+    def decode_stream(self) -> Optional[Callable[[], Callable[[int], Optional[str]]]]:
+        """A maker of incremental decoders, one per choice (token id -> the text it completes, or None while a
+        character is incomplete), giving the same text as `decode`; None where the tokenizer has no fast backend or
+        cleans up spaces after decoding (then `decode` of the whole list is the only exact way)."""
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is None or getattr(self.tokenizer, "clean_up_tokenization_spaces", False):
             return None
-        stream = DecodeStream(skip_special_tokens=True)
-        return lambda token_id: stream.step(backend, token_id)
+
+        def new_step() -> Callable[[int], Optional[str]]:
+            stream = DecodeStream(skip_special_tokens=True)
+            return lambda token_id: stream.step(backend, token_id)
+
+        return new_step
 
     def check_ids(self, ids: Sequence[int], param: str) -> None:
         bad = [i for i in ids if not 0 <= int(i) < self.vocab_size]

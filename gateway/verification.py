@@ -166,10 +166,5 @@ class RunVerification:
 
 
 def _copy_texts(texts: List[Any]) -> List[Any]:
-    """Copies of `gateway.textstream.TextStream`s (their decoder and stop matcher shared, their ids not)."""
-    copies = []
-    for text in texts:
-        clone = copy.copy(text)
-        clone.ids = list(text.ids)
-        copies.append(clone)
-    return copies
+    """Independent copies of `gateway.textstream.TextStream`s (own ids, own incremental decoder)."""
+    return [copy.copy(text) for text in texts]

@@ -2,6 +2,7 @@
 schemas and errors, and the whole app in-process over a scripted fake model (no network)."""
 from __future__ import annotations
 
+import copy
 import json
 from types import SimpleNamespace
 
@@ -84,9 +85,14 @@ def test_incremental_decoding_gives_the_whole_decode(tokenizer, seed):
             calls.append(len(x))
             return tokenizer.decode(x, skip_special_tokens=True)
 
-        stream = TextStream(whole, step=tokens.decode_stream())
-        deltas = [stream.add(i)[0] for i in ids] + [stream.flush()]
-        assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
+        stream = TextStream(whole, new_step=tokens.decode_stream())
+        half = len(ids) // 2
+        deltas = [stream.add(i)[0] for i in ids[:half]]
+        snapshot = copy.copy(stream)  # a retraction's snapshot: going on from it gives the same text
+        rest = [stream.add(i)[0] for i in ids[half:]] + [stream.flush()]
+        assert "".join(deltas + rest) == tokenizer.decode(ids, skip_special_tokens=True)
+        again = [snapshot.add(i)[0] for i in ids[half:]] + [snapshot.flush()]
+        assert again == rest
         assert all("\ufffd" not in d for d in deltas[:-1]) or "\ufffd" in tokenizer.decode(ids)
         assert not calls  # the whole list was never decoded
 
