@@ -28,7 +28,7 @@ from server.blocks import BlockSpan
 from server.cache import CacheBudget, OutOfCacheError
 from server.limits import LimitError, RpcLimits, StreamLimiter
 from server.push import PushRouter, PushSender
-from server.training import TrainingHandler
+from server.training import TrainingHandler, drain_refused
 from swarm.runtime import malloc
 from swarm.runtime.swarm_key import NOT_A_MEMBER, SwarmKey, proof_for
 from swarm.runtime.taskpool import PRIORITY_DECODE, PRIORITY_FORWARD, PRIORITY_PREFILL, TaskPool
@@ -62,16 +62,6 @@ async def _pump(requests: AsyncIterator, inputs: asyncio.Queue) -> None:
     await inputs.put(None)
 
 
-async def _drain(requests: AsyncIterator, timeout: float = 2.0, max_messages: int = 64) -> None:
-    """After refusing a session, read what the client already sent (bounded) so that closing the stream does
-    not reset it before the client has read the error reply."""
-    try:
-        for _ in range(max_messages):
-            await asyncio.wait_for(requests.__anext__(), timeout=timeout)
-    except (StopAsyncIteration, asyncio.TimeoutError, Exception):
-        return
-
-
 class BlockHandler(TrainingHandler):
     def __init__(self, span: BlockSpan, model_name: str, version: str, budget: CacheBudget, pool: TaskPool,
                  max_length: int, alloc_timeout: float, step_timeout: float, max_batch_tokens: int = 1 << 16,
@@ -81,7 +71,8 @@ class BlockHandler(TrainingHandler):
         self.budget, self.pool = budget, pool
         self.max_length, self.alloc_timeout, self.step_timeout = max_length, alloc_timeout, step_timeout
         self.limits, self.streams = limits, StreamLimiter(limits)
-        self.max_batch_tokens = max_batch_tokens  # tokens per training pass (`server.training`)
+        # tokens per training call (`server.training`), under the inference steps' cap too
+        self.max_batch_tokens = min(max_batch_tokens, limits.max_step_tokens)
         self.prefill_chunk = prefill_chunk
         self.counters = Counters()
         self.accepting = True
@@ -139,7 +130,7 @@ class BlockHandler(TrainingHandler):
                 return
             if not self._admits(context, first.uid):
                 yield P.error_response("forbidden", NOT_A_MEMBER)
-                await _drain(requests)
+                await drain_refused(requests)
                 return
             try:
                 self.limits.check_message(first)
@@ -160,17 +151,17 @@ class BlockHandler(TrainingHandler):
             except LimitError as e:
                 handle = None
                 yield P.error_response("over_limit", str(e))
-                await _drain(requests)
+                await drain_refused(requests)
                 return
             except OutOfCacheError as e:
                 handle = None
                 yield P.error_response("out_of_cache", str(e))
-                await _drain(requests)
+                await drain_refused(requests)
                 return
             except (P.ProtocolError, ValueError) as e:
                 handle = None
                 yield P.error_response("bad_request", str(e))
-                await _drain(requests)
+                await drain_refused(requests)
                 return
             kv = self.span.new_session_kv(opened.batch_size, opened.max_length, opened.start, opened.end,
                                           adapter=opened.adapter)

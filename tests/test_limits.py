@@ -17,7 +17,7 @@ from swarm.wire import protocol as P
 
 HIDDEN = 576
 LIMITS = ("--max_sessions_per_peer", "2", "--max_streams", "4", "--max_message_bytes", "1000000",
-          "--max_step_tokens", "64")
+          "--max_step_tokens", "64", "--step_timeout", "10")
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +152,43 @@ def test_oversize_messages_do_not_grow_memory(limited):
     _wait_idle(m, server.peer_id)
     grown = psutil.Process(server.proc.pid).memory_info().rss - rss
     assert grown < 32 << 20, f"the server grew by {grown >> 20} MiB after 42 MB of refused messages"
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_training_calls_time_out_and_count_as_streams(limited, backward):
+    """Regression (found fuzzing the training RPCs): a training call whose request never ended held its handler
+    forever, and training calls were not counted against --max_streams. Now a stalled call gets `timeout` after
+    --step_timeout, and calls over --max_streams get `over_limit`."""
+    from swarm.wire import streaming
+
+    m, server = limited
+    kind = P.TrainBackward if backward else P.TrainForward
+    first = streaming.pack(runtime_pb2.ExpertRequest, kind(start=0, end=30), [torch.randn(1, 2, HIDDEN)])[0]
+
+    async def stalled():
+        yield first
+        await asyncio.sleep(3600)
+
+    async def call():
+        stub = m.stub(server.peer_id)
+        rpc = stub.rpc_train_backward if backward else stub.rpc_train_forward
+        responses = await rpc(stalled())
+        try:  # the first reply only: reading to the end would wait for our own (stalled) writer
+            return P.decode_reply((await responses.__anext__()).metadata)
+        finally:
+            await responses.aclose()
+
+    async def five():
+        return await asyncio.gather(*(call() for _ in range(5)))
+
+    errors = aio.run(asyncio.wait_for(five(), 120), timeout=150)  # --max_streams 4, --step_timeout 10
+    codes = sorted(e.code for e in errors)
+    assert codes == ["over_limit"] + ["timeout"] * 4, errors
+    assert any("max_streams" in e.message for e in errors) and any("step_timeout" in e.message for e in errors)
+    stats = _wait_idle(m, server.peer_id)  # every slot came back: a session opens
+    s = Stream(m, server.peer_id).start()
+    try:
+        assert isinstance(s.ask(_open("after")), P.StepResult)
+    finally:
+        s.close()
+    assert (stats.sessions_open, stats.cache_tokens_used) == (0, 0)
