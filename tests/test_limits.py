@@ -192,3 +192,50 @@ def test_training_calls_time_out_and_count_as_streams(limited, backward):
     finally:
         s.close()
     assert (stats.sessions_open, stats.cache_tokens_used) == (0, 0)
+
+
+def test_routing_skips_servers_whose_announced_limits_take_no_such_session():
+    from swarm.client.routing import RoutingError, find_inference_chain
+    from swarm.wire.records import ServerInfo, ServerLimits, ServerSpan, ServerState
+
+    def span(peer: str, max_length: int) -> ServerSpan:
+        limits = ServerLimits(max_length=max_length, max_sessions_per_peer=8, max_streams=8,
+                              max_message_bytes=1 << 20, max_step_tokens=64, max_queued_steps=8)
+        return ServerSpan(peer, 0, 4, ServerInfo(state=ServerState.ONLINE, start=0, end=4, limits=limits))
+
+    spans = [span("short", 100), span("long", 1000)]
+    [hop] = find_inference_chain(spans, 0, 4, session_length=500)
+    assert hop.peer_id == "long" and hop.limits is not None and hop.limits.max_step_tokens == 64
+    with pytest.raises(RoutingError, match="at most 1000 tokens, their --max_length"):
+        find_inference_chain(spans, 0, 4, session_length=2000)
+
+
+def test_limits_are_announced_and_the_client_fits_its_steps_to_them(limited, swarms, model_path, tokenizer,
+                                                                    reference_model):
+    """The DHT record and rpc_info carry the server's limits; a client sends a 100-token prompt to a server that
+    takes 64 tokens per step in chunks (it got `over_limit` before), and a session longer than any server takes
+    gets a clear error before anything is sent."""
+    from swarm import AutoDistributedModelForCausalLM
+    from swarm.client.session import SessionError
+
+    m, server = limited
+    stats = m.server_info(server.peer_id)
+    assert stats.limits is not None
+    assert (stats.limits.max_sessions_per_peer, stats.limits.max_streams, stats.limits.max_message_bytes,
+            stats.limits.max_step_tokens, stats.limits.max_length) == (2, 4, 1000000, 64, 8192)
+    [record] = [s for s in m.update(force=True) if s.peer_id == server.peer_id]
+    assert record.info.limits == stats.limits
+    swarm = swarms.get(("0:30",), extra=LIMITS)
+    model = AutoDistributedModelForCausalLM.from_pretrained(model_path, initial_peers=swarm["initial_peers"],
+                                                            dht_prefix=swarm["prefix"])
+    try:
+        ids = tokenizer("The colors of the rainbow are " * 14, return_tensors="pt")["input_ids"]
+        assert ids.shape[1] > 64
+        out = model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        assert out.tolist() == reference_model.generate(ids, max_new_tokens=3, min_new_tokens=3,
+                                                        do_sample=False).tolist()
+        with model.inference_session(max_length=9000) as session:
+            with pytest.raises(SessionError, match="--max_length"):
+                model.generate(ids, max_new_tokens=1, session=session)
+    finally:
+        model.shutdown()
