@@ -142,7 +142,8 @@ def kv_held(manager, peers: List[str]) -> Dict[str, dict]:
     for peer in peers:
         try:
             stats = manager.server_info(peer)
-            held[peer] = {"cache_tokens_used": stats.cache_tokens_used, "sessions_open": stats.sessions_open}
+            held[peer] = {"cache_tokens_used": stats.cache_tokens_used, "sessions_open": stats.sessions_open,
+                          "streams_open": stats.streams_open}
         except Exception as e:
             held[peer] = {"error": repr(e)[:200]}
     return held
@@ -205,7 +206,7 @@ def main() -> int:
         wait_until = time.monotonic() + args.pool_ttl + 60
         held = kv_held(manager, peers)
         while time.monotonic() < wait_until and any(h.get("cache_tokens_used") or h.get("sessions_open")
-                                                    or "error" in h for h in held.values()):
+                                                    or h.get("streams_open") or "error" in h for h in held.values()):
             time.sleep(2)
             held = kv_held(manager, peers)
         manager.shutdown()
@@ -231,6 +232,7 @@ def main() -> int:
             "kv_after_pool_ttl": held,
             "kv_tokens_held_after_load": sum(h.get("cache_tokens_used", 0) for h in held.values()),
             "sessions_open_after_load": sum(h.get("sessions_open", 0) for h in held.values()),
+            "streams_open_after_load": sum(h.get("streams_open", 0) for h in held.values()),
             "cpu_count": os.cpu_count(),
             "total_s": round(time.monotonic() - began, 1),
         }

@@ -369,6 +369,7 @@ class BlockHandler(TrainingHandler):
             num_blocks_total=self.span.config.num_hidden_layers, dtype=str(self.span.dtype).replace("torch.", ""),
             hidden_size=self.span.hidden_size, cache_tokens_total=self.budget.max_tokens,
             cache_tokens_used=self.budget.used_tokens, sessions_open=self.budget.num_sessions,
+            streams_open=self.streams.streams,
             inference_tokens_processed=self.counters.inference_tokens, inference_steps=self.counters.inference_steps,
             forward_tokens_processed=self.counters.forward_tokens,
             steps_from_push=self.counters.steps_from_push, pushes_sent=self.counters.pushes_sent,

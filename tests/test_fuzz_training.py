@@ -11,6 +11,7 @@ meanwhile equals the local reference, and no session, cache token or training st
 from __future__ import annotations
 
 import asyncio
+import time
 
 import torch
 from hivemind.proto import runtime_pb2
@@ -173,4 +174,8 @@ def test_fuzzed_training_streams(fuzz_env, honest_reference):
     assert honest.outputs and all(out == expected for out in honest.outputs)
     assert torch.equal(_valid_forward(stub), before)  # the server computes as before
     stats = _wait_idle(manager, peer)
-    assert (stats.sessions_open, stats.cache_tokens_used) == (0, 0), stats
+    deadline = time.monotonic() + 30
+    while stats.streams_open and time.monotonic() < deadline:  # every training call's stream slot came back
+        time.sleep(0.2)
+        stats = manager.server_info(peer)
+    assert (stats.sessions_open, stats.cache_tokens_used, stats.streams_open) == (0, 0, 0), stats

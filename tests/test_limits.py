@@ -75,6 +75,13 @@ def _wait_idle(manager: SwarmManager, peer_id: str, timeout: float = 60) -> P.Se
         time.sleep(0.2)
 
 
+def _wait_streams_closed(manager: SwarmManager, peer_id: str, timeout: float = 30) -> int:
+    deadline = time.monotonic() + timeout
+    while (streams := manager.server_info(peer_id).streams_open) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return streams
+
+
 def test_limit_flags_are_documented_and_checked():
     fields = ServerConfig.model_fields
     for name in ("max_sessions_per_peer", "max_streams", "max_message_bytes", "max_step_tokens", "max_queued_steps"):
@@ -181,11 +188,13 @@ def test_training_calls_time_out_and_count_as_streams(limited, backward):
     async def five():
         return await asyncio.gather(*(call() for _ in range(5)))
 
+    _wait_streams_closed(m, server.peer_id)  # the streams of earlier tests are gone
     errors = aio.run(asyncio.wait_for(five(), 120), timeout=150)  # --max_streams 4, --step_timeout 10
     codes = sorted(e.code for e in errors)
     assert codes == ["over_limit"] + ["timeout"] * 4, errors
     assert any("max_streams" in e.message for e in errors) and any("step_timeout" in e.message for e in errors)
-    stats = _wait_idle(m, server.peer_id)  # every slot came back: a session opens
+    stats = _wait_idle(m, server.peer_id)
+    assert _wait_streams_closed(m, server.peer_id) == 0  # every slot came back: a session opens
     s = Stream(m, server.peer_id).start()
     try:
         assert isinstance(s.ask(_open("after")), P.StepResult)

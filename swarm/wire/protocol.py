@@ -225,6 +225,7 @@ class ServerStats(Message):
     cache_tokens_total: int
     cache_tokens_used: int
     sessions_open: int
+    streams_open: int = Field(default=0, description="inference streams and training calls open now")
     inference_tokens_processed: int = Field(description="tokens received by inference steps since start")
     inference_steps: int
     forward_tokens_processed: int
