@@ -7,7 +7,8 @@ processes (`bench/harness.py`). `--chats` client threads each stream chat comple
 `--kill_every` minutes one server (each in turn) gets SIGKILL and a replacement for the same span is started.
 
 Every request either succeeds (the stream ends with `data: [DONE]` and no error event) or fails, counted by kind
-(`http_<status>`, `stream_error:<type>`, `truncated`, `timeout`, `connection`), with one sample message per kind.
+(`http_<status>`, `stream_error:<type>`, `truncated`, `timeout`, `connection`), with one sample message per kind,
+and the sessions the gateway failed over to another server (the "re-routed" lines of its log).
 At the start and the end it reads the RSS (the process and its children: DHT child, p2p daemon) of every process;
 after the load stops it waits for the gateway's pooled sessions to expire (`--pool_ttl`) and reads every live
 server's KV cache in use and open sessions through `rpc_info` (`ServerStats.cache_tokens_used`): both must be 0.
@@ -226,6 +227,8 @@ def main() -> int:
             "tokens_streamed": chats.tokens,
             "tokens_per_s": round(chats.tokens / load_s, 2),
             "kills": kills,
+            # sessions the gateway moved to another server mid-request (its log: swarm.client.session)
+            "gateway_failovers": gateway.log_path.read_text(errors="replace").count(" re-routed to "),
             "rss_mb_start": rss_start,
             "rss_mb_end": rss_end,
             "kv_right_after_load": held_now,
