@@ -104,7 +104,9 @@ def test_sessions_per_peer_and_open_streams(limited):
         c.close()
         # two streams that have sent nothing yet still count against --max_streams 4: a fifth is refused
         idle = [Stream(m, server.peer_id).start() for _ in range(2)]
-        time.sleep(1.0)
+        deadline = time.monotonic() + 30  # until the server has them all (a fixed sleep raced a loaded machine)
+        while m.server_info(server.peer_id).streams_open < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
         fifth = Stream(m, server.peer_id).start()
         refused = fifth.ask(_open("e"))
         assert isinstance(refused, P.ErrorReply) and refused.code == "over_limit" and "max_streams" in refused.message
