@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Sequence
+from typing import Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -18,11 +18,13 @@ from swarm.launch.topology import ManagedProcess, Topology  # noqa: E402
 
 
 class BenchSwarm(Topology):
-    def __init__(self, name: str, spans: Sequence[str], server_args: Sequence[str] = ()):
+    def __init__(self, name: str, spans: Sequence[str], server_args: Sequence[str] = (), threads: Optional[int] = 1):
+        """`threads`: intra-op threads of each process (None: all cores, as `swarmgate up` runs them; with the
+        processes taking CPU turns, each pass then has every core, as local transformers does)."""
         from swarm.modeling.prepare import prepare_model
 
         self.path = str(prepare_model())
-        super().__init__(self.path, spans, f"{name}-{os.getpid()}", server_args, name=name, threads=1)
+        super().__init__(self.path, spans, f"{name}-{os.getpid()}", server_args, name=name, threads=threads)
         self.client = None
 
     def start_gateway(self, name: str) -> ManagedProcess:

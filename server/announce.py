@@ -22,7 +22,15 @@ from server.config import ServerConfig
 from server.pings import measure_next_pings
 from swarm import __version__
 from swarm.runtime.swarm_key import SwarmKey, join_dht, proof_for
-from swarm.wire.records import ServerInfo, ServerSpan, ServerState, declare_blocks, fetch_block_records, online_spans
+from swarm.wire.records import (
+    ServerInfo,
+    ServerLimits,
+    ServerSpan,
+    ServerState,
+    declare_blocks,
+    fetch_block_records,
+    online_spans,
+)
 
 logger = logging.getLogger("swarmgate.server")
 
@@ -60,6 +68,7 @@ class Announcer:
         self.throughput = 1.0
         self.swarm_key: Optional[SwarmKey] = None  # a private swarm's key (set by the server): pings prove membership
         self.next_pings: Dict[str, float] = {}  # peer id -> RTT (s) to servers that can run block `end`
+        self.limits: Optional[ServerLimits] = None  # the RPC limits this server enforces (set by the server)
         # observable counters (tests, logs) and what the last announcement said
         self.announcements = 0
         self.announced_free: Optional[int] = None
@@ -70,7 +79,7 @@ class Announcer:
                           end=self.end if end is None else end, throughput=self.throughput,
                           cache_tokens_left=self.free_cache_tokens(), version=__version__,
                           dtype=str(self.dtype).replace("torch.", ""), quant_type=self.quant_type,
-                          adapters=self.adapters, next_pings=dict(self.next_pings))
+                          adapters=self.adapters, next_pings=dict(self.next_pings), limits=self.limits)
 
     async def declare(self, blocks: Sequence[int], info: ServerInfo) -> None:
         if not blocks:

@@ -27,8 +27,8 @@ from hivemind.proto import runtime_pb2
 from server.blocks import BlockSpan
 from server.cache import CacheBudget, OutOfCacheError
 from server.limits import LimitError, RpcLimits, StreamLimiter
-from server.push import PushRouter, PushSender
-from server.training import TrainingHandler
+from server.push import PushRefused, PushRouter, PushSender
+from server.training import TrainingHandler, drain_refused
 from swarm.runtime import malloc
 from swarm.runtime.swarm_key import NOT_A_MEMBER, SwarmKey, proof_for
 from swarm.runtime.taskpool import PRIORITY_DECODE, PRIORITY_FORWARD, PRIORITY_PREFILL, TaskPool
@@ -47,6 +47,7 @@ class Counters:
     compute_seconds: float = 0.0  # time spent in inference forward passes
     steps_from_push: int = 0  # inference steps whose input came from the previous server
     pushes_sent: int = 0
+    pushes_refused: int = 0  # pushes without the session part's push token
 
 
 async def _pump(requests: AsyncIterator, inputs: asyncio.Queue) -> None:
@@ -62,16 +63,6 @@ async def _pump(requests: AsyncIterator, inputs: asyncio.Queue) -> None:
     await inputs.put(None)
 
 
-async def _drain(requests: AsyncIterator, timeout: float = 2.0, max_messages: int = 64) -> None:
-    """After refusing a session, read what the client already sent (bounded) so that closing the stream does
-    not reset it before the client has read the error reply."""
-    try:
-        for _ in range(max_messages):
-            await asyncio.wait_for(requests.__anext__(), timeout=timeout)
-    except (StopAsyncIteration, asyncio.TimeoutError, Exception):
-        return
-
-
 class BlockHandler(TrainingHandler):
     def __init__(self, span: BlockSpan, model_name: str, version: str, budget: CacheBudget, pool: TaskPool,
                  max_length: int, alloc_timeout: float, step_timeout: float, max_batch_tokens: int = 1 << 16,
@@ -81,7 +72,8 @@ class BlockHandler(TrainingHandler):
         self.budget, self.pool = budget, pool
         self.max_length, self.alloc_timeout, self.step_timeout = max_length, alloc_timeout, step_timeout
         self.limits, self.streams = limits, StreamLimiter(limits)
-        self.max_batch_tokens = max_batch_tokens  # tokens per training pass (`server.training`)
+        # tokens per training call (`server.training`), under the inference steps' cap too
+        self.max_batch_tokens = min(max_batch_tokens, limits.max_step_tokens)
         self.prefill_chunk = prefill_chunk
         self.counters = Counters()
         self.accepting = True
@@ -139,7 +131,7 @@ class BlockHandler(TrainingHandler):
                 return
             if not self._admits(context, first.uid):
                 yield P.error_response("forbidden", NOT_A_MEMBER)
-                await _drain(requests)
+                await drain_refused(requests)
                 return
             try:
                 self.limits.check_message(first)
@@ -160,17 +152,17 @@ class BlockHandler(TrainingHandler):
             except LimitError as e:
                 handle = None
                 yield P.error_response("over_limit", str(e))
-                await _drain(requests)
+                await drain_refused(requests)
                 return
             except OutOfCacheError as e:
                 handle = None
                 yield P.error_response("out_of_cache", str(e))
-                await _drain(requests)
+                await drain_refused(requests)
                 return
             except (P.ProtocolError, ValueError) as e:
                 handle = None
                 yield P.error_response("bad_request", str(e))
-                await _drain(requests)
+                await drain_refused(requests)
                 return
             kv = self.span.new_session_kv(opened.batch_size, opened.max_length, opened.start, opened.end,
                                           adapter=opened.adapter)
@@ -178,7 +170,7 @@ class BlockHandler(TrainingHandler):
             # ("client" | "push", request), or None when the client left; bounded: a flood waits (client) or is
             # dropped (push) instead of growing memory
             inputs: asyncio.Queue = asyncio.Queue(maxsize=self.limits.max_queued_steps)
-            if not self.push_router.register(key, inputs):
+            if not self.push_router.register(key, inputs, opened.push_token):
                 yield P.error_response("bad_request", f"session part {key} is already open here")
                 return
             registered = key
@@ -316,7 +308,8 @@ class BlockHandler(TrainingHandler):
     async def rpc_push(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """Pushes from a previous server: each goes to the input queue of the session part it names."""
+        """Pushes from a previous server: each goes to the input queue of the session part it names if it carries
+        that part's push token; a push with a wrong token gets a `forbidden` reply (the stream goes on)."""
         admitted = False
         async for request in requests:
             if not admitted:  # the first push of a stream proves membership for the whole stream
@@ -325,13 +318,16 @@ class BlockHandler(TrainingHandler):
                 admitted = True
             try:
                 self.limits.check_message(request)
-                key = P.decode(request.metadata, P.PushStep).stream_key
+                pushed = P.decode(request.metadata, P.PushStep)
             except (P.ProtocolError, LimitError) as e:
                 logger.warning(f"malformed push from {context.remote_id}: {e}")
                 continue
-            self.push_router.deliver(key, request)  # unknown keys: the session already ended
-        return
-        yield  # pragma: no cover
+            try:
+                self.push_router.deliver(pushed.stream_key, pushed.push_token, request)  # unknown keys: ended
+            except PushRefused as e:
+                logger.warning(f"refused a push from {context.remote_id}: {e}")
+                self.counters.pushes_refused += 1
+                yield P.error_response("forbidden", str(e))
 
     # ---- forward (no cache) -----------------------------------------------------------------------------
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
@@ -373,12 +369,14 @@ class BlockHandler(TrainingHandler):
             num_blocks_total=self.span.config.num_hidden_layers, dtype=str(self.span.dtype).replace("torch.", ""),
             hidden_size=self.span.hidden_size, cache_tokens_total=self.budget.max_tokens,
             cache_tokens_used=self.budget.used_tokens, sessions_open=self.budget.num_sessions,
+            streams_open=self.streams.streams,
             inference_tokens_processed=self.counters.inference_tokens, inference_steps=self.counters.inference_steps,
             forward_tokens_processed=self.counters.forward_tokens,
             steps_from_push=self.counters.steps_from_push, pushes_sent=self.counters.pushes_sent,
+            pushes_refused=self.counters.pushes_refused,
             decode_batches=self.pool.batches_done, largest_batch=self.pool.largest_batch,
             decode_compute_seconds=round(self.counters.compute_seconds, 6),
-            training_tokens_processed=self.training_tokens,
+            training_tokens_processed=self.training_tokens, limits=self.limits.announced(self.max_length),
         )
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:

@@ -4,7 +4,8 @@
 `--max_message_bytes`, `--max_step_tokens`, `--max_queued_steps`); `StreamLimiter` counts the open inference
 streams of the whole server and the open sessions of each peer. Over a cap a request gets a clear error
 (`LimitError`, code `over_limit`) before any tensor is built or any cache reserved, so that no peer can grow the
-server's memory past what the caps allow.
+server's memory past what the caps allow. The caps are announced (`announced`: the DHT record and `rpc_info`
+carry a `ServerLimits`) so that clients chunk their inputs to fit them.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 from typing import Dict
 
 from hivemind.proto import runtime_pb2
+
+from swarm.wire.records import ServerLimits
 
 
 class LimitError(ValueError):
@@ -25,6 +28,12 @@ class RpcLimits:
     max_message_bytes: int = 64 << 20
     max_step_tokens: int = 16384
     max_queued_steps: int = 64
+
+    def announced(self, max_length: int) -> ServerLimits:
+        """These limits (and the server's `--max_length`) as announced in its DHT record and `rpc_info`."""
+        return ServerLimits(max_length=max_length, max_sessions_per_peer=self.max_sessions_per_peer,
+                            max_streams=self.max_streams, max_message_bytes=self.max_message_bytes,
+                            max_step_tokens=self.max_step_tokens, max_queued_steps=self.max_queued_steps)
 
     def check_message(self, request: runtime_pb2.ExpertRequest) -> None:
         """Reject a message larger than `max_message_bytes` (metadata and tensor buffers)."""

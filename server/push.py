@@ -3,13 +3,16 @@
 Outgoing: `PushSender` keeps one long-lived `rpc_push` stream per next server and writes `PushStep`s into it;
 a stream that breaks is dropped and reopened on the next push. Incoming: `PushRouter` maps a session part's
 stream key to its input queue, so that a push lands in the same queue as the client's own steps; the
-session takes whichever copy of a step arrives first and drops the other (by step id).
+session takes whichever copy of a step arrives first and drops the other (by step id). A push is accepted only
+with the session part's push token (`OpenSession.push_token`, a secret the client passes down its chain inside
+`PushTarget`s): a peer that knows or guesses a stream key cannot inject hidden states into another session.
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 from hivemind.p2p import P2P, PeerID
@@ -20,25 +23,38 @@ from swarm.wire import protocol as P
 logger = logging.getLogger(__name__)
 
 
+class PushRefused(ValueError):
+    """A push into a live session part without its push token; the text is safe to send back to the pusher."""
+
+
 class PushRouter:
-    """Incoming pushes -> the input queue of the session part they name."""
+    """Incoming pushes -> the input queue of the session part they name, if they carry its push token."""
 
     def __init__(self):
-        self._queues: Dict[str, asyncio.Queue] = {}
+        self._queues: Dict[str, Tuple[asyncio.Queue, Optional[str]]] = {}
 
-    def register(self, key: str, queue: asyncio.Queue) -> bool:
+    def register(self, key: str, queue: asyncio.Queue, token: Optional[str] = None) -> bool:
+        """Route pushes for `key` carrying `token` to `queue` (no token: refuse every push); False if taken."""
         if key in self._queues:
             return False
-        self._queues[key] = queue
+        self._queues[key] = (queue, token)
         return True
 
     def unregister(self, key: str) -> None:
         self._queues.pop(key, None)
 
-    def deliver(self, key: str, request) -> bool:
-        queue = self._queues.get(key)
-        if queue is None:
+    def deliver(self, key: str, token: str, request) -> bool:
+        """Whether the push went into its session's queue (False: no such session now, or its queue is full);
+        PushRefused if the session is live but the token is not its own."""
+        entry = self._queues.get(key)
+        if entry is None:
             return False
+        queue, expected = entry
+        if expected is None:
+            raise PushRefused(f"session part {key} takes no pushes (its client gave no push token)")
+        if not hmac.compare_digest(expected.encode(), token.encode()):
+            raise PushRefused(f"push into session part {key} refused: its push token does not match (only the "
+                              f"previous server of the session's chain may push to it)")
         try:
             queue.put_nowait(("push", request))
         except asyncio.QueueFull:  # the session is that far behind: the client's own copy of the step will do
@@ -74,8 +90,8 @@ class PushSender:
         try:
             stub = P.BlockRPC.get_stub(self.p2p, PeerID.from_base58(peer_id))
             responses = await stub.rpc_push(iterate_queue(channel.queue))
-            async for _ in responses:  # the receiver only answers when it refuses the stream
-                pass
+            async for response in responses:  # the receiver only answers to refuse a push
+                logger.warning(f"push to {peer_id} refused: {P.decode_reply(response.metadata)}")
         except Exception as e:
             logger.debug(f"push stream to {peer_id} ended: {e}")
         finally:
@@ -97,8 +113,9 @@ class PushSender:
             channel = self._channel(target.peer_id)
         if not channel.alive:
             return False
-        message = P.PushStep(stream_key=target.stream_key, start_position=start_position, step_id=step_id,
-                             push_chain=list(chain[1:]), **(row_edits or {}))
+        message = P.PushStep(stream_key=target.stream_key, push_token=target.push_token,
+                             start_position=start_position, step_id=step_id, push_chain=list(chain[1:]),
+                             **(row_edits or {}))
         channel.queue.put_nowait(P.make_request(message, [output], uid=self.proof))
         return True
 

@@ -153,15 +153,15 @@ class Server:
         if self.config.cuda_graphs and span.enable_cuda_graphs():
             logger.info("single-session decode steps replay CUDA graphs")
         assert self.capacity is not None, "plan() sizes the server before it loads blocks"
+        limits = RpcLimits(max_sessions_per_peer=self.config.max_sessions_per_peer, max_streams=self.config.max_streams,
+                           max_message_bytes=self.config.max_message_bytes, max_step_tokens=self.config.max_step_tokens,
+                           max_queued_steps=self.config.max_queued_steps)
+        self.record.limits = limits.announced(self.config.max_length)
         handler = self.handler_class(span, self.config.model, __version__, CacheBudget(self.capacity.attn_cache_tokens),
                                      self._compute_pool(), max_length=self.config.max_length,
                                      alloc_timeout=self.config.alloc_timeout, step_timeout=self.config.step_timeout,
                                      swarm_key=self.record.swarm_key,
-                                     limits=RpcLimits(max_sessions_per_peer=self.config.max_sessions_per_peer,
-                                                      max_streams=self.config.max_streams,
-                                                      max_message_bytes=self.config.max_message_bytes,
-                                                      max_step_tokens=self.config.max_step_tokens,
-                                                      max_queued_steps=self.config.max_queued_steps))
+                                     limits=limits)
         if self.p2p is None:
             self.p2p = await self.started_dht.replicate_p2p()
         await handler.add_p2p_handlers(self.p2p)

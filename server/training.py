@@ -20,6 +20,7 @@ positions of block `start + i`'s input.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, List, Optional, Tuple
 
@@ -29,6 +30,7 @@ from hivemind.proto import runtime_pb2
 
 from server.blocks import add_prompt
 from server.decode import attention_backends
+from server.limits import LimitError, StreamLimiter
 from swarm.modeling.layers import causal_mask
 from swarm.runtime.swarm_key import NOT_A_MEMBER
 from swarm.runtime.taskpool import PRIORITY_TRAINING
@@ -90,6 +92,16 @@ def block_backward(span: "BlockSpan", index: int, hidden: torch.Tensor, prompt: 
     return graph_backward(*block_graph(span, index, hidden, prompt), grad_output)
 
 
+async def drain_refused(requests: AsyncIterator, timeout: float = 2.0, max_messages: int = 64) -> None:
+    """Read (bounded) what a refused caller already sent: closing the stream early may reset it before the caller
+    has read the error reply."""
+    try:
+        for _ in range(max_messages):
+            await asyncio.wait_for(requests.__anext__(), timeout=timeout)
+    except (StopAsyncIteration, asyncio.TimeoutError, Exception):
+        return
+
+
 def _pieces(batch: int, seq: int, piece_tokens: int) -> List[slice]:
     rows = max(1, piece_tokens // max(seq, 1))
     return [slice(i, i + rows) for i in range(0, batch, rows)]
@@ -108,6 +120,8 @@ class TrainingHandler(P.BlockRPC):
     pool: "TaskPool"
     max_length: int
     max_batch_tokens: int
+    step_timeout: float
+    streams: StreamLimiter
     train_piece_tokens: int = TRAIN_PIECE_TOKENS
     training_tokens: int = 0
 
@@ -268,16 +282,40 @@ class TrainingHandler(P.BlockRPC):
                          message_type: Any, name: str, compute: Callable[..., Awaitable[List[torch.Tensor]]]
                          ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """One training call: admission (private swarms), the streamed request read and checked, `compute`, and
-        its tensors streamed back; every failure is an error reply on this call only."""
-        admitted = await self._admitted(requests, context)
-        if admitted is None:
-            yield P.error_response("forbidden", NOT_A_MEMBER)
+        its tensors streamed back; every failure is an error reply on this call only. A call counts as an open
+        stream (`--max_streams`) while it runs, and its request must arrive whole within `step_timeout`."""
+        try:
+            self.streams.enter_stream()
+        except LimitError as e:
+            yield P.error_response("over_limit", str(e))
             return
         try:
-            message, hidden, grad, prompts = await self._read_train(admitted, message_type)
+            async for response in self._train_call(requests, context, message_type, name, compute):
+                yield response
+        finally:
+            self.streams.exit_stream()
+
+    async def _train_call(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext,
+                          message_type: Any, name: str, compute: Callable[..., Awaitable[List[torch.Tensor]]]
+                          ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        async def read():
+            admitted = await self._admitted(requests, context)
+            return None if admitted is None else await self._read_train(admitted, message_type)
+
+        try:
+            read_call = await asyncio.wait_for(read(), timeout=self.step_timeout)
+        except asyncio.TimeoutError:
+            yield P.error_response("timeout", f"the request did not arrive whole within {self.step_timeout:g}s "
+                                              f"(the server's --step_timeout)")
+            return
         except (P.ProtocolError, ValueError) as e:
             yield P.error_response("bad_request", str(e))
+            await drain_refused(requests)  # what the caller still sends, so that closing does not lose the reply
             return
+        if read_call is None:
+            yield P.error_response("forbidden", NOT_A_MEMBER)
+            return
+        message, hidden, grad, prompts = read_call
         try:
             tensors = await compute(message, hidden, grad, prompts)
         except Exception as e:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 
@@ -26,7 +27,8 @@ from swarm.wire import protocol as P
 
 SPANS = ("0:15", "15:30")
 HIDDEN = 576
-EXAMPLES = 25  # per RPC: about a minute in all on a loaded 2-core machine
+# per RPC: about a minute in all on a loaded 2-core machine (FUZZ_EXAMPLES=300 for a longer hunt)
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", 25))
 PROBE_ID = 10**9  # the step id of the last, always valid, step of a conversation (fuzzed ids stay below)
 CLEAR_CODES = {"bad_request", "over_limit", "out_of_cache", "timeout"}
 PROMPT = "A short list of colors:"

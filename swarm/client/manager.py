@@ -179,11 +179,12 @@ class SwarmManager:
             return fn(self.update(force=True), start, end, banned=self.banned(), **kwargs)
 
     def make_inference_chain(self, start: int = 0, end: Optional[int] = None, cache_tokens_needed: int = 0,
-                             adapter: Optional[str] = None) -> List[RouteHop]:
-        """`adapter`: only through servers that hold this LoRA adapter (None: any server)."""
+                             adapter: Optional[str] = None, session_length: int = 0) -> List[RouteHop]:
+        """`adapter`: only through servers that hold this LoRA adapter (None: any server); `session_length`: only
+        through servers whose announced limits take a session that long."""
         end = self.num_blocks if end is None else end
         return self._route(find_inference_chain, start, end, cache_tokens_needed=cache_tokens_needed,
-                           client_rtts=dict(self.rtts), adapter=adapter)
+                           client_rtts=dict(self.rtts), adapter=adapter, session_length=session_length)
 
     def make_forward_chain(self, start: int = 0, end: Optional[int] = None, adapter: Optional[str] = None
                            ) -> List[RouteHop]:

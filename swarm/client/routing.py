@@ -37,12 +37,12 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Collection, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from swarm.wire.dtypes import QUANT_TYPES
-from swarm.wire.records import ServerSpan, ServerState
+from swarm.wire.records import ServerLimits, ServerSpan, ServerState
 
 __all__ = [
     "QUANT_TYPES",
@@ -106,6 +106,7 @@ class RouteHop:
     peer_id: str
     start: int
     end: int
+    limits: Optional[ServerLimits] = field(default=None, compare=False)  # what the server announced
 
     @property
     def length(self) -> int:
@@ -154,10 +155,11 @@ def _clean_rtt(value: object) -> Optional[float]:
 
 def _usable_spans(
     spans: Sequence[ServerSpan], start: int, end: int, banned: Collection[str],
-    allowed_quant_types: Optional[Collection[str]] = None, adapter: Optional[str] = None,
+    allowed_quant_types: Optional[Collection[str]] = None, adapter: Optional[str] = None, session_length: int = 0,
 ) -> Dict[str, ServerSpan]:
-    """ONLINE, non-banned spans of an allowed quant type (holding `adapter`, if given) that intersect [start, end),
-    one per peer (the one covering most of the range)."""
+    """ONLINE, non-banned spans of an allowed quant type (holding `adapter`, if given; taking sessions of
+    `session_length` tokens if they announce limits) that intersect [start, end), one per peer (the one covering
+    most of the range)."""
     banned_set = set(banned)
     chosen: Dict[str, ServerSpan] = {}
     for span in spans:
@@ -166,6 +168,8 @@ def _usable_spans(
         if not quant_allowed(span, allowed_quant_types):
             continue
         if adapter is not None and adapter not in span.info.adapters:
+            continue
+        if span.info.limits is not None and span.info.limits.max_length < session_length:
             continue
         overlap = min(span.end, end) - max(span.start, start)
         if overlap <= 0:
@@ -210,7 +214,8 @@ def _quant_note(spans: Sequence[ServerSpan], missing: Sequence[int], banned: Col
 
 def _raise_if_uncovered(usable: Mapping[str, ServerSpan], start: int, end: int, *,
                         spans: Sequence[ServerSpan] = (), banned: Collection[str] = (),
-                        allowed_quant_types: Optional[Collection[str]] = None, adapter: Optional[str] = None) -> None:
+                        allowed_quant_types: Optional[Collection[str]] = None, adapter: Optional[str] = None,
+                        session_length: int = 0) -> None:
     delta = [0] * (end - start + 1)
     for span in usable.values():
         delta[max(span.start, start) - start] += 1
@@ -228,9 +233,20 @@ def _raise_if_uncovered(usable: Mapping[str, ServerSpan], start: int, end: int, 
         raise RoutingError(
             f"no usable ({what}) server covers block(s) {_format_blocks(missing)} "
             f"of the requested range [{start}, {end})" + _quant_note(spans, missing, banned, allowed_quant_types)
-            + _adapter_note(spans, missing, adapter),
+            + _adapter_note(spans, missing, adapter) + _length_note(spans, missing, session_length),
             missing,
         )
+
+
+def _length_note(spans: Sequence[ServerSpan], missing: Sequence[int], session_length: int) -> str:
+    """For a session longer than what the servers of the missing blocks take: the longest they announce."""
+    limits = [span.info.limits.max_length for span in spans if span.info.state == ServerState.ONLINE
+              and span.info.limits is not None and span.info.limits.max_length < session_length
+              and set(missing).intersection(range(span.start, span.end))]
+    if not limits:
+        return ""
+    return (f"; a session of {session_length} tokens is longer than the servers there take (at most "
+            f"{max(limits)} tokens, their --max_length)")
 
 
 def _adapter_note(spans: Sequence[ServerSpan], missing: Sequence[int], adapter: Optional[str]) -> str:
@@ -266,17 +282,19 @@ def find_inference_chain(
     costs: RoutingCosts = RoutingCosts(),
     allowed_quant_types: Optional[Collection[str]] = None,
     adapter: Optional[str] = None,
+    session_length: int = 0,
 ) -> List[RouteHop]:
     """The chain covering blocks [start, end) with the least expected time per decode step (see module doc).
+    Servers whose announced limits take no session of `session_length` tokens are skipped.
 
     Consecutive hops are always on different servers. Ties are broken deterministically (fewer hops first,
     then peer id order). Raises RoutingError if a block is not covered by any ONLINE, non-banned server of an
     allowed quant type (`allowed_quant_types`, None: any) that holds `adapter` (None: any server).
     """
     _check_range(start, end)
-    usable = _usable_spans(spans, start, end, banned, allowed_quant_types, adapter)
+    usable = _usable_spans(spans, start, end, banned, allowed_quant_types, adapter, session_length)
     _raise_if_uncovered(usable, start, end, spans=spans, banned=banned, allowed_quant_types=allowed_quant_types,
-                        adapter=adapter)
+                        adapter=adapter, session_length=session_length)
 
     num = end - start
     covering: List[List[str]] = [[] for _ in range(num)]
@@ -349,7 +367,7 @@ def find_inference_chain(
         assert current is not None
         source = parents[offset][current]
         if source != current:  # `current` received the activations right before block start+offset
-            hops.append(RouteHop(current, start + offset, hop_end))
+            hops.append(RouteHop(current, start + offset, hop_end, usable[current].info.limits))
             hop_end = start + offset
             current = source
     hops.reverse()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import uuid
 from typing import AsyncGenerator, List, Optional, Sequence
@@ -30,6 +31,9 @@ from swarm.runtime import aio
 from swarm.wire import protocol as P
 
 logger = logging.getLogger(__name__)
+
+
+METADATA_ROOM = 64 << 10  # bytes kept for a step's metadata under a server's max_message_bytes
 
 
 class SessionError(RuntimeError):
@@ -50,6 +54,7 @@ class SpanStream:
         self._responses: Optional[AsyncGenerator] = None
         self._pending: Optional[asyncio.Future] = None  # the next reply, possibly awaited across time-outs
         self.open_pending = False  # OpenSession sent, its reply not read yet (read before the first step's)
+        self.push_token = secrets.token_urlsafe(24)  # only the previous server of the chain learns it
 
     async def _next_reply(self, timeout: Optional[float] = None):
         if self._pending is None:
@@ -118,7 +123,7 @@ class SpanStream:
         self._responses = await stub.rpc_inference(aio.iterate_queue(self._queue))
         opened = P.OpenSession(session_id=self.session_id, start=self.hop.start, end=self.hop.end,
                                max_length=self.max_length, batch_size=self.batch_size, adapter=self.adapter,
-                               prompts=self.prompts is not None)
+                               prompts=self.prompts is not None, push_token=self.push_token)
         self._queue.put_nowait(P.make_request(opened, [] if self.prompts is None else [self.prompts]))
         if wait:
             await self._next_reply()
@@ -274,7 +279,8 @@ class InferenceSession:
             try:
                 hops = await asyncio.get_running_loop().run_in_executor(
                     None, lambda: self.manager.make_inference_chain(start, end, batch_size * self.max_length,
-                                                                    adapter=self.adapter))
+                                                                    adapter=self.adapter,
+                                                                    session_length=self.max_length))
             except RoutingError as e:
                 last_error = e
                 await asyncio.sleep(min(1.0, self.manager.config.ban_timeout))
@@ -342,8 +348,14 @@ class InferenceSession:
         return self._step_id
 
     def _chunk_len(self, hidden: torch.Tensor) -> int:
+        """Positions per message: under the client's `max_chunk_bytes` and every chain server's announced
+        `max_message_bytes` (less room for the metadata) and `max_step_tokens`."""
         batch, _, hidden_size = hidden.shape
-        return max(1, self.manager.config.max_chunk_bytes // (batch * hidden_size * hidden.element_size()))
+        row_bytes = batch * hidden_size * hidden.element_size()
+        chunk = self.manager.config.max_chunk_bytes // row_bytes
+        for limits in (s.hop.limits for s in self._streams if s.hop.limits is not None):
+            chunk = min(chunk, (limits.max_message_bytes - METADATA_ROOM) // row_bytes, limits.max_step_tokens // batch)
+        return max(1, chunk)
 
     async def astep(self, hidden: torch.Tensor, hypo_ids: Optional[Sequence[int]] = None,
                     left_padding: Optional[Sequence[int]] = None) -> torch.Tensor:
@@ -426,7 +438,8 @@ class InferenceSession:
             try:
                 if not delivered:
                     rest = self._streams[index + 1:]
-                    chain = [P.PushTarget(peer_id=s.hop.peer_id, stream_key=s.key) for s in rest]
+                    chain = [P.PushTarget(peer_id=s.hop.peer_id, stream_key=s.key, push_token=s.push_token)
+                             for s in rest]
                     # push decode steps (prefill goes through the client), once the next servers have opened
                     use_push = (config.use_push and seq == 1 and not any(s.open_pending for s in rest) and not checks
                                 and not every)

@@ -14,7 +14,10 @@ RPCs (see `BlockRPC`):
   rows' left padding (`left_padding`: those keys are never attended, each row's positions start at its first
   real token, as transformers computes `position_ids` from an attention mask).
 - `rpc_push`: a long-lived stream from one server to the next carrying `PushStep`s: in a decode step each
-  server hands its output straight to the next server of the chain (named by the client in `Step.push_to`).
+  server hands its output straight to the next server of the chain (named by the client in `Step.push_chain`).
+  A push is bound to its session: it must carry the `push_token` the client gave that session part when it
+  opened (a secret the client passes only down the chain); a wrong or missing token is refused with an
+  `ErrorReply` (`forbidden`) on the push stream, the only reply a push stream ever gets.
 - `rpc_forward`: one pass of hidden states through a block range, no cache.
 - `rpc_train_forward` / `rpc_train_backward`: streamed (`swarm.wire.streaming`, chunks under the message limit)
   passes for training. `TrainForward` + hidden `[batch, seq, hidden]` (+ deep prompts `[blocks, batch | 1,
@@ -39,9 +42,11 @@ from hivemind.proto import runtime_pb2
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from swarm.wire.dtypes import DTYPES, WIRE_DTYPES, dtype_name
+from swarm.wire.records import ServerLimits
 
 PROTOCOL_VERSION: Final = 1
 MAX_SESSION_ID_LEN = 128
+MAX_TOKEN_LEN = 64  # push tokens (`OpenSession.push_token`)
 MAX_BATCH = 1024
 
 M = TypeVar("M", bound="Message")
@@ -75,11 +80,15 @@ class OpenSession(Message):
                                    description="the LoRA adapter this session runs with (None: the base model)")
     prompts: bool = Field(default=False, description="the request carries deep prompts [end - start, batch | 1, "
                                                      "pre_seq_len, hidden], added to each block's first positions")
+    push_token: Optional[str] = Field(default=None, min_length=16, max_length=MAX_TOKEN_LEN,
+                                      description="the secret a push into this session part must carry (the client "
+                                                  "hands it to the previous server only); None: no push accepted")
 
 
 class PushTarget(Message):
     peer_id: str = Field(min_length=1, max_length=128)
     stream_key: str = Field(min_length=1, max_length=MAX_SESSION_ID_LEN + 16)
+    push_token: str = Field(default="", max_length=MAX_TOKEN_LEN, description="the target's OpenSession.push_token")
 
 
 RowIndex = Annotated[int, Field(ge=0, lt=MAX_BATCH)]
@@ -139,6 +148,7 @@ class PushStep(RowEdits):
 
     type: Literal["push"] = "push"
     stream_key: str = Field(min_length=1, max_length=MAX_SESSION_ID_LEN + 16)
+    push_token: str = Field(default="", max_length=MAX_TOKEN_LEN, description="must equal the session part's token")
     start_position: int = Field(ge=0)
     step_id: int = Field(ge=0)
     push_chain: List[PushTarget] = Field(default_factory=list, max_length=256)
@@ -215,15 +225,18 @@ class ServerStats(Message):
     cache_tokens_total: int
     cache_tokens_used: int
     sessions_open: int
+    streams_open: int = Field(default=0, description="inference streams and training calls open now")
     inference_tokens_processed: int = Field(description="tokens received by inference steps since start")
     inference_steps: int
     forward_tokens_processed: int
     steps_from_push: int = 0
     pushes_sent: int = 0
+    pushes_refused: int = Field(default=0, description="pushes refused for a wrong push token (hijack attempts)")
     decode_batches: int = 0
     largest_batch: int = 0
     decode_compute_seconds: float = 0.0
     training_tokens_processed: int = Field(default=0, description="tokens of training forward/backward passes")
+    limits: Optional[ServerLimits] = Field(default=None, description="the resource limits the server enforces")
 
 
 ReplyMessage = Union[StepResult, ErrorReply]

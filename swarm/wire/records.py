@@ -1,9 +1,10 @@
 """DHT records: what a block server announces about itself, and reading the swarm's state back.
 
 One DHT key per block of a model (`"{prefix}.{block_index}"`), one sub-key per server (its peer id), whose
-value is a `ServerInfo` dict: the server's state, its span, throughput, free KV cache, version and the RTTs it
-measured to servers that host its next blocks. Records expire unless refreshed; a server going away stores
-`offline` with a short expiration. Records that fail validation are ignored (a bad peer cannot break a reader).
+value is a `ServerInfo` dict: the server's state, its span, throughput, free KV cache, version, the RTTs it
+measured to servers that host its next blocks and its resource limits (`ServerLimits`). Records expire unless
+refreshed; a server going away stores `offline` with a short expiration. Records that fail validation are ignored
+(a bad peer cannot break a reader).
 """
 from __future__ import annotations
 
@@ -30,6 +31,21 @@ class ServerState(str, enum.Enum):
     OFFLINE = "offline"
 
 
+class ServerLimits(BaseModel):
+    """The resource limits a server enforces on its RPCs (`server.limits.RpcLimits` and `--max_length`), announced
+    so that clients fit their requests to them before sending (chunk sizes, session lengths)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    max_length: int = Field(gt=0, description="most tokens one session may hold (`--max_length`)")
+    max_sessions_per_peer: int = Field(gt=0)
+    max_streams: int = Field(gt=0, description="inference streams and training calls open at once, all peers")
+    max_message_bytes: int = Field(gt=0, description="largest RPC message (metadata and tensor buffers)")
+    max_step_tokens: int = Field(gt=0, description="most tokens (batch x sequence) in one step, forward or "
+                                                   "training call")
+    max_queued_steps: int = Field(gt=0)
+
+
 class ServerInfo(BaseModel):
     """The value a server stores under each of its blocks' keys."""
 
@@ -49,6 +65,8 @@ class ServerInfo(BaseModel):
     # the names of the LoRA adapters the server holds for its blocks (`swarmgate server --adapters`)
     adapters: tuple[str, ...] = ()
     next_pings: Dict[str, float] = Field(default_factory=dict, description="peer id -> RTT in seconds")
+    limits: Optional[ServerLimits] = Field(default=None, description="the server's resource limits (None: an "
+                                                                     "older server that does not announce them)")
 
 
 @dataclass(frozen=True)
