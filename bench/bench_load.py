@@ -1,7 +1,9 @@
 """The gateway under load (issue 17): concurrent streaming chat completions against the local transformers limit.
 
-Starts a bootstrap peer, two block servers (0:15, 15:30, float32, one thread each) and two real gateway
-processes (`bench/harness.py`): the measured one (admission limits above the largest wave) and a small one
+Starts a bootstrap peer, two block servers (0:15, 15:30, float32, every core each, as `swarmgate up` runs them:
+the processes take CPU turns, so each pass has all cores, as local transformers has; `--one_thread`: one intra-op
+thread per process, as the benchmark ran before, which leaves a core idle) and two real gateway processes
+(`bench/harness.py`): the measured one (admission limits above the largest wave) and a small one
 (`--max_concurrent 2 --max_queue 2`) for overload. An asyncio client (`bench/load_client.py`, httpx reading SSE)
 drives them over HTTP. Every request's prompt is distinct (a running number), so no pooled session helps.
 
@@ -305,6 +307,8 @@ def main() -> int:
                              "process of this user on the machine (default: a lock of its own, so that other "
                              "swarms' work does not block it while the local baseline runs free)")
     parser.add_argument("--no_write", action="store_true", help="do not write docs/benchmarks.md")
+    parser.add_argument("--one_thread", action="store_true",
+                        help="one intra-op thread per swarm process (default: all cores, taking CPU turns)")
     parser.add_argument("--local_only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
@@ -329,7 +333,8 @@ def main() -> int:
         (out_dir / "tmp").mkdir(exist_ok=True)
         os.environ["TMPDIR"] = str(out_dir / "tmp")
     biggest = max(args.concurrency)
-    with BenchSwarm("bench-load", ["0:15", "15:30"], server_args=["--attn_cache_tokens", "40000"]) as swarm:
+    with BenchSwarm("bench-load", ["0:15", "15:30"], server_args=["--attn_cache_tokens", "40000"],
+                    threads=1 if args.one_thread else None) as swarm:
         tok = AutoTokenizer.from_pretrained(swarm.path)
         args.long_repeats = max(1, round(500 / len(tok(LONG_TEXT)["input_ids"])))
         args.long_prompt_tokens = len(tok(LONG_TEXT * args.long_repeats)["input_ids"])
