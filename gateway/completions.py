@@ -227,7 +227,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     forced = tool_choice not in ("none", "auto")  # the grammar guarantees the calls: stream their arguments
     completion_id = "chatcmpl-" + _request_id(request)
     created = int(time.time())
-    run = await state.admit([state.new_job(prompt, params, n, _request_id(request), owner_of(request), adapter)])
+    run = await state.admit([state.new_job(prompt, params, n, _request_id(request), owner_of(request), adapter,
+                                           state.speculation(body))])
 
     if not body.stream:
         got = await collect(request, run, n)
@@ -298,7 +299,8 @@ async def completions(body: CompletionRequest, request: Request):
     for prompt in prompts:
         params = completion_params(body, len(prompt), state.limits)
         params.grammar = grammar
-        jobs.append(state.new_job(prompt, params, body.n or 1, _request_id(request), owner_of(request), adapter))
+        jobs.append(state.new_job(prompt, params, body.n or 1, _request_id(request), owner_of(request), adapter,
+                                  state.speculation(body)))
     n, want_logprobs = body.n or 1, body.logprobs is not None
     completion_id = "cmpl-" + _request_id(request)
     created = int(time.time())
