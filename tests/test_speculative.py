@@ -9,6 +9,8 @@ tests/test_failover.py (a server killed mid-generation during a speculative run)
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -212,6 +214,72 @@ def test_swarm_generate_ngram_greedy_equals_transformers(swarm_model, reference_
 
 
 def test_swarm_speculative_sampling_runs_and_stops(swarm_model, repeat_ids):
-    out = swarm_model.generate(repeat_ids, max_new_tokens=12, do_sample=True, temperature=0.8, top_p=0.9,
-                               speculative="ngram")
+    torch.manual_seed(0)
+    out = swarm_model.generate(repeat_ids, max_new_tokens=12, min_new_tokens=12, do_sample=True, temperature=0.8,
+                               top_p=0.9, speculative="ngram")
     assert out.shape[1] == repeat_ids.shape[1] + 12 and swarm_model.last_speculation.steps >= 1
+
+
+# ---- the gateway over a scripted model (in process) ---------------------------------------------------------------
+SCRIPT = "one two three four. one two three four. one two three four. one two three four. STOP and then"
+
+
+def test_gateway_speculative_requests_match_plain_ones(tokenizer):
+    from starlette.testclient import TestClient
+
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+    from tests.test_gateway_unit import FakeModel
+
+    config = GatewayConfig(model="fake", speculative="ngram", num_draft_tokens=4)
+    client = TestClient(create_app(config, model=FakeModel(tokenizer, SCRIPT), tokenizer=tokenizer))
+    chat = {"model": "fake", "messages": [{"role": "user", "content": "count"}], "temperature": 0}
+
+    def answer(**extra):
+        r = client.post("/v1/chat/completions", json={**chat, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def streamed(**extra):
+        with client.stream("POST", "/v1/chat/completions", json={**chat, "stream": True, **extra}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]), len(chunks)
+
+    def accepted() -> float:
+        text = client.get("/metrics").text
+        return float(next(line.split()[-1] for line in text.splitlines()
+                          if line.startswith("swarmgate_speculative_accepted_tokens_total")))
+
+    plain = answer(speculative="off")
+    assert accepted() == 0
+    fast = answer()  # the gateway's default: n-gram drafts
+    assert fast["choices"][0]["message"] == plain["choices"][0]["message"]
+    assert fast["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+    assert accepted() > 0
+    text, chunks = streamed(num_draft_tokens=6)
+    assert text == plain["choices"][0]["message"]["content"] and chunks > 3  # accepted tokens stream as they come
+    stop = answer(stop=[" STOP"], logprobs=True)["choices"][0]  # a stop string inside an accepted block
+    assert stop["message"]["content"] == SCRIPT[:SCRIPT.index(" STOP")] and stop["finish_reason"] == "stop"
+    assert "".join(t["token"] for t in stop["logprobs"]["content"]).startswith(stop["message"]["content"])
+    cut = answer(max_tokens=7)["choices"][0]
+    assert cut["finish_reason"] == "length" and cut["message"]["content"] == plain["choices"][0]["message"][
+        "content"][:len(cut["message"]["content"])]
+    r = client.post("/v1/chat/completions", json={**chat, "speculative": "draft_model"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "speculative"
+
+
+def test_gateway_speculative_settings_from_cli_and_env():
+    from pydantic import ValidationError
+
+    from gateway.config import GatewayConfig
+    from swarm.runtime.config import build_parser, load_config
+
+    with pytest.raises(ValidationError, match="--draft_model"):
+        GatewayConfig(model="m", speculative="draft_model")
+    args = build_parser(GatewayConfig, "gw", "", positional="model").parse_args(
+        ["m", "--speculative", "ngram", "--num_draft_tokens", "6"])
+    config = load_config(GatewayConfig, args, environ={"SWARMGATE_NUM_DRAFT_TOKENS": "2"})
+    assert (config.speculative, config.num_draft_tokens) == ("ngram", 6)
+    config = load_config(GatewayConfig, None, environ={"SWARMGATE_MODEL": "m", "SWARMGATE_SPECULATIVE": "ngram"})
+    assert (config.speculative, config.num_draft_tokens) == ("ngram", 4)
