@@ -79,6 +79,11 @@ class GatewayConfig(SwarmKeySettings):
     num_threads: Optional[int] = Field(default=None, gt=0, description="torch intra-op threads")
     log_level: str = Field(default="INFO", description="logging level")
 
+    @field_validator("speculative", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML 1.1 reads an unquoted `off` as false
+
     @field_validator("torch_dtype")
     @classmethod
     def _valid_dtype(cls, value: str) -> str:

@@ -66,7 +66,6 @@ UNSUPPORTED_GENERATION_SETTINGS: Dict[str, Tuple[Any, str]] = {
     "token_healing": (False, "token healing is not supported"),
     "penalty_alpha": (None, "contrastive search is not supported"),
     "dola_layers": (None, "DoLa decoding is not supported"),
-    "prompt_lookup_num_tokens": (None, "prompt-lookup (speculative) decoding is not supported"),
     "num_beam_groups": (1, "diverse beam search is not supported"),
     "constraints": (None, "constrained beam search is not supported"),
     "force_words_ids": (None, "constrained beam search is not supported"),

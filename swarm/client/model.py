@@ -32,6 +32,7 @@ from swarm.client import ptune as tuning
 from swarm.client.adapters import ACTIVE_ADAPTER, AdapterChoice
 from swarm.client.api import Coverage, PromptLogprob, ServerView
 from swarm.client.beam import beam_search
+from swarm.client.drafting import MAX_DRAFT_TOKENS
 from swarm.client.genconfig import resolve_generation_config, stopping_criteria_for
 from swarm.client.generation import SamplingParams, build_processors, process_and_pick_scores
 from swarm.client.manager import ClientConfig, SwarmManager
@@ -275,8 +276,9 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         `num_beams > 1` transformers' beam search (`swarm.client.beam`, a `GenerateBeamDecoderOnlyOutput`). Every
         setting of the `GenerationConfig` is applied or is an error naming it. `stop_strings` need `tokenizer=`.
         `attention_mask` [batch, seq]: prompts of different lengths, left-padded. `speculative="ngram"` /
-        `"draft_model"` (with `draft_model=` a local checkpoint) or a `SpeculativeConfig`, `num_draft_tokens=k`:
-        speculative decoding (`swarm.client.speculative`; one row, no beams: other calls decode plainly)."""
+        `"draft_model"` (with `draft_model=` a local checkpoint) or a `SpeculativeConfig`, `num_draft_tokens=k`
+        (or transformers' `prompt_lookup_num_tokens=k`: n-gram drafts): speculative decoding
+        (`swarm.client.speculative`; one row without padding, no beams: other calls decode plainly)."""
         spec = SpeculativeConfig.of(kwargs.pop("speculative", None), kwargs.pop("num_draft_tokens", None),
                                     kwargs.pop("draft_model", None))
         if input_ids is None or input_ids.ndim != 2 or input_ids.shape[1] == 0:
@@ -284,6 +286,8 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         padding = left_padding(attention_mask, input_ids)
         check_padding_supported(getattr(self, "config", None), padding)  # (test doubles may have no config)
         config = resolve_generation_config(self.generation_config, generation_config, kwargs)
+        if getattr(config, "prompt_lookup_num_tokens", None):  # transformers' prompt lookup: n-gram drafts here
+            spec = spec or SpeculativeConfig("ngram", min(int(config.prompt_lookup_num_tokens), MAX_DRAFT_TOKENS))
         beams = int(config.num_beams or 1)
         if beams > 1 and streamer is not None:
             raise ValueError("`streamer` cannot be used with beam search (as in transformers); use num_beams=1")
