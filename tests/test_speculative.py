@@ -127,11 +127,12 @@ def test_speculative_config_and_draft_length():
         SpeculativeConfig("medusa")
     length = DraftLength(8)
     for _ in range(5):
-        length.update(length.k, 0)  # nothing accepted: down to one token
-    assert length.k == 1
+        length.update(length.k, 0)  # nothing accepted: down to one token, and drafting pauses
+    assert length.k == 1 and length.idle == 8
+    assert [length.take_turn() for _ in range(9)] == [False] * 8 + [True]
     for _ in range(5):
         length.update(length.k, length.k)  # everything accepted: up to the maximum
-    assert length.k == 8
+    assert length.k == 8 and length.misses == 0 and length.take_turn()
     drafter = NgramDrafter(2)
     assert drafter.draft(torch.tensor([5, 6, 7, 8, 5, 6]), 3)[0] == [7, 8, 5]
     assert drafter.draft(torch.tensor([1, 2, 3]), 3)[0] == []

@@ -10,7 +10,9 @@
   cache, cropped to what still matches the sequence at each call. Greedy requests draft its argmax; sampled ones
   draw from its distribution under the request's processors and return it (`q`) for the acceptance rule.
 `DraftLength` adapts the number of drafted tokens to the measured acceptance (transformers' "heuristic" schedule:
-+2 after a step whose drafts were all accepted, -1 otherwise, within [1, max]).
++2 after a step whose drafts were all accepted, -1 otherwise, within [1, max]); after steps in a row whose drafts
+were all rejected it pauses drafting for 1, 2, 4 ... 16 steps, so that text where drafts do not help costs almost
+nothing more than plain decoding.
 """
 from __future__ import annotations
 
@@ -184,10 +186,14 @@ def make_drafter(config: SpeculativeConfig, vocab_size: int, eos_token_ids: Opti
 class DraftLength:
     """The number of tokens to draft next, adapted to acceptance; and the counts behind the acceptance rate."""
 
+    MAX_IDLE = 16  # the longest pause in drafting after a run of steps whose drafts were all rejected
+
     def __init__(self, maximum: int, adaptive: bool = True):
         self.maximum, self.adaptive = maximum, adaptive
         self.k = maximum if not adaptive else min(maximum, 4)
         self.proposed = self.accepted = self.steps = 0
+        self.misses = 0  # steps in a row whose drafts were all rejected
+        self.idle = 0  # steps left to take plainly (no drafting) before trying again
 
     def update(self, proposed: int, accepted: int) -> None:
         self.proposed += proposed
@@ -195,6 +201,16 @@ class DraftLength:
         self.steps += 1
         if self.adaptive and proposed:
             self.k = min(self.maximum, self.k + 2) if accepted == proposed else max(1, self.k - 1)
+            self.misses = self.misses + 1 if accepted == 0 else 0
+            if self.misses >= 2:  # drafts keep failing: pause drafting for 1, 2, 4 ... steps (plain steps cost less)
+                self.idle = min(self.MAX_IDLE, 1 << (self.misses - 2))
+
+    def take_turn(self) -> bool:
+        """Whether this step drafts (False while paused after failed drafts)."""
+        if self.idle:
+            self.idle -= 1
+            return False
+        return True
 
     @property
     def acceptance(self) -> float:

@@ -87,7 +87,7 @@ class Speculator:
         """Drafts to follow ids [seq] when `remaining` tokens may still be generated (this step's included) and the
         session has `room` positions left after ids: at most remaining - 1 (the step adds one token of its own)."""
         k = min(self.length.k, remaining - 1, room - 1)
-        if k <= 0:
+        if k <= 0 or not self.length.take_turn():
             return [], None
         drafts, probs = self.drafter.draft(ids, k, sampling)
         return drafts[:k], None if probs is None else probs[:k]
