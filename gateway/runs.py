@@ -73,8 +73,8 @@ class GenerationRun:
         self.generated = [0] * n
         # speculative decoding: one choice, no grammar (its matcher advances token by token); else plain steps
         speculative = job.speculative if n == 1 and grammar is None else None
-        self.speculator = None if speculative is None else Speculator(speculative, vocab_size,
-                                                                      list(tokens.eos_token_ids))
+        self.speculator = None if speculative is None else Speculator(
+            speculative, vocab_size, list(tokens.eos_token_ids), getattr(sessions.model.config, "sliding_window", None))
 
     def run(self) -> None:
         job, params, sessions, metrics = self.job, self.params, self.sessions, self.metrics

@@ -18,7 +18,7 @@ from torch import nn
 from swarm.client.drafting import DraftLength, NgramDrafter, SpeculativeConfig
 from swarm.client.generation import Sampler, SamplingParams
 from swarm.client.model import DistributedModelForCausalLM
-from swarm.client.speculative import accept_drafts
+from swarm.client.speculative import Speculator, accept_drafts
 
 REPEAT = ("Repeat this paragraph exactly.\n\nThe quick brown fox jumps over the lazy dog. The dog sleeps in the "
           "sun all day long, and the fox runs around the field.\n\nThe quick brown fox")
@@ -133,6 +133,8 @@ def test_speculative_config_and_draft_length():
     for _ in range(5):
         length.update(length.k, length.k)  # everything accepted: up to the maximum
     assert length.k == 8 and length.misses == 0 and length.take_turn()
+    # a sliding window of 8: servers keep 2 windows, a rewind may reach back about one; drafts stay below it
+    assert Speculator(SpeculativeConfig("ngram", 12), 100, sliding_window=8).length.maximum == 7
     drafter = NgramDrafter(2)
     assert drafter.draft(torch.tensor([5, 6, 7, 8, 5, 6]), 3)[0] == [7, 8, 5]
     assert drafter.draft(torch.tensor([1, 2, 3]), 3)[0] == []

@@ -347,7 +347,8 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         ids, finished = input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool)
         if spec is not None and ids.shape[0] == 1 and padding is None:
             try:
-                speculator = Speculator(spec, int(self.config.vocab_size), eos_ids.tolist())
+                speculator = Speculator(spec, int(self.config.vocab_size), eos_ids.tolist(),
+                                        getattr(self.config, "sliding_window", None))
                 self.last_speculation = speculator.length  # its acceptance counts (benchmarks read them)
                 return result(speculative_generate(
                     session, ids, speculator, processors, build_processors(params, prompt_len), params.greedy,

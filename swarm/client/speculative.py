@@ -77,10 +77,16 @@ def accept_drafts(drafts: List[int], logits: torch.Tensor, score: Scorer, greedy
 class Speculator:
     """One generation's drafting: the drafter, the adaptive draft length and the acceptance counts."""
 
-    def __init__(self, config: SpeculativeConfig, vocab_size: int, eos_token_ids: Optional[List[int]] = None):
+    def __init__(self, config: SpeculativeConfig, vocab_size: int, eos_token_ids: Optional[List[int]] = None,
+                 sliding_window: Optional[int] = None):
+        """`sliding_window`: the model's (servers keep a ring of 2 windows, so a rewind may go back at most about a
+        window: drafts stay below it)."""
         self.config = config
         self.drafter = make_drafter(config, vocab_size, eos_token_ids)
-        self.length = DraftLength(config.num_draft_tokens, config.adaptive)
+        maximum = config.num_draft_tokens
+        if sliding_window:
+            maximum = max(1, min(maximum, int(sliding_window) - 1))
+        self.length = DraftLength(maximum, config.adaptive)
 
     def drafts(self, ids: torch.Tensor, remaining: int, room: int, sampling: Optional[DraftSampling] = None
                ) -> Tuple[List[int], Optional[torch.Tensor]]:
