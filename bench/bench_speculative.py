@@ -76,16 +76,23 @@ def measure(model, tokenizer, prompts: Dict[str, str], args, drafters: List[Tupl
     for name, text in prompts.items():
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)["input_ids"]
-        # best of --repeats runs each, interleaved: the machine may be shared, the best run is the least disturbed
-        runs = [timed(model, ids, args.new_tokens) for _ in range(args.repeats)]
-        plain_out, plain_s = runs[0][0], min(seconds for _, seconds in runs)
+        # best of --repeats rounds, each running plain then every drafter: the machine may be shared, and the best
+        # run is the least disturbed one
+        best: Dict[str, float] = {}
+        outputs: Dict[str, torch.Tensor] = {}
+        stats_of: Dict[str, Any] = {}
+        for _ in range(args.repeats):
+            for label, spec in [("plain", {}), *drafters]:
+                out, seconds = timed(model, ids, args.new_tokens, **spec)
+                best[label] = min(seconds, best.get(label, float("inf")))
+                outputs.setdefault(label, out)
+                if spec:
+                    stats_of.setdefault(label, model.last_speculation)
+        plain_out, plain_s = outputs["plain"], best["plain"]
         new = plain_out.shape[1] - ids.shape[1]
         row: Dict[str, Any] = {"new_tokens": new, "plain_tokens_per_s": round(new / plain_s, 2)}
         for label, spec in drafters:
-            out, seconds = timed(model, ids, args.new_tokens, **spec)
-            stats = model.last_speculation
-            for _ in range(args.repeats - 1):
-                seconds = min(seconds, timed(model, ids, args.new_tokens, **spec)[1])
+            out, seconds, stats = outputs[label], best[label], stats_of[label]
             n = out.shape[1] - ids.shape[1]
             row[label] = {"tokens_per_s": round(n / seconds, 2), "speedup": round((n / seconds) / (new / plain_s), 3),
                           "acceptance": round(stats.acceptance, 3), "drafted": stats.proposed,

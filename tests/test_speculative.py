@@ -207,7 +207,9 @@ def swarm_model(swarms, model_path):
     model.shutdown()
 
 
-def test_swarm_generate_ngram_greedy_equals_transformers(swarm_model, reference_model, repeat_ids):
+def test_swarm_generate_greedy_equals_transformers(swarm_model, reference_model, repeat_ids, model_path, tmp_path):
+    from tests.tiny_checkpoints import save_tiny
+
     ref = reference_model.generate(repeat_ids, max_new_tokens=32, do_sample=False)
     with swarm_model.inference_session(max_length=repeat_ids.shape[1] + 32) as session:
         ours = swarm_model.generate(repeat_ids, session=session, max_new_tokens=32, do_sample=False,
@@ -215,6 +217,12 @@ def test_swarm_generate_ngram_greedy_equals_transformers(swarm_model, reference_
         assert session.position <= ours.shape[1]  # the rejected drafts were rewound
     assert ours.tolist() == ref.tolist()
     assert swarm_model.last_speculation.accepted > 0
+    # a tiny random draft model of the same tokenizer: its drafts are mostly rejected, the output is the same
+    save_tiny("llama", tmp_path / "draft", model_path, max_position_embeddings=1024)
+    ours = swarm_model.generate(repeat_ids, max_new_tokens=16, do_sample=False, speculative="draft_model",
+                                draft_model=str(tmp_path / "draft"), num_draft_tokens=3)
+    assert ours.tolist() == ref[:, :repeat_ids.shape[1] + 16].tolist()
+    assert swarm_model.last_speculation.proposed > 0
 
 
 def test_swarm_speculative_sampling_runs_and_stops(swarm_model, repeat_ids):
