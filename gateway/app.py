@@ -46,6 +46,7 @@ from gateway.sessions import SessionProvider
 from gateway.state import GatewayState, format_ranges, quant_note, quant_summary
 from gateway.status import add_status_routes
 from gateway.tokens import Tokens
+from swarm.client.drafting import load_draft_model
 from swarm.runtime import malloc
 from swarm.runtime.taskpool import stop_client_pool
 
@@ -119,6 +120,8 @@ def create_app(config: GatewayConfig, model=None, tokenizer=None) -> FastAPI:
     model = model if model is not None else load_model(config)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
     tokens = Tokens(tokenizer, _eos_ids(model))
+    if config.draft_model:  # loaded once, at start: a bad path fails here, not in the first request
+        load_draft_model(config.draft_model)
     threading.Thread(target=lambda: tokens.token_bytes, name="token-table", daemon=True).start()  # warm it
     context = config.max_context or int(getattr(model.config, "max_position_embeddings", 2048))
     limits = Limits(context=context, default_max_tokens=config.default_max_tokens, max_n=config.max_n,

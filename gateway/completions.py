@@ -228,7 +228,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     completion_id = "chatcmpl-" + _request_id(request)
     created = int(time.time())
     run = await state.admit([state.new_job(prompt, params, n, _request_id(request), owner_of(request), adapter,
-                                             bool(body.stream))])
+                                             stream=bool(body.stream), speculative=state.speculation(body))])
 
     if not body.stream:
         got = await collect(request, run, n)
@@ -300,7 +300,7 @@ async def completions(body: CompletionRequest, request: Request):
         params = completion_params(body, len(prompt), state.limits)
         params.grammar = grammar
         jobs.append(state.new_job(prompt, params, body.n or 1, _request_id(request), owner_of(request), adapter,
-                                  bool(body.stream)))
+                                  stream=bool(body.stream), speculative=state.speculation(body)))
     n, want_logprobs = body.n or 1, body.logprobs is not None
     completion_id = "cmpl-" + _request_id(request)
     created = int(time.time())

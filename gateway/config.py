@@ -7,10 +7,11 @@ into the `swarmgate gateway MODEL ...` command line and `swarm.runtime.config.lo
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Literal, Optional, Tuple
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
+from swarm.client.drafting import MAX_DRAFT_TOKENS
 from swarm.client.routing import normalize_quant_types
 from swarm.runtime.swarm_key import SwarmKeySettings
 from swarm.wire.dtypes import QUANT_TYPES, parse_dtype
@@ -77,9 +78,23 @@ class GatewayConfig(SwarmKeySettings):
         description="with --verify_rate: tokens a streamed choice may run ahead of its last full check before every "
                     "span is checked; text is sent only once checked, so it never has to be taken back (the bounded "
                     "delay of a stream; a non-streamed response is checked once, at its end)")
+    speculative: Literal["off", "ngram", "draft_model"] = Field(
+        default="off", description="speculative decoding by default: drafts verified by the swarm in one step per "
+                                   "[token + drafts] (ngram: prompt lookup; draft_model: --draft_model run on the "
+                                   "gateway); requests may choose with their `speculative` field")
+    draft_model: Optional[str] = Field(
+        default=None, description="local checkpoint directory of a small model of the same tokenizer, for "
+                                  "speculative draft_model (loaded at start)")
+    num_draft_tokens: int = Field(default=4, ge=1, le=MAX_DRAFT_TOKENS,
+                                  description="most tokens drafted per step (adapted to the acceptance rate below it)")
     torch_dtype: str = Field(default="float32", description="dtype of the local embeddings and LM head")
     num_threads: Optional[int] = Field(default=None, gt=0, description="torch intra-op threads")
     log_level: str = Field(default="INFO", description="logging level")
+
+    @field_validator("speculative", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML 1.1 reads an unquoted `off` as false
 
     @field_validator("torch_dtype")
     @classmethod
@@ -101,6 +116,12 @@ class GatewayConfig(SwarmKeySettings):
         return value
 
     _file_keys: Tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="after")
+    def _draft_model_given(self):
+        if self.speculative == "draft_model" and not self.draft_model:
+            raise ValueError("speculative draft_model needs --draft_model (a local checkpoint directory)")
+        return self
 
     @model_validator(mode="after")
     def _read_key_file(self):

@@ -2,7 +2,8 @@
 
 Requests by endpoint and status, time to first token and inter-token latency histograms, prompt and
 completion token counters, active sessions, queue length, the conversation session pool (hits, misses, prompt
-tokens reused, evictions by reason, pooled sessions and the cache they reserve), and the swarm's coverage
+tokens reused, evictions by reason, pooled sessions and the cache they reserve), speculative decoding's drafted and
+accepted tokens, and the swarm's coverage
 (blocks served by at least one online server, out of the model's blocks), refreshed from the client's cached
 view at each scrape, and with `--verify_rate` the spot-checks of servers' outputs (`swarm.client.verify`, read at
 each scrape): checks done and passed, servers outvoted (`mismatches`, each then distrusted), checks impossible
@@ -60,6 +61,10 @@ class Metrics:
                                        registry=r)
         self.pool_held_tokens = Gauge("swarmgate_pool_held_tokens", "tokens whose states the pooled sessions hold",
                                       registry=r)
+        self.draft_tokens = Counter("swarmgate_speculative_draft_tokens",
+                                    "tokens drafted and sent for verification (speculative decoding)", registry=r)
+        self.accepted_draft_tokens = Counter("swarmgate_speculative_accepted_tokens",
+                                             "drafted tokens the swarm's verification accepted", registry=r)
         self.running = Gauge("swarmgate_running_requests", "generations running", registry=r)
         self.queue_length = Gauge("swarmgate_queue_length", "requests waiting for a generation slot", registry=r)
         self.blocks_covered = Gauge("swarmgate_swarm_blocks_covered", "blocks served by an online server",
@@ -76,6 +81,10 @@ class Metrics:
 
     def count_eviction(self, reason: str, count: int = 1) -> None:
         self.pool_evictions.labels(reason=reason).inc(count)
+
+    def count_speculation(self, drafted: int, accepted: int) -> None:
+        self.draft_tokens.inc(drafted)
+        self.accepted_draft_tokens.inc(accepted)
 
     def observe_admission(self, admission) -> None:
         self.running.set(admission.running)

@@ -5,7 +5,9 @@
 (`gateway.sessions.SessionProvider`), steps it until every choice finished, emits `gateway.events` as it goes, and
 releases the session (back to the pool when it ended normally). The tokens are chosen by `swarm.client.generation`
 (the path `DistributedModelForCausalLM.generate` uses): one `Sampler` per choice, picking inside the client's batched
-LM-head task (`feed_and_pick`) as the direct client does.
+LM-head task (`feed_and_pick`) as the direct client does. With `job.speculative` (one choice, no grammar) a step
+sends the last token and its drafts and yields the accepted tokens (`swarm.client.speculative`), each taken (text,
+stop strings, end of sequence, max_tokens) and streamed as a plain step's token would be.
 """
 from __future__ import annotations
 
@@ -25,8 +27,10 @@ from gateway.sessions import SessionProvider
 from gateway.textstream import TextStream
 from gateway.tokens import Tokens
 from gateway.verification import RunVerification, verification_on
+from swarm.client.drafting import SpeculativeConfig
 from swarm.client.generation import RowSamplers, Sampler, SamplingParams, TokenChoice
 from swarm.client.grammar import GrammarConstraint
+from swarm.client.speculative import Speculator
 from swarm.client.verify import OutputsRetracted
 
 logger = logging.getLogger("swarmgate.gateway")
@@ -44,6 +48,7 @@ class GenerationJob:
     adapter: Optional[str] = None  # the LoRA adapter the request named as its model (None: the base model)
     cancel: threading.Event = field(default_factory=threading.Event)
     stream: bool = False  # streamed to the client (with spot-checks, its text is held back at most a few tokens)
+    speculative: Optional[SpeculativeConfig] = None  # drafting (n=1 without a grammar nor spot-checks; else plain)
 
 
 class GenerationRun:
@@ -74,6 +79,11 @@ class GenerationRun:
         self.pending: List[List[TokenChoice]] = [[] for _ in range(n)]
         self.finished = [False] * n
         self.generated = [0] * n
+        # speculative decoding: one choice, no grammar (its matcher advances token by token), no spot-checks (their
+        # snapshots and retractions are per token); else plain steps
+        speculative = job.speculative if n == 1 and grammar is None and not self.verification.enabled else None
+        self.speculator = None if speculative is None else Speculator(
+            speculative, vocab_size, list(tokens.eos_token_ids), getattr(sessions.model.config, "sliding_window", None))
 
     def run(self) -> None:
         job, params, sessions, metrics = self.job, self.params, self.sessions, self.metrics
@@ -97,30 +107,31 @@ class GenerationRun:
                                    "timeout_error", code="generation_timeout")
                 remaining = [None if self.finished[i] else params.max_tokens - self.generated[i]
                              for i in range(self.n)]
-                pick = self.samplers.picker(ids, remaining)
-                head_pick = pick if self.pick_in_head else None
-                self.verification.before_step(lease.session, all(self.finished))
-                # logits [n, vocab], float32; the first step sends the prompt (less what a pooled session holds)
-                try:
-                    if step == 0:
-                        logits, choices = sessions.prefill(lease, ids, head_pick)
-                    else:
-                        logits, choices = sessions.step(lease, ids, head_pick)
-                except OutputsRetracted as retracted:  # a lying server was caught: pick from there again
-                    ids = self.verification.retract(retracted, ids)
-                    continue
+                blocks = self._speculative_step(lease, ids, remaining[0], step) if self.speculator else None
+                if blocks is None:  # a plain step: one token per choice
+                    pick = self.samplers.picker(ids, remaining)
+                    head_pick = pick if self.pick_in_head else None
+                    self.verification.before_step(lease.session, all(self.finished))
+                    # logits [n, vocab], float32; the first step sends the prompt (less what a pooled session holds)
+                    try:
+                        logits, choices = (sessions.prefill if step == 0 else sessions.step)(lease, ids, head_pick)
+                    except OutputsRetracted as retracted:  # a lying server was caught: pick from there again
+                        ids = self.verification.retract(retracted, ids)
+                        continue
+                    blocks = [choices if self.pick_in_head else pick(logits)]
                 step += 1
-                if not self.pick_in_head:
-                    choices = pick(logits)
                 now = time.monotonic()
                 if last is None:
                     metrics.time_to_first_token.observe(now - job.arrived)
                 else:
-                    metrics.inter_token_latency.observe(now - last)
+                    metrics.inter_token_latency.observe((now - last) / len(blocks))
                 last = now
-                next_tokens = [self.pad if choice is None else self._take(i, choice)
-                               for i, choice in enumerate(choices)]
-                ids = torch.cat([ids, torch.tensor(next_tokens, dtype=torch.long)[:, None]], dim=1)
+                for choices in blocks:  # each token of a speculative block in turn, as plain steps would
+                    next_tokens = [self.pad if choice is None or self.finished[i] else self._take(i, choice)
+                                   for i, choice in enumerate(choices)]
+                    ids = torch.cat([ids, torch.tensor(next_tokens, dtype=torch.long)[:, None]], dim=1)
+                    if all(self.finished):
+                        break
                 self.verification.after_step(ids)
             reusable = True
         finally:
@@ -136,6 +147,28 @@ class GenerationRun:
             logger.info(f"request {job.request_id}: {lease.cached_tokens} of {prompt_len} prompt tokens were "
                         f"already held by a pooled session")
         self.emit(Done(prompt_len, completion, lease.cached_tokens))
+
+    def _speculative_step(self, lease, ids: torch.Tensor, remaining: Optional[int], step: int
+                          ) -> Optional[List[List[Optional[TokenChoice]]]]:
+        """One step of [last token + drafts] for the single choice (`swarm.client.speculative`): its tokens, each as
+        a step's choices; None when there is nothing to draft (the caller takes a plain step)."""
+        assert self.speculator is not None and remaining is not None
+        sampler = self.samplers.samplers[0]
+        sampling = None if self.params.greedy else sampler
+        drafts, probs = self.speculator.drafts(ids[0], remaining, lease.session.max_length - ids.shape[1], sampling)
+        if not drafts:
+            return None
+        fed = torch.cat([ids, torch.tensor([drafts], dtype=torch.long)], dim=1)  # [1, seq + k]
+
+        def pick(logits: torch.Tensor) -> List[TokenChoice]:  # logits [1, k + 1, vocab]
+            return sampler.verify(ids[0], drafts, probs, logits[0])
+
+        feed = self.sessions.prefill if step == 0 else self.sessions.step
+        _, accepted = feed(lease, fed, pick, num_logits=len(drafts) + 1)
+        self.speculator.record(len(drafts), len(accepted) - 1)
+        self.metrics.count_speculation(len(drafts), len(accepted) - 1)
+        lease.session.rewind(ids.shape[1] + len(accepted) - 1)  # every server drops the rejected drafts
+        return [[choice] for choice in accepted]
 
     def _take(self, i: int, choice: TokenChoice) -> int:
         """Choice i's next token: count it, emit its text, finish the choice where it ends. Returns the token."""

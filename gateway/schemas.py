@@ -114,6 +114,9 @@ class _SamplingFields(_Request):
     user: Optional[str] = None
     min_tokens: Optional[int] = Field(default=None, ge=0)  # vLLM: end-of-sequence / stop ids masked until then
     prompt_logprobs: Optional[int] = None  # vLLM extra, not supported: a 400 when given
+    # swarmgate: speculative decoding of this request (None: the gateway's --speculative, --num_draft_tokens)
+    speculative: Optional[Literal["off", "ngram", "draft_model"]] = None
+    num_draft_tokens: Optional[int] = Field(default=None, ge=1, le=16)
     # vLLM's guided decoding (gateway.structured)
     guided_json: Optional[Union[Dict[str, Any], str]] = None
     guided_regex: Optional[str] = None

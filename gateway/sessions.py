@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, cast
 
 import torch
 
@@ -124,13 +124,13 @@ session whose chain includes a server that spot-checks distrusted since is close
         length = needed + self.headroom
         return max(needed, min(length, self.context)) if self.context else length
 
-    def prefill(self, lease: Lease, ids: torch.Tensor, pick: Optional[Callable[[torch.Tensor], Any]] = None
-                ) -> Tuple[torch.Tensor, Any]:
+    def prefill(self, lease: Lease, ids: torch.Tensor, pick: Optional[Callable[[torch.Tensor], Any]] = None,
+                num_logits: int = 1) -> Tuple[torch.Tensor, Any]:
         """The first step of a generation (the prompt), with the fallbacks described above: (logits [n, vocab],
-        what `pick(logits)` returned, or None without a pick)."""
+        what `pick(logits)` returned, or None without a pick). `num_logits` > 1: a speculative step's."""
         banned_before = set(self.model.banned_peers()) if self.pool is not None else set()
         try:
-            out = self.step(lease, ids, pick)
+            out = self.step(lease, ids, pick, num_logits)
         except Exception as e:
             if not lease.reused and (self.pool is None or len(self.pool) == 0):
                 raise
@@ -149,15 +149,18 @@ session whose chain includes a server that spot-checks distrusted since is close
                 self.model.unban(peer)
             length = self._pooled_length(lease.needed) if lease.owner is not None else lease.needed
             lease.session = self.open(length, lease.adapter)
-            out = self.step(lease, ids, pick)
+            out = self.step(lease, ids, pick, num_logits)
         if lease.cached_tokens and self.metrics is not None:
             self.metrics.pool_reused_tokens.inc(lease.cached_tokens)
         return out
 
     @staticmethod
-    def step(lease: Lease, ids: torch.Tensor, pick: Optional[Callable[[torch.Tensor], Any]] = None
-             ) -> Tuple[torch.Tensor, Any]:
-        """A later step: the servers hold `ids` [n, len]; (logits [n, vocab], pick(logits) or None)."""
+    def step(lease: Lease, ids: torch.Tensor, pick: Optional[Callable[[torch.Tensor], Any]] = None,
+             num_logits: int = 1) -> Tuple[torch.Tensor, Any]:
+        """A later step: the servers hold `ids` [n, len]; (logits [n, vocab], pick(logits) or None). With
+        `num_logits` n > 1 (a speculative step: last token + drafts), `pick` gets the last n positions' logits."""
+        if num_logits > 1:
+            return cast(Any, lease.session).feed_and_pick(ids, pick, num_logits=num_logits)
         if pick is None:
             return lease.session.feed(ids), None
         return lease.session.feed_and_pick(ids, pick)

@@ -18,13 +18,14 @@ from starlette.concurrency import run_in_threadpool
 from gateway.admission import Admission, Slot
 from gateway.config import GatewayConfig
 from gateway.engine import Engine, RequestRun
-from gateway.errors import not_found
+from gateway.errors import bad_request, not_found
 from gateway.events import swarm_error
 from gateway.metrics import Metrics
 from gateway.params import Limits, check_model
 from gateway.runs import GenerationJob
 from gateway.tokens import Tokens
 from swarm.client.api import ClientModel, Coverage
+from swarm.client.drafting import SpeculativeConfig
 
 logger = logging.getLogger("swarmgate.gateway")
 
@@ -41,11 +42,25 @@ class GatewayState:
     created: int
 
     def new_job(self, prompt_ids: List[int], params, n: int, request_id: str,
-                owner: Optional[str] = None, adapter: Optional[str] = None, stream: bool = False) -> GenerationJob:
+                owner: Optional[str] = None, adapter: Optional[str] = None, stream: bool = False,
+                speculative: Optional[SpeculativeConfig] = None) -> GenerationJob:
         """`owner`: the session pool namespace (`gateway.auth.owner_of`); None never reuses nor pools. `adapter`:
-        the LoRA adapter the request named (`resolve_model`); `stream`: the response is streamed."""
+        the LoRA adapter the request named (`resolve_model`); `stream`: the response is streamed; `speculative`: its
+        drafting (`speculation`)."""
         return GenerationJob(prompt_ids, params, n, request_id=request_id, owner=owner, adapter=adapter, stream=stream,
-                             deadline=time.monotonic() + self.config.generation_timeout)
+                             deadline=time.monotonic() + self.config.generation_timeout, speculative=speculative)
+
+    def speculation(self, body) -> Optional[SpeculativeConfig]:
+        """A request's speculative decoding: its `speculative` / `num_draft_tokens` fields, else the gateway's
+        settings; None: off. A draft model needs the gateway's `--draft_model` (else a 400)."""
+        method = body.speculative or self.config.speculative
+        if method == "off":
+            return None
+        if method == "draft_model" and not self.config.draft_model:
+            raise bad_request("speculative 'draft_model' needs a gateway started with --draft_model.",
+                              param="speculative")
+        return SpeculativeConfig(method=method, draft_model=self.config.draft_model,
+                                 num_draft_tokens=body.num_draft_tokens or self.config.num_draft_tokens)
 
     async def admit(self, jobs: List[GenerationJob]) -> RequestRun:
         await self.admission.acquire()

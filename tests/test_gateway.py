@@ -93,6 +93,23 @@ def test_greedy_streamed_equals_non_streamed_equals_transformers(client, greedy_
     assert plain.usage.completion_tokens <= 40 and plain.usage.prompt_tokens > 10
 
 
+def test_speculative_requests_are_greedy_exact_and_stream(gateway, client, tokenizer, reference_model):
+    """n-gram speculation asked per request (the gateway's default is off): the same text as local greedy decoding,
+    streamed block by block, with drafts really accepted (the gateway's counters)."""
+    code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):"
+    messages = [{"role": "user", "content": "Continue this code:\n" + code}]
+    expected = reference_text(tokenizer, reference_model, messages, 24)
+    spec = {"speculative": "ngram", "num_draft_tokens": 5}
+    r = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24, extra_body=spec)
+    assert r.choices[0].message.content == expected
+    text, _, chunks = stream_text(client, model=MODEL, messages=messages, temperature=0, max_tokens=24,
+                                  extra_body=spec)
+    assert text == expected and len(chunks) > 3
+    accepted = [line for line in httpx.get(gateway.url + "/metrics").text.splitlines()
+                if line.startswith("swarmgate_speculative_accepted_tokens_total")]
+    assert accepted and float(accepted[0].split()[-1]) > 0
+
+
 def test_max_tokens_ends_with_length(client, greedy_reference, tokenizer):
     r = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_completion_tokens=5)
     assert r.choices[0].finish_reason == "length"

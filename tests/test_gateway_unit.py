@@ -176,9 +176,16 @@ class FakeSession:
         logits[:, self.model.script[min(step, len(self.model.script) - 1)]] = 10.0
         return logits
 
-    def feed_and_pick(self, ids, pick):
-        logits = self.feed(ids)
+    def feed_and_pick(self, ids, pick, num_logits=1):
+        if num_logits == 1:
+            logits = self.feed(ids)
+        else:  # a speculative step: the scripted logits of each of the last positions [n, num_logits, vocab]
+            logits = torch.stack([self.feed(ids[:, :ids.shape[1] - num_logits + 1 + i]) for i in range(num_logits)],
+                                 dim=1)
         return logits, pick(logits)
+
+    def rewind(self, length):
+        pass
 
     def close(self):
         self.closed = True

@@ -85,7 +85,7 @@ def test_custom_processors_merge_as_in_transformers():
 _REJECTED_VALUES = {"output_attentions": True, "output_hidden_states": True, "encoder_repetition_penalty": 1.5,
                     "encoder_no_repeat_ngram_size": 2, "guidance_scale": 1.5, "watermarking_config": {"bias": 2.0},
                     "token_healing": True, "penalty_alpha": 0.6, "dola_layers": "high",
-                    "prompt_lookup_num_tokens": 3, "num_beam_groups": 2, "constraints": ["x"],
+                    "num_beam_groups": 2, "constraints": ["x"],
                     "force_words_ids": [[1]], "use_mtp": True}
 
 

@@ -60,7 +60,10 @@ class GenerationSession(Protocol):
         ...
 
     def feed_and_pick(self, input_ids: torch.Tensor, pick: Callable[[torch.Tensor], T]) -> Tuple[torch.Tensor, T]:
-        """`feed`, then `pick(logits)` in the batched LM-head task: (logits [batch, vocab], what pick returned)."""
+        """`feed`, then `pick(logits)` in the batched LM-head task: (logits [batch, vocab], what pick returned).
+        Speculative decoding also passes `num_logits=n` (logits of the last n positions, [batch, n, vocab]) and
+        calls `rewind(length)` (`swarm.client.model_session.ModelSession`); only sessions that have them can run
+        speculative requests."""
         ...
 
     def close(self) -> None: ...

@@ -13,7 +13,8 @@ with one `torch.Generator` per row (the gateway's seeded choices).
 `Sampler` is one gateway choice's state: its processors, its own generator (seed + choice index; a random seed when
 none is given), an optional token constraint (`TokenConstraint`: `swarm.client.grammar.GrammarConstraint` for
 structured output, whose mask sets the scores of the tokens that may not follow to -inf before the processors) and
-logprobs taken from the model's unprocessed distribution. `RowSamplers` holds a batch's samplers and makes the `pick`
+logprobs taken from the model's unprocessed distribution; `Sampler.verify` picks a choice's tokens from a speculative
+step's drafts. `RowSamplers` holds a batch's samplers and makes the `pick`
 that `ModelSession.feed_and_pick` runs in the batched head task.
 """
 from __future__ import annotations
@@ -51,6 +52,8 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
+from swarm.client.speculative import accept_drafts
+
 # `GenerationConfig` fields that `generate` cannot honour: set to anything but the value given here, they are an error
 # (never silently ignored). Each maps to the reason given in the error.
 UNSUPPORTED_GENERATION_SETTINGS: Dict[str, Tuple[Any, str]] = {
@@ -63,7 +66,6 @@ UNSUPPORTED_GENERATION_SETTINGS: Dict[str, Tuple[Any, str]] = {
     "token_healing": (False, "token healing is not supported"),
     "penalty_alpha": (None, "contrastive search is not supported"),
     "dola_layers": (None, "DoLa decoding is not supported"),
-    "prompt_lookup_num_tokens": (None, "prompt-lookup (speculative) decoding is not supported"),
     "num_beam_groups": (1, "diverse beam search is not supported"),
     "constraints": (None, "constrained beam search is not supported"),
     "force_words_ids": (None, "constrained beam search is not supported"),
@@ -339,6 +341,31 @@ class Sampler:
         this choice may still generate, including this one."""
         logits = logits[: self.vocab_size].float()
         token = self._pick(input_ids, logits)
+        if self.constraint is not None:
+            self.constraint.advance(token)
+        return self._describe(token, logits)
+
+    @torch.no_grad()
+    def verify(self, input_ids: torch.Tensor, drafts: List[int], draft_probs: Optional[torch.Tensor],
+               logits: torch.Tensor) -> List[TokenChoice]:
+        """Speculative decoding (`swarm.client.speculative`): the tokens that drafts [k] of this choice yield, given
+        the logits [k + 1, vocab] of [last token + drafts]: the accepted drafts and one more, picked as `choose`
+        would (greedy: the same tokens; sampled: the same distribution, with this choice's generator).
+        input_ids: [seq] this choice's ids so far; `draft_probs` [k, vocab]: the drafts' distributions (None:
+        deterministic drafts). Not with a constraint (structured output decodes plainly)."""
+        assert self.constraint is None, "structured output is not decoded speculatively"
+        logits = logits[:, : self.vocab_size].float()
+        seq = input_ids.shape[0]
+        ids = torch.cat([input_ids, torch.tensor(drafts, dtype=torch.long)])[None]  # [1, seq + k]
+
+        def score(j: int, row: torch.Tensor) -> torch.Tensor:
+            return self.processors(cast(torch.LongTensor, ids[:, :seq + j]), row[None])[0]
+
+        accepted = accept_drafts(drafts, logits, score, self.params.greedy, self.generator, draft_probs)
+        return [self._describe(token, logits[j]) for j, (token, _) in enumerate(accepted)]
+
+    def _describe(self, token: int, logits: torch.Tensor) -> TokenChoice:
+        """The choice of `token`, with the logprobs asked for, from the model's unprocessed logits [vocab]."""
         choice = TokenChoice(token)
         if self.params.logprobs:
             logprobs = torch.log_softmax(logits, dim=-1)
@@ -346,8 +373,6 @@ class Sampler:
             if self.params.top_logprobs:
                 values, ids = torch.topk(logprobs, self.params.top_logprobs)
                 choice.top = [(int(i), float(v)) for i, v in zip(ids, values)]
-        if self.constraint is not None:
-            self.constraint.advance(token)
         return choice
 
     def _pick(self, input_ids: torch.Tensor, logits: torch.Tensor) -> int:

@@ -32,6 +32,7 @@ from swarm.client import ptune as tuning
 from swarm.client.adapters import ACTIVE_ADAPTER, AdapterChoice
 from swarm.client.api import Coverage, PromptLogprob, ServerView
 from swarm.client.beam import beam_search
+from swarm.client.drafting import MAX_DRAFT_TOKENS
 from swarm.client.genconfig import resolve_generation_config, stopping_criteria_for
 from swarm.client.generation import SamplingParams, build_processors, process_and_pick_scores
 from swarm.client.manager import ClientConfig, SwarmManager
@@ -41,6 +42,7 @@ from swarm.client.routing import quant_allowed
 from swarm.client.rowpad import RowPadding
 from swarm.client.rows import check_padding_supported, left_padding
 from swarm.client.session import SessionError
+from swarm.client.speculative import SpeculativeConfig, Speculator, speculative_generate
 from swarm.client.status import SwarmStatusView
 from swarm.client.verify import OutputsRetracted, VerifyStats, verifier_for
 from swarm.modeling.checkpoint import Checkpoint
@@ -73,6 +75,7 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         self.name_or_path: str = ""  # set by from_pretrained
         self.ptune: Optional[tuning.PromptTuning] = None  # from_pretrained(tuning_mode=..., pre_seq_len=...)
         self.remote_blocks: Optional[RemoteBlocks] = None  # the differentiable blocks, made on first use
+        self.last_speculation: Any = None  # the last speculative generate's `DraftLength` (acceptance counts)
 
     # ---- loading ------------------------------------------------------------------------------------------
     @classmethod
@@ -278,12 +281,19 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         `output_scores` / `output_logits`; no `past_key_values`: the cache lives on the servers), with
         `num_beams > 1` transformers' beam search (`swarm.client.beam`, a `GenerateBeamDecoderOnlyOutput`). Every
         setting of the `GenerationConfig` is applied or is an error naming it. `stop_strings` need `tokenizer=`.
-        `attention_mask` [batch, seq]: prompts of different lengths, left-padded."""
+        `attention_mask` [batch, seq]: prompts of different lengths, left-padded. `speculative="ngram"` /
+        `"draft_model"` (with `draft_model=` a local checkpoint) or a `SpeculativeConfig`, `num_draft_tokens=k`
+        (or transformers' `prompt_lookup_num_tokens=k`: n-gram drafts): speculative decoding
+        (`swarm.client.speculative`; one row without padding, no beams: other calls decode plainly)."""
+        spec = SpeculativeConfig.of(kwargs.pop("speculative", None), kwargs.pop("num_draft_tokens", None),
+                                    kwargs.pop("draft_model", None))
         if input_ids is None or input_ids.ndim != 2 or input_ids.shape[1] == 0:
             raise ValueError("input_ids must be a non-empty [batch, seq] tensor")
         padding = left_padding(attention_mask, input_ids)
         check_padding_supported(getattr(self, "config", None), padding)  # (test doubles may have no config)
         config = resolve_generation_config(self.generation_config, generation_config, kwargs)
+        if getattr(config, "prompt_lookup_num_tokens", None):  # transformers' prompt lookup: n-gram drafts here
+            spec = spec or SpeculativeConfig("ngram", min(int(config.prompt_lookup_num_tokens), MAX_DRAFT_TOKENS))
         beams = int(config.num_beams or 1)
         if beams > 1 and streamer is not None:
             raise ValueError("`streamer` cannot be used with beam search (as in transformers); use num_beams=1")
@@ -341,13 +351,27 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         if streamer is not None:
             streamer.put(input_ids.cpu())
         ids, finished = input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        if spec is not None and ids.shape[0] == 1 and padding is None:
+            try:
+                speculator = Speculator(spec, int(self.config.vocab_size), eos_ids.tolist(),
+                                        getattr(self.config, "sliding_window", None))
+                self.last_speculation = speculator.length  # its acceptance counts (benchmarks read them)
+                return result(speculative_generate(
+                    session, ids, speculator, processors, build_processors(params, prompt_len), params.greedy,
+                    prompt_len + max_new, prompt_len, eos_ids, criteria, streamer,
+                    scores if want_scores else None, raw_logits if want_logits else None))
+            finally:
+                if streamer is not None:
+                    streamer.end()
+                if own_session:
+                    session.close()
         try:
             while ids.shape[1] < prompt_len + max_new:
                 # logits [batch, vocab], next tokens [batch], processed scores [batch, vocab]: on the head's thread
                 try:
                     logits, (next_tokens, step_scores) = session.feed_and_pick(
                         ids, functools.partial(process_and_pick_scores, processors, ids, greedy=params.greedy),
-                        **({} if padding is None else {"left_padding": padding}))
+                        **cast(Any, {} if padding is None else {"left_padding": padding}))
                 except OutputsRetracted as retracted:  # a lying server was caught: pick its tokens again
                     ids, finished = retracted.retract(ids, prompt_len, eos_ids, scores, raw_logits)
                     continue

@@ -9,7 +9,7 @@ import torch
 
 from swarm.client import ptune as tuning
 from swarm.client.rows import held_prefix
-from swarm.client.session import InferenceSession
+from swarm.client.session import PUSH_MAX_TOKENS, InferenceSession
 from swarm.client.verify import OutputsRetracted
 from swarm.runtime.taskpool import PRIORITY_DECODE, client_pool
 
@@ -90,13 +90,23 @@ class ModelSession:
         return self._feed(input_ids, None, hypo_ids, left_padding)[0]
 
     def feed_and_pick(self, input_ids: torch.Tensor, pick: Callable[[torch.Tensor], T],
-                      left_padding: Optional[List[int]] = None) -> Tuple[torch.Tensor, T]:
+                      left_padding: Optional[List[int]] = None, *, num_logits: int = 1) -> Tuple[torch.Tensor, T]:
         """`feed`, then `pick(logits)` (the next tokens [batch], or the gateway's per-row choices) in the same
-        compute-thread task as the LM head: returns (logits [batch, vocab], what pick returned)."""
-        return self._feed(input_ids, pick, None, left_padding)
+        compute-thread task as the LM head: returns (logits [batch, vocab], what pick returned). With
+        `num_logits` n > 1 the logits of the last n positions go to `pick` and come back, [batch, n, vocab]
+        (speculative decoding verifies a token's drafts this way: `swarm.client.speculative`)."""
+        return self._feed(input_ids, pick, None, left_padding, num_logits)
+
+    def rewind(self, length: int) -> None:
+        """Make the servers hold only the first `length` tokens of `token_ids` (the next feed overwrites the rest;
+        speculative decoding drops its rejected drafts so)."""
+        if self.token_ids is None or length >= self.token_ids.shape[1]:
+            return
+        self.session.rewind(length + tuning.session_offset(self.model))
+        self.token_ids = self.token_ids[:, :length].clone()
 
     def _feed(self, input_ids: torch.Tensor, pick, hypo_ids: Optional[List[int]],
-              left_padding: Optional[List[int]]) -> Tuple[torch.Tensor, Any]:
+              left_padding: Optional[List[int]], num_logits: int = 1) -> Tuple[torch.Tensor, Any]:
         offset = tuning.session_offset(self.model)  # shallow prompts (`swarm.client.ptune`) hold the first positions
         if offset and left_padding:
             raise ValueError("left-padded batches cannot be combined with shallow prompt tuning (ptune)")
@@ -111,9 +121,10 @@ class ModelSession:
             hidden = pool.call(PRIORITY_DECODE, self.model.embed, new_ids)
         if offset and self.session.position == 0:
             hidden = tuning.with_prompts(self.model, hidden)
-        # A decode step's head is expected by concurrent sessions' heads, which wait for it (`TaskPool` docstring);
-        # a prompt's head (the first token) waits for no one: it is not held up by a round it is not part of yet
-        decode = new_ids.shape[1] == 1
+        # A decode step's head (one token, or a speculative step's few, after held ones) is expected by concurrent
+        # sessions' heads, which wait for it (`TaskPool` docstring); a prompt's head (the first token) waits for no
+        # one: it is not held up by a round it is not part of yet
+        decode = new_ids.shape[1] == 1 or (reuse > 0 and new_ids.shape[1] <= PUSH_MAX_TOKENS)
         head = ("head", id(self.model)) if decode else ("prompt head", id(self.model))
         if decode:
             pool.gatherer.expect(head, id(self))
@@ -132,10 +143,21 @@ class ModelSession:
         finally:  # what the servers hold (less after a failure or `swarm.client.verify.OutputsRetracted`)
             self.token_ids = input_ids[:, :max(self.session.position - offset, 0)].clone()
             self.left_padding = left_padding
-        logits, picked = pool.call_batchable(PRIORITY_DECODE, head, self.model.head_rows, (out[:, -1], pick),
+        if num_logits > 1:  # [batch * n, hidden] rows for the head; pick sees logits [batch, n, vocab]
+            if num_logits > out.shape[1]:
+                raise ValueError(f"num_logits={num_logits} but only {out.shape[1]} positions were sent")
+            batch = out.shape[0]
+            last = out[:, -num_logits:].reshape(batch * num_logits, out.shape[-1])
+            inner = pick
+            pick = None if inner is None else (lambda rows: inner(rows.view(batch, num_logits, -1)))
+        else:
+            last = out[:, -1]  # [batch, hidden]
+        logits, picked = pool.call_batchable(PRIORITY_DECODE, head, self.model.head_rows, (last, pick),
                                              source=id(self))
         if isinstance(picked, BaseException):  # this session's own error (say, a user's logits processor)
             raise picked
+        if num_logits > 1:
+            logits = logits.view(out.shape[0], num_logits, -1)
         return logits, picked
 
     def close(self) -> None:

@@ -32,6 +32,10 @@ from swarm.wire import protocol as P
 
 logger = logging.getLogger(__name__)
 
+# the longest step pushed server to server: decode steps, and speculative steps (a token plus its drafts, verified
+# in one pass); longer steps (prefill) go through the client, whose copy of each span's output is the history
+PUSH_MAX_TOKENS = 16
+
 
 METADATA_ROOM = 64 << 10  # bytes kept for a step's metadata under a server's max_message_bytes
 
@@ -247,7 +251,8 @@ class InferenceSession:
         self.batch_size = batch_size
 
     def rewind(self, position: int) -> None:
-        """Make the next step start at `position` (<= current position); later positions are forgotten."""
+        """Make the next step start at `position` (<= current position); later positions are forgotten: the next
+        step overwrites them on every server, and a failover replays only the history before `position`."""
         if not 0 <= position <= self.position:
             raise ValueError(f"cannot rewind to {position}: the session holds {self.position} tokens")
         self.position = position
@@ -397,10 +402,10 @@ class InferenceSession:
         With push, the client sends the step to the first server only, naming the rest of the chain; each
         server hands its output straight to the next one (k + 1 network hops for k servers) and also returns
         a copy to the client, which records it as the next boundary's input history (what failover replays).
-        Only decode steps (one token) are pushed. If a pushed step has not come back from the next server
-        within `push_timeout`, the client sends it there itself (servers drop the second copy by step id), so a
-        dead next server costs at most that long before failover starts. After a failure the rest of the step goes
-        through the client.
+        Only decode steps are pushed: a token, or a token and its speculative drafts (up to `PUSH_MAX_TOKENS`).
+        If a pushed step has not come back from the next server within `push_timeout`, the client sends it there
+        itself (servers drop the second copy by step id), so a dead next server costs at most that long before
+        failover starts. After a failure the rest of the step goes through the client.
 
         `hypo_ids` reorder the held rows first, named by this step's first id (`reorder_id`): a server applies it
         once, and a replacement, rebuilt from the history still in the old order, applies it like the others. Each
@@ -441,8 +446,8 @@ class InferenceSession:
                     chain = [P.PushTarget(peer_id=s.hop.peer_id, stream_key=s.key, push_token=s.push_token)
                              for s in rest]
                     # push decode steps (prefill goes through the client), once the next servers have opened
-                    use_push = (config.use_push and seq == 1 and not any(s.open_pending for s in rest) and not checks
-                                and not every)
+                    use_push = (config.use_push and seq <= PUSH_MAX_TOKENS and not checks and not every
+                                and not any(s.open_pending for s in rest))
                     stream.send(x, self.position, step_id, chain if use_push else (), edits)
                     out, pushed = await stream.receive(self.position, seq)
                 else:
