@@ -58,6 +58,10 @@ class TextStream:
     def add(self, token_id: int) -> Tuple[str, bool]:
         """Append a token; returns (delta to send, whether a stop string matched). After a match the text
         ends right before the stop string."""
+        if self._new_step is not None and self._step is None:  # a copy's decoder, brought to where it stands
+            self._step = self._new_step()
+            for held in self.ids:
+                self._step(held)
         self.ids.append(token_id)
         if self._step is not None:
             chunk = self._step(token_id)
@@ -83,18 +87,22 @@ class TextStream:
 
     def __copy__(self) -> "TextStream":
         """An independent copy (a snapshot to go back to): its own ids and, where it decodes incrementally, its own
-        decoder brought to the same point by replaying the ids."""
+        decoder, made (by replaying the ids) only if the copy is used: snapshots taken every step and never gone
+        back to cost a list copy each."""
         clone = object.__new__(TextStream)
         clone.__dict__.update(self.__dict__)
         clone.ids = list(self.ids)
         if self._new_step is not None:
-            clone._step = self._new_step()
-            for token_id in self.ids:
-                clone._step(token_id)
+            clone._step = None
         return clone
 
     def flush(self) -> str:
-        """The text held back so far (at the end of a choice that did not hit a stop string)."""
+        """The text held back so far (at the end of a choice that did not hit a stop string); with an incremental
+        decoder, also the bytes of a last, incomplete character, as the whole list's decoding gives them (U+FFFD)."""
+        if self._new_step is not None and not self.stopped:
+            whole = self._decode(self.ids)  # once per choice
+            if len(whole) > len(self.text) and whole.startswith(self.text):
+                self.text = whole
         delta = self.text[self.sent:]
         self.sent = len(self.text)
         return delta

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+from swarm.runtime import taskpool
 from swarm.runtime.taskpool import PRIORITY_DECODE, Gatherer, TaskPool
 
 
@@ -229,3 +230,28 @@ def test_a_batch_does_not_wait_for_sources_not_on_their_way_nor_late_ones():
     assert _expected_batch(0.06, expect_second=False) == [1, 1]  # b's step is not in the swarm: nobody waits
     # b has been on its way for longer than twice the longest wait (a failover replaying history): not waited for
     assert _expected_batch(0.06, expect_second=True, since_ago=1.0) == [1, 1]
+
+
+def test_other_work_is_not_held_up_by_a_wait_for_sources_on_their_way(monkeypatch):
+    """A head batch waiting for a session on its way (up to `EXPECT_MAX`) lets other queued work (a newcomer's
+    prompt head, its embedding) go after the short wait, not after the whole wait."""
+    monkeypatch.setattr(taskpool, "EXPECT_MAX", 1.0)
+    pool = TaskPool(adapt_threads=False, gather_max=0.02)
+    pool.gatherer.expect("head", "b")  # never arrives: the batch of a would wait up to EXPECT_MAX
+    waited = {}
+
+    def timed(name, fn, delay):
+        time.sleep(delay)
+        began = time.monotonic()
+        fn()
+        waited[name] = time.monotonic() - began
+
+    batch = lambda items: items  # noqa: E731
+    threads = [threading.Thread(target=timed, args=("a", lambda: pool.call_batchable(
+                   PRIORITY_DECODE, "head", batch, 1, source="a"), 0.0)),
+               threading.Thread(target=timed, args=("prompt", lambda: pool.call_batchable(
+                   PRIORITY_DECODE, "prompt head", batch, 1, source="c"), 0.05)),
+               threading.Thread(target=timed, args=("call", lambda: pool.call(PRIORITY_DECODE, lambda: None), 0.06))]
+    _run_then_shut_down(pool, threads)
+    # they did not sit out a's wait for b (about a second: they waited 0.94 s before this was fixed)
+    assert waited["prompt"] < 0.5 and waited["call"] < 0.5, waited

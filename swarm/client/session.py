@@ -232,6 +232,11 @@ class InferenceSession:
         self.check_all_next = False  # True: the next step checks every span (`check_next_step`; then reset)
 
     # ---- public, synchronous ------------------------------------------------------------------------------
+    @property
+    def verifies(self) -> bool:
+        """Whether this session's steps may carry spot-checks (`swarm.client.verify`), which make a step slow."""
+        return self._verifier is not None and self.verify_steps
+
     def step(self, hidden: torch.Tensor, hypo_ids: Optional[Sequence[int]] = None,
              left_padding: Optional[Sequence[int]] = None) -> torch.Tensor:
         """hidden [batch, seq, hidden] for positions position.. -> the last block's output, same shape.

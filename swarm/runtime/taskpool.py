@@ -238,7 +238,8 @@ class TaskPool:
                 now = time.monotonic()
                 if missing is None and tracked:  # the sources on their way, no guessing
                     missing = self.gatherer.in_flight(key, present, now)
-                    deadline = short = max(missing.values(), default=now)
+                    deadline = max(missing.values(), default=now)
+                    short = now + self.gatherer.wait_limit(key)  # other work queued: the wait stays short
                 elif missing is None:  # decided once the queue is drained: who is here, who is due
                     missing = self.gatherer.due(key, present, now)
                     deadline = self.gatherer.deadline(key, present, missing, now)
