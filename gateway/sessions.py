@@ -19,6 +19,7 @@ import torch
 from gateway.metrics import Metrics
 from gateway.verification import distrusted_in
 from swarm.client.api import ClientModel, GenerationSession
+from swarm.client.verify import OutputsRetracted
 from swarm.wire.protocol import RemoteError
 
 logger = logging.getLogger("swarmgate.gateway")
@@ -131,9 +132,13 @@ session whose chain includes a server that spot-checks distrusted since is close
         banned_before = set(self.model.banned_peers()) if self.pool is not None else set()
         try:
             out = self.step(lease, ids, pick, num_logits)
+        except OutputsRetracted:  # a lying server caught and left: the session is sound, the run picks again
+            raise
         except Exception as e:
             if not lease.reused and (self.pool is None or len(self.pool) == 0):
                 raise
+            # a full check asked of the failed session (spot-checks holding text back) is asked of the next one
+            check = bool(getattr(lease.session, "check_pending", False))
             self._close(lease.session)
             if lease.reused:
                 logger.warning(f"a pooled session failed on reuse ({type(e).__name__}: {e}); "
@@ -149,6 +154,8 @@ session whose chain includes a server that spot-checks distrusted since is close
                 self.model.unban(peer)
             length = self._pooled_length(lease.needed) if lease.owner is not None else lease.needed
             lease.session = self.open(length, lease.adapter)
+            if check:
+                cast(Any, lease.session).check_next_step()
             out = self.step(lease, ids, pick, num_logits)
         if lease.cached_tokens and self.metrics is not None:
             self.metrics.pool_reused_tokens.inc(lease.cached_tokens)

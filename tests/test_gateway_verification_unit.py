@@ -41,6 +41,10 @@ class LyingSession:
         self.full_checks, self.emitted, self.emitted_at_feed = [], emitted, []
         self.asked, self.closed, self.peers = False, False, list(peers)
 
+    @property
+    def check_pending(self) -> bool:
+        return self.asked
+
     def check_next_step(self) -> bool:
         self.asked = True
         return True
@@ -187,3 +191,64 @@ def test_a_liar_caught_by_the_holdback_check_is_retracted_before_its_text_goes_o
     assert out == [honest(prompt, 10)]
     assert metrics.registry.get_sample_value("swarmgate_verify_retracted_tokens_total") == 2
     assert session.full_checks[5] and session.emitted_at_feed[6][1] > 0, "the re-run full check released the text"
+
+
+# ---- a first step that fails over to a fresh session (gateway.sessions.SessionProvider.prefill) ----------------
+class FailOnce(LyingSession):
+    fail = False
+
+    def feed(self, ids):
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("the servers dropped the pooled session")
+        return super().feed(ids)
+
+
+class Model(StubModel):
+    def inference_session(self, max_length, adapter=None):
+        self.sessions.append(FailOnce(max_length, **self.session_kwargs))
+        return self.sessions[-1]
+
+
+def test_a_first_step_failing_over_to_a_fresh_session_keeps_its_full_check(tokens):
+    """max_tokens=1 through a pooled session that fails on reuse: the fresh session gets the full check asked of the
+    failed one, so the token's text is released only once checked."""
+    model = Model()
+    metrics = Metrics()
+    pool = SessionPool(4, 10_000, 60.0, on_evict=metrics.count_eviction)
+    provider = SessionProvider(model, pool, metrics, headroom=32)
+    prompt = [3, 4, 5]
+    out, _, _ = run(model, tokens, prompt, 4, False, provider=provider, owner="u")  # pools a session
+    model.sessions[0].fail = True
+    out, _, _ = run(model, tokens, prompt + out[0] + [11], 1, True, provider=provider, owner="u")
+    fresh = model.sessions[1]
+    assert fresh.full_checks == [True], "the released token was never covered by a full check"
+
+
+class RetractAtPrefill(LyingSession):
+    retract = False
+
+    def feed(self, ids):
+        if self.retract and self.feeds == 0:  # a check in the prompt's 2nd chunk found the 1st chunk's outputs wrong
+            self.feeds += 1
+            self.token_ids = ids[:, :1].clone()
+            raise OutputsRetracted(1)
+        return super().feed(ids)
+
+
+def test_a_retraction_in_the_first_step_is_not_a_failure_to_open(tokens):
+    """A lie caught in a prompt's step: the run picks again on the same (repaired) session; nobody's pooled session
+    is closed for it, as a failure to open a session would do."""
+    class M(StubModel):
+        def inference_session(self, max_length, adapter=None):
+            self.sessions.append(RetractAtPrefill(max_length, **self.session_kwargs))
+            self.sessions[-1].retract = len(self.sessions) == 2  # the second request's fresh session
+            return self.sessions[-1]
+    model = M()
+    metrics = Metrics()
+    pool = SessionPool(4, 10_000, 60.0, on_evict=metrics.count_eviction)
+    provider = SessionProvider(model, pool, metrics, headroom=32)
+    run(model, tokens, [3, 4, 5], 4, False, provider=provider, owner="alice")  # alice's conversation is pooled
+    assert len(pool) == 1
+    run(model, tokens, [7, 8, 9], 4, False, provider=provider, owner="bob")
+    assert not model.sessions[0].closed, "alice's pooled session was closed because bob's prefill was retracted"

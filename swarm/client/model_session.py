@@ -59,6 +59,11 @@ class ModelSession:
             return 0, None  # other padding: other positions and masks, everything is computed again
         return reuse, hypo_ids if reuse > 0 else None
 
+    @property
+    def check_pending(self) -> bool:
+        """Whether a full check (`check_next_step`) is asked and not yet done."""
+        return bool(self.session.check_all_next)
+
     def check_next_step(self) -> bool:
         """Ask that the next `feed` spot-check every span of the chain (`swarm.client.verify`): once it returns, every
         output the session holds was checked (or is unverifiable: one server covers the span). False when this
