@@ -26,11 +26,15 @@ ROUNDS = 25
 
 def test_lab_and_relay_configs_reject_bad_links_and_addresses(tmp_path):
     assert parse_link("client-s1=50") == (("client", "s1"), 50.0)
-    for bad in ("client-s1", "client=5", "a-b=-1", "a-b=x"):
+    for bad in ("client-s1", "client=5", "a-b=-1", "a-b=x", "a-b=inf", "a-b=nan"):
         with pytest.raises(ValueError):
             parse_link(bad)
     with pytest.raises(ValueError, match="links"):
         LabConfig(links=["s0-s1=5", "oops"])
+    with pytest.raises(ValueError, match="clinet"):  # a misspelt peer would silently get the default latency
+        LabConfig(links=["clinet-s1=50"])
+    with pytest.raises(ValueError, match="latency_ms"):
+        LabConfig(latency_ms=float("inf"))
     with pytest.raises(ValueError, match="spans"):
         LabConfig(spans=["0:15", "15"])
     links = tmp_path / "links.json"

@@ -25,6 +25,7 @@ up and prints its `--initial_peers` until Ctrl-C.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -34,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from swarm.launch.netns import Host, NetLab
 from swarm.launch.relay import RELOADED, LinkTable
@@ -220,8 +221,8 @@ def parse_link(text: str) -> Tuple[Tuple[str, str], float]:
         value = float(ms)
     except ValueError:
         value = -1.0
-    if not (a and b) or value < 0:
-        raise ValueError(f"expected A-B=MS with MS >= 0 (e.g. client-s1=50), got {text!r}")
+    if not (a and b) or not math.isfinite(value) or value < 0:  # (nan, inf: a link that never delivers)
+        raise ValueError(f"expected A-B=MS with a finite MS >= 0 (e.g. client-s1=50), got {text!r}")
     return (a, b), value
 
 
@@ -229,10 +230,12 @@ class LabConfig(ProcessConfig):
     model: Optional[str] = Field(default=None, description="model for the servers (default: the bundled one)")
     spans: List[str] = Field(default_factory=lambda: ["0:15", "15:30"], description="one server (s0, s1, ...) per "
                                                                                     "span start:end")
-    latency_ms: float = Field(default=25.0, ge=0, description="one-way latency of every link (ms)")
+    latency_ms: float = Field(default=25.0, ge=0, allow_inf_nan=False,
+                              description="one-way latency of every link (ms)")
     links: List[str] = Field(default_factory=list, description="links with their own latency, A-B=MS (peers: "
                                                                "client, dht, s0, s1, ...), e.g. client-s1=50")
-    jitter_ms: float = Field(default=0.0, ge=0, description="uniform +- jitter per chunk (ms); bytes stay in order")
+    jitter_ms: float = Field(default=0.0, ge=0, allow_inf_nan=False,
+                             description="uniform +- jitter per chunk (ms); bytes stay in order")
     bandwidth: Optional[float] = Field(default=None, gt=0, description="cap in bytes/s per direction of a connection")
     gateway: bool = Field(default=False, description="also start a gateway on the client side (loopback)")
     log_dir: Optional[str] = Field(default=None, description="where the processes' logs and link tables go "
@@ -251,6 +254,15 @@ class LabConfig(ProcessConfig):
         for link in value:
             parse_link(link)
         return value
+
+    @model_validator(mode="after")
+    def _link_peers(self) -> "LabConfig":
+        peers = {"client", "dht"} | {f"s{i}" for i in range(len(self.spans))}
+        for link in self.links:
+            unknown = sorted(set(parse_link(link)[0]) - peers)
+            if unknown:
+                raise ValueError(f"link {link!r} names {', '.join(unknown)}: the peers are {', '.join(sorted(peers))}")
+        return self
 
 
 def main(argv=None) -> int:
