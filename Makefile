@@ -24,7 +24,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q --tb=short -m "not extended" tests
+	$(BIN)/python -m pytest -q --tb=short --durations=20 -m "not extended" tests
 
 # the extended tier (tests/conftest.py EXTENDED): long scenarios and extra variants, about 10 minutes
 test-extended: $(STAMP)

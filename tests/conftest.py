@@ -68,6 +68,14 @@ EXTENDED = (
     # generation through the latency lab's delayed links (make test: the lab's links measure their latency, a
     # hivemind ping through it; greedy equality on loopback swarms)
     "tests/test_latency_lab.py::test_greedy_generation_through_delayed_links_matches_transformers",
+    # one server per span through a gateway with spot-checks (make test: tests/test_verify.py counts unverifiable
+    # spans through the client; the gateway's counters in test_a_lying_server_is_caught_through_the_gateway)
+    "tests/test_gateway_verify.py::test_one_server_per_span_is_counted_unverifiable",
+    # sampled speculation through the swarm runs to its length (make test: the sampling rule's distribution in
+    # process, greedy speculation through the swarm and the gateway)
+    "tests/test_speculative.py::test_swarm_speculative_sampling_runs_and_stops",
+    # a session opened without a push token (make test: an outsider's pushes refused in a live session)
+    "tests/test_push_binding.py::test_pushes_into_a_session_opened_without_a_token_are_refused",
 )
 
 
