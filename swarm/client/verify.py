@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 # largest honest divergence (see `divergence`) by serving dtype; a quantized weight format adds its own margin
 DTYPE_TOLERANCE = {"float32": 0.02, "float16": 0.1, "bfloat16": 0.15}
 QUANT_TOLERANCE = {"none": 0.0, "int8": 0.3, "nf4": 0.3}  # int8 decode vs prefill: ~0.16 seen
+MAX_PENDING_CHECKS = 2  # random checks a session may have in flight; more are skipped (`VerifyStats.skipped_busy`)
 
 
 class ServerMismatch(RuntimeError):
@@ -79,6 +80,7 @@ class VerifyStats:
     unverifiable: int = 0  # checks skipped: no other server covers the span with the same dtype and weights
     unresolved: int = 0  # disagreements without a majority (no ban)
     referee_failures: int = 0  # referee calls that failed (the referee is not an opinion)
+    skipped_busy: int = 0  # planned random checks skipped: the session had `MAX_PENDING_CHECKS` in flight
     largest_passed: float = 0.0  # the largest divergence of a check that passed (how close honest servers are)
     distrusted: List[str] = field(default_factory=list)
 
@@ -161,8 +163,8 @@ class Verifier:
         tol = tolerance(record.info.dtype, record.info.quant_type) if record else tolerance("bfloat16", "nf4")
         seq = output.shape[1]
         exclude = {hop.peer_id} | self.manager.distrusted
+        self.checked.add(hop.peer_id)  # at once: a check in flight is not planned again as a first check
         first = await self._referee(hop, inputs, seq, exclude, adapter, left_padding)
-        self.checked.add(hop.peer_id)
         if first is None:
             self.stats.unverifiable += 1
             return
@@ -203,6 +205,68 @@ class Verifier:
             self.manager.distrusted.add(peer)
             self.stats.distrusted.append(peer)
             self.stats.mismatches += 1
+
+
+@dataclass
+class _Pending:
+    task: "asyncio.Future[None]"
+    low: int  # the fewest positions the session held since the check's snapshot (a retraction goes back there)
+    explicit: bool  # asked for (`check_next_step`), not a random spot-check: not bounded
+
+
+class BackgroundChecks:
+    """One session's checks in flight on the client's loop: started after a step (`start`, the step does not wait),
+    their failures collected by the session's next step or settle point (`failed`, `settle`)."""
+
+    def __init__(self, verifier: Verifier, limit: int = MAX_PENDING_CHECKS):
+        self.verifier, self.limit = verifier, limit
+        self.pending: List[_Pending] = []
+
+    def start(self, hop: RouteHop, inputs: torch.Tensor, outputs: torch.Tensor, adapter: Optional[str],
+              left_padding: Optional[List[int]], explicit: bool = False) -> bool:
+        """Check hop's outputs [batch, n, hidden] for its inputs [batch, n, hidden] (copies: the session goes on) in
+        the background; a random check (not `explicit`) is skipped, and counted, while `limit` are in flight."""
+        if not explicit and sum(not p.task.done() and not p.explicit for p in self.pending) >= self.limit:
+            self.verifier.stats.skipped_busy += 1
+            return False
+        task = asyncio.ensure_future(self.verifier.check(hop, inputs, outputs, adapter, left_padding))
+        self.pending.append(_Pending(task, inputs.shape[1], explicit))
+        return True
+
+    def rewound(self, position: int) -> None:
+        """The session went back to `position`: what checks in flight find wrong is retracted from there at least
+        (positions after it may have gone through the same server again)."""
+        for pending in self.pending:
+            pending.low = min(pending.low, position)
+
+    def failed(self) -> Optional[ServerMismatch]:
+        """Forget the finished checks; the mismatch among them with the earliest position to retract, if any."""
+        worst: Optional[ServerMismatch] = None
+        still: List[_Pending] = []
+        for pending in self.pending:
+            if not pending.task.done():
+                still.append(pending)
+                continue
+            error = None if pending.task.cancelled() else pending.task.exception()
+            if isinstance(error, ServerMismatch):
+                position = min(error.position, pending.low)
+                if worst is None or position < worst.position:
+                    worst = ServerMismatch(str(error), position)
+            elif error is not None:  # the check itself failed (no verdict): logged, the session goes on
+                logger.warning(f"a spot-check failed: {type(error).__name__}: {error}")
+        self.pending = still
+        return worst
+
+    async def settle(self) -> None:
+        """Wait for every check in flight (their verdicts: `failed`)."""
+        await asyncio.gather(*(p.task for p in self.pending), return_exceptions=True)
+
+    def cancel(self) -> None:
+        for pending in self.pending:
+            if pending.task.done() and not pending.task.cancelled():
+                pending.task.exception()  # retrieved: the session is closing, its verdict no longer matters
+            pending.task.cancel()
+        self.pending = []
 
 
 _verifiers: "weakref.WeakKeyDictionary[SwarmManager, Verifier]" = weakref.WeakKeyDictionary()
