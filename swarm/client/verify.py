@@ -1,25 +1,34 @@
 """Spot-checks of untrusted servers' outputs: a span's recorded inputs re-run on an independent server.
 
-With `ClientConfig.verify`, before each step `Verifier.plan` picks the spans of the chain to check: always a server
-not checked yet, else each span with probability `verify_probability`. A checked step goes through the client
-(no push), and its output is compared with a referee's: the span's whole recorded input history
-`[batch, n, hidden]` (the same `_History` failover replays) sent as one forward pass (`rpc_forward`, no cache)
-through other servers covering the same blocks with the same dtype and weight format (from their DHT records).
-The comparison (`divergence`) is per position, relative to each row's typical magnitude, within a tolerance per
-dtype and quantization (`tolerance`).
+With `ClientConfig.verify`, at each step `Verifier.plan` picks the spans of the chain to check: always a server
+not checked yet, else each span with probability `verify_probability`. The step itself is not slowed: it keeps
+push (every server also returns its span's output to the client, which records it as the next boundary's history,
+`session._History`), and once it is done the session starts the checks in the background on the client's loop
+(`BackgroundChecks`, one per session) with copies of each checked span's whole input history `[batch, n, hidden]`
+and of its recorded outputs for the same positions. A referee re-runs those inputs as one forward pass
+(`rpc_forward`, no cache) through other servers covering the same blocks with the same dtype and weight format
+(from their DHT records). The comparison (`divergence`) is per position, relative to each row's typical
+magnitude, within a tolerance per dtype and quantization (`tolerance`). A session has at most
+`MAX_PENDING_CHECKS` random checks in flight; one planned beyond that is skipped (`VerifyStats.skipped_busy`; a
+server never checked is planned again at the next step).
 
 Majority: a first referee that agrees clears the server. If it disagrees, a second referee decides: the side
 with two of three opinions wins; the minority server (or referee chain) is distrusted for the life of the
-client (`SwarmManager.distrusted`: routing never uses it again), logged and counted. A server found wrong
-raises `ServerMismatch` in the session's step, which re-routes and replays its span as failover does, so the
-session's output is the honest servers': when the server's wrong outputs began before this step, the session
-rewinds to that position and raises `OutputsRetracted`, and `generate` picks the tokens from there again (tokens a
-streamer already received cannot be taken back). A span no other server covers cannot be checked (`unverifiable`); a
-tie (one referee, or three different answers) is `unresolved` and bans nobody. A front end that holds text back
-until it is checked asks for a check of every span at the next step (`ModelSession.check_next_step`); a session
-whose chain holds a server distrusted since (by another session of the client) checks that span at its next step,
-retracting what was wrong, and leaves the server. The referee returns whole hidden
-states anyway (`rpc_forward`), so they are compared directly rather than through TOPLOC-style commitments.
+client (`SwarmManager.distrusted`: routing never uses it again), logged and counted. A check that finds a server
+wrong raises `ServerMismatch` with the first wrong position in its task; the session's next step (or settle
+point) collects it (`BackgroundChecks.failed`): the session rewinds to that position (or lower, if it went back
+since the check began: positions after that may have gone through the server again), re-routes and replays the
+liar's spans as failover does, and raises `OutputsRetracted(position)`; the caller picks the tokens from there
+again (`generate`, the gateway's `GenerationRun`; tokens a streamer already received cannot be taken back).
+Settle points wait for every check in flight first: the end of `generate` (`ModelSession.settle`), and a step
+asked to check every span (`ModelSession.check_next_step`, what a front end that holds text back until it is
+checked uses): that step starts a check of every span and returns only once all the session's checks are done,
+so its output and everything before it is checked. A span no other server covers cannot be checked
+(`unverifiable`); a tie (one referee, or three different answers) is `unresolved` and bans nobody. A session whose
+chain holds a server distrusted since (by another session of the client) checks that span during its next step
+(waiting for it, the rare case), retracting what was wrong, and leaves the server. Beam search steps (rows
+reordered every step) and deep prompts are not checked. The referee returns whole hidden states anyway
+(`rpc_forward`), so they are compared directly rather than through TOPLOC-style commitments.
 """
 from __future__ import annotations
 
