@@ -488,6 +488,8 @@ class InferenceSession:
                 failures = await self._replace_retrying(index, e, failures)
                 if isinstance(e, ServerMismatch) and e.position < self.position:
                     self.position = e.position  # earlier outputs were wrong too: the caller feeds them again
+                    if self._checks is not None:
+                        self._checks.rewound(e.position)
                     raise OutputsRetracted(e.position) from e
                 delivered = False
                 step_id = self._next_step_id()  # the replay used newer ids: servers drop older ones as copies
