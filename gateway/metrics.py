@@ -113,6 +113,7 @@ _VERIFY_COUNTERS = (
     ("unverifiable", "checks impossible: no other server covers the span with the same dtype and weights"),
     ("unresolved", "disagreements without a majority (nobody banned)"),
     ("referee_failures", "calls to an independent server for a check that failed"),
+    ("skipped_busy", "random checks skipped: the session had as many checks in flight as allowed"),
 )
 
 

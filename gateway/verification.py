@@ -10,10 +10,11 @@ came from was checked:
   flags, the samplers' random state and grammar position), keyed by the number of tokens picked so far.
 - A step that checks every span of the chain (`GenerationSession.check_next_step`) is asked for when a stream has
   run `holdback` tokens ahead of its last full check, or when every choice has finished (non-streamed responses:
-  only then). Once that step returns, every output the session holds was checked (or could not be: a span that one
-  server alone covers is counted `unverifiable`), so the held events go out. A step that every choice's
-  `max_tokens` makes the last is checked so; when choices end otherwise (end of sequence, stop string), one more
-  step feeds the last picked tokens only to check them.
+  only then). That step waits for every check of the session (random ones otherwise run in the background, their
+  failures surfacing at a later step), so once it returns, every output the session holds was checked (or could
+  not be: a span that one server alone covers is counted `unverifiable`), and the held events go out. A step that
+  every choice's `max_tokens` makes the last is checked so; when choices end otherwise (end of sequence, stop
+  string), one more step feeds the last picked tokens only to check them.
 - On `OutputsRetracted` the run goes back to the snapshot at the retracted position, the events held since are
   dropped, and the loop picks again from there: the response is what honest servers give.
 

@@ -11,6 +11,8 @@ import httpx
 import pytest
 import torch
 
+from swarm import AutoDistributedModelForCausalLM
+from swarm.client.verify import OutputsRetracted, verifier_for
 from swarm.launch.topology import start_server, start_servers
 from tests.gateway_fixtures import SPANS, one_torch_thread, start_gateway  # noqa: F401
 
@@ -88,6 +90,39 @@ def test_a_lying_server_is_caught_through_the_gateway(lying_swarm, model_path, t
         assert metric(gw.url, "swarmgate_verify_mismatches_total") == 1
     finally:
         gw.proc.terminate()
+
+
+def test_a_check_asked_for_waits_for_the_checks_and_retracts(lying_swarm, model_path, tokenizer, reference_model):
+    # a direct client without random checks: only the liar's first check runs (in the background, at the prompt,
+    # which it serves honestly); the check asked for (what the gateway's hold-back does) makes its step wait for
+    # the checks of every span and retract from the liar's first lie on; greedy decoding from there gives the
+    # reference text
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        model_path, initial_peers=lying_swarm["initial_peers"], dht_prefix=lying_swarm["prefix"], verify=True,
+        verify_probability=0.0, max_retries=3)
+    liar = lying_swarm["liar"].peer_id
+    prompt = tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
+    prompt_len = prompt.shape[1]
+    reference = reference_model.generate(prompt, max_new_tokens=NEW, do_sample=False)
+    try:
+        with model.inference_session(max_length=prompt_len + NEW) as session:
+            ids = prompt
+            for _ in range(PERTURB_AFTER + 2):  # the liar lies from its PERTURB_AFTER + 1-th step (the prompt's: 1)
+                ids = torch.cat([ids, session.feed(ids).argmax(-1, keepdim=True)], dim=1)
+            assert session.servers() == [liar]  # routing prefers it; nothing caught it yet
+            assert session.check_next_step()
+            with pytest.raises(OutputsRetracted) as retracted:
+                session.feed(ids)
+            assert retracted.value.position == prompt_len + PERTURB_AFTER - 1  # its first wrong output
+            assert liar not in session.servers()
+            ids = ids[:, :retracted.value.position + 1]
+            out = model.generate(ids, session=session, max_new_tokens=prompt_len + NEW - ids.shape[1],
+                                 do_sample=False)
+        stats = verifier_for(model.manager).stats
+        assert stats.mismatches == 1 and stats.distrusted == [liar], stats
+        assert out.tolist() == reference.tolist()
+    finally:
+        model.shutdown()
 
 
 def test_one_server_per_span_is_counted_unverifiable(swarms, model_path, tokenizer, reference_model):

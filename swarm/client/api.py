@@ -73,6 +73,10 @@ class GenerationSession(Protocol):
         """Ask that the next feed check every span's outputs; False when this session cannot be checked."""
         ...
 
+    def settle(self) -> None:
+        """Wait for the spot-checks in flight; `OutputsRetracted` if one found a server wrong."""
+        ...
+
     def servers(self) -> List[str]:
         """Peer ids of the servers holding this session's states."""
         ...

@@ -365,8 +365,17 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
                     streamer.end()
                 if own_session:
                     session.close()
+        settle = getattr(session, "settle", None)  # spot-checks still in flight (a stand-in session has none)
         try:
-            while ids.shape[1] < prompt_len + max_new:
+            while True:
+                if ids.shape[1] >= prompt_len + max_new or finished.all():
+                    try:  # the last outputs are checked before the text is final
+                        if settle is not None:
+                            settle()
+                        break
+                    except OutputsRetracted as retracted:
+                        ids, finished = retracted.retract(ids, prompt_len, eos_ids, scores, raw_logits)
+                        continue
                 # logits [batch, vocab], next tokens [batch], processed scores [batch, vocab]: on the head's thread
                 try:
                     logits, (next_tokens, step_scores) = session.feed_and_pick(
@@ -387,8 +396,6 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
                     finished |= torch.isin(next_tokens, eos_ids)
                 if len(criteria):
                     finished |= criteria(cast(torch.LongTensor, ids), step_scores).to(finished.device)
-                if finished.all():
-                    break
         finally:
             if streamer is not None:
                 streamer.end()

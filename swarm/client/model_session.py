@@ -74,6 +74,26 @@ class ModelSession:
         inner.check_all_next = True
         return True
 
+    def settle(self) -> None:
+        """Wait for the session's spot-checks in flight (`swarm.client.verify.BackgroundChecks`): raises
+        `OutputsRetracted` (in tokens) if one found a server wrong; the servers then hold the tokens before it."""
+        offset = tuning.session_offset(self.model)
+        try:
+            self.session.settle()
+        except OutputsRetracted as e:
+            if not offset:
+                raise
+            raise self._in_tokens(e, offset) from e
+        finally:
+            if self.token_ids is not None:
+                self.token_ids = self.token_ids[:, :max(self.session.position - offset, 0)]
+
+    def _in_tokens(self, e: OutputsRetracted, offset: int) -> OutputsRetracted:
+        """A retraction in the caller's tokens: the session's positions count the shallow prompts (`offset`)."""
+        if e.position < offset:
+            self.session.rewind(0)  # the prompts' own outputs were wrong: they go again
+        return OutputsRetracted(max(e.position - offset, 0))
+
     def servers(self) -> List[str]:
         """The peer ids of the servers that hold this session's states now."""
         return [hop.peer_id for hop in self.session.chain]
@@ -135,13 +155,11 @@ class ModelSession:
             pool.gatherer.expect(head, id(self))
         try:
             out = self.session.step(hidden, hypo_ids=hypo_ids, left_padding=left_padding if reuse == 0 else None)
-        except OutputsRetracted as e:  # positions count the shallow prompts: the caller's count tokens
+        except OutputsRetracted as e:
             pool.gatherer.unexpect(head, id(self))
             if not offset:
                 raise
-            if e.position < offset:
-                self.session.rewind(0)  # the prompts' own outputs were wrong: they go again
-            raise OutputsRetracted(max(e.position - offset, 0)) from e
+            raise self._in_tokens(e, offset) from e
         except BaseException:
             pool.gatherer.unexpect(head, id(self))  # no head item follows: nobody waits for it
             raise

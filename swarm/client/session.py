@@ -26,7 +26,7 @@ from hivemind.p2p import P2PHandlerError
 
 from swarm.client.manager import SwarmManager
 from swarm.client.routing import RouteHop, RoutingError
-from swarm.client.verify import OutputsRetracted, ServerMismatch, verifier_for
+from swarm.client.verify import BackgroundChecks, OutputsRetracted, ServerMismatch, verifier_for
 from swarm.runtime import aio
 from swarm.wire import protocol as P
 
@@ -228,14 +228,16 @@ class InferenceSession:
         self.failovers = 0
         self._step_id = 0  # one id per chunk step (and per replayed chunk), shared by every server of the chain
         self._verifier = verifier_for(manager)  # spot-checks of servers' outputs (None: off)
+        self._checks = BackgroundChecks(self._verifier) if self._verifier else None  # this session's, in flight
         self.verify_steps = True  # False: no spot-checks on this session's steps (beam search turns them off)
         self.check_all_next = False  # True: the next step checks every span (`check_next_step`; then reset)
 
     # ---- public, synchronous ------------------------------------------------------------------------------
     @property
     def verifies(self) -> bool:
-        """Whether this session's steps may carry spot-checks (`swarm.client.verify`), which make a step slow."""
-        return self._verifier is not None and self.verify_steps
+        """Whether this session's next step waits for spot-checks (`swarm.client.verify`: a check of every span asked
+        for), which makes it slow; random checks run in the background and do not slow a step."""
+        return self._verifier is not None and self.verify_steps and self.check_all_next
 
     def step(self, hidden: torch.Tensor, hypo_ids: Optional[Sequence[int]] = None,
              left_padding: Optional[Sequence[int]] = None) -> torch.Tensor:
@@ -261,6 +263,17 @@ class InferenceSession:
         if not 0 <= position <= self.position:
             raise ValueError(f"cannot rewind to {position}: the session holds {self.position} tokens")
         self.position = position
+        if self._checks is not None:
+            self._checks.rewound(position)
+
+    def settle(self) -> None:
+        """Wait for this session's spot-checks in flight; raises `OutputsRetracted` if one found a server wrong."""
+        aio.run(self.asettle())
+
+    async def asettle(self) -> None:
+        if self._checks is not None and self._checks.pending:
+            await self._checks.settle()
+            await self._apply_checks()
 
     def close(self) -> None:
         if not self._closed:
@@ -312,6 +325,8 @@ class InferenceSession:
                            f"{reasons}") from last_error
 
     async def _close_streams(self) -> None:
+        if self._checks is not None:
+            self._checks.cancel()
         await asyncio.gather(*(s.close() for s in self._streams), return_exceptions=True)
         self._streams = []
 
@@ -391,12 +406,16 @@ class InferenceSession:
             raise ValueError("left_padding is only accepted on a step at position 0")
         if hypo is not None and (hypo == list(range(batch)) or self.position == 0):
             hypo = None  # the identity, or nothing held: nothing to reorder
+        await self._apply_checks()  # a check finished since found a server wrong: OutputsRetracted
         outputs = []
         chunk = self._chunk_len(hidden)
         for offset in range(0, seq, chunk):
             outputs.append(await self._step_chunk(hidden[:, offset:offset + chunk], hypo if offset == 0 else None,
                                                   padding))
             self.position += outputs[-1].shape[1]
+        if self.check_all_next and self._checkable(hypo):  # asked for: every span checked before this step returns
+            self._start_checks(range(len(self._streams)), explicit=True)
+            await self.asettle()
         self.check_all_next = False
         return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
 
@@ -426,15 +445,14 @@ class InferenceSession:
             edits.update(left_padding=left_padding)
         assert self.batch_size is not None, "the session is not open"
         failures, index = 0, 0
-        # spot-checks (swarm.client.verify): not on a step that reorders beams (the recorded rows follow only once the
-        # span has answered) nor with deep prompts (a referee's plain forward pass cannot carry them)
-        checkable = self.verify_steps and hypo_ids is None and self.prompts is None
-        checks = self._verifier.plan([s.hop for s in self._streams]) if self._verifier and checkable else set()
-        # every span when asked (a front end releasing held-back text), and any span on a server distrusted since
-        # it joined this session (what it returned before may be wrong: the check finds from where)
-        every = checkable and self._verifier is not None and self.check_all_next
-        if checkable:
-            checks |= {i for i, s in enumerate(self._streams) if s.hop.peer_id in self.manager.distrusted}
+        # random spot-checks (swarm.client.verify), started once the step is done, in the background (none when the
+        # step checks every span anyway); a span on a server distrusted since it joined this session (by another
+        # session's check) is checked now: what it returned before may be wrong, the check finds from where
+        checkable = self._checkable(hypo_ids)
+        planned = (self._verifier.plan([s.hop for s in self._streams])
+                   if self._verifier and checkable and not self.check_all_next else set())
+        checks = {i for i, s in enumerate(self._streams) if s.hop.peer_id in self.manager.distrusted} if checkable \
+            else set()
         delivered = False  # whether the current stream got this step by push from the previous one
         while index < len(self._streams):
             stream = self._streams[index]
@@ -451,7 +469,7 @@ class InferenceSession:
                     chain = [P.PushTarget(peer_id=s.hop.peer_id, stream_key=s.key, push_token=s.push_token)
                              for s in rest]
                     # push decode steps (prefill goes through the client), once the next servers have opened
-                    use_push = (config.use_push and seq <= PUSH_MAX_TOKENS and not checks and not every
+                    use_push = (config.use_push and seq <= PUSH_MAX_TOKENS and not checks
                                 and not any(s.open_pending for s in rest))
                     stream.send(x, self.position, step_id, chain if use_push else (), edits)
                     out, pushed = await stream.receive(self.position, seq)
@@ -461,26 +479,17 @@ class InferenceSession:
                     except asyncio.TimeoutError:  # the push got lost: deliver it ourselves
                         stream.send(x, self.position, step_id, (), edits)
                         out, pushed = await stream.receive(self.position, seq)
-                if (index in checks or every) and self._verifier is not None:  # ServerMismatch: a failover
+                if index in checks and self._verifier is not None:  # ServerMismatch: a failover
                     await self._verifier.check(stream.hop, history.read(self.position + seq),
                                                self._outputs_of(stream.hop.end, out), self.adapter, history.padding)
                     if stream.hop.peer_id in self.manager.distrusted:  # right here, but outvoted elsewhere: leave it
                         raise ServerMismatch(f"server {stream.hop.peer_id} is distrusted", self.position)
             except Exception as e:  # connection lost, time-out, or an error reply: the server is failed
-                error: BaseException = e
-                while True:
-                    failures += 1
-                    if failures > config.max_retries:
-                        raise SessionError(f"step failed after {failures} tries; last error: {error}") from error
-                    try:
-                        await self._replace(index, error)
-                        break
-                    except SessionError:
-                        raise
-                    except Exception as replay_error:  # the replacement failed too: try another one
-                        error = replay_error
+                failures = await self._replace_retrying(index, e, failures)
                 if isinstance(e, ServerMismatch) and e.position < self.position:
                     self.position = e.position  # earlier outputs were wrong too: the caller feeds them again
+                    if self._checks is not None:
+                        self._checks.rewound(e.position)
                     raise OutputsRetracted(e.position) from e
                 delivered = False
                 step_id = self._next_step_id()  # the replay used newer ids: servers drop older ones as copies
@@ -493,7 +502,58 @@ class InferenceSession:
             index += 1
         if self._verifier is not None:  # the last span's outputs, which a check compares too
             self._boundary(self.end, x).write(self.position, x)
+            self._start_checks(sorted(planned - checks), end=self.position + seq)
         return x
+
+    def _checkable(self, hypo_ids) -> bool:
+        """Whether this step's spans can be checked: not a step that reorders beams (the recorded rows follow only
+        once the span has answered), nor with deep prompts (a referee's plain forward pass cannot carry them)."""
+        return self._verifier is not None and self.verify_steps and hypo_ids is None and self.prompts is None
+
+    def _start_checks(self, indexes, end: Optional[int] = None, explicit: bool = False) -> None:
+        """Start background checks of the spans at `indexes` over positions [0, end) (default: all held)."""
+        end = self.position if end is None else end
+        for i in indexes:
+            if i >= len(self._streams):  # a failover during the step re-routed the chain: fewer streams
+                continue
+            hop = self._streams[i].hop
+            inputs, outputs = self._history[hop.start], self._history.get(hop.end)
+            if self._checks is None or outputs is None or outputs.length < end or end == 0:
+                continue
+            self._checks.start(hop, inputs.read(end).clone(), outputs.read(end).clone(), self.adapter,
+                               inputs.padding, explicit)
+
+    async def _apply_checks(self) -> None:
+        """If a check found a server wrong: leave it (its spans re-routed and replayed up to where its wrong outputs
+        began) and raise `OutputsRetracted` from there (the caller feeds those tokens again)."""
+        mismatch = self._checks.failed() if self._checks is not None else None
+        if mismatch is None or self._checks is None:
+            return
+        held, self.position = self.position, min(self.position, mismatch.position)
+        self._checks.rewound(self.position)
+        failures = 0
+        while True:
+            liars = [i for i, s in enumerate(self._streams) if s.hop.peer_id in self.manager.distrusted]
+            if not liars:
+                break
+            failures = await self._replace_retrying(liars[0], mismatch, failures)
+        if self.position < held:
+            raise OutputsRetracted(self.position) from mismatch
+
+    async def _replace_retrying(self, index: int, error: BaseException, failures: int) -> int:
+        """`_replace` the failed stream `index`, trying other replacements while they fail; returns the failures
+        counted so far (SessionError past `max_retries`)."""
+        while True:
+            failures += 1
+            if failures > self.manager.config.max_retries:
+                raise SessionError(f"step failed after {failures} tries; last error: {error}") from error
+            try:
+                await self._replace(index, error)
+                return failures
+            except SessionError:
+                raise
+            except Exception as replay_error:  # the replacement failed too: try another one
+                error = replay_error
 
     def _boundary(self, block: int, like: torch.Tensor) -> _History:
         if block not in self._history:

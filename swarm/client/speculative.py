@@ -118,7 +118,19 @@ def speculative_generate(session: Any, ids: torch.Tensor, speculator: Speculator
     stop strings) say so, checked after each token of an accepted block. `scores` / `raw_logits`: lists to which
     each new token's processed scores / raw logits [1, vocab] are appended (None: not wanted)."""
     sampling = None if greedy else _Sampling(draft_processors, None)
-    while ids.shape[1] < max_total:
+    per_token = [values for values in (scores, raw_logits) if values is not None]
+    settle = getattr(session, "settle", None)  # spot-checks still in flight (a stand-in session has none)
+    done = False
+    while True:
+        if done or ids.shape[1] >= max_total:
+            try:  # the last outputs are checked before the text is final
+                if settle is not None:
+                    settle()
+                return ids
+            except OutputsRetracted as retracted:
+                ids, _ = retracted.retract(ids, prompt_len, eos_ids, *per_token)
+                done = False
+                continue
         remaining = max_total - ids.shape[1]
         drafts, probs = speculator.drafts(ids[0], remaining, session.max_length - ids.shape[1], sampling)
         fed = torch.cat([ids, torch.tensor([drafts], dtype=torch.long)], dim=1) if drafts else ids  # [1, seq + k]
@@ -132,7 +144,6 @@ def speculative_generate(session: Any, ids: torch.Tensor, speculator: Speculator
         try:
             logits, accepted = session.feed_and_pick(fed, pick, num_logits=len(drafts) + 1)
         except OutputsRetracted as retracted:  # a lying server was caught: pick its tokens again
-            per_token = [values for values in (scores, raw_logits) if values is not None]
             ids, _ = retracted.retract(ids, prompt_len, eos_ids, *per_token)
             continue
         logits = logits[0] if drafts else logits  # [k + 1, vocab]
@@ -151,5 +162,4 @@ def speculative_generate(session: Any, ids: torch.Tensor, speculator: Speculator
             if len(criteria):
                 done |= bool(criteria(cast(torch.LongTensor, ids), step_scores[None]).any())
             if done:
-                return ids
-    return ids
+                break

@@ -1,25 +1,34 @@
 """Spot-checks of untrusted servers' outputs: a span's recorded inputs re-run on an independent server.
 
-With `ClientConfig.verify`, before each step `Verifier.plan` picks the spans of the chain to check: always a server
-not checked yet, else each span with probability `verify_probability`. A checked step goes through the client
-(no push), and its output is compared with a referee's: the span's whole recorded input history
-`[batch, n, hidden]` (the same `_History` failover replays) sent as one forward pass (`rpc_forward`, no cache)
-through other servers covering the same blocks with the same dtype and weight format (from their DHT records).
-The comparison (`divergence`) is per position, relative to each row's typical magnitude, within a tolerance per
-dtype and quantization (`tolerance`).
+With `ClientConfig.verify`, at each step `Verifier.plan` picks the spans of the chain to check: always a server
+not checked yet, else each span with probability `verify_probability`. The step itself is not slowed: it keeps
+push (every server also returns its span's output to the client, which records it as the next boundary's history,
+`session._History`), and once it is done the session starts the checks in the background on the client's loop
+(`BackgroundChecks`, one per session) with copies of each checked span's whole input history `[batch, n, hidden]`
+and of its recorded outputs for the same positions. A referee re-runs those inputs as one forward pass
+(`rpc_forward`, no cache) through other servers covering the same blocks with the same dtype and weight format
+(from their DHT records). The comparison (`divergence`) is per position, relative to each row's typical
+magnitude, within a tolerance per dtype and quantization (`tolerance`). A session has at most
+`MAX_PENDING_CHECKS` random checks in flight; one planned beyond that is skipped (`VerifyStats.skipped_busy`; a
+server never checked is planned again at the next step).
 
 Majority: a first referee that agrees clears the server. If it disagrees, a second referee decides: the side
 with two of three opinions wins; the minority server (or referee chain) is distrusted for the life of the
-client (`SwarmManager.distrusted`: routing never uses it again), logged and counted. A server found wrong
-raises `ServerMismatch` in the session's step, which re-routes and replays its span as failover does, so the
-session's output is the honest servers': when the server's wrong outputs began before this step, the session
-rewinds to that position and raises `OutputsRetracted`, and `generate` picks the tokens from there again (tokens a
-streamer already received cannot be taken back). A span no other server covers cannot be checked (`unverifiable`); a
-tie (one referee, or three different answers) is `unresolved` and bans nobody. A front end that holds text back
-until it is checked asks for a check of every span at the next step (`ModelSession.check_next_step`); a session
-whose chain holds a server distrusted since (by another session of the client) checks that span at its next step,
-retracting what was wrong, and leaves the server. The referee returns whole hidden
-states anyway (`rpc_forward`), so they are compared directly rather than through TOPLOC-style commitments.
+client (`SwarmManager.distrusted`: routing never uses it again), logged and counted. A check that finds a server
+wrong raises `ServerMismatch` with the first wrong position in its task; the session's next step (or settle
+point) collects it (`BackgroundChecks.failed`): the session rewinds to that position (or lower, if it went back
+since the check began: positions after that may have gone through the server again), re-routes and replays the
+liar's spans as failover does, and raises `OutputsRetracted(position)`; the caller picks the tokens from there
+again (`generate`, the gateway's `GenerationRun`; tokens a streamer already received cannot be taken back).
+Settle points wait for every check in flight first: the end of `generate` (`ModelSession.settle`), and a step
+asked to check every span (`ModelSession.check_next_step`, what a front end that holds text back until it is
+checked uses): that step starts a check of every span and returns only once all the session's checks are done,
+so its output and everything before it is checked. A span no other server covers cannot be checked
+(`unverifiable`); a tie (one referee, or three different answers) is `unresolved` and bans nobody. A session whose
+chain holds a server distrusted since (by another session of the client) checks that span during its next step
+(waiting for it, the rare case), retracting what was wrong, and leaves the server. Beam search steps (rows
+reordered every step) and deep prompts are not checked. The referee returns whole hidden states anyway
+(`rpc_forward`), so they are compared directly rather than through TOPLOC-style commitments.
 """
 from __future__ import annotations
 
@@ -40,6 +49,7 @@ logger = logging.getLogger(__name__)
 # largest honest divergence (see `divergence`) by serving dtype; a quantized weight format adds its own margin
 DTYPE_TOLERANCE = {"float32": 0.02, "float16": 0.1, "bfloat16": 0.15}
 QUANT_TOLERANCE = {"none": 0.0, "int8": 0.3, "nf4": 0.3}  # int8 decode vs prefill: ~0.16 seen
+MAX_PENDING_CHECKS = 2  # random checks a session may have in flight; more are skipped (`VerifyStats.skipped_busy`)
 
 
 class ServerMismatch(RuntimeError):
@@ -79,6 +89,7 @@ class VerifyStats:
     unverifiable: int = 0  # checks skipped: no other server covers the span with the same dtype and weights
     unresolved: int = 0  # disagreements without a majority (no ban)
     referee_failures: int = 0  # referee calls that failed (the referee is not an opinion)
+    skipped_busy: int = 0  # planned random checks skipped: the session had `MAX_PENDING_CHECKS` in flight
     largest_passed: float = 0.0  # the largest divergence of a check that passed (how close honest servers are)
     distrusted: List[str] = field(default_factory=list)
 
@@ -161,8 +172,8 @@ class Verifier:
         tol = tolerance(record.info.dtype, record.info.quant_type) if record else tolerance("bfloat16", "nf4")
         seq = output.shape[1]
         exclude = {hop.peer_id} | self.manager.distrusted
+        self.checked.add(hop.peer_id)  # at once: a check in flight is not planned again as a first check
         first = await self._referee(hop, inputs, seq, exclude, adapter, left_padding)
-        self.checked.add(hop.peer_id)
         if first is None:
             self.stats.unverifiable += 1
             return
@@ -203,6 +214,68 @@ class Verifier:
             self.manager.distrusted.add(peer)
             self.stats.distrusted.append(peer)
             self.stats.mismatches += 1
+
+
+@dataclass
+class _Pending:
+    task: "asyncio.Future[None]"
+    low: int  # the fewest positions the session held since the check's snapshot (a retraction goes back there)
+    explicit: bool  # asked for (`check_next_step`), not a random spot-check: not bounded
+
+
+class BackgroundChecks:
+    """One session's checks in flight on the client's loop: started after a step (`start`, the step does not wait),
+    their failures collected by the session's next step or settle point (`failed`, `settle`)."""
+
+    def __init__(self, verifier: Verifier, limit: int = MAX_PENDING_CHECKS):
+        self.verifier, self.limit = verifier, limit
+        self.pending: List[_Pending] = []
+
+    def start(self, hop: RouteHop, inputs: torch.Tensor, outputs: torch.Tensor, adapter: Optional[str],
+              left_padding: Optional[List[int]], explicit: bool = False) -> bool:
+        """Check hop's outputs [batch, n, hidden] for its inputs [batch, n, hidden] (copies: the session goes on) in
+        the background; a random check (not `explicit`) is skipped, and counted, while `limit` are in flight."""
+        if not explicit and sum(not p.task.done() and not p.explicit for p in self.pending) >= self.limit:
+            self.verifier.stats.skipped_busy += 1
+            return False
+        task = asyncio.ensure_future(self.verifier.check(hop, inputs, outputs, adapter, left_padding))
+        self.pending.append(_Pending(task, inputs.shape[1], explicit))
+        return True
+
+    def rewound(self, position: int) -> None:
+        """The session went back to `position`: what checks in flight find wrong is retracted from there at least
+        (positions after it may have gone through the same server again)."""
+        for pending in self.pending:
+            pending.low = min(pending.low, position)
+
+    def failed(self) -> Optional[ServerMismatch]:
+        """Forget the finished checks; the mismatch among them with the earliest position to retract, if any."""
+        worst: Optional[ServerMismatch] = None
+        still: List[_Pending] = []
+        for pending in self.pending:
+            if not pending.task.done():
+                still.append(pending)
+                continue
+            error = None if pending.task.cancelled() else pending.task.exception()
+            if isinstance(error, ServerMismatch):
+                position = min(error.position, pending.low)
+                if worst is None or position < worst.position:
+                    worst = ServerMismatch(str(error), position)
+            elif error is not None:  # the check itself failed (no verdict): logged, the session goes on
+                logger.warning(f"a spot-check failed: {type(error).__name__}: {error}")
+        self.pending = still
+        return worst
+
+    async def settle(self) -> None:
+        """Wait for every check in flight (their verdicts: `failed`)."""
+        await asyncio.gather(*(p.task for p in self.pending), return_exceptions=True)
+
+    def cancel(self) -> None:
+        for pending in self.pending:
+            if pending.task.done() and not pending.task.cancelled():
+                pending.task.exception()  # retrieved: the session is closing, its verdict no longer matters
+            pending.task.cancel()
+        self.pending = []
 
 
 _verifiers: "weakref.WeakKeyDictionary[SwarmManager, Verifier]" = weakref.WeakKeyDictionary()
