@@ -76,6 +76,22 @@ EXTENDED = (
     "tests/test_speculative.py::test_swarm_speculative_sampling_runs_and_stops",
     # a session opened without a push token (make test: an outsider's pushes refused in a live session)
     "tests/test_push_binding.py::test_pushes_into_a_session_opened_without_a_token_are_refused",
+    # nf4 through a swarm (make test: int8 through a swarm; nf4 against the locally quantized model in process)
+    "tests/test_quant_swarm.py::test_quantized_swarm_generates_what_the_locally_quantized_model_does[nf4]",
+    # the client-level liar with random checks (make test: the liar through the gateway with retraction, and a check
+    # asked for that waits, retracts and leaves the liar, in tests/test_gateway_verify.py)
+    "tests/test_verify.py::test_a_lying_server_is_caught_and_the_text_is_unchanged",
+    # training across a killed server (make test: training gradients through the swarm equal transformers'; the
+    # inference failover tests)
+    "tests/test_training_failover.py::test_training_survives_a_killed_server",
+    # $ref schemas and json_object through a real gateway (make test: json_schema through the gateway, $ref and
+    # json_object grammars in process)
+    "tests/test_structured.py::test_json_schema_with_refs_and_json_object",
+    # hypothesis over training streams (make test: training calls time out, count as streams and are capped, in
+    # tests/test_limits.py; the inference RPCs' fuzzing in tests/test_fuzz_rpc.py)
+    "tests/test_fuzz_training.py::test_fuzzed_training_streams",
+    # speculation asked per request on the scripted gateway (make test: through a real gateway in test_gateway.py)
+    "tests/test_speculative.py::test_gateway_speculative_requests_match_plain_ones",
 )
 
 

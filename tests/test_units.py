@@ -224,7 +224,7 @@ def test_one_token_selection_path_matches_transformers_processors():
         TopPLogitsWarper,
     )
 
-    from swarm.client.generation import SamplingParams, build_processors, pick_tokens
+    from swarm.client.generation import SamplingParams, build_processors, draw, pick_tokens
 
     torch.manual_seed(0)
     ids, scores = torch.randint(0, 50, (2, 7)), torch.randn(2, 50)
@@ -246,6 +246,5 @@ def test_one_token_selection_path_matches_transformers_processors():
     probs_scores = torch.randn(2, 50)
     gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
     picked = pick_tokens(probs_scores, False, gens)
-    again = [int(torch.multinomial(torch.softmax(row, -1), 1, generator=torch.Generator().manual_seed(s)))
-             for row, s in zip(probs_scores, (1, 2))]
+    again = [draw(torch.softmax(row, -1), torch.Generator().manual_seed(s)) for row, s in zip(probs_scores, (1, 2))]
     assert picked.tolist() == again and pick_tokens(probs_scores, True).tolist() == probs_scores.argmax(-1).tolist()
