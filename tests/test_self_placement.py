@@ -121,7 +121,7 @@ def test_serving_loop_restarts_after_it_dies(model_path, bootstrap, reader):
     prefix = f"heal-{uuid.uuid4().hex[:8]}"
     config = ServerConfig(model=model_path, initial_peers=[bootstrap.maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                           block_indices="0:2", update_period=0.5, dht_prefix=prefix, throughput="7.5",
-                          attn_cache_tokens=512)
+                          attn_cache_tokens=512, expiration=60)  # the offline record must outlive the stop and reads
     server = Server(config)
     original = server.announce
     calls: List[ServerState] = []
@@ -163,6 +163,7 @@ def test_serving_loop_restarts_after_it_dies(model_path, bootstrap, reader):
     assert not thread.is_alive() and result.get("rc") == 0
 
     def announced_offline():  # a read may miss the record on a loaded machine (a DHT get timing out): read again
+        # (with the default lifetime, 2 x update_period = 1 s, a slow stop outlived the offline record itself)
         info = fetch_block_records(reader, prefix, NUM_BLOCKS)[0].get(peer_id)
         return info is not None and info.state == ServerState.OFFLINE
 

@@ -287,3 +287,37 @@ def test_client_exits_quietly(model_path, bootstrap, gateway_swarm, ending):
             p.kill()
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+# ---- several DHT peers in one process ------------------------------------------------------------------------------
+def test_a_dht_peer_stopping_fails_only_its_own_calls(bootstrap):
+    """An in-process server's DHT peer dying (or shut down) fails its own waiting calls at once, and any later call,
+    but not the calls of another DHT peer of the same process (a test's reader, a second in-process server)."""
+    import functools
+
+    from swarm.runtime.dht_process import DHTGone, DHTProcess
+
+    mine = DHTProcess(initial_peers=[bootstrap.maddr], client_mode=True, start=True)
+    other = DHTProcess(initial_peers=[bootstrap.maddr], client_mode=True, start=True)
+    try:
+        waiting_mine = mine.run_coroutine(functools.partial(slow, seconds=30), return_future=True)
+        waiting_other = other.run_coroutine(functools.partial(slow, seconds=1.5), return_future=True)
+        os.kill(mine.pid, signal.SIGKILL)
+        with pytest.raises(DHTGone):
+            waiting_mine.result(10)
+        assert waiting_other.result(20) == "answered"
+        with pytest.raises(DHTGone):  # a call after the death fails at once instead of waiting forever
+            mine.run_coroutine(functools.partial(slow, seconds=0), return_future=True).result(5)
+        mine.shutdown()
+        assert other.run_coroutine(functools.partial(slow, seconds=0)) == "answered"
+    finally:
+        mine.shutdown()
+        other.shutdown()
+
+
+async def slow(_dht, _node, seconds: float) -> str:
+    """A DHT call that takes `seconds` (run in the DHT process: module level, to be pickled)."""
+    import asyncio
+
+    await asyncio.sleep(seconds)
+    return "answered"

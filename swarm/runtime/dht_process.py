@@ -6,8 +6,10 @@ with the shutdown paths made safe for every process kind (server, gateway, boots
 - In the child: the signal handling inherited from the parent is reset (an asyncio loop's handlers would make the
   child ignore SIGTERM and write to the parent's wake-up socket): SIGTERM ends it, SIGINT is ignored (hivemind's
   choice: the parent decides). A watchdog thread ends the child, and p2pd with it, if its parent disappears.
-- In the parent: when the child dies for any reason (e.g. SIGTERM to the whole process group), every DHT call
-  still waiting for it fails at once instead of blocking its thread forever (which would also block the exit).
+- In the parent: when the child dies for any reason (e.g. SIGTERM to the whole process group), every call to
+  that DHT still waiting fails at once instead of blocking its thread forever (which would also block the exit),
+  and so does every later call. Only that DHT's calls: a process may run several DHT peers (a test's reader next
+  to an in-process server), and one peer stopping must not fail the others' calls.
 - `shutdown(timeout)` (also at interpreter exit): asks the child to stop, SIGKILLs it (and its p2pd) after
   `timeout` seconds, and never raises when the child is already gone.
 """
@@ -20,6 +22,8 @@ import os
 import signal
 import threading
 import time
+import weakref
+from typing import Callable
 
 import hivemind
 import psutil
@@ -35,19 +39,44 @@ class DHTGone(RuntimeError):
     """A DHT call whose DHT process is no longer running."""
 
 
-def fail_pending_calls(reason: str) -> int:
-    """Fail every DHT call of this process still waiting for an answer (their DHT process is gone)."""
-    failed = 0
-    for ref in list((MPFuture._active_futures or {}).values()):
-        future = ref()
-        if future is None or future.done():
-            continue
-        try:
-            future.set_exception(DHTGone(reason))
-            failed += 1
-        except Exception:  # finished meanwhile
-            pass
-    return failed
+def _fail(future: MPFuture, reason: str) -> bool:
+    if future.done():
+        return False
+    try:
+        future.set_exception(DHTGone(reason))
+        return True
+    except Exception:  # finished meanwhile
+        return False
+
+
+class _CallsPipe:
+    """The parent's end of one DHT's command pipe, noting the future of every call sent through it."""
+
+    def __init__(self, pipe, gone: Callable[[], bool]):
+        self._pipe, self._gone = pipe, gone
+        self._lock = threading.Lock()
+        self._pending: "weakref.WeakValueDictionary[int, MPFuture]" = weakref.WeakValueDictionary()
+
+    def send(self, message) -> None:
+        futures = [v for v in message[2].values() if isinstance(v, MPFuture)] if len(message) == 3 else []
+        with self._lock:
+            for future in futures:
+                self._pending[id(future)] = future
+        if futures and self._gone():  # nobody will ever answer: fail now instead of waiting forever
+            for future in futures:
+                _fail(future, "the DHT process has exited")
+            return
+        self._pipe.send(message)
+
+    def fail_pending(self, reason: str) -> int:
+        """Fail this DHT's calls still waiting for an answer (its process is gone)."""
+        with self._lock:
+            futures = list(self._pending.values())
+            self._pending.clear()
+        return sum(_fail(future, reason) for future in futures)
+
+    def __getattr__(self, name):
+        return getattr(self._pipe, name)
 
 
 def _kill_own_children() -> None:
@@ -70,6 +99,14 @@ class DHTProcess(hivemind.DHT):
     """`hivemind.DHT` (same arguments) with the child's signals reset, a parent watchdog in the child, pending calls
     failed when the child dies, and a `shutdown` that always ends the child within its timeout."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._calls = self._outer_pipe = _CallsPipe(self._outer_pipe, self._child_gone)
+        self._calls._pending[id(self._ready)] = self._ready
+
+    def _child_gone(self) -> bool:
+        return self._popen is not None and self._popen.poll() is not None
+
     def start(self) -> None:
         super().start()
         threading.Thread(target=self._watch_child, name="dht-process-watch", daemon=True).start()
@@ -77,7 +114,7 @@ class DHTProcess(hivemind.DHT):
 
     def _watch_child(self) -> None:
         multiprocessing.connection.wait([self.sentinel])
-        failed = fail_pending_calls("the DHT process has exited")
+        failed = self._calls.fail_pending("the DHT process has exited")
         if failed:
             logger.debug(f"the DHT process exited; failed {failed} pending call(s)")
 
@@ -107,4 +144,4 @@ class DHTProcess(hivemind.DHT):
                 pass
             self.kill()
             self.join(1.0)
-        fail_pending_calls("the DHT peer was shut down")
+        self._calls.fail_pending("the DHT peer was shut down")
