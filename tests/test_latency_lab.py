@@ -165,7 +165,9 @@ def test_a_hivemind_ping_through_the_lab_takes_the_configured_round_trip(tmp_pat
     with LatencyLab("unused: no servers", latency_ms=0, log_dir=str(tmp_path)) as lab:
         pings = asyncio.run(_hivemind_pings(lab.initial_peers, lab.peers["dht"].peer_id, 12, lab, (0, 25)))
         added = (min(pings[25]) - min(pings[0])) * 1000
-        assert abs(added / 2 - 25) <= 3, pings
+        # never less than configured; more only by scheduling (a loaded 2-core run measured +3.9 ms one way): a
+        # missing, halved or doubled delay still fails
+        assert -2 <= added / 2 - 25 <= 8, pings
         assert min(pings[25]) * 1000 >= 50  # no path around the relay
         assert lab.peers["dht"].ready["maddrs"] == lab.initial_peers  # it announces its relay only
 
