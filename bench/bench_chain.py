@@ -14,32 +14,18 @@ import os
 import signal
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench.harness import Clock  # noqa: E402
 from swarm.launch.topology import Topology  # noqa: E402
 from swarm.modeling.prepare import prepare_model  # noqa: E402
 
 TOPOLOGIES = {"2_servers": ["0:15", "15:30"], "3_servers": ["0:10", "10:20", "20:30"]}
 PROMPT = torch.tensor([[1, 504, 3458, 314, 4086, 28, 260, 1345, 2024, 30, 1530, 260, 1029]])
-
-
-class Clock:
-    def __init__(self, on_token=None):
-        self.times, self.seen, self.on_token = [], -1, on_token
-
-    def put(self, value):
-        self.seen += 1
-        self.times.append(time.perf_counter())
-        if self.on_token is not None:
-            self.on_token(self.seen)
-
-    def end(self):
-        pass
 
 
 def gaps(times):

@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
 import psutil  # noqa: E402
+from harness import Clock  # noqa: E402
 from load_client import Stream, chunks_in, gaps_in, percentiles, stream_chat, wait_for, wave_stats  # noqa: E402
 from load_report import markdown, profile_summary, write_section  # noqa: E402
 
@@ -78,16 +79,6 @@ def local_limit(batches, tokens: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from swarm.modeling.prepare import prepare_model
-
-    class Clock:  # a streamer that only notes when each step's tokens come out
-        def __init__(self):
-            self.times = []
-
-        def put(self, value):
-            self.times.append(time.perf_counter())
-
-        def end(self):
-            pass
 
     path = str(prepare_model())
     tok = AutoTokenizer.from_pretrained(path, padding_side="left")

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
+from bench.harness import Clock  # noqa: E402
 from swarm.launch.topology import Topology  # noqa: E402
 from swarm.modeling.prepare import prepare_model  # noqa: E402
 
@@ -50,16 +51,6 @@ def tree_pss_mb(pid: int) -> float:
 
 def local_decode_rate(path, prompt) -> float:
     from transformers import AutoModelForCausalLM
-
-    class Clock:
-        def __init__(self):
-            self.times = []
-
-        def put(self, value):
-            self.times.append(time.perf_counter())
-
-        def end(self):
-            pass
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     best = 0.0

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.harness import BenchSwarm  # noqa: E402
+from bench.harness import BenchSwarm, Clock  # noqa: E402
 
 BATCH, SEQ, ROUNDS = 4, 64, 3
 NEW_TOKENS = 40
@@ -48,17 +48,6 @@ def tokens_per_s(model, embed, ids, rounds: int = ROUNDS) -> float:
     for _ in range(rounds):
         train_step(model, embed, ids)
     return round(rounds * ids.numel() / (time.perf_counter() - began), 1)
-
-
-class Clock:
-    def __init__(self):
-        self.times = []
-
-    def put(self, value):
-        self.times.append(time.perf_counter())
-
-    def end(self):
-        pass
 
 
 def decode_gaps(model) -> list:

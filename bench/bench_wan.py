@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench.harness import Clock  # noqa: E402
 from swarm.launch.latency_lab import CLIENT, LatencyLab  # noqa: E402
 from swarm.modeling.prepare import prepare_model  # noqa: E402
 
@@ -66,19 +67,6 @@ def generate_kwargs(args, variant: Optional[Variant] = None) -> dict:
     """The arguments of every timed `generate` call (greedy, a fixed number of new tokens)."""
     return {"max_new_tokens": args.tokens, "min_new_tokens": args.tokens, "do_sample": False,
             **(variant.generate if variant else {})}
-
-
-class Clock:
-    """A streamer that records when each chunk of tokens arrives (the first `put` is the prompt)."""
-
-    def __init__(self):
-        self.times: List[float] = []
-
-    def put(self, value):
-        self.times.append(time.perf_counter())
-
-    def end(self):
-        pass
 
 
 def one_session(model, args, prompt: torch.Tensor, variant: Optional[Variant], barrier=None) -> dict:

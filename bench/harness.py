@@ -5,16 +5,36 @@ processes, last started first) on exit.
     with BenchSwarm("bench-gw", ["0:15", "15:30"]) as swarm:
         url = swarm.start_gateway("bench-gateway").ready["url"]
         model = swarm.client_model()
+
+`Clock` is the streamer every benchmark times generation steps with.
 """
 from __future__ import annotations
 
 import os
 import sys
-from typing import Optional, Sequence
+import time
+from typing import Callable, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from swarm.launch.topology import ManagedProcess, Topology  # noqa: E402
+
+
+class Clock:
+    """A `generate` streamer that notes when each chunk of tokens comes out (the first `put` is the prompt);
+    `on_token(index)` is called after each, e.g. to stop a run from outside."""
+
+    def __init__(self, on_token: Optional[Callable[[int], None]] = None):
+        self.times: List[float] = []
+        self.on_token = on_token
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+        if self.on_token is not None:
+            self.on_token(len(self.times) - 1)
+
+    def end(self) -> None:
+        pass
 
 
 class BenchSwarm(Topology):
