@@ -33,6 +33,7 @@ logger = logging.getLogger("swarmgate.dht")
 
 SHUTDOWN_TIMEOUT = 2.0  # seconds the child gets to stop cleanly before it is killed
 PARENT_CHECK_PERIOD = 1.0
+ANSWER_GRACE = 0.3  # seconds for a dead child's last answers to arrive before its waiting calls are failed
 
 
 class DHTGone(RuntimeError):
@@ -99,10 +100,13 @@ class DHTProcess(hivemind.DHT):
     """`hivemind.DHT` (same arguments) with the child's signals reset, a parent watchdog in the child, pending calls
     failed when the child dies, and a `shutdown` that always ends the child within its timeout."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, start: bool, await_ready: bool = True, **kwargs):
+        super().__init__(*args, start=False, **kwargs)
+        # before the child starts: its watcher may fail the calls (readiness included) as soon as it has started
         self._calls = self._outer_pipe = _CallsPipe(self._outer_pipe, self._child_gone)
         self._calls._pending[id(self._ready)] = self._ready
+        if start:
+            self.run_in_background(await_ready=await_ready)
 
     def _child_gone(self) -> bool:
         return self._popen is not None and self._popen.poll() is not None
@@ -114,6 +118,7 @@ class DHTProcess(hivemind.DHT):
 
     def _watch_child(self) -> None:
         multiprocessing.connection.wait([self.sentinel])
+        time.sleep(ANSWER_GRACE)  # answers the child sent just before it exited (e.g. why it failed to start)
         failed = self._calls.fail_pending("the DHT process has exited")
         if failed:
             logger.debug(f"the DHT process exited; failed {failed} pending call(s)")
