@@ -10,7 +10,7 @@ import pytest
 
 from swarm.client.manager import ClientConfig
 from swarm.client.routing import RouteHop
-from swarm.client.session import SpanStream
+from swarm.client.span_stream import SpanStream
 from swarm.wire import protocol as P
 
 PEER = "12D3KooWQcDwdERqzANxK8BBxoXHhs5q31JtseSoksHmMw3bHuap"
