@@ -103,7 +103,8 @@ class DHTProcess(hivemind.DHT):
     def __init__(self, *args, start: bool, await_ready: bool = True, **kwargs):
         super().__init__(*args, start=False, **kwargs)
         # before the child starts: its watcher may fail the calls (readiness included) as soon as it has started
-        self._calls = self._outer_pipe = _CallsPipe(self._outer_pipe, self._child_gone)
+        self._calls = _CallsPipe(getattr(self, "_outer_pipe"), self._child_gone)
+        setattr(self, "_outer_pipe", self._calls)  # hivemind sends every call through it
         self._calls._pending[id(self._ready)] = self._ready
         if start:
             self.run_in_background(await_ready=await_ready)
