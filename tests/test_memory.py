@@ -90,6 +90,31 @@ def test_deferred_scipy_optimize_loads_on_first_use():
     assert _run(code) == "_Placeholder 100 module"  # linprog (scipy.optimize) ran
 
 
+def test_transformers_model_classes_load_without_scipy_optimize():
+    """transformers' object-detection losses take `linear_sum_assignment` by name at import: a stand-in until it is
+    called (the gateway and client model import every model class's base); `from scipy.optimize import` of another
+    name, and a submodule, load the real module."""
+    code = (
+        "import sys, swarm, hivemind, gateway.app\n"
+        "from transformers import LlamaForCausalLM\n"
+        "loaded = 'scipy.optimize._optimize' in sys.modules\n"
+        "from transformers.loss.loss_for_object_detection import linear_sum_assignment\n"
+        "rows, cols = linear_sum_assignment([[4, 1, 3], [2, 0, 5], [3, 2, 2]])\n"
+        "from scipy.optimize import linprog\n"
+        "import scipy.optimize._lsap\n"
+        "print(loaded, rows.tolist(), cols.tolist(), linprog.__module__, type(sys.modules['scipy.optimize']).__name__)\n"
+    )
+    assert _run(code) == "False [0, 1, 2] [1, 0, 2] scipy.optimize._linprog module"
+    submodule_first = (
+        "import sys, swarm, hivemind\n"
+        "import scipy.optimize._lsap as lsap\n"
+        "placeholder = type(sys.modules['scipy.optimize']).__name__\n"
+        "import scipy.optimize\n"
+        "print(placeholder, scipy.optimize.linprog.__name__, scipy.optimize._lsap is lsap)\n"
+    )
+    assert _run(submodule_first) == "_Placeholder linprog True"
+
+
 @pytest.mark.parametrize("family", ["qwen2", "mixtral"])
 def test_a_block_server_needs_no_transformers_model_module(family, tmp_path):
     """Config, blocks (with a forward pass) and the client's norm come from swarm.modeling (llama or mixtral,

@@ -5,10 +5,16 @@ import time for one function of decentralized averaging (training), which swarmg
 brings scipy.sparse, scipy.linalg, scipy.special and more: about 320 modules and 35 MB of resident memory in
 every server, client and gateway process.
 
+transformers does the same: `transformers.modeling_utils` (every model class, so the client model and the gateway)
+imports its object-detection losses, which run `from scipy.optimize import linear_sum_assignment` when scipy is
+installed: 37 MB more in the gateway, for a loss we never compute.
+
 `defer_unused_imports()` (called from `swarm/__init__.py`, so before hivemind loads in our processes) installs an
 import hook for the names in `DEFERRED`: importing one of them binds a placeholder module, and the first use of
 any attribute of it (or of one of its submodules) imports the real module, which then replaces the placeholder in
-`sys.modules` and on its parent package. Code that uses the module sees no difference but the delay.
+`sys.modules` and on its parent package. Code that uses the module sees no difference but the delay. Functions
+that other modules take by name at import (`from module import function`) are listed with the module: the
+placeholder holds a stand-in for each that imports the real module when it is called, and calls the real function.
 """
 from __future__ import annotations
 
@@ -19,7 +25,8 @@ import sys
 import threading
 import types
 
-DEFERRED = ("scipy.optimize",)
+# module -> the functions imported from it by name at import time (stand-ins until the first call)
+DEFERRED = {"scipy.optimize": ("linear_sum_assignment",)}
 _lock = threading.RLock()
 
 
@@ -29,7 +36,7 @@ class _Placeholder(types.ModuleType):
     def __getattr__(self, attr: str):  # only called for attributes the placeholder lacks, i.e. the module's own
         # not while the import system sets the placeholder up, nor for its bookkeeping (__file__, __loader__, ...)
         if not self.__dict__.get("_deferred_ready") or (
-                attr.startswith("__") and attr.endswith("__") and attr not in ("__path__", "__all__")):
+                attr.startswith("__") and attr.endswith("__") and attr != "__all__"):
             raise AttributeError(attr)
         return getattr(_load(self.__name__), attr)
 
@@ -42,15 +49,32 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, name, path=None, target=None):
         if name not in self.names or name in self.loading:
             return None
-        if importlib.machinery.PathFinder.find_spec(name, path) is None:
+        real = importlib.machinery.PathFinder.find_spec(name, path)
+        if real is None:
             return None  # not installed: the usual ImportError, now
-        return importlib.machinery.ModuleSpec(name, self)
+        spec = importlib.machinery.ModuleSpec(name, self, is_package=real.submodule_search_locations is not None)
+        # the package's own `__path__` at once: `from package import name` asks for it, which must not load it
+        spec.submodule_search_locations = real.submodule_search_locations
+        return spec
 
     def create_module(self, spec):
         return _Placeholder(spec.name)
 
     def exec_module(self, module) -> None:
+        for function in DEFERRED.get(module.__name__, ()):
+            module.__dict__[function] = _stand_in(module.__name__, function)
         module.__dict__["_deferred_ready"] = True
+
+
+def _stand_in(module: str, function: str):
+    """A function that imports `module` on its first call and calls its `function`."""
+
+    def call(*args, **kwargs):
+        return getattr(_load(module), function)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = function
+    call.__module__ = module
+    return call
 
 
 _finder = _Finder(DEFERRED)
@@ -65,7 +89,12 @@ def _load(name: str) -> types.ModuleType:
         del sys.modules[name]
         _finder.loading.add(name)
         try:
-            return importlib.import_module(name)  # also sets it on the parent package
+            real = importlib.import_module(name)  # also sets it on the parent package
+            for child, module in list(sys.modules.items()):  # submodules imported under the placeholder
+                attr = child[len(name) + 1:]
+                if child.startswith(name + ".") and "." not in attr and not hasattr(real, attr):
+                    setattr(real, attr, module)
+            return real
         except BaseException:
             sys.modules[name] = placeholder
             raise
