@@ -102,7 +102,8 @@ def test_transformers_model_classes_load_without_scipy_optimize():
         "rows, cols = linear_sum_assignment([[4, 1, 3], [2, 0, 5], [3, 2, 2]])\n"
         "from scipy.optimize import linprog\n"
         "import scipy.optimize._lsap\n"
-        "print(loaded, rows.tolist(), cols.tolist(), linprog.__module__, type(sys.modules['scipy.optimize']).__name__)\n"
+        "kind = type(sys.modules['scipy.optimize']).__name__\n"
+        "print(loaded, rows.tolist(), cols.tolist(), linprog.__module__, kind)\n"
     )
     assert _run(code) == "False [0, 1, 2] [1, 0, 2] scipy.optimize._linprog module"
     submodule_first = (
