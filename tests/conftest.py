@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm.launch.topology import start_bootstrap, start_servers
+from swarm.launch.topology import start_bootstrap, start_servers, terminate_all
 
 MODEL = "smollm2-135m-instruct"
 
@@ -135,9 +135,7 @@ class SwarmFactory:
         return self.swarms[key]
 
     def close(self) -> None:
-        for swarm in self.swarms.values():
-            for server in swarm["servers"]:
-                server.terminate()
+        terminate_all([server for swarm in self.swarms.values() for server in swarm["servers"]])
 
 
 @pytest.fixture(scope="session")

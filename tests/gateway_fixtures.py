@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 import pytest
 
 from swarm.launch import topology
-from swarm.launch.topology import ManagedProcess
+from swarm.launch.topology import ManagedProcess, terminate_all
 
 SPANS = ("0:15", "15:30")
 API_KEY = "sk-test-gateway-key"
@@ -98,8 +98,7 @@ def side_gateways(swarms, model_path):
         orphan.kill()
         raise
     yield gateways
-    for gw in gateways.values():
-        gw.proc.terminate()
+    terminate_all([gw.proc for gw in gateways.values()])
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import torch
 
 from swarm import AutoDistributedModelForCausalLM
 from swarm.client.session import SessionError
-from swarm.launch.topology import start_server, start_servers
+from swarm.launch.topology import start_server, start_servers, terminate_all
 
 PROMPT = "The three most important inventions of the twentieth century were"
 NEW = 24
@@ -143,5 +143,4 @@ def test_a_server_answering_errors_is_replaced(model_path, bootstrap, expected):
         assert out.tolist() == ref.tolist()
     finally:
         model.shutdown()
-        for s in [faulty, *good]:
-            s.terminate()
+        terminate_all([faulty, *good])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from swarm import AutoDistributedModelForCausalLM
-from swarm.launch.topology import start_servers
+from swarm.launch.topology import start_servers, terminate_all
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, eos_token_id=1, bos_token_id=0)
@@ -46,8 +46,7 @@ def test_tiny_family_through_the_swarm(family, tmp_path, bootstrap):
         assert (model(ours).logits - ref_logits).abs().max().item() < 1e-3
     finally:
         model.shutdown()
-        for s in servers:
-            s.terminate()
+        terminate_all(servers)
 
 
 def test_unsupported_family_is_a_clear_error(tmp_path):

@@ -151,7 +151,7 @@ def family_swarm(request, tmp_path_factory, model_path, bootstrap):
     from transformers import AutoTokenizer
 
     from swarm import AutoDistributedModelForCausalLM
-    from swarm.launch.topology import start_servers
+    from swarm.launch.topology import start_servers, terminate_all
 
     case = request.param
     path = tmp_path_factory.mktemp(case)
@@ -169,8 +169,7 @@ def family_swarm(request, tmp_path_factory, model_path, bootstrap):
     finally:
         if model is not None:
             model.shutdown()
-        for server in servers:
-            server.terminate()
+        terminate_all(servers)
 
 
 def _prompt_ids(tokenizer, text: str) -> torch.Tensor:
@@ -316,7 +315,7 @@ def test_quantized_servers_generate(case, quant_type, tmp_path, model_path, boot
     from transformers import AutoTokenizer
 
     from swarm import AutoDistributedModelForCausalLM
-    from swarm.launch.topology import start_servers
+    from swarm.launch.topology import start_servers, terminate_all
 
     reference = _build(case, tmp_path, model_path)
     prefix = f"tbfq-{case}"
@@ -337,8 +336,7 @@ def test_quantized_servers_generate(case, quant_type, tmp_path, model_path, boot
         assert torch.nn.functional.cosine_similarity(logits.flatten(), expected.flatten(), dim=0) > 0.9
     finally:
         model.shutdown()
-        for server in servers:
-            server.terminate()
+        terminate_all(servers)
 
 
 def test_base_model_checkpoint_loads(tmp_path, model_path):

@@ -16,7 +16,7 @@ import torch
 
 import swarm.modeling.checkpoint as checkpoint_module
 from swarm import AutoDistributedModelForCausalLM
-from swarm.launch.topology import start_servers
+from swarm.launch.topology import start_servers, terminate_all
 from tests.test_sharded_checkpoint import OpenedFiles
 from tests.tiny_checkpoints import save_tiny, shard_files
 
@@ -99,8 +99,7 @@ def test_family_through_a_split_swarm(family, tmp_path, bootstrap, model_path, t
             _check_gateway(path, bootstrap, prefix, reference, tokenizer, chat=family == "mixtral")
     finally:
         model.shutdown()
-        for s in servers:
-            s.terminate()
+        terminate_all(servers)
 
 
 def _check_gateway(path, bootstrap, prefix, reference, tokenizer, chat: bool) -> None:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from swarm.client.manager import ClientConfig, SwarmManager
-from swarm.launch.topology import start_servers
+from swarm.launch.topology import start_servers, terminate_all
 from tests.gateway_fixtures import start_gateway
 
 MESSAGES = [{"role": "user", "content": "List five animals that live in the ocean."}]
@@ -26,8 +26,7 @@ def failover_gateway(model_path, bootstrap):
     yield gateway, servers, manager
     manager.shutdown()
     gateway.proc.terminate()
-    for s in servers:
-        s.terminate()
+    terminate_all(servers)
 
 
 def _stream(gateway, on_chunk=None, max_tokens=40):

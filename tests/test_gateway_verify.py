@@ -13,7 +13,7 @@ import torch
 
 from swarm import AutoDistributedModelForCausalLM
 from swarm.client.verify import OutputsRetracted, verifier_for
-from swarm.launch.topology import start_server, start_servers
+from swarm.launch.topology import start_server, start_servers, terminate_all
 from tests.gateway_fixtures import SPANS, one_torch_thread, start_gateway  # noqa: F401
 
 MODEL = "smollm2-135m-instruct"
@@ -63,8 +63,7 @@ def lying_swarm(model_path, bootstrap):
         raise
     swarm = {"prefix": prefix, "initial_peers": [bootstrap.maddr], "liar": liar, "servers": honest}
     yield swarm
-    for server in [liar, *honest]:
-        server.terminate()
+    terminate_all([liar, *honest])
 
 
 def test_a_lying_server_is_caught_through_the_gateway(lying_swarm, model_path, tokenizer, reference_model):

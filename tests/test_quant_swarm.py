@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from swarm import AutoDistributedModelForCausalLM
-from swarm.launch.topology import start_server, wait_all
+from swarm.launch.topology import start_server, terminate_all, wait_all
 from swarm.wire.records import fetch_block_records
 
 SPANS = ("0:15", "15:30")
@@ -131,5 +131,4 @@ def test_a_mixed_swarm_fails_over_from_nf4_to_int8_to_float(model_path, bootstra
         assert out.shape[1] == ids.shape[1] + 6 + 2 * (3 + 6)
     finally:
         model.shutdown()
-        for proc in servers + spares:
-            proc.terminate()
+        terminate_all(servers + spares)

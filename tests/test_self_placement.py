@@ -9,7 +9,7 @@ from typing import Callable, Dict, List, Optional, TypeVar
 import hivemind
 import pytest
 
-from swarm.launch.topology import ManagedProcess, start_servers
+from swarm.launch.topology import ManagedProcess, start_servers, terminate_all
 from swarm.wire.records import ServerState, fetch_block_records, online_spans
 
 NUM_BLOCKS = 30
@@ -110,8 +110,7 @@ def test_three_servers_cover_the_model_and_recover_from_a_crash(model_path, boot
         for p in survivors:
             assert p.proc.poll() is None, p.log_tail()
     finally:
-        for p in procs:
-            p.terminate()
+        terminate_all(procs)
 
 
 def test_serving_loop_restarts_after_it_dies(model_path, bootstrap, reader):
@@ -214,5 +213,4 @@ def test_a_moving_server_lets_running_sessions_finish(model_path, bootstrap, rea
     finally:
         if model is not None:
             model.shutdown()
-        for p in procs:
-            p.terminate()
+        terminate_all(procs)

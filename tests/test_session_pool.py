@@ -11,6 +11,7 @@ import httpx
 import pytest
 import torch
 
+from swarm.launch.topology import terminate_all
 from tests.gateway_fixtures import SPANS, one_torch_thread, server_stats, start_gateway, swarm_model, wait_until  # noqa: F401
 
 MODEL = "smollm2-135m-instruct"
@@ -117,8 +118,7 @@ def small_gateways(swarm, model_path):
         short.kill()
         raise
     yield gateways
-    for gw in gateways.values():
-        gw.proc.terminate()
+    terminate_all([gw.proc for gw in gateways.values()])
 
 
 # ---- tests --------------------------------------------------------------------------------------------------------

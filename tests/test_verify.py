@@ -12,7 +12,7 @@ import torch
 
 from swarm import AutoDistributedModelForCausalLM
 from swarm.client.verify import VerifyStats, divergence, tolerance, verifier_for
-from swarm.launch.topology import start_server, start_servers
+from swarm.launch.topology import start_server, start_servers, terminate_all
 
 PROMPT = "The three most important inventions of the twentieth century were"
 NEW = 30
@@ -41,8 +41,7 @@ def lying_swarm(model_path, bootstrap):
         raise
     yield {"model_path": model_path, "initial_peers": [bootstrap.maddr], "prefix": prefix, "liar": liar,
            "honest": honest}
-    for s in [liar, *honest]:
-        s.terminate()
+    terminate_all([liar, *honest])
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +130,7 @@ def test_honest_quantized_servers_raise_no_false_alarm(model_path, bootstrap, ex
         stats = _no_false_alarm(swarm, ids)
         print(f"{quant_type} honest checks:", stats.as_dict())
     finally:
-        for s in servers:
-            s.terminate()
+        terminate_all(servers)
 
 
 def test_a_span_without_a_second_server_is_counted_unverifiable(swarms, model_path, expected):
