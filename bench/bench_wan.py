@@ -221,8 +221,34 @@ def main(argv=None) -> int:
     if args.routing:
         result["routing"] = bench_routing(path, args)
     result["wall_s"] = round(time.monotonic() - started, 1)
+    result["markdown"] = markdown(result)
     print(json.dumps(result))
     return 0
+
+
+def markdown(result: dict) -> List[str]:
+    """docs/benchmarks.md's section: every row next to its estimate, and the routing case."""
+    lines = ["", f"The latency lab (`swarm/launch/latency_lab.py`): every link the same one-way latency, "
+                 f"{result['tokens_per_generation']} new tokens per generation, greedy. Estimate: one-way trips per "
+                 "token x latency + the same chain's compute at 0 ms (measured just before); with push a token "
+                 "makes k + 1 one-way trips over k servers, without push 2k.", "",
+             "| servers | one-way ms | push | sessions | tok/s | ms/token | estimate ms/token (trips) | "
+             "measured / estimate | TTFT ms | compute ms/token at 0 ms | measured trips/token |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key, row in result["rows"].items():
+        servers, latency, push, sessions = key.split("/")
+        lines.append(f"| {servers.split('_')[0]} | {latency.removesuffix('ms')} | {push.replace('_', ' ')} | "
+                     f"{sessions.split('_')[0]} | {row['tokens_per_s']} | {row['ms_per_token']} | "
+                     f"{row['est_ms_per_token']} ({row['est_hops']}) | "
+                     f"{round(row['ms_per_token'] / row['est_ms_per_token'], 2)} | {row['ttft_ms']} | "
+                     f"{row['compute_ms_per_token']} | {row['hops_per_token']} |")
+    routing = result.get("routing")
+    if routing:
+        lines += ["", f"Two chains for 0:15 (s1 behind {routing['client_rtt_ms'].get('s1')} ms client RTT, s2 behind "
+                      f"{routing['client_rtt_ms'].get('s2')} ms): the client took {routing['took']} "
+                      f"(fast: {routing['took_fast']}); 8 concurrent sessions: {routing['chains_of_8_sessions']}; "
+                      f"{routing['tokens_per_s']} tok/s vs estimate {routing['est_tokens_per_s']}."]
+    return lines + [""]
 
 
 if __name__ == "__main__":

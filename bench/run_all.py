@@ -14,6 +14,21 @@ ROOT = Path(__file__).resolve().parents[1]
 LONG = {"bench_soak.py"}  # run by hand: a 30-minute soak is not part of `make bench`
 
 
+def kept_sections(path: Path, generated: set) -> list:
+    """The lines of the file's `## name` sections that this run did not write (benchmarks run by hand: the soak,
+    speculation in the latency lab), kept after the generated ones."""
+    if not path.exists():
+        return []
+    kept: list = []
+    keep = False
+    for line in path.read_text().splitlines():
+        if line.startswith("## "):
+            keep = line[3:].strip() not in generated  # a hand-run section has a heading of its own
+        if keep:
+            kept.append(line)
+    return kept
+
+
 def main() -> int:
     results = {}
     for script in sorted((ROOT / "bench").glob("bench_*.py")):
@@ -38,6 +53,7 @@ def main() -> int:
         out += [f"## {name}", "", "| measure | value |", "|---|---|"]
         out += [f"| {k} | {v} |" for k, v in result.items() if k != "tokens"]
         out.append("")
+    out += kept_sections(ROOT / "docs" / "benchmarks.md", set(results))
     (ROOT / "docs").mkdir(exist_ok=True)
     (ROOT / "docs" / "benchmarks.md").write_text("\n".join(out))
     print(json.dumps(results))
