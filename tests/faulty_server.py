@@ -8,13 +8,29 @@ step after the N-th served one with the handler's ordinary `internal` error repl
 from each session's N-th step on, adds noise of the output's own scale to what it returns
 (`--perturb_after_steps`; with `--perturb_every K`, only every K-th session it opens lies): a malicious server
 that spot-checks (`swarm.client.verify`) must catch. Forward passes (what referees run) stay honest. The tests
-start it through `swarm.launch.topology.start_server(..., module="tests.faulty_server")`.
+start it with `start_with_honest` (or `swarm.launch.topology.start_server(..., module="tests.faulty_server")`).
 """
 from __future__ import annotations
 
 import sys
 import weakref
-from typing import Optional
+from typing import Any, List, Optional, Tuple
+
+
+def start_with_honest(model_path: str, initial_peers: List[str], prefix: str, fault: List[str],
+                      honest_spans: List[str], name: str) -> Tuple[Any, List[Any]]:
+    """A faulty server on 0:30 with the flags `fault` (chosen first by routing: throughput 100), then honest servers
+    on `honest_spans` (throughput 1), all ready: (faulty, honest); the faulty one killed if the others fail."""
+    from swarm.launch.topology import start_server, start_servers
+
+    faulty = start_server(model_path, initial_peers, "0:30", prefix, ["--throughput", "100", *fault], name=name,
+                          threads=1, module="tests.faulty_server")
+    try:
+        faulty.wait_ready()
+        return faulty, start_servers(model_path, initial_peers, honest_spans, prefix, ["--throughput", "1"], threads=1)
+    except BaseException:
+        faulty.kill()
+        raise
 
 
 def faulty_server(fail_after_steps: Optional[int] = None, perturb_after_steps: Optional[int] = None,

@@ -117,6 +117,17 @@ def server_stats(model, swarm) -> dict:
     return {s.peer_id: model.manager.server_info(s.peer_id) for s in swarm["servers"]}
 
 
+def reference_text(tokenizer, reference_model, messages, max_new_tokens: int) -> str:
+    """The reply local transformers gives greedily to a chat (what the gateway's greedy text must equal)."""
+    import torch
+
+    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = reference_model.generate(enc["input_ids"], attention_mask=enc["attention_mask"],
+                                       max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
 def wait_until(predicate, timeout: float = 60, interval: float = 0.2):
     """Poll `predicate` until it returns a truthy value (returned) or the bounded wait ends (last value)."""
     deadline = time.monotonic() + timeout

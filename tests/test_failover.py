@@ -7,7 +7,8 @@ import torch
 
 from swarm import AutoDistributedModelForCausalLM
 from swarm.client.session import SessionError
-from swarm.launch.topology import start_server, start_servers, terminate_all
+from swarm.launch.topology import start_servers, terminate_all
+from tests.faulty_server import start_with_honest
 
 PROMPT = "The three most important inventions of the twentieth century were"
 NEW = 24
@@ -121,16 +122,8 @@ def test_no_replacement_gives_a_clear_error(failover_swarm, expected):
 def test_a_server_answering_errors_is_replaced(model_path, bootstrap, expected):
     prefix = "tfaulty"
     # a test-only server (tests/faulty_server.py) that answers every inference step after the 6th with an error
-    faulty = start_server(model_path, [bootstrap.maddr], "0:30", prefix,
-                          ["--throughput", "100", "--fail_after_steps", "6"], name="server-faulty", threads=1,
-                          module="tests.faulty_server")
-    try:
-        faulty.wait_ready()
-        good = start_servers(model_path, [bootstrap.maddr], ["0:15", "15:30"], prefix, ["--throughput", "1"],
-                             threads=1)
-    except BaseException:
-        faulty.kill()
-        raise
+    faulty, good = start_with_honest(model_path, [bootstrap.maddr], prefix, ["--fail_after_steps", "6"],
+                                     ["0:15", "15:30"], "server-faulty")
     model = AutoDistributedModelForCausalLM.from_pretrained(model_path, initial_peers=[bootstrap.maddr],
                                                             dht_prefix=prefix, max_retries=2)
     try:

@@ -16,6 +16,7 @@ from tests.gateway_fixtures import (  # noqa: F401
     client,
     gateway,
     one_torch_thread,
+    reference_text,
     server_stats,
     side_gateways,
     swarm_model,
@@ -24,14 +25,6 @@ from tests.gateway_fixtures import (  # noqa: F401
 
 MODEL = "smollm2-135m-instruct"
 QUESTION = [{"role": "user", "content": "What are three good reasons to learn to play the piano?"}]
-
-
-def reference_text(tokenizer, reference_model, messages, max_new_tokens: int) -> str:
-    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    with torch.no_grad():
-        out = reference_model.generate(enc["input_ids"], attention_mask=enc["attention_mask"],
-                                       max_new_tokens=max_new_tokens, do_sample=False)
-    return tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
 def stream_text(client, **kwargs):

@@ -13,21 +13,14 @@ import torch
 
 from swarm import AutoDistributedModelForCausalLM
 from swarm.client.verify import OutputsRetracted, verifier_for
-from swarm.launch.topology import start_server, start_servers, terminate_all
-from tests.gateway_fixtures import SPANS, one_torch_thread, start_gateway  # noqa: F401
+from swarm.launch.topology import terminate_all
+from tests.faulty_server import start_with_honest
+from tests.gateway_fixtures import SPANS, one_torch_thread, reference_text, start_gateway  # noqa: F401
 
 MODEL = "smollm2-135m-instruct"
 NEW = 12  # tokens per completion through the liar's swarm
 SHORT = 6  # through the split swarm
 PERTURB_AFTER = 3  # steps of each session the liar serves honestly (its first check passes)
-
-
-def reference_text(tokenizer, reference_model, messages, max_new_tokens: int) -> str:
-    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    with torch.no_grad():
-        out = reference_model.generate(enc["input_ids"], attention_mask=enc["attention_mask"],
-                                       max_new_tokens=max_new_tokens, do_sample=False)
-    return tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
 def metric(url: str, name: str, labels: str = "") -> float:
@@ -51,16 +44,8 @@ def chat(gw, messages, stream: bool, new: int = NEW) -> str:
 @pytest.fixture(scope="module")
 def lying_swarm(model_path, bootstrap):
     prefix = "tgwverify"
-    liar = start_server(model_path, [bootstrap.maddr], "0:30", prefix,
-                        ["--throughput", "100", "--perturb_after_steps", str(PERTURB_AFTER)],
-                        name="server-liar", threads=1, module="tests.faulty_server")
-    try:
-        liar.wait_ready()
-        honest = start_servers(model_path, [bootstrap.maddr], ["0:30", "0:30"], prefix, ["--throughput", "1"],
-                               threads=1)
-    except BaseException:
-        liar.kill()
-        raise
+    liar, honest = start_with_honest(model_path, [bootstrap.maddr], prefix,
+                                     ["--perturb_after_steps", str(PERTURB_AFTER)], ["0:30", "0:30"], "server-liar")
     swarm = {"prefix": prefix, "initial_peers": [bootstrap.maddr], "liar": liar, "servers": honest}
     yield swarm
     terminate_all([liar, *honest])

@@ -12,7 +12,8 @@ import torch
 
 from swarm import AutoDistributedModelForCausalLM
 from swarm.client.verify import VerifyStats, divergence, tolerance, verifier_for
-from swarm.launch.topology import start_server, start_servers, terminate_all
+from swarm.launch.topology import start_servers, terminate_all
+from tests.faulty_server import start_with_honest
 
 PROMPT = "The three most important inventions of the twentieth century were"
 NEW = 30
@@ -29,16 +30,9 @@ def _model(swarm, **kwargs):
 @pytest.fixture(scope="module")
 def lying_swarm(model_path, bootstrap):
     prefix = "tverify"
-    liar = start_server(model_path, [bootstrap.maddr], "0:30", prefix,
-                        ["--throughput", "100", "--perturb_after_steps", str(PERTURB_AFTER), "--perturb_every", "2"],
-                        name="server-liar", threads=1, module="tests.faulty_server")
-    try:
-        liar.wait_ready()
-        honest = start_servers(model_path, [bootstrap.maddr], ["0:30", "0:30"], prefix, ["--throughput", "1"],
-                               threads=1)
-    except BaseException:
-        liar.kill()
-        raise
+    liar, honest = start_with_honest(model_path, [bootstrap.maddr], prefix,
+                                     ["--perturb_after_steps", str(PERTURB_AFTER), "--perturb_every", "2"],
+                                     ["0:30", "0:30"], "server-liar")
     yield {"model_path": model_path, "initial_peers": [bootstrap.maddr], "prefix": prefix, "liar": liar,
            "honest": honest}
     terminate_all([liar, *honest])

@@ -39,7 +39,7 @@ from pydantic import Field, field_validator, model_validator
 
 from swarm.launch.netns import Host, NetLab
 from swarm.launch.relay import RELOADED, LinkTable
-from swarm.launch.topology import ManagedProcess, start_gateway, start_server, thread_env, wait_all
+from swarm.launch.topology import ManagedProcess, start_gateway, start_server, terminate_all, thread_env, wait_all
 from swarm.runtime import lifecycle
 from swarm.runtime.config import ProcessConfig, config_from_argv, parse_span
 
@@ -195,11 +195,7 @@ class LatencyLab:
         """Stop gateways and servers, then the bootstrap peer and the relays; remove the namespaces."""
         procs = [*self.gateways, *self.servers]
         for stage in (procs, [p for n, p in self.peers.items() if n == "dht"], list(self.relays.values())):
-            for proc in stage:
-                proc.signal(signal.SIGTERM)
-            for proc in stage:
-                proc.wait(8)
-                proc.kill()
+            terminate_all(stage, 8)
         self.net.close()
 
     def __enter__(self) -> "LatencyLab":

@@ -279,14 +279,9 @@ class Topology:
         """Stop every process within `timeout` s: SIGTERM to the gateways and servers at once, then to the
         bootstrap peer (so that servers can still announce offline); SIGKILL to the groups of those left."""
         deadline = time.monotonic() + timeout
-        stages = [[p for p in self.procs if p is not self.bootstrap], [p for p in self.procs if p is self.bootstrap]]
-        for stage in stages:
-            for proc in reversed(stage):
-                proc.signal(signal.SIGTERM)
-            for proc in stage:
-                proc.wait(deadline - time.monotonic())
-        for proc in self.procs:
-            proc.kill()
+        rest = [p for p in self.procs if p is not self.bootstrap]
+        for stage in (rest[::-1], [p for p in self.procs if p is self.bootstrap]):
+            terminate_all(stage, deadline - time.monotonic())
         self.procs.clear()
 
     def __enter__(self) -> "Topology":
