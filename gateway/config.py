@@ -67,6 +67,12 @@ class GatewayConfig(SwarmKeySettings):
     allowed_quant_types: Optional[List[str]] = Field(
         default=None, description=f"route only through servers announcing one of these weight formats "
                                   f"({', '.join(QUANT_TYPES)}); default: any (a mixed swarm works)")
+    head_packed_rows: List[int] = Field(
+        default_factory=list,
+        description="concurrent streams' LM-head rows to pack the head's weight for (MKL's packed GEMM, "
+                    "swarm.modeling.smallgemm; float32 on the CPU): faster heads at that many streams, each pack one "
+                    "more copy of the head in memory (113 MB for SmolLM2); default none: the rows are padded where "
+                    "that was timed faster")
     verify_rate: float = Field(
         default=0.0, ge=0, le=1,
         description="spot-check servers' outputs (swarm.client.verify): the chance, per decode step and per span, that "
@@ -101,6 +107,13 @@ class GatewayConfig(SwarmKeySettings):
     def _valid_dtype(cls, value: str) -> str:
         parse_dtype(value)  # ValueError naming the choices
         return value
+
+    @field_validator("head_packed_rows")
+    @classmethod
+    def _valid_packed_rows(cls, value: List[int]) -> List[int]:
+        if any(not 2 <= m <= 256 for m in value):
+            raise ValueError(f"each packed row count must be 2 to 256, got {value}")
+        return sorted(set(value))
 
     @field_validator("allowed_quant_types", mode="before")
     @classmethod

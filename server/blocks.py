@@ -26,8 +26,10 @@ from server.decode import attention_backends, decode_step, prefill_step
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec, family_for
 from swarm.modeling.layers import cache_attention, causal_mask, key_bias
+from swarm.modeling.llama import FusedLayer, attach_small_gemms
 from swarm.modeling.lora import AdapterError, AdapterFiles, SpanAdapter, adapt_layers
 from swarm.modeling.shape import ModelShape, config_dtype
+from swarm.modeling.smallgemm import GemmGroup, packing_available
 from swarm.runtime import malloc
 from swarm.wire.dtypes import DTYPES
 
@@ -57,6 +59,15 @@ def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor, start_position: int) 
     if k <= 0:
         return hidden
     return torch.cat([hidden[:, :k] + prompt[:, start_position:start_position + k], hidden[:, k:]], dim=1)
+
+
+def packed_rows_for(packed_rows: Sequence[int], device: str, dtype: torch.dtype, quant_type: str) -> tuple:
+    """The decode batch sizes a span packs its weights for (`swarm.modeling.smallgemm`): float32 blocks on the CPU
+    of a torch with MKL's packed GEMM, not quantized; else none."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32 or quant_type not in (None, "none") or \
+            not packing_available():
+        return ()
+    return tuple(packed_rows)
 
 
 def _starts_with(prefix: str) -> Callable[[str], bool]:
@@ -101,12 +112,15 @@ class BlockSpan(nn.Module):
 
     @classmethod
     def load(cls, checkpoint: Checkpoint, start: int, end: int, dtype_name: str = "auto",
-             device: str = "cpu", quant_type: str = "none", adapters: Sequence[AdapterFiles] = ()) -> "BlockSpan":
+             device: str = "cpu", quant_type: str = "none", adapters: Sequence[AdapterFiles] = (),
+             packed_rows: Sequence[int] = ()) -> "BlockSpan":
         """Blocks [start, end) of `checkpoint`, read, (quantized) and moved to `device` one block at a time; with
         `adapters` (checked by `swarm.modeling.lora.open_adapter`), their tensors of these blocks too.
 
         quant_type "int8" / "nf4" (`swarm.modeling.quantize`): each block is fused and quantized before the next is
         read, and its float tensors are dropped, so the process never holds the span in full precision.
+        `packed_rows` (`packed_rows_for`): float32 CPU blocks' projections get small-batch products packed for these
+        decode batch sizes (`swarm.modeling.smallgemm`; one more copy of the weights each).
         """
         config = checkpoint.load_config()
         family = family_for(config)
@@ -165,6 +179,14 @@ class BlockSpan(nn.Module):
         logger.info(f"loaded blocks {start}:{end} of {checkpoint.name} ({dtype}, {device}, quant_type {quant_type})")
         span = cls(config, family, start, end, layers, rotary, dtype, torch_device)
         span.fused = fused
+        packed_rows = packed_rows_for(packed_rows, device, dtype, quant_type)
+        if packed_rows and any(isinstance(layer, FusedLayer) for layer in fused):
+            group = GemmGroup(packed_rows)  # the span's products run on the server's one compute thread
+            for layer in fused:
+                if isinstance(layer, FusedLayer):
+                    attach_small_gemms(layer, group)
+            logger.info(f"decode batches of {group.min_packed} to {max(packed_rows)} rows use weights packed for "
+                        f"{', '.join(map(str, packed_rows))} rows ({group.packed_bytes() / 2**20:.0f} MiB)")
         span.quant_type = quant_type
         for files in adapters:
             span.adapters[files.name] = SpanAdapter.load(files, start, end, dtype, torch_device, span.shape)

@@ -57,12 +57,13 @@ def block_parameter_counts(model_config) -> tuple[int, int]:
     return linear, other
 
 
-def bytes_per_block(model_config, dtype: torch.dtype, quant_type: str = "none") -> int:
-    """Bytes one block's weights take on the device at `dtype` (linear weights at the quantized size)."""
+def bytes_per_block(model_config, dtype: torch.dtype, quant_type: str = "none", packed_copies: int = 0) -> int:
+    """Bytes one block's weights take on the device at `dtype` (linear weights at the quantized size; with
+    `packed_copies` more copies of the float linear weights: `swarm.modeling.smallgemm`'s packs)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     linear, other = block_parameter_counts(model_config)
     if quant_type in (None, "none"):
-        return (linear + other) * itemsize
+        return (linear * (1 + packed_copies) + other) * itemsize
     if quant_type not in QUANT_BYTES_PER_PARAM:
         raise ValueError(f"unknown quant_type {quant_type!r}; choose none, {', '.join(QUANT_BYTES_PER_PARAM)}")
     return int(linear * QUANT_BYTES_PER_PARAM[quant_type]) + other * itemsize
@@ -84,7 +85,7 @@ class Capacity:
 
 def plan_capacity(model_config, dtype: torch.dtype, free_bytes: int, *, num_blocks: Optional[int] = None,
                   attn_cache_tokens: Optional[int] = None, reserve_fraction: float = 0.1,
-                  quant_type: str = "none") -> Capacity:
+                  quant_type: str = "none", packed_copies: int = 0) -> Capacity:
     """How many blocks to serve and how many cache tokens to budget, given `free_bytes` of device memory.
 
     Given values win. Without `attn_cache_tokens` the budget is `DEFAULT_CACHE_TOKENS`, lowered so that the
@@ -93,7 +94,7 @@ def plan_capacity(model_config, dtype: torch.dtype, free_bytes: int, *, num_bloc
     Raises ValueError when not even one block fits.
     """
     total = model_config.num_hidden_layers
-    block = bytes_per_block(model_config, dtype, quant_type)
+    block = bytes_per_block(model_config, dtype, quant_type, packed_copies)
     token = cache_bytes_per_token(model_config, dtype)
 
     def default_tokens(blocks: int) -> int:

@@ -148,7 +148,7 @@ class Server:
         start, end = self.record.start, self.record.end
         span = await self._compute_pool().submit(PRIORITY_FORWARD, BlockSpan.load, self.checkpoint, start, end,
                                                  self.config.torch_dtype, self.config.device, self.quant_type,
-                                                 self.adapters)
+                                                 self.adapters, self.config.packed_rows)
         malloc.trim()  # what loading (and measuring the throughput) freed: unfused checkpoint tensors
         if self.config.cuda_graphs and span.enable_cuda_graphs():
             logger.info("single-session decode steps replay CUDA graphs")

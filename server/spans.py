@@ -22,6 +22,7 @@ from typing import Optional, Protocol, Tuple
 import torch
 
 from server.announce import Announcer
+from server.blocks import packed_rows_for
 from server.config import ServerConfig
 from server.handler import BlockHandler
 from server.memory import Capacity, free_memory_bytes, plan_capacity
@@ -77,7 +78,8 @@ def plan(config: ServerConfig, model_config, dtype: torch.dtype, num_blocks_tota
         num_blocks = config.num_blocks
     free = free_memory_bytes(config.device)
     capacity = plan_capacity(model_config, dtype, free, num_blocks=num_blocks,
-                             attn_cache_tokens=config.attn_cache_tokens, quant_type=quant_type)
+                             attn_cache_tokens=config.attn_cache_tokens, quant_type=quant_type,
+                             packed_copies=len(packed_rows_for(config.packed_rows, config.device, dtype, quant_type)))
     needed = capacity.num_blocks * (capacity.block_bytes + capacity.attn_cache_tokens * capacity.token_bytes)
     if needed > free:
         logger.warning(f"{capacity.num_blocks} blocks with a {capacity.attn_cache_tokens}-token cache need "

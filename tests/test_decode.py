@@ -9,17 +9,24 @@ import torch
 
 from server.blocks import BlockSpan
 from swarm.modeling.checkpoint import Checkpoint
+from swarm.modeling.smallgemm import packing_available
 from tests.test_families import _configs
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen2 packed"])
 def span(request, tmp_path_factory):
+    """Blocks 1:4 of a tiny checkpoint; "packed": decode batches of 3 to 8 rows on weights packed for 4 and 8 rows
+    (`swarm.modeling.smallgemm`, where this torch has MKL's packed GEMM; qwen2: with q/k/v biases)."""
     from transformers import AutoModelForCausalLM
 
+    family, _, packed = request.param.partition(" ")
     torch.manual_seed(0)
-    path = tmp_path_factory.mktemp(f"decode-{request.param}")
-    AutoModelForCausalLM.from_config(_configs()[request.param]).save_pretrained(path)
-    return BlockSpan.load(Checkpoint(str(path)), 1, 4, "float32")
+    path = tmp_path_factory.mktemp(f"decode-{family}")
+    AutoModelForCausalLM.from_config(_configs()[family]).save_pretrained(path)
+    span = BlockSpan.load(Checkpoint(str(path)), 1, 4, "float32", packed_rows=(4, 8) if packed else ())
+    if packed and packing_available():
+        assert all(layer.gemms is not None and set(layer.gemms["qkv"].packs) == {4, 8} for layer in span.fused)
+    return span
 
 
 def module_forward(span: BlockSpan, *args) -> torch.Tensor:

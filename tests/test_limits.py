@@ -88,6 +88,9 @@ def test_limit_flags_are_documented_and_checked():
         assert fields[name].description, name
     with pytest.raises(ValueError, match="max_streams"):
         ServerConfig(model="m", max_streams=0)
+    with pytest.raises(ValueError, match="packed row count"):
+        ServerConfig(model="m", packed_rows=[8, 1])
+    assert ServerConfig(model="m", packed_rows=[16, 8, 16]).packed_rows == [8, 16]
 
 
 def test_sessions_per_peer_and_open_streams(limited):

@@ -106,6 +106,14 @@ def test_block_and_cache_sizes_match_the_real_tensors(checkpoint, model_config):
     assert cache_bytes_per_token(model_config, torch.float32) == span.cache_bytes_per_token()
     with pytest.raises(ValueError):
         bytes_per_block(model_config, torch.float32, "int3")
+    from swarm.modeling.smallgemm import packing_available
+
+    if packing_available():  # weights packed for two decode batch sizes: two more copies of the linear weights
+        packed = BlockSpan.load(checkpoint, 0, 1, "float32", "cpu", packed_rows=(8, 16))
+        gemms = packed.fused[0].gemms
+        assert gemms is not None and all(sorted(g.packs) == [8, 16] for g in gemms.values())
+        held = sum(g.weight.numel() * g.weight.element_size() * len(g.packs) for g in gemms.values())
+        assert bytes_per_block(model_config, torch.float32, packed_copies=2) == real + held
 
 
 def test_plan_capacity(model_config):

@@ -177,6 +177,24 @@ def test_openmp_spin_is_set_before_torch_loads():
     assert user.stdout.split()[0] == "77"  # the user's setting wins
 
 
+def test_a_server_asks_for_huge_pages_before_torch_loads_and_a_user_setting_wins():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, sys; from swarm.runtime.malloc import tune_allocator_env as t; "
+            "print(t(), os.environ.get('THP_MEM_ALLOC_ENABLE'), 'torch' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.stdout.split() == ["True", "1", "False"], out.stderr
+    user = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**env, "THP_MEM_ALLOC_ENABLE": "0"})
+    assert user.stdout.split()[:2] == ["False", "0"]
+    late = subprocess.run([sys.executable, "-c", "import torch; " + code], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert late.stdout.split()[:2] == ["False", "None"]  # too late once torch is loaded: nothing set
+
+
 @pytest.mark.parametrize("eos", [2, [2, 7], [3, 10 ** 6], torch.tensor([2], dtype=torch.int32)])
 def test_min_new_tokens_processor_matches_transformers(eos):
     from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor

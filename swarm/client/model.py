@@ -39,7 +39,6 @@ from swarm.client.manager import ClientConfig, SwarmManager
 from swarm.client.model_session import ModelSession
 from swarm.client.remote_autograd import RemoteBlocks
 from swarm.client.routing import quant_allowed
-from swarm.client.rowpad import RowPadding
 from swarm.client.rows import check_padding_supported, left_padding
 from swarm.client.session import SessionError
 from swarm.client.speculative import SpeculativeConfig, Speculator, speculative_generate
@@ -47,6 +46,7 @@ from swarm.client.status import SwarmStatusView
 from swarm.client.verify import OutputsRetracted, VerifyStats, verifier_for
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec, family_for
+from swarm.modeling.smallgemm import GemmGroup, SmallGemm
 from swarm.runtime import aio, malloc
 from swarm.runtime.taskpool import PRIORITY_FORWARD, client_pool
 from swarm.wire.dtypes import parse_dtype
@@ -71,7 +71,7 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         self.embed_tokens, self.norm, self.lm_head = embed_tokens, norm, lm_head
         self.embed_norm = embed_norm  # the family's norm of the embeddings (BLOOM's word_embeddings_layernorm)
         self.generation_config = generation_config
-        self.row_padding: Optional[RowPadding] = None  # set by from_pretrained(pad_head_rows=True)
+        self.head_gemm: Optional[SmallGemm] = None  # concurrent sessions' head rows (`from_pretrained`)
         self.name_or_path: str = ""  # set by from_pretrained
         self.ptune: Optional[tuning.PromptTuning] = None  # from_pretrained(tuning_mode=..., pre_seq_len=...)
         self.remote_blocks: Optional[RemoteBlocks] = None  # the differentiable blocks, made on first use
@@ -81,13 +81,16 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, torch_dtype: Union[str, torch.dtype] = torch.float32,
                         cache_dir: Optional[str] = None, dht=None, device: Union[str, torch.device] = "cpu",
-                        pad_head_rows: bool = True, active_adapter: Optional[str] = None,
+                        pad_head_rows: bool = True, head_packed_rows: Sequence[int] = (),
+                        active_adapter: Optional[str] = None,
                         tuning_mode: Optional[str] = None, pre_seq_len: int = 0,
                         **client_kwargs) -> "DistributedModelForCausalLM":
         """`tuning_mode` "ptune" / "deep_ptune" with `pre_seq_len`: trainable soft prompts (`swarm.client.ptune`).
-        `pad_head_rows`: on the CPU, run concurrent sessions' LM heads padded to the row count measured fastest
-        (`swarm.client.rowpad`: about 10% more aggregate tokens/s with 8 sessions here, for ~0.5 s at load and a few
-        MB). `active_adapter`: the LoRA adapter (served by the swarm) to generate with; None: the base model."""
+        `pad_head_rows`: with a float32 head on the CPU, run concurrent sessions' LM heads padded to the row count
+        measured fastest (`swarm.modeling.smallgemm`: about 10% more aggregate tokens/s with 8 sessions here, for
+        ~0.5 s at load and a few MB); `head_packed_rows`: row counts to pack the head's weight for there (MKL's packed
+        GEMM: one more copy of the head each, faster than padding). `active_adapter`: the LoRA adapter (served by
+        the swarm) to generate with; None: the base model."""
         client_config = ClientConfig(**client_kwargs)
         checkpoint = Checkpoint(name_or_path, cache_dir=cache_dir)
         config = checkpoint.load_config()
@@ -123,9 +126,13 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         model.active_adapter = active_adapter
         if tuning_mode is not None:
             model.ptune = tuning.make_prompt_tuning(model, tuning_mode, pre_seq_len)
-        if pad_head_rows:
-            model.row_padding = RowPadding()
-            model.row_padding.calibrate(model.lm_head.weight, model.lm_head.bias)  # CPU only: which batches to pad
+        weight = model.lm_head.weight
+        if (pad_head_rows or head_packed_rows) and weight.device.type == "cpu" and weight.dtype == torch.float32:
+            group = GemmGroup(head_packed_rows)  # the head runs on the client's one compute thread
+            model.head_gemm = group.gemm(weight.detach(), None if model.lm_head.bias is None
+                                         else model.lm_head.bias.detach())
+            if pad_head_rows:
+                group.calibrate()  # which row counts (no pack takes) run faster padded
             malloc.trim()  # what the timing runs freed
         return model
 
@@ -150,10 +157,10 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[batch, seq, hidden] (or [rows, hidden]) from the last block -> logits [batch, seq, vocab] (or [rows,
         vocab]), float32, on the CPU. Rows of concurrent sessions may be padded to the count the BLAS runs
-        fastest (`swarm.client.rowpad`)."""
+        fastest, or run on the head's weight packed for them (`swarm.modeling.smallgemm`)."""
         normed = self.norm(hidden.to(self.device, self.dtype))
-        if self.row_padding is not None and normed.ndim == 2:
-            return self.row_padding.linear(normed, self.lm_head.weight, self.lm_head.bias).float().cpu()
+        if self.head_gemm is not None and normed.ndim == 2:
+            return self.head_gemm(normed).float().cpu()
         return self.lm_head(normed).float().cpu()
 
     def head_rows(self, items: list) -> list:

@@ -31,10 +31,12 @@ def main(argv=None) -> int:
         return 0 if argv else 2
     import importlib
 
-    from swarm.runtime import lifecycle
+    from swarm.runtime import lifecycle, malloc
     from swarm.runtime.threads import tune_openmp_env
 
     tune_openmp_env()
+    if argv[0] == "server":  # its weights stream through the cores every step: huge pages (swarm.runtime.malloc)
+        malloc.tune_allocator_env()
     lifecycle.become_subreaper()  # p2pd stays our descendant even if its DHT process dies first
     module = importlib.import_module(COMMANDS[argv[0]][0])
     try:

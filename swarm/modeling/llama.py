@@ -21,7 +21,7 @@ is what the caller's attention applies: a mask (`layers.causal_mask`) or the las
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,7 @@ from torch import nn
 
 from swarm.modeling.layers import RMSNorm, RotaryEmbedding, activation, apply_rotary, cache_attention, sliding_window_of
 from swarm.modeling.shape import ModelShape
+from swarm.modeling.smallgemm import GemmGroup, SmallGemm
 
 # attend(layer, q [..., heads, head_dim], k [..., kv_heads, head_dim], v [..., kv_heads, head_dim])
 #   -> [..., heads * head_dim]; rotary is applied to q and k, "..." are the tokens' leading dims of x
@@ -184,6 +185,9 @@ class FusedLayer:
     scaling: float
     layer_idx: int
     sliding_window: Optional[int] = None  # keys a query sees (itself included); None: all before it
+    # a decode step's few rows on the CPU (`swarm.modeling.smallgemm`, `attach_small_gemms`): "qkv", "o", "gate_up",
+    # "down" -> the projection's small-batch product; None: plain products
+    gemms: Optional[Dict[str, SmallGemm]] = None
 
     step = block_step  # layer.step(x, cos, sin, attend)
 
@@ -195,15 +199,23 @@ class FusedLayer:
 
     def qkv(self, h: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., heads + 2 * kv_heads, head_dim]"""
+        if self.gemms is not None and h.ndim == 2:  # a decode step's rows
+            return self.gemms["qkv"](h).unflatten(-1, (-1, self.head_dim))
         return F.linear(h, self.qkv_weight, self.qkv_bias).unflatten(-1, (-1, self.head_dim))
 
     def add_o_proj(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        if self.gemms is not None and o.ndim == 2:
+            return self.gemms["o"](o).add_(x)
         return _add_projection(x, o, self.o_weight_t, self.o_bias)
 
     def gate_up(self, h: torch.Tensor):
+        if self.gemms is not None and h.ndim == 2:
+            return self.gemms["gate_up"](h).chunk(2, dim=-1)
         return F.linear(h, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
 
     def add_down(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        if self.gemms is not None and h.ndim == 2:
+            return self.gemms["down"](h).add_(x)
         return _add_projection(x, h, self.down_weight_t, self.down_bias)
 
 
@@ -228,6 +240,14 @@ def _share(modules: Sequence[nn.Linear], name: str) -> Optional[torch.Tensor]:
         setattr(module, name, nn.Parameter(fused[row:row + tensor.shape[0]], requires_grad=False))
         row += tensor.shape[0]
     return fused
+
+
+def attach_small_gemms(layer: FusedLayer, group: GemmGroup) -> None:
+    """Give a float32 CPU layer's projections small-batch products of `group` (its packed copies of the weights)."""
+    layer.gemms = {"qkv": group.gemm(layer.qkv_weight, layer.qkv_bias),
+                   "o": group.gemm(layer.o_weight_t.t(), layer.o_bias),
+                   "gate_up": group.gemm(layer.gate_up_weight, layer.gate_up_bias),
+                   "down": group.gemm(layer.down_weight_t.t(), layer.down_bias)}
 
 
 def fuse_layer(layer: DecoderLayer) -> FusedLayer:

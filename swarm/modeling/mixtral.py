@@ -197,6 +197,7 @@ class FusedMoeLayer:
     sliding_window: Optional[int] = None
     qkv_bias: Optional[torch.Tensor] = None  # Mixtral has none (FusedLayer's methods read them)
     o_bias: Optional[torch.Tensor] = None
+    gemms: Optional[dict] = None  # (`FusedLayer.qkv` reads it: Mixtral's projections stay plain)
 
     step = moe_block_step  # layer.step(x, cos, sin, attend)
     capturable = False  # data-dependent routing: no CUDA graphs

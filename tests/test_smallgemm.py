@@ -1,0 +1,59 @@
+"""`swarm.modeling.smallgemm`: padding or packing a small batch's product changes its speed, never its rows' values
+(beyond the last bits), and packed spans decode as plain ones do."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from swarm.modeling.smallgemm import PADDED, PLAIN, GemmGroup, packing_available
+
+needs_packing = pytest.mark.skipif(not packing_available(), reason="this torch has no MKL packed GEMM")
+
+
+def test_every_way_of_a_product_gives_the_plain_rows():
+    torch.manual_seed(0)
+    weight, bias = torch.randn(3000, 64), torch.randn(3000)
+    group = GemmGroup([8, 16] if packing_available() else [])
+    gemm = group.gemm(weight, bias)
+    for rows in (1, 3, 4, 7, 8, 9, 13, 16):
+        x = torch.randn(rows, 64)
+        reference = F.linear(x, weight, bias)
+        ways = [PLAIN, PADDED] + [m for m in group.packed_rows if m >= rows]
+        for way in ways:
+            out = gemm.product(x, way)
+            assert out.shape == (rows, 3000), way
+            torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(gemm(x), reference, rtol=1e-5, atol=1e-4)  # the group's own way
+
+
+@needs_packing
+def test_the_smallest_pack_that_holds_the_rows_is_used_and_few_or_many_rows_stay_plain():
+    group = GemmGroup([16, 8], min_packed=3)
+    assert group.packed_rows == (8, 16)
+    assert [group.way(rows, {}) for rows in (1, 2, 3, 8, 9, 16, 17, 64)] == [PLAIN, PLAIN, 8, 8, 16, 16, PLAIN, PLAIN]
+    assert group.way(2, {2: True}) == PADDED  # below the packs, padding where it was timed faster
+
+
+def test_calibrate_times_the_row_counts_no_pack_takes_and_products_needing_gradients_stay_plain():
+    group = GemmGroup([], multiple=8, trials=1)
+    weight = torch.randn(500, 32)
+    gemm = group.gemm(weight)
+    group.calibrate(min_rows=3)
+    assert sorted(gemm.padded) == [3, 4, 5, 6, 7]
+    x = torch.randn(5, 32)
+    torch.testing.assert_close(gemm(x), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+    x.requires_grad_(True)
+    gemm.padded[5] = True
+    out = gemm(x)
+    out.sum().backward()  # the plain product: differentiable
+    torch.testing.assert_close(x.grad, weight.sum(0).expand(5, 32), rtol=1e-5, atol=1e-4)
+
+
+def test_only_contiguous_float32_cpu_weights_and_positive_row_counts():
+    with pytest.raises(ValueError, match="float32"):
+        GemmGroup().gemm(torch.randn(10, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="contiguous"):
+        GemmGroup().gemm(torch.randn(4, 10).t())
+    with pytest.raises(ValueError, match="positive"):
+        GemmGroup([0])
