@@ -111,8 +111,8 @@ class GatewayConfig(SwarmKeySettings):
     @field_validator("head_packed_rows")
     @classmethod
     def _valid_packed_rows(cls, value: List[int]) -> List[int]:
-        if any(not 2 <= m <= 256 for m in value):
-            raise ValueError(f"each packed row count must be 2 to 256, got {value}")
+        if any(not 3 <= m <= 256 for m in value):
+            raise ValueError(f"each packed row count must be 3 to 256 (fewer rows are never packed), got {value}")
         return sorted(set(value))
 
     @field_validator("allowed_quant_types", mode="before")

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from server.cache import SessionKV, cache_tokens, padded_key_mask
-from server.decode import attention_backends, decode_step, prefill_step
+from server.decode import attention_backends, decode_step, prefill_step, ragged_prefill_step
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec, family_for
 from swarm.modeling.layers import cache_attention, causal_mask, key_bias
@@ -36,6 +36,7 @@ from swarm.wire.dtypes import DTYPES
 if TYPE_CHECKING:
     from server.graphs import SpanGraphs
 
+LLAMA_MODULE = FusedLayer.__module__  # the family module whose fused layers take packed products
 logger = logging.getLogger(__name__)
 
 
@@ -61,11 +62,12 @@ def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor, start_position: int) 
     return torch.cat([hidden[:, :k] + prompt[:, start_position:start_position + k], hidden[:, k:]], dim=1)
 
 
-def packed_rows_for(packed_rows: Sequence[int], device: str, dtype: torch.dtype, quant_type: str) -> tuple:
-    """The decode batch sizes a span packs its weights for (`swarm.modeling.smallgemm`): float32 blocks on the CPU
-    of a torch with MKL's packed GEMM, not quantized; else none."""
+def packed_rows_for(packed_rows: Sequence[int], device: str, dtype: torch.dtype, quant_type: str,
+                    family: FamilySpec) -> tuple:
+    """The decode batch sizes a span packs its weights for (`swarm.modeling.smallgemm`): float32 Llama-family blocks
+    (their `FusedLayer`s) on the CPU of a torch with MKL's packed GEMM, not quantized; else none."""
     if torch.device(device).type != "cpu" or dtype != torch.float32 or quant_type not in (None, "none") or \
-            not packing_available():
+            family.module != LLAMA_MODULE or not packing_available():
         return ()
     return tuple(packed_rows)
 
@@ -179,7 +181,7 @@ class BlockSpan(nn.Module):
         logger.info(f"loaded blocks {start}:{end} of {checkpoint.name} ({dtype}, {device}, quant_type {quant_type})")
         span = cls(config, family, start, end, layers, rotary, dtype, torch_device)
         span.fused = fused
-        packed_rows = packed_rows_for(packed_rows, device, dtype, quant_type)
+        packed_rows = packed_rows_for(packed_rows, device, dtype, quant_type, family)
         if packed_rows and any(isinstance(layer, FusedLayer) for layer in fused):
             group = GemmGroup(packed_rows)  # the span's products run on the server's one compute thread
             for layer in fused:
@@ -226,6 +228,41 @@ class BlockSpan(nn.Module):
     def can_batch(self) -> bool:
         """Decode steps run on the batched path of `server.decode` (the family fuses its layers)."""
         return self.family.fuse is not None
+
+    def can_batch_prefill(self, kv: SessionKV) -> bool:
+        """Whether this session's multi-token steps may share a pass with other sessions' (`forward_prefill_batch`):
+        fused rotary blocks (no ALiBi), one row, no padding, no adapter."""
+        return bool(self.fused) and self.rotary is not None and kv.batch_size == 1 and kv.padding is None \
+            and kv.adapter is None and not self.alibi
+
+    @torch.inference_mode()
+    def forward_prefill_batch(self, items: list, first: int, last: int) -> list:
+        """Several sessions' multi-token steps in one pass (`server.decode.ragged_prefill_step`).
+
+        items: [(hidden [1, seq_i, hidden], start_position_i, kv_i)] (`can_batch_prefill`), over blocks [first, last).
+        Returns [1, seq_i, hidden] each, in order."""
+        if len(items) == 1:
+            hidden, start, kv = items[0]
+            return [self.forward(hidden, start, kv, first, last)]
+        assert self.rotary is not None, "can_batch_prefill: rotary blocks only"
+        x = torch.cat([h.to(self.device, self.dtype).reshape(-1, self.hidden_size) for h, _, _ in items])
+        sizes = [h.shape[1] for h, _, _ in items]
+        position_ids = torch.cat([torch.arange(start, start + h.shape[1], device=self.device)
+                                  for h, start, _ in items])[:, None]  # [rows, 1]
+        cos, sin = (t[:, 0] for t in self.rotary(x, position_ids))  # [rows, head_dim]
+        for _, start, kv in items:
+            kv.begin_step(start)
+        try:
+            x = ragged_prefill_step(self.fused[first - self.start:last - self.start], x, cos, sin,
+                                    [(start, seq, kv) for seq, (_, start, kv) in zip(sizes, items)],
+                                    self.sliding_window)
+        except BaseException:
+            for _, _, kv in items:
+                kv.abort_step()
+            raise
+        for seq, (_, _, kv) in zip(sizes, items):
+            kv.end_step(seq)
+        return [part[None] for part in torch.split(x, sizes)]
 
     @torch.inference_mode()
     def forward_batch(self, items: list, first: int, last: int) -> list:

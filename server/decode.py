@@ -13,6 +13,10 @@ its preallocated cache and attends per session over the filled prefix.
 fused layers, with the layer modules' attention through the cache (`swarm.modeling.layers.cache_attention`). It
 is compute-bound, and the fused kernels save what the layer modules spend in their unfused RMSNorm (five
 elementwise passes over [seq, hidden]) and separate projections.
+
+`ragged_prefill_step` runs several sessions' multi-token steps in one pass, their tokens' rows one after another
+(the projections and MLP on all rows at once, each session's attention through its own cache): concurrent
+requests' prompts, which arrive together, then cost one read of the weights instead of one each.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ import torch.nn.functional as F
 
 from server.cache import SessionKV
 from swarm.modeling.families import BlockLayer
-from swarm.modeling.layers import biased_mask, cache_attention, key_bias, sdpa_attention
+from swarm.modeling.layers import biased_mask, cache_attention, causal_mask, key_bias, sdpa_attention
 
 
 def attention_backends(device: torch.device):
@@ -133,6 +137,33 @@ def prefill_step(layers: Sequence[BlockLayer], x: torch.Tensor, cos: Optional[to
     # than asking SDPA for GQA, which CUDA's kernels do not combine with a mask
     attend = cache_attention(kv, mask, window_mask)
     with attention_backends(x.device):
+        for layer in layers:
+            x = layer.step(x, cos, sin, attend)
+    return x
+
+
+@torch.inference_mode()
+def ragged_prefill_step(layers: Sequence[BlockLayer], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        parts: Sequence[Tuple[int, int, SessionKV]], window: Optional[int] = None) -> torch.Tensor:
+    """Run several sessions' multi-token steps (one row each) through `layers` in one pass.
+
+    x: [rows, hidden], each session's `seq` tokens one after another; cos, sin: [rows, head_dim] for each token's
+    position; parts: (start position, seq, kv) per session, in row order, whose `begin_step` was called; window:
+    the sliding window of the layers that have one. Returns [rows, hidden]."""
+    dtype, device = x.dtype, x.device
+    attends, rows = [], 0
+    for start, seq, kv in parts:  # each session's causal mask over its cache (and its window where layers have one)
+        attends.append((rows, seq, cache_attention(kv, causal_mask(start, seq, None, dtype, device),
+                                                   causal_mask(start, seq, window, dtype, device))))
+        rows += seq
+
+    def attend(layer: BlockLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q [rows, heads, dim], k, v [rows, kv_heads, dim] -> [rows, heads * dim]
+        outs = [inner(layer, q[row:row + seq][None], k[row:row + seq][None], v[row:row + seq][None])[0]
+                for row, seq, inner in attends]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+    with attention_backends(device):
         for layer in layers:
             x = layer.step(x, cos, sin, attend)
     return x

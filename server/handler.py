@@ -271,18 +271,48 @@ class BlockHandler(TrainingHandler):
     async def _compute(self, hidden: torch.Tensor, start_position: int, kv, first: int, last: int,
                        prompts: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One step of a session: decode steps are batched with other sessions'; a long prefill runs in chunks
-        of `prefill_chunk` tokens at a lower priority, so that other sessions' decode steps go in between."""
+        of `prefill_chunk` tokens at a lower priority, so that other sessions' decode steps go in between, and
+        chunks of several sessions queued together share a pass (`_prefill_batch`; concurrent requests' prompts)."""
         seq = hidden.shape[1]
         if seq == 1 and self.span.can_batch and (prompts is None or start_position >= prompts.shape[2]):
             return await self.pool.submit_batchable(
                 PRIORITY_DECODE, (id(self), first, last), partial(self._decode_batch, first=first, last=last),
                 (hidden, start_position, kv), source=id(kv))
         outputs = []
+        batchable = prompts is None and self.span.can_batch_prefill(kv)
         for offset in range(0, seq, self.prefill_chunk):
             chunk = hidden[:, offset:offset + self.prefill_chunk]
-            outputs.append(await self.pool.submit(PRIORITY_PREFILL, partial(self.span.forward, prompts=prompts), chunk,
-                                                  start_position + offset, kv, first, last))
+            if batchable:  # no source: a batch takes the chunks queued with it and waits for none
+                out = await self.pool.submit_batchable(
+                    PRIORITY_PREFILL, ("prefill", id(self), first, last),
+                    partial(self._prefill_batch, first=first, last=last), (chunk, start_position + offset, kv))
+                if isinstance(out, BaseException):  # this session's own failure (`_prefill_batch`)
+                    raise out
+            else:
+                out = await self.pool.submit(PRIORITY_PREFILL, partial(self.span.forward, prompts=prompts), chunk,
+                                             start_position + offset, kv, first, last)
+            outputs.append(out)
         return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+
+    def _prefill_batch(self, items: list, first: int, last: int) -> list:
+        """Prefill chunks of several sessions, in passes of at most `prefill_chunk` tokens together; a pass that
+        fails runs its chunks one by one, so that each session gets its own outcome (an output or its error)."""
+        results: list = []
+        group: list = []
+        for item in items + [None]:
+            if group and (item is None or sum(h.shape[1] for h, _, _ in group) + item[0].shape[1] > self.prefill_chunk):
+                try:
+                    results += self.span.forward_prefill_batch(group, first, last)
+                except Exception:  # noqa: BLE001 - each chunk again alone: its own output or error
+                    for hidden, start, kv in group:
+                        try:
+                            results.append(self.span.forward(hidden, start, kv, first, last))
+                        except Exception as e:  # noqa: BLE001 - delivered to that session's step
+                            results.append(e)
+                group = []
+            if item is not None:
+                group.append(item)
+        return results
 
     def _decode_batch(self, items: list, first: int, last: int) -> list:
         began = time.perf_counter()

@@ -27,6 +27,7 @@ from server.config import ServerConfig
 from server.handler import BlockHandler
 from server.memory import Capacity, free_memory_bytes, plan_capacity
 from server.placement import block_throughputs, choose_best_span, should_move
+from swarm.modeling.families import family_for
 from swarm.runtime.config import parse_span
 from swarm.wire.records import ServerState
 
@@ -79,7 +80,8 @@ def plan(config: ServerConfig, model_config, dtype: torch.dtype, num_blocks_tota
     free = free_memory_bytes(config.device)
     capacity = plan_capacity(model_config, dtype, free, num_blocks=num_blocks,
                              attn_cache_tokens=config.attn_cache_tokens, quant_type=quant_type,
-                             packed_copies=len(packed_rows_for(config.packed_rows, config.device, dtype, quant_type)))
+                             packed_copies=len(packed_rows_for(config.packed_rows, config.device, dtype, quant_type,
+                                                               family_for(model_config))))
     needed = capacity.num_blocks * (capacity.block_bytes + capacity.attn_cache_tokens * capacity.token_bytes)
     if needed > free:
         logger.warning(f"{capacity.num_blocks} blocks with a {capacity.attn_cache_tokens}-token cache need "

@@ -116,3 +116,28 @@ def test_multi_token_steps_match_the_hf_layers(span, batch):
         x = torch.randn(batch, seq, span.hidden_size)
         assert torch.allclose(span.forward(x, position, part_lean, 2, 4),
                               module_forward(span, x, position, part_ref, 2, 4), atol=1e-5, rtol=1e-5)
+
+
+def test_prefills_of_several_sessions_in_one_pass_match_each_alone(span):
+    """`BlockSpan.forward_prefill_batch`: sessions' multi-token steps (a first prompt, a later turn over a held
+    prefix, a single token) as one pass of rows give each session's own output and cache, as separate passes do."""
+    torch.manual_seed(4)
+    hidden = span.hidden_size
+    alone = [span.new_session_kv(1, 32, 1, 4) for _ in range(3)]
+    together = [span.new_session_kv(1, 32, 1, 4) for _ in range(3)]
+    held = torch.randn(1, 6, hidden)  # the second session holds 6 positions before its step
+    span.forward(held, 0, alone[1])
+    span.forward(held, 0, together[1])
+    steps = [(torch.randn(1, 5, hidden), 0), (torch.randn(1, 4, hidden), 6), (torch.randn(1, 1, hidden), 0)]
+    assert all(span.can_batch_prefill(kv) for kv in together)
+    expected = [span.forward(x, start, kv) for (x, start), kv in zip(steps, alone)]
+    got = span.forward_prefill_batch([(x, start, kv) for (x, start), kv in zip(steps, together)], 1, 4)
+    for e, g in zip(expected, got):
+        assert g.shape == e.shape
+        assert torch.allclose(g, e, atol=1e-5, rtol=1e-5), (g - e).abs().max()
+    assert [kv.length for kv in together] == [kv.length for kv in alone] == [5, 10, 1]
+    for a, t in zip(alone, together):  # the caches hold the same keys
+        assert torch.allclose(a.keys[0][:, :, :a.length], t.keys[0][:, :, :t.length], atol=1e-5, rtol=1e-5)
+    x = torch.randn(1, 1, hidden)  # and decode goes on from there alike
+    assert torch.allclose(span.forward_batch([(x, 10, together[1])], 1, 4)[0],
+                          span.forward_batch([(x, 10, alone[1])], 1, 4)[0], atol=1e-5, rtol=1e-5)

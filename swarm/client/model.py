@@ -159,7 +159,8 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         vocab]), float32, on the CPU. Rows of concurrent sessions may be padded to the count the BLAS runs
         fastest, or run on the head's weight packed for them (`swarm.modeling.smallgemm`)."""
         normed = self.norm(hidden.to(self.device, self.dtype))
-        if self.head_gemm is not None and normed.ndim == 2:
+        if self.head_gemm is not None and normed.ndim == 2 and normed.device.type == "cpu" and \
+                normed.dtype == torch.float32 and self.lm_head.weight.data_ptr() == self.head_gemm.weight.data_ptr():
             return self.head_gemm(normed).float().cpu()
         return self.lm_head(normed).float().cpu()
 

@@ -51,8 +51,11 @@ class SmallGemm:
         return self.product(x, self.group.way(x.shape[0], self.padded))
 
     def product(self, x: torch.Tensor, way: int) -> torch.Tensor:
-        """The product `way` (PLAIN, PADDED or a pack's row count); a padded one returns a view of its rows."""
+        """The product `way` (PLAIN, PADDED or a pack's row count); a packed one returns a view of its rows (of a
+        fresh output), a padded one a copy of them (out of a reused buffer)."""
         rows = x.shape[0]
+        if x.shape[1] != self.weight.shape[1]:  # (MKL's packed product does not check the input's width)
+            raise ValueError(f"input width {x.shape[1]} does not match the weight's {self.weight.shape[1]}")
         if way == PLAIN:
             return F.linear(x, self.weight, self.bias)
         target = way if way > 0 else -(-rows // self.group.multiple) * self.group.multiple
