@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from server.graphs import SpanGraphs
 
 LLAMA_MODULE = FusedLayer.__module__  # the family module whose fused layers take packed products
+PACK_BUDGET = 0.02  # seconds a decode batch of several rows spends packing weights until all are
 logger = logging.getLogger(__name__)
 
 
@@ -89,6 +90,7 @@ class BlockSpan(nn.Module):
         self.kv_heads = self.shape.num_kv_heads
         self.fused: list = []  # the layers as `BlockLayer`s for server.decode / server.graphs (`FamilySpec.fuse`)
         self.graphs: Optional["SpanGraphs"] = None  # set by `enable_cuda_graphs`
+        self.gemms: Optional[GemmGroup] = None  # the fused layers' small-batch products (`load`'s packed_rows)
         self.quant_type = "none"  # or int8 / nf4: the layers are `swarm.modeling.quantize.QuantizedLayer`s
         self.adapters: Dict[str, SpanAdapter] = {}  # LoRA adapters on this span's blocks, by name
         # the layers' sliding window (all that have one share the config's), None if none has one
@@ -183,12 +185,15 @@ class BlockSpan(nn.Module):
         span.fused = fused
         packed_rows = packed_rows_for(packed_rows, device, dtype, quant_type, family)
         if packed_rows and any(isinstance(layer, FusedLayer) for layer in fused):
-            group = GemmGroup(packed_rows)  # the span's products run on the server's one compute thread
+            # the span's products run on the server's one compute thread; packed as decode batches come (`_pack_some`)
+            span.gemms = GemmGroup(packed_rows, lazy=True)
             for layer in fused:
                 if isinstance(layer, FusedLayer):
-                    attach_small_gemms(layer, group)
-            logger.info(f"decode batches of {group.min_packed} to {max(packed_rows)} rows use weights packed for "
-                        f"{', '.join(map(str, packed_rows))} rows ({group.packed_bytes() / 2**20:.0f} MiB)")
+                    attach_small_gemms(layer, span.gemms)
+            planned = sum(g.weight.numel() * g.weight.element_size() for g in span.gemms.members) * len(packed_rows)
+            logger.info(f"decode batches of {span.gemms.min_packed} to {max(packed_rows)} rows will use weights packed "
+                        f"for {', '.join(map(str, packed_rows))} rows ({planned / 2**20:.0f} MiB, packed during the "
+                        f"first such batches)")
         span.quant_type = quant_type
         for files in adapters:
             span.adapters[files.name] = SpanAdapter.load(files, start, end, dtype, torch_device, span.shape)
@@ -299,6 +304,8 @@ class BlockSpan(nn.Module):
             row += size
         if groups:
             layers = adapt_layers(layers, _merge_groups(groups), first)
+        if self.gemms is not None and self.gemms.pending and x.shape[0] >= self.gemms.min_packed:
+            self.gemms.pack_pending(PACK_BUDGET)  # a batch that packs would serve: pack a few more weights
         try:
             if self.graphs is not None and not groups and len(items) <= self.graphs.max_sessions and \
                     all(kv.padding is None for _, _, kv in items):

@@ -38,7 +38,8 @@ class ServerConfig(SwarmKeySettings):
         default_factory=lambda: [8],
         description="with float32 blocks on the CPU: decode batch sizes (sessions' rows in one step) to pack every "
                     "projection's weight for with MKL's packed GEMM (swarm.modeling.smallgemm), each one more copy "
-                    "of the span's weights in memory, used for batches of 3 rows up to that many (on the 2-core test "
+                    "of the span's weights in memory (packed during the first such batches), used for batches of 3 "
+                    "rows up to that many (on the 2-core test "
                     "machine a pass of 8 sessions through 15 SmolLM2 blocks takes 21-22 ms instead of 27; 16 "
                     "sessions: 35 ms instead of 36 with a pack for 16); give the flag no value for none")
     cuda_graphs: bool = Field(default=True, description="on CUDA devices, replay each session's single-token decode "

@@ -25,6 +25,8 @@ def span(request, tmp_path_factory):
     AutoModelForCausalLM.from_config(_configs()[family]).save_pretrained(path)
     span = BlockSpan.load(Checkpoint(str(path)), 1, 4, "float32", packed_rows=(4, 8) if packed else ())
     if packed and packing_available():
+        assert span.gemms is not None and span.gemms.pending  # packed as decode batches come
+        span.gemms.pack_pending(budget=float("inf"))
         assert all(layer.gemms is not None and set(layer.gemms["qkv"].packs) == {4, 8} for layer in span.fused)
     return span
 

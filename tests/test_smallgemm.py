@@ -57,3 +57,22 @@ def test_only_contiguous_float32_cpu_weights_and_positive_row_counts():
         GemmGroup().gemm(torch.randn(4, 10).t())
     with pytest.raises(ValueError, match="positive"):
         GemmGroup([0])
+
+
+@needs_packing
+def test_a_lazy_group_packs_in_order_within_its_budget_and_stays_exact_meanwhile():
+    torch.manual_seed(1)
+    group = GemmGroup([8], lazy=True)
+    weights = [torch.randn(300, 32) for _ in range(3)]
+    gemms = [group.gemm(w) for w in weights]
+    assert group.pending and all(not g.packs for g in gemms) and group.packed_bytes() == 0
+    x = torch.randn(5, 32)
+    for g, w in zip(gemms, weights):  # unpacked: the plain product
+        torch.testing.assert_close(g(x), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    group.pack_pending(budget=0.0)  # at least one weight, in order
+    assert list(gemms[0].packs) == [8] and not gemms[2].packs
+    group.pack_pending(budget=float("inf"))
+    assert not group.pending and all(list(g.packs) == [8] for g in gemms)
+    assert group.packed_bytes() == sum(w.numel() * 4 for w in weights)
+    for g, w in zip(gemms, weights):
+        torch.testing.assert_close(g(x), F.linear(x, w), rtol=1e-5, atol=1e-4)

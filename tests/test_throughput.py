@@ -110,6 +110,8 @@ def test_block_and_cache_sizes_match_the_real_tensors(checkpoint, model_config):
 
     if packing_available():  # weights packed for two decode batch sizes: two more copies of the linear weights
         packed = BlockSpan.load(checkpoint, 0, 1, "float32", "cpu", packed_rows=(8, 16))
+        assert packed.gemms is not None
+        packed.gemms.pack_pending(budget=float("inf"))
         gemms = packed.fused[0].gemms
         assert gemms is not None and all(sorted(g.packs) == [8, 16] for g in gemms.values())
         held = sum(g.weight.numel() * g.weight.element_size() * len(g.packs) for g in gemms.values())

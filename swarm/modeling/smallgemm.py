@@ -18,6 +18,10 @@ Results differ from the plain product's in the last bits only (another summation
 `GemmGroup` makes the products (`gemm(weight, bias)` -> `SmallGemm`) of one compute thread (a server's span, a
 client's LM head) and owns their padding buffers: not thread-safe, one compute thread per group
 (`swarm.runtime.taskpool`). Products that need gradients, and inputs of more than 2 dimensions, stay plain.
+A `lazy` group packs nothing at first: its owner calls `pack_pending(budget)` where packs would be used (a server,
+on its decode batches of several rows), which packs weights in order for about that long; each product uses its
+packs once they exist. A server that never batches sessions never spends the time nor the memory, and packing a
+large span does not stall one step (15 SmolLM2 blocks: about 0.4 s in all).
 """
 from __future__ import annotations
 
@@ -41,14 +45,19 @@ class SmallGemm:
     def __init__(self, group: "GemmGroup", weight: torch.Tensor, bias: Optional[torch.Tensor]):
         self.group, self.weight, self.bias = group, weight, bias
         # row count m -> the weight packed for m rows (its own storage: one more copy of the weight)
-        self.packs: Dict[int, torch.Tensor] = {m: torch.ops.mkl._mkl_reorder_linear_weight(weight, m)
-                                               for m in group.packed_rows}
+        self.packs: Dict[int, torch.Tensor] = {}
         self.padded: Dict[int, bool] = {}  # row count -> padding to the multiple was timed faster (`calibrate`)
+
+    def pack(self) -> None:
+        for m in self.group.packed_rows:
+            if m not in self.packs:
+                self.packs[m] = torch.ops.mkl._mkl_reorder_linear_weight(self.weight, m)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.ndim != 2 or x.requires_grad:
             return F.linear(x, self.weight, self.bias)
-        return self.product(x, self.group.way(x.shape[0], self.padded))
+        way = self.group.way(x.shape[0], self.padded)
+        return self.product(x, way if way <= 0 or way in self.packs else PLAIN)
 
     def product(self, x: torch.Tensor, way: int) -> torch.Tensor:
         """The product `way` (PLAIN, PADDED or a pack's row count); a packed one returns a view of its rows (of a
@@ -74,13 +83,15 @@ class GemmGroup:
     one more copy of the weights; dropped where this torch has no packed GEMM); `min_packed`: fewer rows stay
     unpacked; `multiple`: the row count padding pads to."""
 
-    def __init__(self, packed_rows: Sequence[int] = (), min_packed: int = 3, multiple: int = 16, trials: int = 2):
+    def __init__(self, packed_rows: Sequence[int] = (), min_packed: int = 3, multiple: int = 16, trials: int = 2,
+                 lazy: bool = False):
         if any(int(m) < 1 for m in packed_rows):
             raise ValueError(f"packed row counts must be positive, got {list(packed_rows)}")
         self.packed_rows: Tuple[int, ...] = tuple(sorted({int(m) for m in packed_rows})) \
             if packing_available() else ()
-        self.min_packed, self.multiple, self.trials = min_packed, multiple, trials
+        self.min_packed, self.multiple, self.trials, self.lazy = min_packed, multiple, trials, lazy
         self.members: List[SmallGemm] = []
+        self._unpacked = 0  # members[_unpacked:] have no packs yet (a lazy group's)
         self._buffers: Dict[Tuple[int, int, torch.dtype], torch.Tensor] = {}
 
     def gemm(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> SmallGemm:
@@ -89,7 +100,24 @@ class GemmGroup:
             raise ValueError("small-batch products are for contiguous float32 CPU weights")
         member = SmallGemm(self, weight, bias)
         self.members.append(member)
+        if not self.lazy:
+            member.pack()
+            self._unpacked = len(self.members)
         return member
+
+    @property
+    def pending(self) -> bool:
+        """Some weights still wait for their packs (`pack_pending`)."""
+        return bool(self.packed_rows) and self._unpacked < len(self.members)
+
+    def pack_pending(self, budget: float = 0.01) -> None:
+        """Pack the next weights in order until about `budget` seconds went by (at least one)."""
+        until = time.perf_counter() + budget
+        while self.pending:
+            self.members[self._unpacked].pack()
+            self._unpacked += 1
+            if time.perf_counter() >= until:
+                break
 
     def way(self, rows: int, padded: Dict[int, bool]) -> int:
         """How a product of `rows` runs: the smallest pack that holds them, else padded where timed faster."""
