@@ -255,14 +255,16 @@ class BlockSpan(nn.Module):
         position_ids = torch.cat([torch.arange(start, start + h.shape[1], device=self.device)
                                   for h, start, _ in items])[:, None]  # [rows, 1]
         cos, sin = (t[:, 0] for t in self.rotary(x, position_ids))  # [rows, head_dim]
-        for _, start, kv in items:
-            kv.begin_step(start)
+        begun: list = []  # only these are taken back on a failure (the others' fill marks stay as they are)
         try:
+            for _, start, kv in items:
+                kv.begin_step(start)
+                begun.append(kv)
             x = ragged_prefill_step(self.fused[first - self.start:last - self.start], x, cos, sin,
                                     [(start, seq, kv) for seq, (_, start, kv) in zip(sizes, items)],
                                     self.sliding_window)
         except BaseException:
-            for _, _, kv in items:
+            for kv in begun:
                 kv.abort_step()
             raise
         for seq, (_, _, kv) in zip(sizes, items):

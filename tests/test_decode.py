@@ -143,3 +143,21 @@ def test_prefills_of_several_sessions_in_one_pass_match_each_alone(span):
     x = torch.randn(1, 1, hidden)  # and decode goes on from there alike
     assert torch.allclose(span.forward_batch([(x, 10, together[1])], 1, 4)[0],
                           span.forward_batch([(x, 10, alone[1])], 1, 4)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_a_batched_prefill_that_fails_leaves_every_session_able_to_go_on_alone(span):
+    """One session's step that cannot start (a rewind past what a cache holds, which the handler refuses first)
+    fails the pass; the sessions before and after it keep their fill marks and run alone as they would have."""
+    torch.manual_seed(5)
+    hidden = span.hidden_size
+    kvs = [span.new_session_kv(1, 32, 1, 4) for _ in range(3)]
+    for kv in kvs:
+        span.forward(torch.randn(1, 4, hidden), 0, kv)
+    bad = [(torch.randn(1, 2, hidden), 4, kvs[0]), (torch.randn(1, 2, hidden), 9, kvs[1]),
+           (torch.randn(1, 2, hidden), 4, kvs[2])]
+    with pytest.raises(AssertionError):  # position 9 is past the 4 tokens the second session holds
+        span.forward_prefill_batch(bad, 1, 4)
+    assert [kv.length for kv in kvs] == [4, 4, 4]
+    for x, _, kv in (bad[0], bad[2]):
+        assert span.forward(x, 4, kv).shape == (1, 2, hidden)
+    assert [kv.length for kv in kvs] == [6, 4, 6]
