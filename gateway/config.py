@@ -13,6 +13,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from swarm.client.drafting import MAX_DRAFT_TOKENS
 from swarm.client.routing import normalize_quant_types
+from swarm.modeling.smallgemm import valid_packed_rows
 from swarm.runtime.swarm_key import SwarmKeySettings
 from swarm.wire.dtypes import QUANT_TYPES, parse_dtype
 
@@ -111,9 +112,7 @@ class GatewayConfig(SwarmKeySettings):
     @field_validator("head_packed_rows")
     @classmethod
     def _valid_packed_rows(cls, value: List[int]) -> List[int]:
-        if any(not 3 <= m <= 256 for m in value):
-            raise ValueError(f"each packed row count must be 3 to 256 (fewer rows are never packed), got {value}")
-        return sorted(set(value))
+        return valid_packed_rows(value)
 
     @field_validator("allowed_quant_types", mode="before")
     @classmethod

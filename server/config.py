@@ -13,6 +13,7 @@ from server.throughput import parse_throughput_mode
 from swarm.modeling.disk_cache import parse_size
 from swarm.modeling.lora import ADAPTERS_HELP, AdapterSource
 from swarm.modeling.quantize import QUANT_TYPE_HELP
+from swarm.modeling.smallgemm import valid_packed_rows
 from swarm.runtime.config import parse_span
 from swarm.runtime.swarm_key import SwarmKeySettings
 from swarm.wire.dtypes import DTYPES, QUANT_TYPES
@@ -104,9 +105,7 @@ class ServerConfig(SwarmKeySettings):
     @field_validator("packed_rows")
     @classmethod
     def _valid_packed_rows(cls, value):
-        if any(not 3 <= m <= 256 for m in value):
-            raise ValueError(f"each packed row count must be 3 to 256 (fewer rows are never packed), got {value}")
-        return sorted(set(value))
+        return valid_packed_rows(value)
 
     @field_validator("torch_dtype")
     @classmethod

@@ -299,8 +299,9 @@ class BlockHandler(TrainingHandler):
         fails runs its chunks one by one, so that each session gets its own outcome (an output or its error)."""
         results: list = []
         group: list = []
+        tokens = 0  # in `group`
         for item in items + [None]:
-            if group and (item is None or sum(h.shape[1] for h, _, _ in group) + item[0].shape[1] > self.prefill_chunk):
+            if group and (item is None or tokens + item[0].shape[1] > self.prefill_chunk):
                 try:
                     results += self.span.forward_prefill_batch(group, first, last)
                 except Exception:  # noqa: BLE001 - each chunk again alone: its own output or error
@@ -309,9 +310,10 @@ class BlockHandler(TrainingHandler):
                             results.append(self.span.forward(hidden, start, kv, first, last))
                         except Exception as e:  # noqa: BLE001 - delivered to that session's step
                             results.append(e)
-                group = []
+                group, tokens = [], 0
             if item is not None:
                 group.append(item)
+                tokens += item[0].shape[1]
         return results
 
     def _decode_batch(self, items: list, first: int, last: int) -> list:

@@ -199,7 +199,7 @@ class FusedLayer:
 
     def qkv(self, h: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., heads + 2 * kv_heads, head_dim]"""
-        if self.gemms is not None and h.ndim == 2:  # a decode step's rows
+        if self.gemms is not None:  # (a decode step's rows; other shapes get the plain product there)
             return self.gemms["qkv"](h).unflatten(-1, (-1, self.head_dim))
         return F.linear(h, self.qkv_weight, self.qkv_bias).unflatten(-1, (-1, self.head_dim))
 
@@ -209,7 +209,7 @@ class FusedLayer:
         return _add_projection(x, o, self.o_weight_t, self.o_bias)
 
     def gate_up(self, h: torch.Tensor):
-        if self.gemms is not None and h.ndim == 2:
+        if self.gemms is not None:
             return self.gemms["gate_up"](h).chunk(2, dim=-1)
         return F.linear(h, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
 

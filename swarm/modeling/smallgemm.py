@@ -34,6 +34,14 @@ import torch.nn.functional as F
 PLAIN, PADDED = 0, -1  # a row count's way: the plain product, padded to the multiple, or a pack's row count
 
 
+def valid_packed_rows(value: Sequence[int]) -> List[int]:
+    """A config's packed row counts, sorted without repeats; ValueError outside 3..256 (fewer rows are never
+    packed: `GemmGroup.min_packed`)."""
+    if any(not 3 <= m <= 256 for m in value):
+        raise ValueError(f"each packed row count must be 3 to 256 (fewer rows are never packed), got {list(value)}")
+    return sorted(set(value))
+
+
 def packing_available() -> bool:
     """This torch has MKL's packed GEMM (x86 builds with MKL; not ARM or macOS builds)."""
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
