@@ -23,6 +23,7 @@ from torch import nn
 
 from server.cache import SessionKV, cache_tokens, padded_key_mask
 from server.decode import attention_backends, decode_step, prefill_step, ragged_prefill_step
+from server.kv_arena import KVArena
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec, family_for
 from swarm.modeling.layers import cache_attention, causal_mask, key_bias
@@ -90,6 +91,7 @@ class BlockSpan(nn.Module):
         self.kv_heads = self.shape.num_kv_heads
         self.fused: list = []  # the layers as `BlockLayer`s for server.decode / server.graphs (`FamilySpec.fuse`)
         self.graphs: Optional["SpanGraphs"] = None  # set by `enable_cuda_graphs`
+        self.kv_arena: Optional[KVArena] = None  # set by `enable_kv_arena`
         self.gemms: Optional[GemmGroup] = None  # the fused layers' small-batch products (`load`'s packed_rows)
         self.quant_type = "none"  # or int8 / nf4: the layers are `swarm.modeling.quantize.QuantizedLayer`s
         self.adapters: Dict[str, SpanAdapter] = {}  # LoRA adapters on this span's blocks, by name
@@ -112,6 +114,15 @@ class BlockSpan(nn.Module):
         from server.graphs import SpanGraphs
 
         self.graphs = SpanGraphs(self.device, self.hidden_size, self.head_dim)
+        return True
+
+    def enable_kv_arena(self, capacity: int) -> bool:
+        """Give one-row sessions of up to `capacity` positions slots of shared CPU storage (`server.kv_arena`), whose
+        decode batches attend with one call per layer; True if on. CPU spans of fused rotary layers only (ALiBi
+        layers and sliding windows attend per session; CUDA has its graphs)."""
+        if self.device.type != "cpu" or not self.can_batch or self.rotary is None or self.alibi:
+            return False
+        self.kv_arena = KVArena(self.kv_heads, self.head_dim, capacity, self.dtype)
         return True
 
     @classmethod
@@ -213,7 +224,8 @@ class BlockSpan(nn.Module):
             raise AdapterError(f"adapter {adapter!r} is not served here (this server has: "
                                f"{', '.join(sorted(self.adapters)) or 'none'})")
         kv = SessionKV(last - first, batch_size, self.kv_heads, self.head_dim, max_length, self.dtype,
-                       self.device, layer_offset=first - self.start, windows=self.windows(first, last))
+                       self.device, layer_offset=first - self.start, windows=self.windows(first, last),
+                       arena=self.kv_arena)
         kv.adapter = adapter
         return kv
 
@@ -279,9 +291,10 @@ class BlockSpan(nn.Module):
         projections and MLP run once on all rows `[sum b_i, hidden]`; attention runs per session against its own
         cache. Returns the outputs `[b_i, 1, hidden]` in the same order.
         """
-        if any(kv.adapter is not None for _, _, kv in items):
-            # each adapter's sessions next to each other (the base's first): one row group per adapter
-            order = sorted(range(len(items)), key=lambda i: items[i][2].adapter or "")
+        # each adapter's sessions next to each other (the base's first): one row group per adapter; within one, the
+        # sessions of each arena chunk in slot order (they attend together: `server.decode.arena_groups`)
+        order = sorted(range(len(items)), key=lambda i: _batch_order(items[i][2]))
+        if order != list(range(len(items))):
             outputs = self._forward_batch([items[i] for i in order], first, last)
             result = [outputs[0]] * len(items)
             for position, i in enumerate(order):
@@ -412,6 +425,10 @@ class BlockSpan(nn.Module):
                         use_cache=kv is not None, position_embeddings=position_embeddings)
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden
+
+
+def _batch_order(kv: SessionKV) -> tuple:
+    return (kv.adapter or "", 0, 0) if kv.slot is None else (kv.adapter or "", id(kv.slot.chunk), kv.slot.index)
 
 
 def _merge_groups(groups: list) -> list:

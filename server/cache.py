@@ -1,4 +1,6 @@
 """The server's KV memory: one token budget per server, one preallocated cache per inference session.
+On the CPU, one-row sessions' buffers are views of slots in shared tensors (`server.kv_arena`), so that decode
+batches attend together; nothing here depends on where the buffers live.
 
 A session reserves `batch_size * max_length` cache tokens when it opens (waiting up to a time-out when the
 budget is full, else `OutOfCacheError`) and releases them when it closes. Its `SessionKV` holds, per block,
@@ -22,9 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+if TYPE_CHECKING:
+    from server.kv_arena import ArenaSlot, KVArena
 
 
 def ring_capacity(window: Optional[int], max_length: int) -> int:
@@ -48,13 +53,21 @@ class SessionKV:
 
     def __init__(self, num_layers: int, batch_size: int, kv_heads: int, head_dim: int, max_length: int,
                  dtype: torch.dtype, device: torch.device, layer_offset: int = 0,
-                 windows: Optional[Sequence[Optional[int]]] = None):
-        """windows: each block's sliding window (None: full attention); those blocks keep a ring buffer."""
+                 windows: Optional[Sequence[Optional[int]]] = None, arena: Optional["KVArena"] = None):
+        """windows: each block's sliding window (None: full attention); those blocks keep a ring buffer.
+        arena: shared storage (`server.kv_arena`) this session's buffers come from if it fits there (one row, no
+        sliding window, on the arena's device); `slot` says where, None otherwise."""
         self.windows: List[Optional[int]] = list(windows) if windows is not None else [None] * num_layers
         assert len(self.windows) == num_layers
         self.keys: List[torch.Tensor] = []
         self.values: List[torch.Tensor] = []
-        for window in self.windows:
+        self.slot: Optional["ArenaSlot"] = None
+        if arena is not None and arena.fits(batch_size, max_length) and device.type == "cpu" and \
+                all(window is None for window in self.windows):
+            assigned = arena.assign(self, layer_offset, layer_offset + num_layers, max_length)
+            if assigned is not None:
+                self.slot, self.keys, self.values = assigned
+        for window in self.windows if self.slot is None else ():
             shape = (batch_size, kv_heads, ring_capacity(window, max_length), head_dim)
             self.keys.append(torch.empty(shape, dtype=dtype, device=device))
             self.values.append(torch.empty(shape, dtype=dtype, device=device))

@@ -45,6 +45,9 @@ class ServerConfig(SwarmKeySettings):
                     "sessions: 35 ms instead of 36 with a pack for 16); give the flag no value for none")
     cuda_graphs: bool = Field(default=True, description="on CUDA devices, replay each session's single-token decode "
                                                          "step as a CUDA graph (Llama-style models)")
+    kv_arena: bool = Field(default=True, description="on the CPU, keep one-row sessions' KV caches as slots of shared "
+                                                   "tensors, so that a decode batch attends with one call per block "
+                                                   "(server.kv_arena)")
     decode_gather_ms: float = Field(default=20.0, ge=0, le=1000,
                                     description="longest wait (ms) for the decode steps of other active sessions to "
                                                 "join a batch (at most half a batch's compute time; a group that "

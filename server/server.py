@@ -152,6 +152,8 @@ class Server:
         malloc.trim()  # what loading (and measuring the throughput) freed: unfused checkpoint tensors
         if self.config.cuda_graphs and span.enable_cuda_graphs():
             logger.info("single-session decode steps replay CUDA graphs")
+        if self.config.kv_arena and span.enable_kv_arena(self.config.max_length):
+            logger.info("decode batches attend over a shared KV arena")
         assert self.capacity is not None, "plan() sizes the server before it loads blocks"
         limits = RpcLimits(max_sessions_per_peer=self.config.max_sessions_per_peer, max_streams=self.config.max_streams,
                            max_message_bytes=self.config.max_message_bytes, max_step_tokens=self.config.max_step_tokens,
