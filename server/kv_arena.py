@@ -87,7 +87,7 @@ class KVArena:
             if chunk is None:
                 try:
                     chunk = Chunk(last - first, self.kv_heads, self.capacity, self.head_dim, self.dtype)
-                except (MemoryError, RuntimeError):
+                except (MemoryError, RuntimeError, OSError):  # (mmap: ENOMEM under strict overcommit)
                     return None
                 chunks.append(chunk)
             slot = ArenaSlot(chunk, chunk.free.pop())

@@ -125,3 +125,17 @@ def test_spans_without_the_arena(tmp_path_factory):
     span = BlockSpan.load(Checkpoint(str(path)), 0, 2, "float32")
     assert span.enable_kv_arena(128)
     assert span.new_session_kv(1, 64, 0, 2).slot is None  # sliding windows keep ring buffers
+
+
+def test_a_session_gets_its_own_buffers_when_no_chunk_can_be_mapped(span, monkeypatch):
+    from server import kv_arena
+
+    def refuse(*args):
+        raise OSError(12, "Cannot allocate memory")  # mmap under strict overcommit
+
+    monkeypatch.setattr(kv_arena, "_zeros", refuse)
+    kv = span.new_session_kv(1, MAX_LENGTH, 1, 3)  # a layer range with no chunk yet
+    assert kv.slot is None and kv.keys[0].shape == (1, span.kv_heads, MAX_LENGTH, span.head_dim)
+    x = torch.randn(1, 4, span.hidden_size)
+    ref = own_buffers(span, 1, 3)
+    assert torch.allclose(span.forward(x, 0, kv, 1, 3), span.forward(x, 0, ref, 1, 3), atol=1e-5, rtol=1e-5)
