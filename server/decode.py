@@ -129,6 +129,8 @@ def arena_groups(sessions: Sequence[Tuple[int, SessionKV]]) -> Optional[List[Chu
         members = [kv for _, kv in sessions[start:end]]
         slots = [kv.slot.index for kv in members]  # type: ignore[union-attr]
         lengths = [kv.step_start + 1 for kv in members]
+        if any(n > kv.max_length for n, kv in zip(lengths, members)):  # (the handler refuses such steps first)
+            raise ValueError("a decode step past its session's max_length")
         lo, hi, length = slots[0], slots[-1] + 1, max(lengths)
         # each alone: slots out of order, or a long session among short ones (the others would read its length)
         if slots != sorted(set(slots)) or (hi - lo) * length > sum(lengths) + PER_SESSION_KEYS * len(members):

@@ -258,6 +258,8 @@ class BlockHandler(TrainingHandler):
             if kv is not None:
                 self.pool.gatherer.forget(id(kv))  # batches stop waiting for this session's steps
             kv = None  # the session's cache buffers are freed here
+            if self.span.kv_arena is not None:
+                self.span.kv_arena.collect()  # (its arena slot: cleared for the next session)
             if registered is not None:
                 self.push_router.unregister(registered)
             if pump is not None:

@@ -133,9 +133,52 @@ def test_a_session_gets_its_own_buffers_when_no_chunk_can_be_mapped(span, monkey
     def refuse(*args):
         raise OSError(12, "Cannot allocate memory")  # mmap under strict overcommit
 
-    monkeypatch.setattr(kv_arena, "_zeros", refuse)
+    monkeypatch.setattr(kv_arena, "_map", refuse)
     kv = span.new_session_kv(1, MAX_LENGTH, 1, 3)  # a layer range with no chunk yet
     assert kv.slot is None and kv.keys[0].shape == (1, span.kv_heads, MAX_LENGTH, span.head_dim)
     x = torch.randn(1, 4, span.hidden_size)
     ref = own_buffers(span, 1, 3)
     assert torch.allclose(span.forward(x, 0, kv, 1, 3), span.forward(x, 0, ref, 1, 3), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("capacity", [128, 100])  # slots of whole pages, and slots sharing pages with their neighbours
+def test_clearing_a_slot_zeroes_it_and_leaves_its_neighbours(capacity):
+    from server.kv_arena import Chunk
+
+    chunk = Chunk(2, 2, capacity, 16, torch.float32)
+    for buf in chunk.keys + chunk.values:
+        buf.fill_(float("nan"))
+    chunk.clear(1)
+    for buf in chunk.keys + chunk.values:
+        assert bool((buf[1] == 0).all())
+        assert bool(torch.isnan(buf[0]).all()) and bool(torch.isnan(buf[2]).all())
+
+
+def test_a_session_collected_under_the_arena_lock_does_not_deadlock():
+    """The cycle collector may finalize a session inside any allocation, also one made while the arena's lock is
+    held: the finalizer only queues the slot (run in a thread of its own, so that a deadlock fails the test)."""
+    import threading
+
+    from server.kv_arena import KVArena
+
+    arena = KVArena(2, 16, 64, torch.float32)
+
+    class Owner:  # stands in for a SessionKV
+        pass
+
+    def scenario(out: list) -> None:
+        owner = Owner()
+        first = arena.assign(owner, 0, 2, 32)
+        owner.cycle = owner  # collected by the cycle collector only
+        del owner
+        with arena._lock:
+            gc.collect()  # finalizes the owner while this thread holds the lock
+        second = arena.assign(Owner(), 0, 2, 32)
+        out.append((first[0].index, second[0].index))
+
+    out: list = []
+    worker = threading.Thread(target=scenario, args=(out,), daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "deadlocked"
+    assert out == [(0, 0)]  # released, cleared and handed out again
