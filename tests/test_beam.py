@@ -228,7 +228,10 @@ def test_parent_ids_reorder_the_servers_cache(manager):
     direct = _talk(m, peer, [_open(3), P.make_request(P.Step(start_position=0), [prefix[[2, 0, 0]]]),
                              P.make_request(P.Step(start_position=4), [nxt])])
     assert all(isinstance(reply, P.StepResult) for reply, _ in reordered + direct)
-    assert torch.allclose(reordered[2][1][0], direct[2][1][0], atol=1e-5)
+    # float32 equal up to rounding: hidden states of magnitude ~100, and the server packs its weights lazily
+    # (`swarm.modeling.smallgemm`) during batches of 3+ rows, so the two conversations may run on differently packed
+    # products, whose results differ in the last bits (5.6e-4 at 101 measured)
+    assert torch.allclose(reordered[2][1][0], direct[2][1][0], rtol=1e-4, atol=1e-4)
     # without the reorder the output differs: the test can fail
     plain = _talk(m, peer, [_open(3), P.make_request(P.Step(start_position=0), [prefix]),
                             P.make_request(P.Step(start_position=4), [nxt])])
