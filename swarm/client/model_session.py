@@ -48,6 +48,10 @@ class ModelSession:
         always sent again, as its logits are needed; the held row each row continues, None for the same rows).
         `hypo_ids`: the caller's parents of the rows (beam search), `left_padding`: the rows' padding."""
         held, held_padding = self.token_ids, self.left_padding
+        if hypo_ids is None and held is not None and held_padding == left_padding and \
+                held.shape[0] == input_ids.shape[0] and held.shape[1] == input_ids.shape[1] - 1 and \
+                held.shape[1] > 0 and torch.equal(input_ids[:, :-1], held):
+            return held.shape[1], None  # a decode step: one comparison (each torch call here waits for the GIL)
         if hypo_ids is not None and held is not None and held.shape[0] == len(hypo_ids):
             held = held[hypo_ids]
         reuse, parents = held_prefix(held, input_ids)
