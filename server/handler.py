@@ -257,9 +257,7 @@ class BlockHandler(TrainingHandler):
                 self.streams.close_session(peer)
             if kv is not None:
                 self.pool.gatherer.forget(id(kv))  # batches stop waiting for this session's steps
-            kv = None  # the session's cache buffers are freed here
-            if self.span.kv_arena is not None:
-                self.span.kv_arena.collect()  # (its arena slot: cleared for the next session)
+            kv = None  # the session's cache buffers are freed here (an arena slot: cleared below)
             if registered is not None:
                 self.push_router.unregister(registered)
             if pump is not None:
@@ -269,6 +267,11 @@ class BlockHandler(TrainingHandler):
                 if self.budget.num_sessions == 0:
                     # the last open session closed: the caches' memory back to the OS (swarm.runtime.malloc)
                     malloc.trim()
+            if self.span.kv_arena is not None:
+                try:
+                    self.span.kv_arena.collect()  # the slots of collected sessions, cleared for the next ones
+                except Exception:  # noqa: BLE001 - the next open collects again
+                    logger.exception("clearing KV arena slots failed")
 
     async def _compute(self, hidden: torch.Tensor, start_position: int, kv, first: int, last: int,
                        prompts: Optional[torch.Tensor] = None) -> torch.Tensor:

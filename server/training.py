@@ -288,6 +288,7 @@ class TrainingHandler(P.BlockRPC):
             self.streams.enter_stream()
         except LimitError as e:
             yield P.error_response("over_limit", str(e))
+            await drain_refused(requests)  # closing at once may reset the stream before the caller reads the reply
             return
         try:
             async for response in self._train_call(requests, context, message_type, name, compute):
