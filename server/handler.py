@@ -170,8 +170,9 @@ class BlockHandler(TrainingHandler):
             # ("client" | "push", request), or None when the client left; bounded: a flood waits (client) or is
             # dropped (push) instead of growing memory
             inputs: asyncio.Queue = asyncio.Queue(maxsize=self.limits.max_queued_steps)
-            if not self.push_router.register(key, inputs, opened.push_token):
+            if not self.push_router.register(key, inputs, opened.push_token, owner=peer):
                 yield P.error_response("bad_request", f"session part {key} is already open here")
+                await drain_refused(requests)
                 return
             registered = key
             pump = asyncio.ensure_future(_pump(requests, inputs))
@@ -259,7 +260,7 @@ class BlockHandler(TrainingHandler):
                 self.pool.gatherer.forget(id(kv))  # batches stop waiting for this session's steps
             kv = None  # the session's cache buffers are freed here (an arena slot: cleared below)
             if registered is not None:
-                self.push_router.unregister(registered)
+                self.push_router.unregister(registered, inputs)
             if pump is not None:
                 pump.cancel()
             if handle is not None:

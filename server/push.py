@@ -31,17 +31,27 @@ class PushRouter:
     """Incoming pushes -> the input queue of the session part they name, if they carry its push token."""
 
     def __init__(self):
-        self._queues: Dict[str, Tuple[asyncio.Queue, Optional[str]]] = {}
+        self._queues: Dict[str, Tuple[asyncio.Queue, Optional[str], str]] = {}  # key -> (queue, token, owner)
 
-    def register(self, key: str, queue: asyncio.Queue, token: Optional[str] = None) -> bool:
-        """Route pushes for `key` carrying `token` to `queue` (no token: refuse every push); False if taken."""
-        if key in self._queues:
-            return False
-        self._queues[key] = (queue, token)
+    def register(self, key: str, queue: asyncio.Queue, token: Optional[str] = None, owner: str = "") -> bool:
+        """Route pushes for `key` carrying `token` to `queue` (no token: refuse every push). False if another peer's
+        session part holds `key`; the same `owner` (the client's peer id) reopening its part supersedes the old
+        stream, which gets the end-of-input mark (None) and ends: a client that re-opens a part at once after
+        closing it (or after its stream broke) may come before the server has seen the old one end."""
+        entry = self._queues.get(key)
+        if entry is not None:
+            old_queue, _, old_owner = entry
+            if old_owner != owner:
+                return False
+            _end(old_queue)
+        self._queues[key] = (queue, token, owner)
         return True
 
-    def unregister(self, key: str) -> None:
-        self._queues.pop(key, None)
+    def unregister(self, key: str, queue: Optional[asyncio.Queue] = None) -> None:
+        """Forget `key` (only if it still routes to `queue`, when given: a superseded part leaves its successor)."""
+        entry = self._queues.get(key)
+        if entry is not None and (queue is None or entry[0] is queue):
+            del self._queues[key]
 
     def deliver(self, key: str, token: str, request) -> bool:
         """Whether the push went into its session's queue (False: no such session now, or its queue is full);
@@ -49,7 +59,7 @@ class PushRouter:
         entry = self._queues.get(key)
         if entry is None:
             return False
-        queue, expected = entry
+        queue, expected, _ = entry
         if expected is None:
             raise PushRefused(f"session part {key} takes no pushes (its client gave no push token)")
         if not hmac.compare_digest(expected.encode(), token.encode()):
@@ -60,6 +70,16 @@ class PushRouter:
         except asyncio.QueueFull:  # the session is that far behind: the client's own copy of the step will do
             return False
         return True
+
+
+def _end(queue: asyncio.Queue) -> None:
+    """Put the end-of-input mark into a session part's queue, dropping its unprocessed steps if it is full."""
+    while True:
+        try:
+            queue.put_nowait(None)
+            return
+        except asyncio.QueueFull:
+            queue.get_nowait()
 
 
 class _Channel:

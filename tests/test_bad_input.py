@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Optional
 
 import pytest
 import torch
@@ -26,8 +27,9 @@ def manager(swarms):
     m.shutdown()
 
 
-async def _conversation(manager: SwarmManager, peer_id: str, requests):
-    """Send raw requests on one inference stream; return the decoded replies (errors included)."""
+async def _conversation(manager: SwarmManager, peer_id: str, requests, hold: Optional[asyncio.Event] = None):
+    """Send raw requests on one inference stream; return the decoded replies (errors included). The stream stays
+    open until every request is answered and, if `hold` is given, until it is set."""
     answered = asyncio.Event()
 
     async def gen():
@@ -42,6 +44,8 @@ async def _conversation(manager: SwarmManager, peer_id: str, requests):
         async for response in responses:
             replies.append(P.decode_reply(response.metadata))
             if len(replies) == len(requests):  # one reply per request
+                if hold is not None:
+                    await hold.wait()
                 break
     except (BrokenPipeError, ConnectionResetError):
         pass  # the server ended the stream (after an error at open) while we were still writing
@@ -127,6 +131,48 @@ def test_bad_session_openings(manager):
             break
         time.sleep(0.2)
     assert (stats.sessions_open, stats.cache_tokens_used) == (0, 0), stats
+
+
+def test_a_part_reopened_by_its_client_supersedes_the_old_stream(manager):
+    """A client that reopens a session part before the server has seen its old stream end (a retry right after a
+    close, or after the stream broke) gets the part: the old stream ends. Another peer naming a held part is
+    refused, and the holder's session goes on."""
+    m, swarm = manager
+    peer = swarm["servers"][0].peer_id
+
+    loop = aio.get_loop()
+    release = asyncio.Event()
+    held = asyncio.run_coroutine_threadsafe(_conversation(m, peer, [_open(session_id="reopened")], hold=release), loop)
+    deadline = time.monotonic() + 30
+    while m.server_info(peer).sessions_open == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)  # until the server holds the part
+    assert m.server_info(peer).sessions_open == 1
+    again = talk(m, peer, _open(session_id="reopened"), _step(torch.randn(1, 2, HIDDEN)))
+    assert [type(r).__name__ for r in again] == ["StepResult", "StepResult"] and again[1].position == 2
+    # the old stream (its client still holding it open) has ended on the server: no session is left open
+    deadline = time.monotonic() + 30
+    while m.server_info(peer).sessions_open and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert m.server_info(peer).sessions_open == 0
+    loop.call_soon_threadsafe(release.set)
+    assert [type(r).__name__ for r in held.result(30)] == ["StepResult"]
+
+    other = SwarmManager(ClientConfig(initial_peers=swarm["initial_peers"]), swarm["prefix"], 30)
+    try:
+        async def collision():
+            release = asyncio.Event()
+            held = asyncio.ensure_future(_conversation(m, peer, [_open(session_id="taken"),
+                                                                 _step(torch.randn(1, 2, HIDDEN))], hold=release))
+            await asyncio.sleep(1.0)
+            refused = await _conversation(other, peer, [_open(session_id="taken")])
+            release.set()
+            return refused, await held
+
+        refused, holder = aio.run(asyncio.wait_for(collision(), 60))
+    finally:
+        other.shutdown()
+    assert isinstance(refused[0], P.ErrorReply) and "already open" in refused[0].message
+    assert [type(r).__name__ for r in holder] == ["StepResult", "StepResult"]
 
 
 def test_bad_forward_requests(manager):

@@ -5,6 +5,7 @@ parent ids are a clear error on that step only."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import pytest
 import torch
@@ -192,14 +193,14 @@ def manager(swarms):
 
 
 def _talk(manager: SwarmManager, peer_id: str, requests: list) -> list:
-    """Send raw requests on one inference stream; (reply, tensors) per request, errors as ErrorReply."""
+    """Send raw requests on one inference stream; (reply, tensors) per request, errors as ErrorReply. The request
+    stream ends after the last request: the server answers its queued steps in order before it sees the end (and
+    hivemind's reader waits for the request stream to end once the server closes, so a stream kept open would hang
+    a conversation the server ended early)."""
     async def conversation():
-        answered = asyncio.Event()
-
         async def gen():
             for request in requests:
                 yield request
-            await answered.wait()
 
         responses = await manager.stub(peer_id).rpc_inference(gen())
         replies = []
@@ -208,14 +209,15 @@ def _talk(manager: SwarmManager, peer_id: str, requests: list) -> list:
                             [P.deserialize_tensor(t) for t in response.tensors]))
             if len(replies) == len(requests):
                 break
-        answered.set()
         return replies
 
     return aio.run(asyncio.wait_for(conversation(), 60))
 
 
 def _open(batch: int):
-    return P.make_request(P.OpenSession(session_id="beam", start=0, end=15, max_length=16, batch_size=batch))
+    """A fresh session part (each conversation its own id: the server may still be closing the previous one)."""
+    return P.make_request(P.OpenSession(session_id=uuid.uuid4().hex, start=0, end=15, max_length=16,
+                                        batch_size=batch))
 
 
 def test_parent_ids_reorder_the_servers_cache(manager):

@@ -59,6 +59,8 @@ def run(coro: Coroutine[Any, Any, T], timeout: Optional[float] = None) -> T:
     try:
         return future.result(timeout)
     except FutureTimeout:
+        if future.done():  # the coroutine's own timeout (e.g. an asyncio.wait_for inside it): raised as it was
+            raise
         future.cancel()
         raise TimeoutError(f"operation did not finish within {timeout}s") from None
 
