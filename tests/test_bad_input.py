@@ -54,6 +54,16 @@ async def _conversation(manager: SwarmManager, peer_id: str, requests, hold: Opt
     return replies
 
 
+def _server_stats_when(manager: SwarmManager, peer_id: str, done, timeout: float = 30.0):
+    """The server's stats once `done(stats)` holds, or the last ones after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = manager.server_info(peer_id)
+        if done(stats) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
+
+
 def _open(**kw):
     fields = dict(session_id="s1", start=0, end=15, max_length=16, batch_size=1)
     fields.update(kw)
@@ -124,12 +134,7 @@ def test_bad_session_openings(manager):
     replies = talk(m, peer, _open(session_id="after"), _step(torch.randn(1, 2, HIDDEN)))
     assert isinstance(replies[-1], P.StepResult) and replies[-1].position == 2
     # (the server frees a session when its stream ends, which may finish just after our last reply)
-    deadline = time.monotonic() + 30
-    while True:
-        stats = m.server_info(peer)
-        if (stats.sessions_open, stats.cache_tokens_used) == (0, 0) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    stats = _server_stats_when(m, peer, lambda s: (s.sessions_open, s.cache_tokens_used) == (0, 0))
     assert (stats.sessions_open, stats.cache_tokens_used) == (0, 0), stats
 
 
@@ -143,17 +148,11 @@ def test_a_part_reopened_by_its_client_supersedes_the_old_stream(manager):
     loop = aio.get_loop()
     release = asyncio.Event()
     held = asyncio.run_coroutine_threadsafe(_conversation(m, peer, [_open(session_id="reopened")], hold=release), loop)
-    deadline = time.monotonic() + 30
-    while m.server_info(peer).sessions_open == 0 and time.monotonic() < deadline:
-        time.sleep(0.1)  # until the server holds the part
-    assert m.server_info(peer).sessions_open == 1
+    assert _server_stats_when(m, peer, lambda s: s.sessions_open > 0).sessions_open == 1  # the server holds the part
     again = talk(m, peer, _open(session_id="reopened"), _step(torch.randn(1, 2, HIDDEN)))
     assert [type(r).__name__ for r in again] == ["StepResult", "StepResult"] and again[1].position == 2
     # the old stream (its client still holding it open) has ended on the server: no session is left open
-    deadline = time.monotonic() + 30
-    while m.server_info(peer).sessions_open and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert m.server_info(peer).sessions_open == 0
+    assert _server_stats_when(m, peer, lambda s: s.sessions_open == 0).sessions_open == 0
     loop.call_soon_threadsafe(release.set)
     assert [type(r).__name__ for r in held.result(30)] == ["StepResult"]
 
