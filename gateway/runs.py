@@ -119,6 +119,9 @@ class GenerationRun:
                         ids = self.verification.retract(retracted, ids)
                         continue
                     blocks = [choices if self.pick_in_head else pick(logits)]
+                    # a view of the head batch's whole logits [rows, vocab] (6 MB at 32 streams): held until this
+                    # run's next step, such views keep a round's batch alive into the next one
+                    del logits
                 step += 1
                 now = time.monotonic()
                 if last is None:

@@ -1,7 +1,8 @@
 """What keeps our processes' memory small, each checked for its effect (not for RSS numbers, which vary).
 
 Checkpoint tensors are read into memory of their own (no mapping of the file stays behind), a block server's
-imports and blocks need no transformers model module (nor torch._dynamo, nor scipy.optimize), the compute thread
+imports and blocks need no transformers model module (nor torch._dynamo, nor scipy.optimize), a gateway's imports
+no transformers generation utilities, the compute thread
 drops a finished task's arguments (a session's KV cache), and `swarm.runtime.malloc.trim` works where glibc is.
 """
 from __future__ import annotations
@@ -114,6 +115,19 @@ def test_transformers_model_classes_load_without_scipy_optimize():
         "print(placeholder, scipy.optimize.linprog.__name__, scipy.optimize._lsap is lsap)\n"
     )
     assert _run(submodule_first) == "_Placeholder linprog True"
+
+
+def test_the_gateway_and_client_model_load_without_transformers_generation_utils():
+    """`transformers.generation.utils` (imported by its output classes and beam-search helpers) brings
+    torch.distributed's tensor and FSDP modules, torch._dynamo and sympy: about 80 MB that a gateway serving chat
+    never uses. The client model imports them when `generate` asks for a dict or for beams."""
+    code = (
+        "import sys, swarm, gateway.app, swarm.client.model\n"
+        "heavy = [m for m in ('transformers.generation.utils', 'torch._dynamo', 'sympy', 'torch.distributed.tensor',"
+        " 'swarm.client.beam') if m in sys.modules]\n"
+        "print(heavy)\n"
+    )
+    assert _run(code) == "[]"
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mixtral"])

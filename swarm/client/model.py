@@ -19,19 +19,17 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Union, cast
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Union, cast
 
 import torch
 from torch import nn
 from transformers import GenerationConfig
 from transformers.generation.logits_process import LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteriaList
-from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
 from swarm.client import ptune as tuning
 from swarm.client.adapters import ACTIVE_ADAPTER, AdapterChoice
 from swarm.client.api import Coverage, PromptLogprob, ServerView
-from swarm.client.beam import beam_search
 from swarm.client.drafting import MAX_DRAFT_TOKENS
 from swarm.client.genconfig import resolve_generation_config, stopping_criteria_for
 from swarm.client.generation import SamplingParams, build_processors, process_and_pick_scores
@@ -52,8 +50,11 @@ from swarm.runtime.taskpool import PRIORITY_FORWARD, client_pool
 from swarm.wire.dtypes import parse_dtype
 from swarm.wire.records import dht_prefix_for
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:  # transformers.generation.utils pulls in torch.distributed, dynamo and sympy: about 80 MB of
+    # resident memory that a gateway or a client that never asks for a dict or beams should not carry
+    from transformers.generation.utils import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -325,6 +326,7 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         def result(ids: torch.Tensor) -> Union[torch.Tensor, GenerateDecoderOnlyOutput]:
             if not as_dict:
                 return ids
+            from transformers.generation.utils import GenerateDecoderOnlyOutput
             return GenerateDecoderOnlyOutput(sequences=cast(torch.LongTensor, ids),
                                              scores=cast(Any, tuple(scores)) if want_scores else None,
                                              logits=cast(Any, tuple(raw_logits)) if want_logits else None)
@@ -349,6 +351,7 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
             if inner is not None:
                 inner.verify_steps = False  # no spot-checks while beams reorder the rows every step
             try:
+                from swarm.client.beam import beam_search  # (transformers' generation utils: imported on use)
                 return beam_search(session, input_ids, padding, config, processors, criteria,
                                    torch.tensor(eos_list) if eos_list else None, config.pad_token_id)
             finally:

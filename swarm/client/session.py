@@ -40,12 +40,18 @@ METADATA_ROOM = 64 << 10  # bytes kept for a step's metadata under a server's ma
 
 
 class _History:
-    """The hidden states sent into one block boundary, positions [0, length): [batch, max_length, hidden], and
-    the rows' left padding sent with them (replayed with position 0)."""
+    """The hidden states sent into one block boundary, positions [0, length): [batch, capacity, hidden], and
+    the rows' left padding sent with them (replayed with position 0). The buffer grows (doubling, up to
+    `max_length`) as positions are written: a session reserves its whole `max_length` on the servers, but a
+    gateway holding dozens of conversations with hundreds of tokens of headroom each should not hold that
+    much hidden state per boundary (2.3 KB per position of SmolLM2) for tokens it never sent."""
+
+    MIN_CAPACITY = 64
 
     def __init__(self, batch: int, max_length: int, hidden_size: int, dtype: torch.dtype,
                  padding: Optional[List[int]] = None):
-        self.buffer = torch.empty(batch, max_length, hidden_size, dtype=dtype)
+        self.max_length = max_length
+        self.buffer = torch.empty(batch, min(max_length, self.MIN_CAPACITY), hidden_size, dtype=dtype)
         self.length = 0
         self.padding = padding
 
@@ -58,6 +64,12 @@ class _History:
 
     def write(self, start_position: int, hidden: torch.Tensor) -> None:
         end = start_position + hidden.shape[1]
+        capacity = self.buffer.shape[1]
+        if end > capacity:  # positions [0, start_position) are kept (`astep` refuses steps past max_length)
+            grown = torch.empty(self.buffer.shape[0], max(end, min(self.max_length, 2 * capacity)),
+                                self.buffer.shape[2], dtype=self.buffer.dtype)
+            grown[:, :start_position] = self.buffer[:, :start_position]
+            self.buffer = grown
         self.buffer[:, start_position:end] = hidden
         self.length = end
 
