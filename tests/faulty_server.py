@@ -2,13 +2,17 @@
 
     python -m tests.faulty_server MODEL [swarmgate server flags] --fail_after_steps N
     python -m tests.faulty_server MODEL [swarmgate server flags] --perturb_after_steps N [--perturb_every K]
+    python -m tests.faulty_server MODEL [swarmgate server flags] --drop_training_replies N
 
 It runs the normal server entry point (`server.server.main`) with a handler that either answers every inference
 step after the N-th served one with the handler's ordinary `internal` error reply (`--fail_after_steps`), or,
 from each session's N-th step on, adds noise of the output's own scale to what it returns
 (`--perturb_after_steps`; with `--perturb_every K`, only every K-th session it opens lies): a malicious server
-that spot-checks (`swarm.client.verify`) must catch. Forward passes (what referees run) stay honest. The tests
-start it with `start_with_honest` (or `swarm.launch.topology.start_server(..., module="tests.faulty_server")`).
+that spot-checks (`swarm.client.verify`) must catch. Forward passes (what referees run) stay honest. With
+`--drop_training_replies N` every other training call, from its first on, until N were, reads its request and
+ends without any reply, as a stream dropped in transport does (calls 1, 3, ..., 2N - 1; the others are served).
+The tests start it with `start_with_honest` (or
+`swarm.launch.topology.start_server(..., module="tests.faulty_server")`).
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ def start_with_honest(model_path: str, initial_peers: List[str], prefix: str, fa
 
 
 def faulty_server(fail_after_steps: Optional[int] = None, perturb_after_steps: Optional[int] = None,
-                  perturb_every: int = 1) -> type:
+                  perturb_every: int = 1, drop_training_replies: int = 0) -> type:
     """A `Server` subclass whose handler fails, or perturbs, inference steps as described above."""
     import torch
 
@@ -44,6 +48,16 @@ def faulty_server(fail_after_steps: Optional[int] = None, perturb_after_steps: O
     class FaultyHandler(BlockHandler):
         sessions_seen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # kv -> [ordinal, steps served]
         sessions_opened = 0
+        training_calls = 0
+
+        async def _train_rpc(self, requests, context, *args, **kwargs):
+            FaultyHandler.training_calls += 1
+            if FaultyHandler.training_calls % 2 == 1 and FaultyHandler.training_calls < 2 * drop_training_replies:
+                async for _ in requests:  # the whole request, then the stream ends with no reply
+                    pass
+                return
+            async for response in super()._train_rpc(requests, context, *args, **kwargs):
+                yield response
 
         async def _compute(self, hidden, start_position, kv, *args, **kwargs):
             if fail_after_steps is not None and self.counters.inference_steps >= fail_after_steps:
@@ -81,9 +95,11 @@ def run(argv: list) -> int:
     fail = _pop_flag(argv, "--fail_after_steps")
     perturb = _pop_flag(argv, "--perturb_after_steps")
     every = _pop_flag(argv, "--perturb_every") or 1
-    if fail is None and perturb is None:
-        raise SystemExit("tests.faulty_server needs --fail_after_steps N or --perturb_after_steps N")
-    return main(argv, server_class=faulty_server(fail, perturb, every))
+    drop = _pop_flag(argv, "--drop_training_replies") or 0
+    if fail is None and perturb is None and not drop:
+        raise SystemExit("tests.faulty_server needs --fail_after_steps N, --perturb_after_steps N or "
+                         "--drop_training_replies N")
+    return main(argv, server_class=faulty_server(fail, perturb, every, drop))
 
 
 if __name__ == "__main__":

@@ -72,3 +72,32 @@ def test_training_survives_a_killed_server(failover_swarm, reference_model, toke
     assert set(killed) & set(model.manager.banned()) == set(model.remote_blocks.failed)
     alive = {p for p in servers if p not in killed}
     assert all(model.manager.server_info(p).training_tokens_processed > 0 for p in alive)
+
+
+def test_a_call_that_got_no_reply_is_sent_again_not_failed_over(model_path, bootstrap, reference_model, tokenizer):
+    """The only server of every block ends its first two training calls without any reply, as a dropped stream
+    does (`tests/faulty_server.py --drop_training_replies 2`): each such call is sent once more to the same server,
+    nothing is banned (banning a span's only server left no route at all), and the gradients equal transformers'."""
+    from swarm.launch.topology import start_server
+
+    prefix = "ttrainresend"
+    server = start_server(model_path, [bootstrap.maddr], "0:30", prefix, ["--drop_training_replies", "2"],
+                          name="resend-server", threads=1, module="tests.faulty_server")
+    model = None
+    try:
+        server.wait_ready()
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            model_path, initial_peers=[bootstrap.maddr], dht_prefix=prefix, pad_head_rows=False, ban_timeout=60,
+            max_retries=3)
+        ids = torch.tensor([tokenizer(TASK[0][0])["input_ids"]])
+        embeds = model.embed_tokens(ids).detach().requires_grad_(True)
+        loss_of(model(inputs_embeds=embeds).logits, ids).backward()
+        _, (ref_grad,) = reference_grads(reference_model, ids)
+        torch.testing.assert_close(embeds.grad, ref_grad, atol=1e-4, rtol=0)
+        blocks = model.remote_blocks
+        assert blocks is not None and blocks.resent == 2 and blocks.failed == [] and model.manager.banned() == []
+        assert blocks.calls == 2 + 2  # forward and backward, each sent twice
+    finally:
+        if model is not None:
+            model.shutdown()
+        server.kill()

@@ -289,3 +289,23 @@ def test_a_sessions_input_history_grows_with_what_was_sent_and_keeps_it():
     small.write(15, sent[:1, 15:20])
     assert small.buffer.shape[1] == 20 and torch.equal(small.read(20), sent[:1, :20])
 
+
+def test_only_a_call_that_got_no_reply_at_all_is_sent_again():
+    """`remote_autograd.no_reply`: a dropped stream is resent to the same server; an unreachable server, an error
+    from its handler, a bad reply or a time-out go to failover (a ban and another route) at once."""
+    import asyncio
+
+    from hivemind.p2p import P2PHandlerError
+    from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
+
+    from swarm.client.remote_autograd import no_reply
+    from swarm.wire import protocol as P
+    from swarm.wire import streaming
+
+    dropped = [P.ProtocolError(streaming.EMPTY_STREAM), asyncio.IncompleteReadError(b"", 4), EOFError(),
+               ConnectionResetError(), BrokenPipeError()]
+    answered = [ControlFailure("Connect failed. msg=failed to dial"), P2PHandlerError("boom"),
+                P.ProtocolError("payload has more than 65536 tensor parts"), P.RemoteError("internal", "boom"),
+                ConnectionRefusedError(), asyncio.TimeoutError(), ValueError("bad shape")]
+    assert [no_reply(e) for e in dropped] == [True] * len(dropped)
+    assert [no_reply(e) for e in answered] == [False] * len(answered)

@@ -10,7 +10,9 @@ and the prompts. The servers keep nothing between the two: the client keeps each
 - Routing for throughput: each sub-batch's chain is chosen by `routing.choose_training_chain` with this client's
   requests in flight per server as the load, so concurrent sub-batches spread over every server of a span.
 - Failover: a failed call bans its server (`SwarmManager.ban`, back-off) and the rest of the pass is routed again
-  from that span's first block, at most `max_retries` times per sub-batch and pass. In backward, a span whose
+  from that span's first block, at most `max_retries` times per sub-batch and pass. A call that ended without any
+  reply (its stream or connection dropped: no answer, not an error from the server) is first sent once more to the
+  same server: a span's only server is not banned for a transport hiccup. In backward, a span whose
   server left is rerouted over whatever chain now covers it; the new chain's inner inputs are recomputed by
   training forwards before the gradients go back through it.
 """
@@ -33,6 +35,19 @@ from swarm.wire import streaming
 logger = logging.getLogger(__name__)
 
 Record = Tuple[int, int, torch.Tensor]  # (start, end, the span's input [rows, seq, hidden]) of one sub-batch
+RESEND_PAUSE = 0.2  # seconds before a call that got no reply is sent again to the same server
+MIN_RESEND_SHARE = 0.25  # a resend needs at least this share of `training_timeout` left, or the call fails over
+
+
+def no_reply(error: BaseException) -> bool:
+    """The call's stream ended without an answer from the server (dropped in transport), not with an error reply,
+    a bad reply or a time-out. A stream that could not be opened (hivemind's `ControlFailure`: the server is
+    unreachable) and an error raised by the server's handler (`P2PHandlerError`) are answers: not resent."""
+    if isinstance(error, P.ProtocolError):
+        return str(error) == streaming.EMPTY_STREAM
+    if isinstance(error, ConnectionRefusedError):
+        return False
+    return isinstance(error, (ConnectionError, EOFError, asyncio.IncompleteReadError))
 
 
 class TrainingError(RuntimeError):
@@ -46,6 +61,7 @@ class RemoteBlocks:
         self.manager = manager
         self.load: Dict[str, int] = {}  # requests in flight per server (on the client loop only)
         self.calls = 0  # training calls sent (forward and backward), for tests and benchmarks
+        self.resent = 0  # calls sent again to the same server after they got no reply
         self.failed: List[str] = []  # servers whose calls failed (then banned), oldest first
 
     def __call__(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -60,14 +76,26 @@ class RemoteBlocks:
         rpc = "rpc_train_backward" if isinstance(message, P.TrainBackward) else "rpc_train_forward"
         requests = streaming.pack(runtime_pb2.ExpertRequest, message, tensors, config.max_chunk_bytes)
         self.load[hop.peer_id] = self.load.get(hop.peer_id, 0) + 1
-        self.calls += 1
         try:
             async def exchange() -> List[torch.Tensor]:
+                self.calls += 1
                 responses = await getattr(self.manager.stub(hop.peer_id), rpc)(as_aiter(*requests))
                 _, out = await streaming.read_reply(responses, P.TrainResult, max_bytes=1 << 40, peer_id=hop.peer_id)
                 return out
 
-            out = await asyncio.wait_for(exchange(), config.training_timeout)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + config.training_timeout  # one budget for the call and its resend
+            try:
+                out = await asyncio.wait_for(exchange(), config.training_timeout)
+            except Exception as e:
+                left = deadline - loop.time() - RESEND_PAUSE
+                if not no_reply(e) or left < config.training_timeout * MIN_RESEND_SHARE:
+                    raise
+                logger.info(f"training call to {hop.peer_id} (blocks {hop.start}:{hop.end}) got no reply ({e!r}); "
+                            f"sending it once more")
+                self.resent += 1
+                await asyncio.sleep(RESEND_PAUSE)
+                out = await asyncio.wait_for(exchange(), left)
         finally:
             self.load[hop.peer_id] -= 1
         expected = [tuple(tensors[0].shape)]

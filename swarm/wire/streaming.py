@@ -20,6 +20,7 @@ from swarm.wire import protocol as P
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # well under hivemind's 4 MiB message limit
 MAX_PARTS = 1 << 16
+EMPTY_STREAM = "empty stream"  # what `collect` raises when the stream ended before any message: no reply at all
 
 Envelope = Union[runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse]
 E = TypeVar("E", runtime_pb2.ExpertRequest, runtime_pb2.ExpertResponse)
@@ -61,7 +62,7 @@ async def collect(stream: AsyncIterator[Envelope], max_bytes: int) -> Tuple[byte
         if len(parts) > MAX_PARTS:
             raise P.ProtocolError(f"payload has more than {MAX_PARTS} tensor parts")
     if metadata is None:
-        raise P.ProtocolError("empty stream")
+        raise P.ProtocolError(EMPTY_STREAM)
     return metadata, parts
 
 
