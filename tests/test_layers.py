@@ -39,7 +39,7 @@ class _PastKV:
     def __init__(self, keys, values):
         self.keys, self.values = keys, values
 
-    def update(self, k, v, layer_idx):
+    def update(self, k, v, layer_idx, *args, **kwargs):  # as `transformers.Cache.update` (5.24 passes kwargs=)
         return torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2)
 
 
