@@ -2,8 +2,8 @@
 
 Checkpoint tensors are read into memory of their own (no mapping of the file stays behind), a block server's
 imports and blocks need no transformers model module (nor torch._dynamo, nor scipy.optimize), a gateway's imports
-no transformers generation utilities, the compute thread
-drops a finished task's arguments (a session's KV cache), and `swarm.runtime.malloc.trim` works where glibc is.
+need no transformers generation utilities, the compute thread drops a finished task's arguments (a session's KV
+cache), and `swarm.runtime.malloc.trim` works where glibc is.
 """
 from __future__ import annotations
 
