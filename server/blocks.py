@@ -31,6 +31,7 @@ from swarm.modeling.llama import FusedLayer, attach_small_gemms
 from swarm.modeling.lora import AdapterError, AdapterFiles, SpanAdapter, adapt_layers
 from swarm.modeling.shape import ModelShape, config_dtype
 from swarm.modeling.smallgemm import GemmGroup, packing_available
+from swarm.modeling.tensor_parallel import cache_layout, check_splittable, parse_devices, split_layer
 from swarm.runtime import malloc
 from swarm.wire.dtypes import DTYPES
 
@@ -95,6 +96,8 @@ class BlockSpan(nn.Module):
         self.gemms: Optional[GemmGroup] = None  # the fused layers' small-batch products (`load`'s packed_rows)
         self.quant_type = "none"  # or int8 / nf4: the layers are `swarm.modeling.quantize.QuantizedLayer`s
         self.adapters: Dict[str, SpanAdapter] = {}  # LoRA adapters on this span's blocks, by name
+        # with tensor parallelism, each block's shards' devices (`swarm.modeling.tensor_parallel`); else empty
+        self.tp_devices: list = []
         # the layers' sliding window (all that have one share the config's), None if none has one
         self.sliding_window = next((w for w in (getattr(layer, "sliding_window", None) for layer in layers) if w),
                                    None)
@@ -109,6 +112,8 @@ class BlockSpan(nn.Module):
         """
         if self.device.type != "cuda" or not self.can_batch or self.quant_type != "none" or self.alibi:
             return False
+        if self.tp_devices:  # a split span runs its steps eagerly
+            return False
         if not all(getattr(layer, "capturable", True) for layer in self.fused):  # e.g. Mixtral's routing
             return False
         from server.graphs import SpanGraphs
@@ -120,7 +125,7 @@ class BlockSpan(nn.Module):
         """Give one-row sessions of up to `capacity` positions slots of shared CPU storage (`server.kv_arena`), whose
         decode batches attend with one call per layer; True if on. CPU spans of fused rotary layers only (ALiBi
         layers and sliding windows attend per session; CUDA has its graphs)."""
-        if self.device.type != "cpu" or not self.can_batch or self.rotary is None or self.alibi:
+        if self.device.type != "cpu" or not self.can_batch or self.rotary is None or self.alibi or self.tp_devices:
             return False
         self.kv_arena = KVArena(self.kv_heads, self.head_dim, capacity, self.dtype)
         return True
@@ -128,7 +133,7 @@ class BlockSpan(nn.Module):
     @classmethod
     def load(cls, checkpoint: Checkpoint, start: int, end: int, dtype_name: str = "auto",
              device: str = "cpu", quant_type: str = "none", adapters: Sequence[AdapterFiles] = (),
-             packed_rows: Sequence[int] = ()) -> "BlockSpan":
+             packed_rows: Sequence[int] = (), tensor_parallel: Sequence[str] = ()) -> "BlockSpan":
         """Blocks [start, end) of `checkpoint`, read, (quantized) and moved to `device` one block at a time; with
         `adapters` (checked by `swarm.modeling.lora.open_adapter`), their tensors of these blocks too.
 
@@ -136,6 +141,8 @@ class BlockSpan(nn.Module):
         read, and its float tensors are dropped, so the process never holds the span in full precision.
         `packed_rows` (`packed_rows_for`): float32 CPU blocks' projections get small-batch products packed for these
         decode batch sizes (`swarm.modeling.smallgemm`; one more copy of the weights each).
+        `tensor_parallel`: devices to split each block across (`swarm.modeling.tensor_parallel`; the span's inputs
+        and outputs on the first; `device` is then unused).
         """
         config = checkpoint.load_config()
         family = family_for(config)
@@ -145,9 +152,13 @@ class BlockSpan(nn.Module):
         if adapters and family.module != "swarm.modeling.llama":
             raise AdapterError(f"LoRA adapters are served on llama-family blocks (llama, mistral, qwen2), "
                                f"not on {family.model_type}")
-        torch_device = torch.device(device)
+        tp_devices = parse_devices(tensor_parallel) if tensor_parallel else []
+        torch_device = tp_devices[0] if tp_devices else torch.device(device)
         dtype = resolve_dtype(dtype_name, config, torch_device)
         quant_type = quant_type or "none"
+        if tp_devices:
+            check_splittable(family, ModelShape.from_config(config), len(tp_devices), quant_type)
+            packed_rows = ()
         quantize: Optional[Callable] = None
         if quant_type != "none":
             if family.fuse is None:
@@ -175,6 +186,13 @@ class BlockSpan(nn.Module):
                     raise ValueError(f"block {index}: {name} was not loaded from the checkpoint")
             layer.layer_idx = index - start  # index into this span's SessionKV
             del state
+            if tp_devices and fuse is not None:  # fused on the CPU, each shard copied (and quantized) to its device
+                layers.append(split_layer(fuse(layer.to(dtype).eval().requires_grad_(False)), tp_devices,
+                                          ModelShape.from_config(config), quant_type, dtype))
+                fused.append(layers[-1])
+                del layer
+                malloc.trim()
+                continue
             if quantize is not None and fuse is not None:
                 # fused on the CPU, then each fused weight quantized as it moves to the device; the float layer
                 # (and its fused tensors) is dropped here, the quantized layer serves every path
@@ -194,6 +212,7 @@ class BlockSpan(nn.Module):
         logger.info(f"loaded blocks {start}:{end} of {checkpoint.name} ({dtype}, {device}, quant_type {quant_type})")
         span = cls(config, family, start, end, layers, rotary, dtype, torch_device)
         span.fused = fused
+        span.tp_devices = tp_devices
         packed_rows = packed_rows_for(packed_rows, device, dtype, quant_type, family)
         if packed_rows and any(isinstance(layer, FusedLayer) for layer in fused):
             # the span's products run on the server's one compute thread; packed as decode batches come (`_pack_some`)
@@ -223,9 +242,15 @@ class BlockSpan(nn.Module):
         if adapter is not None and adapter not in self.adapters:
             raise AdapterError(f"adapter {adapter!r} is not served here (this server has: "
                                f"{', '.join(sorted(self.adapters)) or 'none'})")
-        kv = SessionKV(last - first, batch_size, self.kv_heads, self.head_dim, max_length, self.dtype,
-                       self.device, layer_offset=first - self.start, windows=self.windows(first, last),
-                       arena=self.kv_arena)
+        if self.tp_devices:  # each block's shards' parts of the cache, on their devices
+            n = len(self.tp_devices)
+            devices, windows = cache_layout(self.tp_devices, self.windows(first, last))
+            kv = SessionKV(len(windows), batch_size, self.kv_heads // n, self.head_dim, max_length, self.dtype,
+                           self.device, layer_offset=(first - self.start) * n, windows=windows, devices=devices)
+        else:
+            kv = SessionKV(last - first, batch_size, self.kv_heads, self.head_dim, max_length, self.dtype,
+                           self.device, layer_offset=first - self.start, windows=self.windows(first, last),
+                           arena=self.kv_arena)
         kv.adapter = adapter
         return kv
 

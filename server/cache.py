@@ -53,10 +53,12 @@ class SessionKV:
 
     def __init__(self, num_layers: int, batch_size: int, kv_heads: int, head_dim: int, max_length: int,
                  dtype: torch.dtype, device: torch.device, layer_offset: int = 0,
-                 windows: Optional[Sequence[Optional[int]]] = None, arena: Optional["KVArena"] = None):
+                 windows: Optional[Sequence[Optional[int]]] = None, arena: Optional["KVArena"] = None,
+                 devices: Optional[Sequence[torch.device]] = None):
         """windows: each block's sliding window (None: full attention); those blocks keep a ring buffer.
         arena: shared storage (`server.kv_arena`) this session's buffers come from if it fits there (one row, no
-        sliding window, on the arena's device); `slot` says where, None otherwise."""
+        sliding window, on the arena's device); `slot` says where, None otherwise. devices: each layer's device
+        (a tensor-parallel span's shards: `swarm.modeling.tensor_parallel.cache_layout`), else all on `device`."""
         self.windows: List[Optional[int]] = list(windows) if windows is not None else [None] * num_layers
         assert len(self.windows) == num_layers
         self.keys: List[torch.Tensor] = []
@@ -67,10 +69,11 @@ class SessionKV:
             assigned = arena.assign(self, layer_offset, layer_offset + num_layers, max_length)
             if assigned is not None:
                 self.slot, self.keys, self.values = assigned
-        for window in self.windows if self.slot is None else ():
+        for index, window in enumerate(self.windows if self.slot is None else ()):
             shape = (batch_size, kv_heads, ring_capacity(window, max_length), head_dim)
-            self.keys.append(torch.empty(shape, dtype=dtype, device=device))
-            self.values.append(torch.empty(shape, dtype=dtype, device=device))
+            layer_device = device if devices is None else devices[index]
+            self.keys.append(torch.empty(shape, dtype=dtype, device=layer_device))
+            self.values.append(torch.empty(shape, dtype=dtype, device=layer_device))
         self.batch_size, self.max_length = batch_size, max_length
         self.layer_offset = layer_offset  # layer_idx of the first block this session uses
         self.length = 0  # positions filled (valid for all layers after a complete step)
@@ -101,8 +104,8 @@ class SessionKV:
     def reorder(self, hypo_ids: torch.Tensor, length: int) -> None:
         """Row i of positions [0, length) becomes what row hypo_ids[i] held, in every layer (beam search)."""
         hypo_ids = hypo_ids.to(self.keys[0].device)
-        for buf in self.keys + self.values:
-            buf[:, :, :length].copy_(buf[:, :, :length].index_select(0, hypo_ids))
+        for buf in self.keys + self.values:  # (a tensor-parallel span's buffers may lie on several devices)
+            buf[:, :, :length].copy_(buf[:, :, :length].index_select(0, hypo_ids.to(buf.device)))
         if self.padding is not None:
             self.padding = self.padding.index_select(0, hypo_ids)
 

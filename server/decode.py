@@ -197,7 +197,8 @@ def _padded_attention(layer: BlockLayer, q: torch.Tensor, keys: torch.Tensor, va
         held = slots + (position + 1 - length)
     else:  # slot s holds the latest position <= `position` that is s modulo the ring's capacity
         held = position - (position - slots) % length
-    allowed = (held.unsqueeze(0) >= kv.padding.unsqueeze(1)) | (held == position).unsqueeze(0)  # [size, length]
+    padding = kv.padding.to(q.device)  # (on a tensor-parallel shard's device)
+    allowed = (held.unsqueeze(0) >= padding.unsqueeze(1)) | (held == position).unsqueeze(0)  # [size, length]
     if ring is not None:
         allowed &= ring.unsqueeze(0)
     mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, torch.finfo(q.dtype).min)

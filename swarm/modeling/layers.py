@@ -212,8 +212,11 @@ def cache_attention(cache, mask: Optional[torch.Tensor], window_mask: Optional[t
         if step_key not in masks:
             bias = key_bias(layer, k.shape[2], q.dtype, q.device)
             masks[step_key] = layer_mask if bias is None else biased_mask(bias, layer_mask, q.shape[2])
+        step_mask = masks[step_key]
+        if step_mask is not None and step_mask.device != q.device:  # a tensor-parallel shard on another device
+            step_mask = step_mask.to(q.device)
         # [batch, seq, heads, dim]
-        out = sdpa_attention(q, k, v, masks[step_key], layer.scaling, layer.heads // layer.kv_heads)
+        out = sdpa_attention(q, k, v, step_mask, layer.scaling, layer.heads // layer.kv_heads)
         return out.flatten(-2)
 
     return attend

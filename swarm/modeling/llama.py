@@ -36,17 +36,23 @@ from swarm.modeling.smallgemm import GemmGroup, SmallGemm
 Attend = Callable[..., torch.Tensor]
 
 
-def attention_residual(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
-    """The block's first half, x + attention: [..., hidden] -> [..., hidden] (also Mixtral's, `swarm.modeling.mixtral`).
-
-    cos, sin: [..., head_dim], the rotary angles of each token's position.
+def attention_output(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+    """The attention's output before its output projection: x [..., hidden] -> [..., heads * head_dim] (also a
+    tensor-parallel shard's, `swarm.modeling.tensor_parallel`). cos, sin: [..., head_dim], each token's rotary angles.
     """
     heads, kv_heads = layer.heads, layer.kv_heads
     qkv = layer.qkv(layer.input_norm(x))  # [..., heads + 2 * kv_heads, head_dim]
     # rotary on q and k together: [..., heads + kv_heads, head_dim]
     qk = apply_rotary(qkv[..., :heads + kv_heads, :], cos.unsqueeze(-2), sin.unsqueeze(-2))
-    o = attend(layer, qk[..., :heads, :], qk[..., heads:, :], qkv[..., heads + kv_heads:, :])  # [..., heads * dim]
-    return layer.add_o_proj(x, o)  # x + o_proj(o): [..., hidden]
+    return attend(layer, qk[..., :heads, :], qk[..., heads:, :], qkv[..., heads + kv_heads:, :])  # [..., heads * dim]
+
+
+def attention_residual(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+    """The block's first half, x + attention: [..., hidden] -> [..., hidden] (also Mixtral's, `swarm.modeling.mixtral`).
+
+    cos, sin: [..., head_dim], the rotary angles of each token's position.
+    """
+    return layer.add_o_proj(x, attention_output(layer, x, cos, sin, attend))  # x + o_proj(o): [..., hidden]
 
 
 def block_step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:

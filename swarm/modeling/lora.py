@@ -397,5 +397,8 @@ def adapt_layers(layers: Sequence, groups: Sequence[Tuple[int, int, Optional[Spa
                 lora = adapter.layers[block - adapter.start]
                 if lora is not None:
                     row_groups.append((r0, r1, lora))
-        adapted.append(AdaptedLayer(layer, row_groups) if row_groups else layer)
+        if not row_groups:
+            adapted.append(layer)
+        else:  # a tensor-parallel block splits the deltas like itself (`swarm.modeling.tensor_parallel`)
+            adapted.append(layer.adapt(row_groups) if hasattr(layer, "adapt") else AdaptedLayer(layer, row_groups))
     return adapted

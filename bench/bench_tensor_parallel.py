@@ -1,0 +1,193 @@
+"""Tensor parallelism (`--tensor_parallel_devices`, `swarm.modeling.tensor_parallel`): one block unsplit against
+the same block split into shards, through the server's own steps (`server.decode.prefill_step` / `decode_step`
+with a `SessionKV`, as `BlockSpan` runs them); random weights, no checkpoint.
+
+Measured per block and printed as one JSON object: a prefill of `--prompt` tokens, a single-token decode step of
+one session and a batched decode step of 8 sessions (each at `--prompt` tokens of context), in ms (median of
+`--steps`); weight and KV-cache bytes per device (a session of `--prompt` + `--steps` tokens per row), and on CUDA
+the peak memory allocated. Default: `--devices cpu cpu` with a small block in float32 (hidden 1024); on CUDA
+`--devices cuda:0 cuda:1` (or `cuda:0 cuda:0`: two shards on one GPU, which shows the split path's cost on the
+GPU, not a speed-up: both shards share one GPU's compute and bandwidth) with `--shape 8b` (hidden 4096, 32 heads,
+8 key/value heads, intermediate 14336) in bfloat16.
+
+On the CPU (or with every shard on one GPU) the shards run one after another on the same compute: the split
+block can only be slower (the overhead of more, smaller kernels and the sums), never faster. A speed-up needs
+shards on different GPUs, whose kernels run at the same time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from server.cache import SessionKV  # noqa: E402
+from server.decode import decode_step, prefill_step  # noqa: E402
+from swarm.modeling.llama import FusedLayer  # noqa: E402
+from swarm.modeling.shape import ModelShape  # noqa: E402
+from swarm.modeling.tensor_parallel import cache_layout, parse_devices, split_layer  # noqa: E402
+
+SHAPES = {"small": dict(hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=64, intermediate_size=2816),
+          "8b": dict(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336)}
+SESSIONS = 8  # the batched decode step's sessions
+
+
+def random_block(shape: ModelShape, dtype: torch.dtype, device: torch.device) -> FusedLayer:
+    """A Llama block's fused weights, random (std 0.02), on `device`."""
+    hidden, dim, inter = shape.hidden_size, shape.head_dim, shape.intermediate_size
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def w(*size: int) -> torch.Tensor:
+        return (torch.randn(*size, generator=g, device=device, dtype=torch.float32) * 0.02).to(dtype)
+
+    return FusedLayer(
+        input_norm_weight=torch.ones(hidden, dtype=dtype, device=device),
+        post_norm_weight=torch.ones(hidden, dtype=dtype, device=device), eps=1e-5,
+        qkv_weight=w((shape.num_heads + 2 * shape.num_kv_heads) * dim, hidden), qkv_bias=None,
+        o_weight_t=w(hidden, shape.num_heads * dim).t(), o_bias=None,
+        gate_up_weight=w(2 * inter, hidden), gate_up_bias=None,
+        down_weight_t=w(hidden, inter).t(), down_bias=None, act=nn.SiLU(),
+        heads=shape.num_heads, kv_heads=shape.num_kv_heads, head_dim=dim, scaling=shape.scaling, layer_idx=0)
+
+
+def new_kv(layer, devices, shape: ModelShape, batch: int, length: int, dtype: torch.dtype) -> SessionKV:
+    """A session of `batch` rows' cache for one block, as `BlockSpan.new_session_kv` makes it (split by key/value
+    heads when the block is split)."""
+    if len(devices) == 1:
+        return SessionKV(1, batch, shape.num_kv_heads, shape.head_dim, length, dtype, devices[0])
+    layer_devices, windows = cache_layout(devices, [None])
+    return SessionKV(len(windows), batch, shape.num_kv_heads // len(devices), shape.head_dim, length, dtype,
+                     devices[0], windows=windows, devices=layer_devices)
+
+
+def tensor_bytes(tensors) -> dict:
+    per: dict = {}
+    for t in tensors:
+        if t is not None:
+            per[str(t.device)] = per.get(str(t.device), 0) + t.numel() * t.element_size()
+    return per
+
+
+def layer_bytes(layer) -> dict:
+    """Weight bytes per device (a split layer's shards, whose devices may repeat: listed per shard)."""
+    shards = getattr(layer, "shards", [layer])
+    out = []
+    for shard in shards:
+        out.append(sum(tensor_bytes([shard.input_norm_weight, shard.post_norm_weight, shard.qkv_weight,
+                                     shard.o_weight_t, shard.gate_up_weight, shard.down_weight_t]).values()))
+    return {"weight_bytes_per_shard": out}
+
+
+def sync(devices) -> None:
+    for d in {d for d in devices if d.type == "cuda"}:
+        torch.cuda.synchronize(d)
+
+
+def timed(fn, devices, steps: int) -> float:
+    for _ in range(3):  # warm-up
+        fn()
+    sync(devices)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        sync(devices)
+        times.append(time.perf_counter() - start)
+    return round(statistics.median(times) * 1000, 3)
+
+
+def measure(layer, devices, shape: ModelShape, dtype: torch.dtype, prompt: int, steps: int) -> dict:
+    device = devices[0]
+    hidden = shape.hidden_size
+    length = prompt + steps + 8
+    x_prompt = torch.randn(1, prompt, hidden, device=device, dtype=dtype)
+    cos = torch.ones(1, prompt, shape.head_dim, device=device, dtype=dtype)  # rotary angles 0: what they are
+    sin = torch.zeros(1, prompt, shape.head_dim, device=device, dtype=dtype)  # does not change the step's cost
+    kv = new_kv(layer, devices, shape, 1, length, dtype)
+
+    def prefill() -> None:
+        kv.begin_step(0)
+        prefill_step([layer], x_prompt, cos, sin, kv, None)
+        kv.end_step(prompt)
+
+    result = {"prefill_ms": timed(prefill, devices, steps)}
+    sessions = [new_kv(layer, devices, shape, 1, length, dtype) for _ in range(SESSIONS)]
+    for s in sessions:  # each session holds `prompt` positions
+        s.begin_step(0)
+        prefill_step([layer], x_prompt, cos, sin, s, None)
+        s.end_step(prompt)
+
+    def decode(count: int):
+        rows = torch.randn(count, hidden, device=device, dtype=dtype)
+        c, s_ = cos[0, :1].expand(count, -1), sin[0, :1].expand(count, -1)
+
+        def step() -> None:
+            for s in sessions[:count]:
+                s.begin_step(prompt)
+            decode_step([layer], rows, c, s_, [(1, s) for s in sessions[:count]])
+            for s in sessions[:count]:
+                s.end_step(1)
+        return step
+
+    result["decode_1_session_ms"] = timed(decode(1), devices, steps)
+    result[f"decode_{SESSIONS}_sessions_ms"] = timed(decode(SESSIONS), devices, steps)
+    result.update(layer_bytes(layer))
+    shards = len(kv.keys)  # one cache layer per shard (`cache_layout`, one block)
+    result["cache_bytes_per_shard"] = [sum(tensor_bytes([kv.keys[i], kv.values[i]]).values()) for i in range(shards)]
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--devices", nargs="+", default=None, help="the split's devices (default: cpu cpu)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default: 8b on CUDA, small on cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on cpu")
+    parser.add_argument("--prompt", type=int, default=None, help="prefill tokens (default 512 on CUDA, 128 on cpu)")
+    parser.add_argument("--steps", type=int, default=None, help="timed repetitions of each step (20 on CUDA, 5 on "
+                                                                 "cpu)")
+    args = parser.parse_args()
+    devices = parse_devices(args.devices or ["cpu", "cpu"], allow_repeat=True)
+    cuda = devices[0].type == "cuda"
+    shape = ModelShape(**SHAPES[args.shape or ("8b" if cuda else "small")], num_layers=1, rms_norm_eps=1e-5,
+                       hidden_act="silu", rope_type="default", dtype=None)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
+    prompt = args.prompt or (512 if cuda else 128)
+    began = time.perf_counter()
+    with torch.inference_mode():
+        results = {}
+        for name, devs in (("1_device", devices[:1]), (f"{len(devices)}_devices", devices)):
+            if cuda:
+                torch.cuda.empty_cache()
+                for d in set(devs):
+                    torch.cuda.reset_peak_memory_stats(d)
+            block = random_block(shape, dtype, devs[0])
+            layer = block if len(devs) == 1 else split_layer(block, devs, shape)
+            if len(devs) > 1:
+                del block
+            results[name] = measure(layer, devs, shape, dtype, prompt, args.steps or (20 if cuda else 5))
+            if cuda:
+                results[name]["peak_allocated_bytes_by_gpu"] = {
+                    str(d): torch.cuda.max_memory_allocated(d) for d in sorted(set(devs), key=str)}
+            del layer
+    one, split = results["1_device"], results[f"{len(devices)}_devices"]
+    ratio = {k: round(split[k] / one[k], 3) for k in one if k.endswith("_ms")}
+    same = len({str(d) for d in devices}) == 1
+    print(json.dumps({
+        "devices": [str(d) for d in devices], "dtype": str(dtype).replace("torch.", ""),
+        "shape": {k: v for k, v in shape.__dict__.items() if k in SHAPES["8b"]}, "prompt_tokens": prompt,
+        "gpu": torch.cuda.get_device_name(devices[0]) if cuda else None, **results, "split_over_unsplit": ratio,
+        "note": ("every shard on one device: shows the split path's overhead only, not a speed-up" if same or not cuda
+                 else "shards on different GPUs run concurrently"),
+        "wall_s": round(time.perf_counter() - began, 1)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
