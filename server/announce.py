@@ -64,6 +64,7 @@ class Announcer:
         self.free_cache_tokens = free_cache_tokens
         self.start = self.end = 0
         self.public_name = ""  # the operator's `--public_name` (set by the server)
+        self.tensor_parallel = 1  # devices each block is split across (set by the server)
         self.state = ServerState.JOINING
         self.throughput = 1.0
         self.swarm_key: Optional[SwarmKey] = None  # a private swarm's key (set by the server): pings prove membership
@@ -79,7 +80,8 @@ class Announcer:
                           end=self.end if end is None else end, throughput=self.throughput,
                           cache_tokens_left=self.free_cache_tokens(), version=__version__,
                           dtype=str(self.dtype).replace("torch.", ""), quant_type=self.quant_type,
-                          adapters=self.adapters, next_pings=dict(self.next_pings), limits=self.limits)
+                          adapters=self.adapters, next_pings=dict(self.next_pings), limits=self.limits,
+                          tensor_parallel=self.tensor_parallel)
 
     async def declare(self, blocks: Sequence[int], info: ServerInfo) -> None:
         if not blocks:

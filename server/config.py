@@ -11,9 +11,11 @@ from pydantic import Field, field_validator, model_validator
 
 from server.throughput import parse_throughput_mode
 from swarm.modeling.disk_cache import parse_size
+from swarm.modeling.families import FAMILIES
 from swarm.modeling.lora import ADAPTERS_HELP, AdapterSource
 from swarm.modeling.quantize import QUANT_TYPE_HELP
 from swarm.modeling.smallgemm import valid_packed_rows
+from swarm.modeling.tensor_parallel import parse_devices
 from swarm.runtime.config import parse_span
 from swarm.runtime.swarm_key import SwarmKeySettings
 from swarm.wire.dtypes import DTYPES, QUANT_TYPES
@@ -32,6 +34,18 @@ class ServerConfig(SwarmKeySettings):
     num_blocks: Optional[int] = Field(default=None, gt=0,
                                       description="serve this many blocks (default: as many as fit in free memory)")
     device: str = Field(default="cpu", description="torch device (cpu, cuda, cuda:1, ...)")
+    tensor_parallel_devices: List[str] = Field(
+        default_factory=list,
+        description="split every block of the span across these devices (tensor parallelism), e.g. cuda:0 cuda:1: "
+                    "attention by key/value head groups, the MLP by intermediate columns, each session's KV cache by "
+                    "key/value heads; the cache budget and block count use the free memory of all of them; the "
+                    "span's inputs and outputs live on the first (--device is then unused). Families: "
+                    + ", ".join(sorted(n for n, s in FAMILIES.items() if s.tensor_parallel)) + " (not "
+                    + ", ".join(sorted(n for n, s in FAMILIES.items() if not s.tensor_parallel)) + "); the device "
+                    "count must divide the key/value heads and the intermediate size (nf4: each device's widths "
+                    "divisible by 64), else the server stops at start naming the reason. cpu may repeat (cpu cpu: "
+                    "the same code path on one CPU, for tests), a GPU may not. A split span runs eagerly: no CUDA "
+                    "graphs, KV arena or packed products")
     torch_dtype: str = Field(default="auto", description="auto, float32, float16 or bfloat16")
     quant_type: str = Field(default="auto", description=QUANT_TYPE_HELP)
     adapters: List[str] = Field(default_factory=list, description=ADAPTERS_HELP)
@@ -110,6 +124,13 @@ class ServerConfig(SwarmKeySettings):
     def _valid_packed_rows(cls, value):
         return valid_packed_rows(value)
 
+    @field_validator("tensor_parallel_devices")
+    @classmethod
+    def _valid_tensor_parallel(cls, value):
+        if value:
+            parse_devices(value)  # TensorParallelError (a ValueError) names the bad device
+        return value
+
     @field_validator("torch_dtype")
     @classmethod
     def _valid_dtype(cls, value):
@@ -138,6 +159,17 @@ class ServerConfig(SwarmKeySettings):
             parse_size(value)
             return str(value)
         return value
+
+    @property
+    def span_device(self) -> str:
+        """Where the span's inputs and outputs live: the first tensor-parallel device, else --device."""
+        return self.tensor_parallel_devices[0] if self.tensor_parallel_devices else self.device
+
+    @property
+    def devices(self) -> List[str]:
+        """Every device the span's blocks use (a device named twice counted once)."""
+        return list(dict.fromkeys(str(d) for d in parse_devices(self.tensor_parallel_devices))) \
+            if self.tensor_parallel_devices else [self.device]
 
     @model_validator(mode="after")
     def _consistent_blocks(self):

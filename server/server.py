@@ -50,6 +50,8 @@ from swarm.modeling.disk_cache import parse_size
 from swarm.modeling.families import family_for
 from swarm.modeling.lora import AdapterSource, open_adapter
 from swarm.modeling.quantize import check_quant_support, resolve_quant_type
+from swarm.modeling.shape import ModelShape
+from swarm.modeling.tensor_parallel import TensorParallelError, check_splittable
 from swarm.runtime import lifecycle, malloc
 from swarm.runtime.cpu_turns import CpuTurns, cpu_turns_enabled
 from swarm.runtime.taskpool import PRIORITY_FORWARD, TaskPool
@@ -81,11 +83,14 @@ class Server:
         family_for(self.model_config)  # an unknown model type: one line naming the supported families
         self.num_blocks_total = self.model_config.num_hidden_layers
         self.prefix = config.dht_prefix or dht_prefix_for(config.model)
-        self.device = torch.device(config.device)
+        self.device = torch.device(config.span_device)
         self.dtype = resolve_dtype(config.torch_dtype, self.model_config, self.device)
         # before the DHT starts: a quantization this machine's bitsandbytes cannot run is a one-line error
         self.quant_type = resolve_quant_type(config.quant_type, self.device)
         check_quant_support(self.quant_type, self.device, self.dtype)
+        if config.tensor_parallel_devices:  # a model that cannot be split: TensorParallelError (exit 2)
+            check_splittable(family_for(self.model_config), ModelShape.from_config(self.model_config),
+                             len(config.tensor_parallel_devices), self.quant_type)
         # LoRA adapters, checked against the model before the DHT starts (a bad one is a one-line error)
         self.adapters = [open_adapter(AdapterSource.parse(text), self.model_config, cache_dir=config.cache_dir,
                                       max_disk_space=parse_size(config.max_disk_space)) for text in config.adapters]
@@ -106,6 +111,7 @@ class Server:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.record.swarm_key = config.load_swarm_key()  # a private swarm's: handlers and pings use it
         self.record.public_name = config.public_name
+        self.record.tensor_parallel = max(1, len(config.tensor_parallel_devices))
 
     @property
     def started_dht(self) -> hivemind.DHT:
@@ -148,7 +154,8 @@ class Server:
         start, end = self.record.start, self.record.end
         span = await self._compute_pool().submit(PRIORITY_FORWARD, BlockSpan.load, self.checkpoint, start, end,
                                                  self.config.torch_dtype, self.config.device, self.quant_type,
-                                                 self.adapters, self.config.packed_rows)
+                                                 self.adapters, self.config.packed_rows,
+                                                 self.config.tensor_parallel_devices)
         malloc.trim()  # what loading (and measuring the throughput) freed: unfused checkpoint tensors
         if self.config.cuda_graphs and span.enable_cuda_graphs():
             logger.info("single-session decode steps replay CUDA graphs")
@@ -261,7 +268,8 @@ class Server:
             self.record.throughput, source = await self._compute_pool().submit(
                 PRIORITY_FORWARD, lambda: get_throughput(self.config.throughput, self.checkpoint, self.config.device,
                                                          self.dtype, self.config.torch_dtype,
-                                                         quant_type=self.quant_type))
+                                                         quant_type=self.quant_type,
+                                                         tensor_parallel=self.config.tensor_parallel_devices))
             logger.info(f"throughput: {self.record.throughput:.1f} decode steps/s per block ({source})")
             await spans.place(self)
             if self._stop.is_set():
@@ -273,7 +281,8 @@ class Server:
             ready = {"peer_id": self.peer_id, "start": start, "end": end,
                      "maddrs": [str(m) for m in self.started_dht.get_visible_maddrs()], "prefix": self.prefix,
                      "throughput": self.record.throughput, "attn_cache_tokens": self.capacity.attn_cache_tokens,
-                     "quant_type": self.quant_type, "adapters": [files.name for files in self.adapters]}
+                     "quant_type": self.quant_type, "adapters": [files.name for files in self.adapters],
+                     "tensor_parallel_devices": self.config.tensor_parallel_devices}
             print("SWARMGATE_READY " + json.dumps(ready), flush=True)
             logger.info(f"serving blocks {start}:{end} of {self.config.model} as {ready['peer_id']}")
             await self._supervise()
@@ -327,6 +336,10 @@ def main(argv=None, server_class: Type[Server] = Server) -> int:
     try:
         server = server_class(config)
         return asyncio.run(server.run())
+    except TensorParallelError as e:  # a model or device list that cannot be split: a usage error, before the DHT
+        logger.error(f"server failed: --tensor_parallel_devices: {e}")
+        print(f"error: --tensor_parallel_devices: {e}", file=sys.stderr)
+        return 2
     except (ValueError, RuntimeError, OSError) as e:
         logger.error(f"server failed: {e}")
         print(f"error: {e}", file=sys.stderr)

@@ -77,18 +77,21 @@ def plan(config: ServerConfig, model_config, dtype: torch.dtype, num_blocks_tota
         num_blocks: Optional[int] = end - start
     else:
         num_blocks = config.num_blocks
-    free = free_memory_bytes(config.device)
+    # a tensor-parallel span spreads its weights and cache over its devices: their free memory together
+    free = sum(free_memory_bytes(device) for device in config.devices)
+    packed = () if config.tensor_parallel_devices else packed_rows_for(config.packed_rows, config.device, dtype,
+                                                                       quant_type, family_for(model_config))
     capacity = plan_capacity(model_config, dtype, free, num_blocks=num_blocks,
                              attn_cache_tokens=config.attn_cache_tokens, quant_type=quant_type,
-                             packed_copies=len(packed_rows_for(config.packed_rows, config.device, dtype, quant_type,
-                                                               family_for(model_config))))
+                             packed_copies=len(packed))
     needed = capacity.num_blocks * (capacity.block_bytes + capacity.attn_cache_tokens * capacity.token_bytes)
+    where = " + ".join(config.devices)
     if needed > free:
         logger.warning(f"{capacity.num_blocks} blocks with a {capacity.attn_cache_tokens}-token cache need "
-                       f"{needed / 2**20:.0f} MiB but only {free / 2**20:.0f} MiB are free on {config.device}")
+                       f"{needed / 2**20:.0f} MiB but only {free / 2**20:.0f} MiB are free on {where}")
     logger.info(f"capacity: {capacity.num_blocks} blocks of {capacity.block_bytes / 2**20:.1f} MiB ({quant_type}), "
                 f"KV cache budget {capacity.attn_cache_tokens} tokens ({capacity.token_bytes} bytes/token/block), "
-                f"{free / 2**30:.1f} GiB free on {config.device}")
+                f"{free / 2**30:.1f} GiB free on {where}")
     return capacity
 
 

@@ -19,7 +19,7 @@ import platform
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, Optional, Union
+from typing import Dict, Iterator, Optional, Sequence, Union
 
 import torch
 from filelock import FileLock
@@ -98,11 +98,13 @@ def _sync(device: torch.device) -> None:
 
 
 def measure(checkpoint, device: str = "cpu", dtype_name: str = "auto", *, decode_steps: int = DECODE_STEPS,
-            forward_passes: int = FORWARD_PASSES, quant_type: str = "none") -> Dict[str, float]:
-    """Run block 0 of `checkpoint` and time it: {'decode_rps': steps/s, 'forward_tps': tokens/s} for one block."""
+            forward_passes: int = FORWARD_PASSES, quant_type: str = "none",
+            tensor_parallel: Sequence[str] = ()) -> Dict[str, float]:
+    """Run block 0 of `checkpoint` and time it: {'decode_rps': steps/s, 'forward_tps': tokens/s} for one block
+    (split across the `tensor_parallel` devices, as the server runs it, when given)."""
     from server.blocks import BlockSpan
 
-    span = BlockSpan.load(checkpoint, 0, 1, dtype_name, device, quant_type)
+    span = BlockSpan.load(checkpoint, 0, 1, dtype_name, device, quant_type, tensor_parallel=tensor_parallel)
     dev = span.device
     generator = torch.Generator().manual_seed(0)
     hidden_size, dtype = span.hidden_size, span.dtype
@@ -140,13 +142,17 @@ def measure(checkpoint, device: str = "cpu", dtype_name: str = "auto", *, decode
 
 
 def get_throughput(mode: Union[str, float], checkpoint, device: str, dtype: torch.dtype, dtype_name: str = "auto",
-                   cache_root: Optional[Path] = None, quant_type: str = "none") -> tuple[float, str]:
-    """(decode steps/s per block to announce, where it came from: 'given', 'cache' or 'measured')."""
+                   cache_root: Optional[Path] = None, quant_type: str = "none",
+                   tensor_parallel: Sequence[str] = ()) -> tuple[float, str]:
+    """(decode steps/s per block to announce, where it came from: 'given', 'cache' or 'measured'); a split server
+    (`tensor_parallel` devices) measures and caches its split block."""
     mode = parse_throughput_mode(mode)
     if isinstance(mode, float):
         return mode, "given"
     path = cache_path(cache_root)
     key = cache_key(checkpoint.name, device, dtype, quant_type)
+    if tensor_parallel:
+        key += "|tp=" + ",".join(device_key(d) for d in tensor_parallel)
     with _locked(path):  # one server of a machine measures at a time; the others then read its result
         if mode == "auto":
             entry = _read(path).get(key)
@@ -154,7 +160,7 @@ def get_throughput(mode: Union[str, float], checkpoint, device: str, dtype: torc
             if isinstance(rate, (int, float)) and rate > 0:
                 return float(rate), "cache"
         began = time.perf_counter()
-        result = measure(checkpoint, device, dtype_name, quant_type=quant_type)
+        result = measure(checkpoint, device, dtype_name, quant_type=quant_type, tensor_parallel=tensor_parallel)
         logger.info(f"measured throughput in {time.perf_counter() - began:.2f}s: {result['decode_rps']:.1f} decode "
                     f"steps/s and {result['forward_tps']:.0f} forward tokens/s per block ({key})")
         data = _read(path)

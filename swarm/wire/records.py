@@ -64,6 +64,8 @@ class ServerInfo(BaseModel):
     quant_type: str = "none"  # the served linear weights: none, int8 or nf4 (`swarmgate server --quant_type`)
     # the names of the LoRA adapters the server holds for its blocks (`swarmgate server --adapters`)
     adapters: tuple[str, ...] = ()
+    # devices each of its blocks is split across (`swarmgate server --tensor_parallel_devices`; 1: not split)
+    tensor_parallel: int = Field(default=1, ge=1)
     next_pings: Dict[str, float] = Field(default_factory=dict, description="peer id -> RTT in seconds")
     limits: Optional[ServerLimits] = Field(default=None, description="the server's resource limits (None: an "
                                                                      "older server that does not announce them)")
