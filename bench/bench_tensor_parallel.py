@@ -4,11 +4,12 @@ with a `SessionKV`, as `BlockSpan` runs them); random weights, no checkpoint.
 
 Measured per block and printed as one JSON object: a prefill of `--prompt` tokens, a single-token decode step of
 one session and a batched decode step of 8 sessions (each at `--prompt` tokens of context), in ms (median of
-`--steps`); weight and KV-cache bytes per device (a session of `--prompt` + `--steps` tokens per row), and on CUDA
-the peak memory allocated. Default: `--devices cpu cpu` with a small block in float32 (hidden 1024); on CUDA
-`--devices cuda:0 cuda:1` (or `cuda:0 cuda:0`: two shards on one GPU, which shows the split path's cost on the
-GPU, not a speed-up: both shards share one GPU's compute and bandwidth) with `--shape 8b` (hidden 4096, 32 heads,
-8 key/value heads, intermediate 14336) in bfloat16.
+`--steps`); weight and KV-cache bytes per shard (a session of `--prompt` + `--steps` + 8 tokens), and on CUDA
+the memory allocated per GPU after loading and at its peak during the steps (8 sessions' caches included).
+Default: `--devices cpu cpu` with a small block in float32 (hidden 1024); on CUDA `--devices cuda:0 cuda:1` (or
+`cuda:0 cuda:0`: two shards on one GPU, which shows the split path's cost on the GPU, not a speed-up: both shards
+share one GPU's compute and bandwidth) with `--shape 8b` (hidden 4096, 32 heads, 8 key/value heads, intermediate
+14336) in bfloat16.
 
 On the CPU (or with every shard on one GPU) the shards run one after another on the same compute: the split
 block can only be slower (the overhead of more, smaller kernels and the sums), never faster. A speed-up needs
@@ -163,18 +164,19 @@ def main() -> int:
     with torch.inference_mode():
         results = {}
         for name, devs in (("1_device", devices[:1]), (f"{len(devices)}_devices", devices)):
-            if cuda:
-                torch.cuda.empty_cache()
-                for d in set(devs):
-                    torch.cuda.reset_peak_memory_stats(d)
             block = random_block(shape, dtype, devs[0])
             layer = block if len(devs) == 1 else split_layer(block, devs, shape)
-            if len(devs) > 1:
-                del block
+            del block
+            gpus = sorted(set(d for d in devs if d.type == "cuda"), key=str)
+            for d in gpus:  # the block's weights are what is allocated now; the steps' caches and activations add
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(d)
+            loaded = {str(d): torch.cuda.memory_allocated(d) for d in gpus}
             results[name] = measure(layer, devs, shape, dtype, prompt, args.steps or (20 if cuda else 5))
-            if cuda:
-                results[name]["peak_allocated_bytes_by_gpu"] = {
-                    str(d): torch.cuda.max_memory_allocated(d) for d in sorted(set(devs), key=str)}
+            if gpus:
+                results[name]["allocated_after_load_bytes_by_gpu"] = loaded
+                results[name]["peak_during_steps_bytes_by_gpu"] = {str(d): torch.cuda.max_memory_allocated(d)
+                                                                   for d in gpus}
             del layer
     one, split = results["1_device"], results[f"{len(devices)}_devices"]
     ratio = {k: round(split[k] / one[k], 3) for k in one if k.endswith("_ms")}

@@ -152,7 +152,8 @@ class BlockSpan(nn.Module):
         if adapters and family.module != "swarm.modeling.llama":
             raise AdapterError(f"LoRA adapters are served on llama-family blocks (llama, mistral, qwen2), "
                                f"not on {family.model_type}")
-        tp_devices = parse_devices(tensor_parallel) if tensor_parallel else []
+        # (a GPU may repeat here, for tests and the benchmark; the server's config refuses that)
+        tp_devices = parse_devices(tensor_parallel, allow_repeat=True) if tensor_parallel else []
         torch_device = tp_devices[0] if tp_devices else torch.device(device)
         dtype = resolve_dtype(dtype_name, config, torch_device)
         quant_type = quant_type or "none"

@@ -171,3 +171,23 @@ def test_what_cannot_be_split_is_one_clear_error():
                              (["cuda:0", "cuda"], "cuda:0 is named twice"), (["cpu", "meta"], "only cpu and cuda")]:
         with pytest.raises(TensorParallelError, match=message):
             parse_devices(devices)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_shards_on_one_gpu_equal_the_unsplit_span(family_path):
+    """The CUDA path (two shards on cuda:0, which the server's config refuses but the span allows): float32
+    prefill, decode, batched decode and backward equal the unsplit span on the same GPU."""
+    _, path = family_path
+    checkpoint = Checkpoint(str(path))
+    plain, split = (BlockSpan.load(checkpoint, 0, 4, "float32", "cuda:0", tensor_parallel=devices)
+                    for devices in ((), ("cuda:0", "cuda:0")))
+    kvs = [span.new_session_kv(1, 32, 0, 4) for span in (plain, split)]
+    for hidden, position in [(_hidden(1, 7, 96, seed=1), 0)] + [(_hidden(1, 1, 96, seed=i), 7 + i) for i in range(4)]:
+        outs = [span.forward(hidden, position, kv) for span, kv in zip((plain, split), kvs)]
+        assert _max_diff(*outs) < 1e-4
+    batch = [[(_hidden(1, 1, 96, seed=9), 11, kv)] for kv in kvs]
+    outs = [span.forward_batch(items, 0, 4)[0] for span, items in zip((plain, split), batch)]
+    assert _max_diff(*outs) < 1e-4
+    hidden, grad = _hidden(2, 9, 96, seed=4).cuda(), _hidden(2, 9, 96, seed=5).cuda()
+    grads = [block_backward(span, 1, hidden, None, grad)[0] for span in (plain, split)]
+    assert _max_diff(*grads) < 1e-4
