@@ -1,10 +1,12 @@
 """Tensor parallelism in process (`swarm.modeling.tensor_parallel`): a span split across 2 and 3 `cpu` devices
 against the same span unsplit, on tiny random checkpoints (12 query / 6 key-value heads, so both counts divide):
-llama, qwen2 (q/k/v biases, a sliding window on its upper layers), mistral (a sliding window of 4 that the steps
-outgrow, so the ring buffers wrap). Every path of the block core: a prefill and a second multi-token step (chunked
-prefill), single-token steps, a batched decode of sessions at different positions, several sessions' prefills in
-one pass, beam reordering, a pass without a cache, and training's forward + backward per block; float32 within
-1e-5. Also int8 / nf4 shards, a LoRA adapter on every projection, and the start-up checks' one-line errors.
+llama (biases), qwen2 (q/k/v biases, a sliding window on its upper layers), mistral (a sliding window of 4 that the
+steps outgrow, so the ring buffers wrap), mixtral (4 experts, top 2, window 4). Every path of the block core: a
+prefill and a second multi-token step (chunked prefill), single-token steps, a batched decode of sessions at
+different positions, several sessions' prefills in one pass, beam reordering, a rewind, a sub-range of the span, a
+pass without a cache (with left padding), and training's forward + backward per block with a deep prompt; float32
+within 1e-5. Also int8 / nf4 shards, a LoRA adapter on every projection, the start-up checks' one-line errors, and
+(with CUDA) two shards on one GPU.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from tests.tiny_checkpoints import save_tiny
 SHAPE = dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=6, intermediate_size=192)
 FAMILIES_UNDER_TEST = {"llama": dict(attention_bias=True), "qwen2": dict(use_sliding_window=True, sliding_window=4,
                                                                          max_window_layers=2),
-                       "mistral": dict(sliding_window=4)}
+                       "mistral": dict(sliding_window=4), "mixtral": dict(sliding_window=4)}
 TOL = 1e-5
 
 
@@ -128,13 +130,12 @@ def test_quantized_shards(quant_path, quant_type, tol):
     assert float((grads[0] - grads[1]).norm() / grads[0].norm()) < tol
 
 
+@pytest.mark.parametrize("family_path", ["llama"], indirect=True)  # adapters are served on llama-family blocks
 def test_adapter_deltas_are_split_like_their_projections(family_path, tmp_path_factory):
     from swarm.modeling.lora import AdapterSource, open_adapter
     from tests.lora_fixtures import make_adapter
 
-    family, path = family_path
-    if family != "llama":
-        pytest.skip("one family suffices: the adapter path is the same")
+    _, path = family_path
     root = tmp_path_factory.mktemp("tp-lora")
     make_adapter(str(path), root / "alpha", seed=1, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                              "up_proj", "down_proj"), r=4, std=0.1)
@@ -162,8 +163,8 @@ def test_what_cannot_be_split_is_one_clear_error():
     check_splittable(FAMILIES["llama"], shape, 3)
     with pytest.raises(TensorParallelError, match="2 devices do not divide the model's 3 key/value heads"):
         check_splittable(FAMILIES["llama"], shape, 2)
-    with pytest.raises(TensorParallelError, match="family mixtral cannot be split.*llama, mistral, qwen2"):
-        check_splittable(FAMILIES["mixtral"], shape, 3)
+    with pytest.raises(TensorParallelError, match="family bloom cannot be split.*llama, mistral, mixtral, qwen2"):
+        check_splittable(FAMILIES["bloom"], shape, 3)
     with pytest.raises(TensorParallelError, match="nf4 shards need per-device widths divisible by 64"):
         check_splittable(FAMILIES["llama"], replace(shape, num_heads=12, num_kv_heads=6, head_dim=8), 2, "nf4")
     assert parse_devices(["cpu", "cpu"]) == [torch.device("cpu")] * 2

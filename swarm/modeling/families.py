@@ -57,7 +57,8 @@ class FamilySpec:
     norm_eps: str = "rms_norm_eps"  # the config attribute of the norms' epsilon
     embed_norm_key: Optional[str] = None  # prefix of a norm the client applies to the embeddings (BLOOM)
     base_prefix: str = ""  # the base model's prefix, which checkpoints saved from the base model lack (BLOOM's)
-    # its blocks split across devices (`swarm.modeling.tensor_parallel`: fused llama-family layers); a new family: no
+    # its blocks split across devices (`swarm.modeling.tensor_parallel`: llama's and Mixtral's fused layers); a new
+    # family: no
     tensor_parallel: bool = False
 
     def block_tensor_prefix(self, index: int) -> str:
@@ -120,7 +121,7 @@ FAMILIES = {
         _layer_norm_family("bloom", "Bloom", rotary=False, embed_norm=True),  # ALiBi
         _layer_norm_family("falcon", "Falcon", rotary=True, embed_norm=False),  # rotary, or ALiBi with `alibi`
         # Llama's attention with a mixture of experts; both layouts of the experts' tensors load
-        replace(_llama_like("mixtral", "Mixtral"), module="swarm.modeling.mixtral", tensor_parallel=False),
+        replace(_llama_like("mixtral", "Mixtral"), module="swarm.modeling.mixtral"),
     )
 }
 

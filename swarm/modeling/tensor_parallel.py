@@ -1,12 +1,14 @@
 """Tensor parallelism: each block of a span split across several devices (`swarmgate server
 --tensor_parallel_devices`).
 
-A Llama-family block (`swarm.modeling.llama`: llama, mistral, qwen2) is cut into one shard per device, each an
-ordinary fused (or int8 / nf4 quantized) layer over its part of the weights:
+A Llama-family block (`swarm.modeling.llama`: llama, mistral, qwen2) or a Mixtral block (`swarm.modeling.mixtral`)
+is cut into one shard per device, each an ordinary fused (or int8 / nf4 quantized) layer over its part of the
+weights:
 - attention by heads: shard i holds query heads [i * H/n, (i+1) * H/n) and the key/value heads they read,
   [i * K/n, (i+1) * K/n) (a query head h reads kv head h // (H/K), so each group stays whole), its rows of the
   fused q/k/v weight (and bias) column-split; the output projection row-split (its input columns of those heads);
-- the MLP by intermediate columns: gate/up column-split, down row-split;
+- the MLP by intermediate columns: gate/up column-split, down row-split (Mixtral: every expert's, the router
+  replicated, so each shard routes each token alike and adds its part of the chosen experts' outputs);
 - the norms (and the span's rotary tables) replicated; the output and down biases on shard 0 only.
 
 `SplitLayer.step` is the block: each shard's attention on its heads (its keys/values in its own part of the
@@ -35,8 +37,9 @@ from torch import nn
 
 from swarm.modeling.families import FAMILIES, FamilySpec
 from swarm.modeling.layers import cache_attention
-from swarm.modeling.llama import FusedLayer, attention_output
+from swarm.modeling.llama import attention_output
 from swarm.modeling.lora import AdaptedLayer, LayerLora, ProjectionLora
+from swarm.modeling.mixtral import FusedMoeLayer, sparse_moe
 from swarm.modeling.shape import ModelShape
 
 NF4_BLOCK = 64  # bitsandbytes' nf4 block size (`swarm.modeling.quantize.NF4_BLOCKSIZE`)
@@ -124,29 +127,37 @@ def _maybe(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Te
     return None if t is None else _to(t, device)
 
 
-def split_fused(fused: FusedLayer, devices: Sequence[torch.device]) -> List[FusedLayer]:
-    """One float block's shards, shard i on devices[i] with `layer_idx` n * fused.layer_idx + i."""
+def split_fused(fused, devices: Sequence[torch.device]) -> list:
+    """One float block's shards (a llama `FusedLayer` or a Mixtral `FusedMoeLayer`), shard i on devices[i] with
+    `layer_idx` n * fused.layer_idx + i."""
     n = len(devices)
     heads, kv_heads, dim = fused.heads, fused.kv_heads, fused.head_dim
-    intermediate = fused.down_weight_t.shape[0]
-    o_weight, down_weight = fused.o_weight_t.t(), fused.down_weight_t.t()  # [hidden, heads * dim], [hidden, inter]
+    moe = isinstance(fused, FusedMoeLayer)
+    # [hidden, intermediate] (llama) or [experts, hidden, intermediate] (Mixtral's experts)
+    down = fused.down_weight if moe else fused.down_weight_t.t()
+    intermediate, inter = down.shape[-1], down.shape[-1] // n
+    o_weight = fused.o_weight_t.t()  # [hidden, heads * head_dim]
     shards = []
     for i, device in enumerate(devices):
         rows, mlp = _head_rows(heads, kv_heads, dim, n, i), _mlp_rows(intermediate, n, i)
         o_cols = slice(i * heads // n * dim, (i + 1) * heads // n * dim)
-        inter = intermediate // n
+        own = down[..., i * inter:(i + 1) * inter]
+        if moe:  # each expert split by its intermediate columns; the router replicated
+            mlp_part: dict = dict(router_weight=_to(fused.router_weight, device), down_weight=_to(own, device),
+                                  gate_up_weight=_to(fused.gate_up_weight[:, mlp], device))
+        else:
+            mlp_part = dict(gate_up_weight=_to(fused.gate_up_weight[mlp], device),
+                            gate_up_bias=None if fused.gate_up_bias is None else _to(fused.gate_up_bias[mlp], device),
+                            down_weight_t=_to(own, device).t(),
+                            down_bias=_maybe(fused.down_bias, device) if i == 0 else None)  # added once, by shard 0
         shards.append(replace(
-            fused,
+            fused, **mlp_part,
             input_norm_weight=_to(fused.input_norm_weight, device),
             post_norm_weight=_to(fused.post_norm_weight, device),
             qkv_weight=_to(fused.qkv_weight[rows], device),
             qkv_bias=None if fused.qkv_bias is None else _to(fused.qkv_bias[rows], device),
             o_weight_t=_to(o_weight[:, o_cols], device).t(),
-            o_bias=_maybe(fused.o_bias, device) if i == 0 else None,  # added once, by shard 0
-            gate_up_weight=_to(fused.gate_up_weight[mlp], device),
-            gate_up_bias=None if fused.gate_up_bias is None else _to(fused.gate_up_bias[mlp], device),
-            down_weight_t=_to(down_weight[:, i * inter:(i + 1) * inter], device).t(),
-            down_bias=_maybe(fused.down_bias, device) if i == 0 else None,
+            o_bias=_maybe(fused.o_bias, device) if i == 0 else None,
             heads=heads // n, kv_heads=kv_heads // n, layer_idx=n * fused.layer_idx + i, gemms=None,
         ))
     return shards
@@ -248,6 +259,10 @@ def run_shards(shards: Sequence, devices: Sequence[torch.device], x: torch.Tenso
     parts = []
     for i, (shard, device) in enumerate(zip(shards, devices)):
         hi = h.to(device)
+        if hasattr(shard, "router"):  # Mixtral: every shard routes alike, each expert's part of its columns
+            moe = sparse_moe(shard, shard.post_norm(hi))  # [..., hidden]
+            parts.append(hi + moe if i == 0 else moe)
+            continue
         gate, up = shard.gate_up(shard.post_norm(hi))  # [..., intermediate / n] each
         parts.append(shard.add_down(hi if i == 0 else torch.zeros_like(hi), shard.act(gate).mul_(up)))
     return _reduce(parts)
@@ -261,11 +276,12 @@ def cache_layout(devices: Sequence[torch.device], windows: Sequence[Optional[int
     return [devices[i] for _ in windows for i in range(n)], [w for w in windows for _ in range(n)]
 
 
-def split_layer(fused: FusedLayer, devices: Sequence[torch.device], shape: ModelShape, quant_type: str = "none",
+def split_layer(fused, devices: Sequence[torch.device], shape: ModelShape, quant_type: str = "none",
                 dtype: Optional[torch.dtype] = None) -> SplitLayer:
-    """A loaded block's fused float layer (`llama.fuse_layer`, on the CPU) as a `SplitLayer` over `devices`, each
+    """A loaded block's fused float layer (`llama.fuse_layer` or `mixtral.fuse_layer`, on the CPU) as a
+    `SplitLayer` over `devices`, each
     shard quantized to `quant_type` on its device (`swarm.modeling.quantize`) unless "none"."""
-    shards: list = split_fused(fused, devices if quant_type == "none" else [torch.device("cpu")] * len(devices))
+    shards = split_fused(fused, devices if quant_type == "none" else [torch.device("cpu")] * len(devices))
     if quant_type != "none":
         from swarm.modeling.quantize import quantize_layer
 
