@@ -4,8 +4,9 @@ with a `SessionKV`, as `BlockSpan` runs them); random weights, no checkpoint.
 
 Measured per block and printed as one JSON object: a prefill of `--prompt` tokens, a single-token decode step of
 one session and a batched decode step of 8 sessions (each at `--prompt` tokens of context), in ms (median of
-`--steps`); weight and KV-cache bytes per shard (a session of `--prompt` + `--steps` + 8 tokens), and on CUDA
-the memory allocated per GPU after loading and at its peak during the steps (8 sessions' caches included).
+`--steps`, the unsplit and the split block's steps alternating); weight and KV-cache bytes per shard (a session of
+`--prompt` + 8 tokens), and on CUDA the weights' memory allocated per GPU and the peak of the whole run (both
+blocks and 2 x 9 sessions' caches).
 Default: `--devices cpu cpu` with a small block in float32 (hidden 1024); on CUDA `--devices cuda:0 cuda:1` (or
 `cuda:0 cuda:0`: two shards on one GPU, which shows the split path's cost on the GPU, not a speed-up: both shards
 share one GPU's compute and bandwidth) with `--shape 8b` (hidden 4096, 32 heads, 8 key/value heads, intermediate
@@ -91,58 +92,62 @@ def sync(devices) -> None:
         torch.cuda.synchronize(d)
 
 
-def timed(fn, devices, steps: int) -> float:
-    for _ in range(3):  # warm-up
-        fn()
+def timed_pair(fns, devices, steps: int) -> list:
+    """Median ms of each of `fns` (the unsplit and the split block's step), run alternately so that a busy machine's
+    load drifts over both alike."""
+    for fn in fns:  # warm-up
+        for _ in range(2):
+            fn()
     sync(devices)
-    times = []
+    times: list = [[] for _ in fns]
     for _ in range(steps):
-        start = time.perf_counter()
-        fn()
-        sync(devices)
-        times.append(time.perf_counter() - start)
-    return round(statistics.median(times) * 1000, 3)
+        for fn, out in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            sync(devices)
+            out.append(time.perf_counter() - start)
+    return [round(statistics.median(t) * 1000, 3) for t in times]
 
 
-def measure(layer, devices, shape: ModelShape, dtype: torch.dtype, prompt: int, steps: int) -> dict:
-    device = devices[0]
-    hidden = shape.hidden_size
-    length = prompt + steps + 8
-    x_prompt = torch.randn(1, prompt, hidden, device=device, dtype=dtype)
-    cos = torch.ones(1, prompt, shape.head_dim, device=device, dtype=dtype)  # rotary angles 0: what they are
-    sin = torch.zeros(1, prompt, shape.head_dim, device=device, dtype=dtype)  # does not change the step's cost
-    kv = new_kv(layer, devices, shape, 1, length, dtype)
+class Steps:
+    """One layer's steps through the server's paths: a prefill, a decode step of 1 and of `SESSIONS` sessions."""
 
-    def prefill() -> None:
+    def __init__(self, layer, devices, shape: ModelShape, dtype: torch.dtype, prompt: int, length: int):
+        self.layer, self.devices, self.prompt = layer, devices, prompt
+        device, hidden = devices[0], shape.hidden_size
+        self.x = torch.randn(1, prompt, hidden, device=device, dtype=dtype)
+        self.cos = torch.ones(1, prompt, shape.head_dim, device=device, dtype=dtype)  # rotary angles 0: what they
+        self.sin = torch.zeros(1, prompt, shape.head_dim, device=device, dtype=dtype)  # are does not change the cost
+        self.kv = new_kv(layer, devices, shape, 1, length, dtype)
+        self.sessions = [new_kv(layer, devices, shape, 1, length, dtype) for _ in range(SESSIONS)]
+        for kv in self.sessions:  # each session holds `prompt` positions
+            self._prefill(kv)
+        self.rows = torch.randn(SESSIONS, hidden, device=device, dtype=dtype)
+
+    def _prefill(self, kv: SessionKV) -> None:
         kv.begin_step(0)
-        prefill_step([layer], x_prompt, cos, sin, kv, None)
-        kv.end_step(prompt)
+        prefill_step([self.layer], self.x, self.cos, self.sin, kv, None)
+        kv.end_step(self.prompt)
 
-    result = {"prefill_ms": timed(prefill, devices, steps)}
-    sessions = [new_kv(layer, devices, shape, 1, length, dtype) for _ in range(SESSIONS)]
-    for s in sessions:  # each session holds `prompt` positions
-        s.begin_step(0)
-        prefill_step([layer], x_prompt, cos, sin, s, None)
-        s.end_step(prompt)
+    def prefill(self) -> None:
+        self._prefill(self.kv)
 
-    def decode(count: int):
-        rows = torch.randn(count, hidden, device=device, dtype=dtype)
-        c, s_ = cos[0, :1].expand(count, -1), sin[0, :1].expand(count, -1)
+    def decode(self, count: int):
+        sessions = self.sessions[:count]
+        cos, sin = self.cos[0, :1].expand(count, -1), self.sin[0, :1].expand(count, -1)
 
         def step() -> None:
-            for s in sessions[:count]:
-                s.begin_step(prompt)
-            decode_step([layer], rows, c, s_, [(1, s) for s in sessions[:count]])
-            for s in sessions[:count]:
-                s.end_step(1)
+            for kv in sessions:
+                kv.begin_step(self.prompt)
+            decode_step([self.layer], self.rows[:count], cos, sin, [(1, kv) for kv in sessions])
+            for kv in sessions:
+                kv.end_step(1)
         return step
 
-    result["decode_1_session_ms"] = timed(decode(1), devices, steps)
-    result[f"decode_{SESSIONS}_sessions_ms"] = timed(decode(SESSIONS), devices, steps)
-    result.update(layer_bytes(layer))
-    shards = len(kv.keys)  # one cache layer per shard (`cache_layout`, one block)
-    result["cache_bytes_per_shard"] = [sum(tensor_bytes([kv.keys[i], kv.values[i]]).values()) for i in range(shards)]
-    return result
+    def sizes(self) -> dict:
+        shards = len(self.kv.keys)  # one cache layer per shard (`cache_layout`, one block)
+        return {**layer_bytes(self.layer), "cache_bytes_per_shard": [
+            sum(tensor_bytes([self.kv.keys[i], self.kv.values[i]]).values()) for i in range(shards)]}
 
 
 def main() -> int:
@@ -151,8 +156,8 @@ def main() -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default: 8b on CUDA, small on cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on cpu")
     parser.add_argument("--prompt", type=int, default=None, help="prefill tokens (default 512 on CUDA, 128 on cpu)")
-    parser.add_argument("--steps", type=int, default=None, help="timed repetitions of each step (20 on CUDA, 5 on "
-                                                                 "cpu)")
+    parser.add_argument("--steps", type=int, default=None, help="timed repetitions of each step, alternating the "
+                                                                 "unsplit and the split block (20 on CUDA, 7 on cpu)")
     args = parser.parse_args()
     devices = parse_devices(args.devices or ["cpu", "cpu"], allow_repeat=True)
     cuda = devices[0].type == "cuda"
@@ -160,31 +165,40 @@ def main() -> int:
                        hidden_act="silu", rope_type="default", dtype=None)
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
     prompt = args.prompt or (512 if cuda else 128)
+    steps = args.steps or (20 if cuda else 7)
+    gpus = sorted({d for d in devices if d.type == "cuda"}, key=str)
     began = time.perf_counter()
+    names = ("1_device", f"{len(devices)}_devices")
     with torch.inference_mode():
-        results = {}
-        for name, devs in (("1_device", devices[:1]), (f"{len(devices)}_devices", devices)):
+        runs, memory = [], {}
+        for name, devs in zip(names, (devices[:1], devices)):
+            before = {str(d): torch.cuda.memory_allocated(d) for d in gpus}
             block = random_block(shape, dtype, devs[0])
             layer = block if len(devs) == 1 else split_layer(block, devs, shape)
             del block
-            gpus = sorted(set(d for d in devs if d.type == "cuda"), key=str)
-            for d in gpus:  # the block's weights are what is allocated now; the steps' caches and activations add
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(d)
-            loaded = {str(d): torch.cuda.memory_allocated(d) for d in gpus}
-            results[name] = measure(layer, devs, shape, dtype, prompt, args.steps or (20 if cuda else 5))
             if gpus:
-                results[name]["allocated_after_load_bytes_by_gpu"] = loaded
-                results[name]["peak_during_steps_bytes_by_gpu"] = {str(d): torch.cuda.max_memory_allocated(d)
-                                                                   for d in gpus}
-            del layer
-    one, split = results["1_device"], results[f"{len(devices)}_devices"]
+                torch.cuda.empty_cache()
+                memory[name] = {str(d): torch.cuda.memory_allocated(d) - before[str(d)] for d in gpus}
+            runs.append(Steps(layer, devs, shape, dtype, prompt, prompt + 8))
+        results: dict = {name: run.sizes() for name, run in zip(names, runs)}
+        if gpus:
+            for name in names:
+                results[name]["weights_allocated_bytes_by_gpu"] = memory[name]
+        for key, fns in (("prefill_ms", [r.prefill for r in runs]),
+                         ("decode_1_session_ms", [r.decode(1) for r in runs]),
+                         (f"decode_{SESSIONS}_sessions_ms", [r.decode(SESSIONS) for r in runs])):
+            for name, ms in zip(names, timed_pair(fns, devices, steps)):
+                results[name][key] = ms
+        if gpus:
+            results["peak_allocated_bytes_by_gpu"] = {str(d): torch.cuda.max_memory_allocated(d) for d in gpus}
+    one, split = results[names[0]], results[names[1]]
     ratio = {k: round(split[k] / one[k], 3) for k in one if k.endswith("_ms")}
     same = len({str(d) for d in devices}) == 1
     print(json.dumps({
         "devices": [str(d) for d in devices], "dtype": str(dtype).replace("torch.", ""),
         "shape": {k: v for k, v in shape.__dict__.items() if k in SHAPES["8b"]}, "prompt_tokens": prompt,
-        "gpu": torch.cuda.get_device_name(devices[0]) if cuda else None, **results, "split_over_unsplit": ratio,
+        "steps": steps, "gpu": torch.cuda.get_device_name(devices[0]) if cuda else None, **results,
+        "split_over_unsplit": ratio,
         "note": ("every shard on one device: shows the split path's overhead only, not a speed-up" if same or not cuda
                  else "shards on different GPUs run concurrently"),
         "wall_s": round(time.perf_counter() - began, 1)}))
