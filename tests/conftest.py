@@ -92,6 +92,9 @@ EXTENDED = (
     "tests/test_fuzz_training.py::test_fuzzed_training_streams",
     # speculation asked per request on the scripted gateway (make test: through a real gateway in test_gateway.py)
     "tests/test_speculative.py::test_gateway_speculative_requests_match_plain_ones",
+    # a session's replay onto a second split server (make test: the split server's prefill, rewinds and beams in
+    # tests/test_tensor_parallel*.py; failover replay itself in tests/test_failover.py)
+    "tests/test_tensor_parallel_swarm.py::test_failover_replays_a_session_onto_a_split_server",
 )
 
 

@@ -129,3 +129,34 @@ def test_bad_tensor_parallel_devices_exit_2_before_the_dht(tiny, model_path, cap
                        timeout=120)
     lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert r.returncode == 2 and len(lines) == 1 and "do not divide the model's 3 key/value heads" in lines[0]
+
+
+def test_failover_replays_a_session_onto_a_split_server(tiny, bootstrap, tokenizer):
+    """(extended) Two split servers of blocks 2:4: the one a session uses dies mid-generation (past the window);
+    the session replays its history onto the other and the greedy tokens equal transformers'."""
+    from tests.test_failover import KillAfter
+
+    path, reference = tiny
+    prefix = "tp-failover"
+    split = ["--tensor_parallel_devices", "cpu", "cpu"]
+    servers = wait_all([start_server(str(path), [bootstrap.maddr], "0:2", prefix, threads=1),
+                        start_server(str(path), [bootstrap.maddr], "2:4", prefix, split, threads=1, name="tp-a"),
+                        start_server(str(path), [bootstrap.maddr], "2:4", prefix, split, threads=1, name="tp-b")])
+    by_peer = {s.peer_id: s for s in servers}
+    model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=[bootstrap.maddr],
+                                                            dht_prefix=prefix, ban_timeout=60, max_retries=2)
+    try:
+        ids = tokenizer(PROMPTS[2], return_tensors="pt")["input_ids"]
+        with model.inference_session(max_length=ids.shape[1] + 12) as session:
+            def kill():
+                victim = next(hop.peer_id for hop in session.session.chain if hop.start <= 2 < hop.end)
+                by_peer[victim].kill()
+
+            out = model.generate(ids, session=session, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                 streamer=KillAfter(6, kill))
+            assert session.session.failovers >= 1
+        expected = reference.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        assert out.tolist() == expected.tolist()
+    finally:
+        model.shutdown()
+        terminate_all(servers)
