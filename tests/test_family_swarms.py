@@ -134,8 +134,6 @@ def _check_gateway(path, bootstrap, prefix, reference, tokenizer, chat: bool) ->
 def test_failover_replays_a_session(family, tmp_path, bootstrap, model_path, tokenizer):
     """A server of blocks 2:4 dies mid-generation (past the window): the session replays its history to the
     other 2:4 server and the greedy tokens equal transformers'."""
-    from tests.test_failover import KillAfter
-
     path = tmp_path / f"tiny-{family}"
     reference = save_tiny(family, path, model_path, **WINDOWS[family])
     prefix = f"tfo-{family}"
@@ -144,17 +142,24 @@ def test_failover_replays_a_session(family, tmp_path, bootstrap, model_path, tok
     model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=[bootstrap.maddr],
                                                             dht_prefix=prefix, ban_timeout=60, max_retries=2)
     try:
-        ids = tokenizer(PROMPTS[2], return_tensors="pt")["input_ids"]
-        with model.inference_session(max_length=ids.shape[1] + 12) as session:
-            def kill():
-                victim = next(hop.peer_id for hop in session.session.chain if hop.start <= 2 < hop.end)
-                servers[victim].kill()
-
-            out = model.generate(ids, session=session, max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                                 streamer=KillAfter(6, kill))
-            assert session.session.failovers >= 1
-        assert out.tolist() == _generate(reference, ids, 12).tolist()
+        check_failover_replay(model, reference, tokenizer(PROMPTS[2], return_tensors="pt")["input_ids"], servers)
     finally:
         model.shutdown()
         for s in servers.values():
             s.kill()
+
+
+def check_failover_replay(model, reference, ids: torch.Tensor, servers: dict) -> None:
+    """Kill the server of block 2 that the session uses after 6 of 12 greedy tokens (`servers`: peer id -> process):
+    the session fails over, replaying its history, and its tokens equal transformers'."""
+    from tests.test_failover import KillAfter
+
+    with model.inference_session(max_length=ids.shape[1] + 12) as session:
+        def kill():
+            victim = next(hop.peer_id for hop in session.session.chain if hop.start <= 2 < hop.end)
+            servers[victim].kill()
+
+        out = model.generate(ids, session=session, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                             streamer=KillAfter(6, kill))
+        assert session.session.failovers >= 1
+    assert out.tolist() == _generate(reference, ids, 12).tolist()

@@ -3,7 +3,7 @@ window of 4 on its upper layers that the prompts outgrow), blocks 0:2 unsplit an
 `--tensor_parallel_devices cpu cpu`, against transformers running the same checkpoint: greedy tokens for 3 prompts,
 4 concurrent sessions (batched on the servers) equal their single runs, a beam search, and a training step's input
 gradients; the split server's DHT record says it is split. Bad `--tensor_parallel_devices` values: one line,
-exit 2, before the DHT starts.
+exit 2, before the DHT starts. Extended tier: a session fails over between two split servers.
 """
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def test_bad_tensor_parallel_devices_exit_2_before_the_dht(tiny, model_path, cap
 def test_failover_replays_a_session_onto_a_split_server(tiny, bootstrap, tokenizer):
     """(extended) Two split servers of blocks 2:4: the one a session uses dies mid-generation (past the window);
     the session replays its history onto the other and the greedy tokens equal transformers'."""
-    from tests.test_failover import KillAfter
+    from tests.test_family_swarms import check_failover_replay
 
     path, reference = tiny
     prefix = "tp-failover"
@@ -142,21 +142,11 @@ def test_failover_replays_a_session_onto_a_split_server(tiny, bootstrap, tokeniz
     servers = wait_all([start_server(str(path), [bootstrap.maddr], "0:2", prefix, threads=1),
                         start_server(str(path), [bootstrap.maddr], "2:4", prefix, split, threads=1, name="tp-a"),
                         start_server(str(path), [bootstrap.maddr], "2:4", prefix, split, threads=1, name="tp-b")])
-    by_peer = {s.peer_id: s for s in servers}
     model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=[bootstrap.maddr],
                                                             dht_prefix=prefix, ban_timeout=60, max_retries=2)
     try:
-        ids = tokenizer(PROMPTS[2], return_tensors="pt")["input_ids"]
-        with model.inference_session(max_length=ids.shape[1] + 12) as session:
-            def kill():
-                victim = next(hop.peer_id for hop in session.session.chain if hop.start <= 2 < hop.end)
-                by_peer[victim].kill()
-
-            out = model.generate(ids, session=session, max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                                 streamer=KillAfter(6, kill))
-            assert session.session.failovers >= 1
-        expected = reference.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
-        assert out.tolist() == expected.tolist()
+        check_failover_replay(model, reference, tokenizer(PROMPTS[2], return_tensors="pt")["input_ids"],
+                              {s.peer_id: s for s in servers})
     finally:
         model.shutdown()
         terminate_all(servers)
