@@ -15,7 +15,7 @@ from swarm.modeling.families import FAMILIES
 from swarm.modeling.lora import ADAPTERS_HELP, AdapterSource
 from swarm.modeling.quantize import QUANT_TYPE_HELP
 from swarm.modeling.smallgemm import valid_packed_rows
-from swarm.modeling.tensor_parallel import parse_devices
+from swarm.modeling.tensor_parallel import distinct_devices, parse_devices
 from swarm.runtime.config import parse_span
 from swarm.runtime.swarm_key import SwarmKeySettings
 from swarm.wire.dtypes import DTYPES, QUANT_TYPES
@@ -168,8 +168,7 @@ class ServerConfig(SwarmKeySettings):
     @property
     def devices(self) -> List[str]:
         """Every device the span's blocks use (a device named twice counted once)."""
-        return list(dict.fromkeys(str(d) for d in parse_devices(self.tensor_parallel_devices))) \
-            if self.tensor_parallel_devices else [self.device]
+        return distinct_devices(self.tensor_parallel_devices) if self.tensor_parallel_devices else [self.device]
 
     @model_validator(mode="after")
     def _consistent_blocks(self):

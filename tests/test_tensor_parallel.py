@@ -192,3 +192,41 @@ def test_cuda_shards_on_one_gpu_equal_the_unsplit_span(family_path):
     hidden, grad = _hidden(2, 9, 96, seed=4).cuda(), _hidden(2, 9, 96, seed=5).cuda()
     grads = [block_backward(span, 1, hidden, None, grad)[0] for span in (plain, split)]
     assert _max_diff(*grads) < 1e-4
+
+
+def test_sizing_counts_every_device_and_the_throughput_key_names_the_split(model_path, monkeypatch, tmp_path):
+    """`spans.plan` sizes a split server on its devices' free memory together (a device named twice counts once);
+    the cached throughput of a split block is kept apart from the unsplit one's."""
+    import server.spans as spans_module
+    from server.config import ServerConfig
+
+    free = {"cuda:0": 3 << 30, "cuda:1": 5 << 30, "cpu": 4 << 30}
+    asked: list = []
+    monkeypatch.setattr(spans_module, "free_memory_bytes", lambda device: asked.append(device) or free[device])
+    model_config = Checkpoint(model_path).load_config()
+    # (constructed without validation: this machine has no CUDA device for the config's check)
+    config = ServerConfig.model_construct(**{**ServerConfig(model=model_path).model_dump(),
+                                             "tensor_parallel_devices": ["cuda", "cuda:1"]})
+    capacity = spans_module.plan(config, model_config, torch.bfloat16, model_config.num_hidden_layers)
+    assert asked == ["cuda:0", "cuda:1"] and capacity.free_bytes == 8 << 30
+    cpu = ServerConfig(model=model_path, tensor_parallel_devices=["cpu", "cpu"])
+    assert cpu.devices == ["cpu"] and cpu.span_device == "cpu"
+    asked.clear()
+    assert spans_module.plan(cpu, model_config, torch.float32, 30).free_bytes == 4 << 30 and asked == ["cpu"]
+    import server.throughput as throughput_module
+
+    calls: list = []
+
+    def fake_measure(checkpoint, device, dtype_name, quant_type="none", tensor_parallel=()):
+        calls.append(tuple(tensor_parallel))
+        return {"decode_rps": 10.0 + len(calls), "forward_tps": 1.0}
+
+    monkeypatch.setattr(throughput_module, "measure", fake_measure)
+    checkpoint = Checkpoint(model_path)
+    root = tmp_path
+    split = throughput_module.get_throughput("auto", checkpoint, "cpu", torch.float32, cache_root=root,
+                                             tensor_parallel=["cpu", "cpu"])
+    plain = throughput_module.get_throughput("auto", checkpoint, "cpu", torch.float32, cache_root=root)
+    assert split == (11.0, "measured") and plain == (12.0, "measured") and calls == [("cpu", "cpu"), ()]
+    assert throughput_module.get_throughput("auto", checkpoint, "cpu", torch.float32, cache_root=root,
+                                            tensor_parallel=["cpu", "cpu"]) == (11.0, "cache")

@@ -86,6 +86,17 @@ def parse_devices(names: Sequence[str], allow_repeat: bool = False) -> List[torc
     return devices
 
 
+def distinct_devices(names: Sequence[str]) -> List[str]:
+    """The different devices among `names` (`cuda` is `cuda:0`), in order: whose free memory a split span uses."""
+    normal = []
+    for name in names:
+        device = torch.device(name)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", 0)
+        normal.append(str(device))
+    return list(dict.fromkeys(normal))
+
+
 def check_splittable(family: FamilySpec, shape: ModelShape, n: int, quant_type: str = "none") -> None:
     """Raise TensorParallelError (one line, the reason) unless a block of this model splits into n shards."""
     if not family.tensor_parallel:
