@@ -21,6 +21,7 @@ import json
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -113,7 +114,14 @@ def span_figures(path: str, quant: str, blocks: int, steps: int = 30) -> dict:
             GraphedStep(span.fused, [(1, kv)], [8], hidden, span.head_dim, True, torch.cuda.graph_pool_handle())
             result["int8_capture"] = "captured"
         except Exception as e:  # noqa: BLE001 - what capture says is the result
-            result["int8_capture_error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            # the op that broke the capture raised first; ending the capture then raised what propagates
+            chain, error = [], e
+            while error is not None and len(chain) < 4:
+                frame = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
+                where = f" at {Path(frame.filename).name}:{frame.lineno} {frame.name}" if frame else ""
+                chain.append(f"{type(error).__name__}: {str(error).splitlines()[0][:200]}{where}")
+                error = error.__context__  # type: ignore[assignment]
+            result["int8_capture_errors"] = chain
         torch.cuda.synchronize()
     return result  # (the span's memory goes with this frame: the caller empties the allocator's cache)
 

@@ -19,9 +19,10 @@ A graph replays fixed addresses and fixed shapes. The block math is the family's
 with `decode_step`) and is what the graph captures.
 
 Which sets get a graph (`SpanGraphs.run`): a set of sessions (in the batch's canonical order, `SessionKV.serial`),
-with their padding versions and block range, is captured the second time it comes (a lone session at once): decode
-batches whose membership shifts from step to step (sessions joining, finishing, drifting into another pass) run
-the eager lean path instead of paying a capture each. At most `MAX_GRAPHS` graphs live per span (least recently
+with their padding versions and block range, is captured the second time it comes (a lone session at once), and
+at most one such set every `CAPTURE_SPACING` steps: decode batches whose membership shifts from step to step
+(sessions joining, finishing, drifting into another pass) run the eager lean path instead of paying a capture
+(about three eager steps) each. At most `MAX_GRAPHS` graphs live per span (least recently
 used go first); a graph is dropped as soon as one of its sessions is collected (a finalizer queues it, the next
 step drops it: never inside a capture). All graphs of a span share one memory pool, as replays never overlap (the
 server runs tensor work on one thread) and each replay's output is copied out at once.
@@ -47,6 +48,7 @@ from swarm.modeling.layers import key_bias
 MAX_SESSIONS = 16  # decode batches of up to this many sessions replay a graph; larger ones run the eager path
 MAX_GRAPHS = 32  # graphs kept per span (each holds its set's inputs and output, and its share of the pool)
 CAPTURE_AFTER = 2  # a set of several sessions is captured the second time it comes as one batch
+CAPTURE_SPACING = 16  # steps between two captures of sets of several sessions (a capture costs ~3 eager steps)
 WARMUP_REPLAYS = 2  # eager runs on a side stream before capture (lets cuBLAS/SDPA pick and cache their kernels)
 logger = logging.getLogger(__name__)
 
@@ -198,6 +200,8 @@ class SpanGraphs:
         self.captures = 0
         self.replays = 0
         self.refused: Optional[str] = None  # why a capture failed (then no more are tried)
+        self.steps = 0
+        self._last_capture = -CAPTURE_SPACING  # the step of the last capture of a set of several sessions
 
     def run(self, layers: Sequence[BlockLayer], first: int, last: int, sessions: Sessions, x: torch.Tensor,
             cos: Optional[torch.Tensor], sin: Optional[torch.Tensor], positions: Sequence[int]
@@ -206,11 +210,12 @@ class SpanGraphs:
         a graph, captured now if this set has come before (a lone session: at once); None if it is not (yet) to be
         captured: the caller runs the eager path."""
         self._drop_dead()
+        self.steps += 1
         key = (first, last, tuple((kv.serial, kv.padding_version, size) for size, kv in sessions))
         graphed = self._graphs.get(key)
         if graphed is None:
             seen = self._seen.pop(key, 0) + 1
-            if len(sessions) > 1 and seen < CAPTURE_AFTER:
+            if len(sessions) > 1 and (seen < CAPTURE_AFTER or self.steps - self._last_capture < CAPTURE_SPACING):
                 self._seen[key] = seen
                 while len(self._seen) > 4 * self.max_graphs:
                     self._seen.popitem(last=False)
@@ -228,6 +233,8 @@ class SpanGraphs:
                 torch.cuda.synchronize()
                 return None
             self.captures += 1
+            if len(sessions) > 1:
+                self._last_capture = self.steps
             self._graphs[key] = graphed
             while len(self._graphs) > self.max_graphs:
                 self._graphs.popitem(last=False)

@@ -149,13 +149,17 @@ def test_sixteen_sessions_replay_one_graph_with_nf4_weights(tmp_path):
 
     config = LlamaConfig(**{**TINY, "hidden_size": 128, "intermediate_size": 256}, tie_word_embeddings=False)
     span = _cuda_span(_save(config, tmp_path / "llama"), "float32", "nf4")
+    graphs = span.graphs
     assert span.quant_type == "nf4"
     pairs, positions = _sessions(span, [(1, 3 + i, None) for i in range(16)], 48, 0, 4, device="cuda")
-    _run_steps(span, span.graphs, pairs, positions, 0, 4, steps=4, tol=1e-5, device="cuda")
-    assert span.graphs.captures == 1 and span.graphs.replays == 3
+    _run_steps(span, graphs, pairs, positions, 0, 4, steps=4, tol=1e-5, device="cuda")
+    assert graphs.captures == 1 and graphs.replays == 3
     kv, ref = pairs[0]
-    _run_steps(span, span.graphs, [(kv, ref)], [kv.length], 0, 4, steps=3, tol=1e-5, device="cuda")
-    assert span.graphs.captures == 2
+    _run_steps(span, graphs, [(kv, ref)], [kv.length], 0, 4, steps=3, tol=1e-5, device="cuda")
+    assert graphs.captures == 2
+    # another set of several sessions within CAPTURE_SPACING steps of that capture runs eagerly
+    _run_steps(span, graphs, pairs[1:3], [kv.length for kv, _ in pairs[1:3]], 0, 4, steps=3, tol=1e-5, device="cuda")
+    assert graphs.captures == 2
 
 
 @cuda
