@@ -222,9 +222,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         await run_in_threadpool(check_grammar, state.tokens, grammar, blame)
     params = chat_params(body, len(prompt), state.limits, grammar)
     n = body.n or 1
-    names = [t.function.name for t in tools] if tools else None  # None: the output is not parsed for tool calls
-    max_calls = 1 if body.parallel_tool_calls is False else None
     forced = tool_choice not in ("none", "auto")  # the grammar guarantees the calls: stream their arguments
+    # the names a call may have (a named tool_choice: that one); None: the output is not parsed for tool calls
+    names = ([tool_choice] if forced and tool_choice != "required" else [t.function.name for t in tools]) \
+        if tools else None
+    max_calls = 1 if body.parallel_tool_calls is False else None
     completion_id = "chatcmpl-" + _request_id(request)
     created = int(time.time())
     run = await state.admit([state.new_job(prompt, params, n, _request_id(request), owner_of(request), adapter,
