@@ -40,7 +40,7 @@ def new_call_id() -> str:
 @dataclass
 class Parsed:
     content: str = ""
-    calls: List[ToolCall] = field(default_factory=list)  # calls whose block closed
+    calls: List[ToolCall] = field(default_factory=list)  # calls whose block closed (or, forced, was cut short)
     chunks: List[ToolCallChunk] = field(default_factory=list)  # what to stream of the calls
 
 
@@ -93,6 +93,7 @@ class ToolCallParser:
         self.after_block = False  # whitespace right after a block is dropped
         self.calls: List[ToolCall] = []
         self.started = False  # content was sent (whitespace inside content is kept from then on)
+        self.cut = False  # the last call is a forced call cut short
 
     def feed(self, text: str) -> Parsed:
         self.buffer += text
@@ -123,6 +124,12 @@ class ToolCallParser:
             self._content(sendable, out)
             self.buffer = self.buffer[len(sendable):]
             return out
+
+    def whole(self, text: str) -> Tuple[Optional[str], List[ToolCall]]:
+        """A whole choice's (content or None, tool calls): `text` fed at once, then finished."""
+        first, last = self.feed(text), self.finish()
+        content = first.content + last.content
+        return (content or None), first.calls + last.calls
 
     def finish(self) -> Parsed:
         """What is left at the end of the choice: an unclosed block (a call if its body parses), held-back text."""
@@ -201,6 +208,7 @@ class ToolCallParser:
                                                             arguments=body[opened.start:max(stop, opened.start)]))
         self.calls.append(call)
         out.calls.append(call)
+        self.cut = True
 
     def _cut_name(self, body: str) -> str:
         """The name of a forced call cut inside its header: the one tool its text can still lead to, else ""."""
@@ -242,10 +250,7 @@ class ToolCallParser:
 def parse_all(text: str, names: Collection[str], max_calls: Optional[int] = None,
               stream_arguments: bool = False) -> Tuple[Optional[str], List[ToolCall]]:
     """A whole choice's (content or None, tool calls), as the same parser streams them."""
-    parser = ToolCallParser(names, max_calls, stream_arguments)
-    first, last = parser.feed(text), parser.finish()
-    content = first.content + last.content
-    return (content or None), first.calls + last.calls
+    return ToolCallParser(names, max_calls, stream_arguments).whole(text)
 
 
 def call_chunks(index: int, call: ToolCall) -> List[ToolCallChunk]:
@@ -255,6 +260,8 @@ def call_chunks(index: int, call: ToolCall) -> List[ToolCallChunk]:
             ToolCallChunk(index=index, function=FunctionCallChunk(arguments=call.function.arguments))]
 
 
-def finish_reason(reason: Optional[str], calls: int) -> Optional[str]:
-    """OpenAI's `tool_calls` when the model stopped after calling tools (a cut-off answer stays `length`)."""
-    return "tool_calls" if calls and reason == "stop" else reason
+def finish_reason(reason: Optional[str], parser: Optional[ToolCallParser]) -> Optional[str]:
+    """OpenAI's `tool_calls` when the model stopped after calling tools (`parser`: the choice's, None without tools).
+    A cut-off answer stays `length`, and `stop` where a stop string or token cut a forced call short."""
+    done = parser is not None and parser.calls and not parser.cut
+    return "tool_calls" if done and reason == "stop" else reason

@@ -240,6 +240,24 @@ def test_fake_app_tool_calls_whole_and_streamed(tokenizer):
     assert "tool_calls" not in none["message"] and CALL_OPEN in none["message"]["content"]
 
 
+def test_fake_app_forced_call_cut_by_a_stop_string_or_the_limit(tokenizer):
+    """A forced call cut short comes back as a partial call, streamed and whole alike: by `max_tokens` with
+    `finish_reason: "length"`, by a stop string with `stop` (not `tool_calls`: the call is not whole)."""
+    client = tool_app(tokenizer, SCRIPT[len("Checking. "):])
+    forced = _tool_body(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    for extra, reason, arguments in (({"stop": ["Paris"]}, "stop", '{"city": "'),
+                                     ({"max_tokens": 3}, "length", ""), ({}, "tool_calls", None)):
+        whole = client.post("/v1/chat/completions", json={**forced, **extra}).json()["choices"][0]
+        chunks = sse(client, "/v1/chat/completions", {**forced, **extra})
+        streamed = [p for c in chunks for p in c["choices"][0]["delta"].get("tool_calls", []) if c["choices"]]
+        assert whole["finish_reason"] == chunks[-1]["choices"][0]["finish_reason"] == reason, whole
+        assert whole["message"]["content"] is None and len(whole["message"]["tool_calls"]) == 1, whole
+        call = whole["message"]["tool_calls"][0]["function"]
+        assert call["name"] == streamed[0]["function"]["name"] == "get_weather"
+        assert call["arguments"] == "".join(p["function"]["arguments"] for p in streamed)
+        assert call["arguments"] == arguments if arguments is not None else json.loads(call["arguments"])["unit"]
+
+
 def test_strict_schemas_that_cannot_be_strict_are_400s(tokenizer):
     """A `strict` function whose schema lets other keys in (or has an untyped property) is a 400 naming its
     parameters, whatever the tool_choice, as OpenAI checks strict schemas."""
