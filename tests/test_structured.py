@@ -4,7 +4,9 @@ llguidance (`swarm.client.grammar`, applied by `swarm.client.generation.Sampler`
 Without a swarm: a sampler drawing from random logits under a schema's grammar always ends with a document that
 parses and validates; schemas llguidance cannot enforce are refused. End to end: a real gateway over the test swarm
 answers `json_schema` and `json_object` requests with documents that validate (greedy and sampled, n=2, streamed and
-not), checked structurally against the schema, never against fixed text."""
+not), checked structurally against the schema, never against fixed text. Issue 39: closed and strict schemas'
+grammars, sampled from random logits, never write an undeclared key (strict: never leave a declared one out), the
+open grammar takes one; a strict `response_format` through the gateway has exactly the declared keys."""
 from __future__ import annotations
 
 import json

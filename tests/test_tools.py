@@ -6,7 +6,11 @@ in-process app over a scripted model (calls in `message.tool_calls`, `finish_rea
 shape). End to end, on a real gateway over the test swarm with the bundled model: a named function and `required`
 are forced by the grammar (the call's arguments validate against the function's schema; `parallel_tool_calls: false`
 gives exactly one call), streamed calls reassemble to the non-streamed ones, and a history carrying tool calls and
-tool results is answered. Outputs are checked structurally, never against fixed text."""
+tool results is answered. Issue 39: forced calls cut anywhere (max_tokens, a stop string) come back as partial calls,
+never markup, the same whole and streamed (the parser at every cut point; the real gateway compared field by field);
+after a call the grammar allows only the end or the opening tag (one call where the newline made repeats); strict
+functions get every declared property and no other, unstrictable ones are 400s. Outputs are checked structurally,
+never against fixed text."""
 from __future__ import annotations
 
 import json
