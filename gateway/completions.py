@@ -54,7 +54,7 @@ from gateway.schemas import (
 from gateway.state import GatewayState
 from gateway.structured import check as check_grammar
 from gateway.structured import request_grammar
-from gateway.toolparse import ToolCallParser, finish_reason, parse_all
+from gateway.toolparse import ToolCallParser, finish_reason
 from gateway.tools import check_tools
 from swarm.client.generation import TokenChoice
 
@@ -222,9 +222,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         await run_in_threadpool(check_grammar, state.tokens, grammar, blame)
     params = chat_params(body, len(prompt), state.limits, grammar)
     n = body.n or 1
-    names = [t.function.name for t in tools] if tools else None  # None: the output is not parsed for tool calls
-    max_calls = 1 if body.parallel_tool_calls is False else None
     forced = tool_choice not in ("none", "auto")  # the grammar guarantees the calls: stream their arguments
+    # the names a call may have (a named tool_choice: that one); None: the output is not parsed for tool calls
+    names = ([tool_choice] if forced and tool_choice != "required" else [t.function.name for t in tools]) \
+        if tools else None
+    max_calls = 1 if body.parallel_tool_calls is False else None
     completion_id = "chatcmpl-" + _request_id(request)
     created = int(time.time())
     run = await state.admit([state.new_job(prompt, params, n, _request_id(request), owner_of(request), adapter,
@@ -234,11 +236,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         got = await collect(request, run, n)
         choices = []
         for i in range(n):
-            content, calls = (parse_all(got.texts[i], names, max_calls, forced) if names is not None
-                              else (got.texts[i], []))
+            parser = ToolCallParser(names, max_calls, forced) if names is not None else None
+            content, calls = parser.whole(got.texts[i]) if parser is not None else (got.texts[i], [])
             choices.append(ChatChoice(index=i, message=AssistantMessage(content=content, tool_calls=calls or None),
                                       logprobs=chat_logprobs(state, got.tokens[i]) if params.logprobs else None,
-                                      finish_reason=finish_reason(got.finish[i], len(calls))))
+                                      finish_reason=finish_reason(got.finish[i], parser)))
         usage = got.usage()
         return ChatCompletion(id=completion_id, created=created, model=model_name, choices=choices, usage=usage)
 
@@ -262,7 +264,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         for piece in pieces:
             yield chunk([ChunkChoice(index=index, delta=Delta(tool_calls=[piece]))])
         if event.finish_reason:
-            reason = finish_reason(event.finish_reason, len(parsers[index].calls) if parsers is not None else 0)
+            reason = finish_reason(event.finish_reason, parsers[index] if parsers is not None else None)
             yield chunk([ChunkChoice(index=index, delta=Delta(), finish_reason=reason)])
 
     def on_usage(usage: Usage) -> Optional[str]:

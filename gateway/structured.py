@@ -8,6 +8,12 @@ llguidance compiles them (`swarm.client.grammar`). A grammar llguidance cannot u
 implement, a `$ref` it cannot resolve, a regex or grammar that does not parse) is a 400 naming the parameter that
 carried it: `check` runs llguidance's validation against the model's tokenizer, on a worker thread (the first call
 builds llguidance's tokenizer, ~0.4 s).
+
+JSON Schemas of OpenAI's parameters (`response_format` `json_schema`, a forced call's arguments) are closed
+(`swarm.client.grammar.closed_schema`): an object that declares its properties gets no other key unless the schema
+allows others explicitly; with `strict: true` every declared property is also required. vLLM's `guided_json` keeps
+JSON Schema's own meaning (other keys allowed where `additionalProperties` is absent), as vLLM does, unless
+`structured_outputs.disable_additional_properties` is true.
 """
 from __future__ import annotations
 
@@ -19,15 +25,23 @@ from gateway.errors import bad_request
 from gateway.schemas import ResponseFormat
 from gateway.tokens import Tokens
 from gateway.tools import tool_grammar
-from swarm.client.grammar import check_grammar, choice_grammar, json_schema_grammar, lark_grammar, regex_grammar
+from swarm.client.grammar import (
+    check_grammar,
+    choice_grammar,
+    closed_schema,
+    json_schema_grammar,
+    lark_grammar,
+    regex_grammar,
+)
 
 ANY_OBJECT = {"type": "object"}
 STRUCTURED_OUTPUTS = ("json", "regex", "choice", "grammar", "json_object")
-_NO_OPS = {"disable_fallback": (False,), "disable_any_whitespace": (False,), "disable_additional_properties": (False,),
-           "whitespace_pattern": (), "structural_tag": ()}
+_NO_OPS = {"disable_fallback": (False,), "disable_any_whitespace": (False,), "whitespace_pattern": (),
+           "structural_tag": (), "disable_additional_properties": (False, True)}  # (the values accepted)
 
 
-def _schema(value: Any, param: str) -> str:
+def _schema(value: Any, param: str, close: bool = False, strict: bool = False) -> str:
+    """The grammar of a JSON Schema given as an object or as its text; `close`: closed (`closed_schema`)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -35,6 +49,11 @@ def _schema(value: Any, param: str) -> str:
             raise bad_request("The JSON Schema is not valid JSON.", param=param) from None
     if not isinstance(value, dict):
         raise bad_request("A JSON Schema must be a JSON object.", param=param)
+    if close:
+        try:
+            value = closed_schema(value, strict)
+        except ValueError as e:
+            raise bad_request(f"Invalid strict schema: {e}", param=param) from None
     return json_schema_grammar(value)
 
 
@@ -57,7 +76,8 @@ def _format(fmt: ResponseFormat) -> Tuple[str, str]:
         raise bad_request("response_format of type 'json_schema' needs a 'json_schema' object.",
                           param="response_format.json_schema")
     param = "response_format.json_schema.schema"
-    return param, _schema(fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else ANY_OBJECT, param)
+    schema = fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else ANY_OBJECT
+    return param, _schema(schema, param, close=True, strict=bool(fmt.json_schema.strict))
 
 
 def _regex(value: Any, param: str) -> str:
@@ -95,7 +115,10 @@ def request_grammar(body: Any, tool_choice: str = "none") -> Tuple[Optional[str]
     fmt = getattr(body, "response_format", None)
     if fmt is not None and fmt.type != "text":
         given.append(("response_format", functools.partial(_format, fmt)))
-    for kind, build in _GUIDED.items():
+    guided = dict(_GUIDED)
+    if (body.structured_outputs or {}).get("disable_additional_properties"):  # vLLM's: objects closed
+        guided["json"] = functools.partial(_schema, close=True)
+    for kind, build in guided.items():
         value = getattr(body, f"guided_{kind}", None)
         if value is not None:
             given.append((f"guided_{kind}", functools.partial(_guided, build, value, f"guided_{kind}")))
@@ -107,9 +130,9 @@ def request_grammar(body: Any, tool_choice: str = "none") -> Tuple[Optional[str]
         elif key == "json_object":
             if value:
                 given.append((param, functools.partial(_guided, _any_object, value, param)))
-        elif key in _GUIDED:
+        elif key in guided:
             if value is not None:
-                given.append((param, functools.partial(_guided, _GUIDED[key], value, param)))
+                given.append((param, functools.partial(_guided, guided[key], value, param)))
         else:
             raise bad_request(f"Unknown structured_outputs key '{key}'; one of {', '.join(STRUCTURED_OUTPUTS)}.",
                               param=param)

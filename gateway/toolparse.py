@@ -14,6 +14,12 @@ a valid call) streams its arguments as they are generated, fragment by fragment 
 closing brace waits for what follows it), and its `arguments` are exactly the generated text; a call the model chose
 (`auto`) is sent once its block has closed and parsed (`call_chunks`: arguments in one piece, re-encoded
 by `json.dumps`), so that a call is never streamed and then retracted.
+
+A forced call cut short (`max_tokens`) is still a call, as OpenAI returns one (with `finish_reason: "length"`): its
+arguments as far as they got (possibly empty or not yet valid JSON), never the gateway's markup as content. Its name
+is the one its header names; cut inside the header, the one forced tool its text can still lead to (the grammar's
+exact `call_header`), or "" when several can (only `required` with tools sharing a name prefix, cut within a few
+tokens). Streamed, `finish()` sends what was held back of it; whole, `parse_all` returns the same call.
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Collection, List, Optional, Tuple
 
 from gateway.schemas import FunctionCall, FunctionCallChunk, ToolCall, ToolCallChunk
-from gateway.tools import CALL_CLOSE, CALL_OPEN
+from gateway.tools import CALL_CLOSE, CALL_OPEN, call_header
 
 
 def new_call_id() -> str:
@@ -34,7 +40,7 @@ def new_call_id() -> str:
 @dataclass
 class Parsed:
     content: str = ""
-    calls: List[ToolCall] = field(default_factory=list)  # calls whose block closed
+    calls: List[ToolCall] = field(default_factory=list)  # calls whose block closed (or, forced, was cut short)
     chunks: List[ToolCallChunk] = field(default_factory=list)  # what to stream of the calls
 
 
@@ -87,6 +93,7 @@ class ToolCallParser:
         self.after_block = False  # whitespace right after a block is dropped
         self.calls: List[ToolCall] = []
         self.started = False  # content was sent (whitespace inside content is kept from then on)
+        self.cut = False  # the last call is a forced call cut short
 
     def feed(self, text: str) -> Parsed:
         self.buffer += text
@@ -118,11 +125,22 @@ class ToolCallParser:
             self.buffer = self.buffer[len(sendable):]
             return out
 
+    def whole(self, text: str) -> Tuple[Optional[str], List[ToolCall]]:
+        """A whole choice's (content or None, tool calls): `text` fed at once, then finished."""
+        first, last = self.feed(text), self.finish()
+        content = first.content + last.content
+        return (content or None), first.calls + last.calls
+
     def finish(self) -> Parsed:
         """What is left at the end of the choice: an unclosed block (a call if its body parses), held-back text."""
         out = Parsed()
-        if self.inside:
+        rest = self.buffer.lstrip()
+        if self.inside and self.stream_arguments:
+            self._cut(self.buffer, out)
+        elif self.inside:
             self._block(self.buffer, out, closed=False)
+        elif self.stream_arguments and rest and CALL_OPEN.startswith(rest):  # cut inside a forced call's opening tag
+            self._cut("", out)
         elif not self.after_block:
             self._content(self.buffer.rstrip(), out)
         self.buffer, self.inside = "", False
@@ -135,20 +153,27 @@ class ToolCallParser:
             out.content += text
             self.started = True
 
-    def _stream(self, out: Parsed, end: int) -> None:
+    def _full(self) -> bool:
+        return self.max_calls is not None and len(self.calls) >= self.max_calls
+
+    def _open(self, out: Parsed, name: str, start: int) -> _OpenCall:
+        self.open = _OpenCall(new_call_id(), name, len(self.calls), start, start)
+        out.chunks.append(ToolCallChunk(index=self.open.index, id=self.open.id, type="function",
+                                        function=FunctionCallChunk(name=name, arguments="")))
+        return self.open
+
+    def _stream(self, out: Parsed, end: int, final: bool = False) -> None:
         """A forced call's header once its name is out, then its arguments as they grow (all but a last `}` that may
-        be the block's own closing brace)."""
+        be the block's own closing brace). `final`: the text ends here (no byte of the arguments needs to follow)."""
         if self.open is None:
             match = _HEADER.match(self.buffer)
-            full = self.max_calls is not None and len(self.calls) >= self.max_calls
-            if match is None or match.end() == len(self.buffer) or full:  # (wait for the arguments' first byte)
-                return
+            if match is None or (match.end() == len(self.buffer) and not final) or self._full():
+                return  # (wait for the arguments' first byte)
             name = json.loads(f'"{match.group(1)}"')
             if name not in self.names:
                 return
-            self.open = _OpenCall(new_call_id(), name, len(self.calls), match.end(), match.end())
-            out.chunks.append(ToolCallChunk(index=self.open.index, id=self.open.id, type="function",
-                                            function=FunctionCallChunk(name=name, arguments="")))
+            self._open(out, name, match.end())
+        assert self.open is not None
         limit = self.buffer.rfind("}", self.open.sent, end if end >= 0 else len(self.buffer))
         if end < 0:  # still open: a last `}` followed by nothing but the start of the closing tag may be the block's
             tail = self.buffer[limit + 1:].lstrip() if limit >= 0 else "x"  # own brace: held back, the rest is sent
@@ -157,6 +182,39 @@ class ToolCallParser:
         if limit > self.open.sent:
             piece, self.open.sent = self.buffer[self.open.sent:limit], limit
             out.chunks.append(ToolCallChunk(index=self.open.index, function=FunctionCallChunk(arguments=piece)))
+
+    def _cut(self, body: str, out: Parsed) -> None:
+        """A forced call whose block `body` (text after the opening tag) ends here, unclosed: a call as far as it
+        got. Its arguments are all that follows the header, less the block's own closing brace (and a start of the
+        closing tag) when the body is whole."""
+        if self._full():
+            return
+        self.buffer = body
+        if self.open is None and body:
+            self._stream(out, -1, final=True)
+        opened = self.open or self._open(out, self._cut_name(body), len(body))
+        self.open, stop = None, len(body)
+        brace = body.rfind("}")
+        if brace >= 0 and CALL_CLOSE.startswith(body[brace + 1:].strip()):
+            try:
+                json.loads(body[:brace + 1])
+                stop = brace  # the whole body: the last brace is the block's
+            except ValueError:
+                pass
+        if stop > opened.sent:
+            out.chunks.append(ToolCallChunk(index=opened.index,
+                                            function=FunctionCallChunk(arguments=body[opened.sent:stop])))
+        call = ToolCall(id=opened.id, function=FunctionCall(name=opened.name,
+                                                            arguments=body[opened.start:max(stop, opened.start)]))
+        self.calls.append(call)
+        out.calls.append(call)
+        self.cut = True
+
+    def _cut_name(self, body: str) -> str:
+        """The name of a forced call cut inside its header: the one tool its text can still lead to, else ""."""
+        text = body.lstrip()
+        fits = [name for name in self.names if call_header(name).startswith(text)]
+        return fits[0] if len(fits) == 1 else ""
 
     def _block(self, body: str, out: Parsed, closed: bool) -> None:
         opened, self.open = self.open, None
@@ -192,10 +250,7 @@ class ToolCallParser:
 def parse_all(text: str, names: Collection[str], max_calls: Optional[int] = None,
               stream_arguments: bool = False) -> Tuple[Optional[str], List[ToolCall]]:
     """A whole choice's (content or None, tool calls), as the same parser streams them."""
-    parser = ToolCallParser(names, max_calls, stream_arguments)
-    first, last = parser.feed(text), parser.finish()
-    content = first.content + last.content
-    return (content or None), first.calls + last.calls
+    return ToolCallParser(names, max_calls, stream_arguments).whole(text)
 
 
 def call_chunks(index: int, call: ToolCall) -> List[ToolCallChunk]:
@@ -205,6 +260,8 @@ def call_chunks(index: int, call: ToolCall) -> List[ToolCallChunk]:
             ToolCallChunk(index=index, function=FunctionCallChunk(arguments=call.function.arguments))]
 
 
-def finish_reason(reason: Optional[str], calls: int) -> Optional[str]:
-    """OpenAI's `tool_calls` when the model stopped after calling tools (a cut-off answer stays `length`)."""
-    return "tool_calls" if calls and reason == "stop" else reason
+def finish_reason(reason: Optional[str], parser: Optional[ToolCallParser]) -> Optional[str]:
+    """OpenAI's `tool_calls` when the model stopped after calling tools (`parser`: the choice's, None without tools).
+    A cut-off answer stays `length`, and `stop` where a stop string or token cut a forced call short."""
+    done = parser is not None and parser.calls and not parser.cut
+    return "tool_calls" if done and reason == "stop" else reason

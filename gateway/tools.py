@@ -9,9 +9,14 @@ assistant calls as `<tool_call>` blocks after their content, and each run of `to
 `<tool_response>` blocks. `gateway.toolparse` reads calls of this format back out of the generated text.
 
 `tool_grammar(tools, choice, parallel)` is the llguidance grammar (`swarm.client.grammar`) that forces a call with
-`tool_choice` `required` (one of the tools; one or more calls unless `parallel_tool_calls` is false) or a named
-function: the output is always `<tool_call>` blocks whose arguments validate against the function's JSON Schema.
-`tool_choice: "none"` leaves the tools out of the prompt and the output unparsed.
+`tool_choice` `required` (one of the tools) or a named function: the output is always `<tool_call>` blocks whose
+arguments validate against the function's JSON Schema, closed (`closed_schema`: no undeclared key; with the
+function's `strict`, every property too). A named function and `parallel_tool_calls: false` allow exactly one call.
+`required` with parallel calls allows more, but another call starts only with the opening tag itself, right after
+the closing one: the newline a model writes there (p ~0.6-0.8 for SmolLM2, which would go on with prose; the opening
+tag ~1e-4, the end of turn ~0.15-0.3) is not allowed, so it cannot become a call the model did not mean.
+`tool_choice: "none"` leaves the tools out of the prompt and the output unparsed. `call_header(name)` is the text a
+forced call's body starts with (the grammar's compact JSON), which `gateway.toolparse` reads cut calls against.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 from gateway.errors import bad_request
 from gateway.schemas import ChatMessage, NamedToolChoice, ToolDefinition
-from swarm.client.grammar import styled_schema
+from swarm.client.grammar import closed_schema, styled_schema
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
@@ -65,6 +70,8 @@ def check_tools(tools: Optional[Sequence[ToolDefinition]], choice: Union[str, Na
         if params is not None and params.get("type", "object") != "object":
             raise bad_request("A function's parameters must be a JSON Schema of type 'object'.",
                               param=f"tools.{i}.function.parameters")
+        if tools and tools[i].function.strict:  # checked whatever the choice, as OpenAI checks strict schemas
+            _closed_parameters(tools[i], i)
     if choice is None:
         return "auto" if names else "none"
     if isinstance(choice, NamedToolChoice):
@@ -125,10 +132,24 @@ def render_messages(messages: Sequence[ChatMessage], texts: Sequence[str], tools
     return out
 
 
-def _call_schema(tool: ToolDefinition) -> Dict[str, Any]:
-    """The JSON Schema of one call's body: the function's name, then its arguments (their `$defs` hoisted to the
-    root so that `#/$defs/...` references still resolve)."""
-    params = dict(tool.function.parameters or NO_ARGUMENTS)
+def call_header(name: str) -> str:
+    """The start of a forced call's body, up to its arguments, as the grammar writes it."""
+    return '{"name": %s, "arguments": ' % json.dumps(name)
+
+
+def _closed_parameters(tool: ToolDefinition, index: int) -> Dict[str, Any]:
+    """The function's parameters closed (`closed_schema`); a 400 for a strict schema that cannot be strict."""
+    try:
+        return closed_schema(tool.function.parameters or NO_ARGUMENTS, strict=bool(tool.function.strict))
+    except ValueError as e:
+        raise bad_request(f"Invalid strict schema: {e}", param=f"tools.{index}.function.parameters") from None
+
+
+def _call_schema(tool: ToolDefinition, index: int) -> Dict[str, Any]:
+    """The JSON Schema of one call's body: the function's name, then its arguments, closed (with the function's
+    `strict`: every property required) and their `$defs` hoisted to the root so that `#/$defs/...` references still
+    resolve."""
+    params = _closed_parameters(tool, index)
     hoisted: Dict[str, Any] = {key: params.pop(key) for key in ("$defs", "definitions") if key in params}
     return {"type": "object", "properties": {"name": {"const": tool.function.name}, "arguments": params},
             "required": ["name", "arguments"], "additionalProperties": False, **hoisted}
@@ -138,11 +159,11 @@ def tool_grammar(tools: Sequence[ToolDefinition], choice: str, parallel: bool) -
     """The grammar forcing tool calls for an effective `choice` (see `check_tools`); None for 'none' and 'auto'."""
     if choice in ("none", "auto"):
         return None
-    chosen = [t for t in tools if choice == "required" or t.function.name == choice]
+    chosen = [(i, t) for i, t in enumerate(tools) if choice == "required" or t.function.name == choice]
     open_text, close_text = json.dumps(CALL_OPEN + "\n"), json.dumps("\n" + CALL_CLOSE)
-    lines = ["%llguidance {}", 'start: call ("\\n" call)*' if parallel and choice == "required" else "start: call",
+    lines = ["%llguidance {}", "start: call+" if parallel and choice == "required" else "start: call",
              "call: " + " | ".join(f"call{k}" for k in range(len(chosen)))]
-    for k, tool in enumerate(chosen):
+    for k, (index, tool) in enumerate(chosen):
         lines.append(f"call{k}: {open_text} body{k} {close_text}")
-        lines.append(f"body{k}: %json {styled_schema(_call_schema(tool))}")
+        lines.append(f"body{k}: %json {styled_schema(_call_schema(tool, index))}")
     return "\n".join(lines) + "\n"

@@ -16,7 +16,7 @@ adapter's rows are one contiguous group).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ from swarm.runtime import malloc
 from swarm.wire.dtypes import DTYPES
 
 if TYPE_CHECKING:
-    from server.graphs import SpanGraphs
+    from server.graphs import SpanGraphs, StaticSteps
 
 LLAMA_MODULE = FusedLayer.__module__  # the family module whose fused layers take packed products
 PACK_BUDGET = 0.02  # seconds a decode batch of several rows spends packing weights until all are
@@ -91,7 +91,7 @@ class BlockSpan(nn.Module):
         self.hidden_size, self.head_dim = self.shape.hidden_size, self.shape.head_dim
         self.kv_heads = self.shape.num_kv_heads
         self.fused: list = []  # the layers as `BlockLayer`s for server.decode / server.graphs (`FamilySpec.fuse`)
-        self.graphs: Optional["SpanGraphs"] = None  # set by `enable_cuda_graphs`
+        self.graphs: Optional[Union["SpanGraphs", "StaticSteps"]] = None  # set by `enable_cuda_graphs`
         self.kv_arena: Optional[KVArena] = None  # set by `enable_kv_arena`
         self.gemms: Optional[GemmGroup] = None  # the fused layers' small-batch products (`load`'s packed_rows)
         self.quant_type = "none"  # or int8 / nf4: the layers are `swarm.modeling.quantize.QuantizedLayer`s
@@ -103,23 +103,35 @@ class BlockSpan(nn.Module):
                                    None)
 
     def enable_cuda_graphs(self) -> bool:
-        """Replay single-session decode steps as CUDA graphs (CUDA devices, families with fused layers); True if on.
+        """Replay decode steps of up to 16 sessions as CUDA graphs (`server.graphs`: CUDA devices, families with
+        fused layers; float or nf4 weights, adapters, left-padded rows, ALiBi and sliding windows); True if on.
 
-        Not for layers with data-dependent control flow (`capturable` False: Mixtral's experts), nor for quantized
-        spans: bitsandbytes' int8 layers pick outlier columns per input (data-dependent shapes,
-        a host sync), which capture forbids; nf4's kernels are untested under capture (`swarm.modeling.quantize`).
-        Nor for ALiBi spans (BLOOM, Falcon with `alibi`): the captured attention (`server.graphs`) adds no bias.
+        Not for layers with data-dependent control flow (`capturable` False: Mixtral's routed experts, a host sync
+        per block), nor for int8 spans: bitsandbytes' LLM.int8() picks outlier columns from each input (a host sync
+        and data-dependent shapes), which capture refuses (docs/benchmarks-gpu.md has the error).
         """
-        if self.device.type != "cuda" or not self.can_batch or self.quant_type != "none" or self.alibi:
-            return False
-        if self.tp_devices:  # a split span runs its steps eagerly
-            return False
-        if not all(getattr(layer, "capturable", True) for layer in self.fused):  # e.g. Mixtral's routing
+        reason = self.cuda_graphs_refusal()
+        if reason is not None:
+            logger.info(f"no CUDA graphs: {reason}")
             return False
         from server.graphs import SpanGraphs
 
-        self.graphs = SpanGraphs(self.device, self.hidden_size, self.head_dim)
+        self.graphs = SpanGraphs(self.device, self.hidden_size, self.head_dim, rotary=self.rotary is not None)
         return True
+
+    def cuda_graphs_refusal(self) -> Optional[str]:
+        """Why this span's decode steps cannot replay CUDA graphs, or None if they can."""
+        if self.device.type != "cuda":
+            return f"the span is on {self.device.type}, not a CUDA device"
+        if not self.can_batch:
+            return f"the {self.family.model_type} family has no fused layers"
+        if self.quant_type == "int8":
+            return "int8 weights: LLM.int8() picks outlier columns per input (a host sync), which capture refuses"
+        if not all(getattr(layer, "capturable", True) for layer in self.fused):  # e.g. Mixtral's routing
+            return "the layers route tokens by their values (a host sync per block)"
+        if self.tp_devices:
+            return "the blocks are split across devices (--tensor_parallel_devices): their steps run eagerly"
+        return None
 
     def enable_kv_arena(self, capacity: int) -> bool:
         """Give one-row sessions of up to `capacity` positions slots of shared CPU storage (`server.kv_arena`), whose
@@ -348,19 +360,12 @@ class BlockSpan(nn.Module):
         if self.gemms is not None and self.gemms.pending and x.shape[0] >= self.gemms.min_packed:
             self.gemms.pack_pending(PACK_BUDGET)  # a batch that packs would serve: pack a few more weights
         try:
-            if self.graphs is not None and not groups and len(items) <= self.graphs.max_sessions and \
-                    all(kv.padding is None for _, _, kv in items):
-                # each session replays its captured step (one launch each): cheaper than the eager batch's
-                # hundreds of kernel launches until the batch is large enough for the weights' reads to dominate
-                parts, row = [], 0
-                for size, (_, pos, kv) in zip(sizes, items):
-                    assert cos is not None and sin is not None  # graphs are for spans with rotary
-                    parts.append(self.graphs.step(layers, (first, last), kv, x[row:row + size], cos[row:row + size],
-                                                  sin[row:row + size], pos))
-                    row += size
-                x = parts[0] if len(parts) == 1 else torch.cat(parts)
-            else:
-                x = decode_step(layers, x, cos, sin, [(size, kv) for size, (_, _, kv) in zip(sizes, items)])
+            sessions = [(size, kv) for size, (_, _, kv) in zip(sizes, items)]
+            graphed = None
+            if self.graphs is not None and len(items) <= self.graphs.max_sessions:
+                # one launch for the whole step instead of the eager path's hundreds of kernel launches
+                graphed = self.graphs.run(layers, first, last, sessions, x, cos, sin, [pos for _, pos, _ in items])
+            x = graphed if graphed is not None else decode_step(layers, x, cos, sin, sessions)
         except BaseException:
             for _, _, kv in items:
                 kv.abort_step()
@@ -454,7 +459,9 @@ class BlockSpan(nn.Module):
 
 
 def _batch_order(kv: SessionKV) -> tuple:
-    return (kv.adapter or "", 0, 0) if kv.slot is None else (kv.adapter or "", id(kv.slot.chunk), kv.slot.index)
+    """Each adapter's sessions together; arena sessions by chunk and slot, others by age (one order for one set of
+    sessions, whatever order their steps came in: a CUDA graph is captured per ordered set)."""
+    return (kv.adapter or "", 0, kv.serial) if kv.slot is None else (kv.adapter or "", id(kv.slot.chunk), kv.slot.index)
 
 
 def _merge_groups(groups: list) -> list:

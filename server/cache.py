@@ -23,6 +23,7 @@ token (`position_ids`), as transformers computes `position_ids` from an attentio
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
@@ -46,6 +47,9 @@ def cache_tokens(windows: Sequence[Optional[int]], max_length: int) -> int:
 
 class OutOfCacheError(RuntimeError):
     pass
+
+
+_SERIALS = itertools.count()
 
 
 class SessionKV:
@@ -81,6 +85,8 @@ class SessionKV:
         self._step_start = 0
         self._lost = 0  # positions before this are overwritten in some ring buffer
         self.padding: Optional[torch.Tensor] = None  # [batch] long: leading padding positions per row, or none
+        self.padding_version = 0  # counts changes of `padding` (a CUDA graph reads the tensor it was captured with)
+        self.serial = next(_SERIALS)  # unique for the process's life (unlike id()): orders batches, keys graphs
 
     def can_start_at(self, start_position: int) -> bool:
         """Whether a step may start at `start_position` (<= length): every ring still holds the positions its
@@ -99,6 +105,7 @@ class SessionKV:
             self.padding = None
         else:
             self.padding = torch.tensor(padding, dtype=torch.long, device=self.keys[0].device)
+        self.padding_version += 1
 
     @torch.inference_mode()
     def reorder(self, hypo_ids: torch.Tensor, length: int) -> None:
@@ -108,6 +115,7 @@ class SessionKV:
             buf[:, :, :length].copy_(buf[:, :, :length].index_select(0, hypo_ids.to(buf.device)))
         if self.padding is not None:
             self.padding = self.padding.index_select(0, hypo_ids)
+            self.padding_version += 1
 
     def position_ids(self, start: int, seq: int) -> torch.Tensor:
         """[batch, seq] rotary positions of the absolute positions start..start+seq (`padded_positions`)."""
@@ -192,11 +200,16 @@ class SessionKV:
         return self.length
 
 
-def ring_window_mask(position, window: int, capacity: int, device: torch.device) -> torch.Tensor:
-    """Bool [capacity]: the ring's slots whose positions a query at `position` (an int, or a long tensor [1]) sees,
-    Slot s holds the latest position <= `position` that is s modulo capacity (negative: never written yet)."""
+def ring_held(position, capacity: int, device: torch.device) -> torch.Tensor:
+    """Long [capacity]: the position each slot of a ring holds when a query at `position` (an int, or a long tensor
+    [1]) writes: the latest position <= `position` that is the slot modulo capacity (negative: never written yet)."""
     slots = torch.arange(capacity, device=device)
-    held = position - (position - slots) % capacity
+    return position - (position - slots) % capacity
+
+
+def ring_window_mask(position, window: int, capacity: int, device: torch.device) -> torch.Tensor:
+    """Bool [capacity]: the ring's slots whose positions a query at `position` (an int, or a long tensor [1]) sees."""
+    held = ring_held(position, capacity, device)
     return (held > position - window) & (held >= 0)
 
 

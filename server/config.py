@@ -57,8 +57,9 @@ class ServerConfig(SwarmKeySettings):
                     "rows up to that many (on the 2-core test "
                     "machine a pass of 8 sessions through 15 SmolLM2 blocks takes 21-22 ms instead of 27; 16 "
                     "sessions: 35 ms instead of 36 with a pack for 16); give the flag no value for none")
-    cuda_graphs: bool = Field(default=True, description="on CUDA devices, replay each session's single-token decode "
-                                                         "step as a CUDA graph (Llama-style models)")
+    cuda_graphs: bool = Field(default=True, description="on CUDA devices, replay decode steps of up to 16 sessions "
+                                                         "as CUDA graphs (float and nf4 weights, adapters, padded "
+                                                         "rows, ALiBi; not int8 nor Mixtral: server.graphs)")
     kv_arena: bool = Field(default=True, description="on the CPU, keep one-row sessions' KV caches as slots of shared "
                                                    "tensors, so that a decode batch attends with one call per block "
                                                    "(server.kv_arena)")

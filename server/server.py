@@ -158,7 +158,7 @@ class Server:
                                                  self.config.tensor_parallel_devices)
         malloc.trim()  # what loading (and measuring the throughput) freed: unfused checkpoint tensors
         if self.config.cuda_graphs and span.enable_cuda_graphs():
-            logger.info("single-session decode steps replay CUDA graphs")
+            logger.info("decode steps of up to 16 sessions replay CUDA graphs")
         if self.config.kv_arena and span.enable_kv_arena(self.config.max_length):
             logger.info("decode batches attend over a shared KV arena")
         assert self.capacity is not None, "plan() sizes the server before it loads blocks"

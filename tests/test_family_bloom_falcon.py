@@ -392,27 +392,15 @@ def test_a_server_of_the_family_imports_no_transformers_model_module(case, tmp_p
 
 @pytest.mark.parametrize("case", ["falcon-new", "falcon-mq"])
 def test_cuda_graph_step_of_rotary_falcon_on_cpu(case, tmp_path, model_path):
-    """Rotary Falcon spans take CUDA graphs like Llama's (ALiBi spans decline them): the step a graph captures
-    (`server.graphs.static_decode_step`, attention over the whole cache with a mask) equals the span's."""
+    """Rotary Falcon spans take CUDA graphs like Llama's: the step a graph captures (`server.graphs.StaticSteps`,
+    attention over the whole cache with a mask) equals the lean path's (ALiBi Falcon: tests/test_graphs.py)."""
     from server.blocks import BlockSpan
-    from server.graphs import clear_unfilled
+    from server.graphs import StaticSteps
     from swarm.modeling.checkpoint import Checkpoint
-    from tests.test_graphs import _static_step
+    from tests.test_graphs import _run_steps, _sessions
 
     _build(case, tmp_path, model_path)
     span = BlockSpan.load(Checkpoint(str(tmp_path)), 1, 4, "float32")
-    prompt = torch.randn(2, 5, span.hidden_size)
-    ref, static = span.new_session_kv(2, 24, 2, 4), span.new_session_kv(2, 24, 2, 4)
-    span.forward(prompt, 0, ref, 2, 4)
-    span.forward(prompt, 0, static, 2, 4)
-    clear_unfilled(static)
-    for position in range(5, 9):
-        x = torch.randn(2, 1, span.hidden_size)
-        expected = span.forward(x, position, ref, 2, 4)
-        got = _static_step(span, x, position, static, 2, 4)
-        assert torch.allclose(got, expected, atol=1e-4, rtol=1e-5), (got - expected).abs().max()
-    # the captured attention adds no bias: ALiBi spans (which `enable_cuda_graphs` declines) are told apart
     assert not span.alibi
-    for alibi_case in ("bloom", "falcon-alibi"):
-        _build(alibi_case, tmp_path / alibi_case, model_path)
-        assert BlockSpan.load(Checkpoint(str(tmp_path / alibi_case)), 0, 1).alibi
+    pairs, positions = _sessions(span, [(2, 5, None), (1, 3, None)], 24, 2, 4)
+    _run_steps(span, StaticSteps(), pairs, positions, 2, 4, steps=4, tol=1e-4)

@@ -8,6 +8,7 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 import pytest
+import torch
 
 from swarm.client.routing import (
     RouteHop,
@@ -334,3 +335,22 @@ def test_forward_chain_is_reproducible_with_seeded_rng():
     second = choose_forward_chain(list(reversed(spans)), 0, 40, rng=random.Random(5))
     assert first == second
     assert len({tuple(peers(choose_forward_chain(spans, 0, 40, rng=random.Random(s)))) for s in range(20)}) > 10
+
+
+def test_a_chain_carries_each_servers_dtype_and_the_client_sends_in_it():
+    """Hidden states go out in the server's serving dtype (`SpanStream.send`): a float32 client's bfloat16 server
+    gets bfloat16 (half the bytes), a float32 one float32; ids and other integer tensors are left as they are."""
+    from swarm.client.span_stream import SpanStream
+    from swarm.wire import protocol as P
+
+    spans = [ServerSpan("a", 0, 15, ServerInfo(state=ServerState.ONLINE, start=0, end=15, dtype="bfloat16")),
+             ServerSpan("b", 15, 30, ServerInfo(state=ServerState.ONLINE, start=15, end=30))]
+    chain = find_inference_chain(spans, 0, 30)
+    assert [(hop.peer_id, hop.dtype) for hop in chain] == [("a", "bfloat16"), ("b", "float32")]
+    hidden = torch.randn(1, 3, 8)
+    for hop, dtype in zip(chain, (torch.bfloat16, torch.float32)):
+        stream = SpanStream(None, hop, "session", 16, 1)  # type: ignore[arg-type]  (send only queues)
+        stream.send(hidden, 0, 1)
+        request = stream._queue.get_nowait()
+        sent = P.deserialize_tensor(request.tensors[0], max_elements=1 << 20)  # type: ignore[union-attr]
+        assert sent.dtype == dtype and torch.equal(sent, hidden.to(dtype))

@@ -140,7 +140,7 @@ def test_the_graph_step_computation(model):
         position_ids = torch.full((2, 1), position)
         cos, sin = span.rotary(hidden, position_ids)
         kv.begin_step(position)
-        outs.append(static_decode_step(span.fused, hidden[:, position], cos[:, 0], sin[:, 0], kv,
+        outs.append(static_decode_step(span.fused, hidden[:, position], cos[:, 0], sin[:, 0], [(2, kv)],
                                        torch.tensor([position]), key_positions))
         kv.end_step(1)
     _close(_logits(reference, torch.stack(outs, dim=1)), expected[:, 4:])

@@ -4,18 +4,30 @@ llguidance (`swarm.client.grammar`, applied by `swarm.client.generation.Sampler`
 Without a swarm: a sampler drawing from random logits under a schema's grammar always ends with a document that
 parses and validates; schemas llguidance cannot enforce are refused. End to end: a real gateway over the test swarm
 answers `json_schema` and `json_object` requests with documents that validate (greedy and sampled, n=2, streamed and
-not), checked structurally against the schema, never against fixed text."""
+not), checked structurally against the schema, never against fixed text. Issue 39: closed and strict schemas'
+grammars, sampled from random logits, never write an undeclared key (strict: never leave a declared one out), the
+open grammar takes one; a strict `response_format` through the gateway has exactly the declared keys."""
 from __future__ import annotations
 
 import json
 import re
+from typing import Optional
 
 import pytest
 import torch
 from jsonschema import Draft202012Validator
 
+from gateway.schemas import ToolDefinition
+from gateway.toolparse import parse_all
+from gateway.tools import tool_grammar
 from swarm.client.generation import Sampler, SamplingParams
-from swarm.client.grammar import GrammarConstraint, GrammarTokenizer, check_grammar, json_schema_grammar
+from swarm.client.grammar import (
+    GrammarConstraint,
+    GrammarTokenizer,
+    check_grammar,
+    closed_schema,
+    json_schema_grammar,
+)
 from tests.gateway_fixtures import client, gateway, one_torch_thread  # noqa: F401
 
 MODEL = "smollm2-135m-instruct"
@@ -48,9 +60,10 @@ def grammar_tokenizer(tokenizer):
     return GrammarTokenizer(tokenizer, len(tokenizer), tokenizer.eos_token_id)
 
 
-def sample_document(tokenizer, grammar_tokenizer, schema, seed: int, greedy: bool = False, limit: int = 400):
-    """Draw a document under `schema`'s grammar from random logits; returns its text."""
-    constraint = GrammarConstraint(grammar_tokenizer, json_schema_grammar(schema))
+def sample_document(tokenizer, grammar_tokenizer, schema, seed: int, greedy: bool = False, limit: int = 400,
+                    grammar: Optional[str] = None):
+    """Draw a document under `schema`'s grammar (or `grammar`) from random logits; returns its text."""
+    constraint = GrammarConstraint(grammar_tokenizer, grammar or json_schema_grammar(schema))
     params = SamplingParams(max_tokens=limit, temperature=0 if greedy else 1.0, seed=seed)
     sampler = Sampler(params, 1, len(tokenizer), constraint=constraint)
     generator = torch.Generator().manual_seed(seed)
@@ -71,6 +84,76 @@ def test_sampled_documents_validate(tokenizer, grammar_tokenizer, schema, seed):
     Draft202012Validator(schema).validate(json.loads(text))
 
 
+LOOSE = {  # no additionalProperties anywhere, optional properties: JSON Schema lets other keys in
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "size": {"type": "integer", "minimum": 0, "maximum": 9},
+        "tags": {"type": "array", "maxItems": 2, "items": {"type": "object", "properties": {
+            "k": {"type": "string", "maxLength": 4}, "v": {"type": "boolean"}}}},
+        "owner": {"anyOf": [{"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9}},
+                             "required": ["id"]}, {"type": "null"}]},
+    },
+    "required": ["name"],
+}
+
+
+def undeclared(value, schema, strict: bool) -> list:
+    """The keys of `value` that `schema` does not declare (strict: also the declared ones missing), at any depth."""
+    if isinstance(value, list):
+        return [bad for item in value for bad in undeclared(item, schema.get("items", {}), strict)]
+    if not isinstance(value, dict):
+        return []
+    schema = next((b for b in schema.get("anyOf", []) if b.get("type") == "object"), schema)
+    declared = schema.get("properties", {})
+    bad = [k for k in value if k not in declared] + ([k for k in declared if k not in value] if strict else [])
+    return bad + [b for k, v in value.items() if k in declared for b in undeclared(v, declared[k], strict)]
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["closed", "strict"])
+@pytest.mark.parametrize("kind", ["response_format", "tool"])
+def test_no_output_of_a_closed_grammar_has_an_undeclared_key(tokenizer, grammar_tokenizer, kind, strict):
+    """Issue 39: documents drawn from random logits under the grammar of a schema that never says
+    `additionalProperties` (as `response_format` and a forced call build it) have no key the schema does not
+    declare, at any depth; with `strict` every declared key is there too. Each still validates against the schema."""
+    tool = ToolDefinition(type="function", function={"name": "f", "parameters": LOOSE, "strict": strict})
+    grammar = (json_schema_grammar(closed_schema(LOOSE, strict)) if kind == "response_format"
+               else tool_grammar([tool], "f", parallel=False))
+    for seed in range(6):
+        text = sample_document(tokenizer, grammar_tokenizer, LOOSE, seed, limit=600, grammar=grammar)
+        if kind == "tool":
+            content, calls = parse_all(text, ["f"], stream_arguments=True)
+            assert content is None and len(calls) == 1, text
+            text = calls[0].function.arguments
+        value = json.loads(text)
+        Draft202012Validator(LOOSE).validate(value)
+        assert not undeclared(value, LOOSE, strict), text
+
+
+def test_closing_keeps_other_keys_out(tokenizer, grammar_tokenizer):
+    """The open schema's grammar takes an undeclared key (so the test above could fail); the closed one refuses it at
+    its first character; vLLM's guided_json keeps the open meaning. Strict schemas that cannot be strict are refused."""
+    text = '{"name": "a", "zz": 1}'
+
+    def takes(grammar: str) -> bool:
+        constraint = GrammarConstraint(grammar_tokenizer, grammar)
+        try:
+            for token in tokenizer.encode(text, add_special_tokens=False):
+                constraint.advance(token)
+        except ValueError:
+            return False
+        return constraint.accepting
+
+    assert takes(json_schema_grammar(LOOSE)) and not takes(json_schema_grammar(closed_schema(LOOSE)))
+    assert closed_schema({"type": "object"}) == {"type": "object"}  # json_object: any object
+    assert closed_schema({"type": "object"}, strict=True)["additionalProperties"] is False
+    for bad in ({"type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": True},
+                {"type": "object", "properties": {"a": {}}},
+                {"allOf": [{"type": "object", "properties": {"a": {"type": "string"}}}]}):
+        with pytest.raises(ValueError, match="strict"):
+            closed_schema(bad, strict=True)
+
+
 def test_unenforceable_schemas_are_refused(grammar_tokenizer):
     assert check_grammar(grammar_tokenizer, json_schema_grammar(CAT)) == ""
     assert check_grammar(grammar_tokenizer, json_schema_grammar({"type": "object", "dependentSchemas": {"a": {}}}))
@@ -89,6 +172,8 @@ GUIDED = [  # (request fields, a check of the output text)
     ({"guided_json": json.dumps(NESTED)}, lambda t: Draft202012Validator(NESTED).is_valid(json.loads(t))),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": CAT}}},
      lambda t: Draft202012Validator(CAT).is_valid(json.loads(t))),
+    ({"structured_outputs": {"json": LOOSE, "disable_additional_properties": True}},  # vLLM's: closed objects
+     lambda t: Draft202012Validator(LOOSE).is_valid(json.loads(t)) and not undeclared(json.loads(t), LOOSE, False)),
 ]
 
 
@@ -126,6 +211,9 @@ def test_guided_decoding_is_enforced_on_both_endpoints(scripted, endpoint, field
     ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": {"$ref": "#/nope"}}}},
      "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "c", "strict": True, "schema": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": True}}}},
+     "response_format.json_schema.schema"),  # strict, but other keys allowed
 ])
 def test_bad_constraints_are_400s(scripted, fields, param):
     for endpoint, base in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
@@ -177,3 +265,18 @@ def test_unenforceable_schema_is_a_400(client):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, response_format=_schema_format(
             {"type": "object", "dependentSchemas": {"a": {}}}))
     assert info.value.body["param"] == "response_format.json_schema.schema"
+
+
+def test_strict_json_schema_has_every_property_and_no_other(client):
+    """Issue 39: `response_format` `json_schema` with `strict` and a schema that requires nothing and leaves other
+    keys open: the document has exactly the declared properties, streamed and whole alike."""
+    from tests.test_tools import FORECAST, both_ways
+
+    schema = FORECAST["function"]["parameters"]
+    got = both_ways(client, model=MODEL, messages=[{"role": "user", "content": "Forecast for Paris as JSON."}],
+                    max_tokens=60, temperature=0, response_format={"type": "json_schema", "json_schema": {
+                        "name": "forecast", "schema": schema, "strict": True}})
+    assert got["finish_reason"] == "stop" and not got["tool_calls"], got
+    value = json.loads(got["content"])
+    Draft202012Validator(schema).validate(value)
+    assert set(value) == set(schema["properties"]), value

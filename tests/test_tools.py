@@ -6,7 +6,11 @@ in-process app over a scripted model (calls in `message.tool_calls`, `finish_rea
 shape). End to end, on a real gateway over the test swarm with the bundled model: a named function and `required`
 are forced by the grammar (the call's arguments validate against the function's schema; `parallel_tool_calls: false`
 gives exactly one call), streamed calls reassemble to the non-streamed ones, and a history carrying tool calls and
-tool results is answered. Outputs are checked structurally, never against fixed text."""
+tool results is answered. Issue 39: forced calls cut anywhere (max_tokens, a stop string) come back as partial calls,
+never markup, the same whole and streamed (the parser at every cut point; the real gateway compared field by field);
+after a call the grammar allows only the end or the opening tag (one call where the newline made repeats); strict
+functions get every declared property and no other, unstrictable ones are 400s. Outputs are checked structurally,
+never against fixed text."""
 from __future__ import annotations
 
 import json
@@ -17,10 +21,12 @@ from jsonschema import Draft202012Validator
 
 from gateway.schemas import ChatMessage, ToolDefinition
 from gateway.toolparse import ToolCallParser, parse_all
-from gateway.tools import CALL_OPEN, call_text, render_messages
+from gateway.tools import CALL_OPEN, call_text, render_messages, tool_grammar
+from swarm.client.grammar import GrammarConstraint, closed_schema, json_schema_grammar
 from tests import openai_schemas as oas
 from tests.gateway_fixtures import client, gateway, one_torch_thread  # noqa: F401
 from tests.test_openai_spec import sse, validate
+from tests.test_structured import grammar_tokenizer  # noqa: F401
 
 MODEL = "smollm2-135m-instruct"
 WEATHER = {"type": "function", "function": {
@@ -128,6 +134,64 @@ def test_forced_calls_stream_their_arguments_fragment_by_fragment():
         assert len(fragments) > 5 and "".join(fragments) == call.function.arguments
 
 
+CUT = call_text("get_weather", {"city": "Paris", "unit": "celsius"}) + call_text("get_time", {"timezone": "UTC"})
+
+
+def _assembled(parts):
+    """(content, [[id, name, arguments] per call index]) of a stream's parsed pieces."""
+    calls: dict = {}
+    for part in parts:
+        for piece in part.chunks:
+            entry = calls.setdefault(piece.index, [None, "", ""])
+            if piece.id is not None:
+                assert entry[0] is None and piece.id.startswith("call_")
+                entry[0] = piece.id
+            entry[1] += piece.function.name or ""
+            entry[2] += piece.function.arguments or ""
+    return "".join(part.content for part in parts), [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("names", [SCHEMAS, ["get_weather", "get_time"][:1]], ids=["required", "named"])
+def test_forced_calls_cut_anywhere_are_partial_calls(names):
+    """Issue 39: forced output cut after any character (max_tokens) is never markup as content but the calls so far,
+    the last one partial (its arguments a prefix of the whole call's), the same whole and streamed piece by piece;
+    the name is known from the first character when one tool is forced, once the header tells them apart else."""
+    text = CUT if len(names) > 1 else CUT[:CUT.index("<tool_call>", 1)]
+    _, full = parse_all(text, names, stream_arguments=True)
+    for cut in range(1, len(text) + 1):
+        content, calls = parse_all(text[:cut], names, stream_arguments=True)
+        assert content is None and calls, (cut, content)
+        parser = ToolCallParser(names, stream_arguments=True)
+        streamed = _assembled([parser.feed(char) for char in text[:cut]] + [parser.finish()])
+        assert streamed[0] == "" and [c[1:] for c in streamed[1]] == \
+               [[c.function.name, c.function.arguments] for c in calls], cut
+        last, whole = calls[-1], full[len(calls) - 1]
+        assert whole.function.arguments.startswith(last.function.arguments), (cut, last)
+        assert last.function.name in ("", whole.function.name), (cut, last)
+        opened = text[:cut].count(CALL_OPEN) == len(calls)  # (else the last call's opening tag is cut)
+        body = text[:cut].rsplit(CALL_OPEN, 1)[-1].lstrip() if opened else ""
+        if len(names) == 1 or len(body) > len('{"name": "get_'):  # (past where get_weather and get_time part)
+            assert last.function.name == whole.function.name, (cut, last)
+    assert [(c.function.name, c.function.arguments) for c in parse_all(text, names, stream_arguments=True)[1]] == \
+           [(c.function.name, c.function.arguments) for c in full]
+    _, one = parse_all(CUT[:CUT.index("<tool_call>", 1) + 3], SCHEMAS, max_calls=1, stream_arguments=True)
+    assert len(one) == 1 and json.loads(one[0].function.arguments)["city"] == "Paris"
+
+
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "one"])
+def test_after_a_forced_call_only_the_end_or_the_opening_tag(tokenizer, grammar_tokenizer, parallel):
+    """Issue 39: after a call, `required` allows the end of the turn and, with parallel calls, the opening tag of
+    another call right away: not the newline the model writes there (which meant prose), nor anything else."""
+    tools = [ToolDefinition(**t) for t in TOOLS]
+    constraint = GrammarConstraint(grammar_tokenizer, tool_grammar(tools, "required", parallel))
+    for token in tokenizer.encode(call_text("get_time", {"timezone": "UTC"}), add_special_tokens=False):
+        constraint.advance(token)
+    allowed = constraint.mask().nonzero().flatten().tolist()
+    assert tokenizer.eos_token_id in allowed and tokenizer.encode("\n", add_special_tokens=False)[0] not in allowed
+    others = [tokenizer.decode([t]) for t in allowed if t != tokenizer.eos_token_id]
+    assert (others and all((CALL_OPEN + "\n").startswith(t) for t in others)) if parallel else not others, others
+
+
 # ---- the app over a scripted model ----------------------------------------------------------------------------------
 SCRIPT = ('Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
           '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"timezone": "CET"}}\n</tool_call>')
@@ -178,6 +242,36 @@ def test_fake_app_tool_calls_whole_and_streamed(tokenizer):
     assert len(one["choices"][0]["message"]["tool_calls"]) == 1
     none = client.post("/v1/chat/completions", json=_tool_body(tool_choice="none")).json()["choices"][0]
     assert "tool_calls" not in none["message"] and CALL_OPEN in none["message"]["content"]
+
+
+def test_fake_app_forced_call_cut_by_a_stop_string_or_the_limit(tokenizer):
+    """A forced call cut short comes back as a partial call, streamed and whole alike: by `max_tokens` with
+    `finish_reason: "length"`, by a stop string with `stop` (not `tool_calls`: the call is not whole)."""
+    client = tool_app(tokenizer, SCRIPT[len("Checking. "):])
+    forced = _tool_body(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    for extra, reason, arguments in (({"stop": ["Paris"]}, "stop", '{"city": "'),
+                                     ({"max_tokens": 3}, "length", ""), ({}, "tool_calls", None)):
+        whole = client.post("/v1/chat/completions", json={**forced, **extra}).json()["choices"][0]
+        chunks = sse(client, "/v1/chat/completions", {**forced, **extra})
+        streamed = [p for c in chunks for p in c["choices"][0]["delta"].get("tool_calls", []) if c["choices"]]
+        assert whole["finish_reason"] == chunks[-1]["choices"][0]["finish_reason"] == reason, whole
+        assert whole["message"]["content"] is None and len(whole["message"]["tool_calls"]) == 1, whole
+        call = whole["message"]["tool_calls"][0]["function"]
+        assert call["name"] == streamed[0]["function"]["name"] == "get_weather"
+        assert call["arguments"] == "".join(p["function"]["arguments"] for p in streamed)
+        assert call["arguments"] == arguments if arguments is not None else json.loads(call["arguments"])["unit"]
+
+
+def test_strict_schemas_that_cannot_be_strict_are_400s(tokenizer):
+    """A `strict` function whose schema lets other keys in (or has an untyped property) is a 400 naming its
+    parameters, whatever the tool_choice, as OpenAI checks strict schemas."""
+    client = tool_app(tokenizer)
+    for parameters in ({"type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": True},
+                       {"type": "object", "properties": {"a": {"description": "anything"}}}):
+        tool = {"type": "function", "function": {"name": "f", "parameters": parameters, "strict": True}}
+        for choice in ("auto", "required"):
+            r = client.post("/v1/chat/completions", json=_tool_body(tools=[TIME, tool], tool_choice=choice))
+            assert r.status_code == 400 and r.json()["error"]["param"] == "tools.1.function.parameters", r.text
 
 
 # ---- end to end on the bundled model ----------------------------------------------------------------------------
@@ -245,3 +339,83 @@ def test_history_with_tool_calls_and_results(client):
         assert r.choices[0].finish_reason in ("tool_calls", "length")
         for call in message.tool_calls:
             assert call.function.name in SCHEMAS and isinstance(json.loads(call.function.arguments), dict)
+
+
+# ---- issue 39 end to end: cut calls, repeated calls, strict schemas ------------------------------------------------
+PARIS = [{"role": "user", "content": "What is the weather in Paris?"}]
+NOW = {"type": "function", "function": {"name": "get_time_now", "description": "The current time",
+                                        "parameters": {"type": "object", "properties": {}}}}
+FORECAST = {"type": "function", "function": {  # no `required`, no `additionalProperties`
+    "name": "get_forecast", "description": "Weather forecast for a city", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                         "unit": {"enum": ["celsius", "fahrenheit"]},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
+
+
+def both_ways(client, **kwargs):
+    """A chat request made whole and streamed: each answer's fields as one dict (calls without their random ids,
+    which are checked), for comparing field by field; and the whole answer."""
+    whole = client.chat.completions.create(**kwargs)
+    validate(oas.CHAT_COMPLETION, whole.model_dump(exclude_unset=True))
+    choice = whole.choices[0]
+    assert all(c.id.startswith("call_") and c.type == "function" for c in choice.message.tool_calls or [])
+    got = {"content": choice.message.content, "finish_reason": choice.finish_reason,
+           "tool_calls": [[c.function.name, c.function.arguments] for c in choice.message.tool_calls or []],
+           "completion_tokens": whole.usage.completion_tokens}
+    content, calls, finish, tokens = "", {}, None, None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
+        validate(oas.CHAT_COMPLETION_CHUNK, chunk.model_dump(exclude_unset=True))
+        tokens = chunk.usage.completion_tokens if chunk.usage else tokens
+        for c in chunk.choices:
+            finish, content = c.finish_reason or finish, content + (c.delta.content or "")
+            for piece in c.delta.tool_calls or []:
+                if piece.id is not None:
+                    assert piece.index not in calls and piece.id.startswith("call_") and piece.type == "function"
+                    calls[piece.index] = ["", ""]
+                calls[piece.index][0] += piece.function.name or ""
+                calls[piece.index][1] += piece.function.arguments or ""
+    streamed = {"content": content or None, "finish_reason": finish, "tool_calls": [calls[i] for i in sorted(calls)],
+                "completion_tokens": tokens}
+    assert streamed == got
+    return got
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_forced_call_cut_by_max_tokens_is_a_partial_call(client, tokenizer, grammar_tokenizer, choice):
+    """Issue 39's request (get_weather only, `required`, one call) and a named function among two tools: cut by
+    max_tokens, the answer is a `tool_calls` entry with the function's name and the arguments generated so far (text
+    the function's grammar takes as a beginning), `finish_reason: "length"`, no content, streamed and whole alike."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    base = dict(model=MODEL, messages=PARIS, temperature=0, tools=[WEATHER] if choice == "required" else TOOLS,
+                tool_choice="required" if choice == "required" else named, parallel_tool_calls=False)
+    for cut in (3, 24) if choice == "required" else (8,):
+        got = both_ways(client, max_tokens=cut, **base)
+        assert got["finish_reason"] == "length" and got["content"] is None and got["completion_tokens"] == cut
+        assert len(got["tool_calls"]) == 1 and got["tool_calls"][0][0] == "get_weather", got
+        arguments = got["tool_calls"][0][1]
+        constraint = GrammarConstraint(grammar_tokenizer, json_schema_grammar(closed_schema(SCHEMAS["get_weather"])))
+        for token in tokenizer.encode(arguments, add_special_tokens=False):
+            constraint.advance(token)  # (ValueError where the text leaves the schema)
+        assert bool(arguments) == (cut == 24), got  # 24 tokens reach past the markup into the arguments
+
+
+def test_required_with_parallel_calls_calls_once(client):
+    """Issue 39: `required` with parallel calls allowed and a tool without arguments: the model's newline after the
+    call no longer starts another one (it made eight identical calls); one call, ended by the model."""
+    got = both_ways(client, model=MODEL, messages=[{"role": "user", "content": "What time is it?"}], tools=[NOW],
+                    tool_choice="required", max_tokens=60, temperature=0)
+    assert got["finish_reason"] == "tool_calls" and got["tool_calls"] == [["get_time_now", "{}"]], got
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "closed"])
+def test_strict_tool_arguments_have_every_property_and_no_other(client, strict):
+    """A forced call to a function whose schema requires nothing and leaves other keys open: with `strict` the
+    arguments have exactly the declared properties (OpenAI's strict mode); without, no undeclared key."""
+    tool = {"type": "function", "function": {**FORECAST["function"], "strict": strict}}
+    got = both_ways(client, model=MODEL, messages=PARIS, tools=[tool], max_tokens=60, temperature=0,
+                    tool_choice={"type": "function", "function": {"name": "get_forecast"}})
+    assert got["finish_reason"] == "tool_calls" and len(got["tool_calls"]) == 1, got
+    value = json.loads(got["tool_calls"][0][1])
+    Draft202012Validator(FORECAST["function"]["parameters"]).validate(value)
+    declared = set(FORECAST["function"]["parameters"]["properties"])
+    assert set(value) == declared if strict else set(value) <= declared, value

@@ -9,11 +9,13 @@ grammar cannot be used ("" when it can). `GrammarConstraint` is one sequence's m
 computes it in Rust, ~0.1 ms a token here), `advance(token)` consumes the chosen one, `complete` tells when the grammar
 cannot continue (the document is closed; the end-of-sequence token is then the only one allowed).
 JSON is written compactly with one space after `,` and `:` (no free whitespace: a small model cannot pad forever).
+`closed_schema(schema, strict)` closes a JSON Schema's objects before it is compiled: no key the schema does not
+declare is ever written (with `strict`, OpenAI's strict mode, also every declared key is).
 """
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -26,6 +28,80 @@ def json_schema_grammar(schema: Dict[str, Any]) -> str:
     import llguidance
 
     return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=dict(JSON_STYLE))  # type: ignore[arg-type]
+
+
+# Where subschemas sit (the rest, `const`, `enum`, `default`, `examples`..., is data and never rewritten).
+_OWN_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name -> a schema of its own
+_OWN = ("items", "additionalItems", "contains", "additionalProperties", "unevaluatedItems", "unevaluatedProperties",
+        "propertyNames")  # a schema (or, for draft-4 `items`, a list) of other values than the instance
+_ALTERNATIVES = ("anyOf", "oneOf")  # each branch is the whole instance's schema
+_CONJUNCTIVE = ("allOf", "then", "else", "dependentSchemas", "not", "if", "$ref")  # validate the same instance too
+_OTHER_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def _is_object(node: Dict[str, Any]) -> bool:
+    kind = node.get("type")
+    return kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in node
+
+
+def closed_schema(schema: Dict[str, Any], strict: bool = False) -> Dict[str, Any]:
+    """`schema` with its objects closed, for the grammar: an object schema that declares `properties` and says nothing
+    about other keys (`additionalProperties`, `patternProperties`, `unevaluatedProperties`) gets
+    `additionalProperties: false`, so the model never invents a key (the output still validates against `schema`;
+    `{"type": "object"}` alone stays any object). Not closed, as that would change what validates: a schema combined
+    with others on the same instance (`allOf`, `$ref` siblings, `if`/`then`/`else`, `not`, `dependentSchemas`), and
+    `anyOf`/`oneOf` branches of an object that declares properties itself.
+
+    `strict` (OpenAI's strict mode): every object schema is closed and every property it declares is required;
+    ValueError where that cannot hold (an object that allows other keys, or that is combined as above, a schema
+    without a type that could be an object with any keys)."""
+
+    def walk(node: Any, closable: bool, where: str) -> Any:
+        if isinstance(node, bool) or not isinstance(node, dict):
+            if strict and node is True:
+                raise ValueError(f"strict: the schema at {where} allows any value")
+            return node
+        out: Dict[str, Any] = {}
+        own_keys = any(k in node for k in ("properties", *_OTHER_KEYS))
+        for key, value in node.items():
+            at = f"{where}/{key}"
+            if key in _OWN_MAPS and isinstance(value, dict):
+                out[key] = {k: walk(v, True, f"{at}/{k}") for k, v in value.items()}
+            elif key in _OWN and isinstance(value, list):
+                out[key] = [walk(v, True, f"{at}/{i}") for i, v in enumerate(value)]
+            elif key in _OWN or key == "prefixItems":
+                out[key] = ([walk(v, True, f"{at}/{i}") for i, v in enumerate(value)] if isinstance(value, list)
+                            else walk(value, True, at))
+            elif key in _ALTERNATIVES and isinstance(value, list):
+                out[key] = [walk(v, not own_keys, f"{at}/{i}") for i, v in enumerate(value)]
+            elif key in _CONJUNCTIVE:
+                if strict and key != "$ref":
+                    raise ValueError(f"strict: '{key}' at {where} is not supported (as in OpenAI's strict mode)")
+                maps = key == "dependentSchemas" and isinstance(value, dict)
+                out[key] = ({k: walk(v, False, f"{at}/{k}") for k, v in value.items()} if maps
+                            else [walk(v, False, f"{at}/{i}") for i, v in enumerate(value)] if isinstance(value, list)
+                            else walk(value, False, at) if isinstance(value, dict) else value)
+            else:
+                out[key] = value
+        combined = any(k in node for k in _CONJUNCTIVE)
+        if strict:
+            typed = any(k in node for k in ("type", "const", "enum", "$ref", *_ALTERNATIVES))
+            if not typed:
+                raise ValueError(f"strict: the schema at {where} has no type (it would allow any value)")
+            if _is_object(node):
+                if not closable or combined:
+                    raise ValueError(f"strict: the object at {where} cannot be closed here")
+                if any(k in node and node[k] is not False for k in _OTHER_KEYS):
+                    raise ValueError(f"strict: the object at {where} allows undeclared keys "
+                                     f"(additionalProperties must be false or absent)")
+                out["additionalProperties"] = False
+                names: List[str] = list(out.get("properties", {}))
+                out["required"] = names + [k for k in out.get("required", []) if k not in names]
+        elif closable and not combined and "properties" in node and not any(k in node for k in _OTHER_KEYS):
+            out["additionalProperties"] = False
+        return out
+
+    return walk(schema, True, "#")
 
 
 def regex_grammar(regex: str) -> str:

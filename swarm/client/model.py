@@ -294,6 +294,16 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         `"draft_model"` (with `draft_model=` a local checkpoint) or a `SpeculativeConfig`, `num_draft_tokens=k`
         (or transformers' `prompt_lookup_num_tokens=k`: n-gram drafts): speculative decoding
         (`swarm.client.speculative`; one row without padding, no beams: other calls decode plainly)."""
+        if input_ids is not None and input_ids.device.type != "cpu":
+            # the decode loop keeps token ids on the host (its picks and the sessions' histories are there); the
+            # sequences go back to the caller's device, as transformers' generate returns them
+            out = self.generate(input_ids.cpu(), session=session, attention_mask=attention_mask,
+                                generation_config=generation_config, logits_processor=logits_processor,
+                                stopping_criteria=stopping_criteria, streamer=streamer, tokenizer=tokenizer, **kwargs)
+            if isinstance(out, torch.Tensor):
+                return out.to(input_ids.device)
+            out.sequences = cast(torch.LongTensor, out.sequences.to(input_ids.device))
+            return out
         spec = SpeculativeConfig.of(kwargs.pop("speculative", None), kwargs.pop("num_draft_tokens", None),
                                     kwargs.pop("draft_model", None))
         if input_ids is None or input_ids.ndim != 2 or input_ids.shape[1] == 0:

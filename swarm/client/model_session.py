@@ -137,6 +137,7 @@ class ModelSession:
     def _feed(self, input_ids: torch.Tensor, pick, hypo_ids: Optional[List[int]],
               left_padding: Optional[List[int]], num_logits: int = 1) -> Tuple[torch.Tensor, Any]:
         offset = tuning.session_offset(self.model)  # shallow prompts (`swarm.client.ptune`) hold the first positions
+        input_ids = input_ids.cpu()  # the held ids live on the host (a GPU client's callers may pass theirs)
         if offset and left_padding:
             raise ValueError("left-padded batches cannot be combined with shallow prompt tuning (ptune)")
         reuse, hypo_ids = self.reusable_prefix(input_ids, hypo_ids, left_padding)

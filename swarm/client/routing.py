@@ -98,6 +98,7 @@ class RouteHop:
     start: int
     end: int
     limits: Optional[ServerLimits] = field(default=None, compare=False)  # what the server announced
+    dtype: Optional[str] = field(default=None, compare=False)  # the server's announced serving dtype (`ServerInfo`)
 
     @property
     def length(self) -> int:
@@ -236,7 +237,8 @@ def find_inference_chain(
         assert current is not None
         source = parents[offset][current]
         if source != current:  # `current` received the activations right before block start+offset
-            hops.append(RouteHop(current, start + offset, hop_end, usable[current].info.limits))
+            info = usable[current].info
+            hops.append(RouteHop(current, start + offset, hop_end, info.limits, info.dtype))
             hop_end = start + offset
             current = source
     hops.reverse()

@@ -17,6 +17,7 @@ from swarm.client.manager import SwarmManager
 from swarm.client.routing import RouteHop
 from swarm.runtime import aio
 from swarm.wire import protocol as P
+from swarm.wire.dtypes import DTYPES
 
 
 class SessionError(RuntimeError):
@@ -38,6 +39,9 @@ class SpanStream:
         self._pending: Optional[asyncio.Future] = None  # the next reply, possibly awaited across time-outs
         self.open_pending = False  # OpenSession sent, its reply not read yet (read before the first step's)
         self.push_token = secrets.token_urlsafe(24)  # only the previous server of the chain learns it
+        # hidden states go out in the server's dtype (what it computes in anyway): a bfloat16 server gets half the
+        # bytes of the client's float32; None where the server announced none the wire knows (sent as they are)
+        self.wire_dtype = DTYPES.get(hop.dtype) if hop.dtype else None
 
     async def _next_reply(self, timeout: Optional[float] = None):
         if self._pending is None:
@@ -122,6 +126,8 @@ class SpanStream:
         """Queue a step: hidden [batch, seq, hidden] for positions start_position.. (returns at once); `edits`:
         the step's `P.RowEdits` fields (beam parents, padding)."""
         step = P.Step(start_position=start_position, step_id=step_id, push_chain=list(push_chain), **(edits or {}))
+        if self.wire_dtype is not None and hidden.is_floating_point():
+            hidden = hidden.to(self.wire_dtype)
         self._queue.put_nowait(P.make_request(step, [hidden]))
 
     async def receive(self, start_position: int, seq: int, timeout: Optional[float] = None):

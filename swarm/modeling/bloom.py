@@ -85,7 +85,9 @@ class BloomDecoderLayer(nn.Module):
     def key_bias(self, key_length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """ALiBi as BLOOM builds it: slope_h * key position in float32, then the model's dtype: [heads, keys]."""
         positions = torch.arange(key_length, device=device)
-        return (self.slopes.to(device)[:, None] * positions).to(dtype)
+        if self.slopes.device != positions.device:  # moved once, so a CUDA graph's capture copies nothing
+            self.slopes = self.slopes.to(device)
+        return (self.slopes[:, None] * positions).to(dtype)
 
     def step(self, x: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
              attend: Callable) -> torch.Tensor:

@@ -111,7 +111,9 @@ class FalconDecoderLayer(nn.Module):
         if self.slopes is None:
             return None
         positions = torch.arange(key_length, device=device)
-        alibi = (self.slopes.to(device)[:, None].bfloat16() * positions).to(dtype)
+        if self.slopes.device != positions.device:  # moved once, so a CUDA graph's capture copies nothing
+            self.slopes = self.slopes.to(device)
+        alibi = (self.slopes[:, None].bfloat16() * positions).to(dtype)
         return alibi / math.sqrt(self.head_dim)
 
     def split_qkv(self, fused: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -22,9 +22,11 @@ float copy of a linear weight stays resident. bitsandbytes dequantizes per call 
 CPU: the whole weight, then a float matmul; on CUDA a fused kernel for single-token rows), never into a kept
 copy.
 
-CUDA graphs: `Linear8bitLt` picks its outlier columns from each input (data-dependent shapes and a host sync),
-which graph capture does not allow; `Linear4bit`'s single-row gemv kernel could be captured, but that is not
-tested here, so quantized spans run their decode steps eagerly (`BlockSpan.enable_cuda_graphs` declines).
+CUDA graphs (`server.graphs`): nf4 spans replay their decode steps as graphs (`Linear4bit`'s single-row gemv
+kernel, and for several rows its dequantization and a float matmul, are plain kernels on the stream).
+`Linear8bitLt` picks its outlier columns from each input (data-dependent shapes and a host sync), which graph
+capture refuses, so int8 spans run their decode steps eagerly (`BlockSpan.enable_cuda_graphs` declines; the
+capture error is in docs/benchmarks-gpu.md).
 """
 from __future__ import annotations
 

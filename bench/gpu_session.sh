@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The CUDA-only checks, in one script for a lent GPU machine (a session's `device` tool; CI has no GPU):
+#   bash bench/gpu_session.sh tests|spans|full   (run from the repository root)
+# The machine has torch, transformers and peft but not this project's other dependencies: their cp312 wheels travel
+# with the working tree in $WHEELS (hivemind, bitsandbytes, pydantic, fastapi, ...; see docs/benchmarks-gpu.md) and
+# are unpacked into /tmp/site first. Results go to $OUT (the device tool brings that folder back).
+#   tests: the CUDA tests (tests/test_graphs.py, tests/test_gpu_swarm.py: everything that skips without a device)
+#   spans: bench_gpu.py's in-process step times per quant type (and int8's capture error)
+#   full:  bench_gpu.py's swarm and local transformers runs
+set -u -o pipefail
+WHEELS=${WHEELS:-.gpuwhl}
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHEELS"/*.whl \
+  2>&1 | tail -3
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SWARMGATE_CACHE=/tmp/swarmgate-cache
+python3 -c "import torch, transformers, bitsandbytes, hivemind; print(torch.__version__, torch.cuda.get_device_name(),
+'transformers', transformers.__version__, 'bitsandbytes', bitsandbytes.__version__, 'hivemind', hivemind.__version__)"
+status=0
+for part in "$@"; do
+  case "$part" in
+    tests) timeout ${TESTS_S:-420} python3 -m pytest -q -p no:cacheprovider --timeout 300 tests/test_graphs.py \
+             tests/test_gpu_swarm.py 2>&1 | tee "$OUT/tests.log" | tail -40 || status=1 ;;
+    spans) timeout ${SPANS_S:-300} python3 bench/bench_gpu.py --parts spans ${SPANS_ARGS:-} > "$OUT/spans.json" 2> "$OUT/spans.err" || status=1
+           tail -5 "$OUT/spans.err"; cat "$OUT/spans.json" ;;
+    full) timeout ${FULL_S:-540} python3 bench/bench_gpu.py ${FULL_ARGS:---parts local,swarm} > "$OUT/full.json" 2> "$OUT/full.err" \
+            || status=1
+          tail -20 "$OUT/full.err" | cut -c1-400; cat "$OUT/full.json" ;;
+    *) echo "unknown part $part"; status=2 ;;
+  esac
+done
+exit $status

@@ -1,0 +1,114 @@
+"""The GPU default path end to end (CUDA only; CI has no GPU, so these skip there): real server processes on a CUDA
+device with a tiny random Llama checkpoint, the client model on the same device.
+
+- bfloat16 and float16 servers with CUDA graphs against local transformers in the same dtype on the same GPU. The
+  kernels differ (the servers' fused projections and graphed attention over the whole cache, transformers' modules
+  and SDPA over the filled prefix), so results agree to rounding, not bit for bit. What is asserted: along
+  transformers' own greedy sequence, every step's logits within `ROUNDING_STEPS` units of the dtype's resolution at
+  the largest logit (bfloat16: 2^-7 of it; float16: 2^-10), and greedy tokens equal up to the first step whose top
+  two reference logits are closer than twice that bound (a tie within rounding can go either way);
+- nf4 servers (the CUDA default) with graphs against nf4 servers without: token for token, one session and four
+  concurrent ones (same kernels for the weights; attention differs only in the last bits, float32 compute).
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from swarm import AutoDistributedModelForCausalLM
+from swarm.launch.topology import start_servers, terminate_all
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+ROUNDING_STEPS = 8
+SHAPE = dict(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=4, max_position_embeddings=512, eos_token_id=1, bos_token_id=0,
+             tie_word_embeddings=False)
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**SHAPE))
+    with torch.no_grad():  # larger logits than the random init's, so that greedy picks are not near-ties
+        model.lm_head.weight.mul_(8)
+    path = tmp_path_factory.mktemp("gpu-llama")
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _swarm(checkpoint, bootstrap, prefix, *extra):
+    return start_servers(checkpoint, [bootstrap.maddr], ["0:2", "2:4"], prefix,
+                         ["--device", "cuda", "--throughput", "1", *extra], threads=1)
+
+
+def _client(checkpoint, bootstrap, prefix, dtype):
+    return AutoDistributedModelForCausalLM.from_pretrained(checkpoint, initial_peers=[bootstrap.maddr],
+                                                            dht_prefix=prefix, device="cuda", torch_dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_servers_with_graphs_agree_with_transformers_to_rounding(checkpoint, bootstrap, dtype):
+    from transformers import AutoModelForCausalLM
+
+    name = str(dtype).replace("torch.", "")
+    prefix = f"gpu-{name}"
+    servers = _swarm(checkpoint, bootstrap, prefix, "--torch_dtype", name, "--quant_type", "none")
+    model = _client(checkpoint, bootstrap, prefix, dtype)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).cuda().eval()
+    try:
+        assert all(s.ready["quant_type"] == "none" for s in servers)
+        torch.manual_seed(1)
+        for prompt in (torch.randint(2, 1000, (1, 9)), torch.randint(2, 1000, (1, 40))):
+            with torch.no_grad():
+                ref = reference.generate(prompt.cuda(), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                         do_sample=False).cpu()
+                ref_logits = reference(ref.cuda()).logits[0, prompt.shape[1] - 1:-1].float().cpu()
+            ours = model.generate(prompt.cuda(), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                  do_sample=False).cpu()
+            rows = []  # our logits along the reference's sequence, a decode step at a time (the graphed path)
+            with model.inference_session(max_length=ref.shape[1]) as session:
+                for end in range(prompt.shape[1], ref.shape[1]):
+                    rows.append(session.feed(ref[:, :end].cuda())[0].float().cpu())
+            logits = torch.stack(rows)  # [new_tokens, vocab]
+            bound = ROUNDING_STEPS * torch.finfo(dtype).eps * ref_logits.abs().max().item()
+            assert (logits - ref_logits).abs().max().item() <= bound
+            top2 = ref_logits.topk(2, dim=-1).values
+            near_tie = ((top2[:, 0] - top2[:, 1]) < 2 * bound).nonzero()
+            checked = int(near_tie[0]) if len(near_tie) else NEW_TOKENS
+            assert checked >= NEW_TOKENS // 2, "the checkpoint's logits should have clear greedy picks"
+            new = prompt.shape[1]
+            assert ours[0, new:new + checked].tolist() == ref[0, new:new + checked].tolist()
+    finally:
+        model.shutdown()
+        terminate_all(servers)
+
+
+def test_nf4_servers_with_graphs_equal_nf4_servers_without_token_for_token(checkpoint, bootstrap):
+    common = ("--torch_dtype", "float32", "--quant_type", "nf4")
+    graphed = _swarm(checkpoint, bootstrap, "gpu-nf4-graphs", *common, "--cuda_graphs")
+    eager = _swarm(checkpoint, bootstrap, "gpu-nf4-eager", *common, "--no-cuda_graphs")
+    models = [_client(checkpoint, bootstrap, prefix, torch.float32) for prefix in ("gpu-nf4-graphs", "gpu-nf4-eager")]
+    try:
+        assert all(s.ready["quant_type"] == "nf4" for s in graphed + eager)
+        torch.manual_seed(2)
+        prompts = [torch.randint(2, 1000, (1, n)).cuda() for n in (5, 11, 17, 23)]
+
+        def run(model, prompt):
+            return model.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                  do_sample=False).cpu().tolist()
+
+        single = {i: [run(model, prompt) for prompt in prompts] for i, model in enumerate(models)}
+        assert single[0] == single[1]
+        with ThreadPoolExecutor(4) as pool:  # four sessions at once: the servers batch their decode steps
+            together = list(pool.map(lambda prompt: run(models[0], prompt), prompts))
+        assert together == single[0]
+    finally:
+        for model in models:
+            model.shutdown()
+        terminate_all(graphed + eager)
