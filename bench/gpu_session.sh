@@ -7,6 +7,8 @@
 #   tests: the CUDA tests (tests/test_graphs.py, tests/test_gpu_swarm.py: everything that skips without a device)
 #   spans: bench_gpu.py's in-process step times per quant type (and int8's capture error)
 #   full:  bench_gpu.py's swarm and local transformers runs
+#   tp:    tensor parallelism on one GPU (two shards on cuda:0): tests/test_tensor_parallel.py's CUDA case and
+#          bench/bench_tensor_parallel.py on an 8B-shaped bfloat16 block (about a minute together)
 set -u -o pipefail
 WHEELS=${WHEELS:-.gpuwhl}
 OUT=${OUT:-/tmp/gpu-out}
@@ -26,6 +28,11 @@ for part in "$@"; do
     full) timeout ${FULL_S:-540} python3 bench/bench_gpu.py ${FULL_ARGS:---parts local,swarm} > "$OUT/full.json" 2> "$OUT/full.err" \
             || status=1
           tail -20 "$OUT/full.err" | cut -c1-400; cat "$OUT/full.json" ;;
+    tp) timeout ${TP_S:-240} python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py -k cuda 2>&1 \
+          | tee "$OUT/tp_tests.log" | tail -15 || status=1
+        timeout ${TP_S:-240} python3 bench/bench_tensor_parallel.py --devices cuda:0 cuda:0 > "$OUT/tp.json" \
+          2> "$OUT/tp.err" || status=1
+        tail -5 "$OUT/tp.err"; cat "$OUT/tp.json" ;;
     *) echo "unknown part $part"; status=2 ;;
   esac
 done

@@ -5,8 +5,9 @@ steps outgrow, so the ring buffers wrap), mixtral (4 experts, top 2, window 4). 
 prefill and a second multi-token step (chunked prefill), single-token steps, a batched decode of sessions at
 different positions, several sessions' prefills in one pass, beam reordering, a rewind, a sub-range of the span, a
 pass without a cache (with left padding), and training's forward + backward per block with a deep prompt; float32
-within 1e-5. Also int8 / nf4 shards, a LoRA adapter on every projection, the start-up checks' one-line errors, and
-(with CUDA) two shards on one GPU.
+within 1e-5. Also int8 / nf4 shards, a LoRA adapter on every projection, the start-up checks' one-line errors, the
+sizing over every device's free memory and the split block's throughput cache key, and (with CUDA) two shards on
+one GPU.
 """
 from __future__ import annotations
 
