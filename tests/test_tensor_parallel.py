@@ -5,9 +5,9 @@ steps outgrow, so the ring buffers wrap), mixtral (4 experts, top 2, window 4). 
 prefill and a second multi-token step (chunked prefill), single-token steps, a batched decode of sessions at
 different positions, several sessions' prefills in one pass, beam reordering, a rewind, a sub-range of the span, a
 pass without a cache (with left padding), and training's forward + backward per block with a deep prompt; float32
-within 1e-5. Also int8 / nf4 shards, a LoRA adapter on every projection, the start-up checks' one-line errors, the
-sizing over every device's free memory and the split block's throughput cache key, and (with CUDA) two shards on
-one GPU.
+within 1e-5. Also int8 / nf4 shards (llama, Mixtral), a LoRA adapter on every projection, the start-up checks'
+one-line errors, the sizing over every device's free memory and the split block's throughput cache key, and (with
+CUDA) two shards on one GPU.
 """
 from __future__ import annotations
 
@@ -104,10 +104,10 @@ def test_plain_forward_and_training_backward_equal_the_unsplit_span(spans):
         assert _max_diff(grads[0][0], grads[1][0]) < TOL and _max_diff(grads[0][1], grads[1][1]) < TOL
 
 
-@pytest.fixture(scope="module")
-def quant_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tp-quant")  # widths that nf4's 64-value blocks divide on 2 devices
-    save_tiny("llama", path, None, seed=4, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+@pytest.fixture(scope="module", params=["llama", "mixtral"])
+def quant_path(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"tp-quant-{request.param}")  # widths nf4's 64-value blocks divide on 2 devices
+    save_tiny(request.param, path, None, seed=4, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=256)
     return path
 
