@@ -171,7 +171,8 @@ class Page:
 
     def goto(self, url: str) -> None:
         self.send("Page.navigate", {"url": url})
-        self.wait_for("document.readyState === 'complete' && location.href === " + json.dumps(url), timeout=60)
+        # (the final address may differ: a redirect)
+        self.wait_for("document.readyState === 'complete' && location.href !== 'about:blank'", timeout=60)
 
     def evaluate(self, expression: str) -> Any:
         """The value of a JavaScript expression in the page (promises awaited); a thrown error is a PageError."""
