@@ -136,7 +136,8 @@ function describe(box, r) {
   if (r.usage) {
     const cached = (r.usage.prompt_tokens_details || {}).cached_tokens || 0;
     parts.push("prompt " + r.usage.prompt_tokens + " tokens, " + cached + " from the session pool");
-    box.dataset.cached = cached; box.dataset.completionTokens = r.usage.completion_tokens;
+    box.dataset.cached = cached; box.dataset.promptTokens = r.usage.prompt_tokens;
+    box.dataset.completionTokens = r.usage.completion_tokens;
   }
   if (r.servers) {
     const chain = r.servers.map((p) => names[p] || p.slice(-6)).join(" \\u2192 ");

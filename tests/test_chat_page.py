@@ -41,7 +41,8 @@ def _reply(page: Page, timeout: float = 240) -> dict:
         time.sleep(0.05)
     info = page.evaluate(f"(() => {{ const b = {LAST}; return {{state: b.dataset.state, "
                          "text: b.querySelector('.text').textContent, cached: b.dataset.cached, "
-                         "tokens: b.dataset.completionTokens, servers: b.dataset.servers, "
+                         "tokens: b.dataset.completionTokens, prompt: b.dataset.promptTokens, "
+                         "servers: b.dataset.servers, "
                          "meta: (b.querySelector('.meta') || {}).textContent}; })()")
     return {**info, "lengths": lengths}
 
@@ -63,6 +64,10 @@ def test_chat_in_a_browser(gateway, tokenizer, reference_model, tmp_path):  # no
     assert browser_root.status_code == 307 and browser_root.headers["location"] == "/chat"
     assert httpx.get(url + "/", timeout=30).json()["chat"] == "/chat"  # API clients still get JSON
     servers = {p.peer_id for p in gateway.swarm["servers"]}
+    reply = httpx.post(url + "/v1/chat/completions", json={"model": gateway.proc.ready["model"], "max_tokens": 2,
+                                                          "messages": [{"role": "user", "content": "Hi"}]},
+                       timeout=180).json()
+    assert set(reply["swarm"]["servers"]) == servers  # swarmgate's extension: who served the reply
 
     with Page(url + "/") as page:  # through the redirect
         page.wait_for("document.body.dataset.ready === '1'", timeout=60)
@@ -77,7 +82,7 @@ def test_chat_in_a_browser(gateway, tokenizer, reference_model, tmp_path):  # no
         assert len(turn1["lengths"]) >= 2, f"the text did not grow while streaming: {turn1['lengths']}"
         expected = reference_text(tokenizer, reference_model, [{"role": "user", "content": first}], 12)
         assert turn1["text"] == expected
-        assert int(turn1["tokens"]) > 1 and turn1["cached"] == "0"
+        assert int(turn1["tokens"]) > 1 and int(turn1["prompt"]) > 0
         assert set(turn1["servers"].split(",")) == servers and "served by" in turn1["meta"]
 
         second = "And three animals?"
@@ -87,7 +92,8 @@ def test_chat_in_a_browser(gateway, tokenizer, reference_model, tmp_path):  # no
         history = [{"role": "user", "content": first}, {"role": "assistant", "content": turn1["text"]},
                    {"role": "user", "content": second}]
         assert turn2["text"] == reference_text(tokenizer, reference_model, history, 12)
-        assert int(turn2["cached"]) > 0, turn2  # the pooled session of turn 1 held the conversation's prefix
+        # the pooled session of turn 1 held the conversation's prefix: at least turn 1's whole prompt
+        assert int(turn2["cached"]) >= int(turn1["prompt"]), (turn1, turn2)
         assert "from the session pool" in turn2["meta"] and "tokens/s" in turn2["meta"]
         screenshot = tmp_path / "chat.png"
         page.screenshot(screenshot)
