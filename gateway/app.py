@@ -5,7 +5,8 @@ given: embeddings, final norm and LM head; the blocks run on the swarm) and its 
 endpoints (`gateway.completions`), `GET /v1/models`, `POST /tokenize`, `POST /detokenize` (all behind the
 API keys when configured), `GET /health` (200 when every block is served, else 503 naming the missing
 ones) and `GET /metrics` (Prometheus), public unless `--protect_probes`, and the public swarm status page
-`GET /status` / `/status.json` (`gateway.status`). Every response carries `X-Request-Id` (echoed or created);
+`GET /status` / `/status.json` (`gateway.status`), and the chat page `GET /chat` (`gateway.chat_page`; `GET /` sends
+a browser there). Every response carries `X-Request-Id` (echoed or created);
 CORS is on for the configured origins.
 
 `main(argv)` parses flags / YAML / environment into `GatewayConfig`, serves with uvicorn, and prints
@@ -33,6 +34,7 @@ from starlette.concurrency import run_in_threadpool
 
 from gateway.admission import Admission
 from gateway.auth import require_api_key, require_probe_key
+from gateway.chat_page import add_chat_routes
 from gateway.completions import router as completions_router
 from gateway.config import GatewayConfig
 from gateway.engine import Engine
@@ -54,7 +56,7 @@ logger = logging.getLogger("swarmgate.gateway")
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize",
-              "/detokenize", "/status", "/status.json"}
+              "/detokenize", "/status", "/status.json", "/chat"}
 
 
 class RequestContext:
@@ -231,9 +233,9 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
     async def prometheus_metrics():
         return Response(await run_in_threadpool(state.metrics.render), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/")
-    async def root():
-        return {"service": "swarmgate", "model": config.model_name, "api": "/v1"}
+    # `/`: the chat page for a browser, this JSON for anything else
+    add_chat_routes(app, lambda: JSONResponse({"service": "swarmgate", "model": config.model_name, "api": "/v1",
+                                               "chat": "/chat"}))
 
 
 # ---- the process ----------------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ of each choice carries the role, content deltas follow, each choice ends with on
 connection alive during a long prefill; a failure mid-stream is a `data:` line with an `error` object, then
 `[DONE]`. A client that goes away cancels its generation (which closes its swarm session). Usage always
 carries `prompt_tokens_details.cached_tokens`: the prompt tokens a pooled session already held (0 on a miss).
+A chat reply also carries swarmgate's `swarm.servers` (`schemas.SwarmInfo`: the peer ids that served it; on a
+stream, in the usage chunk), which OpenAI clients ignore.
 A text completion with `echo` and `logprobs` also scores its prompt (`ClientModel.prompt_logprobs`, one forward pass
 per prompt after admission): the logprobs cover the prompt's tokens, then the generated ones (streamed: the first
 chunk of each choice carries the prompt's); `max_tokens: 0` with `echo` returns just the prompt.
@@ -47,6 +49,7 @@ from gateway.schemas import (
     CompletionRequest,
     Delta,
     PromptTokensDetails,
+    SwarmInfo,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -135,6 +138,7 @@ class Collected:
         self.tokens: List[List[TokenChoice]] = [[] for _ in range(count)]
         self.finish: List[Optional[str]] = [None] * count
         self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
+        self.servers: List[str] = []  # peer ids that served the jobs, each once, in order
 
     def usage(self) -> Usage:
         return make_usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
@@ -160,6 +164,7 @@ async def collect(request: Request, run: RequestRun, n: int) -> Collected:
                 out.prompt_tokens += event.prompt_tokens
                 out.completion_tokens += event.completion_tokens
                 out.cached_tokens += event.cached_tokens
+                out.servers += [s for s in event.servers if s not in out.servers]
             elif isinstance(event, GenerationFailed):
                 raise event.error
     finally:
@@ -181,8 +186,10 @@ def sse_response(state: GatewayState, run: RequestRun, chunks: AsyncIterator[str
 
 
 async def stream_events(run: RequestRun, n: int, on_delta, on_usage) -> AsyncIterator[str]:
-    """Shared streaming loop: yields the serialized chunks of deltas, usage, errors and `[DONE]`."""
+    """Shared streaming loop: yields the serialized chunks of deltas, usage, errors and `[DONE]`;
+    `on_usage(usage, servers)` gets the peer ids that served the jobs."""
     prompt_tokens = completion_tokens = cached_tokens = 0
+    servers: List[str] = []
     failed = False
     async for k, event in run.events():
         if isinstance(event, ChoiceDelta):
@@ -192,12 +199,13 @@ async def stream_events(run: RequestRun, n: int, on_delta, on_usage) -> AsyncIte
             prompt_tokens += event.prompt_tokens
             completion_tokens += event.completion_tokens
             cached_tokens += event.cached_tokens
+            servers += [s for s in event.servers if s not in servers]
         elif isinstance(event, GenerationFailed):
             yield json.dumps(event.error.body())
             failed = True
             break
     if not failed:
-        usage_chunk = on_usage(make_usage(prompt_tokens, completion_tokens, cached_tokens))
+        usage_chunk = on_usage(make_usage(prompt_tokens, completion_tokens, cached_tokens), servers)
         if usage_chunk is not None:
             yield usage_chunk
     yield "[DONE]"
@@ -242,11 +250,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                                       logprobs=chat_logprobs(state, got.tokens[i]) if params.logprobs else None,
                                       finish_reason=finish_reason(got.finish[i], parser)))
         usage = got.usage()
-        return ChatCompletion(id=completion_id, created=created, model=model_name, choices=choices, usage=usage)
+        return ChatCompletion(id=completion_id, created=created, model=model_name, choices=choices, usage=usage,
+                              swarm=SwarmInfo(servers=got.servers))
 
-    def chunk(choices, usage=None) -> str:
+    def chunk(choices, usage=None, swarm: Optional[SwarmInfo] = None) -> str:
         return ChatCompletionChunk(id=completion_id, created=created, model=model_name, choices=choices,
-                                   usage=usage).model_dump_json()
+                                   usage=usage, swarm=swarm).model_dump_json(exclude=None if swarm else {"swarm"})
 
     parsers = [ToolCallParser(names, max_calls, forced) for _ in range(n)] if names is not None else None
 
@@ -267,8 +276,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             reason = finish_reason(event.finish_reason, parsers[index] if parsers is not None else None)
             yield chunk([ChunkChoice(index=index, delta=Delta(), finish_reason=reason)])
 
-    def on_usage(usage: Usage) -> Optional[str]:
-        return chunk([], usage) if _include_usage(body) else None
+    def on_usage(usage: Usage, servers: List[str]) -> Optional[str]:
+        return chunk([], usage, SwarmInfo(servers=servers)) if _include_usage(body) else None
 
     async def chunks():
         for i in range(n):
@@ -356,7 +365,7 @@ async def completions(body: CompletionRequest, request: Request):
             yield chunk([CompletionChoice(index=index, text=text, logprobs=logprobs,
                                           finish_reason=event.finish_reason)])
 
-    def on_usage(usage: Usage) -> Optional[str]:
+    def on_usage(usage: Usage, servers: List[str]) -> Optional[str]:
         return chunk([], usage) if _include_usage(body) else None
 
     return sse_response(state, run, stream_events(run, n, on_delta, on_usage))

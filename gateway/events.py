@@ -35,6 +35,7 @@ class Done:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens a pooled session already held (not sent to the servers again)
+    servers: List[str] = field(default_factory=list)  # peer ids of the session's chain at the end, in chain order
 
 
 @dataclass

@@ -140,6 +140,10 @@ class GenerationRun:
         finally:
             metrics.active_sessions.dec()
             try:
+                servers = lease.session.servers()  # who served it (after any failover), before the lease ends
+            except Exception:  # noqa: BLE001 - only reported
+                servers = []
+            try:
                 sessions.release(lease, reusable)
             except Exception as e:  # closing is best effort: the servers time idle sessions out anyway
                 logger.warning(f"closing the session of request {job.request_id} failed: {e}")
@@ -149,7 +153,7 @@ class GenerationRun:
         if lease.cached_tokens:
             logger.info(f"request {job.request_id}: {lease.cached_tokens} of {prompt_len} prompt tokens were "
                         f"already held by a pooled session")
-        self.emit(Done(prompt_len, completion, lease.cached_tokens))
+        self.emit(Done(prompt_len, completion, lease.cached_tokens, servers))
 
     def _speculative_step(self, lease, ids: torch.Tensor, remaining: Optional[int], step: int
                           ) -> Optional[List[List[Optional[TokenChoice]]]]:

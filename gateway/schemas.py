@@ -298,6 +298,13 @@ class ChatChoice(BaseModel):
     finish_reason: Optional[str] = None
 
 
+class SwarmInfo(BaseModel):
+    """swarmgate's extension of a reply (OpenAI clients ignore unknown fields): the peer ids of the servers that
+    served it, in chain order (after any failover); on a stream, in the usage chunk."""
+
+    servers: List[str] = Field(default_factory=list)
+
+
 class ChatCompletion(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -306,6 +313,7 @@ class ChatCompletion(BaseModel):
     choices: List[ChatChoice]
     usage: Usage
     system_fingerprint: str = SYSTEM_FINGERPRINT
+    swarm: Optional[SwarmInfo] = None
 
 
 class _NoNulls(BaseModel):
@@ -348,6 +356,7 @@ class ChatCompletionChunk(BaseModel):
     choices: List[ChunkChoice]
     usage: Optional[Usage] = None
     system_fingerprint: str = SYSTEM_FINGERPRINT
+    swarm: Optional[SwarmInfo] = None  # only on the usage chunk (`SwarmInfo`)
 
 
 class CompletionLogprobs(BaseModel):

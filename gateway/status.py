@@ -86,9 +86,12 @@ def add_status_routes(app: FastAPI, state) -> None:
 
     @app.get("/status", response_class=HTMLResponse)
     async def status_page():
-        return HTMLResponse(PAGE, headers={"Cache-Control": "no-store",
-                                           "Content-Security-Policy": "default-src 'self'; style-src 'unsafe-inline'; "
-                                                                      "script-src 'unsafe-inline'"})
+        return HTMLResponse(PAGE, headers=PAGE_HEADERS)
+
+
+# the gateway's pages (this one, `gateway.chat_page`): inline CSS and JS only, requests to this origin only
+PAGE_HEADERS = {"Cache-Control": "no-store",
+                "Content-Security-Policy": "default-src 'self'; style-src 'unsafe-inline'; script-src 'unsafe-inline'"}
 
 
 PAGE = """<!doctype html>

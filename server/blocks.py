@@ -136,8 +136,13 @@ class BlockSpan(nn.Module):
     def enable_kv_arena(self, capacity: int) -> bool:
         """Give one-row sessions of up to `capacity` positions slots of shared CPU storage (`server.kv_arena`), whose
         decode batches attend with one call per layer; True if on. CPU spans of fused rotary layers only (ALiBi
-        layers and sliding windows attend per session; CUDA has its graphs)."""
-        if self.device.type != "cpu" or not self.can_batch or self.rotary is None or self.alibi or self.tp_devices:
+        layers and sliding windows attend per session; CUDA has its graphs), and not int8 spans
+        (`sessions_alone`): the arena's grouped attention sums in another order than a session's own call, and
+        LLM.int8() quantizes the next projection's input per row, so a last-bit difference there can move an
+        activation a whole int8 step (measured: a 9-token prompt's greedy text left transformers' int8 model's at
+        its 14th token)."""
+        if self.device.type != "cpu" or not self.can_batch or self.rotary is None or self.alibi or \
+                self.tp_devices or self.sessions_alone:
             return False
         self.kv_arena = KVArena(self.kv_heads, self.head_dim, capacity, self.dtype)
         return True
@@ -280,15 +285,24 @@ class BlockSpan(nn.Module):
         return bool(self.fused) and key_bias(self.fused[0], 1, self.dtype, self.device) is not None
 
     @property
+    def sessions_alone(self) -> bool:
+        """Whether each session's rows must go through the layers in calls of their own: int8 spans. LLM.int8()
+        picks its outlier columns (kept in float; the rest quantized per row over the others) from all rows of a
+        call, so rows of other sessions in the same projection change a session's numbers, and which sessions
+        meet in a batch depends on timing. A session's decode step and prefill chunk then see exactly the rows
+        that a local int8 model's call for that session sees (`forward_batch`, `can_batch_prefill`)."""
+        return self.quant_type == "int8"
+
+    @property
     def can_batch(self) -> bool:
         """Decode steps run on the batched path of `server.decode` (the family fuses its layers)."""
         return self.family.fuse is not None
 
     def can_batch_prefill(self, kv: SessionKV) -> bool:
         """Whether this session's multi-token steps may share a pass with other sessions' (`forward_prefill_batch`):
-        fused rotary blocks (no ALiBi), one row, no padding, no adapter."""
+        fused rotary blocks (no ALiBi), one row, no padding, no adapter, not int8 (`sessions_alone`)."""
         return bool(self.fused) and self.rotary is not None and kv.batch_size == 1 and kv.padding is None \
-            and kv.adapter is None and not self.alibi
+            and kv.adapter is None and not self.alibi and not self.sessions_alone
 
     @torch.inference_mode()
     def forward_prefill_batch(self, items: list, first: int, last: int) -> list:
@@ -327,8 +341,11 @@ class BlockSpan(nn.Module):
 
         items: [(hidden [b_i, 1, hidden], start_position_i, kv_i)], all over blocks [first, last). The norms,
         projections and MLP run once on all rows `[sum b_i, hidden]`; attention runs per session against its own
-        cache. Returns the outputs `[b_i, 1, hidden]` in the same order.
+        cache. Returns the outputs `[b_i, 1, hidden]` in the same order. On an int8 span (`sessions_alone`) each
+        session's step runs alone, one after another: the same numbers whichever sessions' steps came together.
         """
+        if self.sessions_alone and len(items) > 1:
+            return [self._forward_batch([item], first, last)[0] for item in items]
         # each adapter's sessions next to each other (the base's first): one row group per adapter; within one, the
         # sessions of each arena chunk in slot order (they attend together: `server.decode.arena_groups`)
         order = sorted(range(len(items)), key=lambda i: _batch_order(items[i][2]))

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict
 
 import httpx
 import pytest
@@ -22,6 +22,7 @@ from swarm.client.status import build_status, coverage_bar, format_table
 from swarm.launch import topology
 from swarm.launch.topology import REPO
 from swarm.wire.records import ServerInfo, ServerState
+from tests.browser import render
 
 EVIL_NAME = '<img src=x onerror="document.body.dataset.pwned=1"><b>evil</b>'
 PEERS = ["12D3KooWJkawrUGDBkU3Ses29pZVnhtnm2Hjy1rvW2Rkyww4RLXU", "12D3KooWKyvZ8PZyN8UiKdm4TSNsAN4QxBb6JBpSQxR2LTjtBMaL",
@@ -86,28 +87,36 @@ def test_token_rate_over_a_window():
     assert rate.observe(100, now=30.0) == pytest.approx(0.0)  # idle for longer than the window
 
 
+def test_browser_tests_say_why_they_skip_without_chromium(monkeypatch):
+    """Without a browser the set-up installs Debian's chromium as root; otherwise the skip names the reason."""
+    from tests import browser
+
+    monkeypatch.setattr(browser, "find_chromium", lambda: None)
+    monkeypatch.setattr(browser, "_install", {})
+    monkeypatch.setattr(browser.os, "geteuid", lambda: 1000)
+    with pytest.raises(pytest.skip.Exception, match="not running as root"):
+        browser.ensure_chromium()
+    monkeypatch.setattr(browser, "_install", {})
+    monkeypatch.setattr(browser.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(browser.shutil, "which", lambda name: None)  # no apt-get either
+    with pytest.raises(pytest.skip.Exception, match="no apt-get"):
+        browser.ensure_chromium()
+    calls = []
+    monkeypatch.setattr(browser, "_install", {})
+    monkeypatch.setattr(browser.shutil, "which", lambda name: "/usr/bin/apt-get")
+
+    def failing_apt(*args):
+        calls.append(args)
+        raise RuntimeError("`apt-get update` exited with 100: E: Could not resolve host")
+
+    monkeypatch.setattr(browser, "_apt", failing_apt)
+    for _ in range(2):  # tried once per session
+        with pytest.raises(pytest.skip.Exception, match="apt-get failed: .*Could not resolve"):
+            browser.ensure_chromium()
+    assert calls == [("update",)]
+
+
 # ---- a real swarm ---------------------------------------------------------------------------------------------------
-def _chromium() -> Optional[str]:
-    for name in ("chromium", "chromium-browser", "google-chrome", "chrome"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
-
-
-def _render(url: str, screenshot: Optional[Path] = None) -> str:
-    """The DOM of `url` after its scripts ran, from headless Chromium (and a screenshot if asked)."""
-    browser = _chromium()
-    if browser is None:
-        pytest.skip("no Chromium found (apt-get install chromium): the status page is not tested in a browser")
-    base = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--virtual-time-budget=6000",
-            "--window-size=1280,560"]
-    if screenshot is not None:
-        subprocess.run([*base, f"--screenshot={screenshot}", url], capture_output=True, timeout=120, check=True)
-    result = subprocess.run([*base, "--dump-dom", url], capture_output=True, timeout=120, text=True, check=True)
-    return result.stdout
-
-
 def _rows(dom: str) -> Dict[str, str]:
     """peer id -> the row's HTML, from the rendered servers table."""
     body = dom.split('<tbody id="servers">', 1)[1].split("</tbody>", 1)[0]
@@ -179,7 +188,7 @@ def test_status_json_and_cli_and_browser(status_swarm, model_path, tmp_path):
 
     # the page in a real browser: coverage, the three servers, the hostile name as text
     screenshot = tmp_path / "status.png"
-    dom = _render(url + "/status", screenshot)
+    dom = render(url + "/status", screenshot)
     assert 'data-loaded="1"' in dom, dom[-2000:]
     assert _coverage(dom) == [2] * 15 + [1] * 15
     assert 'data-covered="30"' in dom
@@ -194,6 +203,6 @@ def test_status_json_and_cli_and_browser(status_swarm, model_path, tmp_path):
     # a stopped server leaves the page
     status_swarm["extra"].terminate()
     _wait_status(url, lambda d: len(d["servers"]) == 2 and d["blocks"][0]["servers"] == 1)
-    dom = _render(url + "/status")
+    dom = render(url + "/status")
     assert set(_rows(dom)) == everyone - {status_swarm["extra"].peer_id}
     assert _coverage(dom) == [1] * 30
