@@ -15,7 +15,7 @@ The model (one run, `simulate`):
   a move announces the new span JOINING and serves it after the load time.
 - Hole watch (`hole_check_period` > 0, `server.spans.check_holes`): every jittered hole_check_period x
   max(1, servers/100) a server looks for blocks nobody serves; if moving would cover some, it waits its turn
-  (`hole_fill_rank` x `HOLE_FILL_SLOT`), asks again and moves.
+  (`hole_fill_turn`, `hole_fill_delay`), asks again and moves.
 - Sessions arrive every `--route_every` s and are routed with `find_inference_chain` over the ONLINE records;
   a chain through a server that has gone (its record not yet expired) or a hole (`RoutingError`) is a failed
   first try.
@@ -44,8 +44,8 @@ from typing import Dict, List, Optional, Set, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from server.placement import choose_best_span, hole_fill_rank, move_target, uncovered_blocks  # noqa: E402
-from server.spans import HOLE_FILL_SLOT, hole_check_interval  # noqa: E402
+from server.placement import choose_best_span, hole_fill_turn, move_target, uncovered_blocks  # noqa: E402
+from server.spans import hole_check_interval, hole_fill_delay  # noqa: E402
 from swarm.client.routing import RoutingError, find_inference_chain  # noqa: E402
 from swarm.wire.records import ServerInfo, ServerSpan, ServerState  # noqa: E402
 
@@ -232,11 +232,12 @@ class Swarm:
         elif kind == "hole_check":
             self.at(self.hole_interval(), "hole_check", peer)
             self.stats.hole_checks += 1
-            holes = uncovered_blocks(self.view_tp)
-            if holes and server.online and self.decide(server) is not None:
-                rank = hole_fill_rank(self.recorded, peer, holes)
-                self.at(rank * HOLE_FILL_SLOT + self.jitter.uniform(0, HOLE_FILL_SLOT / 4), "hole_fill", peer,
-                        server.epoch)
+            if uncovered_blocks(self.view_tp) and server.online and self.decide(server) is not None:
+                spans = [s.span for s in self.servers.values() if s.span is not None]
+                turn = hole_fill_turn(spans, self.num_blocks, peer, balance_quality=self.policy.balance_quality)
+                if turn is not None:
+                    delay = hole_fill_delay(turn, self.policy.hole_check_period, len(self.recorded), self.jitter)
+                    self.at(delay, "hole_fill", peer, server.epoch)
 
     # ---- measurements ---------------------------------------------------------------------------------------
     def live_totals(self) -> List[float]:

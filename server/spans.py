@@ -11,8 +11,8 @@
   `--drain_timeout`, unloads, loads the new blocks and announces online.
 - Hole watch (`check_holes`, `fill_hole`): a server without pinned blocks looks for blocks nobody serves every
   `--hole_check_period` (times servers/100 in swarms of more than 100, so that the swarm's DHT reads stay
-  bounded); if moving would cover some, it waits its turn (`placement.hole_fill_rank` x `HOLE_FILL_SLOT`), looks
-  again and moves. The first server whose turn comes moves; the others find the hole served (joining counts).
+  bounded); if moving would cover some, it waits its turn (`placement.hole_fill_turn`, `hole_fill_delay`), looks
+  again and moves. The first server in turn moves at once; the others find the hole served (joining counts).
 
 The functions work on a `SpanHost` (the server process, `server.server.Server`).
 """
@@ -30,7 +30,7 @@ from server.blocks import packed_rows_for
 from server.config import ServerConfig
 from server.handler import BlockHandler
 from server.memory import Capacity, free_memory_bytes, plan_capacity
-from server.placement import block_throughputs, choose_best_span, hole_fill_rank, should_move, uncovered_blocks
+from server.placement import block_throughputs, choose_best_span, hole_fill_turn, should_move, uncovered_blocks
 from swarm.modeling.families import family_for
 from swarm.runtime.config import parse_span
 from swarm.wire.records import ServerState
@@ -152,18 +152,28 @@ async def maybe_rebalance(host: SpanHost) -> bool:
     return await fill_hole(host, why="rebalancing")
 
 
+def hole_fill_delay(turn: int, period: float, num_servers: int, rng: random.Random) -> float:
+    """Seconds a server whose turn to fill a hole is `turn` (`placement.hole_fill_turn`) waits before it looks again:
+    turn 0 a moment; a later turn the longest hole-check interval (by then turn 0 has seen the hole too, and moved)
+    plus `turn` slots, each longer than a DHT store and read."""
+    if turn == 0:
+        return rng.uniform(0.0, HOLE_FILL_SLOT / 4)
+    longest_check = 1.5 * period * max(1.0, num_servers / HOLE_WATCH_SWARM)
+    return longest_check + turn * HOLE_FILL_SLOT + rng.uniform(0.0, HOLE_FILL_SLOT / 4)
+
+
 async def check_holes(host: SpanHost) -> Tuple[Optional[float], int]:
-    """(seconds until this server's turn to fill a hole, or None: no hole, or moving would not cover any;
-    the number of servers the records show)."""
+    """(seconds until this server looks again and moves into the swarm's hole, or None: no hole, or moving would
+    not cover any; the number of servers the records show)."""
     spans = await host.record.spans()
-    holes = uncovered_blocks(block_throughputs(spans, host.num_blocks_total))
     num_servers = len({span.peer_id for span in spans})
-    if not holes or not _decide(host, spans)[0]:
+    turn = hole_fill_turn(spans, host.num_blocks_total, host.peer_id, balance_quality=host.config.balance_quality)
+    if turn is None:
         return None, num_servers
-    rank = hole_fill_rank([span.peer_id for span in spans], host.peer_id, holes)
-    delay = rank * HOLE_FILL_SLOT + host.rng.uniform(0.0, HOLE_FILL_SLOT / 4)
+    delay = hole_fill_delay(turn, host.config.hole_check_period, num_servers, host.rng)
+    holes = uncovered_blocks(block_throughputs(spans, host.num_blocks_total))
     logger.info(f"hole watch: nobody serves blocks {holes[0]}..{holes[-1]} ({len(holes)}); my turn to fill it is "
-                f"#{rank}, in {delay:.1f}s")
+                f"#{turn}: looking again in {delay:.1f}s")
     return delay, num_servers
 
 

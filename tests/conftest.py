@@ -45,8 +45,8 @@ EXTENDED = (
     # two free servers filling a hole left by a pinned one (about 2 min; make test: the hole watch's turns on
     # synthetic swarms in tests/test_placement.py)
     "tests/test_gap_fill.py::",
-    # eight self-placed servers on a tiny Llama, two killed during a chat (about 65 s; make test: three placed servers
-    # and a crash in tests/test_self_placement.py, failover tests)
+    # eight self-placed servers on a tiny Llama, two killed during a chat (about 65 s; make test: the placement policy
+    # on synthetic swarms, the failover tests)
     "tests/test_swarm_scale.py::",
     # the nf4 -> int8 -> float failover chain (make test: quantized swarms, failover on float)
     "tests/test_quant_swarm.py::test_a_mixed_swarm_fails_over_from_nf4_to_int8_to_float",
