@@ -47,21 +47,23 @@ SIZES = (2, 4, 6, 8)
 
 
 def tree_usage(proc: ManagedProcess) -> Dict[str, float]:
-    """RSS (MB) and CPU seconds of a process and its descendants (the DHT child, p2pd)."""
+    """RSS and PSS (MB; PSS splits pages shared with other processes, e.g. a forked DHT child's, among them) and
+    CPU seconds of a process and its descendants (the DHT child, p2pd)."""
     try:
         root = psutil.Process(proc.proc.pid)
         members = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return {"rss_mb": 0.0, "cpu_s": 0.0}
-    rss = cpu = 0.0
+        return {"rss_mb": 0.0, "pss_mb": 0.0, "cpu_s": 0.0}
+    rss = pss = cpu = 0.0
     for member in members:
         try:
-            rss += member.memory_info().rss / 2**20
+            memory = member.memory_full_info()
+            rss, pss = rss + memory.rss / 2**20, pss + memory.pss / 2**20
             times = member.cpu_times()
             cpu += times.user + times.system
         except psutil.NoSuchProcess:
             pass
-    return {"rss_mb": round(rss, 1), "cpu_s": round(cpu, 1)}
+    return {"rss_mb": round(rss, 1), "pss_mb": round(pss, 1), "cpu_s": round(cpu, 1)}
 
 
 def main() -> int:
@@ -106,7 +108,7 @@ def main() -> int:
         start_s = round(time.monotonic() - began, 1)
         gateway = start_gateway(str(path), [boot.maddr], prefix, threads=1, log_dir=str(work))
         time.sleep(2 * args.update_period)  # idle: every server announced, nothing in flight
-        idle = [tree_usage(p)["rss_mb"] for p in servers]
+        idle = [tree_usage(p) for p in servers]
         t0 = time.monotonic()
 
         def monitor():
@@ -127,7 +129,7 @@ def main() -> int:
 
         async def load():
             url = gateway.ready["url"]
-            body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me about rivers."}],
+            body = {"model": gateway.ready["model"], "messages": [{"role": "user", "content": "Tell me about rivers."}],
                     "max_tokens": args.tokens, "temperature": 0}
             async with httpx.AsyncClient(timeout=120) as http:
                 async def worker():
@@ -160,15 +162,17 @@ def main() -> int:
     holes += [round(timeline[-1]["t"] - t, 1) for t in open_at.values()] if timeline else []
     moves = sum(p.log_path.read_text(errors="replace").count("rebalancing: moving") for p in everyone)
     stats = wave_stats(streams)
+    errors = sorted({(s.error or f"HTTP {s.status}")[:160] for s in streams if s.error or s.status != 200})
     result = {"servers": args.servers, "blocks": BLOCKS, "duration_s": args.duration, "churn_every_s": args.churn_every,
               "concurrency": args.concurrency, "start_all_servers_s": start_s, "requests": stats["streams"],
               "failed": stats["failed"], "tokens_per_s": stats["tokens_per_s"], "ttft_ms": stats["ttft_ms"],
               "itl_ms": stats["itl_ms"], "kills": len(churn), "block_holes": len(holes),
               "hole_seconds_max": max(holes) if holes else 0.0, "moves": moves,
-              "idle_server_rss_mb_median": round(statistics.median(idle), 1),
+              "idle_server_rss_mb_median": round(statistics.median(u["rss_mb"] for u in idle), 1),
+              "idle_server_pss_mb_median": round(statistics.median(u["pss_mb"] for u in idle), 1),
               "server_rss_mb_median": round(statistics.median(u["rss_mb"] for u in usage.values()), 1),
               "server_cpu_s_median": round(statistics.median(u["cpu_s"] for u in usage.values()), 1),
-              "gateway": gateway_usage, "bootstrap": boot_usage, "logs": str(work)}
+              "gateway": gateway_usage, "bootstrap": boot_usage, "errors": errors[:5], "logs": str(work)}
     plot(timeline, churn, streams, args.plot)
     print(json.dumps(result))
     return 0
