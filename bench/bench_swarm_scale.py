@@ -162,10 +162,12 @@ def main() -> int:
     holes += [round(timeline[-1]["t"] - t, 1) for t in open_at.values()] if timeline else []
     moves = sum(p.log_path.read_text(errors="replace").count("rebalancing: moving") for p in everyone)
     stats = wave_stats(streams)
+    served = sum(1 for s in streams if s.error is None and s.status == 200)
     errors = sorted({(s.error or f"HTTP {s.status}")[:160] for s in streams if s.error or s.status != 200})
     result = {"servers": args.servers, "blocks": BLOCKS, "duration_s": args.duration, "churn_every_s": args.churn_every,
               "concurrency": args.concurrency, "start_all_servers_s": start_s, "requests": stats["streams"],
-              "failed": stats["failed"], "tokens_per_s": stats["tokens_per_s"], "ttft_ms": stats["ttft_ms"],
+              "failed": stats["failed"], "requests_per_s": round(served / args.duration, 2),
+              "chunks_per_s": round(sum(len(s.times) for s in streams) / args.duration, 1), "ttft_ms": stats["ttft_ms"],
               "itl_ms": stats["itl_ms"], "kills": len(churn), "block_holes": len(holes),
               "hole_seconds_max": max(holes) if holes else 0.0, "moves": moves,
               "idle_server_rss_mb_median": round(statistics.median(u["rss_mb"] for u in idle), 1),
