@@ -4,10 +4,12 @@ generator (concurrent streaming chats); every `--churn_every` s one random serve
 at random) and a new one joins.
 
 Reports one JSON object: requests served and failed, TTFT and inter-token percentiles, holes (blocks no ONLINE
-server announces, sampled every 2 s) and how long each lasted, rebalancing moves (from the servers' logs), RSS and
-CPU per process kind (each server counted with its DHT child and p2pd), idle RSS per server before the load; and
-draws docs/swarm-scale.png (coverage per block over time with the churn events, served requests per second).
-Not measured yet: DHT records and traffic per server, routing time per request.
+server announces, sampled every 2 s) and how long each lasted, DHT records, rebalancing moves (from the servers'
+logs), RSS/PSS and CPU per process kind (each server counted with its DHT child and p2pd), idle RSS/PSS per server
+before the load; and draws docs/swarm-scale.png (coverage per block over time with the churn events, served
+requests per second).
+DHT records: the unexpired (block, server) records under the model's keys, any state. Not measured yet: DHT
+traffic per server, routing time per request.
 
 Usage: python bench/bench_swarm_scale.py [--servers 8] [--duration 90] [--churn_every 20] [--concurrency 2]
 (the lead's full run: --servers 40 --duration 900 --churn_every 15 --concurrency 8)
@@ -113,9 +115,11 @@ def main() -> int:
 
         def monitor():
             while not stop.is_set():
-                spans = online_spans(fetch_block_records(dht, prefix, BLOCKS))
+                records = fetch_block_records(dht, prefix, BLOCKS)
+                spans = online_spans(records)
                 coverage = [sum(1 for s in spans if s.start <= b < s.end) for b in range(BLOCKS)]
-                timeline.append({"t": round(time.monotonic() - t0, 1), "coverage": coverage})
+                timeline.append({"t": round(time.monotonic() - t0, 1), "coverage": coverage,
+                                 "records": sum(len(block) for block in records)})
                 stop.wait(2.0)
 
         def churner():
@@ -168,7 +172,10 @@ def main() -> int:
               "concurrency": args.concurrency, "start_all_servers_s": start_s, "requests": stats["streams"],
               "failed": stats["failed"], "requests_per_s": round(served / args.duration, 2),
               "chunks_per_s": round(sum(len(s.times) for s in streams) / args.duration, 1), "ttft_ms": stats["ttft_ms"],
-              "itl_ms": stats["itl_ms"], "kills": len(churn), "block_holes": len(holes),
+              "itl_ms": stats["itl_ms"], "kills": len(churn),
+              "dht_records_max": max((t["records"] for t in timeline), default=0),
+              "dht_records_per_server": round(statistics.fmean(t["records"] for t in timeline) / args.servers, 2)
+              if timeline else 0.0, "block_holes": len(holes),
               "hole_seconds_max": max(holes) if holes else 0.0, "moves": moves,
               "idle_server_rss_mb_median": round(statistics.median(u["rss_mb"] for u in idle), 1),
               "idle_server_pss_mb_median": round(statistics.median(u["pss_mb"] for u in idle), 1),
