@@ -50,7 +50,7 @@ SIZES = (2, 4, 6, 8)
 
 def tree_usage(proc: ManagedProcess) -> Dict[str, float]:
     """RSS and PSS (MB; PSS splits pages shared with other processes, e.g. a forked DHT child's, among them) and
-    CPU seconds of a process and its descendants (the DHT child, p2pd)."""
+    CPU seconds of a process and its descendants (the DHT child, p2pd, a torch_shm_manager if any)."""
     try:
         root = psutil.Process(proc.proc.pid)
         members = [root, *root.children(recursive=True)]
