@@ -94,6 +94,11 @@ class ServerConfig(SwarmKeySettings):
                                                                    "other blocks would help the swarm (randomized)")
     balance_quality: float = Field(default=0.75, gt=0, le=1, description="move only if the swarm's weakest block "
                                                                          "would get more than 1/this times faster")
+    hole_check_period: float = Field(default=5.0, ge=0, description="without pinned blocks: mean seconds between "
+                                                                     "checks for blocks nobody serves (a hole), "
+                                                                     "stretched by servers/100 in larger swarms; "
+                                                                     "the servers that could fill one take turns "
+                                                                     "(0: only the balance checks)")
     drain_timeout: float = Field(default=60.0, ge=0, description="seconds running sessions get to finish before "
                                                                  "the server moves to other blocks")
     dht_prefix: Optional[str] = Field(default=None, description="DHT key prefix (default: from the model name)")

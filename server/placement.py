@@ -11,15 +11,26 @@ block is covered, raises the swarm's weakest-block throughput by more than a fac
 Each move therefore strictly improves the pair (uncovered blocks, weakest throughput) by a fixed factor,
 so in a swarm that does not change, servers evaluating one after another cannot cycle (A -> B -> A) and
 the number of moves is bounded.
+
+Filling holes (`uncovered_blocks`, `hole_fill_turn`): free servers watch the swarm for blocks nobody serves; the
+servers that would cover some of them by moving take turns in one order that all of them compute alike from the
+same records (a hash of peer id and holes), so that the first one moves and the others, looking again after it
+had time to, see it there (joining counts) and stay: no thundering herd into one hole.
+
+`should_move` costs O(servers x span) to sum the swarm's per-block throughput plus O(blocks x span) to decide;
+`move_target` is the decision alone on per-block totals, for callers that keep those totals up to date (the
+swarm simulation, `bench/sim_swarm.py`).
 """
 from __future__ import annotations
 
+import hashlib
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from swarm.wire.records import ServerSpan, ServerState
 
-__all__ = ["block_throughputs", "choose_best_span", "should_move", "num_blocks_that_fit"]
+__all__ = ["block_throughputs", "choose_best_span", "should_move", "move_target", "uncovered_blocks",
+           "hole_fill_turn", "num_blocks_that_fit"]
 
 _SERVING_STATES = (ServerState.JOINING, ServerState.ONLINE)
 _REL_EPS = 1e-9  # float sums that differ by less than this (relatively) are considered equal
@@ -94,22 +105,88 @@ def should_move(
         return False, None
 
     others = [span for span in spans if span.peer_id != my_peer_id]
-    before = block_throughputs(list(others) + [me], num_blocks)
     without_me = block_throughputs(others, num_blocks)
+    target = move_target(without_me, current, me.info.throughput, balance_quality=balance_quality,
+                         serving_now=me.info.state in _SERVING_STATES)
+    return (True, target) if target is not None else (False, None)
+
+
+def move_target(without_me: Sequence[float], current: Tuple[int, int], my_throughput: float, *,
+                balance_quality: float = 0.75, serving_now: bool = True) -> Optional[Tuple[int, int]]:
+    """`should_move`'s decision on per-block totals: `without_me[b]` is the throughput of block b from every other
+    JOINING or ONLINE server, `current` this server's blocks [start, end), `my_throughput` what it adds to each
+    block it serves (to `current` only if `serving_now`). The blocks to move to, or None to stay.
+    O(blocks x span)."""
+    if not 0 < balance_quality <= 1:
+        raise ValueError(f"balance_quality must be in (0, 1], got {balance_quality}")
+    num_blocks = len(without_me)
+    if num_blocks == 0 or current[1] <= current[0] or current[1] > num_blocks:
+        return None
     target = choose_best_span(without_me, current[1] - current[0])
     if target == current:
-        return False, None
-
-    after = list(without_me)
+        return None
+    before, after = list(without_me), list(without_me)
+    for index in range(*current):
+        before[index] += my_throughput if serving_now else 0.0
     for index in range(*target):
-        after[index] += me.info.throughput
+        after[index] += my_throughput
     old_uncovered, old_min = _balance(before)
     new_uncovered, new_min = _balance(after)
     if new_uncovered != old_uncovered:
         improves = new_uncovered < old_uncovered
     else:
         improves = old_uncovered == 0 and new_min * balance_quality > old_min * (1 + _REL_EPS)
-    return (True, target) if improves else (False, None)
+    return target if improves else None
+
+
+def uncovered_blocks(throughputs: Sequence[float]) -> List[int]:
+    """The blocks nobody serves (a hole), from `block_throughputs`."""
+    return [index for index, value in enumerate(throughputs) if value <= 0]
+
+
+def _fill_order_key(peer_id: str, holes: Sequence[int]) -> bytes:
+    return hashlib.sha256(f"{peer_id}|{','.join(map(str, holes))}".encode()).digest()
+
+
+def hole_fill_turn(spans: Sequence[ServerSpan], num_blocks: int, my_peer_id: str, *, balance_quality: float = 0.75,
+                   most: int = 8) -> Optional[int]:
+    """This server's turn to fill the swarm's holes: None if there is no hole or its moving would not cover any
+    (`should_move` says stay); else how many other servers that could fill them (by `move_target` on the same
+    records) come before it in an order that every server computes alike and that differs from hole to hole (a hash
+    of peer id and holes), counted up to `most`. Turn 0 moves at once; the others wait for it, then look again.
+    O(servers x span) to sum the records, plus O(blocks x span) per server ahead (each tried in hash order)."""
+    serving = [span for span in spans if span.info.state in _SERVING_STATES and span.end > span.start]
+    totals, counts = [0.0] * num_blocks, [0] * num_blocks
+    by_peer: Dict[str, ServerSpan] = {}
+    for span in serving:
+        if span.peer_id not in by_peer or span.length > by_peer[span.peer_id].length:
+            by_peer[span.peer_id] = span
+    for span in by_peer.values():
+        for index in range(max(span.start, 0), min(span.end, num_blocks)):
+            totals[index] += span.info.throughput
+            counts[index] += 1
+    holes = uncovered_blocks(totals)
+    if not holes or my_peer_id not in by_peer:
+        return None
+
+    def would_fill(span: ServerSpan) -> bool:
+        current = (max(span.start, 0), min(span.end, num_blocks))
+        without = list(totals)
+        for index in range(*current):
+            without[index] = without[index] - span.info.throughput if counts[index] > 1 else 0.0
+        return move_target(without, current, span.info.throughput, balance_quality=balance_quality) is not None
+
+    if not would_fill(by_peer[my_peer_id]):
+        return None
+    mine = _fill_order_key(my_peer_id, holes)
+    ahead = sorted((key, peer) for peer in by_peer if peer != my_peer_id
+                   for key in [_fill_order_key(peer, holes)] if key < mine)
+    turn = 0
+    for _, peer in ahead:
+        if turn >= most:
+            break
+        turn += would_fill(by_peer[peer])
+    return turn
 
 
 def num_blocks_that_fit(

@@ -10,9 +10,10 @@ Lifecycle (each step's module in brackets):
    `online`, print `SWARMGATE_READY {json}` (supervisors and tests wait for it).
 6. Serve, supervised: refresh the record every `--update_period`, sooner when the free cache changed a lot
    (`server.announce`); at random intervals around `--balance_period`, move if that helps the swarm enough
-   (`server.spans.maybe_rebalance`). If the serving loop dies (an exception while announcing, rebalancing or
-   loading), it is restarted with back-off: blocks that are missing are reloaded, a dead compute thread is
-   replaced, and the record is announced again.
+   (`server.spans.maybe_rebalance`); every few seconds (`--hole_check_period`) look for blocks nobody serves and,
+   when this server's turn comes, move into them (`server.spans.check_holes`, `fill_hole`). If the serving loop
+   dies (an exception while announcing, rebalancing or loading), it is restarted with back-off: blocks that are
+   missing are reloaded, a dead compute thread is replaced, and the record is announced again.
 7. On SIGINT/SIGTERM (to the process or its whole group): stop taking sessions, announce `offline` if the DHT
    peer still can, stop the compute thread, the DHT process and p2pd (`swarm.runtime.dht_process`), reap any
    descendant left (`swarm.runtime.lifecycle`) and exit 0, within a few seconds; a second signal exits at once.
@@ -218,10 +219,21 @@ class Server:
         await self.announce(ServerState.ONLINE)
         period = self.config.update_period
         tick = min(period, 1.0)
+        never = float("inf")
         next_balance = (time.monotonic() + spans.jittered(self.config.balance_period, self.rng)
-                        if not self.pinned else float("inf"))
-        while not await self.sleep(min(tick, max(0.0, next_balance - time.monotonic()))):
+                        if not self.pinned else never)
+        hole_period = self.config.hole_check_period if not self.pinned else 0.0
+        next_hole_check = time.monotonic() + spans.jittered(hole_period, self.rng) if hole_period > 0 else never
+        fill_at = never  # this server's turn to fill a hole it saw
+        while not await self.sleep(min(tick, max(0.0, min(next_balance, next_hole_check, fill_at) - time.monotonic()))):
             now = time.monotonic()
+            if now >= fill_at:
+                fill_at = never
+                await spans.fill_hole(self)
+            if now >= next_hole_check and fill_at == never:
+                delay, num_servers = await spans.check_holes(self)
+                fill_at = never if delay is None else time.monotonic() + delay
+                next_hole_check = time.monotonic() + spans.hole_check_interval(hole_period, num_servers, self.rng)
             if now >= next_balance:
                 await spans.maybe_rebalance(self)
                 next_balance = time.monotonic() + spans.jittered(self.config.balance_period, self.rng)

@@ -9,6 +9,10 @@
   would get more than 1/`--balance_quality` faster, after a random delay and a second look; a move announces
   the old blocks offline and the new ones joining, takes no new sessions, lets running ones finish within
   `--drain_timeout`, unloads, loads the new blocks and announces online.
+- Hole watch (`check_holes`, `fill_hole`): a server without pinned blocks looks for blocks nobody serves every
+  `--hole_check_period` (times servers/100 in swarms of more than 100, so that the swarm's DHT reads stay
+  bounded); if moving would cover some, it waits its turn (`placement.hole_fill_turn`, `hole_fill_delay`), looks
+  again and moves. The first server in turn moves at once; the others find the hole served (joining counts).
 
 The functions work on a `SpanHost` (the server process, `server.server.Server`).
 """
@@ -26,7 +30,7 @@ from server.blocks import packed_rows_for
 from server.config import ServerConfig
 from server.handler import BlockHandler
 from server.memory import Capacity, free_memory_bytes, plan_capacity
-from server.placement import block_throughputs, choose_best_span, should_move
+from server.placement import block_throughputs, choose_best_span, hole_fill_turn, should_move, uncovered_blocks
 from swarm.modeling.families import family_for
 from swarm.runtime.config import parse_span
 from swarm.wire.records import ServerState
@@ -34,6 +38,8 @@ from swarm.wire.records import ServerState
 logger = logging.getLogger("swarmgate.server")
 
 JOIN_CHECKS = 3  # re-checks of the initial placement before loading
+HOLE_FILL_SLOT = 3.0  # seconds between the turns of servers that could fill a hole (> a DHT store plus a read)
+HOLE_WATCH_SWARM = 100  # servers up to which each checks every --hole_check_period; more: each checks less often
 
 
 def jittered(mean: float, rng: random.Random) -> float:
@@ -127,21 +133,58 @@ async def place(host: SpanHost) -> Tuple[int, int]:
     return record.start, record.end
 
 
+def hole_check_interval(period: float, num_servers: int, rng: random.Random) -> float:
+    """Seconds to the next hole check: `jittered(period)`, stretched by servers/HOLE_WATCH_SWARM past that many
+    servers (the swarm as a whole still checks about HOLE_WATCH_SWARM/period times a second)."""
+    return jittered(period * max(1.0, num_servers / HOLE_WATCH_SWARM), rng)
+
+
+def _decide(host: SpanHost, spans) -> Tuple[bool, Optional[Tuple[int, int]]]:
+    return should_move(spans, host.num_blocks_total, host.peer_id, balance_quality=host.config.balance_quality)
+
+
 async def maybe_rebalance(host: SpanHost) -> bool:
     """Move to other blocks if that would help the swarm enough (looking twice); True if it moved."""
-    def decide(spans):
-        return should_move(spans, host.num_blocks_total, host.peer_id, balance_quality=host.config.balance_quality)
-
-    move, target = decide(await host.record.spans())
+    move, target = _decide(host, await host.record.spans())
     if not move:
         return False
     # another server may be reaching the same decision now: wait a little, then look again
     await host.sleep(host.rng.uniform(0.0, min(2.0, host.config.balance_period / 4)))
     if host.stopping():
         return False
-    move, target = decide(await host.record.spans())
+    return await fill_hole(host, why="rebalancing")
+
+
+def hole_fill_delay(turn: int, period: float, num_servers: int, rng: random.Random) -> float:
+    """Seconds a server whose turn to fill a hole is `turn` (`placement.hole_fill_turn`) waits before it looks again:
+    turn 0 a moment; a later turn the longest hole-check interval (by then turn 0 has seen the hole too, and moved)
+    plus `turn` slots, each longer than a DHT store and read."""
+    if turn == 0:
+        return rng.uniform(0.0, HOLE_FILL_SLOT / 4)
+    longest_check = 1.5 * period * max(1.0, num_servers / HOLE_WATCH_SWARM)
+    return longest_check + turn * HOLE_FILL_SLOT + rng.uniform(0.0, HOLE_FILL_SLOT / 4)
+
+
+async def check_holes(host: SpanHost) -> Tuple[Optional[float], int]:
+    """(seconds until this server looks again and moves into the swarm's hole, or None: no hole, or moving would
+    not cover any; the number of servers the records show)."""
+    spans = await host.record.spans()
+    num_servers = len({span.peer_id for span in spans})
+    turn = hole_fill_turn(spans, host.num_blocks_total, host.peer_id, balance_quality=host.config.balance_quality)
+    if turn is None:
+        return None, num_servers
+    delay = hole_fill_delay(turn, host.config.hole_check_period, num_servers, host.rng)
+    holes = uncovered_blocks(block_throughputs(spans, host.num_blocks_total))
+    logger.info(f"hole watch: nobody serves blocks {holes[0]}..{holes[-1]} ({len(holes)}); my turn to fill it is "
+                f"#{turn}: looking again in {delay:.1f}s")
+    return delay, num_servers
+
+
+async def fill_hole(host: SpanHost, why: str = "hole watch") -> bool:
+    """Look again and move if that still helps (another server may have moved first); True if it moved."""
+    move, target = _decide(host, await host.record.spans())
     if not move or target is None:
-        logger.info("rebalancing: someone else moved first; staying")
+        logger.info(f"{why}: someone else moved first; staying")
         return False
     await move_to(host, *target)
     return True

@@ -42,6 +42,12 @@ EXTENDED = (
     # placement scenarios of three servers (make test: placement policy on synthetic swarms, the serving loop)
     "tests/test_self_placement.py::test_three_servers_cover_the_model_and_recover_from_a_crash",
     "tests/test_self_placement.py::test_a_moving_server_lets_running_sessions_finish",
+    # two free servers filling a hole left by a pinned one (about 2 min; make test: the hole watch's turns on
+    # synthetic swarms in tests/test_placement.py)
+    "tests/test_gap_fill.py::",
+    # eight self-placed servers on a tiny Llama, two killed during a chat (about 65 s; make test: the placement policy
+    # on synthetic swarms, the failover tests)
+    "tests/test_swarm_scale.py::",
     # the nf4 -> int8 -> float failover chain (make test: quantized swarms, failover on float)
     "tests/test_quant_swarm.py::test_a_mixed_swarm_fails_over_from_nf4_to_int8_to_float",
     # a link cut in network namespaces (make test: processes on their own hosts; a frozen server on loopback)

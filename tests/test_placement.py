@@ -6,7 +6,16 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import pytest
 
-from server.placement import block_throughputs, choose_best_span, num_blocks_that_fit, should_move
+from server.placement import (
+    block_throughputs,
+    choose_best_span,
+    hole_fill_turn,
+    move_target,
+    num_blocks_that_fit,
+    should_move,
+    uncovered_blocks,
+)
+from server.spans import hole_fill_delay
 from swarm.wire.records import ServerInfo, ServerSpan, ServerState
 
 
@@ -227,3 +236,86 @@ def test_after_a_crash_exactly_one_of_two_twins_moves():
     spans[first] = ServerSpan(first, 15, 30, spans[first].info.model_copy(update={"state": ServerState.JOINING}))
     assert should_move(list(spans.values()), 30, second) == (False, None)
     assert should_move(list(spans.values()), 30, first) == (False, None)
+
+
+def _random_swarm(rng: random.Random, num_servers: int, num_blocks: int) -> List[ServerSpan]:
+    spans = []
+    for index in range(num_servers):
+        start = rng.randrange(num_blocks)
+        end = min(num_blocks, start + rng.randint(1, 12))
+        state = rng.choice([ServerState.ONLINE, ServerState.ONLINE, ServerState.JOINING])
+        spans.append(make_span(f"p{index}", start, end, throughput=10 ** rng.uniform(0, 2), state=state))
+    return spans
+
+
+def test_move_target_on_totals_decides_as_should_move():
+    rng = random.Random(7)
+    for _ in range(200):
+        spans = _random_swarm(rng, rng.randint(1, 12), 30)
+        me = rng.choice(spans)
+        without_me = block_throughputs(spans, 30, exclude_peer=me.peer_id)
+        target = move_target(without_me, (me.start, me.end), me.info.throughput)
+        assert should_move(spans, 30, me.peer_id) == ((True, target) if target else (False, None))
+    with pytest.raises(ValueError):
+        move_target([1.0], (0, 1), 1.0, balance_quality=0)
+
+
+def test_uncovered_blocks_and_turns_to_fill_a_hole():
+    assert uncovered_blocks([1.0, 0.0, 0.0, 2.0, 0.0]) == [1, 2, 4]
+    assert uncovered_blocks([1.0, 3.0]) == []
+    # 12 blocks; 0:6 served by six servers, 6:12 by nobody: each of the six could fill it
+    spans = [make_span(f"p{i}", 0, 6) for i in range(6)] + [make_span("pinned", 0, 6, state=ServerState.JOINING)]
+    turns = [hole_fill_turn(spans, 12, f"p{i}") for i in range(6)]
+    assert len(set(turns)) == 6 and set(turns) <= set(range(7))  # one order (the joining 7th counts too), no ties
+    assert turns == [hole_fill_turn(list(reversed(spans)), 12, f"p{i}") for i in range(6)]  # any listing order
+    # another hole, another order; a server that would not cover it, or an unknown one, has no turn
+    other = [make_span(f"p{i}", 6, 12) for i in range(6)] + [make_span("pinned", 6, 12)]
+    assert [hole_fill_turn(other, 12, f"p{i}") for i in range(6)] != turns
+    assert hole_fill_turn(spans + [make_span("far", 0, 12, throughput=0.1)], 12, "p0") is None  # no hole
+    assert hole_fill_turn(spans, 12, "stranger") is None
+    lone = [make_span("a", 0, 6), make_span("b", 6, 9)]  # each the only server of its blocks: moving opens a hole
+    assert hole_fill_turn(lone, 12, "a") is None and hole_fill_turn(lone, 12, "b") is None
+    assert hole_fill_turn(spans, 12, "p0", most=2) <= 2
+
+
+def _fill_a_hole(scheme: str, seed: int, *, period: float = 5.0, dht_delay: float = 1.0) -> int:
+    """40 servers of 10 blocks on 40 blocks, four on each window of a tiling; one window's four servers leave.
+    Every other server sees the hole at its next hole check (a random moment within 1.5 hole-check periods)
+    and schedules a try: at its turn (`hole_fill_turn`, `hole_fill_delay`) or after a uniform delay of up to 2 s
+    (`naive`, the balance check's); a try looks at the records as they were `dht_delay` s earlier (a store takes
+    that long to be seen) and moves if `should_move` still says so. Returns how many servers moved on a view that
+    still showed the hole (after the first one, such a move is a herd's: later moves on a view without it are
+    ordinary rebalancing)."""
+    rng = random.Random(seed)
+    spans = {f"s{i}": make_span(f"s{i}", 10 * (i % 4), 10 * (i % 4) + 10, throughput=rng.uniform(1, 2))
+             for i in range(40)}
+    for peer in [p for p, span in spans.items() if span.start == 20]:
+        del spans[peer]
+    history = [(-1.0, dict(spans))]  # (time, the records from then on)
+    tries = []
+    for peer in spans:
+        seen = rng.uniform(0, 1.5 * period)
+        if scheme == "turns":
+            turn = hole_fill_turn(list(spans.values()), 40, peer)
+            assert turn is not None
+            tries.append((seen + hole_fill_delay(turn, period, len(spans), rng), peer))
+        else:
+            tries.append((seen + rng.uniform(0, 2), peer))
+    moved = 0
+    for when, peer in sorted(tries):
+        view = [records for at, records in history if at <= when - dht_delay][-1]
+        move, target = should_move(list(view.values()), 40, peer)
+        if move and target is not None:
+            moved += bool(uncovered_blocks(block_throughputs(list(view.values()), 40)))
+            spans[peer] = ServerSpan(peer, *target, spans[peer].info.model_copy(
+                update={"start": target[0], "end": target[1], "state": ServerState.JOINING}))
+            history.append((when, dict(spans)))
+    assert not uncovered_blocks(block_throughputs(list(spans.values()), 40))
+    return moved
+
+
+def test_servers_taking_turns_fill_a_hole_once_where_random_delays_herd():
+    turns = [_fill_a_hole("turns", seed) for seed in range(20)]
+    naive = [_fill_a_hole("naive", seed) for seed in range(20)]
+    assert turns == [1] * 20, turns
+    assert min(naive) >= 2 and sum(naive) >= 3 * sum(turns), naive

@@ -354,3 +354,28 @@ def test_a_chain_carries_each_servers_dtype_and_the_client_sends_in_it():
         request = stream._queue.get_nowait()
         sent = P.deserialize_tensor(request.tensors[0], max_elements=1 << 20)  # type: ignore[union-attr]
         assert sent.dtype == dtype and torch.equal(sent, hidden.to(dtype))
+
+
+def test_large_swarms_search_only_the_cheapest_servers_of_each_block(monkeypatch):
+    import swarm.client.routing as routing
+
+    rng = random.Random(5)
+    spans = []
+    for index in range(600):  # ~100 servers on each of 24 blocks: more than MAX_SERVERS_PER_BLOCK
+        start = rng.randrange(24)
+        spans.append(make_span(f"s{index:03d}", start, min(24, start + rng.randint(2, 6)),
+                               throughput=10 ** rng.uniform(0, 2), cache=rng.choice([0, 100_000])))
+    rtts = {span.peer_id: rng.uniform(0.001, 0.05) for span in spans}
+    pruned = find_inference_chain(spans, 0, 24, client_rtts=rtts, cache_tokens_needed=10)
+    assert_valid_chain(pruned, spans, 0, 24)
+    monkeypatch.setattr(routing, "MAX_SERVERS_PER_BLOCK", 10**9)
+    full = find_inference_chain(spans, 0, 24, client_rtts=rtts, cache_tokens_needed=10)
+    costs = [chain_cost(chain, spans, client_rtts=rtts, cache_tokens_needed=10) for chain in (pruned, full)]
+    assert costs[1] <= costs[0] <= costs[1] * 1.05, costs  # the same chain here; at worst a near-optimal one
+    assert all(span.info.cache_tokens_left >= 10 for span in spans if span.peer_id in peers(pruned))
+    # a swarm within the limit is searched whole: the same chain either way
+    small = spans[:60]
+    monkeypatch.setattr(routing, "MAX_SERVERS_PER_BLOCK", 64)
+    ours = find_inference_chain(small, 0, 24, client_rtts=rtts)
+    monkeypatch.setattr(routing, "MAX_SERVERS_PER_BLOCK", 10**9)
+    assert find_inference_chain(small, 0, 24, client_rtts=rtts) == ours
