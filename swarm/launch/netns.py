@@ -5,10 +5,10 @@ public-looking one with `public=True`, for libp2p's relays)
 (so that the test process can reach every host), and `add_host(name)` a namespace with loopback up and one
 interface `eth0` at the next address. `host.wrap` is the command prefix that runs a process in it
 (`ip netns exec NS`, see `swarm.launch.topology`); `lab.cut(host)` takes the host's link down on the bridge
-side, like pulling its cable (no RST reaches anyone), and `lab.mend(host)` brings it back; `lab.refuse_inbound(host)`
-puts it behind a NAT (it can connect out, nobody can connect in: incoming SYNs are dropped by a `tc` filter). `close()` removes
-every namespace and the bridge, also after a failure half-way. Needs root and `ip`; `NetLab.unavailable()`
-says why not, for a skip.
+side, like pulling its cable (no RST reaches anyone), and `lab.mend(host)` brings it back;
+`lab.refuse_inbound(host)` puts it behind a NAT (it connects out, nobody connects in: a `tc` filter drops incoming
+SYNs). `close()` removes every namespace and the bridge, also after a failure half-way. Needs root and `ip`;
+`NetLab.unavailable()` says why not, for a skip.
 """
 from __future__ import annotations
 
