@@ -51,7 +51,9 @@ async def settle_reachability(server) -> Reachable:
     if not config.new_swarm and not config.skip_reachability_check:
         tried = dialable_maddrs(server.started_dht.get_visible_maddrs())
         checkers = checker_peers(config.initial_peers)
+        began = time.monotonic()
         verdict = await check_reachability(server.p2p, checkers, tried)
+        logger.debug(f"reachability check by {len(checkers)} peer(s): {verdict} in {time.monotonic() - began:.2f}s")
         if verdict is None:
             logger.info("could not check reachability (no initial peer answered a dial-back request): assuming "
                         "this server is directly reachable")

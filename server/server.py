@@ -313,6 +313,11 @@ class Server:
         """Stop the compute thread, the P2P handle and the DHT process (killed if it does not stop in time)."""
         if self.pool is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.pool.shutdown, POOL_STOP_TIMEOUT)
+        if self.dial_back is not None:
+            try:  # the probe p2pd of the dial-back checks it answered
+                await asyncio.wait_for(self.dial_back.close(), UNLOAD_TIMEOUT)
+            except Exception:
+                pass
         if self.p2p is not None:
             try:  # our handle on p2pd: its reader tasks end instead of being destroyed pending at exit
                 await asyncio.wait_for(self.p2p.shutdown(), UNLOAD_TIMEOUT)

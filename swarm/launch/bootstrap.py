@@ -57,7 +57,8 @@ def main(argv=None) -> int:
         return 1
     loop = asyncio.new_event_loop()  # the dial-back checks starting servers ask for (swarm.runtime.reachability)
     threading.Thread(target=loop.run_forever, name="dial-back", daemon=True).start()
-    p2p = asyncio.run_coroutine_threadsafe(_serve_dial_backs(dht), loop).result(CHECKS_START_TIMEOUT)
+    checks = DialBackService()
+    p2p = asyncio.run_coroutine_threadsafe(_serve_dial_backs(dht, checks), loop).result(CHECKS_START_TIMEOUT)
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
     print("SWARMGATE_READY " + json.dumps({"peer_id": dht.peer_id.to_base58(), "maddrs": maddrs,
                                                "swarm_key": key.fingerprint if key else None}), flush=True)
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
         logger.info("shutting down")
     finally:
         try:
-            asyncio.run_coroutine_threadsafe(p2p.shutdown(), loop).result(CHECKS_START_TIMEOUT)
+            asyncio.run_coroutine_threadsafe(_stop_dial_backs(p2p, checks), loop).result(CHECKS_START_TIMEOUT)
         except Exception:
             pass
         loop.call_soon_threadsafe(loop.stop)
@@ -82,7 +83,12 @@ def main(argv=None) -> int:
     return 0
 
 
-async def _serve_dial_backs(dht):
+async def _serve_dial_backs(dht, checks: DialBackService):
     p2p = await dht.replicate_p2p()
-    await DialBackService().add_p2p_handlers(p2p)
+    await checks.add_p2p_handlers(p2p)
     return p2p
+
+
+async def _stop_dial_backs(p2p, checks: DialBackService) -> None:
+    await checks.close()
+    await p2p.shutdown()
