@@ -90,6 +90,10 @@ EXTENDED = (
     # hypothesis over training streams (make test: training calls time out, count as streams and are capped, in
     # tests/test_limits.py; the inference RPCs' fuzzing in tests/test_fuzz_rpc.py)
     "tests/test_fuzz_training.py::test_fuzzed_training_streams",
+    # a volunteer behind a NAT in three network namespaces, about 90 s (make test: the dial-back check against the
+    # bootstrap peer on loopback, the relay arguments and flags, routing's preference for direct servers, in
+    # tests/test_reachability.py)
+    "tests/test_nat.py::",
     # speculation asked per request on the scripted gateway (make test: through a real gateway in test_gateway.py)
     "tests/test_speculative.py::test_gateway_speculative_requests_match_plain_ones",
 )

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Final, Iterable, List, Literal, Optional, Sequence, Tuple
+import re
+from typing import Final, Iterable, List, Literal, Optional, Sequence, Set, Tuple
 
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
@@ -36,6 +37,7 @@ MAX_WAITING = 8  # dial-back requests queued at one checker; more are refused as
 RELAYED: Final = "relayed"
 DIRECT: Final = "direct"
 Reachable = Literal["direct", "relayed"]
+PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{40,64}")  # base58 (libp2p peer ids: 46 or 52 characters)
 
 
 class DialBack(P.Message):
@@ -47,7 +49,8 @@ class DialBack(P.Message):
     @field_validator("peer_id")
     @classmethod
     def _peer(cls, value: str) -> str:
-        PeerID.from_base58(value)  # ValueError on garbage
+        if not PEER_ID.fullmatch(value):
+            raise ValueError("not a base58 peer id")
         return value
 
     @field_validator("maddrs")
@@ -71,13 +74,15 @@ class DialBackResult(P.Message):
 class DialBackService(ServicerBase):
     """The checker side: dials the asking peer back from its probe p2pd, one dial at a time. The probe (no listen
     address, relays off) is started at the first request and kept: after each dial it is disconnected from the peer
-    it dialed, so it holds no connection that a later check could reuse. `close()` stops it."""
+    it dialed, so it holds no connection that a later check could reuse, and a peer that asks again gets a fresh
+    probe (libp2p dials every address it knows for a peer, not only the ones given). `close()` stops it."""
 
     def __init__(self, dial_timeout: float = DIAL_TIMEOUT):
         self.dial_timeout = dial_timeout
         self._lock = asyncio.Lock()
         self._waiting = 0
         self._probe: Optional[P2P] = None
+        self._dialed: Set[PeerID] = set()  # peers the probe has dialed (it remembers their addresses)
         self.checks = 0  # answered requests (tests, logs)
 
     @classmethod
@@ -104,16 +109,20 @@ class DialBackService(ServicerBase):
         self.checks += 1
         return P.make_response(DialBackResult(reachable=reachable, error=error[:512]))
 
-    async def _started_probe(self) -> P2P:
+    async def _started_probe(self, peer: PeerID) -> P2P:
         child = getattr(self._probe, "_child", None)  # its p2pd process
+        if peer in self._dialed:  # libp2p would also dial the addresses it learned then: a fresh probe
+            await self.close()
         if self._probe is None or not self._probe.is_alive or child is None or child.returncode is not None:
+            self._dialed.clear()
             self._probe = await P2P.create(host_maddrs=[], no_listen=True, use_relay=False, auto_nat=False,
                                            nat_port_map=False, dht_mode="client", idle_timeout=0)
         return self._probe
 
     async def _dial(self, peer: PeerID, maddrs: Sequence[str]) -> Tuple[bool, str]:
         try:
-            probe = await self._started_probe()
+            probe = await self._started_probe(peer)
+            self._dialed.add(peer)
         except Exception as e:
             return False, f"the checker could not start its probe: {type(e).__name__}: {e}"
         try:
