@@ -18,6 +18,7 @@ from swarm.modeling.smallgemm import valid_packed_rows
 from swarm.runtime.config import parse_span
 from swarm.runtime.relays import RelaySettings
 from swarm.runtime.swarm_key import SwarmKeySettings
+from swarm.wire.compression import COMPRESSION_HELP, Compression
 from swarm.wire.dtypes import DTYPES, QUANT_TYPES
 
 
@@ -34,6 +35,9 @@ class ServerConfig(SwarmKeySettings, RelaySettings):
                                                                "announce /ip4/PUBLIC_IP/tcp/PORT for each fixed "
                                                                "listening port (needs --port or a port in "
                                                                "--host_maddrs)")
+    compression: Compression = Field(default="none", description=COMPRESSION_HELP + "; what this server sends "
+                                                                                    "to sessions whose client does "
+                                                                                    "not ask for one")
     no_auto_relay: bool = Field(default=False, description="when other peers cannot dial this server, do not serve "
                                                            "through a relay: exit instead")
     skip_reachability_check: bool = Field(default=False, description="do not ask peers to dial this server back at "

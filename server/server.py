@@ -167,6 +167,7 @@ class Server:
                                      alloc_timeout=self.config.alloc_timeout, step_timeout=self.config.step_timeout,
                                      swarm_key=self.record.swarm_key,
                                      limits=limits)
+        handler.compression = self.config.compression
         if self.p2p is None:
             self.p2p = await self.started_dht.replicate_p2p()
         await handler.add_p2p_handlers(self.p2p)

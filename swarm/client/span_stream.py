@@ -106,7 +106,8 @@ class SpanStream:
         self._responses = await stub.rpc_inference(aio.iterate_queue(self._queue))
         opened = P.OpenSession(session_id=self.session_id, start=self.hop.start, end=self.hop.end,
                                max_length=self.max_length, batch_size=self.batch_size, adapter=self.adapter,
-                               prompts=self.prompts is not None, push_token=self.push_token)
+                               prompts=self.prompts is not None, push_token=self.push_token,
+                               compression=self.manager.config.compression)
         self._queue.put_nowait(P.make_request(opened, [] if self.prompts is None else [self.prompts]))
         if wait:
             await self._next_reply()
@@ -122,7 +123,7 @@ class SpanStream:
         """Queue a step: hidden [batch, seq, hidden] for positions start_position.. (returns at once); `edits`:
         the step's `P.RowEdits` fields (beam parents, padding)."""
         step = P.Step(start_position=start_position, step_id=step_id, push_chain=list(push_chain), **(edits or {}))
-        self._queue.put_nowait(P.make_request(step, [hidden]))
+        self._queue.put_nowait(P.make_request(step, [hidden], compression=self.manager.config.compression or "none"))
 
     async def receive(self, start_position: int, seq: int, timeout: Optional[float] = None):
         """The reply to the step at start_position: (output [batch, seq, hidden], pushed)."""
