@@ -71,6 +71,7 @@ def main() -> int:
                                           host=hosts["home"].address, threads=1, wrap=hosts["home"].wrap)
                     procs.append(second)
                     wait_all([second])
+                print(f"measuring the {chain} chain", file=sys.stderr, flush=True)
                 model = AutoDistributedModelForCausalLM.from_pretrained(
                     model_path, initial_peers=[boot.maddr], dht_prefix=PREFIX, update_period=5)
                 try:
@@ -82,6 +83,8 @@ def main() -> int:
             result["same_tokens"] = texts["direct"] == texts["relayed"]
         finally:
             for proc in reversed(procs):
+                if os.environ.get("BENCH_RELAY_LOGS"):
+                    print(f"--- {proc.name}\n{proc.log_tail(15)}", file=sys.stderr)
                 proc.kill()
     print(json.dumps(result))
     return 0
