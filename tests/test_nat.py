@@ -7,7 +7,8 @@ The test first proves that the home server's own address cannot be dialed from t
 public one) while it accepts connections inside its namespace; then that the home server found out it is not
 reachable, serves through the bootstrap peer's relay (`reachable: relayed` in its record, shown by the status
 page), and that a greedy chat through the gateway in the client namespace, whose chain ends at the home server,
-returns the text local transformers gives. With relays off (`--no_relay`) a home server exits 1 with one error
+returns the text local transformers gives, the public server pushing its decode outputs to the home server
+through the relay. With relays off (`--no_relay`) a home server exits 1 with one error
 line naming the addresses tried and the flags that help, before loading any block, and leaves no process behind.
 Skips, saying why, where network namespaces are not permitted.
 """
@@ -22,6 +23,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from swarm.client.manager import ClientConfig, SwarmManager
 from swarm.launch.netns import NetLab
 from swarm.launch.topology import start_bootstrap, start_gateway, start_server, wait_all
 from tests.gateway_fixtures import reference_text
@@ -97,6 +99,16 @@ def test_a_chat_through_the_relayed_home_server_equals_transformers(nat_lab, tok
     answer = httpx.post(nat_lab.url + "/v1/chat/completions", timeout=300, json={
         "model": model, "messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0}).json()
     assert answer["choices"][0]["message"]["content"] == expected
+    # the decode steps crossed the relay: the public server pushed its outputs to the home server through it
+    manager = SwarmManager(ClientConfig(initial_peers=[nat_lab.boot.maddr], measure_rtt=False), PREFIX, 30)
+    try:
+        public = manager.server_info(nat_lab.servers["public"].peer_id)
+        home = manager.server_info(nat_lab.servers["home"].peer_id)
+    finally:
+        manager.shutdown()
+    print(f"\npushes sent by the public server {public.pushes_sent}, steps the home server took from a push "
+          f"{home.steps_from_push} of {home.inference_steps}")
+    assert home.inference_steps >= MAX_TOKENS - 1 and public.pushes_sent > 0 and home.steps_from_push > 0
 
 
 def test_with_relays_off_an_unreachable_server_exits_with_one_line(nat_lab, model_path):
