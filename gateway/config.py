@@ -15,6 +15,7 @@ from swarm.client.drafting import MAX_DRAFT_TOKENS
 from swarm.client.routing import normalize_quant_types
 from swarm.modeling.smallgemm import valid_packed_rows
 from swarm.runtime.swarm_key import SwarmKeySettings
+from swarm.wire.compression import COMPRESSION_HELP, Compression
 from swarm.wire.dtypes import QUANT_TYPES, parse_dtype
 
 
@@ -65,6 +66,9 @@ class GatewayConfig(SwarmKeySettings):
     pool_headroom: int = Field(
         default=512, ge=0, description="tokens a pooled session reserves beyond prompt + max_tokens so that the "
                                        "next turns of the conversation fit in it (capped by the context length)")
+    compression: Optional[Compression] = Field(default=None, description=COMPRESSION_HELP + " of this gateway's "
+                                                                                           "sessions (default: each "
+                                                                                           "server's --compression)")
     allowed_quant_types: Optional[List[str]] = Field(
         default=None, description=f"route only through servers announcing one of these weight formats "
                                   f"({', '.join(QUANT_TYPES)}); default: any (a mixed swarm works)")

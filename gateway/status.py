@@ -122,8 +122,9 @@ td.name{max-width:16em;overflow:hidden;text-overflow:ellipsis}
 <div id="coverage" data-covered="" data-total=""></div>
 <div class="muted"><span id="cov-text"></span></div>
 <h2>Servers</h2>
-<table><thead><tr><th>peer id</th><th>name</th><th>blocks</th><th>state</th><th>steps/s</th><th>free cache tokens</th>
-<th>quant</th><th>adapters</th><th>version</th><th>RTT ms</th></tr></thead><tbody id="servers"></tbody></table>
+<table><thead><tr><th>peer id</th><th>name</th><th>blocks</th><th>state</th><th>reach</th><th>steps/s</th>
+<th>free cache tokens</th><th>quant</th><th>adapters</th><th>version</th><th>RTT ms</th></tr></thead>
+<tbody id="servers"></tbody></table>
 <h2>This gateway</h2>
 <div class="figures" id="figures"></div>
 <p class="muted">Refreshes every REFRESH_S s · <a href="status.json">status.json</a> · <span id="updated"></span></p>
@@ -163,7 +164,8 @@ function render(data) {
     const name = el("td", s.public_name, "name");
     peer.title = s.peer_id; name.title = s.public_name;
     row.append(peer, name, el("td", s.start + ":" + s.end),
-      el("td", state, state), el("td", fmt(s.throughput, 1), "num"), el("td", s.cache_tokens_left, "num"),
+      el("td", state, state), el("td", s.reachable), el("td", fmt(s.throughput, 1), "num"),
+      el("td", s.cache_tokens_left, "num"),
       el("td", s.quant_type + " / " + s.dtype), el("td", s.adapters.length ? s.adapters.join(", ") : "-"),
       el("td", s.version), el("td", s.rtt_ms === null ? "-" : fmt(s.rtt_ms, 1), "num"));
     body.appendChild(row);

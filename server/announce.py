@@ -21,6 +21,8 @@ from hivemind.utils import get_dht_time
 from server.config import ServerConfig
 from server.pings import measure_next_pings
 from swarm import __version__
+from swarm.runtime.reachability import Reachable
+from swarm.runtime.relays import relay_dht_kwargs
 from swarm.runtime.swarm_key import SwarmKey, join_dht, proof_for
 from swarm.wire.records import (
     ServerInfo,
@@ -35,15 +37,19 @@ from swarm.wire.records import (
 logger = logging.getLogger("swarmgate.server")
 
 
-def start_dht(config: ServerConfig) -> hivemind.DHT:
-    """The server's DHT peer: joins `--initial_peers`, or starts a new swarm with `--new_swarm`."""
+def start_dht(config: ServerConfig, relayed: bool = False) -> hivemind.DHT:
+    """The server's DHT peer: joins `--initial_peers`, or starts a new swarm with `--new_swarm`. Directly
+    reachable (`relayed=False`): a full DHT peer that offers relay service (`swarm.runtime.relays`); `relayed`: a
+    DHT client that reserves a slot on a relay (its initial peers) and is dialed through it."""
     if not config.new_swarm and not config.initial_peers:
         raise ValueError("give --initial_peers to join a swarm, or --new_swarm to start one")
-    host_maddrs = [f"/ip4/0.0.0.0/tcp/{config.port}"] if config.port is not None else config.host_maddrs
     return join_dht(
         config.load_swarm_key(), initial_peers=[] if config.new_swarm else config.initial_peers,
-        host_maddrs=host_maddrs, announce_maddrs=config.announce_maddrs or None, identity_path=config.identity_path,
-        client_mode=False,
+        host_maddrs=config.listen_maddrs(), announce_maddrs=config.announced_maddrs() or None,
+        identity_path=config.identity_path, client_mode=relayed,
+        # a relayed restart reuses the identity of the direct peer it replaces, which other peers may still know
+        **({"check_if_identity_free": False} if relayed else {}),
+        **relay_dht_kwargs(config, offer=not relayed, reserve=relayed, relays=config.initial_peers),
     )
 
 
@@ -70,6 +76,7 @@ class Announcer:
         self.swarm_key: Optional[SwarmKey] = None  # a private swarm's key (set by the server): pings prove membership
         self.next_pings: Dict[str, float] = {}  # peer id -> RTT (s) to servers that can run block `end`
         self.limits: Optional[ServerLimits] = None  # the RPC limits this server enforces (set by the server)
+        self.reachable: Reachable = "direct"  # or "relayed": behind a NAT, served through a relay (server.reachable)
         # observable counters (tests, logs) and what the last announcement said
         self.announcements = 0
         self.announced_free: Optional[int] = None
@@ -81,7 +88,7 @@ class Announcer:
                           cache_tokens_left=self.free_cache_tokens(), version=__version__,
                           dtype=str(self.dtype).replace("torch.", ""), quant_type=self.quant_type,
                           adapters=self.adapters, next_pings=dict(self.next_pings), limits=self.limits,
-                          tensor_parallel=self.tensor_parallel)
+                          tensor_parallel=self.tensor_parallel, reachable=self.reachable)
 
     async def declare(self, blocks: Sequence[int], info: ServerInfo) -> None:
         if not blocks:

@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import ipaddress
 from typing import List, Optional
 
 from pydantic import Field, field_validator, model_validator
@@ -17,11 +18,13 @@ from swarm.modeling.quantize import QUANT_TYPE_HELP
 from swarm.modeling.smallgemm import valid_packed_rows
 from swarm.modeling.tensor_parallel import distinct_devices, parse_devices
 from swarm.runtime.config import parse_span
+from swarm.runtime.relays import RelaySettings
 from swarm.runtime.swarm_key import SwarmKeySettings
+from swarm.wire.compression import COMPRESSION_HELP, Compression
 from swarm.wire.dtypes import DTYPES, QUANT_TYPES
 
 
-class ServerConfig(SwarmKeySettings):
+class ServerConfig(SwarmKeySettings, RelaySettings):
     model: str = Field(description="model to serve: bundled name, local checkpoint directory or hub repo id")
     new_swarm: bool = Field(default=False, description="start a new swarm (no initial peers)")
     initial_peers: List[str] = Field(default_factory=list, description="multiaddrs of peers to join")
@@ -29,6 +32,18 @@ class ServerConfig(SwarmKeySettings):
                                    description="multiaddrs to listen on")
     announce_maddrs: List[str] = Field(default_factory=list, description="multiaddrs to announce to others")
     port: Optional[int] = Field(default=None, description="shortcut: listen on /ip4/0.0.0.0/tcp/PORT")
+    public_ip: Optional[str] = Field(default=None, description="this machine's public IPv4 address (e.g. a home "
+                                                               "router's, with the port forwarded to this machine): "
+                                                               "announce /ip4/PUBLIC_IP/tcp/PORT for each fixed "
+                                                               "listening port (needs --port or a port in "
+                                                               "--host_maddrs)")
+    compression: Compression = Field(default="none", description=COMPRESSION_HELP + "; what this server sends "
+                                                                                    "to sessions whose client does "
+                                                                                    "not ask for one")
+    no_auto_relay: bool = Field(default=False, description="when other peers cannot dial this server, do not serve "
+                                                           "through a relay: exit instead")
+    skip_reachability_check: bool = Field(default=False, description="do not ask peers to dial this server back at "
+                                                                     "start: assume it is directly reachable")
     identity_path: Optional[str] = Field(default=None, description="private key file for a fixed peer id")
     block_indices: Optional[str] = Field(default=None, description="serve blocks start:end (pinned: no rebalancing)")
     num_blocks: Optional[int] = Field(default=None, gt=0,
@@ -110,6 +125,13 @@ class ServerConfig(SwarmKeySettings):
                              description="a name for this server shown on swarm status pages (e.g. who runs it)")
     log_level: str = Field(default="INFO", description="logging level")
 
+    @field_validator("public_ip")
+    @classmethod
+    def _valid_public_ip(cls, value):
+        if value is not None:
+            ipaddress.IPv4Address(value)  # ValueError names it
+        return value
+
     @field_validator("block_indices")
     @classmethod
     def _valid_span(cls, value):
@@ -175,6 +197,25 @@ class ServerConfig(SwarmKeySettings):
     def devices(self) -> List[str]:
         """Every device the span's blocks use (a device named twice counted once)."""
         return distinct_devices(self.tensor_parallel_devices) if self.tensor_parallel_devices else [self.device]
+
+    def listen_maddrs(self) -> List[str]:
+        return [f"/ip4/0.0.0.0/tcp/{self.port}"] if self.port is not None else list(self.host_maddrs)
+
+    def announced_maddrs(self) -> List[str]:
+        """`--announce_maddrs`, or with `--public_ip` one address per fixed TCP port listened on."""
+        if self.public_ip is None:
+            return list(self.announce_maddrs)
+        ports = [m.split("/tcp/")[1].split("/")[0] for m in self.listen_maddrs() if "/tcp/" in m]
+        return list(self.announce_maddrs) + [f"/ip4/{self.public_ip}/tcp/{port}" for port in ports]
+
+    @model_validator(mode="after")
+    def _fixed_port_for_public_ip(self):
+        if self.public_ip is not None:
+            ports = [m.split("/tcp/")[1].split("/")[0] for m in self.listen_maddrs() if "/tcp/" in m]
+            if not ports or "0" in ports:
+                raise ValueError("--public_ip needs a fixed listening port (--port N, or --host_maddrs "
+                                 "/ip4/0.0.0.0/tcp/N), forwarded to this machine by the router")
+        return self
 
     @model_validator(mode="after")
     def _consistent_blocks(self):

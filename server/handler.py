@@ -64,6 +64,8 @@ async def _pump(requests: AsyncIterator, inputs: asyncio.Queue) -> None:
 
 
 class BlockHandler(TrainingHandler):
+    compression = "none"  # hidden states of sessions that do not ask (`--compression`, swarm.wire.compression)
+
     def __init__(self, span: BlockSpan, model_name: str, version: str, budget: CacheBudget, pool: TaskPool,
                  max_length: int, alloc_timeout: float, step_timeout: float, max_batch_tokens: int = 1 << 16,
                  prefill_chunk: int = 256, swarm_key: Optional[SwarmKey] = None, limits: RpcLimits = RpcLimits()):
@@ -176,6 +178,7 @@ class BlockHandler(TrainingHandler):
                 return
             registered = key
             pump = asyncio.ensure_future(_pump(requests, inputs))
+            compression = opened.compression or self.compression  # of this session's replies and pushes
             yield P.make_response(P.StepResult(position=0))  # the session is open
             last_step_id = -1
             last_reorder_id = 0  # the last `Step.reorder_id` applied to this session's cache rows
@@ -244,14 +247,15 @@ class BlockHandler(TrainingHandler):
                 self.counters.steps_from_push += source == "push"
                 # push first (the next server starts at once), then the copy the client keeps for failover
                 was_pushed = bool(step.push_chain) and self.pusher is not None and self.pusher.push(
-                    step.push_chain, step.start_position, step.step_id, output, step.row_edits())
+                    step.push_chain, step.start_position, step.step_id, output, step.row_edits(),
+                    compression=compression)
                 self.counters.pushes_sent += was_pushed
                 if was_pushed:
                     # let the other sessions of this batch (resumed in the same loop turn) push theirs before any
                     # client copy goes out: the next server waits for the whole batch
                     await asyncio.sleep(0)
                 yield P.make_response(P.StepResult(position=kv.length, step_id=step.step_id, pushed=was_pushed),
-                                      [output])
+                                      [output], compression=compression)
         finally:
             self.streams.exit_stream()
             if peer is not None:

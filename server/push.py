@@ -118,7 +118,7 @@ class PushSender:
             channel.alive = False
 
     def push(self, chain: list, start_position: int, step_id: int, output: torch.Tensor,
-             row_edits: Optional[dict] = None) -> bool:
+             row_edits: Optional[dict] = None, compression: str = "none") -> bool:
         """Queue the output for chain[0] (telling it the rest of the chain and the step's row edits: beam parents,
         padding, `P.RowEdits`); False if no live stream took it."""
         if self.closed:
@@ -136,7 +136,7 @@ class PushSender:
         message = P.PushStep(stream_key=target.stream_key, push_token=target.push_token,
                              start_position=start_position, step_id=step_id, push_chain=list(chain[1:]),
                              **(row_edits or {}))
-        channel.queue.put_nowait(P.make_request(message, [output], uid=self.proof))
+        channel.queue.put_nowait(P.make_request(message, [output], uid=self.proof, compression=compression))
         return True
 
     def close(self) -> None:

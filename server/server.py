@@ -1,7 +1,8 @@
 """A block server process: the supervisor that wires the server's parts together and keeps them running.
 
 Lifecycle (each step's module in brackets):
-1. Start a DHT peer, bootstrapping from `--initial_peers` or as a new swarm (`server.announce`).
+1. Start a DHT peer, bootstrapping from `--initial_peers` or as a new swarm (`server.announce`); ask peers to dial
+   it back: behind a NAT, restart it as a relayed DHT client, or exit 1 when relays are off (`server.reachable`).
 2. Size: how many blocks fit, and the KV cache budget (`server.spans.plan`).
 3. Throughput: `--throughput auto|eval|<number>` (`server.throughput`: measured once on one block, cached on disk).
 4. Place: pinned `--block_indices` or the least-served window, re-checked against concurrent joiners
@@ -44,6 +45,7 @@ from server.config import ServerConfig
 from server.handler import BlockHandler
 from server.limits import RpcLimits
 from server.memory import Capacity
+from server.reachable import Unreachable, settle_reachability
 from server.throughput import get_throughput
 from swarm import __version__
 from swarm.modeling.checkpoint import Checkpoint
@@ -99,6 +101,7 @@ class Server:
         self.rng = random.Random()
         self.dht: Optional[hivemind.DHT] = None
         self.p2p = None
+        self.dial_back = None  # the dial-back checks this server offers others (when directly reachable)
         self.handler: Optional[BlockHandler] = None
         # the one thread that does this process's tensor work (swarm.runtime.threads)
         self.pool: Optional[TaskPool] = None
@@ -172,6 +175,7 @@ class Server:
                                      alloc_timeout=self.config.alloc_timeout, step_timeout=self.config.step_timeout,
                                      swarm_key=self.record.swarm_key,
                                      limits=limits)
+        handler.compression = self.config.compression
         if self.p2p is None:
             self.p2p = await self.started_dht.replicate_p2p()
         await handler.add_p2p_handlers(self.p2p)
@@ -277,6 +281,8 @@ class Server:
                                                    self.num_blocks_total, self.quant_type)
         self.dht = self.record.dht = await loop.run_in_executor(None, start_dht, self.config)
         try:
+            # before placing or loading blocks: behind a NAT, a relay (or exit 1 with one line: Unreachable)
+            self.record.reachable = await settle_reachability(self)
             self.record.throughput, source = await self._compute_pool().submit(
                 PRIORITY_FORWARD, lambda: get_throughput(self.config.throughput, self.checkpoint, self.config.device,
                                                          self.dtype, self.config.torch_dtype,
@@ -294,7 +300,8 @@ class Server:
                      "maddrs": [str(m) for m in self.started_dht.get_visible_maddrs()], "prefix": self.prefix,
                      "throughput": self.record.throughput, "attn_cache_tokens": self.capacity.attn_cache_tokens,
                      "quant_type": self.quant_type, "adapters": [files.name for files in self.adapters],
-                     "tensor_parallel_devices": self.config.tensor_parallel_devices}
+                     "tensor_parallel_devices": self.config.tensor_parallel_devices,
+                     "reachable": self.record.reachable}
             print("SWARMGATE_READY " + json.dumps(ready), flush=True)
             logger.info(f"serving blocks {start}:{end} of {self.config.model} as {ready['peer_id']}")
             await self._supervise()
@@ -328,6 +335,11 @@ class Server:
         """Stop the compute thread, the P2P handle and the DHT process (killed if it does not stop in time)."""
         if self.pool is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.pool.shutdown, POOL_STOP_TIMEOUT)
+        if self.dial_back is not None:
+            try:  # the probe p2pd of the dial-back checks it answered
+                await asyncio.wait_for(self.dial_back.close(), UNLOAD_TIMEOUT)
+            except Exception:
+                pass
         if self.p2p is not None:
             try:  # our handle on p2pd: its reader tasks end instead of being destroyed pending at exit
                 await asyncio.wait_for(self.p2p.shutdown(), UNLOAD_TIMEOUT)
@@ -352,6 +364,9 @@ def main(argv=None, server_class: Type[Server] = Server) -> int:
         logger.error(f"server failed: --tensor_parallel_devices: {e}")
         print(f"error: --tensor_parallel_devices: {e}", file=sys.stderr)
         return 2
+    except Unreachable as e:  # one line: what was tried and which flags help
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except (ValueError, RuntimeError, OSError) as e:
         logger.error(f"server failed: {e}")
         print(f"error: {e}", file=sys.stderr)

@@ -100,6 +100,10 @@ EXTENDED = (
     # named calls and closed schemas in process, every cut point by the parser, every closed grammar sampled)
     "tests/test_tools.py::test_forced_call_cut_by_max_tokens_is_a_partial_call[named]",
     "tests/test_tools.py::test_strict_tool_arguments_have_every_property_and_no_other[closed]",
+    # a volunteer behind a NAT in three network namespaces, about 90 s (make test: the dial-back check against the
+    # bootstrap peer on loopback, the relay arguments and flags, routing's preference for direct servers, in
+    # tests/test_reachability.py)
+    "tests/test_nat.py::",
     # speculation asked per request on the scripted gateway (make test: through a real gateway in test_gateway.py)
     "tests/test_speculative.py::test_gateway_speculative_requests_match_plain_ones",
     # a session's replay onto a second split server (make test: the split server's prefill, rewinds and beams in

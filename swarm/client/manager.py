@@ -33,6 +33,7 @@ from swarm.client.routing import (
 from swarm.runtime import aio
 from swarm.runtime.swarm_key import SwarmKey, join_dht, proof_for
 from swarm.wire import protocol as P
+from swarm.wire.compression import COMPRESSION_HELP, Compression
 from swarm.wire.records import ServerSpan, fetch_block_records, online_spans
 
 if TYPE_CHECKING:
@@ -73,6 +74,9 @@ class ClientConfig(BaseModel):
                                                     "verify_probability per step; outvoted servers are never used")
     verify_probability: float = Field(default=0.05, ge=0, le=1, description="chance that a span's output is checked "
                                                                             "at a step (with verify)")
+    compression: Optional[Compression] = Field(default=None, description=COMPRESSION_HELP + " for this client's "
+                                                                                           "sessions (None: each "
+                                                                                           "server's --compression)")
     allowed_quant_types: Optional[List[str]] = Field(
         default=None, description=f"weight formats of the servers a route may use, of {', '.join(QUANT_TYPES)} "
                                   f"(a server's announced quant_type); None: any, so a mixed swarm works")

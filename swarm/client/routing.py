@@ -9,6 +9,7 @@ swarm announces (`swarm.wire.records.ServerSpan`). It is pure: no network, no DH
   - client -> first server: RTT/2 (from `client_rtts`, else `RoutingCosts.default_rtt`) + `hop_overhead`;
   - server A -> server B: `A.info.next_pings[B]`/2 if A measured it, else `default_rtt`/2, + `hop_overhead`;
   - last server -> client: RTT/2 + `hop_overhead`;
+  - each hop into a server that announces `reachable: relayed` (dialed through a relay): + `relay_overhead`;
   - each block: 1/throughput of the server running it, plus `cache_penalty` per block run on a server whose
     free KV cache is smaller than `cache_tokens_needed` (so such servers are used only for blocks that
     nothing else covers).
@@ -117,6 +118,9 @@ class RoutingCosts:
     hop_overhead: float = 0.002  # fixed cost of every network hop (client->server, server->server, server->client)
     default_rtt: float = 0.01  # used when no RTT measurement is known for a link
     cache_penalty: float = 1000.0  # added per block run on a server whose free cache is too small
+    # added to every hop into a server behind a NAT (`reachable: relayed`): its RTTs are measured through the relay
+    # like any other link's, so this only makes a direct chain win when it is as fast
+    relay_overhead: float = 0.001
 
 
 def _check_range(start: int, end: int) -> None:
@@ -139,6 +143,10 @@ def _block_cost(span: ServerSpan, cache_tokens_needed: int, costs: RoutingCosts)
     if cache_tokens_needed > 0 and span.info.cache_tokens_left < cache_tokens_needed:
         cost += costs.cache_penalty
     return cost
+
+
+def _relay_cost(span: ServerSpan, costs: RoutingCosts) -> float:
+    return costs.relay_overhead if span.info.reachable == "relayed" else 0.0
 
 
 def _half_client_rtt(peer_id: str, client_rtts: Mapping[str, float], costs: RoutingCosts) -> float:
@@ -202,6 +210,7 @@ def find_inference_chain(
         for offset in range(max(span.start, start) - start, min(span.end, end) - start):
             covering[offset].append(peer_id)
     block_cost = {peer_id: _block_cost(span, cache_tokens_needed, costs) for peer_id, span in usable.items()}
+    relay_cost = {peer_id: _relay_cost(span, costs) for peer_id, span in usable.items()}
 
     # incoming[t] = {s: measured RTT s->t}, only for usable s != t
     incoming: Dict[str, Dict[str, float]] = {}
@@ -222,7 +231,7 @@ def find_inference_chain(
         parent: Dict[str, Optional[str]] = {}
         if offset == 0:
             for t in covering[0]:
-                enter[t] = _half_client_rtt(t, client_rtts, costs) + costs.hop_overhead
+                enter[t] = _half_client_rtt(t, client_rtts, costs) + costs.hop_overhead + relay_cost[t]
                 parent[t] = _CLIENT
         else:
             order = sorted(arrive.items(), key=lambda item: (item[1], item[0]))
@@ -231,19 +240,20 @@ def find_inference_chain(
                 if t in arrive:  # stay on the same server: no network cost
                     best, source = arrive[t], t
                 known = incoming.get(t)
+                hop_in = costs.hop_overhead + relay_cost[t]
                 for s, cost in order:  # cheapest sender over an unmeasured link
                     if s == t or (known is not None and s in known):
                         continue
-                    if cost + default_transfer < best:
-                        best, source = cost + default_transfer, s
+                    if cost + default_transfer + relay_cost[t] < best:
+                        best, source = cost + default_transfer + relay_cost[t], s
                     break
                 if known is not None:
                     for s, rtt in known.items():
                         reached = arrive.get(s)
                         if reached is None:
                             continue
-                        if reached + rtt / 2 + costs.hop_overhead < best:
-                            best, source = reached + rtt / 2 + costs.hop_overhead, s
+                        if reached + rtt / 2 + hop_in < best:
+                            best, source = reached + rtt / 2 + hop_in, s
                 if source is _CLIENT:  # unreachable (e.g. only infinite measured RTTs)
                     continue
                 enter[t] = best
@@ -291,7 +301,7 @@ def chain_cost(
     total = _half_client_rtt(chain[0].peer_id, client_rtts, costs) + costs.hop_overhead
     for index, hop in enumerate(chain):
         span = by_peer[hop.peer_id]
-        total += hop.length * _block_cost(span, cache_tokens_needed, costs)
+        total += hop.length * _block_cost(span, cache_tokens_needed, costs) + _relay_cost(span, costs)
         if index + 1 < len(chain):
             rtt = _clean_rtt(span.info.next_pings.get(chain[index + 1].peer_id))
             total += (costs.default_rtt if rtt is None else rtt) / 2 + costs.hop_overhead

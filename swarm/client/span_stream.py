@@ -110,7 +110,8 @@ class SpanStream:
         self._responses = await stub.rpc_inference(aio.iterate_queue(self._queue))
         opened = P.OpenSession(session_id=self.session_id, start=self.hop.start, end=self.hop.end,
                                max_length=self.max_length, batch_size=self.batch_size, adapter=self.adapter,
-                               prompts=self.prompts is not None, push_token=self.push_token)
+                               prompts=self.prompts is not None, push_token=self.push_token,
+                               compression=self.manager.config.compression)
         self._queue.put_nowait(P.make_request(opened, [] if self.prompts is None else [self.prompts]))
         if wait:
             await self._next_reply()
@@ -128,7 +129,7 @@ class SpanStream:
         step = P.Step(start_position=start_position, step_id=step_id, push_chain=list(push_chain), **(edits or {}))
         if self.wire_dtype is not None and hidden.is_floating_point():
             hidden = hidden.to(self.wire_dtype)
-        self._queue.put_nowait(P.make_request(step, [hidden]))
+        self._queue.put_nowait(P.make_request(step, [hidden], compression=self.manager.config.compression or "none"))
 
     async def receive(self, start_position: int, seq: int, timeout: Optional[float] = None):
         """The reply to the step at start_position: (output [batch, seq, hidden], pushed)."""

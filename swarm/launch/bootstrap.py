@@ -2,10 +2,12 @@
 
 It listens on `--host_maddrs` (optionally with a fixed `--identity_path`, so its address is known in advance),
 prints `SWARMGATE_READY {json}` with the multiaddrs others join with, and runs until SIGINT/SIGTERM (then stops
-its DHT process and p2pd: `swarm.runtime.lifecycle`).
+its DHT process and p2pd: `swarm.runtime.lifecycle`). It offers relay service to peers behind a NAT (unless
+`--no_relay`; `swarm.runtime.relays`) and dial-back checks to starting servers (`swarm.runtime.reachability`).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -17,12 +19,15 @@ from pydantic import Field
 
 from swarm.runtime import lifecycle
 from swarm.runtime.config import config_from_argv, setup_logging
+from swarm.runtime.reachability import DialBackService
+from swarm.runtime.relays import RelaySettings, relay_dht_kwargs
 from swarm.runtime.swarm_key import SwarmKeySettings, join_dht
 
 logger = logging.getLogger("swarmgate.dht")
+CHECKS_START_TIMEOUT = 10.0
 
 
-class BootstrapConfig(SwarmKeySettings):
+class BootstrapConfig(SwarmKeySettings, RelaySettings):
     host_maddrs: List[str] = Field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/31337"],
                                    description="multiaddrs to listen on")
     announce_maddrs: List[str] = Field(default_factory=list, description="multiaddrs to announce to others")
@@ -45,10 +50,15 @@ def main(argv=None) -> int:
     lifecycle.on_stop_signals(stop.set)
     try:
         dht = join_dht(key, host_maddrs=config.host_maddrs, announce_maddrs=config.announce_maddrs or None,
-                       identity_path=config.identity_path, initial_peers=config.initial_peers)
+                       identity_path=config.identity_path, initial_peers=config.initial_peers,
+                       **relay_dht_kwargs(config, offer=True, reserve=False))
     except Exception as e:
         print(f"error: cannot start the DHT peer: {e}", file=sys.stderr)
         return 1
+    loop = asyncio.new_event_loop()  # the dial-back checks starting servers ask for (swarm.runtime.reachability)
+    threading.Thread(target=loop.run_forever, name="dial-back", daemon=True).start()
+    checks = DialBackService()
+    p2p = asyncio.run_coroutine_threadsafe(_serve_dial_backs(dht, checks), loop).result(CHECKS_START_TIMEOUT)
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
     print("SWARMGATE_READY " + json.dumps({"peer_id": dht.peer_id.to_base58(), "maddrs": maddrs,
                                                "swarm_key": key.fingerprint if key else None}), flush=True)
@@ -64,5 +74,21 @@ def main(argv=None) -> int:
         stop.wait()
         logger.info("shutting down")
     finally:
+        try:
+            asyncio.run_coroutine_threadsafe(_stop_dial_backs(p2p, checks), loop).result(CHECKS_START_TIMEOUT)
+        except Exception:
+            pass
+        loop.call_soon_threadsafe(loop.stop)
         dht.shutdown()
     return 0
+
+
+async def _serve_dial_backs(dht, checks: DialBackService):
+    p2p = await dht.replicate_p2p()
+    await checks.add_p2p_handlers(p2p)
+    return p2p
+
+
+async def _stop_dial_backs(p2p, checks: DialBackService) -> None:
+    await checks.close()
+    await p2p.shutdown()

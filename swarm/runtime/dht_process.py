@@ -10,6 +10,8 @@ with the shutdown paths made safe for every process kind (server, gateway, boots
   that DHT still waiting fails at once instead of blocking its thread forever (which would also block the exit),
   and so does every later call. Only that DHT's calls: a process may run several DHT peers (a test's reader next
   to an in-process server), and one peer stopping must not fail the others' calls.
+- `p2pd_extra`: p2pd flags that `hivemind.P2P.create` does not expose (relay service limits,
+  `swarm.runtime.relays`), added to the child's p2pd command line.
 - `shutdown(timeout)` (also at interpreter exit): asks the child to stop, SIGKILLs it (and its p2pd) after
   `timeout` seconds, and never raises when the child is already gone.
 """
@@ -23,7 +25,7 @@ import signal
 import threading
 import time
 import weakref
-from typing import Callable
+from typing import Any, Callable, Dict, Optional
 
 import hivemind
 import psutil
@@ -96,12 +98,26 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(0)
 
 
+def _add_p2pd_flags(extra: Dict[str, Any]) -> None:
+    """In the DHT child only: every p2pd it starts gets the `extra` flags too (e.g. the relay service's limits)."""
+    from hivemind.p2p import P2P
+
+    make = P2P._make_process_args
+
+    def with_extra(*args, **kwargs):
+        return make(*args, **{**kwargs, **extra})
+
+    P2P._make_process_args = staticmethod(with_extra)
+
+
 class DHTProcess(hivemind.DHT):
     """`hivemind.DHT` (same arguments) with the child's signals reset, a parent watchdog in the child, pending calls
     failed when the child dies, and a `shutdown` that always ends the child within its timeout."""
 
-    def __init__(self, *args, start: bool, await_ready: bool = True, **kwargs):
+    def __init__(self, *args, start: bool, await_ready: bool = True, p2pd_extra: Optional[Dict[str, Any]] = None,
+                 **kwargs):
         super().__init__(*args, start=False, **kwargs)
+        self._p2pd_extra = dict(p2pd_extra or {})  # p2pd flags hivemind does not expose (swarm.runtime.relays)
         # before the child starts: its watcher may fail the calls (readiness included) as soon as it has started
         self._calls = _CallsPipe(getattr(self, "_outer_pipe"), self._child_gone)
         setattr(self, "_outer_pipe", self._calls)  # hivemind sends every call through it
@@ -132,6 +148,8 @@ class DHTProcess(hivemind.DHT):
         except ValueError:  # not the child's main thread (cannot happen with fork; kept safe)
             pass
         threading.Thread(target=_watch_parent, args=(os.getppid(),), name="parent-watch", daemon=True).start()
+        if self._p2pd_extra:
+            _add_p2pd_flags(self._p2pd_extra)
         super().run()
 
     def shutdown(self, timeout: float = SHUTDOWN_TIMEOUT) -> None:

@@ -41,6 +41,7 @@ from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
+from swarm.wire import compression as wire_compression
 from swarm.wire.dtypes import DTYPES, WIRE_DTYPES, dtype_name
 from swarm.wire.records import ServerLimits
 
@@ -83,6 +84,12 @@ class OpenSession(Message):
     push_token: Optional[str] = Field(default=None, min_length=16, max_length=MAX_TOKEN_LEN,
                                       description="the secret a push into this session part must carry (the client "
                                                   "hands it to the previous server only); None: no push accepted")
+    # left out of the message when None, so that servers from before the field (which reject unknown fields)
+    # still take sessions that do not ask for compression
+    compression: Optional[wire_compression.Compression] = Field(
+        default=None, exclude_if=lambda value: value is None,
+        description="how this session's hidden states travel (steps, replies, pushes; swarm.wire.compression); "
+                    "None: the server's --compression")
 
 
 class PushTarget(Message):
@@ -272,8 +279,11 @@ def decode_reply(data: bytes, forward: bool = False) -> Union[StepResult, Forwar
         raise ProtocolError(f"invalid reply from server: {e.errors()[0]['msg']}") from None
 
 
-def serialize_tensor(tensor: torch.Tensor) -> runtime_pb2.Tensor:
-    """Raw bytes in the tensor's own dtype (no casts); bfloat16 travels as its 2-byte pattern."""
+def serialize_tensor(tensor: torch.Tensor, compression: str = "none") -> runtime_pb2.Tensor:
+    """Raw bytes in the tensor's own dtype (no casts); bfloat16 travels as its 2-byte pattern. With a
+    `compression` (`swarm.wire.compression`) that applies to the tensor, its compressed form instead."""
+    if compression != "none" and wire_compression.applies(tensor, compression):
+        return wire_compression.compress(tensor, compression)
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
@@ -290,8 +300,11 @@ def deserialize_tensor(
 ) -> torch.Tensor:
     """Rebuild a tensor after checking its dtype, shape and byte size; ProtocolError on any mismatch."""
     allowed = DTYPES if allowed is None else allowed
-    if proto.compression != runtime_pb2.CompressionType.NONE:
-        raise ProtocolError("compressed tensors are not accepted")
+    if proto.compression != runtime_pb2.CompressionType.NONE:  # float16 / blockwise8 (swarm.wire.compression)
+        try:
+            return wire_compression.decompress(proto, max_elements, allowed)
+        except wire_compression.CompressionError as e:
+            raise ProtocolError(str(e)) from None
     dtype = allowed.get(proto.dtype)
     if dtype is None:
         raise ProtocolError(f"dtype {proto.dtype!r} is not accepted here (allowed: {sorted(allowed)})")
@@ -313,12 +326,16 @@ def deserialize_tensor(
     return flat.view(shape)
 
 
-def make_request(message: Message, tensors: Sequence[torch.Tensor] = (), uid: str = "") -> runtime_pb2.ExpertRequest:
-    return runtime_pb2.ExpertRequest(uid=uid, metadata=encode(message), tensors=[serialize_tensor(t) for t in tensors])
+def make_request(message: Message, tensors: Sequence[torch.Tensor] = (), uid: str = "",
+                 compression: str = "none") -> runtime_pb2.ExpertRequest:
+    return runtime_pb2.ExpertRequest(uid=uid, metadata=encode(message),
+                                     tensors=[serialize_tensor(t, compression) for t in tensors])
 
 
-def make_response(message: Message, tensors: Sequence[torch.Tensor] = ()) -> runtime_pb2.ExpertResponse:
-    return runtime_pb2.ExpertResponse(metadata=encode(message), tensors=[serialize_tensor(t) for t in tensors])
+def make_response(message: Message, tensors: Sequence[torch.Tensor] = (),
+                  compression: str = "none") -> runtime_pb2.ExpertResponse:
+    return runtime_pb2.ExpertResponse(metadata=encode(message),
+                                      tensors=[serialize_tensor(t, compression) for t in tensors])
 
 
 def error_response(code: str, message: str) -> runtime_pb2.ExpertResponse:

@@ -2,7 +2,8 @@
 
 One DHT key per block of a model (`"{prefix}.{block_index}"`), one sub-key per server (its peer id), whose
 value is a `ServerInfo` dict: the server's state, its span, throughput, free KV cache, version, the RTTs it
-measured to servers that host its next blocks and its resource limits (`ServerLimits`). Records expire unless
+measured to servers that host its next blocks, its resource limits (`ServerLimits`) and whether peers dial it
+directly or through a relay (`reachable`, `swarm.runtime.reachability`). Records expire unless
 refreshed; a server going away stores `offline` with a short expiration. Records that fail validation are ignored
 (a bad peer cannot break a reader).
 """
@@ -13,7 +14,7 @@ import logging
 import re
 from dataclasses import dataclass
 from functools import partial
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Literal, Optional, Sequence
 
 from hivemind import DHT
 from hivemind.p2p import PeerID
@@ -69,6 +70,9 @@ class ServerInfo(BaseModel):
     next_pings: Dict[str, float] = Field(default_factory=dict, description="peer id -> RTT in seconds")
     limits: Optional[ServerLimits] = Field(default=None, description="the server's resource limits (None: an "
                                                                      "older server that does not announce them)")
+    reachable: Literal["direct", "relayed"] = Field(default="direct", description="direct: peers dial it; relayed: "
+                                                                                  "it is behind a NAT and served "
+                                                                                  "through a relay peer")
 
 
 @dataclass(frozen=True)
