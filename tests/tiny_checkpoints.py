@@ -32,7 +32,7 @@ def tiny_config(family: str, **overrides):
     values.update(overrides)
     config = AutoConfig.for_model(family, **values)
     config._attn_implementation = "sdpa"
-    if family == "mixtral":
+    if family in ("mixtral", "qwen3_moe"):
         config._experts_implementation = "eager"
     return config
 
@@ -45,7 +45,7 @@ def save_tiny(family: str, path: Path, tokenizer_dir: Optional[str], layout: str
 
     torch.manual_seed(seed)
     reference = AutoModelForCausalLM.from_config(tiny_config(family, **overrides)).eval()
-    if family == "mixtral":
+    if family in ("mixtral", "qwen3_moe"):
         reference.set_experts_implementation("eager")  # transformers' per-expert loop: the op order we follow
     path = Path(path)
     if max_shard_size is not None:

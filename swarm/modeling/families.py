@@ -4,7 +4,8 @@ Client and server must agree on how a checkpoint is cut: which tensors belong to
 those), and which are the embeddings, final norm and LM head (the client loads those). One `FamilySpec` per
 supported `config.model_type` names the family's modeling module and the classes in it. A new family is one
 module plus its tests; `swarm.modeling.llama` serves llama, mistral and qwen2, `swarm.modeling.mixtral`
-mixtral, `swarm.modeling.bloom` BLOOM and `swarm.modeling.falcon` Falcon. A family module provides
+mixtral, `swarm.modeling.bloom` BLOOM, `swarm.modeling.falcon` Falcon, `swarm.modeling.qwen3` Qwen3,
+`swarm.modeling.qwen3_moe` Qwen3-MoE and `swarm.modeling.phi3` Phi-3. A family module provides
 - its decoder layer class (nn.Modules under transformers' parameter names) with transformers' calling convention
   `layer(hidden, attention_mask, position_ids, past_key_values, position_embeddings=(cos, sin))` (None without
   rotary), a settable `layer_idx`, its rotary embedding class (none for ALiBi-only families) and its norm class
@@ -118,6 +119,11 @@ FAMILIES = {
         _layer_norm_family("falcon", "Falcon", rotary=True, embed_norm=False),  # rotary, or ALiBi with `alibi`
         # Llama's attention with a mixture of experts; both layouts of the experts' tensors load
         replace(_llama_like("mixtral", "Mixtral"), module="swarm.modeling.mixtral"),
+        # Llama's block with q/k norms per head (and Qwen3-MoE's experts)
+        replace(_llama_like("qwen3", "Qwen3"), module="swarm.modeling.qwen3"),
+        replace(_llama_like("qwen3_moe", "Qwen3Moe"), module="swarm.modeling.qwen3_moe"),
+        # Llama's block with q/k/v and gate/up fused in the checkpoint
+        replace(_llama_like("phi3", "Phi3"), module="swarm.modeling.phi3"),
     )
 }
 

@@ -50,7 +50,8 @@ def sparse_moe(layer, h: torch.Tensor) -> torch.Tensor:
     flat = h.reshape(-1, h.shape[-1])  # [tokens, hidden]
     probs = F.softmax(layer.router(flat).float(), dim=-1)  # [tokens, experts], float32 as transformers
     weights, chosen = torch.topk(probs, layer.top_k, dim=-1)  # [tokens, top_k]
-    weights /= weights.sum(dim=-1, keepdim=True)
+    if getattr(layer, "norm_topk_prob", True):  # (Qwen3-MoE's config may keep the top-k probabilities as they are)
+        weights /= weights.sum(dim=-1, keepdim=True)
     out = torch.zeros_like(flat)
     # the (token, slot) assignments grouped by expert: one host sync for the counts
     flat_chosen = chosen.reshape(-1)  # [tokens * top_k]

@@ -38,6 +38,22 @@ FAMILY_DEFAULTS: Dict[str, Dict[str, Any]] = {
                 "num_experts_per_tok": 2, "num_local_experts": 8, "router_jitter_noise": 0.0,
                 "output_router_logits": False, "router_aux_loss_coef": 0.001},
 }
+# Qwen3Config, Qwen3MoeConfig and Phi3Config's
+_QWEN3: Dict[str, Any] = {**_COMMON, "vocab_size": 151936, "max_position_embeddings": 32768, "bos_token_id": None,
+                          "eos_token_id": None, "attention_bias": False, "use_sliding_window": False,
+                          "sliding_window": 4096, "max_window_layers": 28}
+FAMILY_DEFAULTS.update({
+    "qwen3": {**_QWEN3, "intermediate_size": 22016, "num_key_value_heads": 32, "head_dim": 128},
+    "qwen3_moe": {**{k: v for k, v in _QWEN3.items() if k != "max_window_layers"}, "hidden_size": 2048,
+                  "intermediate_size": 6144, "num_hidden_layers": 24,
+                  "num_key_value_heads": 4, "decoder_sparse_step": 1, "moe_intermediate_size": 768,
+                  "num_experts_per_tok": 8, "num_local_experts": 128, "norm_topk_prob": False, "mlp_only_layers": [],
+                  "output_router_logits": False, "router_aux_loss_coef": 0.001},
+    "phi3": {**_COMMON, "vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
+             "num_key_value_heads": None, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "max_position_embeddings": 4096,
+             "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 32000,
+             "pad_token_id": 32000, "sliding_window": None},
+})
 _LAYER_NORM: Dict[str, Any] = dict(vocab_size=32000, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
                                    layer_norm_epsilon=1e-5, initializer_range=0.02, use_cache=True, pad_token_id=None,
                                    hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=True)
@@ -50,7 +66,8 @@ FAMILY_DEFAULTS.update({
                "max_position_embeddings": 2048, "bos_token_id": 11, "eos_token_id": 11, "ffn_hidden_size": None,
                "activation": "gelu"},
 })
-_ALIASES = (("n_embed", "hidden_size"), ("n_layer", "num_hidden_layers"), ("n_head", "num_attention_heads"))
+_ALIASES = (("n_embed", "hidden_size"), ("n_layer", "num_hidden_layers"), ("n_head", "num_attention_heads"),
+            ("num_experts", "num_local_experts"))  # (the last: Qwen3-MoE hub files)
 _DEFAULT_THETA = {"mixtral": 1e6}  # the family classes' `default_theta` where it is not the base class's 10000
 _ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta")
 
@@ -74,7 +91,7 @@ def model_config(data: Dict[str, Any]):
     config.head_dim = head_dim_of(config)
     if getattr(config, "num_key_value_heads", None) is None:
         config.num_key_value_heads = config.num_attention_heads
-    if family == "qwen2" and not config.use_sliding_window:
+    if family in ("qwen2", "qwen3", "qwen3_moe") and not config.use_sliding_window:
         config.sliding_window = None
     if family == "bloom":  # ALiBi, no RoPE; a 4 * hidden MLP
         config.intermediate_size = 4 * config.hidden_size
@@ -86,8 +103,14 @@ def model_config(data: Dict[str, Any]):
     parameters = dict(rope["rope_scaling"] or rope["rope_parameters"] or {})
     default_theta = _DEFAULT_THETA.get(str(family), config.default_theta)
     parameters.setdefault("rope_theta", rope["rope_theta"] if rope["rope_theta"] is not None else default_theta)
+    if family == "phi3":  # as Phi3Config: rotary on whole heads unless named, and the legacy names of LongRoPE
+        parameters.setdefault("partial_rotary_factor", 1.0)
     config.rope_parameters = parameters
     config.standardize_rope_params()
+    if family == "phi3" and config.rope_parameters.get("rope_type") in ("su", "yarn"):
+        config.rope_parameters["rope_type"] = "longrope"
+    if family == "phi3" and config.rope_parameters.get("rope_type") == "longrope":
+        config.rope_parameters.setdefault("original_max_position_embeddings", config.original_max_position_embeddings)
     return config
 
 

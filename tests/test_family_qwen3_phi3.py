@@ -1,0 +1,210 @@
+"""Qwen3 (`swarm.modeling.qwen3`), Qwen3-MoE (`swarm.modeling.qwen3_moe`) and Phi-3 (`swarm.modeling.phi3`)
+against transformers on tiny random checkpoints the tests build (4 blocks, hidden 64, the bundled SmolLM2
+tokenizer; sliding windows of 4 that the prompts outgrow).
+
+In process: the server's `BlockSpan` inside transformers' embeddings and head (prefill logits within 1e-4 in
+float32, prefill in two chunks, greedy decoding through batched decode steps, the layer modules' pass without a
+cache, four sessions' rows in one step equal to each alone), both layouts of Qwen3-MoE's experts with and without
+`norm_topk_prob` and a dense layer among the sparse ones, Phi-3 with LongRoPE, int8 / nf4 blocks, and the configs
+our `model_config` builds against transformers' config classes. Through real processes: two servers split
+mid-model (`test_family_swarms.check_split_swarm`: greedy tokens, logits, a 2-turn session, 4 concurrent sessions
+batched; Qwen3 also through a gateway) and a session that fails over (`check_failover`).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from server.blocks import BlockSpan
+from swarm.modeling.checkpoint import Checkpoint
+from swarm.modeling.model_config import model_config
+from tests.test_family_swarms import check_failover, check_split_swarm
+from tests.tiny_checkpoints import save_tiny, tensor_names
+
+VOCAB = 512
+WINDOW = dict(use_sliding_window=True, sliding_window=4)
+LONGROPE = dict(original_max_position_embeddings=12, rope_parameters={
+    "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+    "original_max_position_embeddings": 12,
+    "short_factor": [1.0 + i / 10 for i in range(8)], "long_factor": [2.0 + i for i in range(8)]})
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+CASES = {
+    # windows on blocks 1.. (max_window_layers), a head_dim that is not hidden / heads
+    "qwen3": ("qwen3", "hub", dict(WINDOW, max_window_layers=1, head_dim=32)),
+    # block 1 dense (mlp_only_layers), the top-k probabilities as they are; the window on every block
+    "qwen3_moe": ("qwen3_moe", "hub", dict(**MOE, **WINDOW, mlp_only_layers=[1], norm_topk_prob=False)),
+    # transformers 5's fused expert tensors, renormalized top-k
+    "qwen3_moe-fused": ("qwen3_moe", "fused", dict(MOE, norm_topk_prob=True)),
+    "phi3": ("phi3", "hub", dict(sliding_window=4)),
+    # LongRoPE, prompts past original_max_position_embeddings (the long factors throughout)
+    "phi3-longrope": ("phi3", "hub", LONGROPE),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    family, layout, overrides = CASES[request.param]
+    path = tmp_path_factory.mktemp(request.param)
+    reference = save_tiny(family, path, None, layout=layout, vocab_size=VOCAB, **overrides)
+    return request.param, path, reference, BlockSpan.load(Checkpoint(str(path)), 0, 4, "float32")
+
+
+def _logits(reference, hidden: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return reference.lm_head(reference.model.norm(hidden))
+
+
+def _embed(reference, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return reference.model.embed_tokens(ids)
+
+
+def test_the_checkpoint_has_the_family_layout(case):
+    name, path, reference, span = case
+    names = set(tensor_names(path))
+    expected = {"qwen3": {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"},
+                "qwen3_moe": {"model.layers.0.mlp.experts.3.down_proj.weight", "model.layers.1.mlp.gate_proj.weight",
+                              "model.layers.0.self_attn.k_norm.weight"},
+                "qwen3_moe-fused": {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.gate.weight"},
+                "phi3": {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"}}
+    assert expected.get(name, expected["phi3"]) <= names
+    # each block's window as transformers' attention applies it (Phi-3 reads the config's at every layer)
+    windows = [getattr(layer.self_attn, "sliding_window", reference.config.sliding_window)
+               for layer in reference.model.layers]
+    assert span.windows(0, 4) == windows
+    assert any(windows) == (name != "qwen3_moe-fused" and name != "phi3-longrope")
+
+
+def test_prompt_chunks_and_greedy_decoding_match_transformers(case):
+    name, _, reference, span = case
+    torch.manual_seed(1)
+    length = 14 if name == "phi3-longrope" else 9  # past LongRoPE's original 12 positions
+    ids = torch.randint(3, VOCAB, (2, length))
+    with torch.no_grad():
+        expected = reference.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        expected_logits = reference(expected).logits
+        prompt_logits = reference(ids).logits
+    kv = span.new_session_kv(2, 32, 0, 4)
+    hidden = span.forward(_embed(reference, ids), 0, kv)
+    assert (_logits(reference, hidden) - prompt_logits).abs().max().item() < 1e-4
+    # the prompt again in two chunks (chunked prefill): the same last hidden states
+    # (LongRoPE: a step's factors are its largest position's, so both chunks past the original 12 positions)
+    split = 13 if name == "phi3-longrope" else 5
+    chunked = span.new_session_kv(2, 32, 0, 4)
+    span.forward(_embed(reference, ids[:, :split]), 0, chunked)
+    last = span.forward(_embed(reference, ids[:, split:]), split, chunked)[:, -1]
+    assert (last - hidden[:, -1]).abs().max().item() < 1e-5
+    tokens = ids
+    for position in range(length, length + 8):
+        logits = _logits(reference, hidden[:, -1:])  # [2, 1, vocab]
+        logits[..., reference.config.eos_token_id] = float("-inf")  # as generate's min_new_tokens
+        next_token = logits.argmax(-1)  # [2, 1]
+        tokens = torch.cat([tokens, next_token], dim=1)
+        hidden = span.forward_batch([(_embed(reference, next_token), position, kv)], 0, 4)[0]
+    assert tokens.tolist() == expected.tolist()
+    # the layer modules (a pass without a cache) compute the same
+    assert (_logits(reference, span.forward(_embed(reference, expected), 0, None))
+            - expected_logits).abs().max().item() < 1e-4
+
+
+def test_batched_rows_equal_single_steps(case):
+    """Four sessions' single-token steps in one pass equal each session's step alone."""
+    _, _, _, span = case
+    torch.manual_seed(2)
+    sessions = []
+    for length in (3, 6, 4, 8):
+        kv = span.new_session_kv(1, 16, 0, 4)
+        span.forward(torch.randn(1, length, span.hidden_size), 0, kv)
+        sessions.append((kv, length))
+    xs = [torch.randn(1, 1, span.hidden_size) for _ in sessions]
+    alone = []
+    for x, (kv, length) in zip(xs, sessions):
+        alone.append(span.forward_batch([(x, length, kv)], 0, 4)[0])
+        kv.begin_step(length)  # taken back: the batched pass below writes the same position again
+    together = span.forward_batch([(x, length, kv) for x, (kv, length) in zip(xs, sessions)], 0, 4)
+    for a, b in zip(alone, together):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("quant_type, min_cosine", [("int8", 0.999), ("nf4", 0.98)])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "phi3"])
+def test_quantized_blocks(family, quant_type, min_cosine, tmp_path):
+    """int8 / nf4 blocks: every projection a bitsandbytes module, the norms (Qwen3's q/k norms too) in float; the
+    logits stay close to the float model's, and the pass without a cache equals the cached one."""
+    import bitsandbytes as bnb
+
+    _, layout, overrides = CASES[family]
+    reference = save_tiny(family, tmp_path, None, layout=layout, vocab_size=VOCAB, **overrides)
+    span = BlockSpan.load(Checkpoint(str(tmp_path)), 0, 4, "float32", quant_type=quant_type)
+    for layer in span.layers:
+        linears = [m for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+        assert linears and all(isinstance(m, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit)) for m in linears)
+    torch.manual_seed(3)
+    ids = torch.randint(3, VOCAB, (2, 12))
+    with torch.no_grad():
+        expected = reference(ids).logits
+    embeds = _embed(reference, ids)
+    hidden = span.forward(embeds, 0, span.new_session_kv(2, 32, 0, 4))
+    got = _logits(reference, hidden)
+    assert torch.nn.functional.cosine_similarity(got.flatten(), expected.flatten(), dim=0).item() > min_cosine
+    assert torch.allclose(span.forward(embeds, 0, None), hidden, atol=1e-5, rtol=1e-5)
+
+
+def test_model_config_matches_transformers_configs(tmp_path):
+    from transformers import AutoConfig
+
+    cases = [("qwen3", {}), ("qwen3", dict(WINDOW, max_window_layers=2, hidden_size=64, head_dim=16)),
+             ("qwen3_moe", {}), ("qwen3_moe", dict(MOE, mlp_only_layers=[0], norm_topk_prob=True)),
+             ("phi3", {}), ("phi3", dict(LONGROPE, hidden_size=64, num_attention_heads=4, num_key_value_heads=2))]
+    keys = ("head_dim", "num_key_value_heads", "intermediate_size", "rms_norm_eps", "rope_parameters", "sliding_window",
+            "max_position_embeddings", "bos_token_id", "eos_token_id", "tie_word_embeddings", "vocab_size",
+            "hidden_size", "num_hidden_layers")
+    extra = {"qwen3": ("attention_bias", "max_window_layers", "layer_types"),
+             "qwen3_moe": ("num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                           "mlp_only_layers", "decoder_sparse_step"),
+             "phi3": ("original_max_position_embeddings", "pad_token_id")}
+    for family, values in cases:
+        reference = AutoConfig.for_model(family, **values)
+        reference.save_pretrained(tmp_path)
+        saved = json.loads((tmp_path / "config.json").read_text())
+        for source in ({"model_type": family, **values}, saved):
+            ours = model_config(source)
+            for key in keys + extra[family]:
+                if key == "layer_types" and "layer_types" not in source:
+                    continue  # (derived by transformers' class; `sliding_window_of` derives the same windows)
+                if key == "head_dim" and family != "qwen3":  # (their config classes derive it where used)
+                    assert ours.head_dim == reference.hidden_size // reference.num_attention_heads
+                    continue
+                assert getattr(ours, key) == getattr(reference, key), (family, values, key)
+    # Qwen3-MoE's hub files name the experts' count num_experts
+    assert model_config({"model_type": "qwen3_moe", "num_experts": 16}).num_local_experts == 16
+
+
+def test_partial_rotary_phi3_is_a_clear_error(tmp_path):
+    reference = save_tiny("phi3", tmp_path, None, vocab_size=VOCAB, partial_rotary_factor=0.5)
+    assert reference.config.rope_parameters["partial_rotary_factor"] == 0.5
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        BlockSpan.load(Checkpoint(str(tmp_path)), 0, 2, "float32")
+
+
+SWARMS = {"qwen3": dict(WINDOW, max_window_layers=1), "qwen3_moe": dict(**MOE, **WINDOW, mlp_only_layers=[1]),
+          "phi3": dict(sliding_window=4)}
+
+
+@pytest.mark.parametrize("family", list(SWARMS))
+def test_family_through_a_split_swarm(family, tmp_path, bootstrap, model_path, tokenizer, monkeypatch):
+    path = tmp_path / f"tiny-{family}"
+    reference = save_tiny(family, path, model_path, max_shard_size="150KB", **SWARMS[family])
+    check_split_swarm(path, reference, f"tq3-{family}", bootstrap, tokenizer, monkeypatch,
+                      gateway="chat" if family == "qwen3" else None)
+
+
+# the replay is the family-agnostic token history: Qwen3-MoE in `make test`, the others in the extended tier
+@pytest.mark.parametrize("family", ["qwen3_moe", *(pytest.param(f, marks=pytest.mark.extended)
+                                                    for f in ("qwen3", "phi3"))])
+def test_failover_replays_a_session(family, tmp_path, bootstrap, model_path, tokenizer):
+    path = tmp_path / f"tiny-{family}"
+    reference = save_tiny(family, path, model_path, **SWARMS[family])
+    check_failover(path, reference, f"tq3fo-{family}", bootstrap, tokenizer)
