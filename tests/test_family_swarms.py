@@ -49,12 +49,13 @@ def test_family_through_a_split_swarm(family, tmp_path, bootstrap, model_path, t
     check_split_swarm(path, reference, f"tfs-{family}", bootstrap, tokenizer, monkeypatch, gateway)
 
 
-def check_split_swarm(path, reference, prefix: str, bootstrap, tokenizer, monkeypatch, gateway: Optional[str] = None
-                      ) -> None:
+def check_split_swarm(path, reference, prefix: str, bootstrap, tokenizer, monkeypatch, gateway: Optional[str] = None,
+                      batched: bool = True) -> None:
     """A sharded tiny checkpoint at `path` (at least 4 shards, 4 blocks) on two servers (0:2, 2:4) against
     `reference`, transformers' model of it: greedy tokens and last logits for 3 prompts, a 2-turn session, 4
-    concurrent sessions batched on the servers; the client opens only the shards of its tensors. `gateway`
-    "chat" / "no chat": also through a gateway (chat completions equal, or a 400 without a chat template)."""
+    concurrent sessions (`batched`: batched on the servers); the client opens only the shards of its tensors.
+    `gateway` "chat" / "no chat": also through a gateway (chat completions equal, or a 400 without a chat
+    template)."""
     assert len(shard_files(path)) >= 4
     servers = start_servers(str(path), [bootstrap.maddr], ["0:2", "2:4"], prefix, threads=1)
     opened = OpenedFiles(monkeypatch)
@@ -103,7 +104,7 @@ def check_split_swarm(path, reference, prefix: str, bootstrap, tokenizer, monkey
                                                   do_sample=False).tolist()
             assert out.tolist() == _generate(reference, ids).tolist()
         stats = [model.manager.server_info(s.peer_id) for s in servers]
-        assert max(s.largest_batch for s in stats) >= 2
+        assert max(s.largest_batch for s in stats) >= 2 or not batched
 
         if gateway is not None:
             _check_gateway(path, bootstrap, prefix, reference, tokenizer, chat=gateway == "chat")

@@ -115,6 +115,8 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
             lm_head.weight = nn.Parameter(tensors[head_key], requires_grad=False)
         else:
             lm_head.weight = embed.weight  # tied
+        if family.client_parts is not None:  # (Gemma's embedding scale and final soft-cap)
+            embed, lm_head = family.import_class(family.client_parts)(config, embed, lm_head)
         try:
             generation_config = GenerationConfig.from_pretrained(checkpoint.config_dir, cache_dir=cache_dir)
         except (OSError, ValueError):
@@ -128,7 +130,8 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         if tuning_mode is not None:
             model.ptune = tuning.make_prompt_tuning(model, tuning_mode, pre_seq_len)
         weight = model.lm_head.weight
-        if (pad_head_rows or head_packed_rows) and weight.device.type == "cpu" and weight.dtype == torch.float32:
+        if (pad_head_rows or head_packed_rows) and weight.device.type == "cpu" and weight.dtype == torch.float32 \
+                and family.client_parts is None:  # (a family's own head computes more than the product)
             group = GemmGroup(head_packed_rows)  # the head runs on the client's one compute thread
             model.head_gemm = group.gemm(weight.detach(), None if model.lm_head.bias is None
                                          else model.lm_head.bias.detach())

@@ -5,7 +5,8 @@ those), and which are the embeddings, final norm and LM head (the client loads t
 supported `config.model_type` names the family's modeling module and the classes in it. A new family is one
 module plus its tests; `swarm.modeling.llama` serves llama, mistral and qwen2, `swarm.modeling.mixtral`
 mixtral, `swarm.modeling.bloom` BLOOM, `swarm.modeling.falcon` Falcon, `swarm.modeling.qwen3` Qwen3,
-`swarm.modeling.qwen3_moe` Qwen3-MoE and `swarm.modeling.phi3` Phi-3. A family module provides
+`swarm.modeling.qwen3_moe` Qwen3-MoE, `swarm.modeling.phi3` Phi-3 and `swarm.modeling.gemma` Gemma 2 and 3
+(text). A family module provides
 - its decoder layer class (nn.Modules under transformers' parameter names) with transformers' calling convention
   `layer(hidden, attention_mask, position_ids, past_key_values, position_embeddings=(cos, sin))` (None without
   rotary), a settable `layer_idx`, its rotary embedding class (none for ALiBi-only families) and its norm class
@@ -58,6 +59,9 @@ class FamilySpec:
     norm_eps: str = "rms_norm_eps"  # the config attribute of the norms' epsilon
     embed_norm_key: Optional[str] = None  # prefix of a norm the client applies to the embeddings (BLOOM)
     base_prefix: str = ""  # the base model's prefix, which checkpoints saved from the base model lack (BLOOM's)
+    # the module's function (config, embed, lm_head) -> (embed, lm_head) that changes the client's parts (Gemma's
+    # embedding scale and final soft-cap)
+    client_parts: Optional[str] = None
 
     def block_tensor_prefix(self, index: int) -> str:
         return self.block_prefix.format(index)
@@ -124,6 +128,10 @@ FAMILIES = {
         replace(_llama_like("qwen3_moe", "Qwen3Moe"), module="swarm.modeling.qwen3_moe"),
         # Llama's block with q/k/v and gate/up fused in the checkpoint
         replace(_llama_like("phi3", "Phi3"), module="swarm.modeling.phi3"),
+        # pre- and post-norms, scaled embeddings; Gemma 2 soft-caps (no fused layers: its attention is eager),
+        # Gemma 3 has q/k norms and two rotary bases
+        replace(_llama_like("gemma2", "Gemma2"), module="swarm.modeling.gemma", fuse=None, client_parts="client_parts"),
+        replace(_llama_like("gemma3_text", "Gemma3"), module="swarm.modeling.gemma", client_parts="client_parts"),
     )
 }
 

@@ -120,6 +120,25 @@ def sdpa_attention(query, key, value, attention_mask: Optional[torch.Tensor], sc
     return out.transpose(1, 2).contiguous()
 
 
+def softcapped_attention(query, key, value, attention_mask: Optional[torch.Tensor], scaling: float, groups: int,
+                         cap: float) -> torch.Tensor:
+    """transformers' eager attention with Gemma 2's logit soft-cap (tanh(logits / cap) * cap before the mask and
+    the float32 softmax): [batch, heads, q, dim] -> [batch, q, heads, dim]. A None mask is `sdpa_attention`'s: causal
+    over the last q keys of a square, or one query seeing every key."""
+    q_length = query.shape[2]
+    if attention_mask is None and q_length > 1:
+        key, value = key[:, :, :q_length], value[:, :, :q_length]
+        attention_mask = torch.triu(torch.full((q_length, q_length), torch.finfo(query.dtype).min, dtype=query.dtype,
+                                               device=query.device), diagonal=1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    weights = torch.tanh(weights / cap) * cap
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous()
+
+
 def alibi_slopes(num_heads: int) -> torch.Tensor:
     """transformers' ALiBi slopes (BLOOM's `_get_alibi_slopes`, Falcon's `build_alibi_tensor`): [heads] float32, CPU."""
     closest_power_of_2 = 2 ** math.floor(math.log2(num_heads))
@@ -216,7 +235,11 @@ def cache_attention(cache, mask: Optional[torch.Tensor], window_mask: Optional[t
             bias = key_bias(layer, k.shape[2], q.dtype, q.device)
             masks[step_key] = layer_mask if bias is None else biased_mask(bias, layer_mask, q.shape[2])
         # [batch, seq, heads, dim]
-        out = sdpa_attention(q, k, v, masks[step_key], layer.scaling, layer.heads // layer.kv_heads)
+        cap = getattr(layer, "logit_softcap", None)
+        if cap:  # (Gemma 2: SDPA has no soft-cap)
+            out = softcapped_attention(q, k, v, masks[step_key], layer.scaling, layer.heads // layer.kv_heads, cap)
+        else:
+            out = sdpa_attention(q, k, v, masks[step_key], layer.scaling, layer.heads // layer.kv_heads)
         return out.flatten(-2)
 
     return attend

@@ -54,6 +54,19 @@ FAMILY_DEFAULTS.update({
              "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 32000,
              "pad_token_id": 32000, "sliding_window": None},
 })
+# Gemma2Config's and Gemma3TextConfig's
+_GEMMA: Dict[str, Any] = {**_COMMON, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                          "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                          "hidden_activation": "gelu_pytorch_tanh", "pad_token_id": 0, "eos_token_id": 1,
+                          "bos_token_id": 2, "tie_word_embeddings": True, "attention_bias": False,
+                          "query_pre_attn_scalar": 256, "sliding_window": 4096, "layer_types": None}
+FAMILY_DEFAULTS.update({
+    "gemma2": {**_GEMMA, "vocab_size": 256000, "max_position_embeddings": 8192, "final_logit_softcapping": 30.0,
+               "attn_logit_softcapping": 50.0},
+    "gemma3_text": {**_GEMMA, "vocab_size": 262208, "max_position_embeddings": 131072,
+                    "final_logit_softcapping": None, "attn_logit_softcapping": None,
+                    "use_bidirectional_attention": False},
+})
 _LAYER_NORM: Dict[str, Any] = dict(vocab_size=32000, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
                                    layer_norm_epsilon=1e-5, initializer_range=0.02, use_cache=True, pad_token_id=None,
                                    hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=True)
@@ -99,6 +112,14 @@ def model_config(data: Dict[str, Any]):
         return config
     if family == "falcon":
         _falcon_sizes(config)
+    if family in ("gemma2", "gemma3_text"):
+        pattern = int(values.get("sliding_window_pattern", 2 if family == "gemma2" else 6))
+        if not config.layer_types:  # as the config classes: `pattern - 1` sliding layers, then a full one
+            config.layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                  for i in range(config.num_hidden_layers)]
+    if family == "gemma3_text":
+        _gemma3_rope(config, rope, values)
+        return config
     # as the family classes do: rope_scaling (legacy) or rope_parameters, with rope_theta (default 10000) inside
     parameters = dict(rope["rope_scaling"] or rope["rope_parameters"] or {})
     default_theta = _DEFAULT_THETA.get(str(family), config.default_theta)
@@ -112,6 +133,22 @@ def model_config(data: Dict[str, Any]):
     if family == "phi3" and config.rope_parameters.get("rope_type") == "longrope":
         config.rope_parameters.setdefault("original_max_position_embeddings", config.original_max_position_embeddings)
     return config
+
+
+def _gemma3_rope(config, rope: Dict[str, Any], values: Dict[str, Any]) -> None:
+    """Gemma3TextConfig's RoPE parameters per layer type: `rope_parameters` {"sliding_attention": ...,
+    "full_attention": ...}, or from the legacy keys (`rope_theta` for the full layers with `rope_scaling`,
+    `rope_local_base_freq` for the sliding ones)."""
+    parameters = {k: dict(v) for k, v in (rope["rope_parameters"] or {}).items()} or {
+        "sliding_attention": {"rope_type": "default"}, "full_attention": {"rope_type": "default"}}
+    if rope["rope_scaling"]:
+        parameters.setdefault("full_attention", {"rope_type": "default"}).update(rope["rope_scaling"])
+    full = parameters.setdefault("full_attention", {"rope_type": "default"})
+    full.setdefault("rope_theta", rope["rope_theta"] if rope["rope_theta"] is not None else 1_000_000.0)
+    sliding = parameters.setdefault("sliding_attention", {"rope_type": "default"})
+    sliding.setdefault("rope_theta", values.get("rope_local_base_freq", 10_000.0))
+    config.rope_parameters = parameters
+    config.standardize_rope_params()
 
 
 def _falcon_sizes(config) -> None:
