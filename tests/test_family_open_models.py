@@ -1,14 +1,15 @@
-"""Qwen3 (`swarm.modeling.qwen3`), Qwen3-MoE (`swarm.modeling.qwen3_moe`) and Phi-3 (`swarm.modeling.phi3`)
-against transformers on tiny random checkpoints the tests build (4 blocks, hidden 64, the bundled SmolLM2
-tokenizer; sliding windows of 4 that the prompts outgrow).
+"""Qwen3 (`swarm.modeling.qwen3`), Qwen3-MoE (`swarm.modeling.qwen3_moe`), Phi-3 (`swarm.modeling.phi3`), Gemma 2
+and Gemma 3 text (`swarm.modeling.gemma`) against transformers on tiny random checkpoints the tests build (4
+blocks, hidden 64, the bundled SmolLM2 tokenizer; sliding windows of 4 that the prompts outgrow).
 
 In process: the server's `BlockSpan` inside transformers' embeddings and head (prefill logits within 1e-4 in
 float32, prefill in two chunks, greedy decoding through batched decode steps, the layer modules' pass without a
 cache, four sessions' rows in one step equal to each alone), both layouts of Qwen3-MoE's experts with and without
-`norm_topk_prob` and a dense layer among the sparse ones, Phi-3 with LongRoPE, int8 / nf4 blocks, and the configs
-our `model_config` builds against transformers' config classes. Through real processes: two servers split
-mid-model (`test_family_swarms.check_split_swarm`: greedy tokens, logits, a 2-turn session, 4 concurrent sessions
-batched; Qwen3 also through a gateway) and a session that fails over (`check_failover`).
+`norm_topk_prob` and a dense layer among the sparse ones, Phi-3 with LongRoPE, Gemma 2's soft-caps, Gemma 3's two
+rotary bases (linear scaling on the full layers), int8 / nf4 blocks, and the configs our `model_config` builds
+against transformers' config classes. Through real processes: two servers split mid-model
+(`test_family_swarms.check_split_swarm`: greedy tokens, logits, a 2-turn session, 4 concurrent sessions; Qwen3
+also through a gateway) and a session that fails over (`check_failover`).
 """
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ LONGROPE = dict(original_max_position_embeddings=12, rope_parameters={
     "original_max_position_embeddings": 12,
     "short_factor": [1.0 + i / 10 for i in range(8)], "long_factor": [2.0 + i for i in range(8)]})
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+GEMMA = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=4)
+GEMMA2 = dict(GEMMA, attn_logit_softcapping=5.0, final_logit_softcapping=8.0)  # (caps the tiny logits reach)
+GEMMA3 = dict(GEMMA, layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}})
 CASES = {
     # windows on blocks 1.. (max_window_layers), a head_dim that is not hidden / heads
     "qwen3": ("qwen3", "hub", dict(WINDOW, max_window_layers=1, head_dim=32)),
@@ -40,7 +46,10 @@ CASES = {
     "phi3": ("phi3", "hub", dict(sliding_window=4)),
     # LongRoPE, prompts past original_max_position_embeddings (the long factors throughout)
     "phi3-longrope": ("phi3", "hub", LONGROPE),
+    "gemma2": ("gemma2", "hub", GEMMA2),
+    "gemma3_text": ("gemma3_text", "hub", GEMMA3),
 }
+BATCHED = [name for name in CASES if name != "gemma2"]  # Gemma 2's soft-capped attention runs one session at a time
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -48,12 +57,21 @@ def case(request, tmp_path_factory):
     family, layout, overrides = CASES[request.param]
     path = tmp_path_factory.mktemp(request.param)
     reference = save_tiny(family, path, None, layout=layout, vocab_size=VOCAB, **overrides)
+    if family.startswith("gemma"):  # Gemma's norms start at 0 (a scale of 1 + weight): make them matter
+        with torch.no_grad():
+            for name, param in reference.named_parameters():
+                if "norm" in name:
+                    param.normal_(0.0, 0.3)
+        reference.save_pretrained(path)
     return request.param, path, reference, BlockSpan.load(Checkpoint(str(path)), 0, 4, "float32")
 
 
 def _logits(reference, hidden: torch.Tensor) -> torch.Tensor:
+    """transformers' final norm and head (and Gemma 2's final soft-cap) on hidden states."""
     with torch.no_grad():
-        return reference.lm_head(reference.model.norm(hidden))
+        logits = reference.lm_head(reference.model.norm(hidden))
+    cap = getattr(reference.config, "final_logit_softcapping", None)
+    return logits if not cap else torch.tanh(logits / cap) * cap
 
 
 def _embed(reference, ids: torch.Tensor) -> torch.Tensor:
@@ -68,13 +86,18 @@ def test_the_checkpoint_has_the_family_layout(case):
                 "qwen3_moe": {"model.layers.0.mlp.experts.3.down_proj.weight", "model.layers.1.mlp.gate_proj.weight",
                               "model.layers.0.self_attn.k_norm.weight"},
                 "qwen3_moe-fused": {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.gate.weight"},
-                "phi3": {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"}}
+                "phi3": {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"},
+                "gemma2": {"model.layers.0.pre_feedforward_layernorm.weight",
+                           "model.layers.0.post_feedforward_layernorm.weight"},
+                "gemma3_text": {"model.layers.0.self_attn.q_norm.weight",
+                                "model.layers.3.post_attention_layernorm.weight"}}
     assert expected.get(name, expected["phi3"]) <= names
     # each block's window as transformers' attention applies it (Phi-3 reads the config's at every layer)
     windows = [getattr(layer.self_attn, "sliding_window", reference.config.sliding_window)
                for layer in reference.model.layers]
     assert span.windows(0, 4) == windows
     assert any(windows) == (name != "qwen3_moe-fused" and name != "phi3-longrope")
+    assert span.can_batch == (name in BATCHED)
 
 
 def test_prompt_chunks_and_greedy_decoding_match_transformers(case):
@@ -102,7 +125,10 @@ def test_prompt_chunks_and_greedy_decoding_match_transformers(case):
         logits[..., reference.config.eos_token_id] = float("-inf")  # as generate's min_new_tokens
         next_token = logits.argmax(-1)  # [2, 1]
         tokens = torch.cat([tokens, next_token], dim=1)
-        hidden = span.forward_batch([(_embed(reference, next_token), position, kv)], 0, 4)[0]
+        if span.can_batch:
+            hidden = span.forward_batch([(_embed(reference, next_token), position, kv)], 0, 4)[0]
+        else:
+            hidden = span.forward(_embed(reference, next_token), position, kv)
     assert tokens.tolist() == expected.tolist()
     # the layer modules (a pass without a cache) compute the same
     assert (_logits(reference, span.forward(_embed(reference, expected), 0, None))
@@ -111,7 +137,9 @@ def test_prompt_chunks_and_greedy_decoding_match_transformers(case):
 
 def test_batched_rows_equal_single_steps(case):
     """Four sessions' single-token steps in one pass equal each session's step alone."""
-    _, _, _, span = case
+    name, _, _, span = case
+    if name not in BATCHED:
+        pytest.skip("Gemma 2's decode steps run one session at a time (soft-capped attention: not SDPA)")
     torch.manual_seed(2)
     sessions = []
     for length in (3, 6, 4, 8):
@@ -128,12 +156,15 @@ def test_batched_rows_equal_single_steps(case):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("quant_type, min_cosine", [("int8", 0.999), ("nf4", 0.98)])
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "phi3"])
+@pytest.mark.parametrize("quant_type, min_cosine", [("int8", 0.999), ("nf4", 0.9999)])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "phi3", "gemma3_text"])
 def test_quantized_blocks(family, quant_type, min_cosine, tmp_path):
     """int8 / nf4 blocks: every projection a bitsandbytes module, the norms (Qwen3's q/k norms too) in float; the
-    logits stay close to the float model's, and the pass without a cache equals the cached one."""
+    logits stay close to the float model's (int8), or to those of the model with its blocks' weights rounded to
+    nf4 and back (nf4: a tiny random model's logits move a few percent with nf4 itself), and the pass without a
+    cache equals the cached one."""
     import bitsandbytes as bnb
+    import bitsandbytes.functional as bnb_functional
 
     _, layout, overrides = CASES[family]
     reference = save_tiny(family, tmp_path, None, layout=layout, vocab_size=VOCAB, **overrides)
@@ -144,6 +175,12 @@ def test_quantized_blocks(family, quant_type, min_cosine, tmp_path):
     torch.manual_seed(3)
     ids = torch.randint(3, VOCAB, (2, 12))
     with torch.no_grad():
+        if quant_type == "nf4":
+            for module in reference.model.layers.modules():
+                if isinstance(module, torch.nn.Linear):
+                    weight, state = bnb_functional.quantize_4bit(module.weight.data, blocksize=64, quant_type="nf4",
+                                                                 compress_statistics=False)
+                    module.weight.data = bnb_functional.dequantize_4bit(weight, state).reshape(module.weight.shape)
         expected = reference(ids).logits
     embeds = _embed(reference, ids)
     hidden = span.forward(embeds, 0, span.new_session_kv(2, 32, 0, 4))
@@ -152,19 +189,31 @@ def test_quantized_blocks(family, quant_type, min_cosine, tmp_path):
     assert torch.allclose(span.forward(embeds, 0, None), hidden, atol=1e-5, rtol=1e-5)
 
 
+def test_gemma2_is_not_quantized_with_a_clear_error(tmp_path):
+    save_tiny("gemma2", tmp_path, None, vocab_size=VOCAB, **GEMMA2)
+    with pytest.raises(ValueError, match="fused layers"):
+        BlockSpan.load(Checkpoint(str(tmp_path)), 0, 4, "float32", quant_type="int8")
+
+
 def test_model_config_matches_transformers_configs(tmp_path):
     from transformers import AutoConfig
 
     cases = [("qwen3", {}), ("qwen3", dict(WINDOW, max_window_layers=2, hidden_size=64, head_dim=16)),
              ("qwen3_moe", {}), ("qwen3_moe", dict(MOE, mlp_only_layers=[0], norm_topk_prob=True)),
-             ("phi3", {}), ("phi3", dict(LONGROPE, hidden_size=64, num_attention_heads=4, num_key_value_heads=2))]
+             ("phi3", {}), ("phi3", dict(LONGROPE, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)),
+             ("gemma2", {}), ("gemma2", dict(GEMMA2, num_hidden_layers=5)), ("gemma3_text", {}),
+             ("gemma3_text", dict(GEMMA3, num_hidden_layers=4))]
     keys = ("head_dim", "num_key_value_heads", "intermediate_size", "rms_norm_eps", "rope_parameters", "sliding_window",
             "max_position_embeddings", "bos_token_id", "eos_token_id", "tie_word_embeddings", "vocab_size",
             "hidden_size", "num_hidden_layers")
     extra = {"qwen3": ("attention_bias", "max_window_layers", "layer_types"),
              "qwen3_moe": ("num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                            "mlp_only_layers", "decoder_sparse_step"),
-             "phi3": ("original_max_position_embeddings", "pad_token_id")}
+             "phi3": ("original_max_position_embeddings", "pad_token_id"),
+             "gemma2": ("layer_types", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                        "hidden_activation"),
+             "gemma3_text": ("layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
+                             "final_logit_softcapping", "hidden_activation")}
     for family, values in cases:
         reference = AutoConfig.for_model(family, **values)
         reference.save_pretrained(tmp_path)
@@ -172,14 +221,21 @@ def test_model_config_matches_transformers_configs(tmp_path):
         for source in ({"model_type": family, **values}, saved):
             ours = model_config(source)
             for key in keys + extra[family]:
-                if key == "layer_types" and "layer_types" not in source:
+                if key == "layer_types" and "layer_types" not in source and not family.startswith("gemma"):
                     continue  # (derived by transformers' class; `sliding_window_of` derives the same windows)
-                if key == "head_dim" and family != "qwen3":  # (their config classes derive it where used)
+                if key == "head_dim" and family in ("qwen3_moe", "phi3"):  # (their config classes derive it where used)
                     assert ours.head_dim == reference.hidden_size // reference.num_attention_heads
                     continue
                 assert getattr(ours, key) == getattr(reference, key), (family, values, key)
     # Qwen3-MoE's hub files name the experts' count num_experts
     assert model_config({"model_type": "qwen3_moe", "num_experts": 16}).num_local_experts == 16
+    # Gemma 3's hub files name the RoPE bases and the layer pattern with the legacy keys
+    legacy = AutoConfig.for_model("gemma3_text", num_hidden_layers=7, sliding_window_pattern=3, rope_theta=5e5,
+                                  rope_local_base_freq=2e4, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    ours = model_config({"model_type": "gemma3_text", "num_hidden_layers": 7, "sliding_window_pattern": 3,
+                         "rope_theta": 5e5, "rope_local_base_freq": 2e4,
+                         "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert (ours.rope_parameters, ours.layer_types) == (legacy.rope_parameters, legacy.layer_types)
 
 
 def test_partial_rotary_phi3_is_a_clear_error(tmp_path):
@@ -190,21 +246,21 @@ def test_partial_rotary_phi3_is_a_clear_error(tmp_path):
 
 
 SWARMS = {"qwen3": dict(WINDOW, max_window_layers=1), "qwen3_moe": dict(**MOE, **WINDOW, mlp_only_layers=[1]),
-          "phi3": dict(sliding_window=4)}
+          "phi3": dict(sliding_window=4), "gemma2": GEMMA2, "gemma3_text": GEMMA3}
 
 
 @pytest.mark.parametrize("family", list(SWARMS))
 def test_family_through_a_split_swarm(family, tmp_path, bootstrap, model_path, tokenizer, monkeypatch):
     path = tmp_path / f"tiny-{family}"
     reference = save_tiny(family, path, model_path, max_shard_size="150KB", **SWARMS[family])
-    check_split_swarm(path, reference, f"tq3-{family}", bootstrap, tokenizer, monkeypatch,
-                      gateway="chat" if family == "qwen3" else None)
+    check_split_swarm(path, reference, f"tom-{family}", bootstrap, tokenizer, monkeypatch,
+                      gateway="chat" if family == "qwen3" else None, batched=family != "gemma2")
 
 
 # the replay is the family-agnostic token history: Qwen3-MoE in `make test`, the others in the extended tier
 @pytest.mark.parametrize("family", ["qwen3_moe", *(pytest.param(f, marks=pytest.mark.extended)
-                                                    for f in ("qwen3", "phi3"))])
+                                                    for f in ("qwen3", "phi3", "gemma2", "gemma3_text"))])
 def test_failover_replays_a_session(family, tmp_path, bootstrap, model_path, tokenizer):
     path = tmp_path / f"tiny-{family}"
     reference = save_tiny(family, path, model_path, **SWARMS[family])
-    check_failover(path, reference, f"tq3fo-{family}", bootstrap, tokenizer)
+    check_failover(path, reference, f"tomfo-{family}", bootstrap, tokenizer)
