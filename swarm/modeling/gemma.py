@@ -24,7 +24,7 @@ transformers' modeling_gemma2/3 (about 135 MB of resident imports per process, `
 from __future__ import annotations
 
 import copy
-from typing import Optional, Tuple
+from typing import Optional, Tuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -211,11 +211,11 @@ def client_parts(config, embed: nn.Embedding, lm_head: nn.Linear) -> Tuple[nn.Em
     """The client's embeddings scaled (`ScaledEmbedding`), and its head soft-capped where the config says
     (`final_logit_softcapping`): the same modules, their classes changed (no tensor is copied)."""
     embed.__class__ = ScaledEmbedding
-    embed.scale = float(config.hidden_size) ** 0.5
+    cast(ScaledEmbedding, embed).scale = float(config.hidden_size) ** 0.5
     cap = getattr(config, "final_logit_softcapping", None)
     if cap:
         lm_head.__class__ = SoftcappedHead
-        lm_head.cap = float(cap)
+        cast(SoftcappedHead, lm_head).cap = float(cap)
     return embed, lm_head
 
 
