@@ -264,3 +264,30 @@ def test_failover_replays_a_session(family, tmp_path, bootstrap, model_path, tok
     path = tmp_path / f"tiny-{family}"
     reference = save_tiny(family, path, model_path, **SWARMS[family])
     check_failover(path, reference, f"tomfo-{family}", bootstrap, tokenizer)
+
+
+def test_training_gradients_match_transformers(case):
+    """A training step's input gradients (the server's `block_forward` / `block_backward`, block by block, as a
+    training pass runs them) equal transformers' gradient of the same loss for the input embeddings."""
+    from server.training import block_backward, block_forward
+
+    _, _, reference, span = case
+    torch.manual_seed(4)
+    ids = torch.randint(3, VOCAB, (2, 10))  # past the windows of 4
+    embeds = _embed(reference, ids).requires_grad_(True)
+    reference(inputs_embeds=embeds, labels=ids).loss.backward()
+    hiddens = [embeds.detach()]
+    for index in range(4):
+        hiddens.append(block_forward(span, index, hiddens[-1], None))
+    final = hiddens[-1].requires_grad_(True)
+    with torch.enable_grad():
+        logits = reference.lm_head(reference.model.norm(final))
+        cap = getattr(reference.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        grad, = torch.autograd.grad(loss, final)
+    for index in reversed(range(4)):
+        grad, _ = block_backward(span, index, hiddens[index], None, grad)
+    assert embeds.grad is not None
+    assert (grad - embeds.grad).abs().max().item() < 1e-4 * embeds.grad.abs().max().item() + 1e-7
