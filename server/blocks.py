@@ -142,8 +142,8 @@ class BlockSpan(nn.Module):
         checkpoint.expect_prefix(family.base_prefix)
         if not 0 <= start < end <= config.num_hidden_layers:
             raise ValueError(f"blocks {start}:{end} are outside the model's 0:{config.num_hidden_layers}")
-        if adapters and family.module != "swarm.modeling.llama":
-            raise AdapterError(f"LoRA adapters are served on llama-family blocks (llama, mistral, qwen2), "
+        if adapters and not family.serves_adapters:
+            raise AdapterError(f"LoRA adapters are served on llama-family blocks (llama, mistral, qwen2, qwen3, phi3), "
                                f"not on {family.model_type}")
         torch_device = torch.device(device)
         dtype = resolve_dtype(dtype_name, config, torch_device)

@@ -291,3 +291,36 @@ def test_training_gradients_match_transformers(case):
         grad, _ = block_backward(span, index, hiddens[index], None, grad)
     assert embeds.grad is not None
     assert (grad - embeds.grad).abs().max().item() < 1e-4 * embeds.grad.abs().max().item() + 1e-7
+
+
+@pytest.mark.parametrize("family, targets", [("qwen3", ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj")),
+                                             ("phi3", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))])
+def test_lora_adapter_matches_peft(family, targets, tmp_path):
+    """A peft LoRA adapter on the span (Qwen3: its q/k deltas before the q/k norms; Phi-3: its fused qkv_proj and
+    gate_up_proj targets) gives peft's logits, in a prefill and in a decode step batched with a base session."""
+    from swarm.modeling.lora import AdapterSource, open_adapter
+    from tests.lora_fixtures import make_adapter, peft_reference
+
+    _, layout, overrides = CASES[family]
+    save_tiny(family, tmp_path / "base", None, layout=layout, vocab_size=VOCAB, **overrides)
+    adapter = make_adapter(str(tmp_path / "base"), tmp_path / "lora", seed=1, targets=targets, r=4, alpha=8)
+    config = Checkpoint(str(tmp_path / "base")).load_config()
+    span = BlockSpan.load(Checkpoint(str(tmp_path / "base")), 0, 4, "float32",
+                          adapters=[open_adapter(AdapterSource.parse(f"a={adapter}"), config)])
+    reference = peft_reference(str(tmp_path / "base"), {"a": adapter})
+    torch.manual_seed(5)
+    ids = torch.randint(3, VOCAB, (1, 10))
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+        with reference.disable_adapter():
+            base = reference(input_ids=ids).logits
+    model = reference.base_model.model
+    embeds = _embed(model, ids)
+    kvs = {name: span.new_session_kv(1, 32, 0, 4, adapter=name) for name in ("a", None)}
+    got = _logits(model, span.forward(embeds[:, :-1], 0, kvs["a"]))
+    assert (got - expected[:, :-1]).abs().max().item() < 1e-4
+    assert (expected - base).abs().max().item() > 1e-2  # the adapter matters
+    span.forward(embeds[:, :-1], 0, kvs[None])
+    steps = span.forward_batch([(embeds[:, -1:], 9, kvs["a"]), (embeds[:, -1:], 9, kvs[None])], 0, 4)
+    assert (_logits(model, steps[0]) - expected[:, -1:]).abs().max().item() < 1e-4
+    assert (_logits(model, steps[1]) - base[:, -1:]).abs().max().item() < 1e-4

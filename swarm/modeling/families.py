@@ -63,6 +63,11 @@ class FamilySpec:
     # embedding scale and final soft-cap)
     client_parts: Optional[str] = None
 
+    @property
+    def serves_adapters(self) -> bool:
+        """LoRA adapters (`swarm.modeling.lora`) apply to its blocks: Llama's block step on fused layers."""
+        return self.module in LORA_MODULES
+
     def block_tensor_prefix(self, index: int) -> str:
         return self.block_prefix.format(index)
 
@@ -77,6 +82,9 @@ class FamilySpec:
             raise ValueError(f"no {prefix}* tensors in the checkpoint")
         norm.load_state_dict(state)
         return norm
+
+
+LORA_MODULES = ("swarm.modeling.llama", "swarm.modeling.qwen3", "swarm.modeling.phi3")
 
 
 def _llama_like(model_type: str, camel: str) -> FamilySpec:
