@@ -324,3 +324,35 @@ def test_lora_adapter_matches_peft(family, targets, tmp_path):
     steps = span.forward_batch([(embeds[:, -1:], 9, kvs["a"]), (embeds[:, -1:], 9, kvs[None])], 0, 4)
     assert (_logits(model, steps[0]) - expected[:, -1:]).abs().max().item() < 1e-4
     assert (_logits(model, steps[1]) - base[:, -1:]).abs().max().item() < 1e-4
+
+
+def test_left_padded_batch_matches_transformers(case):
+    """A batch of two prompts, the shorter left-padded by 4: the server hides the padding keys and counts each
+    row's positions from its first token (prefill, then decode steps), as transformers' generate with the
+    attention mask does."""
+    name, _, reference, span = case
+    if name == "phi3-longrope":
+        pytest.skip("the generation crosses LongRoPE's original 12 positions, where transformers recomputes its cache "
+                    "(not the swarm: the README's families table)")
+    torch.manual_seed(6)
+    ids = torch.randint(3, VOCAB, (2, 11))
+    ids[1, :4] = reference.config.pad_token_id
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :4] = 0
+    with torch.no_grad():
+        expected = reference.generate(ids, attention_mask=attention_mask, max_new_tokens=6, min_new_tokens=6,
+                                      do_sample=False)
+    kv = span.new_session_kv(2, 32, 0, 4)
+    kv.set_padding([0, 4])
+    hidden = span.forward(_embed(reference, ids), 0, kv)
+    tokens = ids
+    for position in range(11, 17):
+        logits = _logits(reference, hidden[:, -1:])
+        logits[..., reference.config.eos_token_id] = float("-inf")  # as generate's min_new_tokens
+        next_token = logits.argmax(-1)  # [2, 1]
+        tokens = torch.cat([tokens, next_token], dim=1)
+        if span.can_batch:
+            hidden = span.forward_batch([(_embed(reference, next_token), position, kv)], 0, 4)[0]
+        else:
+            hidden = span.forward(_embed(reference, next_token), position, kv)
+    assert tokens.tolist() == expected.tolist()
