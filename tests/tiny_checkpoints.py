@@ -31,9 +31,9 @@ def tiny_config(family: str, **overrides):
         values.update(sliding_window=None)
     values.update(overrides)
     config = AutoConfig.for_model(family, **values)
-    # Gemma 2's soft-capped attention is transformers' eager one (its SDPA path drops the soft-cap)
-    config._attn_implementation = "eager" if family == "gemma2" else "sdpa"
-    if family in ("mixtral", "qwen3_moe"):
+    # Gemma 2's soft-capped and GPT-OSS's sinks attention are transformers' eager one
+    config._attn_implementation = "eager" if family in ("gemma2", "gpt_oss") else "sdpa"
+    if family in ("mixtral", "qwen3_moe", "gpt_oss"):
         config._experts_implementation = "eager"
     return config
 
@@ -46,7 +46,7 @@ def save_tiny(family: str, path: Path, tokenizer_dir: Optional[str], layout: str
 
     torch.manual_seed(seed)
     reference = AutoModelForCausalLM.from_config(tiny_config(family, **overrides)).eval()
-    if family in ("mixtral", "qwen3_moe"):
+    if family in ("mixtral", "qwen3_moe", "gpt_oss"):
         reference.set_experts_implementation("eager")  # transformers' per-expert loop: the op order we follow
     path = Path(path)
     if max_shard_size is not None:

@@ -5,8 +5,8 @@ those), and which are the embeddings, final norm and LM head (the client loads t
 supported `config.model_type` names the family's modeling module and the classes in it. A new family is one
 module plus its tests; `swarm.modeling.llama` serves llama, mistral and qwen2, `swarm.modeling.mixtral`
 mixtral, `swarm.modeling.bloom` BLOOM, `swarm.modeling.falcon` Falcon, `swarm.modeling.qwen3` Qwen3,
-`swarm.modeling.qwen3_moe` Qwen3-MoE, `swarm.modeling.phi3` Phi-3 and `swarm.modeling.gemma` Gemma 2 and 3
-(text). A family module provides
+`swarm.modeling.qwen3_moe` Qwen3-MoE, `swarm.modeling.phi3` Phi-3, `swarm.modeling.gemma` Gemma 2 and 3
+(text) and `swarm.modeling.gpt_oss` GPT-OSS. A family module provides
 - its decoder layer class (nn.Modules under transformers' parameter names) with transformers' calling convention
   `layer(hidden, attention_mask, position_ids, past_key_values, position_embeddings=(cos, sin))` (None without
   rotary), a settable `layer_idx`, its rotary embedding class (none for ALiBi-only families) and its norm class
@@ -140,6 +140,8 @@ FAMILIES = {
         # Gemma 3 has q/k norms and two rotary bases
         replace(_llama_like("gemma2", "Gemma2"), module="swarm.modeling.gemma", fuse=None, client_parts="client_parts"),
         replace(_llama_like("gemma3_text", "Gemma3"), module="swarm.modeling.gemma", client_parts="client_parts"),
+        # attention sinks (no fused layers: its attention is eager) and its own experts
+        replace(_llama_like("gpt_oss", "GptOss"), module="swarm.modeling.gpt_oss", fuse=None),
     )
 }
 

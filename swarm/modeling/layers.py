@@ -120,11 +120,12 @@ def sdpa_attention(query, key, value, attention_mask: Optional[torch.Tensor], sc
     return out.transpose(1, 2).contiguous()
 
 
-def softcapped_attention(query, key, value, attention_mask: Optional[torch.Tensor], scaling: float, groups: int,
-                         cap: float) -> torch.Tensor:
-    """transformers' eager attention with Gemma 2's logit soft-cap (tanh(logits / cap) * cap before the mask and
-    the float32 softmax): [batch, heads, q, dim] -> [batch, q, heads, dim]. A None mask is `sdpa_attention`'s: causal
-    over the last q keys of a square, or one query seeing every key."""
+def eager_attention(query, key, value, attention_mask: Optional[torch.Tensor], scaling: float, groups: int,
+                    cap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """transformers' eager attention, [batch, heads, q, dim] -> [batch, q, heads, dim], with Gemma 2's logit
+    soft-cap (`cap`: tanh(logits / cap) * cap before the mask and the float32 softmax) or GPT-OSS's `sinks`
+    ([heads]: one more logit per head in the softmax, in the logits' dtype, whose probability is dropped). A None
+    mask is `sdpa_attention`'s: causal over the last q keys of a square, or one query seeing every key."""
     q_length = query.shape[2]
     if attention_mask is None and q_length > 1:
         key, value = key[:, :, :q_length], value[:, :, :q_length]
@@ -132,10 +133,16 @@ def softcapped_attention(query, key, value, attention_mask: Optional[torch.Tenso
                                                device=query.device), diagonal=1)
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     weights = torch.matmul(query, key.transpose(2, 3)) * scaling
-    weights = torch.tanh(weights / cap) * cap
+    if cap:
+        weights = torch.tanh(weights / cap) * cap
     if attention_mask is not None:
         weights = weights + attention_mask
-    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    if sinks is None:
+        weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    else:  # [batch, heads, q, keys + 1], the sink last
+        combined = torch.cat([weights, sinks.reshape(1, -1, 1, 1).expand(*weights.shape[:-1], 1)], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        weights = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(value.dtype)
     return torch.matmul(weights, value).transpose(1, 2).contiguous()
 
 
@@ -235,9 +242,9 @@ def cache_attention(cache, mask: Optional[torch.Tensor], window_mask: Optional[t
             bias = key_bias(layer, k.shape[2], q.dtype, q.device)
             masks[step_key] = layer_mask if bias is None else biased_mask(bias, layer_mask, q.shape[2])
         # [batch, seq, heads, dim]
-        cap = getattr(layer, "logit_softcap", None)
-        if cap:  # (Gemma 2: SDPA has no soft-cap)
-            out = softcapped_attention(q, k, v, masks[step_key], layer.scaling, layer.heads // layer.kv_heads, cap)
+        cap, sinks = getattr(layer, "logit_softcap", None), getattr(layer, "attention_sinks", None)
+        if cap or sinks is not None:  # (Gemma 2's soft-cap, GPT-OSS's sinks: SDPA has neither)
+            out = eager_attention(q, k, v, masks[step_key], layer.scaling, layer.heads // layer.kv_heads, cap, sinks)
         else:
             out = sdpa_attention(q, k, v, masks[step_key], layer.scaling, layer.heads // layer.kv_heads)
         return out.flatten(-2)

@@ -67,6 +67,15 @@ FAMILY_DEFAULTS.update({
                     "final_logit_softcapping": None, "attn_logit_softcapping": None,
                     "use_bidirectional_attention": False},
 })
+# GptOssConfig's
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+FAMILY_DEFAULTS["gpt_oss"] = {
+    **_COMMON, "num_hidden_layers": 36, "num_local_experts": 128, "vocab_size": 201088, "hidden_size": 2880,
+    "intermediate_size": 2880, "head_dim": 64, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "sliding_window": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "num_experts_per_tok": 4,
+    "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "router_aux_loss_coef": 0.001, "output_router_logits": False,
+    "attention_bias": True, "layer_types": None, "bos_token_id": None, "eos_token_id": None}
 _LAYER_NORM: Dict[str, Any] = dict(vocab_size=32000, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
                                    layer_norm_epsilon=1e-5, initializer_range=0.02, use_cache=True, pad_token_id=None,
                                    hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=True)
@@ -81,7 +90,8 @@ FAMILY_DEFAULTS.update({
 })
 _ALIASES = (("n_embed", "hidden_size"), ("n_layer", "num_hidden_layers"), ("n_head", "num_attention_heads"),
             ("num_experts", "num_local_experts"))  # (the last: Qwen3-MoE hub files)
-_DEFAULT_THETA = {"mixtral": 1e6}  # the family classes' `default_theta` where it is not the base class's 10000
+# the family classes' `default_theta` where it is not the base class's 10000
+_DEFAULT_THETA = {"mixtral": 1e6, "gpt_oss": 150000.0}
 _ROPE_KEYS = ("rope_parameters", "rope_scaling", "rope_theta")
 
 
@@ -112,8 +122,8 @@ def model_config(data: Dict[str, Any]):
         return config
     if family == "falcon":
         _falcon_sizes(config)
-    if family in ("gemma2", "gemma3_text"):
-        pattern = int(values.get("sliding_window_pattern", 2 if family == "gemma2" else 6))
+    if family in ("gemma2", "gemma3_text", "gpt_oss"):
+        pattern = int(values.get("sliding_window_pattern", 6 if family == "gemma3_text" else 2))
         if not config.layer_types:  # as the config classes: `pattern - 1` sliding layers, then a full one
             config.layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                   for i in range(config.num_hidden_layers)]
@@ -121,7 +131,8 @@ def model_config(data: Dict[str, Any]):
         _gemma3_rope(config, rope, values)
         return config
     # as the family classes do: rope_scaling (legacy) or rope_parameters, with rope_theta (default 10000) inside
-    parameters = dict(rope["rope_scaling"] or rope["rope_parameters"] or {})
+    parameters = dict(rope["rope_scaling"] or rope["rope_parameters"]
+                      or (_GPT_OSS_ROPE if family == "gpt_oss" else {}))
     default_theta = _DEFAULT_THETA.get(str(family), config.default_theta)
     parameters.setdefault("rope_theta", rope["rope_theta"] if rope["rope_theta"] is not None else default_theta)
     if family == "phi3":  # as Phi3Config: rotary on whole heads unless named, and the legacy names of LongRoPE
