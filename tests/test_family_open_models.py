@@ -285,28 +285,53 @@ def test_failover_replays_a_session(family, tmp_path, bootstrap, model_path, tok
 def test_training_gradients_match_transformers(case):
     """A training step's input gradients (the server's `block_forward` / `block_backward`, block by block, as a
     training pass runs them) equal transformers' gradient of the same loss for the input embeddings."""
-    from server.training import block_backward, block_forward
-
     _, _, reference, span = case
     torch.manual_seed(4)
-    ids = torch.randint(3, VOCAB, (2, 10))  # past the windows of 4
-    embeds = _embed(reference, ids).requires_grad_(True)
+    check_training_gradients(reference, span, torch.randint(3, VOCAB, (2, 10)), lambda embeds: embeds,
+                             lambda hidden: _logits_with_grad(reference, hidden))
+
+
+def _logits_with_grad(reference, hidden: torch.Tensor) -> torch.Tensor:
+    logits = reference.lm_head(reference.model.norm(hidden))
+    cap = getattr(reference.config, "final_logit_softcapping", None)
+    return logits if not cap else torch.tanh(logits / cap) * cap
+
+
+def check_training_gradients(reference, span, ids: torch.Tensor, embed_norm, head) -> None:
+    """The gradient of the next-token loss on `ids` [batch, seq] for the input embeddings, through the span's blocks
+    as a training pass runs them (`server.training.block_forward` / `block_backward`, block by block) with
+    transformers' `embed_norm` (embeddings -> the first block's input) and `head` (the last block's output ->
+    logits) around them, equals transformers' own (`reference(inputs_embeds=..., labels=ids)`), within 1e-4 of
+    its largest value."""
+    from server.training import block_backward, block_forward
+
+    embeds = reference.get_input_embeddings()(ids).detach().requires_grad_(True)
     reference(inputs_embeds=embeds, labels=ids).loss.backward()
-    hiddens = [embeds.detach()]
-    for index in range(4):
+    with torch.enable_grad():
+        first = embed_norm(embeds)  # [batch, seq, hidden], the graph back to the embeddings
+    hiddens = [first.detach()]
+    for index in range(span.start, span.end):
         hiddens.append(block_forward(span, index, hiddens[-1], None))
     final = hiddens[-1].requires_grad_(True)
     with torch.enable_grad():
-        logits = reference.lm_head(reference.model.norm(final))
-        cap = getattr(reference.config, "final_logit_softcapping", None)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
+        logits = head(final)
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
         grad, = torch.autograd.grad(loss, final)
-    for index in reversed(range(4)):
-        grad, _ = block_backward(span, index, hiddens[index], None, grad)
-    assert embeds.grad is not None
+    for index in reversed(range(span.start, span.end)):
+        grad, _ = block_backward(span, index, hiddens[index - span.start], None, grad)
+    grad, = torch.autograd.grad(first, embeds, grad)
+    assert embeds.grad is not None and embeds.grad.abs().max().item() > 0
     assert (grad - embeds.grad).abs().max().item() < 1e-4 * embeds.grad.abs().max().item() + 1e-7
+
+
+def test_mxfp4_gpt_oss_experts_are_a_clear_error():
+    from swarm.modeling.gpt_oss import GptOssDecoderLayer
+    from tests.tiny_checkpoints import tiny_config
+
+    with torch.device("meta"):
+        layer = GptOssDecoderLayer(tiny_config("gpt_oss", **GPT_OSS), 0)
+    with pytest.raises(ValueError, match="MXFP4"):
+        layer.load_state_dict({"mlp.experts.gate_up_proj_blocks": torch.zeros(1)}, strict=False)
 
 
 @pytest.mark.parametrize("family, targets", [("qwen3", ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj")),
@@ -372,3 +397,22 @@ def test_left_padded_batch_matches_transformers(case):
         else:
             hidden = span.forward(_embed(reference, next_token), position, kv)
     assert tokens.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("case", ["bloom", "falcon-new", "falcon-mq", "falcon-alibi", "mixtral"])
+def test_training_gradients_of_the_older_families(case, tmp_path, model_path):
+    """BLOOM (its embeddings' LayerNorm on the client's side of the first block), Falcon's layouts (rotary and
+    ALiBi) and Mixtral: a training step's input gradients through the server's blocks equal transformers'."""
+    from tests.test_family_bloom_falcon import _build
+
+    if case == "mixtral":
+        reference = save_tiny("mixtral", tmp_path, None, vocab_size=VOCAB)
+        final_norm, embed_norm = reference.model.norm, torch.nn.Identity()
+    else:
+        reference = _build(case, tmp_path, model_path)
+        final_norm = reference.transformer.ln_f
+        embed_norm = reference.transformer.word_embeddings_layernorm if case == "bloom" else torch.nn.Identity()
+    span = BlockSpan.load(Checkpoint(str(tmp_path)), 0, reference.config.num_hidden_layers, "float32")
+    torch.manual_seed(7)
+    check_training_gradients(reference, span, torch.randint(3, 500, (2, 9)), embed_norm,
+                             lambda hidden: reference.lm_head(final_norm(hidden)))
