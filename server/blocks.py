@@ -143,7 +143,8 @@ class BlockSpan(nn.Module):
         if not 0 <= start < end <= config.num_hidden_layers:
             raise ValueError(f"blocks {start}:{end} are outside the model's 0:{config.num_hidden_layers}")
         if adapters and not family.serves_adapters:
-            raise AdapterError(f"LoRA adapters are served on llama-family blocks (llama, mistral, qwen2, qwen3, phi3), "
+            raise AdapterError(f"LoRA adapters are served on llama-family blocks (llama, mistral, qwen2, qwen3, phi3; "
+                               f"the attention of mixtral and qwen3_moe), "
                                f"not on {family.model_type}")
         torch_device = torch.device(device)
         dtype = resolve_dtype(dtype_name, config, torch_device)

@@ -335,14 +335,17 @@ def test_mxfp4_gpt_oss_experts_are_a_clear_error():
 
 
 @pytest.mark.parametrize("family, targets", [("qwen3", ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj")),
-                                             ("phi3", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))])
+                                             ("phi3", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+                                             ("mixtral", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                             ("qwen3_moe", ("q_proj", "k_proj", "v_proj", "o_proj"))])
 def test_lora_adapter_matches_peft(family, targets, tmp_path):
     """A peft LoRA adapter on the span (Qwen3: its q/k deltas before the q/k norms; Phi-3: its fused qkv_proj and
-    gate_up_proj targets) gives peft's logits, in a prefill and in a decode step batched with a base session."""
+    gate_up_proj targets; the mixtures of experts: their attention, the experts' step unchanged) gives peft's
+    logits, in a prefill and in a decode step batched with a base session."""
     from swarm.modeling.lora import AdapterSource, open_adapter
     from tests.lora_fixtures import make_adapter, peft_reference
 
-    _, layout, overrides = CASES[family]
+    _, layout, overrides = CASES.get(family, (family, "hub", {}))
     save_tiny(family, tmp_path / "base", None, layout=layout, vocab_size=VOCAB, **overrides)
     adapter = make_adapter(str(tmp_path / "base"), tmp_path / "lora", seed=1, targets=targets, r=4, alpha=8)
     config = Checkpoint(str(tmp_path / "base")).load_config()

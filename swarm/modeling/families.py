@@ -84,7 +84,9 @@ class FamilySpec:
         return norm
 
 
-LORA_MODULES = ("swarm.modeling.llama", "swarm.modeling.qwen3", "swarm.modeling.phi3")
+# (the mixtures of experts: adapters on their attention)
+LORA_MODULES = ("swarm.modeling.llama", "swarm.modeling.qwen3", "swarm.modeling.phi3", "swarm.modeling.mixtral",
+                "swarm.modeling.qwen3_moe")
 
 
 def _llama_like(model_type: str, camel: str) -> FamilySpec:

@@ -53,9 +53,16 @@ FUSED_PROJECTIONS = {"qkv_proj": "qkv", "gate_up_proj": "gate_up"}
 PHI3_MODULES = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
 
 
+# mixtures of experts: the attention's projections (the experts are not adapter targets here)
+ATTENTION_MODULES = {target: module for target, module in MODULES.items() if module == "self_attn"}
+
+
 def modules_of(model_config) -> Dict[str, str]:
     """The adaptable projections (target -> its parent module's name) of the model whose config is `model_config`."""
-    return PHI3_MODULES if getattr(model_config, "model_type", None) == "phi3" else MODULES
+    model_type = getattr(model_config, "model_type", None)
+    if model_type == "phi3":
+        return PHI3_MODULES
+    return ATTENTION_MODULES if model_type in ("mixtral", "qwen3_moe") else MODULES
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.([a-z_]+)"
                   r"\.lora_([AB])\.weight$")
 ADAPTERS_HELP = ("LoRA adapters to serve on the blocks (users choose one per request): each a local directory or a "
@@ -349,7 +356,10 @@ def _joined(gate: torch.Tensor, up: torch.Tensor) -> Optional[torch.Tensor]:
 class AdaptedLayer:
     """A block for one step whose row groups carry adapters; `block_step` reads it like the wrapped layer."""
 
-    step = block_step  # layer.step(x, cos, sin, attend)
+    def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
+        """The wrapped layer's block step (`llama.block_step`, or a mixture of experts' `moe_block_step`) on this
+        layer's projections."""
+        return getattr(type(self.base), "step", block_step)(self, x, cos, sin, attend)
 
     def __init__(self, base, groups: Sequence[RowGroup]):
         self.base, self.groups = base, groups
