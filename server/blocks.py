@@ -369,9 +369,8 @@ class BlockSpan(nn.Module):
         mask = causal_mask(start_position, seq, None, self.dtype, self.device)
         window_mask = causal_mask(start_position, seq, self.sliding_window, self.dtype, self.device)
         row_padding = kv.padding if kv is not None else padding
-        if row_padding is not None:  # a left-padded batch: each row's padding keys hidden
-            if self.alibi:
-                raise ValueError("left-padded batches are not supported on ALiBi blocks (BLOOM, Falcon with alibi)")
+        if row_padding is not None:  # a left-padded batch: each row's padding keys hidden (ALiBi: its bias is
+            # shift-invariant per query, so keys counted from 0 give what each row's own positions give)
             if kv is not None:
                 position_ids = kv.position_ids(start_position, seq)  # positions count from each row's first token
             mask = padded_key_mask(row_padding.to(self.device), start_position, seq, self.dtype, self.device)

@@ -202,7 +202,11 @@ def _padded_attention(layer: BlockLayer, q: torch.Tensor, keys: torch.Tensor, va
         allowed &= ring.unsqueeze(0)
     mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, torch.finfo(q.dtype).min)
     grouped = q.reshape(size, layer.kv_heads, layer.heads // layer.kv_heads, q.shape[-1])
-    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask[:, None, None, :], scale=layer.scaling)
+    full_mask = mask[:, None, None, :]  # [size, 1, 1, length]
+    bias = key_bias(layer, length, q.dtype, q.device) if ring is None else None  # [heads, length] (ALiBi)
+    if bias is not None:  # per query head, grouped as the queries: [size, kv_heads, groups, length]
+        full_mask = torch.where(full_mask == 0, bias.view(1, layer.kv_heads, -1, length), full_mask)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=full_mask, scale=layer.scaling)
     return out.reshape(size, -1)
 
 

@@ -419,3 +419,41 @@ def test_training_gradients_of_the_older_families(case, tmp_path, model_path):
     torch.manual_seed(7)
     check_training_gradients(reference, span, torch.randint(3, 500, (2, 9)), embed_norm,
                              lambda hidden: reference.lm_head(final_norm(hidden)))
+
+
+@pytest.mark.parametrize("case", ["bloom", "falcon-alibi", "falcon-alibi-new"])
+def test_left_padded_batch_on_alibi_blocks_matches_transformers(case, tmp_path, model_path):
+    """ALiBi blocks (BLOOM, Falcon with `alibi`) on a left-padded batch: the bias over key positions is
+    shift-invariant per query, so with the padding keys hidden, prefill and batched decode steps give transformers'
+    generate with the attention mask (which counts each row's positions from its first token)."""
+    from tests.test_family_bloom_falcon import _build
+
+    reference = _build(case, tmp_path, model_path)
+    span = BlockSpan.load(Checkpoint(str(tmp_path)), 0, reference.config.num_hidden_layers, "float32")
+    base = reference.transformer
+    torch.manual_seed(8)
+    ids = torch.randint(3, 500, (2, 9))
+    ids[1, :3] = 0
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :3] = 0
+    with torch.no_grad():
+        expected = reference.generate(ids, attention_mask=attention_mask, max_new_tokens=6, min_new_tokens=6,
+                                      do_sample=False, pad_token_id=0)
+
+    def embed(tokens: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            hidden = base.word_embeddings(tokens)
+            return base.word_embeddings_layernorm(hidden) if case == "bloom" else hidden
+
+    kv = span.new_session_kv(2, 32, 0, span.end)
+    kv.set_padding([0, 3])
+    hidden = span.forward(embed(ids), 0, kv)
+    tokens = ids
+    for position in range(9, 15):
+        with torch.no_grad():
+            logits = reference.lm_head(base.ln_f(hidden[:, -1:]))
+        logits[..., reference.config.eos_token_id] = float("-inf")  # as generate's min_new_tokens
+        next_token = logits.argmax(-1)
+        tokens = torch.cat([tokens, next_token], dim=1)
+        hidden = span.forward_batch([(embed(next_token), position, kv)], 0, span.end)[0]
+    assert tokens.tolist() == expected.tolist()
