@@ -56,8 +56,6 @@ CASES = {
     "gemma3_text": ("gemma3_text", "hub", GEMMA3),
     "gpt_oss": ("gpt_oss", "hub", GPT_OSS),
 }
-# Gemma 2's soft-capped and GPT-OSS's sinks attention run one session at a time (eager, not SDPA)
-BATCHED = [name for name in CASES if name not in ("gemma2", "gpt_oss")]
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -111,7 +109,7 @@ def test_the_checkpoint_has_the_family_layout(case):
                for layer in reference.model.layers]
     assert span.windows(0, 4) == windows
     assert any(windows) == (name != "qwen3_moe-fused" and name != "phi3-longrope")
-    assert span.can_batch == (name in BATCHED)
+    assert span.can_batch  # (Gemma 2's soft-capped and GPT-OSS's sink attention: eager in the batched paths too)
 
 
 def test_prompt_chunks_and_greedy_decoding_match_transformers(case):
@@ -151,9 +149,7 @@ def test_prompt_chunks_and_greedy_decoding_match_transformers(case):
 
 def test_batched_rows_equal_single_steps(case):
     """Four sessions' single-token steps in one pass equal each session's step alone."""
-    name, _, _, span = case
-    if name not in BATCHED:
-        pytest.skip("Gemma 2's and GPT-OSS's decode steps run one session at a time (their attention is not SDPA)")
+    _, _, _, span = case
     torch.manual_seed(2)
     sessions = []
     for length in (3, 6, 4, 8):
@@ -171,7 +167,7 @@ def test_batched_rows_equal_single_steps(case):
 
 
 @pytest.mark.parametrize("quant_type, min_cosine", [("int8", 0.999), ("nf4", 0.9999)])
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "phi3", "gemma3_text"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text"])
 def test_quantized_blocks(family, quant_type, min_cosine, tmp_path):
     """int8 / nf4 blocks: every projection a bitsandbytes module, the norms (Qwen3's q/k norms too) in float; the
     logits stay close to the float model's (int8), or to those of the model with its blocks' weights rounded to
@@ -203,9 +199,9 @@ def test_quantized_blocks(family, quant_type, min_cosine, tmp_path):
     assert torch.allclose(span.forward(embeds, 0, None), hidden, atol=1e-5, rtol=1e-5)
 
 
-def test_gemma2_is_not_quantized_with_a_clear_error(tmp_path):
-    save_tiny("gemma2", tmp_path, None, vocab_size=VOCAB, **GEMMA2)
-    with pytest.raises(ValueError, match="fused layers"):
+def test_gpt_oss_is_not_quantized_with_a_clear_error(tmp_path):
+    save_tiny("gpt_oss", tmp_path, None, vocab_size=VOCAB, **GPT_OSS)
+    with pytest.raises(ValueError, match="not supported on GPT-OSS"):
         BlockSpan.load(Checkpoint(str(tmp_path)), 0, 4, "float32", quant_type="int8")
 
 
@@ -270,7 +266,7 @@ def test_family_through_a_split_swarm(family, tmp_path, bootstrap, model_path, t
     path = tmp_path / f"tiny-{family}"
     reference = save_tiny(family, path, model_path, max_shard_size="150KB", **SWARMS[family])
     check_split_swarm(path, reference, f"tom-{family}", bootstrap, tokenizer, monkeypatch,
-                      gateway="chat" if family == "qwen3" else None, batched=family not in ("gemma2", "gpt_oss"))
+                      gateway="chat" if family == "qwen3" else None)
 
 
 # the replay is the family-agnostic token history: Qwen3-MoE in `make test`, the others in the extended tier

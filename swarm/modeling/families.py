@@ -138,12 +138,12 @@ FAMILIES = {
         replace(_llama_like("qwen3_moe", "Qwen3Moe"), module="swarm.modeling.qwen3_moe"),
         # Llama's block with q/k/v and gate/up fused in the checkpoint
         replace(_llama_like("phi3", "Phi3"), module="swarm.modeling.phi3"),
-        # pre- and post-norms, scaled embeddings; Gemma 2 soft-caps (no fused layers: its attention is eager),
+        # pre- and post-norms, scaled embeddings; Gemma 2 soft-caps (eager attention: `layers.layer_sdpa`),
         # Gemma 3 has q/k norms and two rotary bases
-        replace(_llama_like("gemma2", "Gemma2"), module="swarm.modeling.gemma", fuse=None, client_parts="client_parts"),
+        replace(_llama_like("gemma2", "Gemma2"), module="swarm.modeling.gemma", client_parts="client_parts"),
         replace(_llama_like("gemma3_text", "Gemma3"), module="swarm.modeling.gemma", client_parts="client_parts"),
-        # attention sinks (no fused layers: its attention is eager) and its own experts
-        replace(_llama_like("gpt_oss", "GptOss"), module="swarm.modeling.gpt_oss", fuse=None),
+        # attention sinks (eager attention: `layers.layer_sdpa`) and its own experts
+        replace(_llama_like("gpt_oss", "GptOss"), module="swarm.modeling.gpt_oss"),
     )
 }
 

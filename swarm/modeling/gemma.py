@@ -7,16 +7,16 @@ Gemma's RMSNorm (`GemmaRMSNorm`) scales by (1 + weight), in float32. Layers alte
 and full attention as the config's `layer_types` say (Gemma 2: every other layer; Gemma 3: five sliding layers,
 then a full one, `sliding_window_pattern`).
 - Gemma 2's attention soft-caps its logits (`attn_logit_softcapping`: tanh(logits / cap) * cap before the
-  softmax), which SDPA cannot do: its layers carry `logit_softcap`, which `layers.cache_attention` computes
-  eagerly. The server's batched decode, arena and CUDA-graph attention is SDPA, so Gemma 2 has no fused layers
-  (`FamilySpec.fuse` None): its sessions' steps run one at a time through the layer modules, and it is not
-  quantized (the server quantizes fused layers).
+  softmax), which SDPA cannot do: its layers carry `logit_softcap`, for which `layers.cache_attention` (prefill,
+  passes without a cache) and `layers.layer_sdpa` (the server's batched decode and arena attention) compute the
+  attention eagerly. Not CUDA-graph `capturable` (the captured attention is SDPA).
 - Gemma 3's sliding and full layers rotate with different bases (`rope_parameters["sliding_attention"]`, 10000;
   `["full_attention"]`, 1e6, possibly with linear scaling): `Gemma3RotaryEmbedding` returns both angle sets
   side by side, cos/sin [..., 2 * head_dim] (full, then sliding), and each layer takes its half (`rope_part`).
   The server passes cos/sin through by rows only, so every path (batched decode, prefill, chunked prefill) works;
-  the layer is its own `BlockLayer` (as BLOOM's), quantized by swapping its linear modules
-  (`quantize.quantize_linears`); not CUDA-graph `capturable` (the graphs' static cos buffers are head_dim wide).
+  not CUDA-graph `capturable` (the graphs' static cos buffers are head_dim wide).
+Both layers are their own `BlockLayer` (as BLOOM's, `fuse_layer`), quantized by swapping their linear modules
+(`quantize.quantize_linears`).
 The client (`client_parts`): embeddings scaled by sqrt(hidden) in their dtype (`ScaledEmbedding`), and Gemma 2's
 final logits soft-capped (`final_logit_softcapping`, `SoftcappedHead`). Written here rather than imported from
 transformers' modeling_gemma2/3 (about 135 MB of resident imports per process, `swarm.modeling.layers`).
@@ -116,7 +116,7 @@ class GemmaDecoderLayer(nn.Module):
     also its own `BlockLayer` (`step`)."""
 
     step = gemma_block_step
-    capturable = False  # (Gemma 3's cos/sin are 2 * head_dim wide; Gemma 2 has no fused layers at all)
+    capturable = False  # (Gemma 3's cos/sin are 2 * head_dim wide; Gemma 2's soft-capped attention is not SDPA)
     qk_norm = False
     dual_rope = False  # Gemma 3: cos/sin of both rotary bases side by side
 
@@ -164,7 +164,7 @@ class Gemma3DecoderLayer(GemmaDecoderLayer):
 
 
 def fuse_layer(layer: GemmaDecoderLayer) -> GemmaDecoderLayer:
-    """The layer is its own `BlockLayer` (Gemma 3; see the module docstring)."""
+    """The layer is its own `BlockLayer` (see the module docstring)."""
     return layer
 
 

@@ -11,9 +11,10 @@ This is transformers' `GptOssDecoderLayer` with eager attention and eager expert
 (tests/test_family_open_models.py compares).
 
 The sinks make the attention something SDPA cannot compute: the layer's `attention_sinks` are read by
-`layers.cache_attention`, which computes it eagerly. The server's batched decode, arena and CUDA-graph paths are
-SDPA, so the family has no fused layers (`FamilySpec.fuse` None): its sessions' steps run one at a time through
-the layer modules, and it is not quantized (the server quantizes fused layers). Checkpoints in transformers'
+`layers.cache_attention` (prefill, passes without a cache) and `layers.layer_sdpa` (the server's batched decode and
+arena attention), which compute it eagerly; the layer is its own `BlockLayer` (`fuse_layer`), not CUDA-graph
+`capturable` (the captured attention is SDPA), and not quantized (its experts are stacked tensors, not the linear
+layers `quantize.quantize_linears` swaps: `--quant_type` is refused with one line). Checkpoints in transformers'
 names (`mlp.experts.gate_up_proj` [experts, hidden, 2 * intermediate], ...) load; the hub's original MXFP4 blocks
 (`*_blocks`, `*_scales`) do not (a clear error names the tensors).
 Written here rather than imported from transformers' modeling_gpt_oss (about 135 MB of resident imports per
@@ -108,6 +109,18 @@ class GptOssDecoderLayer(DecoderLayer):
         up = up.clamp(min=-experts.limit, max=experts.limit)
         return ((up + 1) * (gate * torch.sigmoid(gate * experts.alpha))) @ experts.down_proj[e] \
             + experts.down_proj_bias[e]
+
+
+    def quantize(self, quant_type: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        """(`swarm.modeling.quantize.quantize_layer`) GPT-OSS's experts are stacked parameters, not linear layers."""
+        raise ValueError(f"--quant_type {quant_type} is not supported on GPT-OSS blocks (their experts are stacked "
+                         f"tensors, not linear layers)")
+
+
+def fuse_layer(layer: GptOssDecoderLayer) -> GptOssDecoderLayer:
+    """The layer is its own `BlockLayer`: the server's batched steps run its `step` (eager attention with sinks,
+    `layers.layer_sdpa`)."""
+    return layer
 
 
 # the shared pieces under the family's names (`swarm.modeling.families`)

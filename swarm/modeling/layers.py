@@ -146,6 +146,38 @@ def eager_attention(query, key, value, attention_mask: Optional[torch.Tensor], s
     return torch.matmul(weights, value).transpose(1, 2).contiguous()
 
 
+def layer_sdpa(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attn_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None, enable_gqa: bool = False
+               ) -> torch.Tensor:
+    """`F.scaled_dot_product_attention` as the server's decode paths call it, or for a layer with Gemma 2's
+    `logit_softcap` or GPT-OSS's `attention_sinks` the same attention computed eagerly (`eager_attention`'s math).
+    Layouts: query [b, heads, q, dim] with key/value [b, kv_heads, keys, dim], or a kv head's query heads grouped as
+    its "sequence", query [b, kv_heads, heads / kv_heads, dim] (one query token each); attn_mask additive or
+    boolean (True: attend), broadcast to the logits [b, query dim 1, query dim 2, keys]."""
+    cap, sinks = getattr(layer, "logit_softcap", None), getattr(layer, "attention_sinks", None)
+    if not cap and sinks is None:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale,
+                                              enable_gqa=enable_gqa)
+    per_head = query.shape[1] == layer.heads  # else grouped per kv head
+    if per_head and key.shape[1] != query.shape[1]:
+        key, value = repeat_kv(key, query.shape[1] // key.shape[1]), repeat_kv(value, query.shape[1] // key.shape[1])
+    weights = torch.matmul(query, key.transpose(-1, -2)) * (scale if scale is not None else query.shape[-1] ** -0.5)
+    if cap:
+        weights = torch.tanh(weights / cap) * cap
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # (SDPA's boolean masks: True where allowed)
+        weights = weights.masked_fill(~attn_mask, torch.finfo(weights.dtype).min)
+    elif attn_mask is not None:
+        weights = weights + attn_mask
+    if sinks is None:
+        weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    else:
+        sink = sinks.view(1, -1, 1, 1) if per_head else sinks.view(1, layer.kv_heads, -1, 1)
+        combined = torch.cat([weights, sink.to(weights.dtype).expand(*weights.shape[:-1], 1)], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        weights = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(value.dtype)
+    return torch.matmul(weights, value)
+
+
 def alibi_slopes(num_heads: int) -> torch.Tensor:
     """transformers' ALiBi slopes (BLOOM's `_get_alibi_slopes`, Falcon's `build_alibi_tensor`): [heads] float32, CPU."""
     closest_power_of_2 = 2 ** math.floor(math.log2(num_heads))
