@@ -11,6 +11,10 @@ ALiBi (BLOOM, Falcon with `alibi`): a layer whose `key_bias(key_length, dtype, d
 [heads, key_length] (slope * key position, each family's dtype handling) gets it added to its attention logits by
 every attention callback (`cache_attention` here, `server.decode.sessions_attention`); softmax is shift-invariant per
 query, so a bias on the key position alone is the relative one. `biased_mask` merges it with the causal mask.
+
+Attention SDPA cannot compute (Gemma 2's logit soft-cap, GPT-OSS's sinks): a layer with `logit_softcap` or
+`attention_sinks` gets transformers' eager attention from `cache_attention` and from `layer_sdpa`, which the
+server's decode paths call where they would call SDPA.
 """
 from __future__ import annotations
 
@@ -120,37 +124,25 @@ def sdpa_attention(query, key, value, attention_mask: Optional[torch.Tensor], sc
     return out.transpose(1, 2).contiguous()
 
 
-def eager_attention(query, key, value, attention_mask: Optional[torch.Tensor], scaling: float, groups: int,
-                    cap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """transformers' eager attention, [batch, heads, q, dim] -> [batch, q, heads, dim], with Gemma 2's logit
-    soft-cap (`cap`: tanh(logits / cap) * cap before the mask and the float32 softmax) or GPT-OSS's `sinks`
-    ([heads]: one more logit per head in the softmax, in the logits' dtype, whose probability is dropped). A None
-    mask is `sdpa_attention`'s: causal over the last q keys of a square, or one query seeing every key."""
-    q_length = query.shape[2]
-    if attention_mask is None and q_length > 1:
-        key, value = key[:, :, :q_length], value[:, :, :q_length]
-        attention_mask = torch.triu(torch.full((q_length, q_length), torch.finfo(query.dtype).min, dtype=query.dtype,
-                                               device=query.device), diagonal=1)
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if cap:
-        weights = torch.tanh(weights / cap) * cap
-    if attention_mask is not None:
-        weights = weights + attention_mask
-    if sinks is None:
-        weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    else:  # [batch, heads, q, keys + 1], the sink last
-        combined = torch.cat([weights, sinks.reshape(1, -1, 1, 1).expand(*weights.shape[:-1], 1)], dim=-1)
-        combined = combined - combined.max(dim=-1, keepdim=True).values
-        weights = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(value.dtype)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous()
+def _eager(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """`layer_sdpa`'s eager attention for `cache_attention`: q [batch, heads, seq, dim], k, v [batch, kv_heads,
+    keys, dim] -> [batch, seq, heads, dim]. A None mask is `sdpa_attention`'s: causal over the last q keys of a
+    square, or one query seeing every key."""
+    q_length = q.shape[2]
+    if mask is None and q_length > 1:
+        k, v = k[:, :, :q_length], v[:, :, :q_length]
+        mask = torch.triu(torch.full((q_length, q_length), torch.finfo(q.dtype).min, dtype=q.dtype, device=q.device),
+                          diagonal=1)
+    return layer_sdpa(layer, q, k, v, mask, layer.scaling).transpose(1, 2).contiguous()
 
 
 def layer_sdpa(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attn_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None, enable_gqa: bool = False
                ) -> torch.Tensor:
     """`F.scaled_dot_product_attention` as the server's decode paths call it, or for a layer with Gemma 2's
-    `logit_softcap` or GPT-OSS's `attention_sinks` the same attention computed eagerly (`eager_attention`'s math).
+    `logit_softcap` or GPT-OSS's `attention_sinks` the same attention computed eagerly, as transformers' eager
+    attention (the soft-cap before the mask and a float32 softmax; the sinks as one more logit per head in the
+    logits' dtype, whose probability is dropped).
     Layouts: query [b, heads, q, dim] with key/value [b, kv_heads, keys, dim], or a kv head's query heads grouped as
     its "sequence", query [b, kv_heads, heads / kv_heads, dim] (one query token each); attn_mask additive or
     boolean (True: attend), broadcast to the logits [b, query dim 1, query dim 2, keys]."""
@@ -274,9 +266,8 @@ def cache_attention(cache, mask: Optional[torch.Tensor], window_mask: Optional[t
             bias = key_bias(layer, k.shape[2], q.dtype, q.device)
             masks[step_key] = layer_mask if bias is None else biased_mask(bias, layer_mask, q.shape[2])
         # [batch, seq, heads, dim]
-        cap, sinks = getattr(layer, "logit_softcap", None), getattr(layer, "attention_sinks", None)
-        if cap or sinks is not None:  # (Gemma 2's soft-cap, GPT-OSS's sinks: SDPA has neither)
-            out = eager_attention(q, k, v, masks[step_key], layer.scaling, layer.heads // layer.kv_heads, cap, sinks)
+        if getattr(layer, "logit_softcap", None) or getattr(layer, "attention_sinks", None) is not None:
+            out = _eager(layer, q, k, v, masks[step_key])  # (Gemma 2's soft-cap, GPT-OSS's sinks: not SDPA's)
         else:
             out = sdpa_attention(q, k, v, masks[step_key], layer.scaling, layer.heads // layer.kv_heads)
         return out.flatten(-2)
