@@ -143,8 +143,8 @@ class BlockSpan(nn.Module):
         if not 0 <= start < end <= config.num_hidden_layers:
             raise ValueError(f"blocks {start}:{end} are outside the model's 0:{config.num_hidden_layers}")
         if adapters and not family.serves_adapters:
-            raise AdapterError(f"LoRA adapters are served on llama-family blocks (llama, mistral, qwen2, qwen3, phi3; "
-                               f"the attention of mixtral and qwen3_moe), "
+            raise AdapterError(f"LoRA adapters are served on llama, mistral, qwen2, qwen3, phi3, bloom and falcon "
+                               f"blocks and the attention of mixtral and qwen3_moe, "
                                f"not on {family.model_type}")
         torch_device = torch.device(device)
         dtype = resolve_dtype(dtype_name, config, torch_device)
@@ -394,8 +394,7 @@ class BlockSpan(nn.Module):
                                               window_mask)
             elif adapter is not None:
                 # a pass without a cache on the fused layers, which the adapter wraps
-                assert position_embeddings is not None  # adapters are served for rotary (llama-family) blocks
-                cos, sin = position_embeddings
+                cos, sin = position_embeddings if position_embeddings is not None else (None, None)  # (ALiBi)
                 layers = adapt_layers(self.fused[first - self.start:last - self.start],
                                       [(0, batch * seq, self.adapters[adapter])], first)
                 attend = cache_attention(None, mask, window_mask)

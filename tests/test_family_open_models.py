@@ -453,3 +453,45 @@ def test_left_padded_batch_on_alibi_blocks_matches_transformers(case, tmp_path, 
         tokens = torch.cat([tokens, next_token], dim=1)
         hidden = span.forward_batch([(embed(next_token), position, kv)], 0, span.end)[0]
     assert tokens.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("case", ["bloom", "falcon-new", "falcon-alibi"])
+def test_lora_adapter_on_bloom_and_falcon_matches_peft(case, tmp_path, model_path):
+    """A peft LoRA adapter on BLOOM's / Falcon's fused query_key_value, dense and MLP projections gives peft's
+    logits: a prefill, and a decode step batched with a base session."""
+    from swarm.modeling.lora import AdapterSource, open_adapter
+    from tests.lora_fixtures import make_adapter, peft_reference
+    from tests.test_family_bloom_falcon import _build
+
+    _build(case, tmp_path / "base", model_path)
+    targets = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
+    adapter = make_adapter(str(tmp_path / "base"), tmp_path / "lora", seed=1, targets=targets, r=4, alpha=8)
+    config = Checkpoint(str(tmp_path / "base")).load_config()
+    blocks = config.num_hidden_layers
+    span = BlockSpan.load(Checkpoint(str(tmp_path / "base")), 0, blocks, "float32",
+                          adapters=[open_adapter(AdapterSource.parse(f"a={adapter}"), config)])
+    peft_model = peft_reference(str(tmp_path / "base"), {"a": adapter})
+    torch.manual_seed(9)
+    ids = torch.randint(3, 500, (1, 8))
+    with torch.no_grad():
+        expected = peft_model(input_ids=ids).logits
+        with peft_model.disable_adapter():
+            base_logits = peft_model(input_ids=ids).logits
+        model = peft_model.base_model.model.transformer
+        embeds = model.word_embeddings(ids)
+        if case == "bloom":
+            embeds = model.word_embeddings_layernorm(embeds)
+
+    def logits(hidden: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return peft_model.base_model.model.lm_head(model.ln_f(hidden))
+
+    kvs = {name: span.new_session_kv(1, 32, 0, blocks, adapter=name) for name in ("a", None)}
+    assert (logits(span.forward(embeds[:, :-1], 0, kvs["a"])) - expected[:, :-1]).abs().max().item() < 1e-4
+    assert (expected - base_logits).abs().max().item() > 1e-2  # the adapter matters
+    span.forward(embeds[:, :-1], 0, kvs[None])
+    steps = span.forward_batch([(embeds[:, -1:], 7, kvs["a"]), (embeds[:, -1:], 7, kvs[None])], 0, blocks)
+    assert (logits(steps[0]) - expected[:, -1:]).abs().max().item() < 1e-4
+    assert (logits(steps[1]) - base_logits[:, -1:]).abs().max().item() < 1e-4
+    # a pass without a cache (rpc_forward) with the adapter
+    assert (logits(span.forward(embeds, 0, None, adapter="a")) - expected).abs().max().item() < 1e-4

@@ -86,7 +86,7 @@ class FamilySpec:
 
 # (the mixtures of experts: adapters on their attention)
 LORA_MODULES = ("swarm.modeling.llama", "swarm.modeling.qwen3", "swarm.modeling.phi3", "swarm.modeling.mixtral",
-                "swarm.modeling.qwen3_moe")
+                "swarm.modeling.qwen3_moe", "swarm.modeling.bloom", "swarm.modeling.falcon")
 
 
 def _llama_like(model_type: str, camel: str) -> FamilySpec:

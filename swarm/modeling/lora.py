@@ -44,12 +44,16 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 # the projections of a Llama-family block, grouped by the input they share: (group, targets)
 PROJECTIONS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("qkv", ("q_proj", "k_proj", "v_proj")), ("o", ("o_proj",)), ("gate_up", ("gate_proj", "up_proj")),
-    ("down", ("down_proj",)),
+    ("down", ("down_proj",)), ("up", ()),
 )
 MODULES = {target: ("self_attn" if group in ("qkv", "o") else "mlp") for group, targets in PROJECTIONS
            for target in targets}
-# Phi-3's checkpoints fuse q/k/v and gate/up into one projection each, which its adapters target as such
-FUSED_PROJECTIONS = {"qkv_proj": "qkv", "gate_up_proj": "gate_up"}
+# Phi-3's checkpoints fuse q/k/v and gate/up into one projection each, which its adapters target as such; BLOOM's
+# and Falcon's layers name theirs query_key_value, dense, dense_h_to_4h ("up": no gate) and dense_4h_to_h
+FUSED_PROJECTIONS = {"qkv_proj": "qkv", "gate_up_proj": "gate_up", "query_key_value": "qkv", "dense": "o",
+                     "dense_h_to_4h": "up", "dense_4h_to_h": "down"}
+LAYER_NORM_MODULES = {"query_key_value": "self_attention", "dense": "self_attention", "dense_h_to_4h": "mlp",
+                      "dense_4h_to_h": "mlp"}
 PHI3_MODULES = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
 
 
@@ -57,13 +61,21 @@ PHI3_MODULES = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": 
 ATTENTION_MODULES = {target: module for target, module in MODULES.items() if module == "self_attn"}
 
 
+def _blocks_prefix(model_config) -> str:
+    """How the model's modules name its blocks (what an adapter config's target patterns match)."""
+    return "transformer.h." if getattr(model_config, "model_type", None) in ("bloom", "falcon") else "model.layers."
+
+
 def modules_of(model_config) -> Dict[str, str]:
     """The adaptable projections (target -> its parent module's name) of the model whose config is `model_config`."""
     model_type = getattr(model_config, "model_type", None)
     if model_type == "phi3":
         return PHI3_MODULES
+    if model_type in ("bloom", "falcon"):
+        return LAYER_NORM_MODULES
     return ATTENTION_MODULES if model_type in ("mixtral", "qwen3_moe") else MODULES
-_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.([a-z_]+)"
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.|transformer\.)?(?:layers|h)\.(\d+)\."
+                  r"(self_attn|self_attention|mlp)\.([a-z_0-9]+)"
                   r"\.lora_([AB])\.weight$")
 ADAPTERS_HELP = ("LoRA adapters to serve on the blocks (users choose one per request): each a local directory or a "
                  "hub repo id in peft's format (adapter_config.json + adapter_model.safetensors), optionally "
@@ -111,7 +123,9 @@ def _target_shapes(shape: ModelShape) -> Dict[str, Tuple[int, int]]:
     hidden, inter = shape.hidden_size, shape.intermediate_size
     return {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
             "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter),
-            "qkv_proj": (q + 2 * kv, hidden), "gate_up_proj": (2 * inter, hidden)}
+            "qkv_proj": (q + 2 * kv, hidden), "gate_up_proj": (2 * inter, hidden),
+            "query_key_value": (q + 2 * kv, hidden), "dense": (hidden, q), "dense_h_to_4h": (inter, hidden),
+            "dense_4h_to_h": (hidden, inter)}
 
 
 def _parse_config(path: Path, where: str):
@@ -242,7 +256,7 @@ def open_adapter(source: AdapterSource, model_config, cache_dir: Optional[str] =
     for (block, target), found in sorted(pairs.items()):
         if set(found) != {"A", "B"}:
             raise AdapterError(f"{where}: block {block} {target} has lora_{''.join(found)} without its pair")
-        module_key = f"model.layers.{block}.{modules[target]}.{target}"
+        module_key = f"{_blocks_prefix(model_config)}{block}.{modules[target]}.{target}"
         if not check_target_module_exists(config, module_key):
             raise AdapterError(f"{where}: weights for {module_key}, which the config's target_modules "
                                f"{sorted(config.target_modules or [])} do not target")
@@ -257,7 +271,8 @@ def open_adapter(source: AdapterSource, model_config, cache_dir: Optional[str] =
                 f"that disagrees with its config?)")
         scaling = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
         result.targets[(block, target)] = TargetSpec(block, target, a_key, b_key, rank, scaling)
-    wanted = {t for t in modules if check_target_module_exists(config, f"model.layers.0.{modules[t]}.{t}")}
+    wanted = {t for t in modules
+              if check_target_module_exists(config, f"{_blocks_prefix(model_config)}0.{modules[t]}.{t}")}
     present = {target for _, target in result.targets}
     if isinstance(config.target_modules, (set, list, tuple)):
         named = set(config.target_modules) & set(modules)
@@ -294,7 +309,8 @@ def _columns(shape: ModelShape) -> Dict[str, Tuple[int, int, int]]:
     return {"q_proj": (0, q, q + 2 * kv), "k_proj": (q, q + kv, q + 2 * kv), "v_proj": (q + kv, q + 2 * kv, q + 2 * kv),
             "o_proj": (0, hidden, hidden), "gate_proj": (0, inter, 2 * inter), "up_proj": (inter, 2 * inter, 2 * inter),
             "down_proj": (0, hidden, hidden), "qkv_proj": (0, q + 2 * kv, q + 2 * kv),
-            "gate_up_proj": (0, 2 * inter, 2 * inter)}
+            "gate_up_proj": (0, 2 * inter, 2 * inter), "query_key_value": (0, q + 2 * kv, q + 2 * kv),
+            "dense": (0, hidden, hidden), "dense_h_to_4h": (0, inter, inter), "dense_4h_to_h": (0, hidden, hidden)}
 
 
 @dataclass
@@ -364,8 +380,10 @@ class AdaptedLayer:
     def __init__(self, base, groups: Sequence[RowGroup]):
         self.base, self.groups = base, groups
         self.heads, self.kv_heads, self.head_dim = base.heads, base.kv_heads, base.head_dim
-        self.scaling, self.layer_idx, self.act = base.scaling, base.layer_idx, base.act
-        self.input_norm, self.post_norm = base.input_norm, base.post_norm
+        self.scaling, self.layer_idx = base.scaling, base.layer_idx
+        for name in ("act", "input_norm", "post_norm"):  # (read every step; BLOOM's and Falcon's layers have none)
+            if hasattr(base, name):
+                setattr(self, name, getattr(base, name))
 
     def __getattr__(self, name: str):  # anything else an attention may read (e.g. a sliding window)
         return getattr(self.base, name)
@@ -392,6 +410,12 @@ class AdaptedLayer:
     def add_o_proj(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         out = self.base.add_o_proj(x, o)  # a new tensor: [..., hidden]
         self._add("o", o, out)
+        return out
+
+    def project(self, group: str, h: torch.Tensor) -> torch.Tensor:
+        """BLOOM's and Falcon's projections (their layers' `project`), with each row group's deltas."""
+        out = self.base.project(group, h)  # a new tensor [..., width]
+        self._add(group, h, out)
         return out
 
     def gate_up(self, h: torch.Tensor):
