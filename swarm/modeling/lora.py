@@ -5,7 +5,8 @@ and `adapter_model.safetensors`, whose tensors are named `base_model.model.model
 lora_A.weight` ([r, in]) and `...lora_B.weight` ([out, r]). `open_adapter` reads the config and the safetensors
 header (names and shapes, no tensor data) and checks the whole adapter against the base model at server start:
 every tensor must be a LoRA A/B pair of a Llama projection (q/k/v/o, gate/up/down; Phi-3's fused qkv_proj and
-gate_up_proj instead of its parts) that the config targets, with
+gate_up_proj instead of its parts; BLOOM's and Falcon's query_key_value, dense, dense_h_to_4h, dense_4h_to_h; only
+q/k/v/o on Mixtral and Qwen3-MoE) that the config targets, with
 the configured rank and the base model's shapes, for a block the model has. Features this module does not
 implement (DoRA, LoRA biases, trained base biases, `modules_to_save`, ...) are rejected with an error naming them.
 `SpanAdapter.load` then reads only the tensors of one span's blocks.
