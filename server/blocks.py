@@ -166,8 +166,9 @@ class BlockSpan(nn.Module):
         checkpoint.expect_prefix(family.base_prefix)
         if not 0 <= start < end <= config.num_hidden_layers:
             raise ValueError(f"blocks {start}:{end} are outside the model's 0:{config.num_hidden_layers}")
-        if adapters and family.module != "swarm.modeling.llama":
-            raise AdapterError(f"LoRA adapters are served on llama-family blocks (llama, mistral, qwen2), "
+        if adapters and not family.serves_adapters:
+            raise AdapterError(f"LoRA adapters are served on llama, mistral, qwen2, qwen3, phi3, bloom and falcon "
+                               f"blocks and the attention of mixtral and qwen3_moe, "
                                f"not on {family.model_type}")
         # (a GPU may repeat here, for tests and the benchmark; the server's config refuses that)
         tp_devices = parse_devices(tensor_parallel, allow_repeat=True) if tensor_parallel else []
@@ -416,9 +417,8 @@ class BlockSpan(nn.Module):
         mask = causal_mask(start_position, seq, None, self.dtype, self.device)
         window_mask = causal_mask(start_position, seq, self.sliding_window, self.dtype, self.device)
         row_padding = kv.padding if kv is not None else padding
-        if row_padding is not None:  # a left-padded batch: each row's padding keys hidden
-            if self.alibi:
-                raise ValueError("left-padded batches are not supported on ALiBi blocks (BLOOM, Falcon with alibi)")
+        if row_padding is not None:  # a left-padded batch: each row's padding keys hidden (ALiBi: its bias is
+            # shift-invariant per query, so keys counted from 0 give what each row's own positions give)
             if kv is not None:
                 position_ids = kv.position_ids(start_position, seq)  # positions count from each row's first token
             mask = padded_key_mask(row_padding.to(self.device), start_position, seq, self.dtype, self.device)
@@ -442,8 +442,7 @@ class BlockSpan(nn.Module):
                                               window_mask)
             elif adapter is not None:
                 # a pass without a cache on the fused layers, which the adapter wraps
-                assert position_embeddings is not None  # adapters are served for rotary (llama-family) blocks
-                cos, sin = position_embeddings
+                cos, sin = position_embeddings if position_embeddings is not None else (None, None)  # (ALiBi)
                 layers = adapt_layers(self.fused[first - self.start:last - self.start],
                                       [(0, batch * seq, self.adapters[adapter])], first)
                 attend = cache_attention(None, mask, window_mask)

@@ -28,12 +28,11 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from server.cache import SessionKV
 from server.kv_arena import Chunk
 from swarm.modeling.families import BlockLayer
-from swarm.modeling.layers import biased_mask, cache_attention, causal_mask, key_bias, sdpa_attention
+from swarm.modeling.layers import biased_mask, cache_attention, causal_mask, key_bias, layer_sdpa, sdpa_attention
 
 
 def attention_backends(device: torch.device):
@@ -70,8 +69,7 @@ def sessions_attention(sessions: Sequence[Tuple[int, SessionKV]]) -> Callable:
                 continue
             if mask is not None:  # a wrapped ring buffer: its slots in the window; a kv head's query heads as "seq"
                 grouped = q[row:row + size].reshape(size, layer.kv_heads, layer.heads // layer.kv_heads, -1)
-                o = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask.view(1, 1, 1, -1),
-                                                   scale=layer.scaling)
+                o = layer_sdpa(layer, grouped, keys, values, attn_mask=mask.view(1, 1, 1, -1), scale=layer.scaling)
                 outs.append(o.reshape(size, -1))
                 row += size
                 continue
@@ -79,8 +77,8 @@ def sessions_attention(sessions: Sequence[Tuple[int, SessionKV]]) -> Callable:
                 bias = key_bias(layer, length, q.dtype, q.device)
                 biases[length] = None if bias is None else biased_mask(bias, None, 1)
             if biases[length] is None:
-                o = F.scaled_dot_product_attention(q[row:row + size].unsqueeze(2), keys, values, scale=layer.scaling,
-                                                   enable_gqa=layer.heads != layer.kv_heads)  # [size, heads, 1, dim]
+                o = layer_sdpa(layer, q[row:row + size].unsqueeze(2), keys, values, scale=layer.scaling,
+                               enable_gqa=layer.heads != layer.kv_heads)  # [size, heads, 1, dim]
             else:  # SDPA with a per-head mask, the query heads grouped per key/value head: [size, 1, heads, dim]
                 o = sdpa_attention(q[row:row + size].unsqueeze(2), keys, values, biases[length], layer.scaling,
                                    layer.heads // layer.kv_heads)
@@ -173,8 +171,8 @@ def _grouped_attention(plans: List[ChunkPlan]) -> Callable:
             grouped = q[p.row:p.row + m].reshape(m, layer.kv_heads, layer.heads // layer.kv_heads, -1)
             if p.local is not None:  # zero queries in the range's slots of non-members
                 grouped = grouped.new_zeros((p.hi - p.lo,) + grouped.shape[1:]).index_copy_(0, p.local, grouped)
-            o = F.scaled_dot_product_attention(grouped, keys[p.lo:p.hi, :, :p.length], values[p.lo:p.hi, :, :p.length],
-                                               attn_mask=p.mask, scale=layer.scaling)
+            o = layer_sdpa(layer, grouped, keys[p.lo:p.hi, :, :p.length], values[p.lo:p.hi, :, :p.length],
+                           attn_mask=p.mask, scale=layer.scaling)
             if p.local is not None:
                 o = o.index_select(0, p.local)
             outs.append(o.reshape(m, -1))
@@ -203,7 +201,11 @@ def _padded_attention(layer: BlockLayer, q: torch.Tensor, keys: torch.Tensor, va
         allowed &= ring.unsqueeze(0)
     mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, torch.finfo(q.dtype).min)
     grouped = q.reshape(size, layer.kv_heads, layer.heads // layer.kv_heads, q.shape[-1])
-    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask[:, None, None, :], scale=layer.scaling)
+    full_mask = mask[:, None, None, :]  # [size, 1, 1, length]
+    bias = key_bias(layer, length, q.dtype, q.device) if ring is None else None  # [heads, length] (ALiBi)
+    if bias is not None:  # per query head, grouped as the queries: [size, kv_heads, groups, length]
+        full_mask = torch.where(full_mask == 0, bias.view(1, layer.kv_heads, -1, length), full_mask)
+    out = layer_sdpa(layer, grouped, keys, values, attn_mask=full_mask, scale=layer.scaling)
     return out.reshape(size, -1)
 
 

@@ -36,7 +36,6 @@ from swarm.wire import protocol as P
 
 logger = logging.getLogger(__name__)
 
-NO_ALIBI_PADDING = "left-padded batches are not supported on ALiBi blocks (BLOOM, Falcon with alibi)"
 
 
 @dataclass
@@ -218,8 +217,6 @@ class BlockHandler(TrainingHandler):
                             f"{opened.max_length}"
                         )
                     P.check_row_edits(step, batch, opened.max_length)
-                    if step.left_padding and any(step.left_padding) and self.span.alibi:
-                        raise P.ProtocolError(NO_ALIBI_PADDING)
                 except (P.ProtocolError, LimitError) as e:
                     if source == "push":
                         logger.warning(f"dropping a malformed push for {key}: {e}")
@@ -387,8 +384,6 @@ class BlockHandler(TrainingHandler):
             if padding is not None and (len(padding) != hidden.shape[0] or max(padding) >= hidden.shape[1]):
                 raise P.ProtocolError(f"left_padding must have one entry per row ({hidden.shape[0]}), each below "
                                       f"the sequence length {hidden.shape[1]}")
-            if padding and any(padding) and self.span.alibi:
-                raise P.ProtocolError(NO_ALIBI_PADDING)
         except LimitError as e:
             return P.error_response("over_limit", str(e))
         except P.ProtocolError as e:

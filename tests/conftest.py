@@ -68,7 +68,8 @@ EXTENDED = (
     "tests/test_family_swarms.py::test_failover_replays_a_session[mistral]",
     # Falcon's multi-query layout through a swarm (make test: in process against transformers; new layout, ALiBi)
     *(f"tests/test_family_bloom_falcon.py::{name}[falcon-mq]" for name in (
-        "test_greedy_tokens_and_logits_equal_transformers", "test_two_turn_session",
+        "test_greedy_tokens_and_logits_equal_transformers", "test_left_padded_batch_equals_transformers",
+        "test_two_turn_session",
         "test_long_prompt_prefills_in_chunks", "test_concurrent_sessions_batched_equal_single",
         "test_gateway_completions_and_chat", "test_failover_replays_the_session")),
     # generation through the latency lab's delayed links (make test: the lab's links measure their latency, a

@@ -91,7 +91,8 @@ def test_float16_keeps_greedy_text_and_blockwise8_logits_stay_close(compressed_c
 
 
 def test_a_session_that_asks_for_no_compression_opens_as_before_the_field():
-    """Servers from before `OpenSession.compression` reject unknown fields: a session that does not ask leaves it out."""
+    """Servers from before `OpenSession.compression` reject unknown fields: a session that does not ask for
+    compression leaves the field out."""
     import json
 
     from swarm.wire import protocol as P

@@ -200,6 +200,24 @@ def test_greedy_tokens_and_logits_equal_transformers(family_swarm):
         assert (model(ours).logits - expected).abs().max().item() < 1e-4
 
 
+def test_left_padded_batch_equals_transformers(family_swarm):
+    """A batch of prompts of different lengths, left-padded with an attention mask (ALiBi blocks too: the bias is
+    shift-invariant per query, the padding keys hidden): greedy tokens and the real positions' logits equal
+    transformers' on the same padded batch."""
+    model, reference, tokenizer = family_swarm["model"], family_swarm["reference"], family_swarm["tokenizer"]
+    enc = tokenizer(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    assert (mask == 0).any()
+    ours = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        expected = reference.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                      pad_token_id=tokenizer.pad_token_id)
+        logits = reference(ids, attention_mask=mask).logits
+    assert ours.tolist() == expected.tolist()
+    real = mask.bool()
+    assert (model(ids, attention_mask=mask).logits[real] - logits[real]).abs().max().item() < 1e-4
+
+
 def test_two_turn_session(family_swarm):
     model, reference, tokenizer = family_swarm["model"], family_swarm["reference"], family_swarm["tokenizer"]
     turn1 = _prompt_ids(tokenizer, PROMPTS[0])

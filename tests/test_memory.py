@@ -130,13 +130,14 @@ def test_the_gateway_and_client_model_load_without_transformers_generation_utils
     assert _run(code) == "[]"
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen2", "mixtral", "qwen3_moe", "gemma3_text", "gpt_oss"])
 def test_a_block_server_needs_no_transformers_model_module(family, tmp_path):
-    """Config, blocks (with a forward pass) and the client's norm come from swarm.modeling (llama or mixtral,
-    layers, model_config)."""
+    """Config, blocks (with a forward pass) and the client's norm come from swarm.modeling (llama, mixtral, qwen3
+    and qwen3_moe, gemma, gpt_oss, layers, model_config)."""
     from tests.tiny_checkpoints import save_tiny
 
-    save_tiny(family, tmp_path, None, vocab_size=512)
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32) if family == "qwen3_moe" else {}
+    save_tiny(family, tmp_path, None, vocab_size=512, **experts)
     code = (
         "import sys, swarm, torch, server.server\n"
         "from server.blocks import BlockSpan\n"
@@ -146,7 +147,8 @@ def test_a_block_server_needs_no_transformers_model_module(family, tmp_path):
         "span = BlockSpan.load(checkpoint, 0, 2, 'float32')\n"
         "kv = span.new_session_kv(1, 8, 0, 2)\n"
         "span.forward(torch.randn(1, 5, span.hidden_size), 0, kv)\n"
-        "span.forward_batch([(torch.randn(1, 1, span.hidden_size), 5, kv)], 0, 2)\n"
+        "if span.can_batch:\n"
+        "    span.forward_batch([(torch.randn(1, 1, span.hidden_size), 5, kv)], 0, 2)\n"
         "family = family_for(checkpoint.load_config())\n"
         "family.import_class(family.norm_class)(span.hidden_size)\n"
         "heavy = [m for m in sys.modules if m.startswith('transformers.models.') or m in "

@@ -137,15 +137,3 @@ def test_session_cache_rows_reorder_and_padding():
         [False, True, True], [True, False, True], [True, True, False]]
     kv.set_padding([0, 0, 0])
     assert kv.padding is None and kv.position_ids(2, 2).tolist() == [[2, 3]] * 3
-
-
-def test_left_padding_on_alibi_models_is_a_clear_error():
-    from types import SimpleNamespace
-
-    from swarm.client.rows import check_padding_supported
-
-    check_padding_supported(SimpleNamespace(model_type="llama"), [2, 0])
-    check_padding_supported(SimpleNamespace(model_type="bloom"), [0, 0])  # no padding: fine
-    for config in (SimpleNamespace(model_type="bloom"), SimpleNamespace(model_type="falcon", alibi=True)):
-        with pytest.raises(ValueError, match="ALiBi"):
-            check_padding_supported(config, [2, 0])

@@ -231,3 +231,15 @@ def test_sizing_counts_every_device_and_the_throughput_key_names_the_split(model
     assert split == (11.0, "measured") and plain == (12.0, "measured") and calls == [("cpu", "cpu"), ()]
     assert throughput_module.get_throughput("auto", checkpoint, "cpu", torch.float32, cache_root=root,
                                             tensor_parallel=["cpu", "cpu"]) == (11.0, "cache")
+
+
+def test_families_without_a_split_layer_are_refused_by_name():
+    """The newer families (their own q/k norms, soft-caps, sinks, experts) are not split yet: one line each."""
+    from swarm.modeling.tensor_parallel import supported_families
+
+    assert set(supported_families()) == {"llama", "mistral", "qwen2", "mixtral"}
+    shape = ModelShape(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, num_layers=4, intermediate_size=128,
+                       rms_norm_eps=1e-5, hidden_act="silu", rope_type="default", dtype=None)
+    for name in ("qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text", "gpt_oss", "falcon"):
+        with pytest.raises(TensorParallelError, match=f"family {name} cannot be split"):
+            check_splittable(FAMILIES[name], shape, 2)

@@ -31,8 +31,9 @@ def tiny_config(family: str, **overrides):
         values.update(sliding_window=None)
     values.update(overrides)
     config = AutoConfig.for_model(family, **values)
-    config._attn_implementation = "sdpa"
-    if family == "mixtral":
+    # Gemma 2's soft-capped and GPT-OSS's sinks attention are transformers' eager one
+    config._attn_implementation = "eager" if family in ("gemma2", "gpt_oss") else "sdpa"
+    if family in ("mixtral", "qwen3_moe", "gpt_oss"):
         config._experts_implementation = "eager"
     return config
 
@@ -45,7 +46,7 @@ def save_tiny(family: str, path: Path, tokenizer_dir: Optional[str], layout: str
 
     torch.manual_seed(seed)
     reference = AutoModelForCausalLM.from_config(tiny_config(family, **overrides)).eval()
-    if family == "mixtral":
+    if family in ("mixtral", "qwen3_moe", "gpt_oss"):
         reference.set_experts_implementation("eager")  # transformers' per-expert loop: the op order we follow
     path = Path(path)
     if max_shard_size is not None:

@@ -37,7 +37,7 @@ from swarm.client.manager import ClientConfig, SwarmManager
 from swarm.client.model_session import ModelSession
 from swarm.client.remote_autograd import RemoteBlocks
 from swarm.client.routing import quant_allowed
-from swarm.client.rows import check_padding_supported, left_padding
+from swarm.client.rows import left_padding
 from swarm.client.session import SessionError
 from swarm.client.speculative import SpeculativeConfig, Speculator, speculative_generate
 from swarm.client.status import SwarmStatusView
@@ -115,6 +115,8 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
             lm_head.weight = nn.Parameter(tensors[head_key], requires_grad=False)
         else:
             lm_head.weight = embed.weight  # tied
+        if family.client_parts is not None:  # (Gemma's embedding scale and final soft-cap)
+            embed, lm_head = family.import_class(family.client_parts)(config, embed, lm_head)
         try:
             generation_config = GenerationConfig.from_pretrained(checkpoint.config_dir, cache_dir=cache_dir)
         except (OSError, ValueError):
@@ -128,7 +130,8 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         if tuning_mode is not None:
             model.ptune = tuning.make_prompt_tuning(model, tuning_mode, pre_seq_len)
         weight = model.lm_head.weight
-        if (pad_head_rows or head_packed_rows) and weight.device.type == "cpu" and weight.dtype == torch.float32:
+        if (pad_head_rows or head_packed_rows) and weight.device.type == "cpu" and weight.dtype == torch.float32 \
+                and family.client_parts is None:  # (a family's own head computes more than the product)
             group = GemmGroup(head_packed_rows)  # the head runs on the client's one compute thread
             model.head_gemm = group.gemm(weight.detach(), None if model.lm_head.bias is None
                                          else model.lm_head.bias.detach())
@@ -229,7 +232,6 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         if input_ids is None:
             raise ValueError("input_ids are needed (inputs_embeds only for differentiable passes)")
         padding = left_padding(attention_mask, input_ids)
-        check_padding_supported(getattr(self, "config", None), padding)  # (test doubles may have no config)
         pool = client_pool()
         hidden = pool.call(PRIORITY_FORWARD, self.embed, input_ids)
         hidden = aio.run(self._forward_chain(hidden, self._adapter(adapter), padding))
@@ -309,7 +311,6 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         if input_ids is None or input_ids.ndim != 2 or input_ids.shape[1] == 0:
             raise ValueError("input_ids must be a non-empty [batch, seq] tensor")
         padding = left_padding(attention_mask, input_ids)
-        check_padding_supported(getattr(self, "config", None), padding)  # (test doubles may have no config)
         config = resolve_generation_config(self.generation_config, generation_config, kwargs)
         if getattr(config, "prompt_lookup_num_tokens", None):  # transformers' prompt lookup: n-gram drafts here
             spec = spec or SpeculativeConfig("ngram", min(int(config.prompt_lookup_num_tokens), MAX_DRAFT_TOKENS))

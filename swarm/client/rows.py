@@ -59,11 +59,3 @@ def held_prefix(held: Optional[torch.Tensor], new: torch.Tensor) -> Tuple[int, O
     if int(best.min()) <= same:
         return same, None
     return int(best.min()), parents.tolist()
-
-
-def check_padding_supported(config, padding: Optional[List[int]]) -> None:
-    """A left-padded batch (`padding` with a nonzero entry) on an ALiBi family (BLOOM, Falcon with `alibi`) is a
-    ValueError: the servers refuse it, as ALiBi positions would have to follow each row's padding."""
-    if padding and any(padding) and (getattr(config, "model_type", None) == "bloom" or getattr(config, "alibi", False)):
-        raise ValueError("left-padded batches (an attention_mask with zeros) are not supported on ALiBi models "
-                         "(BLOOM, Falcon with alibi); generate each prompt on its own")

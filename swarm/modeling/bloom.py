@@ -89,18 +89,26 @@ class BloomDecoderLayer(nn.Module):
             self.slopes = self.slopes.to(device)
         return (self.slopes[:, None] * positions).to(dtype)
 
+    def project(self, group: str, h: torch.Tensor) -> torch.Tensor:
+        """Projection `group` ("qkv": query_key_value, "o": dense, "up": dense_h_to_4h, "down": dense_4h_to_h) of h
+        [..., in], in h's dtype (a LoRA adapter's `AdaptedLayer` adds its deltas to these outputs)."""
+        attention, mlp = self.self_attention, self.mlp
+        module = {"qkv": attention.query_key_value, "o": attention.dense, "up": mlp.dense_h_to_4h,
+                  "down": mlp.dense_4h_to_h}[group]
+        return _project(module, h)
+
     def step(self, x: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
              attend: Callable) -> torch.Tensor:
         """One block on x: [..., hidden] (tokens on the leading dims). Returns [..., hidden]."""
-        attention, mlp = self.self_attention, self.mlp
+        mlp = self.mlp
         normed = self.input_layernorm(x)
         residual = normed if self.residual_post_norm else x
-        qkv = _project(attention.query_key_value, normed).unflatten(-1, (self.heads, 3, self.head_dim))
+        qkv = self.project("qkv", normed).unflatten(-1, (self.heads, 3, self.head_dim))
         o = attend(self, qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :])  # [..., heads * head_dim]
-        x = residual + _project(attention.dense, o)
+        x = residual + self.project("o", o)
         normed = self.post_attention_layernorm(x)
         residual = normed if self.residual_post_norm else x
-        return residual + _project(mlp.dense_4h_to_h, mlp.gelu_impl(_project(mlp.dense_h_to_4h, normed)))
+        return residual + self.project("down", mlp.gelu_impl(self.project("up", normed)))
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,

@@ -128,6 +128,14 @@ class FalconDecoderLayer(nn.Module):
         qkv = fused.unflatten(-1, (self.heads, 3, self.head_dim))
         return qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
 
+    def project(self, group: str, h: torch.Tensor) -> torch.Tensor:
+        """Projection `group` ("qkv": query_key_value, "o": dense, "up": dense_h_to_4h, "down": dense_4h_to_h) of h
+        [..., in], in h's dtype (a LoRA adapter's `AdaptedLayer` adds its deltas to these outputs)."""
+        attention, mlp = self.self_attention, self.mlp
+        module = {"qkv": attention.query_key_value, "o": attention.dense, "up": mlp.dense_h_to_4h,
+                  "down": mlp.dense_4h_to_h}[group]
+        return _project(module, h)
+
     def step(self, x: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
              attend: Callable) -> torch.Tensor:
         """One block on x: [..., hidden] (tokens on the leading dims); cos, sin: [..., head_dim] (unused with
@@ -137,17 +145,17 @@ class FalconDecoderLayer(nn.Module):
             attn_in, mlp_in = self.ln_attn(x), self.ln_mlp(x)
         else:
             attn_in = mlp_in = self.input_layernorm(x)
-        q, k, v = self.split_qkv(_project(self.self_attention.query_key_value, attn_in))
+        q, k, v = self.split_qkv(self.project("qkv", attn_in))
         if not self.alibi:
             assert cos is not None and sin is not None
             q = apply_rotary(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
             k = apply_rotary(k, cos.unsqueeze(-2), sin.unsqueeze(-2))
-        attention = _project(self.self_attention.dense, attend(self, q, k, v))  # [..., hidden]
+        attention = self.project("o", attend(self, q, k, v))  # [..., hidden]
         if not self.parallel:
             residual = residual + attention
             mlp_in = self.post_attention_layernorm(residual)
         mlp = self.mlp
-        out = _project(mlp.dense_4h_to_h, mlp.act(_project(mlp.dense_h_to_4h, mlp_in)))
+        out = self.project("down", mlp.act(self.project("up", mlp_in)))
         if self.new_layout or self.parallel:
             out = out + attention
         return residual + out

@@ -4,7 +4,9 @@ Client and server must agree on how a checkpoint is cut: which tensors belong to
 those), and which are the embeddings, final norm and LM head (the client loads those). One `FamilySpec` per
 supported `config.model_type` names the family's modeling module and the classes in it. A new family is one
 module plus its tests; `swarm.modeling.llama` serves llama, mistral and qwen2, `swarm.modeling.mixtral`
-mixtral, `swarm.modeling.bloom` BLOOM and `swarm.modeling.falcon` Falcon. A family module provides
+mixtral, `swarm.modeling.bloom` BLOOM, `swarm.modeling.falcon` Falcon, `swarm.modeling.qwen3` Qwen3,
+`swarm.modeling.qwen3_moe` Qwen3-MoE, `swarm.modeling.phi3` Phi-3, `swarm.modeling.gemma` Gemma 2 and 3
+(text) and `swarm.modeling.gpt_oss` GPT-OSS. A family module provides
 - its decoder layer class (nn.Modules under transformers' parameter names) with transformers' calling convention
   `layer(hidden, attention_mask, position_ids, past_key_values, position_embeddings=(cos, sin))` (None without
   rotary), a settable `layer_idx`, its rotary embedding class (none for ALiBi-only families) and its norm class
@@ -60,6 +62,14 @@ class FamilySpec:
     # its blocks split across devices (`swarm.modeling.tensor_parallel`: llama's and Mixtral's fused layers); a new
     # family: no
     tensor_parallel: bool = False
+    # the module's function (config, embed, lm_head) -> (embed, lm_head) that changes the client's parts (Gemma's
+    # embedding scale and final soft-cap)
+    client_parts: Optional[str] = None
+
+    @property
+    def serves_adapters(self) -> bool:
+        """LoRA adapters (`swarm.modeling.lora`) apply to its blocks: Llama's block step on fused layers."""
+        return self.module in LORA_MODULES
 
     def block_tensor_prefix(self, index: int) -> str:
         return self.block_prefix.format(index)
@@ -75,6 +85,11 @@ class FamilySpec:
             raise ValueError(f"no {prefix}* tensors in the checkpoint")
         norm.load_state_dict(state)
         return norm
+
+
+# (the mixtures of experts: adapters on their attention)
+LORA_MODULES = ("swarm.modeling.llama", "swarm.modeling.qwen3", "swarm.modeling.phi3", "swarm.modeling.mixtral",
+                "swarm.modeling.qwen3_moe", "swarm.modeling.bloom", "swarm.modeling.falcon")
 
 
 def _llama_like(model_type: str, camel: str) -> FamilySpec:
@@ -122,6 +137,19 @@ FAMILIES = {
         _layer_norm_family("falcon", "Falcon", rotary=True, embed_norm=False),  # rotary, or ALiBi with `alibi`
         # Llama's attention with a mixture of experts; both layouts of the experts' tensors load
         replace(_llama_like("mixtral", "Mixtral"), module="swarm.modeling.mixtral"),
+        # Llama's block with q/k norms per head (and Qwen3-MoE's experts)
+        replace(_llama_like("qwen3", "Qwen3"), module="swarm.modeling.qwen3", tensor_parallel=False),
+        replace(_llama_like("qwen3_moe", "Qwen3Moe"), module="swarm.modeling.qwen3_moe", tensor_parallel=False),
+        # Llama's block with q/k/v and gate/up fused in the checkpoint
+        replace(_llama_like("phi3", "Phi3"), module="swarm.modeling.phi3", tensor_parallel=False),
+        # pre- and post-norms, scaled embeddings; Gemma 2 soft-caps (eager attention: `layers.layer_sdpa`),
+        # Gemma 3 has q/k norms and two rotary bases
+        replace(_llama_like("gemma2", "Gemma2"), module="swarm.modeling.gemma", client_parts="client_parts",
+                tensor_parallel=False),
+        replace(_llama_like("gemma3_text", "Gemma3"), module="swarm.modeling.gemma", client_parts="client_parts",
+                tensor_parallel=False),
+        # attention sinks (eager attention: `layers.layer_sdpa`) and its own experts
+        replace(_llama_like("gpt_oss", "GptOss"), module="swarm.modeling.gpt_oss", tensor_parallel=False),
     )
 }
 

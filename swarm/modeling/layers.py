@@ -11,6 +11,10 @@ ALiBi (BLOOM, Falcon with `alibi`): a layer whose `key_bias(key_length, dtype, d
 [heads, key_length] (slope * key position, each family's dtype handling) gets it added to its attention logits by
 every attention callback (`cache_attention` here, `server.decode.sessions_attention`); softmax is shift-invariant per
 query, so a bias on the key position alone is the relative one. `biased_mask` merges it with the causal mask.
+
+Attention SDPA cannot compute (Gemma 2's logit soft-cap, GPT-OSS's sinks): a layer with `logit_softcap` or
+`attention_sinks` gets transformers' eager attention from `cache_attention` and from `layer_sdpa`, which the
+server's decode paths call where they would call SDPA.
 """
 from __future__ import annotations
 
@@ -120,6 +124,52 @@ def sdpa_attention(query, key, value, attention_mask: Optional[torch.Tensor], sc
     return out.transpose(1, 2).contiguous()
 
 
+def _eager(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """`layer_sdpa`'s eager attention for `cache_attention`: q [batch, heads, seq, dim], k, v [batch, kv_heads,
+    keys, dim] -> [batch, seq, heads, dim]. A None mask is `sdpa_attention`'s: causal over the last q keys of a
+    square, or one query seeing every key."""
+    q_length = q.shape[2]
+    if mask is None and q_length > 1:
+        k, v = k[:, :, :q_length], v[:, :, :q_length]
+        mask = torch.triu(torch.full((q_length, q_length), torch.finfo(q.dtype).min, dtype=q.dtype, device=q.device),
+                          diagonal=1)
+    return layer_sdpa(layer, q, k, v, mask, layer.scaling).transpose(1, 2).contiguous()
+
+
+def layer_sdpa(layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attn_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None, enable_gqa: bool = False
+               ) -> torch.Tensor:
+    """`F.scaled_dot_product_attention` as the server's decode paths call it, or for a layer with Gemma 2's
+    `logit_softcap` or GPT-OSS's `attention_sinks` the same attention computed eagerly, as transformers' eager
+    attention (the soft-cap before the mask and a float32 softmax; the sinks as one more logit per head in the
+    logits' dtype, whose probability is dropped).
+    Layouts: query [b, heads, q, dim] with key/value [b, kv_heads, keys, dim], or a kv head's query heads grouped as
+    its "sequence", query [b, kv_heads, heads / kv_heads, dim] (one query token each); attn_mask additive or
+    boolean (True: attend), broadcast to the logits [b, query dim 1, query dim 2, keys]."""
+    cap, sinks = getattr(layer, "logit_softcap", None), getattr(layer, "attention_sinks", None)
+    if not cap and sinks is None:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, scale=scale,
+                                              enable_gqa=enable_gqa)
+    per_head = query.shape[1] == layer.heads  # else grouped per kv head
+    if per_head and key.shape[1] != query.shape[1]:
+        key, value = repeat_kv(key, query.shape[1] // key.shape[1]), repeat_kv(value, query.shape[1] // key.shape[1])
+    weights = torch.matmul(query, key.transpose(-1, -2)) * (scale if scale is not None else query.shape[-1] ** -0.5)
+    if cap:
+        weights = torch.tanh(weights / cap) * cap
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # (SDPA's boolean masks: True where allowed)
+        weights = weights.masked_fill(~attn_mask, torch.finfo(weights.dtype).min)
+    elif attn_mask is not None:
+        weights = weights + attn_mask
+    if sinks is None:
+        weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    else:
+        sink = sinks.view(1, -1, 1, 1) if per_head else sinks.view(1, layer.kv_heads, -1, 1)
+        combined = torch.cat([weights, sink.to(weights.dtype).expand(*weights.shape[:-1], 1)], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        weights = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(value.dtype)
+    return torch.matmul(weights, value)
+
+
 def alibi_slopes(num_heads: int) -> torch.Tensor:
     """transformers' ALiBi slopes (BLOOM's `_get_alibi_slopes`, Falcon's `build_alibi_tensor`): [heads] float32, CPU."""
     closest_power_of_2 = 2 ** math.floor(math.log2(num_heads))
@@ -157,15 +207,18 @@ def biased_mask(bias: torch.Tensor, mask: Optional[torch.Tensor], q_length: int)
     return out.masked_fill(~allowed, torch.finfo(bias.dtype).min)
 
 
+QWEN_WINDOWS = ("qwen2", "qwen3")  # windows on some layers: `layer_types`, else `max_window_layers`
+
+
 def sliding_window_of(config, layer_idx: int) -> Optional[int]:
     """The sliding window of block `layer_idx` as transformers applies it: a query at position p sees the keys at
-    positions p - window + 1 .. p. Mistral and Mixtral: `sliding_window` on every layer; Qwen2: on the layers its
-    `layer_types` name "sliding_attention" (by default those from `max_window_layers` on, when
+    positions p - window + 1 .. p. Mistral, Mixtral, Qwen3-MoE: `sliding_window` on every layer; Qwen2, Qwen3: on the
+    layers their `layer_types` name "sliding_attention" (by default those from `max_window_layers` on, when
     `use_sliding_window`). None: full causal attention."""
     window = getattr(config, "sliding_window", None)
     if not window:
         return None
-    if getattr(config, "model_type", None) == "qwen2":
+    if getattr(config, "model_type", None) in QWEN_WINDOWS:
         layer_types = getattr(config, "layer_types", None)
         if layer_types:
             return window if layer_types[layer_idx] == "sliding_attention" else None
@@ -216,7 +269,10 @@ def cache_attention(cache, mask: Optional[torch.Tensor], window_mask: Optional[t
         if step_mask is not None and step_mask.device != q.device:  # a tensor-parallel shard on another device
             step_mask = step_mask.to(q.device)
         # [batch, seq, heads, dim]
-        out = sdpa_attention(q, k, v, step_mask, layer.scaling, layer.heads // layer.kv_heads)
+        if getattr(layer, "logit_softcap", None) or getattr(layer, "attention_sinks", None) is not None:
+            out = _eager(layer, q, k, v, step_mask)  # (Gemma 2's soft-cap, GPT-OSS's sinks: not SDPA's)
+        else:
+            out = sdpa_attention(q, k, v, step_mask, layer.scaling, layer.heads // layer.kv_heads)
         return out.flatten(-2)
 
     return attend

@@ -4,7 +4,9 @@ An adapter is a directory (or hub repo) as `peft` saves it: `adapter_config.json
 and `adapter_model.safetensors`, whose tensors are named `base_model.model.model.layers.{i}.self_attn.q_proj.
 lora_A.weight` ([r, in]) and `...lora_B.weight` ([out, r]). `open_adapter` reads the config and the safetensors
 header (names and shapes, no tensor data) and checks the whole adapter against the base model at server start:
-every tensor must be a LoRA A/B pair of a Llama projection (q/k/v/o, gate/up/down) that the config targets, with
+every tensor must be a LoRA A/B pair of a Llama projection (q/k/v/o, gate/up/down; Phi-3's fused qkv_proj and
+gate_up_proj instead of its parts; BLOOM's and Falcon's query_key_value, dense, dense_h_to_4h, dense_4h_to_h; only
+q/k/v/o on Mixtral and Qwen3-MoE) that the config targets, with
 the configured rank and the base model's shapes, for a block the model has. Features this module does not
 implement (DoRA, LoRA biases, trained base biases, `modules_to_save`, ...) are rejected with an error naming them.
 `SpanAdapter.load` then reads only the tensors of one span's blocks.
@@ -43,11 +45,38 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 # the projections of a Llama-family block, grouped by the input they share: (group, targets)
 PROJECTIONS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("qkv", ("q_proj", "k_proj", "v_proj")), ("o", ("o_proj",)), ("gate_up", ("gate_proj", "up_proj")),
-    ("down", ("down_proj",)),
+    ("down", ("down_proj",)), ("up", ()),
 )
 MODULES = {target: ("self_attn" if group in ("qkv", "o") else "mlp") for group, targets in PROJECTIONS
            for target in targets}
-_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.([a-z_]+)"
+# Phi-3's checkpoints fuse q/k/v and gate/up into one projection each, which its adapters target as such; BLOOM's
+# and Falcon's layers name theirs query_key_value, dense, dense_h_to_4h ("up": no gate) and dense_4h_to_h
+FUSED_PROJECTIONS = {"qkv_proj": "qkv", "gate_up_proj": "gate_up", "query_key_value": "qkv", "dense": "o",
+                     "dense_h_to_4h": "up", "dense_4h_to_h": "down"}
+LAYER_NORM_MODULES = {"query_key_value": "self_attention", "dense": "self_attention", "dense_h_to_4h": "mlp",
+                      "dense_4h_to_h": "mlp"}
+PHI3_MODULES = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
+
+
+# mixtures of experts: the attention's projections (the experts are not adapter targets here)
+ATTENTION_MODULES = {target: module for target, module in MODULES.items() if module == "self_attn"}
+
+
+def _blocks_prefix(model_config) -> str:
+    """How the model's modules name its blocks (what an adapter config's target patterns match)."""
+    return "transformer.h." if getattr(model_config, "model_type", None) in ("bloom", "falcon") else "model.layers."
+
+
+def modules_of(model_config) -> Dict[str, str]:
+    """The adaptable projections (target -> its parent module's name) of the model whose config is `model_config`."""
+    model_type = getattr(model_config, "model_type", None)
+    if model_type == "phi3":
+        return PHI3_MODULES
+    if model_type in ("bloom", "falcon"):
+        return LAYER_NORM_MODULES
+    return ATTENTION_MODULES if model_type in ("mixtral", "qwen3_moe") else MODULES
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.|transformer\.)?(?:layers|h)\.(\d+)\."
+                  r"(self_attn|self_attention|mlp)\.([a-z_0-9]+)"
                   r"\.lora_([AB])\.weight$")
 ADAPTERS_HELP = ("LoRA adapters to serve on the blocks (users choose one per request): each a local directory or a "
                  "hub repo id in peft's format (adapter_config.json + adapter_model.safetensors), optionally "
@@ -94,7 +123,10 @@ def _target_shapes(shape: ModelShape) -> Dict[str, Tuple[int, int]]:
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     hidden, inter = shape.hidden_size, shape.intermediate_size
     return {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
-            "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+            "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter),
+            "qkv_proj": (q + 2 * kv, hidden), "gate_up_proj": (2 * inter, hidden),
+            "query_key_value": (q + 2 * kv, hidden), "dense": (hidden, q), "dense_h_to_4h": (inter, hidden),
+            "dense_4h_to_h": (hidden, inter)}
 
 
 def _parse_config(path: Path, where: str):
@@ -207,12 +239,13 @@ def open_adapter(source: AdapterSource, model_config, cache_dir: Optional[str] =
     header = _safetensors_header(weights_path, where)
     from peft.tuners.tuners_utils import check_target_module_exists
 
+    modules = modules_of(model_config)
     pairs: Dict[Tuple[int, str], Dict[str, Tuple[str, List[int]]]] = {}
     for key, info in header.items():
         match = _KEY.match(key)
-        if match is None or match.group(3) not in MODULES or MODULES[match.group(3)] != match.group(2):
-            raise AdapterError(f"{where}: tensor {key} is not a LoRA A/B weight of a q/k/v/o/gate/up/down projection "
-                               f"of a decoder block")
+        if match is None or match.group(3) not in modules or modules[match.group(3)] != match.group(2):
+            raise AdapterError(f"{where}: tensor {key} is not a LoRA A/B weight of a projection of a decoder block "
+                               f"({', '.join(modules)})")
         block, target, which = int(match.group(1)), match.group(3), match.group(4)
         if block >= model_config.num_hidden_layers:
             raise AdapterError(f"{where}: tensor {key} is for block {block}, but the model has "
@@ -224,7 +257,7 @@ def open_adapter(source: AdapterSource, model_config, cache_dir: Optional[str] =
     for (block, target), found in sorted(pairs.items()):
         if set(found) != {"A", "B"}:
             raise AdapterError(f"{where}: block {block} {target} has lora_{''.join(found)} without its pair")
-        module_key = f"model.layers.{block}.{MODULES[target]}.{target}"
+        module_key = f"{_blocks_prefix(model_config)}{block}.{modules[target]}.{target}"
         if not check_target_module_exists(config, module_key):
             raise AdapterError(f"{where}: weights for {module_key}, which the config's target_modules "
                                f"{sorted(config.target_modules or [])} do not target")
@@ -239,10 +272,11 @@ def open_adapter(source: AdapterSource, model_config, cache_dir: Optional[str] =
                 f"that disagrees with its config?)")
         scaling = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
         result.targets[(block, target)] = TargetSpec(block, target, a_key, b_key, rank, scaling)
-    wanted = {t for t in MODULES if check_target_module_exists(config, f"model.layers.0.{MODULES[t]}.{t}")}
+    wanted = {t for t in modules
+              if check_target_module_exists(config, f"{_blocks_prefix(model_config)}0.{modules[t]}.{t}")}
     present = {target for _, target in result.targets}
     if isinstance(config.target_modules, (set, list, tuple)):
-        named = set(config.target_modules) & set(MODULES)
+        named = set(config.target_modules) & set(modules)
         if named - present:
             raise AdapterError(f"{where}: the config targets {sorted(named - present)} but the weights hold none")
     elif wanted and not present:
@@ -275,7 +309,9 @@ def _columns(shape: ModelShape) -> Dict[str, Tuple[int, int, int]]:
     hidden, inter = shape.hidden_size, shape.intermediate_size
     return {"q_proj": (0, q, q + 2 * kv), "k_proj": (q, q + kv, q + 2 * kv), "v_proj": (q + kv, q + 2 * kv, q + 2 * kv),
             "o_proj": (0, hidden, hidden), "gate_proj": (0, inter, 2 * inter), "up_proj": (inter, 2 * inter, 2 * inter),
-            "down_proj": (0, hidden, hidden)}
+            "down_proj": (0, hidden, hidden), "qkv_proj": (0, q + 2 * kv, q + 2 * kv),
+            "gate_up_proj": (0, 2 * inter, 2 * inter), "query_key_value": (0, q + 2 * kv, q + 2 * kv),
+            "dense": (0, hidden, hidden), "dense_h_to_4h": (0, inter, inter), "dense_4h_to_h": (0, hidden, hidden)}
 
 
 @dataclass
@@ -300,7 +336,8 @@ class SpanAdapter:
             for block in range(start, end):
                 projections: Dict[str, ProjectionLora] = {}
                 for group, targets in PROJECTIONS:
-                    specs = [files.targets[(block, t)] for t in targets if (block, t) in files.targets]
+                    fused = [t for t, g in FUSED_PROJECTIONS.items() if g == group]
+                    specs = [files.targets[(block, t)] for t in (*targets, *fused) if (block, t) in files.targets]
                     if not specs:
                         continue
                     a = torch.cat([f.get_tensor(s.a_key).float() for s in specs])  # [R, in]
@@ -336,13 +373,18 @@ def _joined(gate: torch.Tensor, up: torch.Tensor) -> Optional[torch.Tensor]:
 class AdaptedLayer:
     """A block for one step whose row groups carry adapters; `block_step` reads it like the wrapped layer."""
 
-    step = block_step  # layer.step(x, cos, sin, attend)
+    def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
+        """The wrapped layer's block step (`llama.block_step`, or a mixture of experts' `moe_block_step`) on this
+        layer's projections."""
+        return getattr(type(self.base), "step", block_step)(self, x, cos, sin, attend)
 
     def __init__(self, base, groups: Sequence[RowGroup]):
         self.base, self.groups = base, groups
         self.heads, self.kv_heads, self.head_dim = base.heads, base.kv_heads, base.head_dim
-        self.scaling, self.layer_idx, self.act = base.scaling, base.layer_idx, base.act
-        self.input_norm, self.post_norm = base.input_norm, base.post_norm
+        self.scaling, self.layer_idx = base.scaling, base.layer_idx
+        for name in ("act", "input_norm", "post_norm"):  # (read every step; BLOOM's and Falcon's layers have none)
+            if hasattr(base, name):
+                setattr(self, name, getattr(base, name))
 
     def __getattr__(self, name: str):  # anything else an attention may read (e.g. a sliding window)
         return getattr(self.base, name)
@@ -357,16 +399,24 @@ class AdaptedLayer:
                 out2[r0:r1].addmm_(x2[r0:r1] @ projection.a_t, projection.b_t)
 
     def qkv(self, h: torch.Tensor) -> torch.Tensor:
-        """[..., hidden] -> [..., heads + 2 * kv_heads, head_dim], with each row group's q/k/v deltas."""
-        out = self.base.qkv(h)
+        """[..., hidden] -> [..., heads + 2 * kv_heads, head_dim], with each row group's q/k/v deltas (added to
+        the projections' output, before a family's q/k norms: Qwen3's `qkv_projection` and `qk_norm`)."""
+        norm = getattr(self.base, "qk_norm", None)
+        out = self.base.qkv(h) if norm is None else self.base.qkv_projection(h)
         flat = out.flatten(-2)  # [..., (heads + 2 * kv_heads) * head_dim]
         assert flat.data_ptr() == out.data_ptr(), "the deltas must go into the returned tensor's memory"
         self._add("qkv", h, flat)
-        return out
+        return out if norm is None else norm(out)
 
     def add_o_proj(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         out = self.base.add_o_proj(x, o)  # a new tensor: [..., hidden]
         self._add("o", o, out)
+        return out
+
+    def project(self, group: str, h: torch.Tensor) -> torch.Tensor:
+        """BLOOM's and Falcon's projections (their layers' `project`), with each row group's deltas."""
+        out = self.base.project(group, h)  # a new tensor [..., width]
+        self._add(group, h, out)
         return out
 
     def gate_up(self, h: torch.Tensor):

@@ -44,13 +44,19 @@ from swarm.modeling.shape import ModelShape
 def sparse_moe(layer, h: torch.Tensor) -> torch.Tensor:
     """The experts' output for h: [..., hidden] (tokens on the leading dims), each token through its top-k experts.
 
-    `layer` provides `router(h [tokens, hidden]) -> [tokens, experts]`, `expert(e, h [n, hidden]) -> [n, hidden]`,
-    `num_experts` and `top_k`. Returns [..., hidden].
+    `layer` provides `router(h [tokens, hidden]) -> [tokens, experts]` (or its own `route(h) -> (weights, experts)
+    [tokens, top_k] each`), `expert(e, h [n, hidden]) -> [n, hidden]`, `num_experts` and `top_k`. Returns
+    [..., hidden].
     """
     flat = h.reshape(-1, h.shape[-1])  # [tokens, hidden]
-    probs = F.softmax(layer.router(flat).float(), dim=-1)  # [tokens, experts], float32 as transformers
-    weights, chosen = torch.topk(probs, layer.top_k, dim=-1)  # [tokens, top_k]
-    weights /= weights.sum(dim=-1, keepdim=True)
+    route = getattr(layer, "route", None)  # a family's own routing (GPT-OSS: the softmax of the top-k logits)
+    if route is not None:
+        weights, chosen = route(flat)  # [tokens, top_k] each
+    else:
+        probs = F.softmax(layer.router(flat).float(), dim=-1)  # [tokens, experts], float32 as transformers
+        weights, chosen = torch.topk(probs, layer.top_k, dim=-1)  # [tokens, top_k]
+        if getattr(layer, "norm_topk_prob", True):  # (Qwen3-MoE's config may keep the top-k probabilities)
+            weights /= weights.sum(dim=-1, keepdim=True)
     out = torch.zeros_like(flat)
     # the (token, slot) assignments grouped by expert: one host sync for the counts
     flat_chosen = chosen.reshape(-1)  # [tokens * top_k]

@@ -196,10 +196,10 @@ def quantize_layer(fused, quant_type: str, dtype: torch.dtype, device: torch.dev
     `QuantizedLayer` for the Llama family's `FusedLayer`, the fused layer's own `quantize` where it has one
     (Mixtral's experts), else the family's layer (its own `BlockLayer`: BLOOM, Falcon) with its linear modules
     quantized (`quantize_linears`)."""
+    if hasattr(fused, "quantize"):  # (first: a family's `FusedLayer` subclass may quantize its own way, Qwen3's)
+        return fused.quantize(quant_type, dtype, device)
     if isinstance(fused, FusedLayer):
         return QuantizedLayer(fused, quant_type, dtype, device)
-    if hasattr(fused, "quantize"):
-        return fused.quantize(quant_type, dtype, device)
     return quantize_linears(fused, quant_type, dtype, device)
 
 

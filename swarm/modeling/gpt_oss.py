@@ -1,0 +1,128 @@
+"""The GPT-OSS family's decoder block: Llama's attention with biases and attention sinks, then its mixture of experts.
+
+A block (`mixtral.moe_block_step`): input RMSNorm, q/k/v (with biases), rotary (YaRN by default), attention in
+which each head's softmax also counts a learned sink logit (`self_attn.sinks` [heads]: probability mass that goes
+nowhere), output projection + residual; post-attention RMSNorm, then the experts: the router (`mlp.router`, a
+linear layer with a bias) picks each token's top `num_experts_per_tok` logits and softmaxes those, and each chosen
+expert computes `gate_up = h @ gate_up_proj[e] + bias` with gate and up interleaved (even and odd columns), gate
+clamped above at `swiglu_limit`, up clamped to +-limit, `(up + 1) * gate * sigmoid(alpha * gate)`, then
+`@ down_proj[e] + bias`. Layers alternate between a sliding window and full attention (`layer_types`).
+This is transformers' `GptOssDecoderLayer` with eager attention and eager experts, op for op
+(tests/test_family_open_models.py compares).
+
+The sinks make the attention something SDPA cannot compute: the layer's `attention_sinks` are read by
+`layers.cache_attention` (prefill, passes without a cache) and `layers.layer_sdpa` (the server's batched decode and
+arena attention), which compute it eagerly; the layer is its own `BlockLayer` (`fuse_layer`), not CUDA-graph
+`capturable` (the captured attention is SDPA), and not quantized (its experts are stacked tensors, not the linear
+layers `quantize.quantize_linears` swaps: `--quant_type` is refused with one line). Checkpoints in transformers'
+names (`mlp.experts.gate_up_proj` [experts, hidden, 2 * intermediate], ...) load; the hub's original MXFP4 blocks
+(`*_blocks`, `*_scales`) do not (a clear error names the tensors).
+Written here rather than imported from transformers' modeling_gpt_oss (about 135 MB of resident imports per
+process, `swarm.modeling.layers`).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from swarm.modeling.layers import RMSNorm, RotaryEmbedding, cache_attention
+from swarm.modeling.llama import DecoderLayer
+from swarm.modeling.mixtral import moe_block_step
+
+
+class GptOssExperts(nn.Module):
+    """Every expert's weights, stacked as transformers 5 keeps them (x @ weight, not linear layers)."""
+
+    def __init__(self, config):
+        super().__init__()
+        experts, hidden, inter = int(config.num_local_experts), int(config.hidden_size), int(config.intermediate_size)
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, hidden, 2 * inter))  # gate, up interleaved columns
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * inter))
+        self.down_proj = nn.Parameter(torch.empty(experts, inter, hidden))
+        self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden))
+        self.alpha, self.limit = float(config.swiglu_alpha), float(config.swiglu_limit)
+
+
+class GptOssMoe(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.router = nn.Linear(config.hidden_size, int(config.num_local_experts), bias=True)
+        self.experts = GptOssExperts(config)
+
+
+class GptOssDecoderLayer(DecoderLayer):
+    """`layer(hidden, attention_mask, position_ids, past_key_values, use_cache, position_embeddings)` -> hidden."""
+
+    step = moe_block_step  # layer.step(x, cos, sin, attend)
+    capturable = False
+
+    def __init__(self, config, layer_idx: int):
+        bias = bool(getattr(config, "attention_bias", True))
+        super().__init__(config, layer_idx, qkv_bias=bias, o_bias=bias)
+        self.self_attn.sinks = nn.Parameter(torch.empty(self.heads))
+        self.mlp = GptOssMoe(config)  # type: ignore[assignment]
+        self.num_experts, self.top_k = int(config.num_local_experts), int(config.num_experts_per_tok)
+        layer_types = getattr(config, "layer_types", None) or []
+        sliding = layer_idx < len(layer_types) and layer_types[layer_idx] == "sliding_attention"
+        self.sliding_window = int(config.sliding_window) if sliding and config.sliding_window else None
+
+    @property
+    def moe(self) -> GptOssMoe:
+        return cast(GptOssMoe, self.mlp)
+
+    @property
+    def attention_sinks(self) -> torch.Tensor:
+        """[heads]: each head's sink logit (`layers.cache_attention` adds it to the softmax)."""
+        return cast(torch.Tensor, self.self_attn.sinks)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        mxfp4 = sorted(k for k in state_dict if k.endswith(("_blocks", "_scales")))
+        if mxfp4:
+            raise ValueError(f"GPT-OSS experts in MXFP4 ({', '.join(mxfp4[:2])}, ...) are not supported: serve a "
+                             f"checkpoint with dequantized (bfloat16) experts")
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,
+                position_embeddings=None, **kwargs) -> torch.Tensor:
+        """hidden_states: [batch, seq, hidden]; position_embeddings: (cos, sin) [batch, seq, head_dim]."""
+        cos, sin = position_embeddings
+        return moe_block_step(self, hidden_states, cos, sin, cache_attention(past_key_values, attention_mask))
+
+    # what `mixtral.sparse_moe` reads
+
+    def route(self, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """h: [tokens, hidden] -> (weights [tokens, top_k], experts [tokens, top_k]): the softmax of the top logits."""
+        logits = self.moe.router(h)  # [tokens, experts]
+        top, chosen = torch.topk(logits, self.top_k, dim=-1)
+        return F.softmax(top, dim=1, dtype=top.dtype), chosen
+
+    def expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        """h: [n, hidden] -> [n, hidden]: expert e's clamped SwiGLU with biases."""
+        experts = self.moe.experts
+        gate_up = h @ experts.gate_up_proj[e] + experts.gate_up_proj_bias[e]  # [n, 2 * intermediate]
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = gate.clamp(min=None, max=experts.limit)
+        up = up.clamp(min=-experts.limit, max=experts.limit)
+        return ((up + 1) * (gate * torch.sigmoid(gate * experts.alpha))) @ experts.down_proj[e] \
+            + experts.down_proj_bias[e]
+
+
+    def quantize(self, quant_type: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        """(`swarm.modeling.quantize.quantize_layer`) GPT-OSS's experts are stacked parameters, not linear layers."""
+        raise ValueError(f"--quant_type {quant_type} is not supported on GPT-OSS blocks (their experts are stacked "
+                         f"tensors, not linear layers)")
+
+
+def fuse_layer(layer: GptOssDecoderLayer) -> GptOssDecoderLayer:
+    """The layer is its own `BlockLayer`: the server's batched steps run its `step` (eager attention with sinks,
+    `layers.layer_sdpa`)."""
+    return layer
+
+
+# the shared pieces under the family's names (`swarm.modeling.families`)
+GptOssRMSNorm = RMSNorm
+GptOssRotaryEmbedding = RotaryEmbedding
