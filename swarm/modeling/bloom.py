@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from swarm.modeling.layers import alibi_slopes, cache_attention
+from swarm.modeling.layers import DenseProjectionLayer, alibi_slopes, cache_attention
 
 BloomLayerNorm = nn.LayerNorm  # the final norm (`transformer.ln_f`) and the client's `word_embeddings_layernorm`
 
@@ -52,12 +52,7 @@ class BloomMLP(nn.Module):
         self.dense_4h_to_h = nn.Linear(4 * hidden_size, hidden_size)
 
 
-def _project(linear: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """linear(h) in h's dtype (a quantized module may answer in its compute dtype)."""
-    return linear(h).to(h.dtype)
-
-
-class BloomDecoderLayer(nn.Module):
+class BloomDecoderLayer(DenseProjectionLayer):
     """`layer(hidden, attention_mask, position_ids, past_key_values, use_cache, position_embeddings)` -> hidden,
     and `step(x, cos, sin, attend)` (cos/sin unused: ALiBi) for the server's steps."""
 
@@ -74,28 +69,12 @@ class BloomDecoderLayer(nn.Module):
         self.mlp = BloomMLP(hidden)
         self.slopes = alibi_slopes(self.heads)  # [heads] float32 on the CPU (not a buffer: never in a checkpoint)
 
-    @property
-    def layer_idx(self) -> int:
-        return self.self_attention.layer_idx
-
-    @layer_idx.setter
-    def layer_idx(self, value: int) -> None:
-        self.self_attention.layer_idx = value
-
     def key_bias(self, key_length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """ALiBi as BLOOM builds it: slope_h * key position in float32, then the model's dtype: [heads, keys]."""
         positions = torch.arange(key_length, device=device)
         if self.slopes.device != positions.device:  # moved once, so a CUDA graph's capture copies nothing
             self.slopes = self.slopes.to(device)
         return (self.slopes[:, None] * positions).to(dtype)
-
-    def project(self, group: str, h: torch.Tensor) -> torch.Tensor:
-        """Projection `group` ("qkv": query_key_value, "o": dense, "up": dense_h_to_4h, "down": dense_4h_to_h) of h
-        [..., in], in h's dtype (a LoRA adapter's `AdaptedLayer` adds its deltas to these outputs)."""
-        attention, mlp = self.self_attention, self.mlp
-        module = {"qkv": attention.query_key_value, "o": attention.dense, "up": mlp.dense_h_to_4h,
-                  "down": mlp.dense_4h_to_h}[group]
-        return _project(module, h)
 
     def step(self, x: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
              attend: Callable) -> torch.Tensor:

@@ -27,7 +27,14 @@ from typing import Callable, Optional, Tuple
 import torch
 from torch import nn
 
-from swarm.modeling.layers import RotaryEmbedding, activation, alibi_slopes, apply_rotary, cache_attention
+from swarm.modeling.layers import (
+    DenseProjectionLayer,
+    RotaryEmbedding,
+    activation,
+    alibi_slopes,
+    apply_rotary,
+    cache_attention,
+)
 
 FalconLayerNorm = nn.LayerNorm  # the final norm (`transformer.ln_f`)
 FalconRotaryEmbedding = RotaryEmbedding  # transformers' is a copy of Llama's
@@ -57,12 +64,7 @@ class FalconMLP(nn.Module):
         self.dense_4h_to_h = FalconLinear(config.ffn_hidden_size, config.hidden_size, bias=config.bias)
 
 
-def _project(linear: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """linear(h) in h's dtype (a quantized module may answer in its compute dtype)."""
-    return linear(h).to(h.dtype)
-
-
-class FalconDecoderLayer(nn.Module):
+class FalconDecoderLayer(DenseProjectionLayer):
     """`layer(hidden, attention_mask, position_ids, past_key_values, use_cache, position_embeddings)` -> hidden,
     and `step(x, cos, sin, attend)` for the server's steps."""
 
@@ -97,14 +99,6 @@ class FalconDecoderLayer(nn.Module):
         # [heads] float32 on the CPU (not a buffer: never in a checkpoint)
         self.slopes = alibi_slopes(self.heads) if self.alibi else None
 
-    @property
-    def layer_idx(self) -> int:
-        return self.self_attention.layer_idx
-
-    @layer_idx.setter
-    def layer_idx(self, value: int) -> None:
-        self.self_attention.layer_idx = value
-
     def key_bias(self, key_length: int, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
         """Falcon's ALiBi (`build_alibi_tensor`, then `/ sqrt(head_dim)` as its SDPA mask): [heads, keys]; None
         for rotary layers."""
@@ -127,14 +121,6 @@ class FalconDecoderLayer(nn.Module):
             return qkv[..., :self.heads, :], qkv[..., self.heads:self.heads + 1, :], qkv[..., self.heads + 1:, :]
         qkv = fused.unflatten(-1, (self.heads, 3, self.head_dim))
         return qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
-
-    def project(self, group: str, h: torch.Tensor) -> torch.Tensor:
-        """Projection `group` ("qkv": query_key_value, "o": dense, "up": dense_h_to_4h, "down": dense_4h_to_h) of h
-        [..., in], in h's dtype (a LoRA adapter's `AdaptedLayer` adds its deltas to these outputs)."""
-        attention, mlp = self.self_attention, self.mlp
-        module = {"qkv": attention.query_key_value, "o": attention.dense, "up": mlp.dense_h_to_4h,
-                  "down": mlp.dense_4h_to_h}[group]
-        return _project(module, h)
 
     def step(self, x: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
              attend: Callable) -> torch.Tensor:

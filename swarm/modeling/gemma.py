@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm.modeling.layers import RotaryEmbedding, activation, apply_rotary, cache_attention
+from swarm.modeling.layers import AttentionIndexedLayer, RotaryEmbedding, activation, apply_rotary, cache_attention
 from swarm.modeling.shape import ModelShape
 
 
@@ -111,7 +111,7 @@ def layer_type_of(config, layer_idx: int) -> str:
     return str(layer_types[layer_idx])
 
 
-class GemmaDecoderLayer(nn.Module):
+class GemmaDecoderLayer(AttentionIndexedLayer):
     """`layer(hidden, attention_mask, position_ids, past_key_values, use_cache, position_embeddings)` -> hidden;
     also its own `BlockLayer` (`step`)."""
 
@@ -137,14 +137,6 @@ class GemmaDecoderLayer(nn.Module):
         self.sliding_window: Optional[int] = int(config.sliding_window) if sliding and config.sliding_window else None
         self.rope_part: Optional[int] = (1 if sliding else 0) if self.dual_rope else None
         self.logit_softcap: Optional[float] = getattr(config, "attn_logit_softcapping", None)
-
-    @property
-    def layer_idx(self) -> int:
-        return self.self_attn.layer_idx
-
-    @layer_idx.setter
-    def layer_idx(self, value: int) -> None:
-        self.self_attn.layer_idx = value
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,

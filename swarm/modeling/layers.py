@@ -1,5 +1,6 @@
 """Pieces that model families share, in plain torch: RMSNorm, rotary embeddings, ALiBi, SDPA attention with
-causal and sliding-window masks, activations.
+causal and sliding-window masks, activations, a layer's cache index (`AttentionIndexedLayer`), and the
+projections of BLOOM's and Falcon's layers (`DenseProjectionLayer`).
 
 They compute what transformers' modeling code computes with SDPA attention, op for op, so a family module built
 from them (`swarm.modeling.llama`) gives equal outputs. Why not transformers' classes: in transformers 5
@@ -19,7 +20,7 @@ server's decode paths call where they would call SDPA.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -182,6 +183,40 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
         extra_powers = torch.arange(1, 1 + 2 * remaining, 2, dtype=torch.int32, device="cpu")
         slopes = torch.cat([slopes, torch.pow(extra_base, extra_powers)], dim=0)
     return slopes
+
+
+class AttentionIndexedLayer(nn.Module):
+    """A decoder layer whose `layer_idx` (its index into the cache, which `BlockSpan.load` sets span-relative) is
+    its attention module's: `self_attn` (Llama-like layers, Gemma's, Mixtral's), or `attention_module`."""
+
+    attention_module = "self_attn"
+
+    @property
+    def layer_idx(self) -> int:
+        return getattr(self, self.attention_module).layer_idx
+
+    @layer_idx.setter
+    def layer_idx(self, value: int) -> None:
+        getattr(self, self.attention_module).layer_idx = value
+
+
+class DenseProjectionLayer(AttentionIndexedLayer):
+    """The module layout BLOOM's and Falcon's layers share (transformers' names): `self_attention` with
+    `query_key_value`, `dense` and the cache's `layer_idx`, and `mlp` with `dense_h_to_4h` and `dense_4h_to_h`;
+    their steps run every projection through `project` (which a LoRA adapter's `AdaptedLayer` wraps)."""
+
+    attention_module = "self_attention"
+    self_attention: Any  # set by the family's __init__
+    mlp: Any
+
+    def project(self, group: str, h: torch.Tensor) -> torch.Tensor:
+        """Projection `group` ("qkv": query_key_value, "o": dense, "up": dense_h_to_4h, "down": dense_4h_to_h) of h
+        [..., in], in h's dtype (a quantized module may answer in its compute dtype; a LoRA adapter's
+        `AdaptedLayer` adds its deltas to these outputs)."""
+        attention, mlp = self.self_attention, self.mlp
+        module = {"qkv": attention.query_key_value, "o": attention.dense, "up": mlp.dense_h_to_4h,
+                  "down": mlp.dense_4h_to_h}[group]
+        return module(h).to(h.dtype)
 
 
 def key_bias(layer, key_length: int, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:

@@ -27,7 +27,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm.modeling.layers import RMSNorm, RotaryEmbedding, activation, apply_rotary, cache_attention, sliding_window_of
+from swarm.modeling.layers import (
+    AttentionIndexedLayer,
+    RMSNorm,
+    RotaryEmbedding,
+    activation,
+    apply_rotary,
+    cache_attention,
+    sliding_window_of,
+)
 from swarm.modeling.shape import ModelShape
 from swarm.modeling.smallgemm import GemmGroup, SmallGemm
 
@@ -89,7 +97,7 @@ class MLP(nn.Module):
         self.act_fn = activation(shape.hidden_act)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(AttentionIndexedLayer):
     """`layer(hidden, attention_mask, position_ids, past_key_values, use_cache, position_embeddings)` -> hidden."""
 
     step = block_step  # layer.step(x, cos, sin, attend)
@@ -115,14 +123,6 @@ class DecoderLayer(nn.Module):
         return block_step(self, hidden_states, cos, sin, cache_attention(past_key_values, attention_mask))
 
     # what block_step reads: the unfused projections, in transformers' order of operations
-
-    @property
-    def layer_idx(self) -> int:
-        return self.self_attn.layer_idx
-
-    @layer_idx.setter
-    def layer_idx(self, value: int) -> None:
-        self.self_attn.layer_idx = value
 
     @property
     def act(self) -> nn.Module:

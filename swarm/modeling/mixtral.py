@@ -35,7 +35,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm.modeling.layers import RMSNorm, RotaryEmbedding, activation, cache_attention, sliding_window_of
+from swarm.modeling.layers import (
+    AttentionIndexedLayer,
+    RMSNorm,
+    RotaryEmbedding,
+    activation,
+    cache_attention,
+    sliding_window_of,
+)
 from swarm.modeling.llama import Attend, Attention, DecoderLayer, FusedLayer, _share, attention_residual
 from swarm.modeling.quantize import NF4_BLOCKSIZE, QuantizedLayer, quantized_linear
 from swarm.modeling.shape import ModelShape
@@ -124,7 +131,7 @@ def from_fused_layout(state: Dict[str, torch.Tensor], num_experts: int) -> Dict[
     return state
 
 
-class MixtralDecoderLayer(nn.Module):
+class MixtralDecoderLayer(AttentionIndexedLayer):
     """`layer(hidden, attention_mask, position_ids, past_key_values, use_cache, position_embeddings)` -> hidden."""
 
     step = moe_block_step  # layer.step(x, cos, sin, attend)
@@ -155,14 +162,6 @@ class MixtralDecoderLayer(nn.Module):
         return moe_block_step(self, hidden_states, cos, sin, cache_attention(past_key_values, attention_mask))
 
     # what the block step reads: the attention as Llama's layer module, the experts one by one
-    @property
-    def layer_idx(self) -> int:
-        return self.self_attn.layer_idx
-
-    @layer_idx.setter
-    def layer_idx(self, value: int) -> None:
-        self.self_attn.layer_idx = value
-
     input_norm = DecoderLayer.input_norm
     post_norm = DecoderLayer.post_norm
     qkv = DecoderLayer.qkv
