@@ -5,6 +5,7 @@ the fused tensors of transformers 5's modules), a prompt and greedy decoding thr
 from __future__ import annotations
 
 import json
+from typing import List
 
 import pytest
 import torch
@@ -69,6 +70,16 @@ def test_batched_rows_route_to_their_own_experts(mixtral):
     """Four sessions' single-token steps in one pass equal each session's step alone, and their rows chose
     different experts in the same pass."""
     _, _, reference, span = mixtral
+    xs = check_batched_rows(span)
+    layer = span.fused[0]
+    rows = layer.post_norm(torch.cat(xs).reshape(4, -1))
+    chosen = torch.topk(layer.router(rows), layer.top_k, dim=-1).indices.sort(dim=-1).values
+    assert len({tuple(row) for row in chosen.tolist()}) > 1  # the rows' experts differ
+
+
+def check_batched_rows(span) -> List[torch.Tensor]:
+    """Four sessions (prompts of 3, 6, 4, 8 random hidden states) on the 4-block `span`: their single-token steps
+    in one batched pass equal each session's step alone. Returns the steps' inputs, [1, 1, hidden] each."""
     torch.manual_seed(2)
     sessions = []
     for length in (3, 6, 4, 8):
@@ -83,10 +94,7 @@ def test_batched_rows_route_to_their_own_experts(mixtral):
     together = span.forward_batch([(x, length, kv) for x, (kv, length) in zip(xs, sessions)], 0, 4)
     for a, b in zip(alone, together):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
-    layer = span.fused[0]
-    rows = layer.post_norm(torch.cat(xs).reshape(4, -1))
-    chosen = torch.topk(layer.router(rows), layer.top_k, dim=-1).indices.sort(dim=-1).values
-    assert len({tuple(row) for row in chosen.tolist()}) > 1  # the rows' experts differ
+    return xs
 
 
 def test_fused_experts_are_views_of_the_layer_modules(mixtral):

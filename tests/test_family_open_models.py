@@ -23,6 +23,7 @@ import torch
 from server.blocks import BlockSpan
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.model_config import model_config
+from tests.test_family_mixtral import check_batched_rows
 from tests.test_family_swarms import check_failover, check_split_swarm
 from tests.tiny_checkpoints import save_tiny, tensor_names
 
@@ -89,6 +90,23 @@ def _embed(reference, ids: torch.Tensor) -> torch.Tensor:
         return reference.model.embed_tokens(ids)
 
 
+def _greedy_steps(reference, span, kv, ids: torch.Tensor, hidden: torch.Tensor, steps: int) -> torch.Tensor:
+    """ids [batch, prompt] extended by `steps` greedy tokens (never EOS, as generate's min_new_tokens), each a
+    decode step of `span` (batched where it can batch) on the session `kv`; hidden: the prompt's last hidden
+    states [batch, >=1, hidden]."""
+    tokens = ids
+    for position in range(ids.shape[1], ids.shape[1] + steps):
+        logits = _logits(reference, hidden[:, -1:])  # [batch, 1, vocab]
+        logits[..., reference.config.eos_token_id] = float("-inf")
+        next_token = logits.argmax(-1)  # [batch, 1]
+        tokens = torch.cat([tokens, next_token], dim=1)
+        if span.can_batch:
+            hidden = span.forward_batch([(_embed(reference, next_token), position, kv)], 0, 4)[0]
+        else:
+            hidden = span.forward(_embed(reference, next_token), position, kv)
+    return tokens
+
+
 def test_the_checkpoint_has_the_family_layout(case):
     name, path, reference, span = case
     names = set(tensor_names(path))
@@ -131,16 +149,7 @@ def test_prompt_chunks_and_greedy_decoding_match_transformers(case):
     span.forward(_embed(reference, ids[:, :split]), 0, chunked)
     last = span.forward(_embed(reference, ids[:, split:]), split, chunked)[:, -1]
     assert (last - hidden[:, -1]).abs().max().item() < 1e-5 * max(1.0, hidden[:, -1].abs().max().item())
-    tokens = ids
-    for position in range(length, length + 8):
-        logits = _logits(reference, hidden[:, -1:])  # [2, 1, vocab]
-        logits[..., reference.config.eos_token_id] = float("-inf")  # as generate's min_new_tokens
-        next_token = logits.argmax(-1)  # [2, 1]
-        tokens = torch.cat([tokens, next_token], dim=1)
-        if span.can_batch:
-            hidden = span.forward_batch([(_embed(reference, next_token), position, kv)], 0, 4)[0]
-        else:
-            hidden = span.forward(_embed(reference, next_token), position, kv)
+    tokens = _greedy_steps(reference, span, kv, ids, hidden, 8)
     assert tokens.tolist() == expected.tolist()
     # the layer modules (a pass without a cache) compute the same
     assert (_logits(reference, span.forward(_embed(reference, expected), 0, None))
@@ -150,20 +159,7 @@ def test_prompt_chunks_and_greedy_decoding_match_transformers(case):
 def test_batched_rows_equal_single_steps(case):
     """Four sessions' single-token steps in one pass equal each session's step alone."""
     _, _, _, span = case
-    torch.manual_seed(2)
-    sessions = []
-    for length in (3, 6, 4, 8):
-        kv = span.new_session_kv(1, 16, 0, 4)
-        span.forward(torch.randn(1, length, span.hidden_size), 0, kv)
-        sessions.append((kv, length))
-    xs = [torch.randn(1, 1, span.hidden_size) for _ in sessions]
-    alone = []
-    for x, (kv, length) in zip(xs, sessions):
-        alone.append(span.forward_batch([(x, length, kv)], 0, 4)[0])
-        kv.begin_step(length)  # taken back: the batched pass below writes the same position again
-    together = span.forward_batch([(x, length, kv) for x, (kv, length) in zip(xs, sessions)], 0, 4)
-    for a, b in zip(alone, together):
-        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+    check_batched_rows(span)
 
 
 @pytest.mark.parametrize("quant_type, min_cosine", [("int8", 0.999), ("nf4", 0.9999)])
@@ -385,16 +381,7 @@ def test_left_padded_batch_matches_transformers(case):
     kv = span.new_session_kv(2, 32, 0, 4)
     kv.set_padding([0, 4])
     hidden = span.forward(_embed(reference, ids), 0, kv)
-    tokens = ids
-    for position in range(11, 17):
-        logits = _logits(reference, hidden[:, -1:])
-        logits[..., reference.config.eos_token_id] = float("-inf")  # as generate's min_new_tokens
-        next_token = logits.argmax(-1)  # [2, 1]
-        tokens = torch.cat([tokens, next_token], dim=1)
-        if span.can_batch:
-            hidden = span.forward_batch([(_embed(reference, next_token), position, kv)], 0, 4)[0]
-        else:
-            hidden = span.forward(_embed(reference, next_token), position, kv)
+    tokens = _greedy_steps(reference, span, kv, ids, hidden, 6)
     assert tokens.tolist() == expected.tolist()
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional
+from typing import List, Optional
 
 import pytest
 import torch
@@ -89,16 +89,7 @@ def check_split_swarm(path, reference, prefix: str, bootstrap, tokenizer, monkey
         assert out2.tolist() == _generate(reference, turn2, 6).tolist()
 
         # four sessions in lockstep: their steps batch on the servers, each equals its single-session output
-        sessions = [model.inference_session(max_length=64) for _ in prompts]
-        outputs = list(prompts)
-        try:
-            with ThreadPoolExecutor(len(prompts)) as pool:
-                for _ in range(NEW_TOKENS):
-                    logits = list(pool.map(lambda pair: pair[0].feed(pair[1]), zip(sessions, outputs)))
-                    outputs = [torch.cat([ids, lg.argmax(-1, keepdim=True)], dim=1) for ids, lg in zip(outputs, logits)]
-        finally:
-            for s in sessions:
-                s.close()
+        outputs = lockstep_sessions(model, prompts, NEW_TOKENS)
         for ids, out in zip(prompts, outputs):
             assert out.tolist() == model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                                                   do_sample=False).tolist()
@@ -111,6 +102,22 @@ def check_split_swarm(path, reference, prefix: str, bootstrap, tokenizer, monkey
     finally:
         model.shutdown()
         terminate_all(servers)
+
+
+def lockstep_sessions(model, prompts: List[torch.Tensor], new_tokens: int) -> List[torch.Tensor]:
+    """One inference session per prompt ([1, length] ids each), fed in lockstep from as many threads (so their
+    steps can batch on the servers): each prompt extended by `new_tokens` greedy tokens; the sessions closed."""
+    sessions = [model.inference_session(max_length=64) for _ in prompts]
+    outputs = list(prompts)
+    try:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            for _ in range(new_tokens):
+                logits = list(pool.map(lambda pair: pair[0].feed(pair[1]), zip(sessions, outputs)))
+                outputs = [torch.cat([ids, lg.argmax(-1, keepdim=True)], dim=1) for ids, lg in zip(outputs, logits)]
+    finally:
+        for s in sessions:
+            s.close()
+    return outputs
 
 
 def _check_gateway(path, bootstrap, prefix, reference, tokenizer, chat: bool) -> None:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from swarm import AutoDistributedModelForCausalLM
 from swarm.launch.topology import REPO, start_server, terminate_all, wait_all
+from tests.test_family_swarms import lockstep_sessions
 from tests.test_training import loss_of, reference_grads
 from tests.tiny_checkpoints import save_tiny
 
@@ -68,16 +68,7 @@ def test_split_server_generates_as_transformers(tiny, split_swarm, tokenizer):
     assert beams.tolist() == _generate(reference, prompts[0], num_beams=3).tolist()
 
     # four sessions in lockstep: their steps batch on the servers, each equals its single run
-    sessions = [model.inference_session(max_length=64) for _ in prompts]
-    outputs = list(prompts)
-    try:
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            for _ in range(NEW_TOKENS):
-                logits = list(pool.map(lambda pair: pair[0].feed(pair[1]), zip(sessions, outputs)))
-                outputs = [torch.cat([ids, lg.argmax(-1, keepdim=True)], dim=1) for ids, lg in zip(outputs, logits)]
-    finally:
-        for s in sessions:
-            s.close()
+    outputs = lockstep_sessions(model, prompts, NEW_TOKENS)
     assert [o.tolist() for o in outputs] == [s.tolist() for s in singles]
     assert model.manager.server_info(servers[1].ready["peer_id"]).largest_batch >= 2
 
