@@ -196,20 +196,23 @@ def main() -> int:
         idle = [tree_usage(p) for p in servers]
         t0 = time.monotonic()
 
+        online: List[str] = []  # the peer ids of the latest sample's online servers
+
         def monitor():
-            next_traffic = 0.0
             while not stop.is_set():
                 records = fetch_block_records(dht, prefix, BLOCKS)
                 spans = online_spans(records)
+                online[:] = sorted({s.peer_id for s in spans})
                 coverage = [sum(1 for s in spans if s.start <= b < s.end) for b in range(BLOCKS)]
-                now = time.monotonic() - t0
-                timeline.append({"t": round(now, 1), "coverage": coverage,
+                timeline.append({"t": round(time.monotonic() - t0, 1), "coverage": coverage,
                                  "records": sum(len(block) for block in records)})
-                if now >= next_traffic:
-                    next_traffic = now + args.update_period
-                    for peer_id, counters in read_traffic(manager, list({s.peer_id for s in spans})).items():
-                        traffic.setdefault(peer_id, []).append((now, counters))
                 stop.wait(2.0)
+
+        def traffic_reader():  # its own thread: a killed server still listed may take the info call's time-out
+            while not stop.wait(args.update_period):
+                now = time.monotonic() - t0
+                for peer_id, counters in read_traffic(manager, list(online)).items():
+                    traffic.setdefault(peer_id, []).append((now, counters))
 
         def churner():
             while args.churn_every > 0 and not stop.wait(args.churn_every):
@@ -230,7 +233,7 @@ def main() -> int:
                         streams.append(await stream_chat(http, url, body))
                 await asyncio.gather(*(worker() for _ in range(args.concurrency)))
 
-        threads = [threading.Thread(target=monitor, daemon=True), threading.Thread(target=churner, daemon=True)]
+        threads = [threading.Thread(target=f, daemon=True) for f in (monitor, churner, traffic_reader)]
         for thread in threads:
             thread.start()
         asyncio.run(load())
