@@ -144,6 +144,9 @@ def create_app(config: GatewayConfig, model=None, tokenizer=None) -> FastAPI:
                          metrics=metrics, limits=limits, created=int(time.time()))
     metrics.coverage_source = state.coverage_numbers
     metrics.verify_source = getattr(model, "verify_stats", None)
+    manager = getattr(model, "manager", None)
+    if manager is not None:  # a swarm client (a test's local model has none)
+        manager.on_route = metrics.observe_route
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

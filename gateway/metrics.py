@@ -3,7 +3,10 @@
 Requests by endpoint and status, time to first token and inter-token latency histograms, prompt and
 completion token counters, active sessions, queue length, the conversation session pool (hits, misses, prompt
 tokens reused, evictions by reason, pooled sessions and the cache they reserve), speculative decoding's drafted and
-accepted tokens, and the swarm's coverage
+accepted tokens, the time spent building each inference chain (`swarmgate_route_seconds` by part: `view` is reading
+the swarm's DHT records and pinging servers when the client's view was due for a refresh, `search` is
+`find_inference_chain`, `total` both; a request builds one at admission and one per session it opens or fails
+over), and the swarm's coverage
 (blocks served by at least one online server, out of the model's blocks), refreshed from the client's cached
 view at each scrape, and with `--verify_rate` the spot-checks of servers' outputs (`swarm.client.verify`, read at
 each scrape): checks done and passed, servers outvoted (`mismatches`, each then distrusted), checks impossible
@@ -24,6 +27,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+_ROUTE_BUCKETS = (0.0001, 0.0003, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 60)
 
 
@@ -74,6 +78,10 @@ class Metrics:
         self.verify_retracted_tokens = Counter(
             "swarmgate_verify_retracted_tokens", "tokens picked from outputs that spot-checks found wrong, dropped and "
                                                  "picked again (per choice row)", registry=r)
+        self.route_seconds = Histogram("swarmgate_route_seconds",
+                                       "seconds to build one inference chain, by part (view: the swarm's records read "
+                                       "and servers pinged when due; search: find_inference_chain; total)",
+                                       ["part"], buckets=_ROUTE_BUCKETS, registry=r)
         self.coverage_source = coverage  # () -> (blocks covered, blocks total, servers online)
         self.verify_source: Optional[Callable[[], Any]] = None  # () -> swarm.client.verify.VerifyStats or None (off)
         r.register(_VerifyCollector(self))
@@ -85,6 +93,12 @@ class Metrics:
     def count_speculation(self, drafted: int, accepted: int) -> None:
         self.draft_tokens.inc(drafted)
         self.accepted_draft_tokens.inc(accepted)
+
+    def observe_route(self, timing) -> None:
+        """One inference chain built (`swarm.client.manager.RouteTiming`; the manager's `on_route`)."""
+        self.route_seconds.labels(part="view").observe(timing.view_s)
+        self.route_seconds.labels(part="search").observe(timing.search_s)
+        self.route_seconds.labels(part="total").observe(timing.total_s)
 
     def observe_admission(self, admission) -> None:
         self.running.set(admission.running)

@@ -30,6 +30,7 @@ from server.limits import LimitError, RpcLimits, StreamLimiter
 from server.push import PushRefused, PushRouter, PushSender
 from server.training import TrainingHandler, drain_refused
 from swarm.runtime import malloc
+from swarm.runtime.dht_traffic import DHTTraffic
 from swarm.runtime.swarm_key import NOT_A_MEMBER, SwarmKey, proof_for
 from swarm.runtime.taskpool import PRIORITY_DECODE, PRIORITY_FORWARD, PRIORITY_PREFILL, TaskPool
 from swarm.wire import protocol as P
@@ -77,6 +78,7 @@ class BlockHandler(TrainingHandler):
         self.max_batch_tokens = min(max_batch_tokens, limits.max_step_tokens)
         self.prefill_chunk = prefill_chunk
         self.counters = Counters()
+        self.dht_traffic: Optional[DHTTraffic] = None  # the server's DHT traffic at its last announcement
         self.accepting = True
         self.push_router = PushRouter()
         self.pusher: Optional[PushSender] = None
@@ -414,6 +416,7 @@ class BlockHandler(TrainingHandler):
             decode_batches=self.pool.batches_done, largest_batch=self.pool.largest_batch,
             decode_compute_seconds=round(self.counters.compute_seconds, 6),
             training_tokens_processed=self.training_tokens, limits=self.limits.announced(self.max_length),
+            dht_traffic=self.dht_traffic,
         )
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:

@@ -57,6 +57,7 @@ from swarm.modeling.shape import ModelShape
 from swarm.modeling.tensor_parallel import TensorParallelError, check_splittable
 from swarm.runtime import lifecycle, malloc
 from swarm.runtime.cpu_turns import CpuTurns, cpu_turns_enabled
+from swarm.runtime.dht_traffic import read_dht_traffic_async
 from swarm.runtime.taskpool import PRIORITY_FORWARD, TaskPool
 from swarm.runtime.threads import serial_torch_here
 from swarm.wire.records import ServerState, dht_prefix_for
@@ -148,8 +149,14 @@ class Server:
         return self.capacity.attn_cache_tokens if self.capacity is not None else 0
 
     async def announce(self, state: ServerState) -> None:
-        """Store the record under each block of the span (every announcement goes through here)."""
+        """Store the record under each block of the span (every announcement goes through here), then note the DHT
+        peer's traffic counters for the info RPC."""
         await self.record.announce(state)
+        if self.handler is not None and self.dht is not None:
+            try:
+                self.handler.dht_traffic = await read_dht_traffic_async(self.dht)
+            except Exception as e:  # the counters are informative only
+                logger.debug(f"reading the DHT traffic failed: {e}")
 
     # ---- blocks and handlers ------------------------------------------------------------------------------
     async def load_blocks(self) -> None:

@@ -72,6 +72,10 @@ def test_models_health_metrics_request_id(gateway, client):
                  "swarmgate_pool_cache_tokens"):
         assert name in metrics, name
     assert "swarmgate_swarm_blocks_covered 30.0" in metrics
+    client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=1)
+    routes = [line for line in httpx.get(gateway.url + "/metrics").text.splitlines()
+              if line.startswith('swarmgate_route_seconds_count{part="total"}')]
+    assert routes and float(routes[0].split()[-1]) >= 1  # the admission's route check at least
 
 
 # ---- generation ---------------------------------------------------------------------------------------------------

@@ -210,3 +210,25 @@ def test_no_repeat_ngram_and_bad_words_match_transformers(clients, reference_mod
     ref = reference_model.generate(ids, **settings)
     assert ours.tolist() == ref.tolist(), (tokenizer.decode(ours[0]), tokenizer.decode(ref[0]))
     assert ours.tolist() != model.generate(ids, max_new_tokens=24, do_sample=False).tolist()  # the settings acted
+
+
+def test_routing_time_and_dht_traffic_are_reported(clients, swarms):
+    """The client reports each inference chain's routing time (view + search), and each server's info carries its
+    DHT peer's traffic counters (its announcements are stores it made)."""
+    spans = TOPOLOGIES[0]
+    model, swarm = clients(spans), swarms.get(spans)
+    timings = []
+    model.manager.on_route = timings.append
+    try:
+        model.manager.update(force=True)  # the view is fresh: this route's view part is only the lock
+        model.check_route(16)
+        model.manager._last_update = 0.0  # due for a refresh: this route reads the DHT records and pings
+        model.check_route(16)
+        assert model.manager._last_update > 0.0  # the second route did read the records
+    finally:
+        model.manager.on_route = None
+    assert len(timings) == 2 and all(t.search_s > 0 and t.total_s == t.view_s + t.search_s for t in timings)
+    assert all(t.view_s >= 0 for t in timings)
+    for stats in _server_stats(model, swarm).values():
+        assert stats.dht_traffic is not None
+        assert stats.dht_traffic.calls_made.get("store", 0) >= 1 and stats.dht_traffic.sent_bytes > 0

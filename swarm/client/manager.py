@@ -4,7 +4,9 @@
 when a route cannot be built), and turns them into chains of servers with `swarm.client.routing`. Servers that failed
 are banned with exponential back-off so that routing avoids them for a while. With `allowed_quant_types`, servers
 announcing another weight format (`quant_type`) are never routed to (nor pinged); `spans` keeps every server seen,
-`allowed_spans()` those a route may use.
+`allowed_spans()` those a route may use. `on_route`, when set, is called after each inference chain is built with
+its `RouteTiming`: the seconds spent getting the swarm view (reading the DHT records and pinging the servers when
+the view was due for a refresh, else only the lock) and in `find_inference_chain`.
 """
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import asyncio
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set
 
 import hivemind
 from hivemind.p2p import P2P, PeerID
@@ -104,6 +107,18 @@ class ClientConfig(BaseModel):
         return None if self.swarm_key is None else SwarmKey(self.swarm_key.get_secret_value())
 
 
+@dataclass(frozen=True)
+class RouteTiming:
+    """Where the time of building one inference chain went (seconds; a retry after a RoutingError adds to both)."""
+
+    view_s: float  # `update()`: the DHT records read and servers pinged when a refresh was due (or forced)
+    search_s: float  # `find_inference_chain` itself
+
+    @property
+    def total_s(self) -> float:
+        return self.view_s + self.search_s
+
+
 class SwarmManager:
     def __init__(self, config: ClientConfig, prefix: str, num_blocks: int, dht: Optional[hivemind.DHT] = None):
         if not config.initial_peers and dht is None:
@@ -120,6 +135,7 @@ class SwarmManager:
         self.distrusted: Set[str] = set()  # servers outvoted by spot-checks (swarm.client.verify): never routed to
         self.rtts: Dict[str, float] = {}  # peer id -> client RTT in seconds, measured at each refresh
         self._lock = threading.Lock()
+        self.on_route: Optional[Callable[[RouteTiming], None]] = None  # told how long each inference chain took
 
     # ---- swarm view ---------------------------------------------------------------------------------------
     def update(self, force: bool = False) -> List[ServerSpan]:
@@ -177,10 +193,28 @@ class SwarmManager:
 
     def _route(self, fn, start: int, end: int, **kwargs) -> List[RouteHop]:
         kwargs["allowed_quant_types"] = self.config.allowed_quant_types
+        spent = [0.0, 0.0]  # seconds: getting the swarm view, searching
         try:
-            return fn(self.update(), start, end, banned=self.banned(), **kwargs)
-        except RoutingError:
-            return fn(self.update(force=True), start, end, banned=self.banned(), **kwargs)
+            try:
+                return self._timed_route(spent, False, fn, start, end, **kwargs)
+            except RoutingError:
+                return self._timed_route(spent, True, fn, start, end, **kwargs)
+        finally:
+            if fn is find_inference_chain and self.on_route is not None:
+                try:
+                    self.on_route(RouteTiming(view_s=spent[0], search_s=spent[1]))
+                except Exception as e:  # an observer must never break routing
+                    logger.debug(f"on_route failed: {e}")
+
+    def _timed_route(self, spent: List[float], force: bool, fn, start: int, end: int, **kwargs) -> List[RouteHop]:
+        began = time.perf_counter()
+        spans = self.update(force=force)
+        viewed = time.perf_counter()
+        spent[0] += viewed - began
+        try:
+            return fn(spans, start, end, banned=self.banned(), **kwargs)
+        finally:
+            spent[1] += time.perf_counter() - viewed
 
     def make_inference_chain(self, start: int = 0, end: Optional[int] = None, cache_tokens_needed: int = 0,
                              adapter: Optional[str] = None, session_length: int = 0) -> List[RouteHop]:

@@ -12,6 +12,7 @@ with the shutdown paths made safe for every process kind (server, gateway, boots
   to an in-process server), and one peer stopping must not fail the others' calls.
 - `p2pd_extra`: p2pd flags that `hivemind.P2P.create` does not expose (relay service limits,
   `swarm.runtime.relays`), added to the child's p2pd command line.
+- In the child: every DHT RPC message sent and received is counted (`swarm.runtime.dht_traffic`).
 - `shutdown(timeout)` (also at interpreter exit): asks the child to stop, SIGKILLs it (and its p2pd) after
   `timeout` seconds, and never raises when the child is already gone.
 """
@@ -30,6 +31,8 @@ from typing import Any, Callable, Dict, Optional
 import hivemind
 import psutil
 from hivemind.utils.mpfuture import MPFuture
+
+from swarm.runtime import dht_traffic
 
 logger = logging.getLogger("swarmgate.dht")
 
@@ -150,6 +153,7 @@ class DHTProcess(hivemind.DHT):
         threading.Thread(target=_watch_parent, args=(os.getppid(),), name="parent-watch", daemon=True).start()
         if self._p2pd_extra:
             _add_p2pd_flags(self._p2pd_extra)
+        dht_traffic.install()  # count every DHT RPC message (read with dht_traffic.read_dht_traffic)
         super().run()
 
     def shutdown(self, timeout: float = SHUTDOWN_TIMEOUT) -> None:

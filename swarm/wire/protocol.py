@@ -41,6 +41,7 @@ from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
+from swarm.runtime.dht_traffic import DHTTraffic
 from swarm.wire import compression as wire_compression
 from swarm.wire.dtypes import DTYPES, WIRE_DTYPES, dtype_name
 from swarm.wire.records import ServerLimits
@@ -244,6 +245,11 @@ class ServerStats(Message):
     decode_compute_seconds: float = 0.0
     training_tokens_processed: int = Field(default=0, description="tokens of training forward/backward passes")
     limits: Optional[ServerLimits] = Field(default=None, description="the resource limits the server enforces")
+    # left out when None, so that clients from before the field (which reject unknown fields) still read the info
+    dht_traffic: Optional[DHTTraffic] = Field(
+        default=None, exclude_if=lambda value: value is None,
+        description="the server's DHT peer's traffic since start, as of its last announcement "
+                    "(swarm.runtime.dht_traffic)")
 
 
 ReplyMessage = Union[StepResult, ErrorReply]
