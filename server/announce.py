@@ -21,9 +21,9 @@ from hivemind.utils import get_dht_time
 from server.config import ServerConfig
 from server.pings import measure_next_pings
 from swarm import __version__
-from swarm.runtime.reachability import Reachable
 from swarm.runtime.relays import relay_dht_kwargs
 from swarm.runtime.swarm_key import SwarmKey, join_dht, proof_for
+from swarm.wire.reachability import Reachable
 from swarm.wire.records import (
     ServerInfo,
     ServerLimits,

@@ -1,7 +1,7 @@
 """How a starting server joins the swarm: directly reachable, or behind a NAT and served through a relay.
 
 After its DHT peer has started (and before it places or loads any block), a server that joins a swarm asks up to
-three of its initial peers to dial it back on its announced addresses (`swarm.runtime.reachability`):
+three of its initial peers to dial it back on its announced addresses (`swarm.wire.reachability`):
 - reached (or nobody could tell, or `--skip_reachability_check`, or `--new_swarm`): `direct`, as always; the
   server then offers dial-back checks and relay service to others;
 - not reached, relays on (the default): the DHT peer is restarted as a DHT client that reserves a slot on a relay
@@ -18,7 +18,7 @@ import time
 from typing import List
 
 from server.announce import start_dht
-from swarm.runtime.reachability import (
+from swarm.wire.reachability import (
     DIRECT,
     RELAYED,
     DialBackService,

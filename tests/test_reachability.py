@@ -13,8 +13,8 @@ from pydantic import ValidationError
 from server.config import ServerConfig
 from swarm.client.routing import chain_cost, find_inference_chain
 from swarm.runtime.config import ConfigError, load_config
-from swarm.runtime.reachability import DialBack, check_reachability, checker_peers, dialable_maddrs
 from swarm.runtime.relays import RelaySettings, relay_dht_kwargs
+from swarm.wire.reachability import DialBack, check_reachability, checker_peers, dialable_maddrs
 from swarm.wire.records import ServerInfo, ServerSpan, ServerState
 
 PEER = "12D3KooWNaPxVvxKbtZ2PkrnYb9aCKnYUWtkMXrEe3s2i2zpNZSz"

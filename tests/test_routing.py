@@ -5,6 +5,7 @@ import collections
 import math
 import random
 import time
+from types import SimpleNamespace
 from typing import Dict, List, Optional, Sequence
 
 import pytest
@@ -349,7 +350,8 @@ def test_a_chain_carries_each_servers_dtype_and_the_client_sends_in_it():
     assert [(hop.peer_id, hop.dtype) for hop in chain] == [("a", "bfloat16"), ("b", "float32")]
     hidden = torch.randn(1, 3, 8)
     for hop, dtype in zip(chain, (torch.bfloat16, torch.float32)):
-        stream = SpanStream(None, hop, "session", 16, 1)  # type: ignore[arg-type]  (send only queues)
+        manager = SimpleNamespace(config=SimpleNamespace(compression=None))  # what send reads of the manager
+        stream = SpanStream(manager, hop, "session", 16, 1)  # type: ignore[arg-type]  (send only queues)
         stream.send(hidden, 0, 1)
         request = stream._queue.get_nowait()
         sent = P.deserialize_tensor(request.tensors[0], max_elements=1 << 20)  # type: ignore[union-attr]

@@ -3,7 +3,7 @@
 It listens on `--host_maddrs` (optionally with a fixed `--identity_path`, so its address is known in advance),
 prints `SWARMGATE_READY {json}` with the multiaddrs others join with, and runs until SIGINT/SIGTERM (then stops
 its DHT process and p2pd: `swarm.runtime.lifecycle`). It offers relay service to peers behind a NAT (unless
-`--no_relay`; `swarm.runtime.relays`) and dial-back checks to starting servers (`swarm.runtime.reachability`).
+`--no_relay`; `swarm.runtime.relays`) and dial-back checks to starting servers (`swarm.wire.reachability`).
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from pydantic import Field
 
 from swarm.runtime import lifecycle
 from swarm.runtime.config import config_from_argv, setup_logging
-from swarm.runtime.reachability import DialBackService
 from swarm.runtime.relays import RelaySettings, relay_dht_kwargs
 from swarm.runtime.swarm_key import SwarmKeySettings, join_dht
+from swarm.wire.reachability import DialBackService
 
 logger = logging.getLogger("swarmgate.dht")
 CHECKS_START_TIMEOUT = 10.0
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     except Exception as e:
         print(f"error: cannot start the DHT peer: {e}", file=sys.stderr)
         return 1
-    loop = asyncio.new_event_loop()  # the dial-back checks starting servers ask for (swarm.runtime.reachability)
+    loop = asyncio.new_event_loop()  # the dial-back checks starting servers ask for (swarm.wire.reachability)
     threading.Thread(target=loop.run_forever, name="dial-back", daemon=True).start()
     checks = DialBackService()
     p2p = asyncio.run_coroutine_threadsafe(_serve_dial_backs(dht, checks), loop).result(CHECKS_START_TIMEOUT)

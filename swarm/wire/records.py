@@ -3,7 +3,7 @@
 One DHT key per block of a model (`"{prefix}.{block_index}"`), one sub-key per server (its peer id), whose
 value is a `ServerInfo` dict: the server's state, its span, throughput, free KV cache, version, the RTTs it
 measured to servers that host its next blocks, its resource limits (`ServerLimits`) and whether peers dial it
-directly or through a relay (`reachable`, `swarm.runtime.reachability`). Records expire unless
+directly or through a relay (`reachable`, `swarm.wire.reachability`). Records expire unless
 refreshed; a server going away stores `offline` with a short expiration. Records that fail validation are ignored
 (a bad peer cannot break a reader).
 """
