@@ -61,6 +61,9 @@ EXTENDED = (
     "tests/test_training_example.py::",
     # a frozen server on loopback (make test: the liveness rules, fast; failover of killed and erroring servers)
     "tests/test_liveness.py::test_a_frozen_server_mid_generation_is_failed_over_on_loopback",
+    # BLOOM's int8 servers (38 s: an int8 span runs each session alone; make test: int8 swarms on SmolLM2 in
+    # test_quant_swarm, a quantized BLOOM-family server with nf4 on falcon-new)
+    "tests/test_family_bloom_falcon.py::test_quantized_servers_generate[bloom-int8]",
     # llama and qwen2 tiny checkpoints through a split swarm (make test: SmolLM2 is a llama, qwen2 in process;
     # mistral and mixtral through swarms), and mistral's failover (make test: mixtral's)
     "tests/test_family_swarms.py::test_family_through_a_split_swarm[llama]",
