@@ -61,6 +61,10 @@ EXTENDED = (
     "tests/test_training_example.py::",
     # a frozen server on loopback (make test: the liveness rules, fast; failover of killed and erroring servers)
     "tests/test_liveness.py::test_a_frozen_server_mid_generation_is_failed_over_on_loopback",
+    # three of the six newer families through a split swarm (make test: every family in process against
+    # transformers, and Qwen3 (with the gateway), Qwen3-MoE and Gemma 2 through split swarms)
+    *(f"tests/test_family_open_models.py::test_family_through_a_split_swarm[{case}]"
+      for case in ("phi3", "gemma3_text", "gpt_oss")),
     # BLOOM's int8 servers (38 s: an int8 span runs each session alone; make test: int8 swarms on SmolLM2 in
     # test_quant_swarm, a quantized BLOOM-family server with nf4 on falcon-new)
     "tests/test_family_bloom_falcon.py::test_quantized_servers_generate[bloom-int8]",

@@ -167,6 +167,7 @@ def fake_manager(spans: List[ServerSpan], allowed: Optional[List[str]], num_bloc
     manager.prefix, manager.num_blocks = "m", num_blocks
     manager.spans, manager.rtts, manager._bans, manager.distrusted = list(spans), {}, {}, set()
     manager._last_update = time.monotonic()
+    manager.on_route = None
     import threading
 
     manager._lock = threading.Lock()
