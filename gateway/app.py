@@ -48,7 +48,7 @@ from gateway.sessions import SessionProvider
 from gateway.state import GatewayState, format_ranges, quant_note, quant_summary
 from gateway.status import add_status_routes
 from gateway.tokens import Tokens
-from swarm.client.drafting import load_draft_model
+from swarm.client.api import load_draft_model
 from swarm.runtime import malloc
 from swarm.runtime.taskpool import stop_client_pool
 
@@ -143,10 +143,8 @@ def create_app(config: GatewayConfig, model=None, tokenizer=None) -> FastAPI:
     state = GatewayState(config=config, model=model, tokens=tokens, engine=engine, admission=admission,
                          metrics=metrics, limits=limits, created=int(time.time()))
     metrics.coverage_source = state.coverage_numbers
-    metrics.verify_source = getattr(model, "verify_stats", None)
-    manager = getattr(model, "manager", None)
-    if manager is not None:  # a swarm client (a test's local model has none)
-        manager.on_route = metrics.observe_route
+    metrics.verify_source = model.verify_stats
+    model.observe_routes(metrics.observe_route)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -59,7 +59,7 @@ from gateway.structured import check as check_grammar
 from gateway.structured import request_grammar
 from gateway.toolparse import ToolCallParser, finish_reason
 from gateway.tools import check_tools
-from swarm.client.generation import TokenChoice
+from swarm.client.api import TokenChoice
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 

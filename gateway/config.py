@@ -11,8 +11,7 @@ from typing import Any, List, Literal, Optional, Tuple
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from swarm.client.drafting import MAX_DRAFT_TOKENS
-from swarm.client.routing import normalize_quant_types
+from swarm.client.api import MAX_DRAFT_TOKENS, normalize_quant_types
 from swarm.modeling.smallgemm import valid_packed_rows
 from swarm.runtime.swarm_key import SwarmKeySettings
 from swarm.wire.compression import COMPRESSION_HELP, Compression

@@ -14,10 +14,7 @@ from typing import List, Optional
 from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
 from gateway.errors import APIError, internal, unavailable
-from swarm.client.generation import TokenChoice
-from swarm.client.routing import RoutingError
-from swarm.client.session import SessionError
-from swarm.wire.protocol import RemoteError
+from swarm.client.api import RemoteError, RoutingError, SessionError, TokenChoice
 
 logger = logging.getLogger("swarmgate.gateway")
 

@@ -20,7 +20,7 @@ from gateway.errors import bad_request, not_found
 from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _SamplingFields
 from gateway.tokens import Tokens
 from gateway.unsupported import CHAT, COMPLETIONS, check
-from swarm.client.generation import SamplingParams
+from swarm.client.api import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 MAX_STOP_STRINGS = 16

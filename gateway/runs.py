@@ -2,12 +2,15 @@
 
 `GenerationJob` describes the work (prompt, `SamplingParams`, n, deadline, pool owner, cancel flag);
 `GenerationRun(job, emit, sessions, tokens, metrics, vocab_size).run()` leases a session
-(`gateway.sessions.SessionProvider`), steps it until every choice finished, emits `gateway.events` as it goes, and
-releases the session (back to the pool when it ended normally). The tokens are chosen by `swarm.client.generation`
-(the path `DistributedModelForCausalLM.generate` uses): one `Sampler` per choice, picking inside the client's batched
-LM-head task (`feed_and_pick`) as the direct client does. With `job.speculative` (one choice, no grammar) a step
-sends the last token and its drafts and yields the accepted tokens (`swarm.client.speculative`), each taken (text,
-stop strings, end of sequence, max_tokens) and streamed as a plain step's token would be.
+(`gateway.sessions.SessionProvider`), runs the client's one decode loop over it (`swarm.client.api.DecodeLoop`: the
+loop `DistributedModelForCausalLM.generate` runs too), emits `gateway.events` as it goes, and releases the session
+(back to the pool when it ended normally). The run is the loop's policy for the gateway: one `Sampler` per choice,
+picking inside the client's batched LM-head task (`feed_and_pick`) as the direct client does (on this worker
+thread with a grammar: its matcher stays with the request); each token taken as text (stop strings, end of
+sequence, max_tokens) and streamed; text held back until spot-checked and picks redone after a retraction
+(`gateway.verification.RunVerification`); the cancel flag and the deadline checked before every step. With
+`job.speculative` (one choice, no grammar, no spot-checks) the loop sends the last token and its drafts and the
+accepted tokens are taken one by one as plain steps' would be.
 """
 from __future__ import annotations
 
@@ -16,22 +19,28 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
 from gateway.errors import APIError
 from gateway.events import Cancelled, ChoiceDelta, Done
 from gateway.metrics import Metrics
-from gateway.sessions import SessionProvider
+from gateway.sessions import Lease, SessionProvider
 from gateway.textstream import TextStream
 from gateway.tokens import Tokens
 from gateway.verification import RunVerification, verification_on
-from swarm.client.drafting import SpeculativeConfig
-from swarm.client.generation import RowSamplers, Sampler, SamplingParams, TokenChoice
-from swarm.client.grammar import GrammarConstraint
-from swarm.client.speculative import Speculator
-from swarm.client.verify import OutputsRetracted
+from swarm.client.api import (
+    DecodeLoop,
+    GrammarConstraint,
+    OutputsRetracted,
+    RowSamplers,
+    Sampler,
+    SamplingParams,
+    SpeculativeConfig,
+    Speculator,
+    TokenChoice,
+)
 
 logger = logging.getLogger("swarmgate.gateway")
 
@@ -52,7 +61,8 @@ class GenerationJob:
 
 
 class GenerationRun:
-    """Runs `job` to its end on the calling (worker) thread, handing events to `emit`."""
+    """Runs `job` to its end on the calling (worker) thread, handing events to `emit`; the decode loop's policy
+    (`swarm.client.decoding.DecodePolicy`) for the gateway."""
 
     def __init__(self, job: GenerationJob, emit: Callable[[Any], None], sessions: SessionProvider, tokens: Tokens,
                  metrics: Metrics, vocab_size: int, verify_holdback: int = 8):
@@ -79,11 +89,15 @@ class GenerationRun:
         self.pending: List[List[TokenChoice]] = [[] for _ in range(n)]
         self.finished = [False] * n
         self.generated = [0] * n
+        self.last_step: Optional[float] = None
+        self.lease: Optional[Lease] = None  # the session lent to this run (`run`)
         # speculative decoding: one choice, no grammar (its matcher advances token by token), no spot-checks (their
         # snapshots and retractions are per token); else plain steps
         speculative = job.speculative if n == 1 and grammar is None and not self.verification.enabled else None
         self.speculator = None if speculative is None else Speculator(
-            speculative, vocab_size, list(tokens.eos_token_ids), getattr(sessions.model.config, "sliding_window", None))
+            speculative, vocab_size, list(tokens.eos_token_ids),
+            getattr(sessions.model.config, "sliding_window", None))  # (the Hugging Face config: set or not)
+        self.draft_sampling = None if params.greedy else self.samplers.samplers[0]
 
     def run(self) -> None:
         job, params, sessions, metrics = self.job, self.params, self.sessions, self.metrics
@@ -95,47 +109,17 @@ class GenerationRun:
             self.emit(Done(prompt_len, 0, 0))
             return
         ids = torch.tensor([job.prompt_ids] * self.n, dtype=torch.long)
-        lease = sessions.acquire(job.prompt_ids, self.n, params.max_tokens, job.owner, adapter=job.adapter)
+        lease = self.lease = sessions.acquire(job.prompt_ids, self.n, params.max_tokens, job.owner,
+                                              adapter=job.adapter)
         metrics.active_sessions.inc()
-        reusable, last, step = False, None, 0
+        reusable = False
+
+        def feed(ids: torch.Tensor, pick: Any, num_logits: int, first: bool) -> Tuple[torch.Tensor, Any]:
+            # logits [n, vocab] float32; the first step sends the prompt (less what a pooled session holds)
+            return (sessions.prefill if first else sessions.step)(lease, ids, pick, num_logits)
+
         try:
-            while not all(self.finished) or self.verification.unsettled:  # (unsettled: one more step checks)
-                if job.cancel.is_set():
-                    raise Cancelled()
-                if job.deadline is not None and time.monotonic() > job.deadline:
-                    raise APIError(504, "The generation took longer than the gateway's generation_timeout.",
-                                   "timeout_error", code="generation_timeout")
-                remaining = [None if self.finished[i] else params.max_tokens - self.generated[i]
-                             for i in range(self.n)]
-                blocks = self._speculative_step(lease, ids, remaining[0], step) if self.speculator else None
-                if blocks is None:  # a plain step: one token per choice
-                    pick = self.samplers.picker(ids, remaining)
-                    head_pick = pick if self.pick_in_head else None
-                    self.verification.before_step(lease.session, all(self.finished))
-                    # logits [n, vocab], float32; the first step sends the prompt (less what a pooled session holds)
-                    try:
-                        logits, choices = (sessions.prefill if step == 0 else sessions.step)(lease, ids, head_pick)
-                    except OutputsRetracted as retracted:  # a lying server was caught: pick from there again
-                        ids = self.verification.retract(retracted, ids)
-                        continue
-                    blocks = [choices if self.pick_in_head else pick(logits)]
-                    # a view of the head batch's whole logits [rows, vocab] (6 MB at 32 streams): held until this
-                    # run's next step, such views keep a round's batch alive into the next one
-                    del logits
-                step += 1
-                now = time.monotonic()
-                if last is None:
-                    metrics.time_to_first_token.observe(now - job.arrived)
-                else:
-                    metrics.inter_token_latency.observe((now - last) / len(blocks))
-                last = now
-                for choices in blocks:  # each token of a speculative block in turn, as plain steps would
-                    next_tokens = [self.pad if choice is None or self.finished[i] else self._take(i, choice)
-                                   for i, choice in enumerate(choices)]
-                    ids = torch.cat([ids, torch.tensor(next_tokens, dtype=torch.long)[:, None]], dim=1)
-                    if all(self.finished):
-                        break
-                self.verification.after_step(ids)
+            DecodeLoop(lease, feed, self, prompt_len, params.max_tokens, self.pad, self.speculator).run(ids)
             reusable = True
         finally:
             metrics.active_sessions.dec()
@@ -155,35 +139,64 @@ class GenerationRun:
                         f"already held by a pooled session")
         self.emit(Done(prompt_len, completion, lease.cached_tokens, servers))
 
-    def _speculative_step(self, lease, ids: torch.Tensor, remaining: Optional[int], step: int
-                          ) -> Optional[List[List[Optional[TokenChoice]]]]:
-        """One step of [last token + drafts] for the single choice (`swarm.client.speculative`): its tokens, each as
-        a step's choices; None when there is nothing to draft (the caller takes a plain step)."""
-        assert self.speculator is not None and remaining is not None
+    # ---- the decode loop's policy (`swarm.client.decoding.DecodePolicy`) --------------------------------------------
+    def picker(self, ids: torch.Tensor, remaining: List[Optional[int]]
+               ) -> Callable[[torch.Tensor], List[Optional[TokenChoice]]]:
+        return self.samplers.picker(ids, remaining)
+
+    def verifier(self, ids: torch.Tensor, drafts: List[int], probs: Optional[torch.Tensor]
+                 ) -> Callable[[torch.Tensor], List[List[Optional[TokenChoice]]]]:
         sampler = self.samplers.samplers[0]
-        sampling = None if self.params.greedy else sampler
-        drafts, probs = self.speculator.drafts(ids[0], remaining, lease.session.max_length - ids.shape[1], sampling)
-        if not drafts:
-            return None
-        fed = torch.cat([ids, torch.tensor([drafts], dtype=torch.long)], dim=1)  # [1, seq + k]
 
-        def pick(logits: torch.Tensor) -> List[TokenChoice]:  # logits [1, k + 1, vocab]
-            return sampler.verify(ids[0], drafts, probs, logits[0])
+        def pick(logits: torch.Tensor) -> List[List[Optional[TokenChoice]]]:  # logits [1, k + 1, vocab]
+            accepted = sampler.verify(ids[0], drafts, probs, logits[0])
+            self.metrics.count_speculation(len(drafts), len(accepted) - 1)
+            return [[choice] for choice in accepted]
 
-        feed = self.sessions.prefill if step == 0 else self.sessions.step
-        _, accepted = feed(lease, fed, pick, num_logits=len(drafts) + 1)
-        self.speculator.record(len(drafts), len(accepted) - 1)
-        self.metrics.count_speculation(len(drafts), len(accepted) - 1)
-        lease.session.rewind(ids.shape[1] + len(accepted) - 1)  # every server drops the rejected drafts
-        return [[choice] for choice in accepted]
+        return pick
 
-    def _take(self, i: int, choice: TokenChoice) -> int:
-        """Choice i's next token: count it, emit its text, finish the choice where it ends. Returns the token."""
+    @staticmethod
+    def tokens(picks: List[Optional[TokenChoice]]) -> List[Optional[int]]:
+        return [None if choice is None else choice.token_id for choice in picks]
+
+    def take(self, ids: torch.Tensor, picks: List[Optional[TokenChoice]], logits: torch.Tensor) -> None:
+        for i, choice in enumerate(picks):
+            if choice is not None and not self.finished[i]:
+                self._take(i, choice)
+
+    def retract(self, retracted: OutputsRetracted, ids: torch.Tensor) -> torch.Tensor:
+        return self.verification.retract(retracted, ids)
+
+    def before_step(self) -> None:
+        if self.job.cancel.is_set():
+            raise Cancelled()
+        if self.job.deadline is not None and time.monotonic() > self.job.deadline:
+            raise APIError(504, "The generation took longer than the gateway's generation_timeout.",
+                           "timeout_error", code="generation_timeout")
+        assert self.lease is not None
+        self.verification.before_step(self.lease.session, all(self.finished))
+
+    def after_step(self, ids: torch.Tensor, positions: int) -> None:
+        now = time.monotonic()
+        if self.last_step is None:
+            self.metrics.time_to_first_token.observe(now - self.job.arrived)
+        else:
+            self.metrics.inter_token_latency.observe((now - self.last_step) / positions)
+        self.last_step = now
+        self.verification.after_step(ids)
+
+    @property
+    def unsettled(self) -> bool:
+        return self.verification.unsettled  # (one more step checks what was picked)
+
+    # ---- helpers ----------------------------------------------------------------------------------------------------
+    def _take(self, i: int, choice: TokenChoice) -> None:
+        """Choice i's next token: count it, emit its text, finish the choice where it ends."""
         self.generated[i] += 1
         token, text = choice.token_id, self.texts[i]
         if token in self.stop_ids:
             self._finish(i, text.flush(), "stop")
-            return token
+            return
         self.pending[i].append(choice)
         delta, hit_stop = text.add(token)
         constraint = self.samplers.samplers[i].constraint
@@ -196,7 +209,6 @@ class GenerationRun:
         elif delta:
             self.emit(ChoiceDelta(i, delta, self.pending[i]))
             self.pending[i] = []
-        return token
 
     def _finish(self, i: int, text: str, reason: str) -> None:
         self.finished[i] = True

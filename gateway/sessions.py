@@ -12,15 +12,13 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple, cast
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
 from gateway.metrics import Metrics
 from gateway.verification import distrusted_in
-from swarm.client.api import ClientModel, GenerationSession
-from swarm.client.verify import OutputsRetracted
-from swarm.wire.protocol import RemoteError
+from swarm.client.api import ClientModel, GenerationSession, OutputsRetracted, RemoteError
 
 logger = logging.getLogger("swarmgate.gateway")
 
@@ -37,6 +35,17 @@ class Lease:
     cached_tokens: int = 0
     reused: bool = False
     adapter: Optional[str] = None  # the session's LoRA adapter (None: the base model)
+
+    # the session as the decode loop sees it (`swarm.client.decoding.DecodeSession`): `prefill` may replace it
+    @property
+    def max_length(self) -> int:
+        return self.session.max_length
+
+    def rewind(self, length: int) -> None:
+        self.session.rewind(length)
+
+    def settle(self) -> None:
+        self.session.settle()
 
 
 def pool_namespace(owner: str, adapter: Optional[str]) -> str:
@@ -138,7 +147,7 @@ session whose chain includes a server that spot-checks distrusted since is close
             if not lease.reused and (self.pool is None or len(self.pool) == 0):
                 raise
             # a full check asked of the failed session (spot-checks holding text back) is asked of the next one
-            check = bool(getattr(lease.session, "check_pending", False))
+            check = lease.session.check_pending
             self._close(lease.session)
             if lease.reused:
                 logger.warning(f"a pooled session failed on reuse ({type(e).__name__}: {e}); "
@@ -155,7 +164,7 @@ session whose chain includes a server that spot-checks distrusted since is close
             length = self._pooled_length(lease.needed) if lease.owner is not None else lease.needed
             lease.session = self.open(length, lease.adapter)
             if check:
-                cast(Any, lease.session).check_next_step()
+                lease.session.check_next_step()
             out = self.step(lease, ids, pick, num_logits)
         if lease.cached_tokens and self.metrics is not None:
             self.metrics.pool_reused_tokens.inc(lease.cached_tokens)
@@ -167,7 +176,7 @@ session whose chain includes a server that spot-checks distrusted since is close
         """A later step: the servers hold `ids` [n, len]; (logits [n, vocab], pick(logits) or None). With
         `num_logits` n > 1 (a speculative step: last token + drafts), `pick` gets the last n positions' logits."""
         if num_logits > 1:
-            return cast(Any, lease.session).feed_and_pick(ids, pick, num_logits=num_logits)
+            return lease.session.feed_and_pick(ids, pick, num_logits=num_logits)
         if pick is None:
             return lease.session.feed(ids), None
         return lease.session.feed_and_pick(ids, pick)
@@ -175,7 +184,7 @@ session whose chain includes a server that spot-checks distrusted since is close
     def release(self, lease: Lease, reusable: bool) -> None:
         """`reusable`: the generation ended normally, so the servers hold what `session.token_ids` says."""
         session = lease.session
-        token_ids = getattr(session, "token_ids", None)
+        token_ids = session.token_ids
         if (not reusable or lease.owner is None or self.pool is None or token_ids is None
                 or token_ids.shape[0] != 1):
             self._close(session)

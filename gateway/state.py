@@ -24,8 +24,7 @@ from gateway.metrics import Metrics
 from gateway.params import Limits, check_model
 from gateway.runs import GenerationJob
 from gateway.tokens import Tokens
-from swarm.client.api import ClientModel, Coverage
-from swarm.client.drafting import SpeculativeConfig
+from swarm.client.api import ClientModel, Coverage, SpeculativeConfig
 
 logger = logging.getLogger("swarmgate.gateway")
 
@@ -86,11 +85,8 @@ class GatewayState:
     def served_adapters(self, force: bool = False) -> List[str]:
         """The LoRA adapters the swarm serves over every block (each is a model id of its own); [] when the model
         has no notion of adapters or the swarm's view cannot be read."""
-        served = getattr(self.model, "served_adapters", None)
-        if served is None:
-            return []
         try:
-            return list(served(force=force))
+            return list(self.model.served_adapters(force=force))
         except Exception as e:  # a DHT hiccup must not break /v1/models
             logger.warning(f"cannot read the swarm's adapters: {e}")
             return []

@@ -64,8 +64,7 @@ class StatusSource:
                 swarm = await run_in_threadpool(self.state.model.swarm_status, self.state.config.model_name)
                 self._cached = (time.monotonic(), swarm.model_dump(mode="json"))
             swarm_data = self._cached[1]
-        stats_of = getattr(self.state.model, "verify_stats", None)
-        stats = stats_of() if stats_of is not None else None
+        stats = self.state.model.verify_stats()
         distrusted = set(stats.distrusted) if stats is not None else set()
         servers = [{**server, "distrusted": server.get("peer_id") in distrusted}
                    for server in swarm_data.get("servers", [])]

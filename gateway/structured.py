@@ -25,7 +25,7 @@ from gateway.errors import bad_request
 from gateway.schemas import ResponseFormat
 from gateway.tokens import Tokens
 from gateway.tools import tool_grammar
-from swarm.client.grammar import (
+from swarm.client.api import (
     check_grammar,
     choice_grammar,
     closed_schema,

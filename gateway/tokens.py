@@ -18,7 +18,7 @@ from tokenizers.decoders import DecodeStream
 from gateway.errors import bad_request
 from gateway.schemas import ChatMessage, ToolDefinition
 from gateway.tools import render_messages, tool_dicts
-from swarm.client.grammar import GrammarTokenizer
+from swarm.client.api import GrammarTokenizer
 
 
 def _bytes_to_unicode() -> Dict[int, str]:

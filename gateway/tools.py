@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 from gateway.errors import bad_request
 from gateway.schemas import ChatMessage, NamedToolChoice, ToolDefinition
-from swarm.client.grammar import closed_schema, styled_schema
+from swarm.client.api import closed_schema, styled_schema
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"

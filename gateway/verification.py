@@ -36,24 +36,22 @@ import torch
 
 from gateway.errors import APIError
 from gateway.events import ChoiceDelta
-from swarm.client.verify import OutputsRetracted
+from swarm.client.api import ClientModel, GenerationSession, OutputsRetracted
 
 logger = logging.getLogger("swarmgate.gateway")
 
 
-def verification_on(model: Any) -> bool:
-    """Whether the client model spot-checks servers (a test double without `verify_stats` does not)."""
-    stats = getattr(model, "verify_stats", None)
-    return stats is not None and stats() is not None
+def verification_on(model: ClientModel) -> bool:
+    """Whether the client model spot-checks servers."""
+    return model.verify_stats() is not None
 
 
-def distrusted_in(model: Any, session: Any) -> bool:
+def distrusted_in(model: ClientModel, session: GenerationSession) -> bool:
     """Whether `session`'s servers include one that spot-checks outvoted (its states may be wrong)."""
-    stats = getattr(model, "verify_stats", lambda: None)()
-    servers = getattr(session, "servers", None)
-    if stats is None or servers is None or not stats.distrusted:
+    stats = model.verify_stats()
+    if stats is None or not stats.distrusted:
         return False
-    return bool(set(servers()) & set(stats.distrusted))
+    return bool(set(session.servers()) & set(stats.distrusted))
 
 
 @dataclass
@@ -107,8 +105,7 @@ class RunVerification:
         last = all(done or count + 1 >= run.params.max_tokens for done, count in zip(run.finished, run.generated))
         due = all_finished or last or (self.holdback is not None and ahead >= self.holdback)
         if (ahead > 0 or last) and due and not self.full_check:
-            check = getattr(session, "check_next_step", None)
-            if check is not None and check():
+            if session.check_next_step():
                 self.full_check = True
             else:  # this session cannot be checked (no verifier, deep prompts): nothing to wait for
                 logger.info("a session without spot-checks: its text is sent unchecked")
@@ -159,7 +156,7 @@ class RunVerification:
             sampler.generator.set_state(snapshot.rng[i])
             consumed = run.generated[i] - snapshot.generated[i]
             if sampler.constraint is not None and consumed > 0:
-                getattr(sampler.constraint, "matcher").rollback(consumed)  # llguidance: the grammar's position then
+                sampler.constraint.rollback(consumed)  # the grammar's position then
         run.texts = _copy_texts(snapshot.texts)
         run.pending = [list(p) for p in snapshot.pending]
         run.finished = list(snapshot.finished)

@@ -18,6 +18,7 @@ from swarm.client.rows import held_prefix
 from swarm.launch.topology import start_servers
 from swarm.runtime import aio
 from swarm.wire import protocol as P
+from tests.client_doubles import StubSession
 
 SPANS = ("0:15", "15:30")
 PROMPTS = [
@@ -43,7 +44,7 @@ def batch(tokenizer):
 
 
 # ---- the beam-search loop alone: the local reference model through a stand-in session (fast, no processes) -------
-class _RecomputingSession:
+class _RecomputingSession(StubSession):
     """Recomputes every row from scratch each feed (no cache, so `hypo_ids` need no reorder), with transformers'
     positions for left padding: what the swarm's sessions must be equivalent to."""
 

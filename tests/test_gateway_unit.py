@@ -15,6 +15,7 @@ from gateway.state import format_ranges
 from gateway.textstream import StopMatcher, TextStream
 from swarm.client.api import Coverage
 from swarm.client.generation import Sampler, SamplingParams
+from tests.client_doubles import StubClientModel, StubSession
 from tests.gateway_fixtures import one_torch_thread  # noqa: F401  (autouse: one torch thread in this module)
 
 
@@ -160,7 +161,7 @@ def test_config_sources(tmp_path):
 
 
 # ---- the app in-process over a scripted fake model ----------------------------------------------------------------
-class FakeSession:
+class FakeSession(StubSession):
     def __init__(self, model, max_length):
         self.model, self.max_length, self.prompt_len, self.closed = model, max_length, None, False
         model.sessions.append(self)
@@ -192,7 +193,7 @@ class FakeSession:
         self.closed = True
 
 
-class FakeModel:
+class FakeModel(StubClientModel):
     """A stub of `swarm.client.api.ClientModel`."""
 
     def __init__(self, tokenizer, text, fail_at=None, covered=True, coverage=None):

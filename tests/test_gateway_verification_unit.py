@@ -20,6 +20,7 @@ from gateway.sessions import SessionProvider
 from gateway.tokens import Tokens
 from swarm.client.generation import SamplingParams
 from swarm.client.verify import OutputsRetracted, VerifyStats
+from tests.client_doubles import StubClientModel, StubSession
 
 PICK = 50  # the stand-in "model" picks among PICK ids
 VOCAB = 1100
@@ -29,7 +30,7 @@ def honest_next(token: int) -> int:
     return (token + 1) % PICK + 1000  # ids of whole words, none repeated within PICK tokens
 
 
-class LyingSession:
+class LyingSession(StubSession):
     """Holds the ids it is fed (like `ModelSession`). From feed `lie_from` on its outputs are wrong (another next
     token); at feed `reveal` it retracts them: holds only the positions before the first wrong one and raises
     `OutputsRetracted`. Records, at each feed, whether a full check was asked and how many tokens had been emitted."""
@@ -79,7 +80,7 @@ class LyingSession:
         self.closed = True
 
 
-class StubModel:
+class StubModel(StubClientModel):
     """The part of `swarm.client.api.ClientModel` the engine uses, with spot-checks on (`verify_stats`)."""
 
     def __init__(self, **session_kwargs):

@@ -13,6 +13,7 @@ from transformers.generation import logits_process as lp
 
 from swarm.client.generation import UNSUPPORTED_GENERATION_SETTINGS, SamplingParams, build_processors
 from swarm.client.model import DistributedModelForCausalLM
+from tests.client_doubles import StubSession
 
 EOS = 2
 # (generate settings, transformers' processors for a prompt of 5 tokens and 10 new ones)
@@ -98,7 +99,7 @@ def test_each_rejected_setting_names_itself(name):
 
 
 # ---- generate itself, on the local reference model through a stand-in session ---------------------------------
-class _LocalSession:
+class _LocalSession(StubSession):
     def __init__(self, model: nn.Module, max_length: int):
         self.model, self.max_length = model, max_length
 

@@ -128,3 +128,12 @@ def test_every_module_says_what_it_owns(package):
     missing = [name for name, path in modules().items()
                if name.startswith(package) and ast.get_docstring(ast.parse(path.read_text())) is None]
     assert missing == []
+
+
+def test_the_gateway_uses_the_client_only_through_its_api():
+    """One door: `gateway/` imports `swarm.client.api` (the protocols, the decode loop, value types and errors) and
+    no other client module, at any depth (the client model itself comes from the `swarm` package's front,
+    `swarm.AutoDistributedModelForCausalLM`, in `gateway.app.load_model`)."""
+    side_doors = sorted((name, dep) for name, deps in graph(top_level_only=False).items() if area(name) == "gateway"
+                        for dep in deps if area(dep) == "swarm.client" and dep != "swarm.client.api")
+    assert side_doors == []

@@ -21,6 +21,7 @@ from swarm.client.api import Coverage
 from swarm.client.generation import SamplingParams
 from swarm.client.session import SessionError
 from swarm.wire.protocol import RemoteError
+from tests.client_doubles import StubClientModel, StubSession
 
 
 class Clock:
@@ -31,7 +32,7 @@ class Clock:
         return self.now
 
 
-class FakeSession:
+class FakeSession(StubSession):
     """Holds token ids like `swarm.client.model.ModelSession`: feed() makes it hold exactly the ids it is given."""
 
     def __init__(self, max_length: int, vocab: int = 50, fail_first=None, model=None):
@@ -235,7 +236,7 @@ def test_concurrent_checkouts_never_share_a_session():
 
 
 # ---- the provider ------------------------------------------------------------------------------------------------
-class FakeModel:
+class FakeModel(StubClientModel):
     """A stub of `swarm.client.api.ClientModel` over `FakeSession`s."""
 
     def __init__(self, vocab: int = 50):

@@ -19,13 +19,14 @@ from swarm.client.drafting import DraftLength, NgramDrafter, SpeculativeConfig
 from swarm.client.generation import Sampler, SamplingParams
 from swarm.client.model import DistributedModelForCausalLM
 from swarm.client.speculative import Speculator, accept_drafts
+from tests.client_doubles import StubSession
 
 REPEAT = ("Repeat this paragraph exactly.\n\nThe quick brown fox jumps over the lazy dog. The dog sleeps in the "
           "sun all day long, and the fox runs around the field.\n\nThe quick brown fox")
 
 
 # ---- the loop over a local stand-in session -----------------------------------------------------------------------
-class _LocalSession:
+class _LocalSession(StubSession):
     """Holds token ids like `ModelSession`; every feed runs the local model over all of them (no cache)."""
 
     def __init__(self, model: nn.Module, max_length: int):

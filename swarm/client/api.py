@@ -1,14 +1,17 @@
-"""What a serving front end (the gateway) needs from the client model, as `typing.Protocol`s.
+"""The client's one door for a serving front end (the gateway): the client model as `typing.Protocol`s, the
+decode loop, and the value types and errors a front end handles.
 
 `ClientModel` is implemented by `swarm.client.model.DistributedModelForCausalLM`: its config, a route check
 (`check_route`: can a session of this size be served right now), which blocks the swarm serves and by which servers
-and weight formats (`coverage`), the
-servers that the client banned after failures (`banned_peers` / `unban`), and `inference_session`, which opens a
-`GenerationSession` (`swarm.client.model.ModelSession`): `feed` (make the servers hold exactly these ids, get the
-last position's logits), `feed_and_pick` (the same, with the next tokens chosen in the batched LM-head task) and
-`close` (and, with spot-checks on, `check_next_step` and `servers`; `ClientModel.verify_stats` gives their counters).
-`prompt_logprobs` scores a prompt's tokens (the completions API's `echo` with `logprobs`). Front ends use
-only these, never the client's routing internals, so tests may stand in a small stub.
+and weight formats (`coverage`), the servers that the client banned after failures (`banned_peers` / `unban`), the
+spot-checks' counters and distrusted servers (`verify_stats`), and `inference_session`, which opens a
+`GenerationSession` (`swarm.client.model_session.ModelSession`): `feed` (make the servers hold exactly these ids,
+get the last position's logits), `feed_and_pick` (the same, with the next tokens chosen in the batched LM-head task;
+several positions' logits for speculative decoding), `rewind`, `close`, and the spot-checks' `check_next_step`,
+`check_pending`, `settle` and `servers`. `prompt_logprobs` scores a prompt's tokens (the completions API's `echo`
+with `logprobs`). Generations run `DecodeLoop` (`swarm.client.decoding`) with a policy of the front end's own.
+The gateway imports the client from here only (tests/test_layout.py), never its routing internals, so tests may
+stand in a small stub that implements these protocols.
 """
 from __future__ import annotations
 
@@ -16,9 +19,38 @@ from typing import TYPE_CHECKING, Any, Callable, List, NamedTuple, Optional, Pro
 
 import torch
 
+from swarm.client.decoding import DecodeLoop, DecodePolicy
+from swarm.client.drafting import MAX_DRAFT_TOKENS, SpeculativeConfig, load_draft_model
+from swarm.client.generation import RowSamplers, Sampler, SamplingParams, TokenChoice
+from swarm.client.grammar import (
+    GrammarConstraint,
+    GrammarTokenizer,
+    check_grammar,
+    choice_grammar,
+    closed_schema,
+    json_schema_grammar,
+    lark_grammar,
+    regex_grammar,
+    styled_schema,
+)
+from swarm.client.routing import RoutingError, normalize_quant_types
+from swarm.client.session import SessionError
+from swarm.client.speculative import Speculator
+from swarm.client.verify import OutputsRetracted, VerifyStats
+from swarm.wire.protocol import RemoteError
+
 if TYPE_CHECKING:
     from swarm.client.status import SwarmStatus
-    from swarm.client.verify import VerifyStats
+
+# what front ends use of the client besides the protocols below: the decode loop and its pieces, the value types and
+# the errors (`gateway/` imports the client only from here: tests/test_layout.py)
+__all__ = [
+    "MAX_DRAFT_TOKENS", "ClientModel", "Coverage", "DecodeLoop", "DecodePolicy", "GenerationSession",
+    "GrammarConstraint", "GrammarTokenizer", "OutputsRetracted", "PromptLogprob", "RemoteError", "RoutingError",
+    "RowSamplers", "Sampler", "SamplingParams", "ServerView", "SessionError", "SpeculativeConfig", "Speculator",
+    "TokenChoice", "VerifyStats", "check_grammar", "choice_grammar", "closed_schema", "json_schema_grammar",
+    "lark_grammar", "load_draft_model", "normalize_quant_types", "regex_grammar", "styled_schema",
+]
 
 T = TypeVar("T")
 
@@ -50,6 +82,8 @@ class PromptLogprob(NamedTuple):
 
 
 class GenerationSession(Protocol):
+    """An inference session as a front end drives it (`swarm.client.model_session.ModelSession`)."""
+
     token_ids: Optional[torch.Tensor]  # [batch, n] the ids whose states the servers hold (None before a feed)
 
     @property
@@ -59,18 +93,27 @@ class GenerationSession(Protocol):
         """Make the servers hold exactly `input_ids` [batch, n]; the last position's logits [batch, vocab]."""
         ...
 
-    def feed_and_pick(self, input_ids: torch.Tensor, pick: Callable[[torch.Tensor], T]) -> Tuple[torch.Tensor, T]:
+    def feed_and_pick(self, input_ids: torch.Tensor, pick: Optional[Callable[[torch.Tensor], T]], *,
+                      num_logits: int = 1) -> Tuple[torch.Tensor, T]:
         """`feed`, then `pick(logits)` in the batched LM-head task: (logits [batch, vocab], what pick returned).
-        Speculative decoding also passes `num_logits=n` (logits of the last n positions, [batch, n, vocab]) and
-        calls `rewind(length)` (`swarm.client.model_session.ModelSession`); only sessions that have them can run
-        speculative requests."""
+        `num_logits` n > 1 (speculative decoding: last token + drafts): the logits of the last n positions,
+        [batch, n, vocab]."""
+        ...
+
+    def rewind(self, length: int) -> None:
+        """Make the servers hold only the first `length` tokens of `token_ids` (rejected drafts are dropped so)."""
         ...
 
     def close(self) -> None: ...
 
-    # spot-checks (`swarm.client.verify`); optional: front ends use getattr, test doubles may lack them
+    # spot-checks (`swarm.client.verify`): a session of a client that checks nothing answers False / returns
     def check_next_step(self) -> bool:
         """Ask that the next feed check every span's outputs; False when this session cannot be checked."""
+        ...
+
+    @property
+    def check_pending(self) -> bool:
+        """Whether a full check (`check_next_step`) is asked and not yet done."""
         ...
 
     def settle(self) -> None:
@@ -119,7 +162,11 @@ class ClientModel(Protocol):
 
     def unban(self, peer_id: str) -> None: ...
 
-    def verify_stats(self) -> Optional["VerifyStats"]:
+    def observe_routes(self, observer: Callable[[Any], None]) -> None:
+        """Call `observer(timing)` with each inference chain's routing time (`swarm.client.manager.RouteTiming`)."""
+        ...
+
+    def verify_stats(self) -> Optional[VerifyStats]:
         """Spot-checks of servers' outputs (`swarm.client.verify`): counters and distrusted servers; None: off."""
         ...
 

@@ -171,6 +171,8 @@ class TokenConstraint(Protocol):
 
     def advance(self, token_id: int) -> None: ...
 
+    def rollback(self, tokens: int) -> None: ...  # undo the last `tokens` advances
+
 
 # ---- processors that transformers lacks ------------------------------------------------------------------------
 class PresenceFrequencyPenalty(LogitsProcessor):

@@ -185,3 +185,7 @@ class GrammarConstraint:
     def advance(self, token_id: int) -> None:
         if not self.matcher.consume_token(int(token_id)):
             raise ValueError(f"token {token_id} does not continue the constrained text: {self.matcher.get_error()}")
+
+    def rollback(self, tokens: int) -> None:
+        """Undo the last `tokens` advances (a retracted pick: the grammar's position as it was then)."""
+        self.matcher.rollback(tokens)

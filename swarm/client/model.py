@@ -30,21 +30,19 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 from swarm.client import ptune as tuning
 from swarm.client.adapters import ACTIVE_ADAPTER, AdapterChoice
 from swarm.client.api import Coverage, PromptLogprob, ServerView
-from swarm.client.drafting import MAX_DRAFT_TOKENS
-from swarm.client.genconfig import resolve_generation_config, stopping_criteria_for
-from swarm.client.generation import SamplingParams, build_processors, process_and_pick_scores
+from swarm.client.head import ClientHead
+from swarm.client.hf_decoding import generate as hf_generate
 from swarm.client.manager import ClientConfig, SwarmManager
 from swarm.client.model_session import ModelSession
 from swarm.client.remote_autograd import RemoteBlocks
 from swarm.client.routing import quant_allowed
 from swarm.client.rows import left_padding
 from swarm.client.session import SessionError
-from swarm.client.speculative import SpeculativeConfig, Speculator, speculative_generate
 from swarm.client.status import SwarmStatusView
-from swarm.client.verify import OutputsRetracted, VerifyStats, verifier_for
+from swarm.client.verify import VerifyStats, verifier_for
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec, family_for
-from swarm.modeling.smallgemm import GemmGroup, SmallGemm
+from swarm.modeling.smallgemm import GemmGroup
 from swarm.runtime import aio, malloc
 from swarm.runtime.taskpool import PRIORITY_FORWARD, client_pool
 from swarm.wire.dtypes import parse_dtype
@@ -72,7 +70,8 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         self.embed_tokens, self.norm, self.lm_head = embed_tokens, norm, lm_head
         self.embed_norm = embed_norm  # the family's norm of the embeddings (BLOOM's word_embeddings_layernorm)
         self.generation_config = generation_config
-        self.head_gemm: Optional[SmallGemm] = None  # concurrent sessions' head rows (`from_pretrained`)
+        # the local layers as a session uses them (the same modules, not copies)
+        self.local = ClientHead(embed_tokens, norm, lm_head, int(config.hidden_size), embed_norm)
         self.name_or_path: str = ""  # set by from_pretrained
         self.ptune: Optional[tuning.PromptTuning] = None  # from_pretrained(tuning_mode=..., pre_seq_len=...)
         self.remote_blocks: Optional[RemoteBlocks] = None  # the differentiable blocks, made on first use
@@ -133,7 +132,7 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         if (pad_head_rows or head_packed_rows) and weight.device.type == "cpu" and weight.dtype == torch.float32 \
                 and family.client_parts is None:  # (a family's own head computes more than the product)
             group = GemmGroup(head_packed_rows)  # the head runs on the client's one compute thread
-            model.head_gemm = group.gemm(weight.detach(), None if model.lm_head.bias is None
+            model.local.gemm = group.gemm(weight.detach(), None if model.lm_head.bias is None
                                          else model.lm_head.bias.detach())
             if pad_head_rows:
                 group.calibrate()  # which row counts (no pack takes) run faster padded
@@ -151,37 +150,18 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         the CPU, hidden states cross to the servers from either."""
         return self.embed_tokens.weight.device
 
-    @torch.no_grad()
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[batch, seq] -> [batch, seq, hidden]: what the first block takes (the embeddings, normed where the
-        family norms them)."""
-        hidden = self.embed_tokens(input_ids.to(self.device))
-        return hidden if self.embed_norm is None else self.embed_norm(hidden)
+        """[batch, seq] -> [batch, seq, hidden] (`swarm.client.head.ClientHead.embed`)."""
+        return self.local.embed(input_ids)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[batch, seq, hidden] (or [rows, hidden]) from the last block -> logits [batch, seq, vocab] (or [rows,
-        vocab]), float32, on the CPU. Rows of concurrent sessions may be padded to the count the BLAS runs
-        fastest, or run on the head's weight packed for them (`swarm.modeling.smallgemm`)."""
-        normed = self.norm(hidden.to(self.device, self.dtype))
-        if self.head_gemm is not None and normed.ndim == 2 and normed.device.type == "cpu" and \
-                normed.dtype == torch.float32 and self.lm_head.weight.data_ptr() == self.head_gemm.weight.data_ptr():
-            return self.head_gemm(normed).float().cpu()
-        return self.lm_head(normed).float().cpu()
-
-    def head_rows(self, items: list) -> list:
-        """LM head for several sessions' last states in one pass, then each session's token choice.
-
-        items: (last states [b_i, hidden], pick or None) each; returns (logits [b_i, vocab], pick(logits) or
-        None) each."""
-        rows = [x for x, _ in items]
-        with torch.no_grad():
-            logits = self.head(torch.cat(rows) if len(rows) > 1 else rows[0])  # [sum b_i, vocab]
-        parts = torch.split(logits, [x.shape[0] for x in rows])
-        return [(part, _try(pick, part)) for part, (_, pick) in zip(parts, items)]
+        """[batch, seq, hidden] -> logits [batch, seq, vocab], float32 on the CPU (`ClientHead.head`)."""
+        return self.local.head(hidden)
 
     def inference_session(self, max_length: int, adapter: Any = ACTIVE_ADAPTER) -> ModelSession:
         """A session of up to `max_length` tokens with LoRA `adapter` (default: `active_adapter`; None: the base)."""
-        return ModelSession(self, max_length + tuning.session_offset(self), adapter=self._adapter(adapter))
+        return ModelSession(self.local, self.manager, max_length + tuning.session_offset(self),
+                            adapter=self._adapter(adapter), ptune=self.ptune)
 
     # ---- the swarm, as a front end sees it (swarm.client.api.ClientModel) ---------------------------------
     def check_route(self, cache_tokens: int = 0, adapter: Any = ACTIVE_ADAPTER) -> None:
@@ -209,6 +189,10 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
 
     def unban(self, peer_id: str) -> None:
         self.manager.mark_ok(peer_id)
+
+    def observe_routes(self, observer) -> None:
+        """`observer(timing)` for each inference chain built (`swarm.client.manager.RouteTiming`)."""
+        self.manager.on_route = observer
 
     def verify_stats(self) -> Optional[VerifyStats]:
         """The spot-checks' counters and the distrusted servers (`swarm.client.verify`); None when verification is
@@ -281,7 +265,6 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         raise SessionError(f"forward pass failed after {self.manager.config.max_retries + 1} tries: {last_error}")
 
     # ---- generation ---------------------------------------------------------------------------------------
-    @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, *, session: Optional[ModelSession] = None,
                  attention_mask: Optional[torch.Tensor] = None, generation_config: Optional[GenerationConfig] = None,
                  logits_processor: Optional[LogitsProcessorList] = None,
@@ -306,137 +289,12 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
                 return out.to(input_ids.device)
             out.sequences = cast(torch.LongTensor, out.sequences.to(input_ids.device))
             return out
-        spec = SpeculativeConfig.of(kwargs.pop("speculative", None), kwargs.pop("num_draft_tokens", None),
-                                    kwargs.pop("draft_model", None))
-        if input_ids is None or input_ids.ndim != 2 or input_ids.shape[1] == 0:
-            raise ValueError("input_ids must be a non-empty [batch, seq] tensor")
-        padding = left_padding(attention_mask, input_ids)
-        config = resolve_generation_config(self.generation_config, generation_config, kwargs)
-        if getattr(config, "prompt_lookup_num_tokens", None):  # transformers' prompt lookup: n-gram drafts here
-            spec = spec or SpeculativeConfig("ngram", min(int(config.prompt_lookup_num_tokens), MAX_DRAFT_TOKENS))
-        beams = int(config.num_beams or 1)
-        if beams > 1 and streamer is not None:
-            raise ValueError("`streamer` cannot be used with beam search (as in transformers); use num_beams=1")
-        if config.num_return_sequences not in (None, 1) and beams == 1:  # validate() rejected it without sampling
-            input_ids = input_ids.repeat_interleave(int(config.num_return_sequences), dim=0)
-            padding = None if padding is None else [p for p in padding for _ in range(config.num_return_sequences)]
-        prompt_len = input_ids.shape[1]
-        max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt_len
-        params = SamplingParams.from_generation_config(config, max(max_new, 0))
-        # beam sampling keeps one token more than there are end-of-sequence ids, as transformers
-        eos_list = [] if config.eos_token_id is None else torch.tensor(config.eos_token_id).reshape(-1).tolist()
-        processors = build_processors(params, prompt_len, custom=logits_processor,
-                                      min_tokens_to_keep=len(eos_list) + 1 if beams > 1 else 1)
-        criteria = stopping_criteria_for(config, stopping_criteria, tokenizer, prompt_len + max_new if beams > 1
-                                           else None)
-        want_scores, want_logits = bool(config.output_scores), bool(config.output_logits)
-        as_dict = bool(config.return_dict_in_generate)
-        scores: List[torch.Tensor] = []
-        raw_logits: List[torch.Tensor] = []
-
-        def result(ids: torch.Tensor) -> Union[torch.Tensor, GenerateDecoderOnlyOutput]:
-            if not as_dict:
-                return ids
-            from transformers.generation.utils import GenerateDecoderOnlyOutput
-            return GenerateDecoderOnlyOutput(sequences=cast(torch.LongTensor, ids),
-                                             scores=cast(Any, tuple(scores)) if want_scores else None,
-                                             logits=cast(Any, tuple(raw_logits)) if want_logits else None)
-
-        if max_new <= 0:
-            return result(input_ids)
-        eos = config.eos_token_id
-        eos_ids = torch.tensor([eos] if isinstance(eos, int) else (eos or []), dtype=torch.long)
-        pad = config.pad_token_id if config.pad_token_id is not None else (int(eos_ids[0]) if len(eos_ids) else 0)
-
-        own_session = session is None
-        if session is None:
-            session = self.inference_session(max_length=prompt_len + max_new)
-        elif prompt_len + max_new - 1 > session.max_length:
-            raise SessionError(
-                f"prompt ({prompt_len}) + max_new_tokens ({max_new}) exceeds the session's max_length "
-                f"{session.max_length}"
-            )
-        if beams > 1:
-            config.max_length = prompt_len + max_new
-            inner = getattr(session, "session", None)  # the InferenceSession (absent in a stand-in session)
-            if inner is not None:
-                inner.verify_steps = False  # no spot-checks while beams reorder the rows every step
-            try:
-                from swarm.client.beam import beam_search  # (transformers' generation utils: imported on use)
-                return beam_search(session, input_ids, padding, config, processors, criteria,
-                                   torch.tensor(eos_list) if eos_list else None, config.pad_token_id)
-            finally:
-                if inner is not None:
-                    inner.verify_steps = True
-                if own_session:
-                    session.close()
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
-        ids, finished = input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool)
-        if spec is not None and ids.shape[0] == 1 and padding is None:
-            try:
-                speculator = Speculator(spec, int(self.config.vocab_size), eos_ids.tolist(),
-                                        getattr(self.config, "sliding_window", None))
-                self.last_speculation = speculator.length  # its acceptance counts (benchmarks read them)
-                return result(speculative_generate(
-                    session, ids, speculator, processors, build_processors(params, prompt_len), params.greedy,
-                    prompt_len + max_new, prompt_len, eos_ids, criteria, streamer,
-                    scores if want_scores else None, raw_logits if want_logits else None))
-            finally:
-                if streamer is not None:
-                    streamer.end()
-                if own_session:
-                    session.close()
-        settle = getattr(session, "settle", None)  # spot-checks still in flight (a stand-in session has none)
-        try:
-            while True:
-                if ids.shape[1] >= prompt_len + max_new or finished.all():
-                    try:  # the last outputs are checked before the text is final
-                        if settle is not None:
-                            settle()
-                        break
-                    except OutputsRetracted as retracted:
-                        ids, finished = retracted.retract(ids, prompt_len, eos_ids, scores, raw_logits)
-                        continue
-                # logits [batch, vocab], next tokens [batch], processed scores [batch, vocab]: on the head's thread
-                try:
-                    logits, (next_tokens, step_scores) = session.feed_and_pick(
-                        ids, functools.partial(process_and_pick_scores, processors, ids, greedy=params.greedy),
-                        **cast(Any, {} if padding is None else {"left_padding": padding}))
-                except OutputsRetracted as retracted:  # a lying server was caught: pick its tokens again
-                    ids, finished = retracted.retract(ids, prompt_len, eos_ids, scores, raw_logits)
-                    continue
-                if want_scores:
-                    scores.append(step_scores)
-                if want_logits:
-                    raw_logits.append(logits.float())
-                next_tokens = torch.where(finished, torch.full_like(next_tokens, pad), next_tokens)
-                ids = torch.cat([ids, next_tokens[:, None]], dim=1)
-                if streamer is not None:
-                    streamer.put(next_tokens.cpu())
-                if len(eos_ids):
-                    finished |= torch.isin(next_tokens, eos_ids)
-                if len(criteria):
-                    finished |= criteria(cast(torch.LongTensor, ids), step_scores).to(finished.device)
-        finally:
-            if streamer is not None:
-                streamer.end()
-            if own_session:
-                session.close()
-        return result(ids)
+        return hf_generate(self, input_ids, session=session, attention_mask=attention_mask,
+                           generation_config=generation_config, logits_processor=logits_processor,
+                           stopping_criteria=stopping_criteria, streamer=streamer, tokenizer=tokenizer, **kwargs)
 
     def shutdown(self) -> None:
         self.manager.shutdown()
-
-
-def _try(pick, logits: torch.Tensor):
-    """pick(logits), its error as the result (one session's failure must not fail the batch), or None."""
-    if pick is None:
-        return None
-    try:
-        return pick(logits)
-    except Exception as e:
-        return e
 
 
 class AutoDistributedModelForCausalLM:

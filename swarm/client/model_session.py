@@ -1,20 +1,22 @@
 """A client model's inference session: `ModelSession` pairs an `InferenceSession` with the token ids `[batch, n]`
 whose states the servers hold, so that a new call sends only what they do not hold yet (rewinding them where the new
-input diverges), with beam parents (`hypo_ids`), left padding and shallow prompts (`swarm.client.ptune`) applied."""
+input diverges), with beam parents (`hypo_ids`), left padding and shallow prompts (`swarm.client.ptune`) applied.
+It needs only the client's local layers (`swarm.client.head.ClientHead`: embeddings, final norm, LM head), the
+swarm manager and the prompts it was opened with, not the model."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple, TypeVar
+import contextlib
+from typing import Any, Callable, Iterator, List, Optional, Tuple, TypeVar
 
 import torch
 
-from swarm.client import ptune as tuning
+from swarm.client.head import ClientHead
+from swarm.client.manager import SwarmManager
+from swarm.client.ptune import PromptTuning
 from swarm.client.rows import held_prefix
 from swarm.client.session import PUSH_MAX_TOKENS, InferenceSession
 from swarm.client.verify import OutputsRetracted
 from swarm.runtime.taskpool import PRIORITY_DECODE, client_pool
-
-if TYPE_CHECKING:
-    from swarm.client.model import DistributedModelForCausalLM
 
 # embeddings of fewer elements than this run in the caller's thread: below torch's parallel grain size (32768),
 # the lookup is serial and starts no OpenMP team there (`swarm.runtime.threads`)
@@ -27,10 +29,15 @@ class ModelSession:
     """An inference session plus the token ids `[batch, n]` whose states the servers hold (and their rows' left
     padding)."""
 
-    def __init__(self, model: "DistributedModelForCausalLM", max_length: int, adapter: Optional[str] = None):
-        self.model = model
-        self.session = InferenceSession(model.manager, max_length, adapter=adapter,
-                                        prompts=tuning.session_prompts(model))
+    def __init__(self, head: ClientHead, manager: SwarmManager, max_length: int, adapter: Optional[str] = None,
+                 ptune: Optional[PromptTuning] = None):
+        """`ptune`: the model's trainable prompts (`swarm.client.ptune`): shallow ones take the first positions,
+        deep ones go to the servers."""
+        self.head, self.ptune = head, ptune
+        self.offset = ptune.pre_seq_len if ptune is not None else 0  # positions the shallow prompts hold
+        deep = None if ptune is None or ptune.deep_prompts is None else \
+            ptune.deep_prompts.detach().unsqueeze(1).cpu()  # [num_blocks, 1, pre_seq_len, hidden]
+        self.session = InferenceSession(manager, max_length, adapter=adapter, prompts=deep)
         self.token_ids: Optional[torch.Tensor] = None
         self.left_padding: Optional[List[int]] = None
 
@@ -81,7 +88,7 @@ class ModelSession:
     def settle(self) -> None:
         """Wait for the session's spot-checks in flight (`swarm.client.verify.BackgroundChecks`): raises
         `OutputsRetracted` (in tokens) if one found a server wrong; the servers then hold the tokens before it."""
-        offset = tuning.session_offset(self.model)
+        offset = self.offset
         try:
             self.session.settle()
         except OutputsRetracted as e:
@@ -126,17 +133,26 @@ class ModelSession:
         (speculative decoding verifies a token's drafts this way: `swarm.client.speculative`)."""
         return self._feed(input_ids, pick, None, left_padding, num_logits)
 
+    @contextlib.contextmanager
+    def unverified(self) -> Iterator[None]:
+        """No spot-checks on this session's steps meanwhile (beam search: its rows are reordered every step)."""
+        self.session.verify_steps = False
+        try:
+            yield
+        finally:
+            self.session.verify_steps = True
+
     def rewind(self, length: int) -> None:
         """Make the servers hold only the first `length` tokens of `token_ids` (the next feed overwrites the rest;
         speculative decoding drops its rejected drafts so)."""
         if self.token_ids is None or length >= self.token_ids.shape[1]:
             return
-        self.session.rewind(length + tuning.session_offset(self.model))
+        self.session.rewind(length + self.offset)
         self.token_ids = self.token_ids[:, :length].clone()
 
     def _feed(self, input_ids: torch.Tensor, pick, hypo_ids: Optional[List[int]],
               left_padding: Optional[List[int]], num_logits: int = 1) -> Tuple[torch.Tensor, Any]:
-        offset = tuning.session_offset(self.model)  # shallow prompts (`swarm.client.ptune`) hold the first positions
+        offset = self.offset  # shallow prompts (`swarm.client.ptune`) hold the first positions
         input_ids = input_ids.cpu()  # the held ids live on the host (a GPU client's callers may pass theirs)
         if offset and left_padding:
             raise ValueError("left-padded batches cannot be combined with shallow prompt tuning (ptune)")
@@ -145,17 +161,19 @@ class ModelSession:
             self.session.rewind(reuse + offset)
         new_ids = input_ids[:, reuse:]
         pool = client_pool()
-        if new_ids.numel() * self.model.config.hidden_size < SMALL_EMBED_ELEMENTS:
-            hidden = self.model.embed(new_ids)  # [batch, n, hidden]: serial kernels, no OpenMP team here
+        if new_ids.numel() * self.head.hidden_size < SMALL_EMBED_ELEMENTS:
+            hidden = self.head.embed(new_ids)  # [batch, n, hidden]: serial kernels, no OpenMP team here
         else:
-            hidden = pool.call(PRIORITY_DECODE, self.model.embed, new_ids)
+            hidden = pool.call(PRIORITY_DECODE, self.head.embed, new_ids)
         if offset and self.session.position == 0:
-            hidden = tuning.with_prompts(self.model, hidden)
+            assert self.ptune is not None
+            with torch.no_grad():  # the prompts [batch, pre_seq_len, hidden] in front of hidden [batch, n, hidden]
+                hidden = torch.cat([self.ptune.input_prompts(hidden.shape[0]).to(hidden.dtype), hidden], dim=1)
         # A decode step's head (one token, or a speculative step's few, after held ones) is expected by concurrent
         # sessions' heads, which wait for it (`TaskPool` docstring); a prompt's head (the first token) waits for no
         # one: it is not held up by a round it is not part of yet
         decode = new_ids.shape[1] == 1 or (reuse > 0 and new_ids.shape[1] <= PUSH_MAX_TOKENS)
-        head = ("head", id(self.model)) if decode else ("prompt head", id(self.model))
+        head = ("head", id(self.head)) if decode else ("prompt head", id(self.head))
         if decode and not getattr(self.session, "verifies", False):  # a spot-checked step may be slow: no waits
             pool.gatherer.expect(head, id(self))
         try:
@@ -180,7 +198,7 @@ class ModelSession:
             pick = None if inner is None else (lambda rows: inner(rows.view(batch, num_logits, -1)))
         else:
             last = out[:, -1]  # [batch, hidden]
-        logits, picked = pool.call_batchable(PRIORITY_DECODE, head, self.model.head_rows, (last, pick),
+        logits, picked = pool.call_batchable(PRIORITY_DECODE, head, self.head.head_rows, (last, pick),
                                              source=id(self))
         if isinstance(picked, BaseException):  # this session's own error (say, a user's logits processor)
             raise picked

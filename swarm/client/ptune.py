@@ -125,17 +125,3 @@ def trainable_forward(model: DistributedModel, input_ids: Optional[torch.Tensor]
 def session_offset(model: DistributedModel) -> int:
     """Positions an inference session holds before the tokens: the shallow prompts."""
     return model.ptune.pre_seq_len if model.ptune is not None else 0
-
-
-def session_prompts(model: DistributedModel) -> Optional[torch.Tensor]:
-    """The deep prompts an inference session sends to its servers [num_blocks, 1, pre_seq_len, hidden], or None."""
-    if model.ptune is None or model.ptune.deep_prompts is None:
-        return None
-    return model.ptune.deep_prompts.detach().unsqueeze(1).cpu()
-
-
-def with_prompts(model: DistributedModel, hidden: torch.Tensor) -> torch.Tensor:
-    """A session's first step: the prompts [batch, pre_seq_len, hidden] in front of hidden [batch, n, hidden]."""
-    assert model.ptune is not None
-    with torch.no_grad():
-        return torch.cat([model.ptune.input_prompts(hidden.shape[0]).to(hidden.dtype), hidden], dim=1)

@@ -146,7 +146,8 @@ class InferenceSession:
 
     def settle(self) -> None:
         """Wait for this session's spot-checks in flight; raises `OutputsRetracted` if one found a server wrong."""
-        aio.run(self.asettle())
+        if self._checks is not None:  # (no hand-over to the client's loop when nothing is checked)
+            aio.run(self.asettle())
 
     async def asettle(self) -> None:
         if self._checks is not None and self._checks.pending:

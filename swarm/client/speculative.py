@@ -14,20 +14,18 @@ decoding would; positions after the first rejection are never scored):
 Afterwards the session is rewound (`ModelSession.rewind`) to the tokens before the first rejected draft: every
 server's next step overwrites the rest, and the failover history replays only accepted positions.
 
-`Speculator` holds one generation's drafter and adaptive draft length (`DraftLength`); `speculative_generate` is
-`DistributedModelForCausalLM.generate`'s loop for one row (greedy or sampled; streamer, stopping criteria,
-scores). Beam search and batches of several rows decode plainly.
+`Speculator` holds one generation's drafter and adaptive draft length (`DraftLength`); the one decode loop
+(`swarm.client.decoding.DecodeLoop`) runs its steps for `generate` and the gateway alike (one row; beam search and
+batches of several rows decode plainly).
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, List, Optional, Tuple, cast
+from typing import Callable, List, Optional, Tuple
 
 import torch
-from transformers.generation.logits_process import LogitsProcessorList
 
 from swarm.client.drafting import DraftLength, DraftSampling, SpeculativeConfig, make_drafter
-from swarm.client.verify import OutputsRetracted
 
 logger = logging.getLogger(__name__)
 
@@ -100,66 +98,3 @@ class Speculator:
 
     def record(self, proposed: int, accepted: int) -> None:
         self.length.update(proposed, accepted)
-
-
-class _Sampling:
-    def __init__(self, processors: LogitsProcessorList, generator: Optional[torch.Generator]):
-        self.processors, self.generator = processors, generator
-
-
-@torch.no_grad()
-def speculative_generate(session: Any, ids: torch.Tensor, speculator: Speculator, processors: LogitsProcessorList,
-                         draft_processors: LogitsProcessorList, greedy: bool, max_total: int, prompt_len: int,
-                         eos_ids: torch.Tensor, criteria: Any, streamer: Any = None,
-                         scores: Optional[List[torch.Tensor]] = None,
-                         raw_logits: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
-    """`generate`'s loop for one row with speculation: ids [1, seq] -> [1, up to max_total] (the prompt and the new
-    tokens). Stops where plain decoding would: after an end-of-sequence token or when `criteria` (stopping criteria,
-    stop strings) say so, checked after each token of an accepted block. `scores` / `raw_logits`: lists to which
-    each new token's processed scores / raw logits [1, vocab] are appended (None: not wanted)."""
-    sampling = None if greedy else _Sampling(draft_processors, None)
-    per_token = [values for values in (scores, raw_logits) if values is not None]
-    settle = getattr(session, "settle", None)  # spot-checks still in flight (a stand-in session has none)
-    done = False
-    while True:
-        if done or ids.shape[1] >= max_total:
-            try:  # the last outputs are checked before the text is final
-                if settle is not None:
-                    settle()
-                return ids
-            except OutputsRetracted as retracted:
-                ids, _ = retracted.retract(ids, prompt_len, eos_ids, *per_token)
-                done = False
-                continue
-        remaining = max_total - ids.shape[1]
-        drafts, probs = speculator.drafts(ids[0], remaining, session.max_length - ids.shape[1], sampling)
-        fed = torch.cat([ids, torch.tensor([drafts], dtype=torch.long)], dim=1) if drafts else ids  # [1, seq + k]
-
-        def score(j: int, logits_j: torch.Tensor) -> torch.Tensor:
-            return processors(cast(torch.LongTensor, fed[:, :ids.shape[1] + j]), logits_j[None].float())[0]
-
-        def pick(logits: torch.Tensor) -> List[Tuple[int, torch.Tensor]]:  # logits [1, k + 1, vocab]
-            return accept_drafts(drafts, logits[0] if drafts else logits, score, greedy, None, probs)
-
-        try:
-            logits, accepted = session.feed_and_pick(fed, pick, num_logits=len(drafts) + 1)
-        except OutputsRetracted as retracted:  # a lying server was caught: pick its tokens again
-            ids, _ = retracted.retract(ids, prompt_len, eos_ids, *per_token)
-            continue
-        logits = logits[0] if drafts else logits  # [k + 1, vocab]
-        speculator.record(len(drafts), len(accepted) - 1)
-        if drafts:
-            session.rewind(ids.shape[1] + len(accepted) - 1)  # drop the rejected drafts on every server
-        for j, (token, step_scores) in enumerate(accepted):
-            ids = torch.cat([ids, torch.tensor([[token]], dtype=torch.long)], dim=1)
-            if scores is not None:
-                scores.append(step_scores[None])
-            if raw_logits is not None:
-                raw_logits.append(logits[j][None].float())
-            if streamer is not None:
-                streamer.put(torch.tensor([token]))
-            done = bool(len(eos_ids)) and token in eos_ids.tolist()
-            if len(criteria):
-                done |= bool(criteria(cast(torch.LongTensor, ids), step_scores[None]).any())
-            if done:
-                break
