@@ -112,7 +112,7 @@ def load_tokenizer(config: GatewayConfig):
 
 
 def _eos_ids(model) -> list:
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = getattr(model.generation_config, "eos_token_id", None)  # (Hugging Face configs: set or not)
     if eos is None:
         eos = getattr(model.config, "eos_token_id", None)
     return [eos] if isinstance(eos, int) else list(eos or [])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import secrets
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -127,6 +128,8 @@ class SwarmKeyAuthorizer(AuthorizerBase):
         return hmac.compare_digest(signature, expected)
 
 
+logger = logging.getLogger(__name__)
+BOOTSTRAP_ATTEMPTS = 2  # joins tried before a failed bootstrap is an error (none of the initial peers answered)
 NOT_A_MEMBER = "this is a private swarm: the request carries no valid proof of its swarm key"
 
 
@@ -136,14 +139,19 @@ def join_dht(key: Optional[SwarmKey], **kwargs: Any) -> Any:
     bootstrap says what to check: in a private swarm, members do not answer a peer without the same key."""
     from swarm.runtime.dht_process import DHTProcess
 
-    try:
-        return DHTProcess(start=True, **kwargs, **dht_kwargs(key))
-    except RuntimeError as e:
-        if "bootstrap failed" not in str(e):
-            raise
-        held = f"this peer's key has fingerprint {key.fingerprint}" if key else "this peer has no swarm key"
-        raise RuntimeError(f"{e} Check the initial peers' addresses; if the swarm is private, every member needs "
-                           f"its key (--swarm_key_file): {held}.") from None
+    for attempt in range(1, BOOTSTRAP_ATTEMPTS + 1):
+        try:
+            return DHTProcess(start=True, **kwargs, **dht_kwargs(key))
+        except RuntimeError as e:
+            if "bootstrap failed" not in str(e):
+                raise
+            if attempt < BOOTSTRAP_ATTEMPTS:  # a busy peer may miss one ping's 3 s (hivemind's wait_timeout)
+                logger.warning(f"joining the DHT failed ({e}); trying again ({attempt}/{BOOTSTRAP_ATTEMPTS})")
+                continue
+            held = f"this peer's key has fingerprint {key.fingerprint}" if key else "this peer has no swarm key"
+            raise RuntimeError(f"{e} Check the initial peers' addresses; if the swarm is private, every member "
+                               f"needs its key (--swarm_key_file): {held}.") from None
+    raise AssertionError("unreachable")
 
 
 def dht_kwargs(key: Optional[SwarmKey]) -> dict:
