@@ -90,11 +90,15 @@ class RequestContext:
 
 def load_model(config: GatewayConfig):
     from swarm import AutoDistributedModelForCausalLM
+    from swarm.modeling.prepare import resolve_model
+    from swarm.wire.records import dht_prefix_for
 
     if not config.initial_peers:
         raise ValueError("initial_peers is required: the multiaddr(s) of a peer of the swarm")
+    # a bundled name opens its prepared directory; the DHT prefix stays the one servers derive from the name
     return AutoDistributedModelForCausalLM.from_pretrained(
-        config.model, initial_peers=config.initial_peers, dht_prefix=config.dht_prefix,
+        resolve_model(config.model), initial_peers=config.initial_peers,
+        dht_prefix=config.dht_prefix or dht_prefix_for(config.model),
         torch_dtype=config.torch_dtype, step_timeout=config.step_timeout, request_timeout=config.rpc_timeout,
         allowed_quant_types=config.allowed_quant_types, swarm_key=config.swarm_key, compression=config.compression,
         swarm_key_file=config.swarm_key_file, verify=config.verify_rate > 0, verify_probability=config.verify_rate,
@@ -105,8 +109,9 @@ def load_tokenizer(config: GatewayConfig):
     from transformers import AutoTokenizer
 
     from swarm.modeling.checkpoint import Checkpoint
+    from swarm.modeling.prepare import resolve_model
 
-    checkpoint = Checkpoint(config.model)
+    checkpoint = Checkpoint(resolve_model(config.model))
     # with the model config given, AutoTokenizer does not load it through AutoConfig (swarm.modeling.model_config: why)
     return AutoTokenizer.from_pretrained(checkpoint.config_dir, config=checkpoint.load_config())
 

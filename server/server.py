@@ -52,6 +52,7 @@ from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.disk_cache import parse_size
 from swarm.modeling.families import family_for
 from swarm.modeling.lora import AdapterSource, open_adapter
+from swarm.modeling.prepare import resolve_model
 from swarm.modeling.quantize import check_quant_support, resolve_quant_type
 from swarm.modeling.shape import ModelShape
 from swarm.modeling.tensor_parallel import TensorParallelError, check_splittable
@@ -81,7 +82,7 @@ class Server:
 
     def __init__(self, config: ServerConfig):
         self.config = config
-        self.checkpoint = Checkpoint(config.model, cache_dir=config.cache_dir,
+        self.checkpoint = Checkpoint(resolve_model(config.model), cache_dir=config.cache_dir,
                                      max_disk_space=parse_size(config.max_disk_space))
         self.model_config = self.checkpoint.load_config()
         family_for(self.model_config)  # an unknown model type: one line naming the supported families

@@ -24,6 +24,8 @@ from typing import Dict, Iterator, Optional, Sequence, Union
 import torch
 from filelock import FileLock
 
+from swarm.runtime.paths import cache_root
+
 logger = logging.getLogger(__name__)
 
 CACHE_FILE = "throughput.json"
@@ -49,9 +51,7 @@ def parse_throughput_mode(value: Union[str, float]) -> Union[str, float]:
 
 
 def cache_path(root: Optional[Path] = None) -> Path:
-    from swarm.modeling.checkpoint import default_cache_root
-
-    return (root or default_cache_root()) / CACHE_FILE
+    return (root or cache_root()) / CACHE_FILE
 
 
 def device_key(device: str) -> str:

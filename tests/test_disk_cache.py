@@ -207,3 +207,23 @@ def test_checkpoint_hub_downloads_go_through_the_cache(tmp_path, monkeypatch):
     calls.clear()
     assert hub_download("org/x", "config.json", cache_dir=str(tmp_path / "other")).read_bytes() == b"z" * 10
     assert calls == [("download", "config.json")]
+
+
+def test_a_checkpoint_converts_nothing_and_resolve_model_finds_the_bundled_directory(tmp_path, monkeypatch):
+    """Opening a `Checkpoint` only reads: a bundled model's name is no directory, so to a `Checkpoint` it is a hub
+    repo id, and nothing is written to the swarmgate cache; `prepare.resolve_model` (the entry points') maps the name
+    to its prepared directory and leaves paths and hub ids as they are."""
+    from swarm.modeling.checkpoint import Checkpoint
+    from swarm.modeling.prepare import DEFAULT_MODEL, DONE_MARKER, resolve_model
+    from swarm.runtime.paths import models_root
+
+    monkeypatch.setenv("SWARMGATE_CACHE", str(tmp_path / "cache"))
+    assert Checkpoint(DEFAULT_MODEL).local_dir is None
+    assert not (tmp_path / "cache").exists()
+    prepared = models_root() / DEFAULT_MODEL  # as if converted before: no conversion runs here
+    prepared.mkdir(parents=True)
+    (prepared / DONE_MARKER).write_text("test\n")
+    assert resolve_model(DEFAULT_MODEL) == str(prepared) == str(tmp_path / "cache" / "models" / DEFAULT_MODEL)
+    assert Checkpoint(resolve_model(DEFAULT_MODEL)).local_dir == prepared
+    assert resolve_model(str(tmp_path)) == str(tmp_path)
+    assert resolve_model("org/some-model") == "org/some-model"

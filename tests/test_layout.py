@@ -1,9 +1,11 @@
 """The package layout's rules, read from the source: no import cycles, and each layer imports only those below it.
 
-Layers, lowest first: `swarm.runtime` (process plumbing) and `swarm.wire` (messages, records); `swarm.modeling`
-(model code); `swarm.client` (routing, sessions, the client model); `server` and `gateway`, which never import each
-other; `swarm.launch` starts processes by module name and imports no server or gateway code either (its bootstrap
-peer serves the wire's dial-back RPC, `swarm.wire.reachability`).
+Every import statement counts, wherever it is: at module level, inside functions (the lazy imports that keep a
+process light) and under `if TYPE_CHECKING:`. Layers, lowest first: `swarm.runtime` (process plumbing) and
+`swarm.wire` (messages, records); `swarm.modeling` (model code); `swarm.client` (routing, sessions, the client
+model); `server` and `gateway`, which never import each other (and `server` never the client); `swarm.launch` on
+top: the `swarmgate` command imports each subcommand's entry point (`server.server`, `gateway.app`,
+`swarm.client.status`, ...), and its topology starts processes by module name.
 """
 from __future__ import annotations
 
@@ -22,10 +24,17 @@ ALLOWED = {
     "swarm.wire": {"swarm.wire", "swarm.runtime", "swarm"},
     "swarm.modeling": {"swarm.modeling", "swarm.wire", "swarm.runtime", "swarm"},
     "swarm.client": {"swarm.client", "swarm.wire", "swarm.modeling", "swarm.runtime", "swarm"},
-    "swarm.launch": {"swarm.launch", "swarm.runtime", "swarm.wire", "swarm.modeling", "swarm"},
+    "swarm.launch": {"swarm.launch", "server", "gateway", "swarm.client", "swarm.runtime", "swarm.wire",
+                     "swarm.modeling", "swarm"},
     "swarm": {"swarm", "swarm.runtime", "swarm.client"},
     "server": {"server", "swarm.wire", "swarm.modeling", "swarm.runtime", "swarm"},
     "gateway": {"gateway", "swarm.client", "swarm.wire", "swarm.modeling", "swarm.runtime", "swarm"},
+}
+
+# Import cycles known and being removed; each pair imports both ways (checked, so that a stale entry is noticed).
+KNOWN_CYCLES = {
+    # removed by the lead's decode-loop change
+    frozenset({"swarm.client.model", "swarm.client.model_session"}),
 }
 
 
@@ -100,10 +109,22 @@ def find_cycle(edges: Dict[str, Set[str]]) -> List[str]:
 
 
 def test_no_import_cycles():
-    edges = graph(top_level_only=True)
+    """Over every import, also those inside functions (a lazy import still ties the two modules together)."""
+    edges = graph(top_level_only=False)
     # a package's __init__ importing its own modules is not a cycle through the package
     edges = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in edges.items()}
+    for pair in KNOWN_CYCLES:
+        a, b = sorted(pair)
+        assert b in edges[a] and a in edges[b], f"{a} <-> {b} is no longer a cycle: remove it from KNOWN_CYCLES"
+    edges = {m: {d for d in deps if frozenset({m, d}) not in KNOWN_CYCLES} for m, deps in edges.items()}
     assert find_cycle(edges) == []
+
+
+def test_imports_inside_functions_are_seen(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("import a\n\ndef f():\n    from b.c import d\n\nclass K:\n    def g(self):\n        import e\n")
+    assert set(imports(source, top_level_only=False)) == {"a", "b.c", "b.c.d", "e"}
+    assert set(imports(source, top_level_only=True)) == {"a"}
 
 
 def test_find_cycle_sees_a_cycle():

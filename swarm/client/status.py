@@ -142,6 +142,7 @@ def main(argv=None) -> int:
     """`swarmgate status MODEL --initial_peers ...`: the swarm's snapshot as a table (or JSON), without a gateway."""
     from swarm.client.manager import ClientConfig, SwarmManager
     from swarm.modeling.checkpoint import Checkpoint
+    from swarm.modeling.prepare import resolve_model
     from swarm.runtime.config import config_from_argv, setup_logging
     from swarm.runtime.swarm_key import SwarmKeySettings
     from swarm.wire.records import dht_prefix_for
@@ -163,7 +164,7 @@ def main(argv=None) -> int:
         return 2
     manager = None
     try:
-        num_blocks = Checkpoint(config.model).load_config().num_hidden_layers
+        num_blocks = Checkpoint(resolve_model(config.model)).load_config().num_hidden_layers
         prefix = config.dht_prefix or dht_prefix_for(config.model)
         client = ClientConfig(initial_peers=config.initial_peers, measure_rtt=False,
                               swarm_key_file=config.swarm_key_file, swarm_key=config.swarm_key)

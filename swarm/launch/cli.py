@@ -1,4 +1,8 @@
-"""The `swarmgate` command: one entry point, a subcommand per process kind (imported lazily).
+"""The `swarmgate` command: one entry point, a subcommand per process kind.
+
+Each subcommand's `main` is imported by a function of its own when that subcommand runs, which keeps `swarmgate dht`
+and `--help` light; the imports are plain ones, so that the layout test sees them: `swarm.launch` is the layer above
+`server` and `gateway`, the only one that may import both.
 
 The process ends here (`swarm.runtime.lifecycle.finish`): once the subcommand returned, its descendants are reaped
 and the process exits without the interpreter's finalization (seconds of freeing a loaded model on a busy machine).
@@ -7,16 +11,59 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Callable, Dict, List, Tuple
 
-COMMANDS = {
-    "prepare-model": ("swarm.modeling.prepare",
-                      "convert the bundled model into a safetensors checkpoint, print its path"),
-    "dht": ("swarm.launch.bootstrap", "run a bootstrap DHT peer"),
-    "server": ("server.server", "serve a range of a model's blocks"),
-    "gateway": ("gateway.app", "serve the OpenAI-compatible HTTP API over the swarm"),
-    "status": ("swarm.client.status", "print a swarm's servers and block coverage (no gateway needed)"),
-    "up": ("swarm.launch.local_swarm", "start a local swarm (bootstrap, servers, gateway) from a YAML file"),
-    "lab": ("swarm.launch.latency_lab", "a local swarm over emulated wide-area links (needs root; README)"),
+
+def _prepare_model(argv: List[str]) -> int:
+    from swarm.modeling.prepare import main as run
+
+    return run(argv)
+
+
+def _dht(argv: List[str]) -> int:
+    from swarm.launch.bootstrap import main as run
+
+    return run(argv)
+
+
+def _server(argv: List[str]) -> int:
+    from server.server import main as run
+
+    return run(argv)
+
+
+def _gateway(argv: List[str]) -> int:
+    from gateway.app import main as run
+
+    return run(argv)
+
+
+def _status(argv: List[str]) -> int:
+    from swarm.client.status import main as run
+
+    return run(argv)
+
+
+def _up(argv: List[str]) -> int:
+    from swarm.launch.local_swarm import main as run
+
+    return run(argv)
+
+
+def _lab(argv: List[str]) -> int:
+    from swarm.launch.latency_lab import main as run
+
+    return run(argv)
+
+
+COMMANDS: Dict[str, Tuple[Callable[[List[str]], int], str]] = {
+    "prepare-model": (_prepare_model, "convert the bundled model into a safetensors checkpoint, print its path"),
+    "dht": (_dht, "run a bootstrap DHT peer"),
+    "server": (_server, "serve a range of a model's blocks"),
+    "gateway": (_gateway, "serve the OpenAI-compatible HTTP API over the swarm"),
+    "status": (_status, "print a swarm's servers and block coverage (no gateway needed)"),
+    "up": (_up, "start a local swarm (bootstrap, servers, gateway) from a YAML file"),
+    "lab": (_lab, "a local swarm over emulated wide-area links (needs root; README)"),
 }
 
 
@@ -30,8 +77,6 @@ def main(argv=None) -> int:
             print(f"\nerror: unknown command {argv[0]!r}", file=sys.stderr)
             return 2
         return 0 if argv else 2
-    import importlib
-
     from swarm.runtime import lifecycle, malloc
     from swarm.runtime.threads import tune_openmp_env
 
@@ -42,9 +87,9 @@ def main(argv=None) -> int:
         # process per server (56 MB of its own, a third of an idle server's); set before hivemind is imported
         os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
     lifecycle.become_subreaper()  # p2pd stays our descendant even if its DHT process dies first
-    module = importlib.import_module(COMMANDS[argv[0]][0])
+    run = COMMANDS[argv[0]][0]
     try:
-        code = module.main(argv[1:]) or 0
+        code = run(argv[1:]) or 0
     except SystemExit as e:  # argparse errors and --help, a server whose DHT process died
         if e.code is not None and not isinstance(e.code, int):
             print(e.code, file=sys.stderr)
