@@ -34,6 +34,7 @@ import io
 import re
 import subprocess
 import sys
+import textwrap
 import tokenize
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -117,6 +118,7 @@ PACKAGES: Dict[str, str] = {
 TEXT_SUFFIXES = {".py", ".md", ".toml", ".yaml", ".yml", ".cfg", ".ini", ".txt", ".sh", ".json"}
 TEXT_NAMES = {"Makefile", "Dockerfile", "run", ".dockerignore", ".gitignore"}
 TOPS = ("gateway", "server", "tests")
+LINE = 120  # ruff's line length (pyproject.toml)
 
 
 def module_of(path: str) -> str:
@@ -249,6 +251,48 @@ def rewrite_python(source: str) -> str:
     return out
 
 
+def wrap_long_lines(source: str, path: Path) -> str:
+    """Lines the rewrite made longer than `LINE`, broken at a space: in a comment (continued as a comment below, at
+    the line's indentation) or in a docstring (continued at its indentation); others are reported, to fix by hand."""
+    for _ in range(3):
+        lines = source.splitlines(keepends=True)
+        long = {i + 1 for i, line in enumerate(lines) if len(line.rstrip("\n")) > LINE and "noqa" not in line}
+        if not long:
+            return source
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+        breaks: Dict[int, Tuple[int, str]] = {}  # line -> (column of the space, what continues the next line)
+        for k, tok in enumerate(tokens):
+            if tok.type == tokenize.COMMENT and tok.start[0] in long and tok.start[1] < LINE - 10:
+                row, line = tok.start[0], lines[tok.start[0] - 1]
+                cut = line.rfind(" ", tok.start[1] + 2, LINE + 1)
+                if cut > 0:
+                    breaks[row] = (cut, " " * (len(line) - len(line.lstrip())) + "# ")
+            elif tok.type == tokenize.STRING and tok.string.endswith(('"""', "'''")) and \
+                    (k == 0 or tokens[k - 1].type in (tokenize.NEWLINE, tokenize.NL, tokenize.INDENT,
+                                                      tokenize.DEDENT, tokenize.ENCODING, tokenize.COMMENT)):
+                indent = lines[tok.start[0] - 1][:tok.start[1]]
+                for row in range(tok.start[0], tok.end[0] + 1):
+                    if row in long and row not in breaks:
+                        line = lines[row - 1]
+                        first = tok.start[1] + 3 if row == tok.start[0] else 0
+                        last = min(LINE + 1, tok.end[1] - 3 if row == tok.end[0] else len(line))
+                        cut = line.rfind(" ", first + 1, last)
+                        if cut > len(indent):
+                            breaks[row] = (cut, indent if indent.strip() == "" else "")
+        for row in sorted(breaks, reverse=True):
+            cut, prefix = breaks[row]
+            line = lines[row - 1]
+            lines[row - 1] = line[:cut].rstrip() + "\n" + prefix + line[cut + 1:]
+        new = "".join(lines)
+        if new == source:
+            break
+        source = new
+    for i, line in enumerate(source.splitlines()):
+        if len(line) > LINE and "noqa" not in line:
+            print(f"{path.relative_to(ROOT)}:{i + 1}: longer than {LINE} characters: wrap it by hand")
+    return source
+
+
 def deepen(source: str, levels: int) -> str:
     """`Path(__file__).resolve().parents[N]` of a file moved `levels` folders deeper."""
     return re.sub(r"(Path\(__file__\)\.resolve\(\)\.parents\[)(\d+)\]",
@@ -272,7 +316,7 @@ def move(check: bool) -> List[str]:
             done.append(f"create {package}/__init__.py")
             if not check:
                 init.parent.mkdir(parents=True, exist_ok=True)
-                init.write_text(f'"""{doc}"""\n')
+                init.write_text('"""' + textwrap.fill(doc, width=LINE - 3) + '"""\n')
                 subprocess.run(["git", "add", str(init)], cwd=ROOT, check=True)
     for old, new in MOVES.items():
         if not (ROOT / old).exists():
@@ -301,7 +345,7 @@ def rewrite(check: bool) -> List[Path]:
             text = path.read_text()
         except UnicodeDecodeError:
             continue
-        new = rewrite_python(text) if path.suffix == ".py" else rewrite_text(text)
+        new = wrap_long_lines(rewrite_python(text), path) if path.suffix == ".py" else rewrite_text(text)
         if new != text:
             changed.append(path)
             if not check:
