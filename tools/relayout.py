@@ -282,7 +282,16 @@ def wrap_long_lines(source: str, path: Path) -> str:
         for row in sorted(breaks, reverse=True):
             cut, prefix = breaks[row]
             line = lines[row - 1]
-            lines[row - 1] = line[:cut].rstrip() + "\n" + prefix + line[cut + 1:]
+            rest = line[cut + 1:].rstrip("\n")
+            following = lines[row] if row < len(lines) else ""
+            if following.startswith(prefix) and following[len(prefix):].strip() and \
+                    not following[len(prefix):].startswith((" ", '"""', "'''", "- ", "`")) and \
+                    len(following.rstrip("\n")) + len(rest) + 1 <= LINE:
+                # the next line goes on with the same text: the overflow joins it rather than standing alone
+                lines[row - 1] = line[:cut].rstrip() + "\n"
+                lines[row] = prefix + rest + " " + following[len(prefix):]
+            else:
+                lines[row - 1] = line[:cut].rstrip() + "\n" + prefix + line[cut + 1:]
         new = "".join(lines)
         if new == source:
             break
