@@ -260,13 +260,16 @@ def wrap_long_lines(source: str, path: Path) -> str:
         if not long:
             return source
         tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
-        breaks: Dict[int, Tuple[int, str]] = {}  # line -> (column of the space, what continues the next line)
+        # line -> (column of the space, what starts the continuation, whether the next line goes on with the text)
+        breaks: Dict[int, Tuple[int, str, bool]] = {}
         for k, tok in enumerate(tokens):
             if tok.type == tokenize.COMMENT and tok.start[0] in long and tok.start[1] < LINE - 10:
                 row, line = tok.start[0], lines[tok.start[0] - 1]
                 cut = line.rfind(" ", tok.start[1] + 2, LINE + 1)
                 if cut > 0:
-                    breaks[row] = (cut, " " * (len(line) - len(line.lstrip())) + "# ")
+                    prefix = " " * (len(line) - len(line.lstrip())) + "# "
+                    whole = line.lstrip().startswith("#") and row < len(lines) and lines[row].startswith(prefix)
+                    breaks[row] = (cut, prefix, whole)
             elif tok.type == tokenize.STRING and tok.string.endswith(('"""', "'''")) and \
                     (k == 0 or tokens[k - 1].type in (tokenize.NEWLINE, tokenize.NL, tokenize.INDENT,
                                                       tokenize.DEDENT, tokenize.ENCODING, tokenize.COMMENT)):
@@ -278,13 +281,13 @@ def wrap_long_lines(source: str, path: Path) -> str:
                         last = min(LINE + 1, tok.end[1] - 3 if row == tok.end[0] else len(line))
                         cut = line.rfind(" ", first + 1, last)
                         if cut > len(indent):
-                            breaks[row] = (cut, indent if indent.strip() == "" else "")
+                            breaks[row] = (cut, indent if indent.strip() == "" else "", row < tok.end[0])
         for row in sorted(breaks, reverse=True):
-            cut, prefix = breaks[row]
+            cut, prefix, goes_on = breaks[row]
             line = lines[row - 1]
             rest = line[cut + 1:].rstrip("\n")
             following = lines[row] if row < len(lines) else ""
-            if following.startswith(prefix) and following[len(prefix):].strip() and \
+            if goes_on and following.startswith(prefix) and following[len(prefix):].strip() and \
                     not following[len(prefix):].startswith((" ", '"""', "'''", "- ", "`")) and \
                     len(following.rstrip("\n")) + len(rest) + 1 <= LINE:
                 # the next line goes on with the same text: the overflow joins it rather than standing alone
