@@ -254,7 +254,7 @@ def rewrite_python(source: str) -> str:
 def wrap_long_lines(source: str, path: Path) -> str:
     """Lines the rewrite made longer than `LINE`, broken at a space: in a comment (continued as a comment below, at
     the line's indentation) or in a docstring (continued at its indentation); others are reported, to fix by hand."""
-    for _ in range(3):
+    for _ in range(20):  # an overflow that joins the next line may make that one too long: it is broken in turn
         lines = source.splitlines(keepends=True)
         long = {i + 1 for i, line in enumerate(lines) if len(line.rstrip("\n")) > LINE and "noqa" not in line}
         if not long:
@@ -277,19 +277,19 @@ def wrap_long_lines(source: str, path: Path) -> str:
                 for row in range(tok.start[0], tok.end[0] + 1):
                     if row in long and row not in breaks:
                         line = lines[row - 1]
+                        own = indent if row == tok.start[0] else line[:len(line) - len(line.lstrip())]
                         first = tok.start[1] + 3 if row == tok.start[0] else 0
                         last = min(LINE + 1, tok.end[1] - 3 if row == tok.end[0] else len(line))
                         cut = line.rfind(" ", first + 1, last)
-                        if cut > len(indent):
-                            breaks[row] = (cut, indent if indent.strip() == "" else "", row < tok.end[0])
+                        if cut > len(own):
+                            breaks[row] = (cut, own if own.strip() == "" else "", row < tok.end[0])
         for row in sorted(breaks, reverse=True):
             cut, prefix, goes_on = breaks[row]
             line = lines[row - 1]
             rest = line[cut + 1:].rstrip("\n")
             following = lines[row] if row < len(lines) else ""
             if goes_on and following.startswith(prefix) and following[len(prefix):].strip() and \
-                    not following[len(prefix):].startswith((" ", '"""', "'''", "- ", "`")) and \
-                    len(following.rstrip("\n")) + len(rest) + 1 <= LINE:
+                    not following[len(prefix):].startswith((" ", '"""', "'''", "- ", "`", "#")):
                 # the next line goes on with the same text: the overflow joins it rather than standing alone
                 lines[row - 1] = line[:cut].rstrip() + "\n"
                 lines[row] = prefix + rest + " " + following[len(prefix):]
