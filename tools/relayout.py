@@ -289,7 +289,7 @@ def wrap_long_lines(source: str, path: Path) -> str:
             rest = line[cut + 1:].rstrip("\n")
             following = lines[row] if row < len(lines) else ""
             if goes_on and following.startswith(prefix) and following[len(prefix):].strip() and \
-                    not following[len(prefix):].startswith((" ", '"""', "'''", "- ", "`", "#")):
+                    not following[len(prefix):].startswith((" ", '"""', "'''", "- ", "#")):
                 # the next line goes on with the same text: the overflow joins it rather than standing alone
                 lines[row - 1] = line[:cut].rstrip() + "\n"
                 lines[row] = prefix + rest + " " + following[len(prefix):]
