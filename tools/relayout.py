@@ -265,6 +265,9 @@ def wrap_long_lines(source: str, path: Path) -> str:
         for k, tok in enumerate(tokens):
             if tok.type == tokenize.COMMENT and tok.start[0] in long and tok.start[1] < LINE - 10:
                 row, line = tok.start[0], lines[tok.start[0] - 1]
+                if set(line.rstrip("\n")[LINE:]) <= {"-", "="}:  # a rule (`# ---- title ----`): shortened
+                    breaks[row] = (LINE, "", False)
+                    continue
                 cut = line.rfind(" ", tok.start[1] + 2, LINE + 1)
                 if cut > 0:
                     prefix = " " * (len(line) - len(line.lstrip())) + "# "
@@ -278,6 +281,8 @@ def wrap_long_lines(source: str, path: Path) -> str:
                     if row in long and row not in breaks:
                         line = lines[row - 1]
                         own = indent if row == tok.start[0] else line[:len(line) - len(line.lstrip())]
+                        item = re.match(r"(- |\* |\d+\. )", line[len(own):])  # a list item goes on under its text
+                        own += " " * len(item.group(1)) if item and row > tok.start[0] else ""
                         first = tok.start[1] + 3 if row == tok.start[0] else 0
                         last = min(LINE + 1, tok.end[1] - 3 if row == tok.end[0] else len(line))
                         cut = line.rfind(" ", first + 1, last)
@@ -287,6 +292,9 @@ def wrap_long_lines(source: str, path: Path) -> str:
             cut, prefix, goes_on = breaks[row]
             line = lines[row - 1]
             rest = line[cut + 1:].rstrip("\n")
+            if line.rstrip("\n")[cut:].strip("-=") == "":
+                lines[row - 1] = line[:cut].rstrip() + "\n"
+                continue
             following = lines[row] if row < len(lines) else ""
             if goes_on and following.startswith(prefix) and following[len(prefix):].strip() and \
                     not following[len(prefix):].startswith((" ", '"""', "'''", "- ", "#")):
