@@ -6,7 +6,7 @@
 block (how many online, reachable servers hold it and their summed throughput). `collect_status(manager, model)`
 reads the records through a client's `SwarmManager` and pings each server from here (`SwarmStatusView`: the
 client model's `swarm_status`). The gateway's `/status` page
-and `/status.json` (`gateway.status`) and the `swarmgate status` command (`main` here: a table in the terminal,
+and `/status.json` (`gateway.api.status`) and the `swarmgate status` command (`main` here: a table in the terminal,
 or `--json`) show the same snapshot. Every string in it comes from untrusted records: whoever renders it escapes it.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The root is `SWARMGATE_CACHE` if set, else `~/.cache/swarmgate`. Under it: `models/<name>` (bundled models
 converted by `swarm.modeling.prepare`) and the files of other owners (e.g. the throughput cache of
-`server.throughput`). Hub downloads go to the Hugging Face cache or a given `cache_dir` instead
+`server.placement.throughput`). Hub downloads go to the Hugging Face cache or a given `cache_dir` instead
 (`swarm.modeling.disk_cache`).
 """
 from __future__ import annotations
