@@ -5,7 +5,9 @@ process light) and under `if TYPE_CHECKING:`. Layers, lowest first: `swarm.runti
 `swarm.wire` (messages, records); `swarm.modeling` (model code); `swarm.client` (routing, sessions, the client
 model); `server` and `gateway`, which never import each other (and `server` never the client); `swarm.launch` on
 top: the `swarmgate` command imports each subcommand's entry point (`server.server`, `gateway.app`,
-`swarm.client.status`, ...), and its topology starts processes by module name.
+`swarm.client.status`, ...), and its topology starts processes by module name. Inside `server` and `gateway`, the
+sub-packages have an order too (`SUBLAYERS`): a server's `compute` (running blocks) imports neither its `rpc` nor its
+`placement`, `rpc` not `placement`; the gateway's `serving` and `structured` never import its HTTP side, `api`.
 """
 from __future__ import annotations
 
@@ -29,6 +31,14 @@ ALLOWED = {
     "swarm": {"swarm", "swarm.runtime", "swarm.client"},
     "server": {"server", "swarm.wire", "swarm.modeling", "swarm.runtime", "swarm"},
     "gateway": {"gateway", "swarm.client", "swarm.wire", "swarm.modeling", "swarm.runtime", "swarm"},
+}
+
+# sub-package -> the sub-packages of the same process it must not import
+SUBLAYERS = {
+    "server.compute": {"server.rpc", "server.placement"},
+    "server.rpc": {"server.placement"},
+    "gateway.serving": {"gateway.api"},
+    "gateway.structured": {"gateway.api"},
 }
 
 # Import cycles known and being removed; each pair imports both ways (checked, so that a stale entry is noticed).
@@ -142,6 +152,18 @@ def violations() -> List[Tuple[str, str]]:
 
 def test_layers_import_only_what_is_below_them():
     assert violations() == []
+
+
+def sub_package(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def test_sub_packages_import_only_what_is_below_them():
+    known = modules()
+    assert {sub_package(m) for m in known} >= set(SUBLAYERS), "a sub-package of SUBLAYERS is gone: update it"
+    bad = [(name, dep) for name, deps in graph(top_level_only=False).items() for dep in sorted(deps)
+           if sub_package(dep) in SUBLAYERS.get(sub_package(name), ())]
+    assert bad == []
 
 
 @pytest.mark.parametrize("package", PACKAGES)
