@@ -1,7 +1,7 @@
 """The `swarmgate` command: one entry point, a subcommand per process kind.
 
-Each subcommand's `main` is imported by a function of its own when that subcommand runs, which keeps `swarmgate dht`
-and `--help` light; the imports are plain ones, so that the layout test sees them: `swarm.launch` is the layer above
+Each subcommand's `main` is imported when that subcommand runs (`run_command`), which keeps `swarmgate dht` and
+`--help` light; the imports are plain ones, so that the layout test sees them: `swarm.launch` is the layer above
 `server` and `gateway`, the only one that may import both.
 
 The process ends here (`swarm.runtime.lifecycle.finish`): once the subcommand returned, its descendants are reaped
@@ -11,67 +11,45 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, Dict, List, Tuple
+from typing import List
 
-
-def _prepare_model(argv: List[str]) -> int:
-    from swarm.modeling.prepare import main as run
-
-    return run(argv)
-
-
-def _dht(argv: List[str]) -> int:
-    from swarm.launch.bootstrap import main as run
-
-    return run(argv)
-
-
-def _server(argv: List[str]) -> int:
-    from server.server import main as run
-
-    return run(argv)
-
-
-def _gateway(argv: List[str]) -> int:
-    from gateway.app import main as run
-
-    return run(argv)
-
-
-def _status(argv: List[str]) -> int:
-    from swarm.client.status import main as run
-
-    return run(argv)
-
-
-def _up(argv: List[str]) -> int:
-    from swarm.launch.local_swarm import main as run
-
-    return run(argv)
-
-
-def _lab(argv: List[str]) -> int:
-    from swarm.launch.latency_lab import main as run
-
-    return run(argv)
-
-
-COMMANDS: Dict[str, Tuple[Callable[[List[str]], int], str]] = {
-    "prepare-model": (_prepare_model, "convert the bundled model into a safetensors checkpoint, print its path"),
-    "dht": (_dht, "run a bootstrap DHT peer"),
-    "server": (_server, "serve a range of a model's blocks"),
-    "gateway": (_gateway, "serve the OpenAI-compatible HTTP API over the swarm"),
-    "status": (_status, "print a swarm's servers and block coverage (no gateway needed)"),
-    "up": (_up, "start a local swarm (bootstrap, servers, gateway) from a YAML file"),
-    "lab": (_lab, "a local swarm over emulated wide-area links (needs root; README)"),
+COMMANDS = {
+    "prepare-model": "convert the bundled model into a safetensors checkpoint, print its path",
+    "dht": "run a bootstrap DHT peer",
+    "server": "serve a range of a model's blocks",
+    "gateway": "serve the OpenAI-compatible HTTP API over the swarm",
+    "status": "print a swarm's servers and block coverage (no gateway needed)",
+    "up": "start a local swarm (bootstrap, servers, gateway) from a YAML file",
+    "lab": "a local swarm over emulated wide-area links (needs root; README)",
 }
+
+
+def run_command(name: str, argv: List[str]) -> int:
+    """Import the entry point of subcommand `name` (only that one) and run it."""
+    if name == "prepare-model":
+        from swarm.modeling.prepare import main as entry
+    elif name == "dht":
+        from swarm.launch.bootstrap import main as entry
+    elif name == "server":
+        from server.server import main as entry
+    elif name == "gateway":
+        from gateway.app import main as entry
+    elif name == "status":
+        from swarm.client.status import main as entry
+    elif name == "up":
+        from swarm.launch.local_swarm import main as entry
+    elif name == "lab":
+        from swarm.launch.latency_lab import main as entry
+    else:
+        raise ValueError(f"unknown command {name!r}")
+    return entry(argv)
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print("usage: swarmgate {" + ",".join(COMMANDS) + "} ...\n")
-        for name, (_, text) in COMMANDS.items():
+        for name, text in COMMANDS.items():
             print(f"  {name:14s} {text}")
         if argv and argv[0] not in ("-h", "--help"):
             print(f"\nerror: unknown command {argv[0]!r}", file=sys.stderr)
@@ -87,9 +65,8 @@ def main(argv=None) -> int:
         # process per server (56 MB of its own, a third of an idle server's); set before hivemind is imported
         os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
     lifecycle.become_subreaper()  # p2pd stays our descendant even if its DHT process dies first
-    run = COMMANDS[argv[0]][0]
     try:
-        code = run(argv[1:]) or 0
+        code = run_command(argv[0], argv[1:]) or 0
     except SystemExit as e:  # argparse errors and --help, a server whose DHT process died
         if e.code is not None and not isinstance(e.code, int):
             print(e.code, file=sys.stderr)
