@@ -30,7 +30,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python tests/browser.py
+	$(BIN)/python tests/fixtures/browser.py
 	$(BIN)/python -m pytest -q --tb=short --durations=20 -m "not extended" tests
 
 # the extended tier (tests/conftest.py EXTENDED): long scenarios and extra variants, about 10 minutes

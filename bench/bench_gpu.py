@@ -4,8 +4,9 @@ The checkpoint is built here with random weights in bfloat16: Llama-3-8B's block
 8 key-value heads, intermediate 14336, vocabulary 32000 here) with `--blocks` blocks (default 8: each server
 start reads and quantizes them, and the per-block figures scale). Printed as one JSON object:
 1. `spans` (in this process, per quant type): GPU memory per block; one decode step through all blocks for 1, 8
-   and 16 sessions on the eager lean path (`server.decode`) and replaying a CUDA graph (`server.graphs`), in ms;
-   a 512-token prefill in ms; for int8, the error that capture gives (LLM.int8() is not capturable).
+   and 16 sessions on the eager lean path (`server.compute.decode`) and replaying a CUDA graph
+   (`server.compute.graphs`), in ms; a 512-token prefill in ms; for int8, the error that capture gives (LLM.int8() is
+   not capturable).
 2. `swarm` (per quant type x graphs): one server with all blocks and the client model on the same GPU, on
    loopback: decode tokens/s of one session (100-token prompt, 64 greedy tokens, best of `--runs`), time to first
    token of a 512-token prompt, the aggregate decode rate of 8 and 16 concurrent sessions.
@@ -65,8 +66,8 @@ def _ms(fn, steps: int) -> float:
 
 def span_figures(path: str, quant: str, blocks: int, steps: int = 30) -> dict:
     """Memory per block, decode step times (eager and graphed) for 1/8/16 sessions, a 512-token prefill."""
-    from server.blocks import BlockSpan
-    from server.graphs import GraphedStep, SpanGraphs
+    from server.compute.blocks import BlockSpan
+    from server.compute.graphs import GraphedStep, SpanGraphs
     from swarm.modeling.checkpoint import Checkpoint
 
     torch.cuda.empty_cache()

@@ -1,8 +1,8 @@
 """Structured-output benchmark: the cost per token of a grammar constraint (llguidance) in the sampler.
 
 With the bundled model's tokenizer (49k tokens) and no swarm: for a JSON Schema (`response_format` json_schema), any
-JSON object (json_object) and a forced tool call (`gateway.tools.tool_grammar`), a `Sampler` with the grammar picks
-tokens from random logits until the document is complete; the same picks without a constraint are the baseline.
+JSON object (json_object) and a forced tool call (`gateway.structured.tools.tool_grammar`), a `Sampler` with the grammar
+picks tokens from random logits until the document is complete; the same picks without a constraint are the baseline.
 Prints one JSON object: per grammar, the median and p95 time per token of mask + pick + consume, the unconstrained
 pick's, the compile time (matcher creation), and the building of llguidance's tokenizer (once per gateway).
 
@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from gateway.schemas import ToolDefinition  # noqa: E402
-from gateway.tools import tool_grammar  # noqa: E402
+from gateway.structured.tools import tool_grammar  # noqa: E402
 from swarm.client.generation import Sampler, SamplingParams  # noqa: E402
 from swarm.client.grammar import GrammarConstraint, GrammarTokenizer, json_schema_grammar  # noqa: E402
 

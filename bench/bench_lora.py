@@ -70,7 +70,7 @@ def concurrent_rate(model, prompt, adapters) -> float:
 
 def span_step_ms(path: str, adapters: dict) -> dict:
     """Milliseconds per batched decode step of 8 one-row sessions through blocks 0:15 (median of 50)."""
-    from server.blocks import BlockSpan
+    from server.compute.blocks import BlockSpan
     from swarm.modeling.checkpoint import Checkpoint
     from swarm.modeling.lora import AdapterSource, open_adapter
 

@@ -1,5 +1,5 @@
-"""Mixtral blocks in one process (`server.blocks.BlockSpan`, no swarm) against transformers' MixtralForCausalLM on a
-small random model (4 blocks, hidden 512, 8 experts, top-2, float32, one thread): decode ms per step for one
+"""Mixtral blocks in one process (`server.compute.blocks.BlockSpan`, no swarm) against transformers' MixtralForCausalLM
+on a small random model (4 blocks, hidden 512, 8 experts, top-2, float32, one thread): decode ms per step for one
 session, and for 8 sessions batched in one pass (rows routed to different experts) vs the same 8 one by one.
 transformers' figure is its whole model's step (embeddings and LM head of a 1000-token vocabulary included, a
 small part here). Prints one JSON object.
@@ -22,7 +22,7 @@ PROMPT, STEPS, SESSIONS = 32, 32, 8
 def main() -> None:
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from server.blocks import BlockSpan
+    from server.compute.blocks import BlockSpan
     from swarm.modeling.checkpoint import Checkpoint
 
     torch.set_num_threads(1)

@@ -1,5 +1,5 @@
 """Relay benchmark: tokens/s of one greedy session through a direct chain and through a chain whose second server
-sits behind a NAT and is dialed through a relay (network namespaces, as tests/test_nat.py; needs root).
+sits behind a NAT and is dialed through a relay (network namespaces, as tests/e2e/test_nat.py; needs root).
 
 A public host runs the bootstrap peer (the relay) and a server of blocks 0:15; blocks 15:30 are served first by a
 directly reachable server on a second public host, then (that one stopped) by a server on a `home` host that

@@ -52,7 +52,7 @@ from swarm.modeling.prepare import prepare_model  # noqa: E402
 from swarm.runtime import aio  # noqa: E402
 from swarm.runtime.dht_traffic import DHTTraffic  # noqa: E402
 from swarm.wire.records import fetch_block_records, online_spans  # noqa: E402
-from tests.tiny_checkpoints import save_tiny  # noqa: E402
+from tests.fixtures.tiny_checkpoints import save_tiny  # noqa: E402
 
 BLOCKS = 16
 SIZES = (2, 4, 6, 8)

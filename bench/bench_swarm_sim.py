@@ -1,5 +1,5 @@
 """A discrete-event simulation of a volunteer swarm of 100 to 10,000 servers, driving the project's own placement,
-rebalancing, hole-filling and routing code (`server.placement`, `swarm.client.routing`; no copies).
+rebalancing, hole-filling and routing code (`server.placement.policy`, `swarm.client.routing`; no copies).
 
 The model (one run, `simulate`):
 - Servers join as a Poisson process and stay for a heavy-tailed time (Pareto, shape `--uptime_shape`, mean
@@ -10,10 +10,10 @@ The model (one run, `simulate`):
   `LOAD_BASE_S + LOAD_PER_BLOCK_S` per block. Leaving: a graceful leave (`--graceful` of them) announces OFFLINE at
   once; a crash leaves the record until it expires, between 1 and 2 `update_period`s later (the record lives 2
   update periods from its last refresh).
-- Rebalancing, as `server.spans`: every `jittered(balance_period)` a server asks `move_target` (the decision of
-  `should_move` on per-block totals) and, after a random delay of up to min(2 s, balance_period/4), asks again;
+- Rebalancing, as `server.placement.spans`: every `jittered(balance_period)` a server asks `move_target` (the decision
+  of `should_move` on per-block totals) and, after a random delay of up to min(2 s, balance_period/4), asks again;
   a move announces the new span JOINING and serves it after the load time.
-- Hole watch (`hole_check_period` > 0, `server.spans.check_holes`): every jittered hole_check_period x
+- Hole watch (`hole_check_period` > 0, `server.placement.spans.check_holes`): every jittered hole_check_period x
   max(1, servers/100) a server looks for blocks nobody serves; if moving would cover some, it waits its turn
   (`hole_fill_turn`, `hole_fill_delay`), asks again and moves.
 - Sessions arrive every `--route_every` s and are routed with `find_inference_chain` over the ONLINE records;
@@ -44,8 +44,8 @@ from typing import Dict, List, Optional, Set, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from server.placement import choose_best_span, hole_fill_turn, move_target, uncovered_blocks  # noqa: E402
-from server.spans import hole_check_interval, hole_fill_delay  # noqa: E402
+from server.placement.policy import choose_best_span, hole_fill_turn, move_target, uncovered_blocks  # noqa: E402
+from server.placement.spans import hole_check_interval, hole_fill_delay  # noqa: E402
 from swarm.client.routing import RoutingError, find_inference_chain  # noqa: E402
 from swarm.wire.records import ServerInfo, ServerSpan, ServerState  # noqa: E402
 

@@ -1,5 +1,5 @@
 """Tensor parallelism (`--tensor_parallel_devices`, `swarm.modeling.tensor_parallel`): one block unsplit against
-the same block split into shards, through the server's own steps (`server.decode.prefill_step` / `decode_step`
+the same block split into shards, through the server's own steps (`server.compute.decode.prefill_step` / `decode_step`
 with a `SessionKV`, as `BlockSpan` runs them); random weights, no checkpoint.
 
 Measured per block and printed as one JSON object: a prefill of `--prompt` tokens, a single-token decode step of
@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from server.cache import SessionKV  # noqa: E402
-from server.decode import decode_step, prefill_step  # noqa: E402
+from server.compute.cache import SessionKV  # noqa: E402
+from server.compute.decode import decode_step, prefill_step  # noqa: E402
 from swarm.modeling.llama import FusedLayer  # noqa: E402
 from swarm.modeling.shape import ModelShape  # noqa: E402
 from swarm.modeling.tensor_parallel import cache_layout, parse_devices, split_layer  # noqa: E402

@@ -7,9 +7,9 @@ Starts its own bootstrap peer and two honest servers over all blocks (each can r
 the slowdown relative to no checks, and the verifier's counters. The probability that a server corrupting every
 step escapes p-rate checks for n steps is (1 - p)^n: at 5%, under 1% after 90 steps.
 
-Detection (`--trials`, 0: skipped): a lying server (`tests/faulty_server.py`, test-only: honest for each session's
-first `LIE_AFTER` steps, so that the first check of a new server passes, then perturbed outputs) joins the swarm
-with a throughput that makes routing prefer it; each trial is a fresh client (verify at `--detect_probability`)
+Detection (`--trials`, 0: skipped): a lying server (`tests/fixtures/faulty_server.py`, test-only: honest for each
+session's first `LIE_AFTER` steps, so that the first check of a new server passes, then perturbed outputs) joins the
+swarm with a throughput that makes routing prefer it; each trial is a fresh client (verify at `--detect_probability`)
 decoding greedily until the liar is outvoted, up to `--max_steps` steps after its first lie. Reported: the steps
 from the first lie to detection per trial, the share caught within 90 steps, and (1 - (1 - p)^90) for comparison.
 """
@@ -98,7 +98,7 @@ def detection(swarm: BenchSwarm, probability: float, trials: int, max_steps: int
 
     liar = start_server(swarm.path, swarm.initial_peers, "0:30", swarm.prefix,
                         ["--throughput", "1000", "--perturb_after_steps", str(LIE_AFTER)], name="bench-liar",
-                        threads=1, module="tests.faulty_server")
+                        threads=1, module="tests.fixtures.faulty_server")
     steps: list = []
     try:
         liar.wait_ready()

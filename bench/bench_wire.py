@@ -6,7 +6,7 @@ For a hidden size (576: SmolLM2-135M, the bundled model; 4096: a 7B Llama) it se
 sends) in float32, bfloat16 and float16, each with compression none / float16 / blockwise8, and reports the bytes,
 the relative L2 error after decoding, and the wire time of the 1,000-token prefill at a 50 Mbit/s link
 (computed from the bytes: 8 x bytes / 50e6 s, one direction, one hop; not measured). The logits error that
-compression adds through a real swarm is measured by tests/test_compression.py.
+compression adds through a real swarm is measured by tests/swarm/wire/test_compression.py.
 
 Usage (from the repository root): .venv/bin/python bench/bench_wire.py
 """

@@ -4,10 +4,10 @@
 # The machine has torch, transformers and peft but not this project's other dependencies: their cp312 wheels travel
 # with the working tree in $WHEELS (hivemind, bitsandbytes, pydantic, fastapi, ...; see docs/benchmarks-gpu.md) and
 # are unpacked into /tmp/site first. Results go to $OUT (the device tool brings that folder back).
-#   tests: the CUDA tests (tests/test_graphs.py, tests/test_gpu_swarm.py: everything that skips without a device)
+#   tests: the CUDA tests (tests/server/test_graphs.py, tests/e2e/test_gpu_swarm.py: everything that skips without a device)
 #   spans: bench_gpu.py's in-process step times per quant type (and int8's capture error)
 #   full:  bench_gpu.py's swarm and local transformers runs
-#   tp:    tensor parallelism on one GPU (two shards on cuda:0): tests/test_tensor_parallel.py's CUDA case and
+#   tp:    tensor parallelism on one GPU (two shards on cuda:0): tests/swarm/modeling/test_tensor_parallel.py's CUDA case and
 #          bench/bench_tensor_parallel.py on an 8B-shaped bfloat16 block (about a minute together)
 set -u -o pipefail
 WHEELS=${WHEELS:-.gpuwhl}
@@ -21,14 +21,14 @@ python3 -c "import torch, transformers, bitsandbytes, hivemind; print(torch.__ve
 status=0
 for part in "$@"; do
   case "$part" in
-    tests) timeout ${TESTS_S:-420} python3 -m pytest -q -p no:cacheprovider --timeout 300 tests/test_graphs.py \
-             tests/test_gpu_swarm.py 2>&1 | tee "$OUT/tests.log" | tail -40 || status=1 ;;
+    tests) timeout ${TESTS_S:-420} python3 -m pytest -q -p no:cacheprovider --timeout 300 tests/server/test_graphs.py \
+             tests/e2e/test_gpu_swarm.py 2>&1 | tee "$OUT/tests.log" | tail -40 || status=1 ;;
     spans) timeout ${SPANS_S:-300} python3 bench/bench_gpu.py --parts spans ${SPANS_ARGS:-} > "$OUT/spans.json" 2> "$OUT/spans.err" || status=1
            tail -5 "$OUT/spans.err"; cat "$OUT/spans.json" ;;
     full) timeout ${FULL_S:-540} python3 bench/bench_gpu.py ${FULL_ARGS:---parts local,swarm} > "$OUT/full.json" 2> "$OUT/full.err" \
             || status=1
           tail -20 "$OUT/full.err" | cut -c1-400; cat "$OUT/full.json" ;;
-    tp) timeout ${TP_S:-240} python3 -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py -k cuda 2>&1 \
+    tp) timeout ${TP_S:-240} python3 -m pytest -q -p no:cacheprovider tests/swarm/modeling/test_tensor_parallel.py -k cuda 2>&1 \
           | tee "$OUT/tp_tests.log" | tail -15 || status=1
         timeout ${TP_S:-240} python3 bench/bench_tensor_parallel.py --devices cuda:0 cuda:0 > "$OUT/tp.json" \
           2> "$OUT/tp.err" || status=1

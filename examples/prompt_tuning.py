@@ -2,7 +2,7 @@
 
     python examples/prompt_tuning.py --initial_peers /ip4/.../p2p/... [--dht_prefix P] [--tuning_mode deep_ptune]
 
-The default task: whatever the question, answer " banana". `train` is importable (tests/test_training_example.py
+The default task: whatever the question, answer " banana". `train` is importable (tests/e2e/test_training_example.py
 runs a short version on a task of its own): each epoch runs every example once (examples of the same token
 length share a batch: the client does not pad), the loss being the cross-entropy of the answer's tokens only,
 then one Adam step on the prompts (`model.ptune`, the only parameters that require grad).

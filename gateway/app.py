@@ -2,11 +2,11 @@
 
 `create_app(config, model=None, tokenizer=None)` builds the app around one client model (loaded here when not
 given: embeddings, final norm and LM head; the blocks run on the swarm) and its tokenizer. Routes: the OpenAI
-endpoints (`gateway.completions`), `GET /v1/models`, `POST /tokenize`, `POST /detokenize` (all behind the
+endpoints (`gateway.api.completions`), `GET /v1/models`, `POST /tokenize`, `POST /detokenize` (all behind the
 API keys when configured), `GET /health` (200 when every block is served, else 503 naming the missing
 ones) and `GET /metrics` (Prometheus), public unless `--protect_probes`, and the public swarm status page
-`GET /status` / `/status.json` (`gateway.status`), and the chat page `GET /chat` (`gateway.chat_page`; `GET /` sends
-a browser there). Every response carries `X-Request-Id` (echoed or created);
+`GET /status` / `/status.json` (`gateway.api.status`), and the chat page `GET /chat` (`gateway.api.chat_page`; `GET /`
+sends a browser there). Every response carries `X-Request-Id` (echoed or created);
 CORS is on for the configured origins.
 
 `main(argv)` parses flags / YAML / environment into `GatewayConfig`, serves with uvicorn, and prints
@@ -32,22 +32,22 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from gateway.admission import Admission
-from gateway.auth import require_api_key, require_probe_key
-from gateway.chat_page import add_chat_routes
-from gateway.completions import router as completions_router
+from gateway.api.admission import Admission
+from gateway.api.auth import require_api_key, require_probe_key
+from gateway.api.chat_page import add_chat_routes
+from gateway.api.completions import router as completions_router
+from gateway.api.openapi import install as install_openapi
+from gateway.api.params import Limits, check_messages
+from gateway.api.state import GatewayState, format_ranges, quant_note, quant_summary
+from gateway.api.status import add_status_routes
 from gateway.config import GatewayConfig
-from gateway.engine import Engine
 from gateway.errors import bad_request, install_error_handlers
 from gateway.metrics import CONTENT_TYPE_LATEST, Metrics
-from gateway.openapi import install as install_openapi
-from gateway.params import Limits, check_messages
 from gateway.schemas import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
-from gateway.session_pool import SessionPool
-from gateway.sessions import SessionProvider
-from gateway.state import GatewayState, format_ranges, quant_note, quant_summary
-from gateway.status import add_status_routes
-from gateway.tokens import Tokens
+from gateway.serving.engine import Engine
+from gateway.serving.session_pool import SessionPool
+from gateway.serving.sessions import SessionProvider
+from gateway.serving.tokens import Tokens
 from swarm.client.api import load_draft_model
 from swarm.runtime import malloc
 from swarm.runtime.taskpool import stop_client_pool
@@ -90,11 +90,15 @@ class RequestContext:
 
 def load_model(config: GatewayConfig):
     from swarm import AutoDistributedModelForCausalLM
+    from swarm.modeling.prepare import resolve_model
+    from swarm.wire.records import dht_prefix_for
 
     if not config.initial_peers:
         raise ValueError("initial_peers is required: the multiaddr(s) of a peer of the swarm")
+    # a bundled name opens its prepared directory; the DHT prefix stays the one servers derive from the name
     return AutoDistributedModelForCausalLM.from_pretrained(
-        config.model, initial_peers=config.initial_peers, dht_prefix=config.dht_prefix,
+        resolve_model(config.model), initial_peers=config.initial_peers,
+        dht_prefix=config.dht_prefix or dht_prefix_for(config.model),
         torch_dtype=config.torch_dtype, step_timeout=config.step_timeout, request_timeout=config.rpc_timeout,
         allowed_quant_types=config.allowed_quant_types, swarm_key=config.swarm_key, compression=config.compression,
         swarm_key_file=config.swarm_key_file, verify=config.verify_rate > 0, verify_probability=config.verify_rate,
@@ -105,8 +109,9 @@ def load_tokenizer(config: GatewayConfig):
     from transformers import AutoTokenizer
 
     from swarm.modeling.checkpoint import Checkpoint
+    from swarm.modeling.prepare import resolve_model
 
-    checkpoint = Checkpoint(config.model)
+    checkpoint = Checkpoint(resolve_model(config.model))
     # with the model config given, AutoTokenizer does not load it through AutoConfig (swarm.modeling.model_config: why)
     return AutoTokenizer.from_pretrained(checkpoint.config_dir, config=checkpoint.load_config())
 

@@ -3,7 +3,7 @@
 Requests accept and ignore unknown fields (OpenAI's SDK sends vendor fields such as `top_k` at the top level
 through `extra_body`); known fields are range-checked, and a violation becomes a 400 naming the field. Fields of
 OpenAI's or vLLM's API that the gateway does not support (`functions`, `prompt_logprobs`, ...) are
-declared here all the same, so that `gateway.params` can answer them with a 400 instead of ignoring them.
+declared here all the same, so that `gateway.api.params` can answer them with a 400 instead of ignoring them.
 `model` is required on both completion endpoints, as in OpenAI's spec.
 Responses mirror OpenAI's objects: `chat.completion`, `chat.completion.chunk`, `text_completion`, the model
 list, plus vLLM-style `/tokenize` and `/detokenize` bodies.
@@ -48,7 +48,7 @@ class ChatMessage(_Request):
     name: Optional[str] = None
     tool_calls: Optional[List[ToolCallIn]] = None  # assistant messages only
     tool_call_id: Optional[str] = None  # tool messages: the call they answer
-    function_call: Optional[Any] = None  # deprecated: a 400 from gateway.params.check_messages
+    function_call: Optional[Any] = None  # deprecated: a 400 from gateway.api.params.check_messages
 
 
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
@@ -117,13 +117,14 @@ class _SamplingFields(_Request):
     # swarmgate: speculative decoding of this request (None: the gateway's --speculative, --num_draft_tokens)
     speculative: Optional[Literal["off", "ngram", "draft_model"]] = None
     num_draft_tokens: Optional[int] = Field(default=None, ge=1, le=16)
-    # vLLM's guided decoding (gateway.structured)
+    # vLLM's guided decoding (gateway.structured.grammars)
     guided_json: Optional[Union[Dict[str, Any], str]] = None
     guided_regex: Optional[str] = None
     guided_choice: Optional[List[str]] = None
     guided_grammar: Optional[str] = None
     structured_outputs: Optional[Dict[str, Any]] = None
-    # not supported: gateway.unsupported.SHARED (a 400 naming the field unless null or a value that asks for nothing)
+    # not supported: gateway.api.unsupported.SHARED (a 400 naming the field unless null or a value that asks for
+    # nothing)
     use_beam_search: Optional[bool] = None
     length_penalty: Optional[float] = None
     include_stop_str_in_output: Optional[bool] = None
@@ -152,7 +153,7 @@ class _SamplingFields(_Request):
 
 _WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-CHAT_EXAMPLES: Any = [  # in /openapi.json (gateway.openapi sets `model` to the served name)
+CHAT_EXAMPLES: Any = [  # in /openapi.json (gateway.api.openapi sets `model` to the served name)
     {"model": "MODEL", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8},
     {"model": "MODEL", "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [_WEATHER],
      "tool_choice": "required", "max_tokens": 24, "temperature": 0},
@@ -183,12 +184,12 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[List[ToolDefinition]] = Field(default=None, min_length=1)
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[bool] = None  # false: at most one tool call
-    # not supported (a 400 from gateway.params.check_chat_request unless absent or a no-op value)
+    # not supported (a 400 from gateway.api.params.check_chat_request unless absent or a no-op value)
     functions: Optional[Any] = None
     function_call: Optional[Any] = None
     echo: Optional[bool] = None
     best_of: Optional[int] = Field(default=None, ge=1)
-    # not supported: gateway.unsupported.CHAT
+    # not supported: gateway.api.unsupported.CHAT
     modalities: Optional[List[str]] = None
     audio: Optional[Dict[str, Any]] = None
     prediction: Optional[Dict[str, Any]] = None
@@ -220,7 +221,7 @@ class CompletionRequest(_SamplingFields):
     suffix: Optional[str] = None
     best_of: Optional[int] = Field(default=None, ge=1)
     response_format: Optional[ResponseFormat] = None  # vLLM: structured output on text completions too
-    # not supported: gateway.unsupported.COMPLETIONS
+    # not supported: gateway.api.unsupported.COMPLETIONS
     add_special_tokens: Optional[bool] = None
     prompt_embeds: Optional[Any] = None
 

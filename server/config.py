@@ -10,7 +10,7 @@ from typing import List, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from server.throughput import parse_throughput_mode
+from server.placement.throughput import parse_throughput_mode
 from swarm.modeling.disk_cache import parse_size
 from swarm.modeling.families import FAMILIES
 from swarm.modeling.lora import ADAPTERS_HELP, AdapterSource
@@ -74,10 +74,10 @@ class ServerConfig(SwarmKeySettings, RelaySettings):
                     "sessions: 35 ms instead of 36 with a pack for 16); give the flag no value for none")
     cuda_graphs: bool = Field(default=True, description="on CUDA devices, replay decode steps of up to 16 sessions "
                                                          "as CUDA graphs (float and nf4 weights, adapters, padded "
-                                                         "rows, ALiBi; not int8 nor Mixtral: server.graphs)")
+                                                         "rows, ALiBi; not int8 nor Mixtral: server.compute.graphs)")
     kv_arena: bool = Field(default=True, description="on the CPU, keep one-row sessions' KV caches as slots of shared "
                                                    "tensors, so that a decode batch attends with one call per block "
-                                                   "(server.kv_arena)")
+                                                   "(server.compute.kv_arena)")
     decode_gather_ms: float = Field(default=20.0, ge=0, le=1000,
                                     description="longest wait (ms) for the decode steps of other active sessions to "
                                                 "join a batch (at most half a batch's compute time; a group that "

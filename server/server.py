@@ -1,26 +1,28 @@
 """A block server process: the supervisor that wires the server's parts together and keeps them running.
 
 Lifecycle (each step's module in brackets):
-1. Start a DHT peer, bootstrapping from `--initial_peers` or as a new swarm (`server.announce`); ask peers to dial
-   it back: behind a NAT, restart it as a relayed DHT client, or exit 1 when relays are off (`server.reachable`).
-2. Size: how many blocks fit, and the KV cache budget (`server.spans.plan`).
-3. Throughput: `--throughput auto|eval|<number>` (`server.throughput`: measured once on one block, cached on disk).
+1. Start a DHT peer, bootstrapping from `--initial_peers` or as a new swarm (`server.placement.announce`); ask peers to
+   dial it back: behind a NAT, restart it as a relayed DHT client, or exit 1 when relays are off
+   (`server.placement.reachable`).
+2. Size: how many blocks fit, and the KV cache budget (`server.placement.spans.plan`).
+3. Throughput: `--throughput auto|eval|<number>` (`server.placement.throughput`: measured once on one block, cached on
+   disk).
 4. Place: pinned `--block_indices` or the least-served window, re-checked against concurrent joiners
-   (`server.spans.place`).
-5. Load only those blocks, register the RPC handlers (`server.handler`) on the DHT's P2P daemon, announce
+   (`server.placement.spans.place`).
+5. Load only those blocks, register the RPC handlers (`server.rpc.handler`) on the DHT's P2P daemon, announce
    `online`, print `SWARMGATE_READY {json}` (supervisors and tests wait for it).
 6. Serve, supervised: refresh the record every `--update_period`, sooner when the free cache changed a lot
-   (`server.announce`); at random intervals around `--balance_period`, move if that helps the swarm enough
-   (`server.spans.maybe_rebalance`); every few seconds (`--hole_check_period`) look for blocks nobody serves and,
-   when this server's turn comes, move into them (`server.spans.check_holes`, `fill_hole`). If the serving loop
-   dies (an exception while announcing, rebalancing or loading), it is restarted with back-off: blocks that are
-   missing are reloaded, a dead compute thread is replaced, and the record is announced again.
+   (`server.placement.announce`); at random intervals around `--balance_period`, move if that helps the swarm enough
+   (`server.placement.spans.maybe_rebalance`); every few seconds (`--hole_check_period`) look for blocks nobody serves
+   and, when this server's turn comes, move into them (`server.placement.spans.check_holes`, `fill_hole`). If the
+   serving loop dies (an exception while announcing, rebalancing or loading), it is restarted with back-off: blocks that
+   are missing are reloaded, a dead compute thread is replaced, and the record is announced again.
 7. On SIGINT/SIGTERM (to the process or its whole group): stop taking sessions, announce `offline` if the DHT
    peer still can, stop the compute thread, the DHT process and p2pd (`swarm.runtime.dht_process`), reap any
    descendant left (`swarm.runtime.lifecycle`) and exit 0, within a few seconds; a second signal exits at once.
 
 The typed configuration is `server.config.ServerConfig`. `main(argv, server_class)` lets a test run the normal
-entry point with a subclass (e.g. a handler that injects faults, `tests/faulty_server.py`).
+entry point with a subclass (e.g. a handler that injects faults, `tests/fixtures/faulty_server.py`).
 """
 from __future__ import annotations
 
@@ -37,21 +39,22 @@ from typing import Optional, Type
 import hivemind
 import torch
 
-from server import spans
-from server.announce import Announcer, start_dht
-from server.blocks import BlockSpan, resolve_dtype
-from server.cache import CacheBudget
+from server.compute.blocks import BlockSpan, resolve_dtype
+from server.compute.cache import CacheBudget
 from server.config import ServerConfig
-from server.handler import BlockHandler
-from server.limits import RpcLimits
-from server.memory import Capacity
-from server.reachable import Unreachable, settle_reachability
-from server.throughput import get_throughput
+from server.placement import spans
+from server.placement.announce import Announcer, start_dht
+from server.placement.memory import Capacity
+from server.placement.reachable import Unreachable, settle_reachability
+from server.placement.throughput import get_throughput
+from server.rpc.handler import BlockHandler
+from server.rpc.limits import RpcLimits
 from swarm import __version__
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.disk_cache import parse_size
 from swarm.modeling.families import family_for
 from swarm.modeling.lora import AdapterSource, open_adapter
+from swarm.modeling.prepare import resolve_model
 from swarm.modeling.quantize import check_quant_support, resolve_quant_type
 from swarm.modeling.shape import ModelShape
 from swarm.modeling.tensor_parallel import TensorParallelError, check_splittable
@@ -75,13 +78,13 @@ POOL_STOP_TIMEOUT = 2.0  # seconds the compute thread gets to finish its queued 
 
 class Server:
     """The server process: owns the DHT peer, the record (`Announcer`), the loaded span and its RPC handler, and
-    the compute thread; implements `server.spans.SpanHost`."""
+    the compute thread; implements `server.placement.spans.SpanHost`."""
 
     handler_class: Type[BlockHandler] = BlockHandler  # a test subclass may swap in a fault-injecting handler
 
     def __init__(self, config: ServerConfig):
         self.config = config
-        self.checkpoint = Checkpoint(config.model, cache_dir=config.cache_dir,
+        self.checkpoint = Checkpoint(resolve_model(config.model), cache_dir=config.cache_dir,
                                      max_disk_space=parse_size(config.max_disk_space))
         self.model_config = self.checkpoint.load_config()
         family_for(self.model_config)  # an unknown model type: one line naming the supported families

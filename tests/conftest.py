@@ -26,9 +26,9 @@ PROCESS_FIXTURES = {"bootstrap"}
 # node id prefix, with what still covers its ground in `make test`.
 EXTENDED = (
     # 500 honest steps each (about 2.5 min); the lying-server test checks honest sessions pass too
-    "tests/test_verify.py::test_honest_",
+    "tests/e2e/test_verify.py::test_honest_",
     # every signal x target x load combination; make test keeps one of each process kind (below)
-    *(f"tests/test_shutdown.py::{case}" for case in (
+    *(f"tests/e2e/test_shutdown.py::{case}" for case in (
         "test_dht_stops[SIGTERM-group]", "test_dht_stops[SIGINT-alone]", "test_dht_stops[SIGINT-group]",
         "test_server_stops[SIGTERM-alone]", "test_server_stops[SIGTERM-group]", "test_server_stops[SIGINT-group]",
         "test_server_stops[SIGINT-alone]", "test_server_stops[SIGTERM-alone-load]",
@@ -37,86 +37,86 @@ EXTENDED = (
         "test_gateway_stops[SIGTERM-alone-load]", "test_gateway_stops[SIGINT-group-load]",
         "test_up_stops[SIGTERM-alone]", "test_up_stops[SIGINT-group]", "test_client_exits_quietly[exit]")),
     # the 2- and 3-hop topologies (make test: the 0:15 + 15:30 split, and every other e2e test on it)
-    "tests/test_swarm_e2e.py::test_greedy_generation_matches_transformers[0:10+10:20+20:30]",
-    "tests/test_swarm_e2e.py::test_greedy_generation_matches_transformers[0:20+10:30]",
+    "tests/e2e/test_swarm_e2e.py::test_greedy_generation_matches_transformers[0:10+10:20+20:30]",
+    "tests/e2e/test_swarm_e2e.py::test_greedy_generation_matches_transformers[0:20+10:30]",
     # placement scenarios of three servers (make test: placement policy on synthetic swarms, the serving loop)
-    "tests/test_self_placement.py::test_three_servers_cover_the_model_and_recover_from_a_crash",
-    "tests/test_self_placement.py::test_a_moving_server_lets_running_sessions_finish",
+    "tests/e2e/test_self_placement.py::test_three_servers_cover_the_model_and_recover_from_a_crash",
+    "tests/e2e/test_self_placement.py::test_a_moving_server_lets_running_sessions_finish",
     # two free servers filling a hole left by a pinned one (about 2 min; make test: the hole watch's turns on
-    # synthetic swarms in tests/test_placement.py)
-    "tests/test_gap_fill.py::",
+    # synthetic swarms in tests/server/test_placement.py)
+    "tests/e2e/test_gap_fill.py::",
     # eight self-placed servers on a tiny Llama, two killed during a chat (about 65 s; make test: the placement policy
     # on synthetic swarms, the failover tests)
-    "tests/test_swarm_scale.py::",
+    "tests/e2e/test_swarm_scale.py::",
     # the nf4 -> int8 -> float failover chain (make test: quantized swarms, failover on float)
-    "tests/test_quant_swarm.py::test_a_mixed_swarm_fails_over_from_nf4_to_int8_to_float",
+    "tests/e2e/test_quant_swarm.py::test_a_mixed_swarm_fails_over_from_nf4_to_int8_to_float",
     # a link cut in network namespaces (make test: processes on their own hosts; a frozen server on loopback)
-    "tests/test_multihost.py::test_a_cut_link_mid_stream_fails_over_with_the_same_text",
+    "tests/e2e/test_multihost.py::test_a_cut_link_mid_stream_fails_over_with_the_same_text",
     # schemathesis against a real gateway (make test: the same properties on the in-process app)
-    "tests/test_api_property.py::test_property_against_a_real_gateway",
+    "tests/gateway/test_api_property.py::test_property_against_a_real_gateway",
     # out-of-cache scenarios that wait for time-outs (make test: the budget's waits, pooled eviction)
-    "tests/test_session_pool.py::test_out_of_cache_evicts_pooled_sessions_and_retries",
-    "tests/test_cache_budget.py::test_session_gets_out_of_cache_after_the_timeout",
+    "tests/gateway/test_session_pool.py::test_out_of_cache_evicts_pooled_sessions_and_retries",
+    "tests/server/test_cache_budget.py::test_session_gets_out_of_cache_after_the_timeout",
     # the prompt-tuning example's training runs (make test: gradients vs transformers, classification training)
-    "tests/test_training_example.py::",
+    "tests/e2e/test_training_example.py::",
     # a frozen server on loopback (make test: the liveness rules, fast; failover of killed and erroring servers)
-    "tests/test_liveness.py::test_a_frozen_server_mid_generation_is_failed_over_on_loopback",
+    "tests/swarm/client/test_liveness.py::test_a_frozen_server_mid_generation_is_failed_over_on_loopback",
     # three of the six newer families through a split swarm (make test: every family in process against
     # transformers, and Qwen3 (with the gateway), Qwen3-MoE and Gemma 2 through split swarms)
-    *(f"tests/test_family_open_models.py::test_family_through_a_split_swarm[{case}]"
+    *(f"tests/swarm/modeling/test_family_open_models.py::test_family_through_a_split_swarm[{case}]"
       for case in ("phi3", "gemma3_text", "gpt_oss")),
     # BLOOM's int8 servers (38 s: an int8 span runs each session alone; make test: int8 swarms on SmolLM2 in
     # test_quant_swarm, a quantized BLOOM-family server with nf4 on falcon-new)
-    "tests/test_family_bloom_falcon.py::test_quantized_servers_generate[bloom-int8]",
+    "tests/swarm/modeling/test_family_bloom_falcon.py::test_quantized_servers_generate[bloom-int8]",
     # llama and qwen2 tiny checkpoints through a split swarm (make test: SmolLM2 is a llama, qwen2 in process;
     # mistral and mixtral through swarms), and mistral's failover (make test: mixtral's)
-    "tests/test_family_swarms.py::test_family_through_a_split_swarm[llama]",
-    "tests/test_family_swarms.py::test_family_through_a_split_swarm[qwen2]",
-    "tests/test_family_swarms.py::test_failover_replays_a_session[mistral]",
+    "tests/e2e/test_family_swarms.py::test_family_through_a_split_swarm[llama]",
+    "tests/e2e/test_family_swarms.py::test_family_through_a_split_swarm[qwen2]",
+    "tests/e2e/test_family_swarms.py::test_failover_replays_a_session[mistral]",
     # Falcon's multi-query layout through a swarm (make test: in process against transformers; new layout, ALiBi)
-    *(f"tests/test_family_bloom_falcon.py::{name}[falcon-mq]" for name in (
+    *(f"tests/swarm/modeling/test_family_bloom_falcon.py::{name}[falcon-mq]" for name in (
         "test_greedy_tokens_and_logits_equal_transformers", "test_left_padded_batch_equals_transformers",
         "test_two_turn_session",
         "test_long_prompt_prefills_in_chunks", "test_concurrent_sessions_batched_equal_single",
         "test_gateway_completions_and_chat", "test_failover_replays_the_session")),
     # generation through the latency lab's delayed links (make test: the lab's links measure their latency, a
     # hivemind ping through it; greedy equality on loopback swarms)
-    "tests/test_latency_lab.py::test_greedy_generation_through_delayed_links_matches_transformers",
-    # one server per span through a gateway with spot-checks (make test: tests/test_verify.py counts unverifiable
+    "tests/swarm/launch/test_latency_lab.py::test_greedy_generation_through_delayed_links_matches_transformers",
+    # one server per span through a gateway with spot-checks (make test: tests/e2e/test_verify.py counts unverifiable
     # spans through the client; the gateway's counters in test_a_lying_server_is_caught_through_the_gateway)
-    "tests/test_gateway_verify.py::test_one_server_per_span_is_counted_unverifiable",
+    "tests/gateway/test_gateway_verify.py::test_one_server_per_span_is_counted_unverifiable",
     # sampled speculation through the swarm runs to its length (make test: the sampling rule's distribution in
     # process, greedy speculation through the swarm and the gateway)
-    "tests/test_speculative.py::test_swarm_speculative_sampling_runs_and_stops",
+    "tests/swarm/client/test_speculative.py::test_swarm_speculative_sampling_runs_and_stops",
     # a session opened without a push token (make test: an outsider's pushes refused in a live session)
-    "tests/test_push_binding.py::test_pushes_into_a_session_opened_without_a_token_are_refused",
+    "tests/server/test_push_binding.py::test_pushes_into_a_session_opened_without_a_token_are_refused",
     # nf4 through a swarm (make test: int8 through a swarm; nf4 against the locally quantized model in process)
-    "tests/test_quant_swarm.py::test_quantized_swarm_generates_what_the_locally_quantized_model_does[nf4]",
+    "tests/e2e/test_quant_swarm.py::test_quantized_swarm_generates_what_the_locally_quantized_model_does[nf4]",
     # the client-level liar with random checks (make test: the liar through the gateway with retraction, and a check
-    # asked for that waits, retracts and leaves the liar, in tests/test_gateway_verify.py)
-    "tests/test_verify.py::test_a_lying_server_is_caught_and_the_text_is_unchanged",
+    # asked for that waits, retracts and leaves the liar, in tests/gateway/test_gateway_verify.py)
+    "tests/e2e/test_verify.py::test_a_lying_server_is_caught_and_the_text_is_unchanged",
     # training across a killed server (make test: training gradients through the swarm equal transformers'; the
     # inference failover tests)
-    "tests/test_training_failover.py::test_training_survives_a_killed_server",
+    "tests/e2e/test_training_failover.py::test_training_survives_a_killed_server",
     # $ref schemas and json_object through a real gateway (make test: json_schema through the gateway, $ref and
     # json_object grammars in process)
-    "tests/test_structured.py::test_json_schema_with_refs_and_json_object",
+    "tests/gateway/test_structured.py::test_json_schema_with_refs_and_json_object",
     # hypothesis over training streams (make test: training calls time out, count as streams and are capped, in
-    # tests/test_limits.py; the inference RPCs' fuzzing in tests/test_fuzz_rpc.py)
-    "tests/test_fuzz_training.py::test_fuzzed_training_streams",
+    # tests/server/test_limits.py; the inference RPCs' fuzzing in tests/server/test_fuzz_rpc.py)
+    "tests/server/test_fuzz_training.py::test_fuzzed_training_streams",
     # issue 39's variants through a real gateway (make test: a cut `required` call and a strict call through it; cut
     # named calls and closed schemas in process, every cut point by the parser, every closed grammar sampled)
-    "tests/test_tools.py::test_forced_call_cut_by_max_tokens_is_a_partial_call[named]",
-    "tests/test_tools.py::test_strict_tool_arguments_have_every_property_and_no_other[closed]",
+    "tests/gateway/test_tools.py::test_forced_call_cut_by_max_tokens_is_a_partial_call[named]",
+    "tests/gateway/test_tools.py::test_strict_tool_arguments_have_every_property_and_no_other[closed]",
     # a volunteer behind a NAT in three network namespaces, about 90 s (make test: the dial-back check against the
     # bootstrap peer on loopback, the relay arguments and flags, routing's preference for direct servers, in
-    # tests/test_reachability.py)
-    "tests/test_nat.py::",
+    # tests/swarm/wire/test_reachability.py)
+    "tests/e2e/test_nat.py::",
     # speculation asked per request on the scripted gateway (make test: through a real gateway in test_gateway.py)
-    "tests/test_speculative.py::test_gateway_speculative_requests_match_plain_ones",
+    "tests/swarm/client/test_speculative.py::test_gateway_speculative_requests_match_plain_ones",
     # a session's replay onto a second split server (make test: the split server's prefill, rewinds and beams in
-    # tests/test_tensor_parallel*.py; failover replay itself in tests/test_failover.py)
-    "tests/test_tensor_parallel_swarm.py::test_failover_replays_a_session_onto_a_split_server",
+    # tests/test_tensor_parallel*.py; failover replay itself in tests/e2e/test_failover.py)
+    "tests/e2e/test_tensor_parallel_swarm.py::test_failover_replays_a_session_onto_a_split_server",
 )
 
 

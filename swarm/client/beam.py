@@ -6,7 +6,7 @@
 `num_beams`, `num_return_sequences`, `length_penalty`, `early_stopping` and beam sampling (`do_sample=True`: the
 global RNG, as transformers) give transformers' choices. Where transformers calls `cache.reorder_cache(beam_idx)`
 the next step instead carries `beam_idx` as the step's `hypo_ids`: every server reorders the session's cache rows
-before running it (`server.cache.SessionKV.reorder`), and the client reorders its failover history the same way.
+before running it (`server.compute.cache.SessionKV.reorder`), and the client reorders its failover history the same way.
 The logits processors are those of `swarm.client.generation.build_processors`, applied as transformers does in beam
 search (to the log-softmax of the logits). transformers 5 moved diverse (group) and constrained beam search out
 of the library (to Hub `custom_generate` repositories), so they are rejected here (`UNSUPPORTED_GENERATION_SETTINGS`).

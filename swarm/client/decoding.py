@@ -13,7 +13,7 @@ loop ends only after `settle` found every check in flight passed (a retraction t
 
 The policy is the front end's side: how tokens are picked (`swarm.client.generation`: Hugging Face logits processors
 over the batch, or one `Sampler` per choice) and what taking them means (scores, streamers and stopping criteria for
-`generate`, in `swarm.client.hf_decoding`; text, events and held-back text for the gateway, in `gateway.runs`).
+`generate`, in `swarm.client.hf_decoding`; text, events and held-back text for the gateway, in `gateway.serving.runs`).
 A policy's pick type `P` is its own: the loop only asks `tokens(picks)` for each row's token id.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@
 block (how many online, reachable servers hold it and their summed throughput). `collect_status(manager, model)`
 reads the records through a client's `SwarmManager` and pings each server from here (`SwarmStatusView`: the
 client model's `swarm_status`). The gateway's `/status` page
-and `/status.json` (`gateway.status`) and the `swarmgate status` command (`main` here: a table in the terminal,
+and `/status.json` (`gateway.api.status`) and the `swarmgate status` command (`main` here: a table in the terminal,
 or `--json`) show the same snapshot. Every string in it comes from untrusted records: whoever renders it escapes it.
 """
 from __future__ import annotations
@@ -142,6 +142,7 @@ def main(argv=None) -> int:
     """`swarmgate status MODEL --initial_peers ...`: the swarm's snapshot as a table (or JSON), without a gateway."""
     from swarm.client.manager import ClientConfig, SwarmManager
     from swarm.modeling.checkpoint import Checkpoint
+    from swarm.modeling.prepare import resolve_model
     from swarm.runtime.config import config_from_argv, setup_logging
     from swarm.runtime.swarm_key import SwarmKeySettings
     from swarm.wire.records import dht_prefix_for
@@ -163,7 +164,7 @@ def main(argv=None) -> int:
         return 2
     manager = None
     try:
-        num_blocks = Checkpoint(config.model).load_config().num_hidden_layers
+        num_blocks = Checkpoint(resolve_model(config.model)).load_config().num_hidden_layers
         prefix = config.dht_prefix or dht_prefix_for(config.model)
         client = ClientConfig(initial_peers=config.initial_peers, measure_rtt=False,
                               swarm_key_file=config.swarm_key_file, swarm_key=config.swarm_key)

@@ -3,7 +3,8 @@
 `BloomDecoderLayer` holds transformers' module and parameter names (`input_layernorm`,
 `self_attention.query_key_value`, `self_attention.dense`, `post_attention_layernorm`, `mlp.dense_h_to_4h`,
 `mlp.dense_4h_to_h`), so a checkpoint's `transformer.h.{i}.` tensors load into it as they are, and computes what
-transformers' `BloomBlock` computes (op for op where the order matters; tests/test_family_bloom_falcon.py compares):
+transformers' `BloomBlock` computes (op for op where the order matters; tests/swarm/modeling/test_family_bloom_falcon.py
+compares):
 - input LayerNorm; q/k/v from one projection whose output is laid out per head as (q, k, v): [heads, 3, head_dim];
 - attention with ALiBi and no rotary: transformers adds `slope_h * key_position` (float32, cast to the model's
   dtype) to `q.k / sqrt(head_dim)` (`baddbmm`); here that bias is the attention mask's (`key_bias`, merged with
@@ -93,7 +94,7 @@ class BloomDecoderLayer(DenseProjectionLayer):
                 position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,
                 position_embeddings=None, **kwargs) -> torch.Tensor:
         """hidden_states: [batch, seq, hidden]; attention_mask: the additive causal mask or None; a cache with
-        transformers' `update` (`server.cache.SessionKV`) or None. Returns [batch, seq, hidden]."""
+        transformers' `update` (`server.compute.cache.SessionKV`) or None. Returns [batch, seq, hidden]."""
         return self.step(hidden_states, None, None, cache_attention(past_key_values, attention_mask))
 
 

@@ -1,15 +1,15 @@
 """Finding a model checkpoint and reading only selected tensors from it.
 
-A model is named by a local Hugging Face checkpoint directory, a bundled model name (see `swarm.modeling.prepare`),
-or a hub repo id. For a hub repo only the config, the tokenizer, the shard index and the shards that hold the
-requested tensors are downloaded (into the Hugging Face cache, or `cache_dir`). Tensors are read one by one
-from safetensors files (or, failing that, PyTorch `.bin` files), so a block server never holds other blocks.
+A model is named by a local Hugging Face checkpoint directory or a hub repo id; nothing is converted here (a bundled
+model's name becomes its directory through `swarm.modeling.prepare.resolve_model`, which the entry points call).
+For a hub repo only the config, the tokenizer, the shard index and the shards that hold the requested tensors are
+downloaded (into the Hugging Face cache, or `cache_dir`). Tensors are read one by one from safetensors files (or,
+failing that, PyTorch `.bin` files), so a block server never holds other blocks.
 """
 from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional
 
@@ -31,15 +31,11 @@ class Checkpoint:
 
     def __init__(self, name_or_path: str, cache_dir: Optional[str] = None, revision: Optional[str] = None,
                  max_disk_space: Optional[int] = None):
-        from swarm.modeling.prepare import bundled_model_path
-
         self.name = name_or_path
         self.cache_dir, self.revision = cache_dir, revision
         self.max_disk_space = max_disk_space  # bytes; hub downloads evict least recently used files past it
-        bundled = bundled_model_path(name_or_path, create=True)
-        if bundled is not None:
-            self.local_dir: Optional[Path] = bundled
-        elif Path(name_or_path).is_dir():
+        self.local_dir: Optional[Path]
+        if Path(name_or_path).is_dir():
             self.local_dir = Path(name_or_path)
         elif Path(name_or_path).exists():
             raise CheckpointError(f"{name_or_path!r} is a file, not a checkpoint directory")
@@ -189,8 +185,3 @@ def _read_tensors(path: Path, names: List[str]):
         for name in names:
             yield name, state[name].clone()
         del state
-
-
-def default_cache_root() -> Path:
-    root = os.environ.get("SWARMGATE_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "swarmgate"

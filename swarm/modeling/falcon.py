@@ -4,7 +4,7 @@
 `self_attention.dense`, `mlp.dense_h_to_4h`, `mlp.dense_4h_to_h`, and `ln_attn` + `ln_mlp`, or
 `input_layernorm` (+ `post_attention_layernorm` when `parallel_attn` is false)), so a checkpoint's
 `transformer.h.{i}.` tensors load as they are, and computes what transformers' `FalconDecoderLayer` computes with
-SDPA (tests/test_family_bloom_falcon.py compares). The fused q/k/v output is laid out per layout:
+SDPA (tests/swarm/modeling/test_family_bloom_falcon.py compares). The fused q/k/v output is laid out per layout:
 - `new_decoder_architecture` (Falcon-40B/180B): per key/value head, its `heads / num_kv_heads` queries, then one
   key, then one value: [kv_heads, groups + 2, head_dim]; query head j uses key/value head j // groups, as
   grouped-query attention does, so the cache holds `num_kv_heads` heads (transformers' holds them repeated);
@@ -150,7 +150,7 @@ class FalconDecoderLayer(DenseProjectionLayer):
                 position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,
                 position_embeddings=None, **kwargs) -> torch.Tensor:
         """hidden_states: [batch, seq, hidden]; position_embeddings: (cos, sin) [batch, seq, head_dim] (or None with
-        ALiBi); a cache with transformers' `update` (`server.cache.SessionKV`) or None. Returns [batch, seq,
+        ALiBi); a cache with transformers' `update` (`server.compute.cache.SessionKV`) or None. Returns [batch, seq,
         hidden]."""
         cos, sin = position_embeddings if position_embeddings is not None else (None, None)
         return self.step(hidden_states, cos, sin, cache_attention(past_key_values, attention_mask))

@@ -28,8 +28,8 @@ class UnsupportedModelError(ValueError):
 
 
 class BlockLayer(Protocol):
-    """What the server's steps (`server.decode`, `server.graphs`) use of a layer: its attention's sizes and one
-    block step. x: [..., hidden] (tokens on the leading dims), cos and sin: [..., head_dim] (None for a span
+    """What the server's steps (`server.compute.decode`, `server.compute.graphs`) use of a layer: its attention's sizes
+    and one block step. x: [..., hidden] (tokens on the leading dims), cos and sin: [..., head_dim] (None for a span
     without rotary); `attend(layer, q [..., heads, head_dim], k [..., kv_heads, head_dim], v) -> [..., heads *
     head_dim]` is the step's attention, given q and k with rotary applied. An ALiBi layer also has
     `key_bias(key_length, dtype, device) -> [heads, key_length]`, the bias its attention adds

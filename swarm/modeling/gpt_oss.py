@@ -8,7 +8,7 @@ expert computes `gate_up = h @ gate_up_proj[e] + bias` with gate and up interlea
 clamped above at `swiglu_limit`, up clamped to +-limit, `(up + 1) * gate * sigmoid(alpha * gate)`, then
 `@ down_proj[e] + bias`. Layers alternate between a sliding window and full attention (`layer_types`).
 This is transformers' `GptOssDecoderLayer` with eager attention and eager experts, op for op
-(tests/test_family_open_models.py compares).
+(tests/swarm/modeling/test_family_open_models.py compares).
 
 The sinks make the attention something SDPA cannot compute: the layer's `attention_sinks` are read by
 `layers.cache_attention` (prefill, passes without a cache) and `layers.layer_sdpa` (the server's batched decode and

@@ -10,8 +10,9 @@ imports none of that.
 
 ALiBi (BLOOM, Falcon with `alibi`): a layer whose `key_bias(key_length, dtype, device)` gives a bias
 [heads, key_length] (slope * key position, each family's dtype handling) gets it added to its attention logits by
-every attention callback (`cache_attention` here, `server.decode.sessions_attention`); softmax is shift-invariant per
-query, so a bias on the key position alone is the relative one. `biased_mask` merges it with the causal mask.
+every attention callback (`cache_attention` here, `server.compute.decode.sessions_attention`); softmax is
+shift-invariant per query, so a bias on the key position alone is the relative one. `biased_mask` merges it with the
+causal mask.
 
 Attention SDPA cannot compute (Gemma 2's logit soft-cap, GPT-OSS's sinks): a layer with `logit_softcap` or
 `attention_sinks` gets transformers' eager attention from `cache_attention` and from `layer_sdpa`, which the

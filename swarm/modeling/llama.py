@@ -5,12 +5,13 @@
 weights only through the layer object it is given, of one of two kinds:
 - `DecoderLayer` (`LlamaDecoderLayer`, ...): nn.Modules under transformers' module and parameter names, so
   checkpoints load into them as they are; separate projections and the unfused RMSNorm, the ops of transformers'
-  modeling code (tests/test_layers.py compares the outputs for equality). `forward` takes transformers' call:
-  `layer(hidden, attention_mask, position_ids, past_key_values, position_embeddings=(cos, sin))`.
+  modeling code (tests/swarm/modeling/test_layers.py compares the outputs for equality). `forward` takes transformers'
+  call: `layer(hidden, attention_mask, position_ids, past_key_values, position_embeddings=(cos, sin))`.
 - `FusedLayer` (`fuse_layer`): the same weights concatenated once at load (q/k/v in one matrix, gate/up in one),
   torch's fused RMSNorm, and the output and down projections added to the residual in one `addmm` each. The
   module's parameters become views into the fused tensors, so nothing is duplicated. The server's prefill,
-  batched decode and CUDA-graph steps (`server.decode`, `server.graphs`) run these: fewer, larger kernels.
+  batched decode and CUDA-graph steps (`server.compute.decode`, `server.compute.graphs`) run these: fewer, larger
+  kernels.
 The callers differ only in the attention they pass: through a cache (`layers.cache_attention`), per session of a
 batch, or over a whole preallocated cache for CUDA graphs. Both kinds have `step(x, cos, sin, attend)`.
 
@@ -118,7 +119,7 @@ class DecoderLayer(AttentionIndexedLayer):
                 position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,
                 position_embeddings=None, **kwargs) -> torch.Tensor:
         """hidden_states: [batch, seq, hidden]; position_embeddings: (cos, sin) [batch, seq, head_dim]; a cache
-        with transformers' `update` (`server.cache.SessionKV`) or None. Returns [batch, seq, hidden]."""
+        with transformers' `update` (`server.compute.cache.SessionKV`) or None. Returns [batch, seq, hidden]."""
         cos, sin = position_embeddings
         return block_step(self, hidden_states, cos, sin, cache_attention(past_key_values, attention_mask))
 

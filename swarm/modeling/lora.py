@@ -21,7 +21,7 @@ takes two small matmuls, the second added in place into the base output's rows.
 QuantizedLayer`) for one step whose rows [rows, ...] (flattened leading dims) come in groups, each with its own
 adapter or none: the base projections run once on all rows, and each group adds its own delta to its rows only.
 The wrapped layer is what `block_step` reads (`step`, `qkv`, `add_o_proj`, `gate_up`, `add_down`), so the server's
-decode and prefill paths (`server.decode`) run it unchanged.
+decode and prefill paths (`server.compute.decode`) run it unchanged.
 """
 from __future__ import annotations
 

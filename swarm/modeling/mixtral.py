@@ -6,11 +6,12 @@ post-attention RMSNorm and `sparse_moe` + residual. `sparse_moe` routes each tok
 softmax in float32, the top `num_experts_per_tok` of `num_local_experts`, their weights renormalized to sum to
 1) and runs every expert once on the tokens routed to it: `w2(act(w1(h)) * w3(h))` scaled by the token's weight
 and added at its row. Rows of a batched decode step (different sessions) thus each get their own experts. This is
-transformers' `MixtralSparseMoeBlock` with its eager experts, op for op (tests/test_family_mixtral.py compares).
+transformers' `MixtralSparseMoeBlock` with its eager experts, op for op (tests/swarm/modeling/test_family_mixtral.py
+compares).
 
 Two kinds of layer object, as in `swarm.modeling.llama`:
 - `MixtralDecoderLayer`: nn.Modules under the hub checkpoints' names (`block_sparse_moe.gate`,
-  `block_sparse_moe.experts.{e}.w1/w2/w3`), so `server.memory` counts each expert's linear weights. Its
+  `block_sparse_moe.experts.{e}.w1/w2/w3`), so `server.placement.memory` counts each expert's linear weights. Its
   `load_state_dict` also takes the fused layout of transformers 5's modules (`mlp.gate.weight`,
   `mlp.experts.gate_up_proj` [experts, 2 * intermediate, hidden], `mlp.experts.down_proj` [experts, hidden,
   intermediate]), as a state dict of `MixtralForCausalLM` has it (transformers 5.23's `save_pretrained` writes the
@@ -18,8 +19,8 @@ Two kinds of layer object, as in `swarm.modeling.llama`:
 - `FusedMoeLayer` (`fuse_layer`): q/k/v in one matrix (`llama.FusedLayer`'s attention methods), the experts'
   gate/up stacked in one [experts, 2 * intermediate, hidden] tensor and down in one [experts, hidden,
   intermediate]; the module's parameters become views into them. The server's prefill and batched decode
-  (`server.decode`) run it. Routing is data-dependent (a host sync per block to count each expert's tokens), so
-  it is not `capturable` in a CUDA graph (`server.blocks.BlockSpan.enable_cuda_graphs` declines).
+  (`server.compute.decode`) run it. Routing is data-dependent (a host sync per block to count each expert's tokens), so
+  it is not `capturable` in a CUDA graph (`server.compute.blocks.BlockSpan.enable_cuda_graphs` declines).
 - `QuantizedMoeLayer` (`--quant_type int8 / nf4`): the fused layer's projections as bitsandbytes modules, one per
   expert for gate/up and one for down; router and norms in float.
 Written here in plain torch rather than imported from transformers' modeling_mixtral, which would cost every

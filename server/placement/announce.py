@@ -1,0 +1,138 @@
+"""This server's record in the DHT: starting the DHT peer, and what the server announces and when.
+
+A record (`swarm.wire.records.ServerInfo`: state, span, throughput, dtype, quant_type, LoRA adapters, free cache,
+RTTs to the next servers) is stored under each block the server holds, always with the full lifetime
+(`--expiration`, default twice `--update_period`), since the DHT keeps whichever value of a key expires later.
+`Announcer` keeps what was last announced, so that the supervisor refreshes the record every `--update_period`, or
+sooner when the free cache changed by a tenth of the budget; moving the span announces the blocks left behind as
+offline.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import hivemind
+import torch
+from hivemind.utils import get_dht_time
+
+from server.config import ServerConfig
+from server.placement.pings import measure_next_pings
+from swarm import __version__
+from swarm.runtime.relays import relay_dht_kwargs
+from swarm.runtime.swarm_key import SwarmKey, join_dht, proof_for
+from swarm.wire.reachability import Reachable
+from swarm.wire.records import (
+    ServerInfo,
+    ServerLimits,
+    ServerSpan,
+    ServerState,
+    declare_blocks,
+    fetch_block_records,
+    online_spans,
+)
+
+logger = logging.getLogger("swarmgate.server")
+
+
+def start_dht(config: ServerConfig, relayed: bool = False) -> hivemind.DHT:
+    """The server's DHT peer: joins `--initial_peers`, or starts a new swarm with `--new_swarm`. Directly
+    reachable (`relayed=False`): a full DHT peer that offers relay service (`swarm.runtime.relays`); `relayed`: a
+    DHT client that reserves a slot on a relay (its initial peers) and is dialed through it."""
+    if not config.new_swarm and not config.initial_peers:
+        raise ValueError("give --initial_peers to join a swarm, or --new_swarm to start one")
+    return join_dht(
+        config.load_swarm_key(), initial_peers=[] if config.new_swarm else config.initial_peers,
+        host_maddrs=config.listen_maddrs(), announce_maddrs=config.announced_maddrs() or None,
+        identity_path=config.identity_path, client_mode=relayed,
+        # a relayed restart reuses the identity of the direct peer it replaces, which other peers may still know
+        **({"check_if_identity_free": False} if relayed else {}),
+        **relay_dht_kwargs(config, offer=not relayed, reserve=relayed, relays=config.initial_peers),
+    )
+
+
+def swarm_spans(dht: hivemind.DHT, prefix: str, num_blocks: int) -> List[ServerSpan]:
+    """Every server's span as the DHT announces it, joining servers included (they count for placement)."""
+    return online_spans(fetch_block_records(dht, prefix, num_blocks), include_joining=True)
+
+
+class Announcer:
+    """What this server says about itself in the DHT (span `start:end`, state, throughput, next pings)."""
+
+    def __init__(self, prefix: str, expiration: float, num_blocks_total: int, dtype: torch.dtype,
+                 free_cache_tokens: Callable[[], int], quant_type: str = "none", adapters: Sequence[str] = ()):
+        self.dht: Optional[hivemind.DHT] = None  # set once the peer has started
+        self.prefix, self.expiration, self.num_blocks_total = prefix, expiration, num_blocks_total
+        self.dtype, self.quant_type = dtype, quant_type
+        self.adapters = tuple(adapters)  # the LoRA adapters this server holds for its blocks
+        self.free_cache_tokens = free_cache_tokens
+        self.start = self.end = 0
+        self.public_name = ""  # the operator's `--public_name` (set by the server)
+        self.tensor_parallel = 1  # devices each block is split across (set by the server)
+        self.state = ServerState.JOINING
+        self.throughput = 1.0
+        self.swarm_key: Optional[SwarmKey] = None  # a private swarm's key (set by the server): pings prove membership
+        self.next_pings: Dict[str, float] = {}  # peer id -> RTT (s) to servers that can run block `end`
+        self.limits: Optional[ServerLimits] = None  # the RPC limits this server enforces (set by the server)
+        self.reachable: Reachable = "direct"  # or "relayed": behind a NAT, served through a relay
+        # (server.placement.reachable)
+        # observable counters (tests, logs) and what the last announcement said
+        self.announcements = 0
+        self.announced_free: Optional[int] = None
+        self.last_announce = 0.0
+
+    def info(self, state: ServerState, start: Optional[int] = None, end: Optional[int] = None) -> ServerInfo:
+        return ServerInfo(state=state, public_name=self.public_name, start=self.start if start is None else start,
+                          end=self.end if end is None else end, throughput=self.throughput,
+                          cache_tokens_left=self.free_cache_tokens(), version=__version__,
+                          dtype=str(self.dtype).replace("torch.", ""), quant_type=self.quant_type,
+                          adapters=self.adapters, next_pings=dict(self.next_pings), limits=self.limits,
+                          tensor_parallel=self.tensor_parallel, reachable=self.reachable)
+
+    async def declare(self, blocks: Sequence[int], info: ServerInfo) -> None:
+        if not blocks:
+            return
+        # always now + the full lifetime: the DHT keeps whichever value of a key expires later
+        when = get_dht_time() + self.expiration
+        await asyncio.get_running_loop().run_in_executor(
+            None, lambda: declare_blocks(self.dht, self.prefix, list(blocks), info, when)
+        )
+
+    async def announce(self, state: ServerState) -> None:
+        """Store this server's record (state, span, throughput, free cache) under each of its blocks."""
+        info = self.info(state)
+        await self.declare(range(self.start, self.end), info)
+        self.state = state
+        self.announcements += 1
+        self.announced_free = info.cache_tokens_left
+        self.last_announce = time.monotonic()
+
+    async def leave_blocks(self, start: int, end: int) -> None:
+        """Announce the blocks outside `start:end` offline and make `start:end` the span (announced next)."""
+        left = [i for i in range(self.start, self.end) if not start <= i < end]
+        if left:
+            await self.declare(left, self.info(ServerState.OFFLINE))
+        self.start, self.end = start, end
+
+    async def spans(self) -> List[ServerSpan]:
+        return await asyncio.get_running_loop().run_in_executor(
+            None, swarm_spans, self.dht, self.prefix, self.num_blocks_total)
+
+    async def measure_next_pings(self, p2p, peer_id: str) -> None:
+        """RTTs to the servers that can run the block after this span, for latency-aware routing."""
+        if self.end >= self.num_blocks_total or p2p is None:
+            self.next_pings = {}
+            return
+        try:
+            self.next_pings = await measure_next_pings(p2p, await self.spans(), peer_id, self.end,
+                                                       proof=proof_for(self.swarm_key, peer_id))
+        except Exception as e:  # measuring is best effort; the record goes out anyway
+            logger.debug(f"measuring next pings failed: {e}")
+
+    def cache_changed(self, budget_tokens: Optional[int]) -> bool:
+        """Whether the free cache moved by a tenth of the budget since the last announcement."""
+        if self.announced_free is None or budget_tokens is None:
+            return True
+        return abs(self.free_cache_tokens() - self.announced_free) >= 0.1 * budget_tokens

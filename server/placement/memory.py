@@ -1,0 +1,118 @@
+"""How much a server can hold: free device memory, bytes per block and per cached token, the default budget.
+
+`plan_capacity` turns what the device has free into (number of blocks, KV cache budget in tokens) using the
+pure `server.placement.policy.num_blocks_that_fit`. A block's size is counted from its parameters (built on the meta
+device, nothing allocated) at the serving dtype, its linear weights at their quantized size with their scales for
+`--quant_type` int8 / nf4 (`swarm.modeling.quantize`); a cached token costs keys and values of every kv head at the
+dtype, per block.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from server.placement.policy import num_blocks_that_fit
+from swarm.modeling.shape import ModelShape
+
+logger = logging.getLogger(__name__)
+
+# bytes per parameter of a quantized linear weight, relative to nothing (absolute), with its scales/statistics
+# int8: a float32 scale per row (<= 4 / 64 bytes per weight from 64 columns on); nf4: a float32 absmax per 64
+# weights (no double quantization, as `swarm.modeling.quantize`)
+QUANT_BYTES_PER_PARAM = {"int8": 1.0 + 1 / 16, "nf4": 0.5 + 4 / 64}
+DEFAULT_CACHE_TOKENS = 16384  # Petals' per-server default: plenty of sessions of a few thousand tokens
+MIN_CACHE_TOKENS = 2048
+CACHE_MEMORY_FRACTION = 0.25  # at most this share of the free memory goes to the KV cache by default
+
+
+def free_memory_bytes(device: str) -> int:
+    """Memory that new tensors can use now: free GPU memory for CUDA devices, available RAM otherwise."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(dev)
+        return int(free)
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def block_parameter_counts(model_config) -> tuple[int, int]:
+    """(parameters in linear weights, other parameters) of one transformer block, counted on the meta device."""
+    from swarm.modeling.families import family_for
+
+    family = family_for(model_config)
+    layer_cls = family.import_class(family.layer_class)
+    with torch.device("meta"):
+        layer = layer_cls(model_config, 0)
+    linear = other = 0
+    for module in layer.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if isinstance(module, torch.nn.Linear) and name == "weight":
+                linear += param.numel()
+            else:
+                other += param.numel()
+    return linear, other
+
+
+def bytes_per_block(model_config, dtype: torch.dtype, quant_type: str = "none", packed_copies: int = 0) -> int:
+    """Bytes one block's weights take on the device at `dtype` (linear weights at the quantized size; with
+    `packed_copies` more copies of the float linear weights: `swarm.modeling.smallgemm`'s packs)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    linear, other = block_parameter_counts(model_config)
+    if quant_type in (None, "none"):
+        return (linear * (1 + packed_copies) + other) * itemsize
+    if quant_type not in QUANT_BYTES_PER_PARAM:
+        raise ValueError(f"unknown quant_type {quant_type!r}; choose none, {', '.join(QUANT_BYTES_PER_PARAM)}")
+    return int(linear * QUANT_BYTES_PER_PARAM[quant_type]) + other * itemsize
+
+
+def cache_bytes_per_token(model_config, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one cached token takes in one block."""
+    return ModelShape.from_config(model_config).cache_bytes_per_token(dtype)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    num_blocks: int
+    attn_cache_tokens: int
+    free_bytes: int
+    block_bytes: int
+    token_bytes: int  # per block
+
+
+def plan_capacity(model_config, dtype: torch.dtype, free_bytes: int, *, num_blocks: Optional[int] = None,
+                  attn_cache_tokens: Optional[int] = None, reserve_fraction: float = 0.1,
+                  quant_type: str = "none", packed_copies: int = 0) -> Capacity:
+    """How many blocks to serve and how many cache tokens to budget, given `free_bytes` of device memory.
+
+    Given values win. Without `attn_cache_tokens` the budget is `DEFAULT_CACHE_TOKENS`, lowered so that the
+    cache of the chosen blocks takes at most `CACHE_MEMORY_FRACTION` of the free memory (but not below
+    `MIN_CACHE_TOKENS`). Without `num_blocks`, as many blocks as fit with their share of that cache.
+    Raises ValueError when not even one block fits.
+    """
+    total = model_config.num_hidden_layers
+    block = bytes_per_block(model_config, dtype, quant_type, packed_copies)
+    token = cache_bytes_per_token(model_config, dtype)
+
+    def default_tokens(blocks: int) -> int:
+        affordable = int(free_bytes * CACHE_MEMORY_FRACTION) // max(1, token * blocks)
+        return max(MIN_CACHE_TOKENS, min(DEFAULT_CACHE_TOKENS, affordable))
+
+    if num_blocks is None:
+        tokens = attn_cache_tokens or DEFAULT_CACHE_TOKENS
+        blocks = num_blocks_that_fit(free_bytes, block, tokens * token, total, reserve_fraction=reserve_fraction)
+        if blocks == 0 and attn_cache_tokens is None:  # a smaller cache may let one block in
+            tokens = MIN_CACHE_TOKENS
+            blocks = num_blocks_that_fit(free_bytes, block, tokens * token, total, reserve_fraction=reserve_fraction)
+        if blocks == 0:
+            raise ValueError(
+                f"not even one block fits: {free_bytes / 2**20:.0f} MiB free, a block needs "
+                f"{block / 2**20:.1f} MiB plus {tokens * token / 2**20:.1f} MiB of KV cache"
+            )
+    else:
+        blocks = min(num_blocks, total)
+    tokens = attn_cache_tokens if attn_cache_tokens is not None else default_tokens(blocks)
+    return Capacity(blocks, tokens, free_bytes, block, token)

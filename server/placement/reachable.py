@@ -1,0 +1,89 @@
+"""How a starting server joins the swarm: directly reachable, or behind a NAT and served through a relay.
+
+After its DHT peer has started (and before it places or loads any block), a server that joins a swarm asks up to
+three of its initial peers to dial it back on its announced addresses (`swarm.wire.reachability`):
+- reached (or nobody could tell, or `--skip_reachability_check`, or `--new_swarm`): `direct`, as always; the
+  server then offers dial-back checks and relay service to others;
+- not reached, relays on (the default): the DHT peer is restarted as a DHT client that reserves a slot on a relay
+  (`swarm.runtime.relays`); the server waits until it has a relay circuit address, logs one line, and announces
+  `reachable: relayed` in its record;
+- not reached, with `--no_relay` or `--no_auto_relay`: `Unreachable`, one line naming the addresses tried and the
+  flags that help; the server exits 1 before loading any block.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import List
+
+from server.placement.announce import start_dht
+from swarm.wire.reachability import (
+    DIRECT,
+    RELAYED,
+    DialBackService,
+    Reachable,
+    check_reachability,
+    checker_peers,
+    dialable_maddrs,
+)
+
+logger = logging.getLogger("swarmgate.server")
+
+RELAY_WAIT = 30.0  # seconds to get a relay circuit address
+
+
+class Unreachable(RuntimeError):
+    """Nobody can dial this server, and it may not use a relay."""
+
+
+def circuit_maddrs(maddrs) -> List[str]:
+    return [str(m) for m in maddrs if "/p2p-circuit" in str(m)]
+
+
+async def settle_reachability(server) -> Reachable:
+    """Check `server`'s reachability and set up its DHT peer for it (restarting it behind a relay if needed);
+    `server.dht` and `server.p2p` are the peer to use afterwards. Returns `direct` or `relayed`."""
+    config, loop = server.config, asyncio.get_running_loop()
+    if server.p2p is None:
+        server.p2p = await server.started_dht.replicate_p2p()
+    verdict = None
+    if not config.new_swarm and not config.skip_reachability_check:
+        tried = dialable_maddrs(server.started_dht.get_visible_maddrs())
+        checkers = checker_peers(config.initial_peers)
+        began = time.monotonic()
+        verdict = await check_reachability(server.p2p, checkers, tried)
+        logger.debug(f"reachability check by {len(checkers)} peer(s): {verdict} in {time.monotonic() - began:.2f}s")
+        if verdict is None:
+            logger.info("could not check reachability (no initial peer answered a dial-back request): assuming "
+                        "this server is directly reachable")
+    if verdict is not False:
+        server.dial_back = DialBackService()
+        await server.dial_back.add_p2p_handlers(server.p2p)
+        return DIRECT
+    if config.no_relay or config.no_auto_relay:
+        flag = "--no_relay" if config.no_relay else "--no_auto_relay"
+        raise Unreachable(
+            f"no peer of the swarm can dial this server at {', '.join(tried)} (checked by {len(checkers)} peer(s)), "
+            f"and {flag} forbids serving through a relay: forward the port on your router and give "
+            f"--public_ip (or --announce_maddrs with the public address), or drop {flag}")
+    # the direct peer goes: a DHT client that reserves a relay slot replaces it (before anything was announced)
+    await server.p2p.shutdown()
+    server.p2p = None
+    await loop.run_in_executor(None, server.started_dht.shutdown)
+    server.dht = server.record.dht = await loop.run_in_executor(None, lambda: start_dht(config, relayed=True))
+    server.p2p = await server.started_dht.replicate_p2p()
+    deadline = time.monotonic() + RELAY_WAIT
+    circuits: List[str] = []
+    while not circuits and time.monotonic() < deadline:
+        circuits = circuit_maddrs(await server.p2p.get_visible_maddrs(latest=True))
+        if not circuits:
+            await asyncio.sleep(0.5)
+    if not circuits:
+        raise Unreachable(f"no peer of the swarm can dial this server at {', '.join(tried)}, and no relay gave it a "
+                          f"slot within {RELAY_WAIT:.0f}s: forward the port on your router and give --public_ip (or "
+                          f"--announce_maddrs)")
+    relays = sorted({m.split("/p2p-circuit")[0].rsplit("/p2p/", 1)[-1] for m in circuits})
+    logger.info(f"not reachable directly at {', '.join(tried)}: serving through relay {', '.join(relays)} "
+                f"(DHT in client mode)")
+    return RELAYED

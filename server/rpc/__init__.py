@@ -1,0 +1,1 @@
+"""A block server's RPCs: the inference, forward, push and training handlers and their limits."""

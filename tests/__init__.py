@@ -1,0 +1,1 @@
+"""swarmgate's tests; `tests/conftest.py` and `tests/fixtures/` hold the shared fixtures."""

@@ -1,0 +1,1 @@
+"""End-to-end tests: swarms of real processes against local transformers."""

@@ -1,0 +1,131 @@
+"""A volunteer behind a NAT, in network namespaces (`swarm/launch/netns.py`, public-looking addresses: libp2p relays
+only for public ones): a `public` host (the bootstrap peer and a server of blocks 0:15), a `home` host whose
+server (blocks 15:30) can connect out but that nobody can connect to (`NetLab.refuse_inbound`: incoming SYNs are
+dropped, like a home router), and a `client` host with the gateway, which reaches the public host only.
+
+The test first proves that the home server's own address cannot be dialed from the client host (nor from the
+public one) while it accepts connections inside its namespace; then that the home server found out it is not
+reachable, serves through the bootstrap peer's relay (`reachable: relayed` in its record, shown by the status
+page), and that a greedy chat through the gateway in the client namespace, whose chain ends at the home server,
+returns the text local transformers gives, the public server pushing its decode outputs to the home server
+through the relay. With relays off (`--no_relay`) a home server exits 1 with one error
+line naming the addresses tried and the flags that help, before loading any block, and leaves no process behind.
+Skips, saying why, where network namespaces are not permitted.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from swarm.client.manager import ClientConfig, SwarmManager
+from swarm.launch.netns import NetLab
+from swarm.launch.topology import start_bootstrap, start_gateway, start_server, wait_all
+from tests.fixtures.gateway_fixtures import reference_text
+
+pytestmark = pytest.mark.slow
+
+PREFIX = "tnat"
+MESSAGES = [{"role": "user", "content": "Name three colors."}]
+MAX_TOKENS = 12
+HOME_PORT = 31400
+DIRECT_AT = re.compile(r"not reachable directly at /ip4/([\d.]+)/tcp/(\d+)")
+
+
+@pytest.fixture(scope="module")
+def nat_lab(model_path):
+    reason = NetLab.unavailable()
+    if reason:
+        pytest.skip(f"the NAT test needs network namespaces: {reason}")
+    with NetLab(public=True) as lab:
+        hosts = {name: lab.add_host(name) for name in ("public", "home", "client")}
+        lab.refuse_inbound(hosts["home"])
+        procs = []
+        try:
+            boot = start_bootstrap(hosts["public"].address, 0, name="nat-dht", threads=1, wrap=hosts["public"].wrap)
+            procs.append(boot)
+            servers = {}
+            for name, span in (("public", "0:15"), ("home", "15:30")):
+                # a fixed port (its own namespace: free), as a volunteer forwarding a port would have
+                servers[name] = start_server(model_path, [boot.maddr], span, PREFIX, ["--update_period", "10"],
+                                             name=f"nat-{name}", host=hosts[name].address, threads=1,
+                                             wrap=hosts[name].wrap, port=HOME_PORT)
+                procs.append(servers[name])
+            wait_all(list(servers.values()))
+            gateway = start_gateway(model_path, [boot.maddr], PREFIX, ["--no-session_pool"], name="nat-gateway",
+                                    host=hosts["client"].address, port=8000, threads=1, wrap=hosts["client"].wrap)
+            procs.append(gateway)
+            yield SimpleNamespace(lab=lab, hosts=hosts, boot=boot, servers=servers, gateway=gateway,
+                                  url=gateway.ready["url"])
+        finally:
+            for proc in reversed(procs):
+                proc.kill()
+
+
+def _connects(host, address: str, port: int) -> bool:
+    """Whether a TCP connection from `host`'s namespace to address:port is accepted within 3 s."""
+    code = (f"import socket\ntry:\n    socket.create_connection(({address!r}, {port}), timeout=3)\n"
+            f"except OSError:\n    raise SystemExit(1)")
+    return subprocess.run(host.wrap + [sys.executable, "-c", code], capture_output=True, timeout=30).returncode == 0
+
+
+def test_the_home_server_cannot_be_dialed_and_serves_through_a_relay(nat_lab):
+    home, public = nat_lab.servers["home"], nat_lab.servers["public"]
+    found = DIRECT_AT.search(home.log_tail(400))
+    assert found, home.log_tail(40)  # the one line saying so, with the address it listens on
+    address, port = found.group(1), int(found.group(2))
+    assert (address, port) == (nat_lab.hosts["home"].address, HOME_PORT)
+    assert _connects(nat_lab.hosts["home"], address, port)  # it listens there...
+    assert not _connects(nat_lab.hosts["client"], address, port)  # ...but nobody outside can connect
+    assert not _connects(nat_lab.hosts["public"], address, port)
+    assert home.ready["reachable"] == "relayed" and public.ready["reachable"] == "direct"
+    boot_id = nat_lab.boot.peer_id
+    assert home.ready["maddrs"] and all(f"/p2p/{boot_id}/p2p-circuit/p2p/{home.peer_id}" in m
+                                        for m in home.ready["maddrs"]), home.ready["maddrs"]
+    status = httpx.get(nat_lab.url + "/status.json", timeout=60).json()
+    reach = {s["peer_id"]: s["reachable"] for s in status["servers"]}
+    assert reach == {home.peer_id: "relayed", public.peer_id: "direct"}
+    assert status["blocks_covered"] == 30
+
+
+def test_a_chat_through_the_relayed_home_server_equals_transformers(nat_lab, tokenizer, reference_model):
+    expected = reference_text(tokenizer, reference_model, MESSAGES, MAX_TOKENS)
+    model = httpx.get(nat_lab.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    answer = httpx.post(nat_lab.url + "/v1/chat/completions", timeout=300, json={
+        "model": model, "messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0}).json()
+    assert answer["choices"][0]["message"]["content"] == expected
+    # the decode steps crossed the relay: the public server pushed its outputs to the home server through it
+    manager = SwarmManager(ClientConfig(initial_peers=[nat_lab.boot.maddr], measure_rtt=False), PREFIX, 30)
+    try:
+        public = manager.server_info(nat_lab.servers["public"].peer_id)
+        home = manager.server_info(nat_lab.servers["home"].peer_id)
+    finally:
+        manager.shutdown()
+    print(f"\npushes sent by the public server {public.pushes_sent}, steps the home server took from a push "
+          f"{home.steps_from_push} of {home.inference_steps}")
+    assert home.inference_steps >= MAX_TOKENS - 1 and public.pushes_sent > 0 and home.steps_from_push > 0
+
+
+def test_with_relays_off_an_unreachable_server_exits_with_one_line(nat_lab, model_path):
+    home = nat_lab.hosts["home"]
+    proc = start_server(model_path, [nat_lab.boot.maddr], "15:30", PREFIX, ["--no_relay"], name="nat-no-relay",
+                        host=home.address, threads=1, wrap=home.wrap)
+    try:
+        rc = proc.wait(120)
+    finally:
+        proc.kill()
+    log = proc.log_tail(200)
+    assert rc == 1, log
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, log
+    assert f"/ip4/{home.address}/tcp/" in errors[0]
+    for hint in ("--public_ip", "--announce_maddrs", "forward the port", "--no_relay"):
+        assert hint in errors[0], errors[0]
+    assert "loaded" not in log and "Traceback" not in log
+    with pytest.raises(ProcessLookupError):  # the process group (the DHT child and p2pd included) is gone
+        os.killpg(proc.proc.pid, 0)

@@ -1,0 +1,1 @@
+"""Tests of the gateway (`gateway/`): in process and over real swarms."""

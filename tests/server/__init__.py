@@ -1,0 +1,1 @@
+"""Tests of a block server's parts (`server/`)."""

@@ -1,0 +1,234 @@
+"""Quantized spans (`--quant_type int8 / nf4`, `swarm.modeling.quantize`) on the bundled model, in-process on the CPU.
+
+The reference is transformers' own bitsandbytes path: `AutoModelForCausalLM.from_pretrained(...,
+quantization_config=BitsAndBytesConfig(...))` (per-module `Linear8bitLt` / `Linear4bit` on the unfused weights).
+Its hidden states entering block A and leaving block B are fed to / compared with a `BlockSpan` of blocks A:B,
+step for step as the reference ran them (a prompt, then one token at a time with its cache): LLM.int8() picks its
+outlier columns from all rows of a call, so only the same rows per call give the same values.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.compute.blocks import BlockSpan
+from server.placement.memory import QUANT_BYTES_PER_PARAM, block_parameter_counts, bytes_per_block
+from swarm.modeling.checkpoint import Checkpoint
+from swarm.modeling.quantize import check_quant_support, quantized_weight_bytes, resolve_quant_type
+
+A, B = 2, 6  # the span under test
+PROMPT = [1, 504, 3458, 314, 253, 1345, 28, 357]
+NEXT = [4327, 30, 1567]
+
+
+@pytest.fixture(scope="module", params=["int8", "nf4"])
+def quant_type(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def reference(model_path, quant_type):
+    """transformers' quantized model: hidden states entering block A and leaving block B for the prompt, then for
+    each next token with the cache (incremental), and for the whole sequence in one pass."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    config = (BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=6.0) if quant_type == "int8" else
+              BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                 bnb_4bit_compute_dtype=torch.float32))
+    model = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=config, device_map="cpu",
+                                                 dtype=torch.float32).eval()
+    steps = []
+    with torch.inference_mode():
+        out = model(torch.tensor([PROMPT]), use_cache=True, output_hidden_states=True)
+        steps.append((out.hidden_states[A], out.hidden_states[B]))
+        past = out.past_key_values
+        for token in NEXT:
+            out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True, output_hidden_states=True)
+            steps.append((out.hidden_states[A], out.hidden_states[B]))
+            past = out.past_key_values
+        full = model(torch.tensor([PROMPT + NEXT]), output_hidden_states=True)
+    return steps, (full.hidden_states[A], full.hidden_states[B])
+
+
+@pytest.fixture(scope="module")
+def span(model_path, quant_type):
+    return BlockSpan.load(Checkpoint(model_path), A, B, "float32", "cpu", quant_type)
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+def test_prefill_and_decode_match_transformers_bitsandbytes(span, reference, quant_type):
+    steps, _ = reference
+    kv = span.new_session_kv(1, 32, A, B)
+    diffs = []
+    position = 0
+    for step_in, step_out in steps:
+        out = span.forward(step_in, position, kv)  # the prompt (chunked prefill path), then decode steps
+        diffs.append(_max_diff(out, step_out))
+        position += step_in.shape[1]
+    print(f"{quant_type}: max abs diff per step {diffs} (hidden states up to {steps[0][1].abs().max():.0f})")
+    assert max(diffs) <= 1e-3
+
+
+def test_batched_decode_path_matches_transformers(span, reference):
+    """The decode steps through `forward_batch` (the server's batched path) give the reference's values."""
+    steps, _ = reference
+    kv = span.new_session_kv(1, 32, A, B)
+    span.forward(steps[0][0], 0, kv)
+    position = len(PROMPT)
+    for step_in, step_out in steps[1:]:
+        (out,) = span.forward_batch([(step_in, position, kv)], A, B)
+        assert _max_diff(out, step_out) <= 1e-3
+        position += 1
+
+
+def test_pass_without_cache_matches_transformers(span, reference):
+    _, (full_in, full_out) = reference
+    assert _max_diff(span.forward(full_in), full_out) <= 1e-3
+
+
+def test_batched_sessions_equal_single_sessions(span, quant_type):
+    """Several sessions (different batch sizes and lengths) decoded in one pass equal each decoded alone."""
+    generator = torch.Generator().manual_seed(3)
+    sessions = [(2, 5), (1, 9), (3, 2)]  # (batch, prompt length)
+    prompts = [torch.randn(b, n, span.hidden_size, generator=generator) for b, n in sessions]
+    steps = [torch.randn(b, 1, span.hidden_size, generator=generator) for b, _ in sessions]
+    singles, kvs = [], []
+    for prompt, step in zip(prompts, steps):
+        for group in (singles, kvs):
+            kv = span.new_session_kv(prompt.shape[0], 32, A, B)
+            span.forward(prompt, 0, kv)
+            if group is singles:
+                (out,) = span.forward_batch([(step, prompt.shape[1], kv)], A, B)
+                singles.append(out)
+            else:
+                kvs.append(kv)
+    batched = span.forward_batch([(step, p.shape[1], kv) for step, p, kv in zip(steps, prompts, kvs)], A, B)
+    diffs = [_max_diff(x, y) for x, y in zip(batched, singles)]
+    print(f"{quant_type}: batched vs single max abs diff {diffs}")
+    if quant_type == "int8":  # each session's step runs alone on an int8 span (`BlockSpan.sessions_alone`)
+        assert all(torch.equal(x, y) for x, y in zip(batched, singles)), diffs
+    assert max(diffs) <= 1e-4
+
+
+def test_int8_session_computes_what_transformers_does_whatever_runs_beside_it(span, reference, quant_type):
+    """A session's steps on an int8 span, set up as a server sets it up (KV arena asked for), batched with another
+    session's steps whose rows carry outliers of their own: bit for bit transformers' int8 model. LLM.int8() picks
+    its outlier columns from all rows of a call, so a session's numbers must not depend on which other sessions'
+    steps a batch happens to hold (timing); nor may the arena's grouped attention change their last bits, which
+    the next projection's per-row int8 quantization can turn into a whole int8 step."""
+    if quant_type != "int8":
+        pytest.skip("nf4 quantizes weights only: rows of other sessions do not change a session's numbers")
+    arena = span.enable_kv_arena(64)  # what `server.server` asks for on the CPU
+    steps, _ = reference
+    generator = torch.Generator().manual_seed(5)
+    other_rows = torch.randn(1, 8 + len(NEXT), span.hidden_size, generator=generator)
+    other_rows[..., 5] = 40.0  # a column over LLM.int8()'s threshold in every row of the other session
+    kv, other = span.new_session_kv(1, 32, A, B), span.new_session_kv(1, 32, A, B)
+    assert torch.equal(span.forward(steps[0][0], 0, kv), steps[0][1])
+    span.forward(other_rows[:, :8], 0, other)
+    for i, (step_in, step_out) in enumerate(steps[1:]):
+        _, ours = span.forward_batch([(other_rows[:, 8 + i:9 + i], 8 + i, other), (step_in, len(PROMPT) + i, kv)],
+                                     A, B)
+        assert torch.equal(ours, step_out), f"step {i}: max abs diff {_max_diff(ours, step_out)}"
+    assert not arena and not span.can_batch_prefill(kv)  # nor are int8 sessions' prefill chunks merged
+
+
+def test_no_float_linear_weight_stays_and_sizes_add_up(span, quant_type):
+    import bitsandbytes as bnb
+
+    for name, tensor in list(span.named_parameters()) + list(span.named_buffers()):
+        if tensor.is_floating_point():  # only the norms' weights (and biases, none here) stay in float
+            assert tensor.dim() == 1, f"{name} is a float tensor of shape {tuple(tensor.shape)}"
+    linears = [m for m in span.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(isinstance(m, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit)) for m in linears)
+    assert all(m.weight.dtype == (torch.int8 if quant_type == "int8" else torch.uint8) for m in linears)
+    linear, other = block_parameter_counts(span.config)
+    blocks = B - A
+    actual = quantized_weight_bytes(span)
+    assert blocks * linear * (1.0 if quant_type == "int8" else 0.5) < actual
+    assert actual <= blocks * linear * QUANT_BYTES_PER_PARAM[quant_type]
+    floats = sum(t.numel() * t.element_size() for t in span.parameters() if t.is_floating_point())
+    assert floats == blocks * other * 4
+    assert actual + floats <= blocks * bytes_per_block(span.config, torch.float32, quant_type)
+
+
+def test_load_reads_and_quantizes_one_block_at_a_time(model_path, monkeypatch):
+    """No read asks for more than one block's tensors (the float copies of the others never coexist)."""
+    checkpoint = Checkpoint(model_path)
+    blocks_per_read = []
+    original = Checkpoint.load_tensors
+
+    def load_tensors(self, select, dtype=None):
+        tensors = original(self, select, dtype)
+        blocks_per_read.append({name.split(".")[2] for name in tensors})
+        return tensors
+
+    monkeypatch.setattr(Checkpoint, "load_tensors", load_tensors)
+    BlockSpan.load(checkpoint, 0, 3, "float32", "cpu", "nf4")
+    assert blocks_per_read == [{"0"}, {"1"}, {"2"}]
+
+
+def test_quant_type_resolution_and_support():
+    assert resolve_quant_type("auto", "cpu") == "none"
+    assert resolve_quant_type("auto", "cuda") == "nf4"
+    assert resolve_quant_type("INT8", "cpu") == "int8"
+    with pytest.raises(ValueError, match="unknown quant_type 'int4'"):
+        resolve_quant_type("int4", "cpu")
+    for quant_type in ("none", "int8", "nf4"):
+        check_quant_support(quant_type, "cpu")
+
+
+def test_bad_quant_type_is_a_config_error(model_path, capsys, monkeypatch):
+    from pydantic import ValidationError
+
+    from server.config import ServerConfig
+    from server.server import main
+
+    with pytest.raises(ValidationError, match="quant_type"):
+        ServerConfig(model=model_path, quant_type="int4")
+    with pytest.raises(SystemExit) as exit_info:
+        main([model_path, "--new_swarm", "--quant_type", "int4"])
+    assert exit_info.value.code == 2
+    assert "quant_type" in capsys.readouterr().err
+    monkeypatch.setenv("SWARMGATE_QUANT_TYPE", "fp8")
+    with pytest.raises(SystemExit):
+        main([model_path, "--new_swarm"])
+
+
+def test_unusable_bitsandbytes_exits_before_the_dht(model_path, capsys, monkeypatch):
+    import server.server as server_module
+
+    def fail(quant_type, device, dtype=None):
+        raise ValueError(f"--quant_type {quant_type} cannot run on {device} with this bitsandbytes: no kernels")
+
+    started = []
+    monkeypatch.setattr(server_module, "check_quant_support", fail)
+    monkeypatch.setattr(server_module, "start_dht", lambda config: started.append(config))
+    assert server_module.main([model_path, "--new_swarm", "--quant_type", "nf4"]) == 1
+    assert "cannot run on cpu" in capsys.readouterr().err
+    assert not started
+
+
+def test_record_and_throughput_key_carry_the_quant_type():
+    from server.placement.announce import Announcer
+    from server.placement.throughput import cache_key
+    from swarm.wire.records import ServerState
+
+    record = Announcer("p", 10.0, 30, torch.float32, lambda: 0, quant_type="nf4")
+    assert record.info(ServerState.ONLINE, 0, 1).quant_type == "nf4"
+    assert cache_key("m", "cpu", torch.float32, "int8") != cache_key("m", "cpu", torch.float32, "none")
+
+
+def test_throughput_measures_a_quantized_block(model_path, tmp_path):
+    from server.placement.throughput import CACHE_FILE, cache_key, get_throughput
+
+    rate, source = get_throughput("eval", Checkpoint(model_path), "cpu", torch.float32, "float32", cache_root=tmp_path,
+                                  quant_type="nf4")
+    assert rate > 0 and source == "measured"
+    import json
+
+    cached = json.loads((tmp_path / CACHE_FILE).read_text())
+    assert cache_key(model_path, "cpu", torch.float32, "nf4") in cached

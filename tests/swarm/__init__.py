@@ -1,0 +1,1 @@
+"""Tests of the swarm library (`swarm/`), one folder per package."""

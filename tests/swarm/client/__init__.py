@@ -1,0 +1,1 @@
+"""Tests of `swarm.client`: routing, generation, speculation, liveness."""

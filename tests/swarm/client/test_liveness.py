@@ -1,0 +1,111 @@
+"""The client's liveness check of a late step: first without processes (a stand-in manager whose info call answers
+or hangs, a reply stream that answers late or never), then on real processes, a server frozen mid-generation
+(`tests/e2e/test_multihost.py` cuts a real link between network namespaces)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from swarm.client.manager import ClientConfig
+from swarm.client.routing import RouteHop
+from swarm.client.span_stream import SpanStream
+from swarm.wire import protocol as P
+
+PEER = "12D3KooWQcDwdERqzANxK8BBxoXHhs5q31JtseSoksHmMw3bHuap"
+
+
+class Manager:
+    def __init__(self, config: ClientConfig, ping_answers: bool):
+        self.config, self.ping_answers, self.pings = config, ping_answers, 0
+
+    async def info(self, peer_id: str):
+        self.pings += 1
+        if not self.ping_answers:
+            await asyncio.sleep(3600)  # a silent host: no answer, no error
+
+
+async def _replies(delay: float):
+    await asyncio.sleep(delay)
+    yield P.make_response(P.StepResult(position=1), [])
+
+
+def _wait(reply_after: float, ping_answers: bool, **config):
+    async def run():
+        manager = Manager(ClientConfig(initial_peers=["x"], **config), ping_answers)
+        hop = RouteHop(peer_id=PEER, start=0, end=30)
+        stream = SpanStream(manager, hop, "s", max_length=8, batch_size=1)  # type: ignore[arg-type]
+        stream._responses = _replies(reply_after)
+        began = time.monotonic()
+        try:
+            reply, _ = await stream._next_reply()
+            return reply, time.monotonic() - began, manager.pings
+        except Exception as e:
+            return e, time.monotonic() - began, manager.pings
+
+    return asyncio.run(run())
+
+
+def test_a_silent_server_is_unreachable_after_interval_plus_ping_timeout():
+    error, waited, pings = _wait(3600, ping_answers=False, liveness_interval=0.2, liveness_timeout=0.3,
+                                 step_timeout=60)
+    assert isinstance(error, P.RemoteError) and error.code == "unreachable" and pings == 1
+    assert waited < 30  # far below the step time-out
+
+
+def test_a_slow_step_of_a_live_server_is_waited_for():
+    reply, waited, pings = _wait(1.0, ping_answers=True, liveness_interval=0.2, liveness_timeout=0.3,
+                                 step_timeout=60)
+    assert isinstance(reply, P.StepResult) and reply.position == 1 and pings >= 2
+
+
+def test_without_liveness_pings_the_step_time_out_applies():
+    error, waited, pings = _wait(3600, ping_answers=False, liveness_interval=None, step_timeout=0.5)
+    assert isinstance(error, asyncio.TimeoutError) and pings == 0 and waited >= 0.5
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_liveness_settings_are_validated(value):
+    with pytest.raises(ValueError):
+        ClientConfig(liveness_interval=value)
+
+
+def test_a_frozen_server_mid_generation_is_failed_over_on_loopback(model_path, bootstrap, tokenizer, reference_model):
+    """Where network namespaces are not permitted, a frozen server (SIGSTOP to its process group: p2pd included, so
+    its connections stay open and say nothing) stands in for a cut link: the default liveness settings fail it
+    over and the greedy tokens equal transformers' (the session's step time-out alone would wait 120 s)."""
+    import os
+    import signal
+
+    from swarm import AutoDistributedModelForCausalLM
+    from swarm.launch.topology import start_servers
+    from tests.e2e.test_failover import KillAfter
+
+    prefix = "tfrozen"
+    servers = start_servers(model_path, [bootstrap.maddr], ["0:30", "0:30"], prefix, ["--throughput", "100"],
+                            threads=1)
+    model = AutoDistributedModelForCausalLM.from_pretrained(model_path, initial_peers=[bootstrap.maddr],
+                                                            dht_prefix=prefix)
+    try:
+        ids = tokenizer("Frozen hosts say nothing, so", return_tensors="pt")["input_ids"]
+        new = 16
+        ref = reference_model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        by_peer = {s.peer_id: s for s in servers}
+        with model.inference_session(max_length=ids.shape[1] + new) as session:
+            def freeze():
+                victim = by_peer[session.session.chain[0].peer_id]
+                os.killpg(victim.proc.pid, signal.SIGSTOP)
+                freeze.victim = victim.peer_id
+
+            began = time.monotonic()
+            out = model.generate(ids, session=session, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                 streamer=KillAfter(6, freeze))
+            print(f"\n{new} tokens with a server frozen after 6: {time.monotonic() - began:.1f}s")
+            assert session.session.failovers == 1
+            assert [hop.peer_id for hop in session.session.chain] != [freeze.victim]
+        assert out.tolist() == ref.tolist()
+    finally:
+        model.shutdown()
+        for s in servers:
+            s.kill()  # SIGKILL ends stopped processes too

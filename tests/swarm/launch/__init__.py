@@ -1,0 +1,1 @@
+"""Tests of `swarm.launch`: the topology launcher and the latency lab."""

@@ -1,0 +1,1 @@
+"""Tests of `swarm.modeling`: families against transformers, checkpoints, layers."""

@@ -1,0 +1,484 @@
+"""Qwen3 (`swarm.modeling.qwen3`), Qwen3-MoE (`swarm.modeling.qwen3_moe`), Phi-3 (`swarm.modeling.phi3`), Gemma 2
+and Gemma 3 text (`swarm.modeling.gemma`) and GPT-OSS (`swarm.modeling.gpt_oss`) against transformers on tiny
+random checkpoints the tests build (4 blocks, hidden 64, the bundled SmolLM2 tokenizer; sliding windows of 4 that
+the prompts outgrow).
+
+In process: the server's `BlockSpan` inside transformers' embeddings and head (prefill logits within 1e-4 in
+float32, prefill in two chunks, greedy decoding through batched decode steps, the layer modules' pass without a
+cache, four sessions' rows in one step equal to each alone, a left-padded batch), both layouts of Qwen3-MoE's
+experts with and without `norm_topk_prob` and a dense layer among the sparse ones, Phi-3 with LongRoPE, Gemma 2's
+soft-caps, Gemma 3's two rotary bases (linear scaling on the full layers), GPT-OSS's sinks, experts and YaRN,
+int8 / nf4 blocks, training gradients, LoRA adapters against peft (Qwen3, Phi-3), and the configs our
+`model_config` builds against transformers' config classes. Through real processes: two servers split mid-model
+(`test_family_swarms.check_split_swarm`: greedy tokens, logits, a 2-turn session, 4 concurrent sessions; Qwen3
+also through a gateway) and a session that fails over (`check_failover`).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from server.compute.blocks import BlockSpan
+from swarm.modeling.checkpoint import Checkpoint
+from swarm.modeling.model_config import model_config
+from tests.e2e.test_family_swarms import check_failover, check_split_swarm
+from tests.fixtures.tiny_checkpoints import save_tiny, tensor_names
+from tests.swarm.modeling.test_family_mixtral import check_batched_rows
+
+VOCAB = 512
+WINDOW = dict(use_sliding_window=True, sliding_window=4)
+LONGROPE = dict(original_max_position_embeddings=12, rope_parameters={
+    "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+    "original_max_position_embeddings": 12,
+    "short_factor": [1.0 + i / 10 for i in range(8)], "long_factor": [2.0 + i for i in range(8)]})
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+GEMMA = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=4)
+GEMMA2 = dict(GEMMA, attn_logit_softcapping=5.0, final_logit_softcapping=8.0)  # (caps the tiny logits reach)
+GEMMA3 = dict(GEMMA, layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}})
+# YaRN as GPT-OSS's own (a smaller original length), windows on alternate layers
+GPT_OSS = dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=4,
+               rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0})
+CASES = {
+    # windows on blocks 1.. (max_window_layers), a head_dim that is not hidden / heads
+    "qwen3": ("qwen3", "hub", dict(WINDOW, max_window_layers=1, head_dim=32)),
+    # block 1 dense (mlp_only_layers), the top-k probabilities as they are; the window on every block
+    "qwen3_moe": ("qwen3_moe", "hub", dict(**MOE, **WINDOW, mlp_only_layers=[1], norm_topk_prob=False)),
+    # transformers 5's fused expert tensors, renormalized top-k
+    "qwen3_moe-fused": ("qwen3_moe", "fused", dict(MOE, norm_topk_prob=True)),
+    "phi3": ("phi3", "hub", dict(sliding_window=4)),
+    # LongRoPE, prompts past original_max_position_embeddings (the long factors throughout)
+    "phi3-longrope": ("phi3", "hub", LONGROPE),
+    "gemma2": ("gemma2", "hub", GEMMA2),
+    "gemma3_text": ("gemma3_text", "hub", GEMMA3),
+    "gpt_oss": ("gpt_oss", "hub", GPT_OSS),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    family, layout, overrides = CASES[request.param]
+    path = tmp_path_factory.mktemp(request.param)
+    reference = save_tiny(family, path, None, layout=layout, vocab_size=VOCAB, **overrides)
+    # make what starts at a trivial value matter: Gemma's norms (a scale of 1 + weight, from 0), GPT-OSS's sinks
+    # and its experts (std 0.02)
+    perturb = {"gemma2": {"norm": 0.3}, "gemma3_text": {"norm": 0.3}, "gpt_oss": {"sinks": 1.0, "experts": 0.3}}
+    if family in perturb:
+        with torch.no_grad():
+            for name, param in reference.named_parameters():
+                for part, std in perturb[family].items():
+                    if part in name:
+                        param.normal_(0.0, std)
+        reference.save_pretrained(path)
+    return request.param, path, reference, BlockSpan.load(Checkpoint(str(path)), 0, 4, "float32")
+
+
+def _logits(reference, hidden: torch.Tensor) -> torch.Tensor:
+    """transformers' final norm and head (and Gemma 2's final soft-cap) on hidden states."""
+    with torch.no_grad():
+        logits = reference.lm_head(reference.model.norm(hidden))
+    cap = getattr(reference.config, "final_logit_softcapping", None)
+    return logits if not cap else torch.tanh(logits / cap) * cap
+
+
+def _embed(reference, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return reference.model.embed_tokens(ids)
+
+
+def _greedy_steps(reference, span, kv, ids: torch.Tensor, hidden: torch.Tensor, steps: int) -> torch.Tensor:
+    """ids [batch, prompt] extended by `steps` greedy tokens (never EOS, as generate's min_new_tokens), each a
+    decode step of `span` (batched where it can batch) on the session `kv`; hidden: the prompt's last hidden
+    states [batch, >=1, hidden]."""
+    tokens = ids
+    for position in range(ids.shape[1], ids.shape[1] + steps):
+        logits = _logits(reference, hidden[:, -1:])  # [batch, 1, vocab]
+        logits[..., reference.config.eos_token_id] = float("-inf")
+        next_token = logits.argmax(-1)  # [batch, 1]
+        tokens = torch.cat([tokens, next_token], dim=1)
+        if span.can_batch:
+            hidden = span.forward_batch([(_embed(reference, next_token), position, kv)], 0, 4)[0]
+        else:
+            hidden = span.forward(_embed(reference, next_token), position, kv)
+    return tokens
+
+
+def test_the_checkpoint_has_the_family_layout(case):
+    name, path, reference, span = case
+    names = set(tensor_names(path))
+    expected = {"qwen3": {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"},
+                "qwen3_moe": {"model.layers.0.mlp.experts.3.down_proj.weight", "model.layers.1.mlp.gate_proj.weight",
+                              "model.layers.0.self_attn.k_norm.weight"},
+                "qwen3_moe-fused": {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.gate.weight"},
+                "phi3": {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"},
+                "gemma2": {"model.layers.0.pre_feedforward_layernorm.weight",
+                           "model.layers.0.post_feedforward_layernorm.weight"},
+                "gemma3_text": {"model.layers.0.self_attn.q_norm.weight",
+                                "model.layers.3.post_attention_layernorm.weight"},
+                "gpt_oss": {"model.layers.0.self_attn.sinks", "model.layers.0.mlp.experts.gate_up_proj_bias",
+                            "model.layers.0.mlp.router.bias"}}
+    assert expected.get(name, expected["phi3"]) <= names
+    # each block's window as transformers' attention applies it (Phi-3 reads the config's at every layer)
+    windows = [getattr(layer.self_attn, "sliding_window", reference.config.sliding_window)
+               for layer in reference.model.layers]
+    assert span.windows(0, 4) == windows
+    assert any(windows) == (name != "qwen3_moe-fused" and name != "phi3-longrope")
+    assert span.can_batch  # (Gemma 2's soft-capped and GPT-OSS's sink attention: eager in the batched paths too)
+
+
+def test_prompt_chunks_and_greedy_decoding_match_transformers(case):
+    name, _, reference, span = case
+    torch.manual_seed(1)
+    length = 14 if name == "phi3-longrope" else 9  # past LongRoPE's original 12 positions
+    ids = torch.randint(3, VOCAB, (2, length))
+    with torch.no_grad():
+        expected = reference.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        expected_logits = reference(expected).logits
+        prompt_logits = reference(ids).logits
+    kv = span.new_session_kv(2, 32, 0, 4)
+    hidden = span.forward(_embed(reference, ids), 0, kv)
+    assert (_logits(reference, hidden) - prompt_logits).abs().max().item() < 1e-4
+    # the prompt again in two chunks (chunked prefill): the same last hidden states
+    # (LongRoPE: a step's factors are its largest position's, so both chunks past the original 12 positions)
+    split = 13 if name == "phi3-longrope" else 5
+    chunked = span.new_session_kv(2, 32, 0, 4)
+    span.forward(_embed(reference, ids[:, :split]), 0, chunked)
+    last = span.forward(_embed(reference, ids[:, split:]), split, chunked)[:, -1]
+    assert (last - hidden[:, -1]).abs().max().item() < 1e-5 * max(1.0, hidden[:, -1].abs().max().item())
+    tokens = _greedy_steps(reference, span, kv, ids, hidden, 8)
+    assert tokens.tolist() == expected.tolist()
+    # the layer modules (a pass without a cache) compute the same
+    assert (_logits(reference, span.forward(_embed(reference, expected), 0, None))
+            - expected_logits).abs().max().item() < 1e-4
+
+
+def test_batched_rows_equal_single_steps(case):
+    """Four sessions' single-token steps in one pass equal each session's step alone."""
+    _, _, _, span = case
+    check_batched_rows(span)
+
+
+@pytest.mark.parametrize("quant_type, min_cosine", [("int8", 0.999), ("nf4", 0.9999)])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "phi3", "gemma2", "gemma3_text"])
+def test_quantized_blocks(family, quant_type, min_cosine, tmp_path):
+    """int8 / nf4 blocks: every projection a bitsandbytes module, the norms (Qwen3's q/k norms too) in float; the
+    logits stay close to the float model's (int8), or to those of the model with its blocks' weights rounded to
+    nf4 and back (nf4: a tiny random model's logits move a few percent with nf4 itself), and the pass without a
+    cache equals the cached one."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bnb_functional
+
+    _, layout, overrides = CASES[family]
+    reference = save_tiny(family, tmp_path, None, layout=layout, vocab_size=VOCAB, **overrides)
+    span = BlockSpan.load(Checkpoint(str(tmp_path)), 0, 4, "float32", quant_type=quant_type)
+    for layer in span.layers:
+        linears = [m for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+        assert linears and all(isinstance(m, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit)) for m in linears)
+    torch.manual_seed(3)
+    ids = torch.randint(3, VOCAB, (2, 12))
+    with torch.no_grad():
+        if quant_type == "nf4":
+            for module in reference.model.layers.modules():
+                if isinstance(module, torch.nn.Linear):
+                    weight, state = bnb_functional.quantize_4bit(module.weight.data, blocksize=64, quant_type="nf4",
+                                                                 compress_statistics=False)
+                    module.weight.data = bnb_functional.dequantize_4bit(weight, state).reshape(module.weight.shape)
+        expected = reference(ids).logits
+    embeds = _embed(reference, ids)
+    hidden = span.forward(embeds, 0, span.new_session_kv(2, 32, 0, 4))
+    got = _logits(reference, hidden)
+    assert torch.nn.functional.cosine_similarity(got.flatten(), expected.flatten(), dim=0).item() > min_cosine
+    assert torch.allclose(span.forward(embeds, 0, None), hidden, atol=1e-5, rtol=1e-5)
+
+
+def test_gpt_oss_is_not_quantized_with_a_clear_error(tmp_path):
+    save_tiny("gpt_oss", tmp_path, None, vocab_size=VOCAB, **GPT_OSS)
+    with pytest.raises(ValueError, match="not supported on GPT-OSS"):
+        BlockSpan.load(Checkpoint(str(tmp_path)), 0, 4, "float32", quant_type="int8")
+
+
+def test_model_config_matches_transformers_configs(tmp_path):
+    from transformers import AutoConfig
+
+    cases = [("qwen3", {}), ("qwen3", dict(WINDOW, max_window_layers=2, hidden_size=64, head_dim=16)),
+             ("qwen3_moe", {}), ("qwen3_moe", dict(MOE, mlp_only_layers=[0], norm_topk_prob=True)),
+             ("phi3", {}), ("phi3", dict(LONGROPE, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)),
+             ("gemma2", {}), ("gemma2", dict(GEMMA2, num_hidden_layers=5)), ("gemma3_text", {}),
+             ("gemma3_text", dict(GEMMA3, num_hidden_layers=4)), ("gpt_oss", {}), ("gpt_oss", GPT_OSS)]
+    keys = ("head_dim", "num_key_value_heads", "intermediate_size", "rms_norm_eps", "rope_parameters", "sliding_window",
+            "max_position_embeddings", "bos_token_id", "eos_token_id", "tie_word_embeddings", "vocab_size",
+            "hidden_size", "num_hidden_layers")
+    extra = {"qwen3": ("attention_bias", "max_window_layers", "layer_types"),
+             "qwen3_moe": ("num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                           "mlp_only_layers", "decoder_sparse_step"),
+             "phi3": ("original_max_position_embeddings", "pad_token_id"),
+             "gemma2": ("layer_types", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                        "hidden_activation"),
+             "gemma3_text": ("layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
+                             "final_logit_softcapping", "hidden_activation"),
+             "gpt_oss": ("layer_types", "num_local_experts", "num_experts_per_tok", "swiglu_alpha", "swiglu_limit",
+                         "attention_bias")}
+    for family, values in cases:
+        reference = AutoConfig.for_model(family, **values)
+        reference.save_pretrained(tmp_path)
+        saved = json.loads((tmp_path / "config.json").read_text())
+        for source in ({"model_type": family, **values}, saved):
+            ours = model_config(source)
+            for key in keys + extra[family]:
+                if key == "layer_types" and "layer_types" not in source and family in ("qwen3", "qwen3_moe"):
+                    continue  # (derived by transformers' class; `sliding_window_of` derives the same windows)
+                if key == "head_dim" and family in ("qwen3_moe", "phi3"):  # (their config classes derive it where used)
+                    assert ours.head_dim == reference.hidden_size // reference.num_attention_heads
+                    continue
+                assert getattr(ours, key) == getattr(reference, key), (family, values, key)
+    # Qwen3-MoE's hub files name the experts' count num_experts
+    assert model_config({"model_type": "qwen3_moe", "num_experts": 16}).num_local_experts == 16
+    # Gemma 3's hub files name the RoPE bases and the layer pattern with the legacy keys
+    legacy = AutoConfig.for_model("gemma3_text", num_hidden_layers=7, sliding_window_pattern=3, rope_theta=5e5,
+                                  rope_local_base_freq=2e4, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    ours = model_config({"model_type": "gemma3_text", "num_hidden_layers": 7, "sliding_window_pattern": 3,
+                         "rope_theta": 5e5, "rope_local_base_freq": 2e4,
+                         "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert (ours.rope_parameters, ours.layer_types) == (legacy.rope_parameters, legacy.layer_types)
+
+
+def test_partial_rotary_phi3_is_a_clear_error(tmp_path):
+    reference = save_tiny("phi3", tmp_path, None, vocab_size=VOCAB, partial_rotary_factor=0.5)
+    assert reference.config.rope_parameters["partial_rotary_factor"] == 0.5
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        BlockSpan.load(Checkpoint(str(tmp_path)), 0, 2, "float32")
+
+
+SWARMS = {"qwen3": dict(WINDOW, max_window_layers=1), "qwen3_moe": dict(**MOE, **WINDOW, mlp_only_layers=[1]),
+          "phi3": dict(sliding_window=4), "gemma2": GEMMA2, "gemma3_text": GEMMA3, "gpt_oss": GPT_OSS}
+
+
+@pytest.mark.parametrize("family", list(SWARMS))
+def test_family_through_a_split_swarm(family, tmp_path, bootstrap, model_path, tokenizer, monkeypatch):
+    path = tmp_path / f"tiny-{family}"
+    reference = save_tiny(family, path, model_path, max_shard_size="150KB", **SWARMS[family])
+    check_split_swarm(path, reference, f"tom-{family}", bootstrap, tokenizer, monkeypatch,
+                      gateway="chat" if family == "qwen3" else None)
+
+
+# the replay is the family-agnostic token history: Qwen3-MoE in `make test`, the others in the extended tier
+@pytest.mark.parametrize("family", ["qwen3_moe", *(pytest.param(f, marks=pytest.mark.extended)
+                                                    for f in ("qwen3", "phi3", "gemma2", "gemma3_text", "gpt_oss"))])
+def test_failover_replays_a_session(family, tmp_path, bootstrap, model_path, tokenizer):
+    path = tmp_path / f"tiny-{family}"
+    reference = save_tiny(family, path, model_path, **SWARMS[family])
+    check_failover(path, reference, f"tomfo-{family}", bootstrap, tokenizer)
+
+
+def test_training_gradients_match_transformers(case):
+    """A training step's input gradients (the server's `block_forward` / `block_backward`, block by block, as a
+    training pass runs them) equal transformers' gradient of the same loss for the input embeddings."""
+    _, _, reference, span = case
+    torch.manual_seed(4)
+    check_training_gradients(reference, span, torch.randint(3, VOCAB, (2, 10)), lambda embeds: embeds,
+                             lambda hidden: _logits_with_grad(reference, hidden))
+
+
+def _logits_with_grad(reference, hidden: torch.Tensor) -> torch.Tensor:
+    logits = reference.lm_head(reference.model.norm(hidden))
+    cap = getattr(reference.config, "final_logit_softcapping", None)
+    return logits if not cap else torch.tanh(logits / cap) * cap
+
+
+def check_training_gradients(reference, span, ids: torch.Tensor, embed_norm, head) -> None:
+    """The gradient of the next-token loss on `ids` [batch, seq] for the input embeddings, through the span's blocks
+    as a training pass runs them (`server.rpc.training.block_forward` / `block_backward`, block by block) with
+    transformers' `embed_norm` (embeddings -> the first block's input) and `head` (the last block's output ->
+    logits) around them, equals transformers' own (`reference(inputs_embeds=..., labels=ids)`), within 1e-4 of
+    its largest value."""
+    from server.rpc.training import block_backward, block_forward
+
+    embeds = reference.get_input_embeddings()(ids).detach().requires_grad_(True)
+    reference(inputs_embeds=embeds, labels=ids).loss.backward()
+    with torch.enable_grad():
+        first = embed_norm(embeds)  # [batch, seq, hidden], the graph back to the embeddings
+    hiddens = [first.detach()]
+    for index in range(span.start, span.end):
+        hiddens.append(block_forward(span, index, hiddens[-1], None))
+    final = hiddens[-1].requires_grad_(True)
+    with torch.enable_grad():
+        logits = head(final)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        grad, = torch.autograd.grad(loss, final)
+    for index in reversed(range(span.start, span.end)):
+        grad, _ = block_backward(span, index, hiddens[index - span.start], None, grad)
+    grad, = torch.autograd.grad(first, embeds, grad)
+    assert embeds.grad is not None and embeds.grad.abs().max().item() > 0
+    assert (grad - embeds.grad).abs().max().item() < 1e-4 * embeds.grad.abs().max().item() + 1e-7
+
+
+def test_mxfp4_gpt_oss_experts_are_a_clear_error():
+    from swarm.modeling.gpt_oss import GptOssDecoderLayer
+    from tests.fixtures.tiny_checkpoints import tiny_config
+
+    with torch.device("meta"):
+        layer = GptOssDecoderLayer(tiny_config("gpt_oss", **GPT_OSS), 0)
+    with pytest.raises(ValueError, match="MXFP4"):
+        layer.load_state_dict({"mlp.experts.gate_up_proj_blocks": torch.zeros(1)}, strict=False)
+
+
+@pytest.mark.parametrize("family, targets", [("qwen3", ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj")),
+                                             ("phi3", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+                                             ("mixtral", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                             ("qwen3_moe", ("q_proj", "k_proj", "v_proj", "o_proj"))])
+def test_lora_adapter_matches_peft(family, targets, tmp_path):
+    """A peft LoRA adapter on the span (Qwen3: its q/k deltas before the q/k norms; Phi-3: its fused qkv_proj and
+    gate_up_proj targets; the mixtures of experts: their attention, the experts' step unchanged) gives peft's
+    logits, in a prefill and in a decode step batched with a base session."""
+    from swarm.modeling.lora import AdapterSource, open_adapter
+    from tests.fixtures.lora_fixtures import make_adapter, peft_reference
+
+    _, layout, overrides = CASES.get(family, (family, "hub", {}))
+    save_tiny(family, tmp_path / "base", None, layout=layout, vocab_size=VOCAB, **overrides)
+    adapter = make_adapter(str(tmp_path / "base"), tmp_path / "lora", seed=1, targets=targets, r=4, alpha=8)
+    config = Checkpoint(str(tmp_path / "base")).load_config()
+    span = BlockSpan.load(Checkpoint(str(tmp_path / "base")), 0, 4, "float32",
+                          adapters=[open_adapter(AdapterSource.parse(f"a={adapter}"), config)])
+    reference = peft_reference(str(tmp_path / "base"), {"a": adapter})
+    torch.manual_seed(5)
+    ids = torch.randint(3, VOCAB, (1, 10))
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+        with reference.disable_adapter():
+            base = reference(input_ids=ids).logits
+    model = reference.base_model.model
+    embeds = _embed(model, ids)
+    kvs = {name: span.new_session_kv(1, 32, 0, 4, adapter=name) for name in ("a", None)}
+    got = _logits(model, span.forward(embeds[:, :-1], 0, kvs["a"]))
+    assert (got - expected[:, :-1]).abs().max().item() < 1e-4
+    assert (expected - base).abs().max().item() > 1e-2  # the adapter matters
+    span.forward(embeds[:, :-1], 0, kvs[None])
+    steps = span.forward_batch([(embeds[:, -1:], 9, kvs["a"]), (embeds[:, -1:], 9, kvs[None])], 0, 4)
+    assert (_logits(model, steps[0]) - expected[:, -1:]).abs().max().item() < 1e-4
+    assert (_logits(model, steps[1]) - base[:, -1:]).abs().max().item() < 1e-4
+
+
+def test_left_padded_batch_matches_transformers(case):
+    """A batch of two prompts, the shorter left-padded by 4: the server hides the padding keys and counts each
+    row's positions from its first token (prefill, then decode steps), as transformers' generate with the
+    attention mask does."""
+    name, _, reference, span = case
+    if name == "phi3-longrope":
+        pytest.skip("the generation crosses LongRoPE's original 12 positions, where transformers recomputes its cache "
+                    "(not the swarm: the README's families table)")
+    torch.manual_seed(6)
+    ids = torch.randint(3, VOCAB, (2, 11))
+    ids[1, :4] = reference.config.pad_token_id
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :4] = 0
+    with torch.no_grad():
+        expected = reference.generate(ids, attention_mask=attention_mask, max_new_tokens=6, min_new_tokens=6,
+                                      do_sample=False)
+    kv = span.new_session_kv(2, 32, 0, 4)
+    kv.set_padding([0, 4])
+    hidden = span.forward(_embed(reference, ids), 0, kv)
+    tokens = _greedy_steps(reference, span, kv, ids, hidden, 6)
+    assert tokens.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("case", ["bloom", "falcon-new", "falcon-mq", "falcon-alibi", "mixtral"])
+def test_training_gradients_of_the_older_families(case, tmp_path, model_path):
+    """BLOOM (its embeddings' LayerNorm on the client's side of the first block), Falcon's layouts (rotary and
+    ALiBi) and Mixtral: a training step's input gradients through the server's blocks equal transformers'."""
+    from tests.swarm.modeling.test_family_bloom_falcon import _build
+
+    if case == "mixtral":
+        reference = save_tiny("mixtral", tmp_path, None, vocab_size=VOCAB)
+        final_norm, embed_norm = reference.model.norm, torch.nn.Identity()
+    else:
+        reference = _build(case, tmp_path, model_path)
+        final_norm = reference.transformer.ln_f
+        embed_norm = reference.transformer.word_embeddings_layernorm if case == "bloom" else torch.nn.Identity()
+    span = BlockSpan.load(Checkpoint(str(tmp_path)), 0, reference.config.num_hidden_layers, "float32")
+    torch.manual_seed(7)
+    check_training_gradients(reference, span, torch.randint(3, 500, (2, 9)), embed_norm,
+                             lambda hidden: reference.lm_head(final_norm(hidden)))
+
+
+@pytest.mark.parametrize("case", ["bloom", "falcon-alibi", "falcon-alibi-new"])
+def test_left_padded_batch_on_alibi_blocks_matches_transformers(case, tmp_path, model_path):
+    """ALiBi blocks (BLOOM, Falcon with `alibi`) on a left-padded batch: the bias over key positions is
+    shift-invariant per query, so with the padding keys hidden, prefill and batched decode steps give transformers'
+    generate with the attention mask (which counts each row's positions from its first token)."""
+    from tests.swarm.modeling.test_family_bloom_falcon import _build
+
+    reference = _build(case, tmp_path, model_path)
+    span = BlockSpan.load(Checkpoint(str(tmp_path)), 0, reference.config.num_hidden_layers, "float32")
+    base = reference.transformer
+    torch.manual_seed(8)
+    ids = torch.randint(3, 500, (2, 9))
+    ids[1, :3] = 0
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :3] = 0
+    with torch.no_grad():
+        expected = reference.generate(ids, attention_mask=attention_mask, max_new_tokens=6, min_new_tokens=6,
+                                      do_sample=False, pad_token_id=0)
+
+    def embed(tokens: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            hidden = base.word_embeddings(tokens)
+            return base.word_embeddings_layernorm(hidden) if case == "bloom" else hidden
+
+    kv = span.new_session_kv(2, 32, 0, span.end)
+    kv.set_padding([0, 3])
+    hidden = span.forward(embed(ids), 0, kv)
+    tokens = ids
+    for position in range(9, 15):
+        with torch.no_grad():
+            logits = reference.lm_head(base.ln_f(hidden[:, -1:]))
+        logits[..., reference.config.eos_token_id] = float("-inf")  # as generate's min_new_tokens
+        next_token = logits.argmax(-1)
+        tokens = torch.cat([tokens, next_token], dim=1)
+        hidden = span.forward_batch([(embed(next_token), position, kv)], 0, span.end)[0]
+    assert tokens.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("case", ["bloom", "falcon-new", "falcon-alibi"])
+def test_lora_adapter_on_bloom_and_falcon_matches_peft(case, tmp_path, model_path):
+    """A peft LoRA adapter on BLOOM's / Falcon's fused query_key_value, dense and MLP projections gives peft's
+    logits: a prefill, and a decode step batched with a base session."""
+    from swarm.modeling.lora import AdapterSource, open_adapter
+    from tests.fixtures.lora_fixtures import make_adapter, peft_reference
+    from tests.swarm.modeling.test_family_bloom_falcon import _build
+
+    _build(case, tmp_path / "base", model_path)
+    targets = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
+    adapter = make_adapter(str(tmp_path / "base"), tmp_path / "lora", seed=1, targets=targets, r=4, alpha=8)
+    config = Checkpoint(str(tmp_path / "base")).load_config()
+    blocks = config.num_hidden_layers
+    span = BlockSpan.load(Checkpoint(str(tmp_path / "base")), 0, blocks, "float32",
+                          adapters=[open_adapter(AdapterSource.parse(f"a={adapter}"), config)])
+    peft_model = peft_reference(str(tmp_path / "base"), {"a": adapter})
+    torch.manual_seed(9)
+    ids = torch.randint(3, 500, (1, 8))
+    with torch.no_grad():
+        expected = peft_model(input_ids=ids).logits
+        with peft_model.disable_adapter():
+            base_logits = peft_model(input_ids=ids).logits
+        model = peft_model.base_model.model.transformer
+        embeds = model.word_embeddings(ids)
+        if case == "bloom":
+            embeds = model.word_embeddings_layernorm(embeds)
+
+    def logits(hidden: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return peft_model.base_model.model.lm_head(model.ln_f(hidden))
+
+    kvs = {name: span.new_session_kv(1, 32, 0, blocks, adapter=name) for name in ("a", None)}
+    assert (logits(span.forward(embeds[:, :-1], 0, kvs["a"])) - expected[:, :-1]).abs().max().item() < 1e-4
+    assert (expected - base_logits).abs().max().item() > 1e-2  # the adapter matters
+    span.forward(embeds[:, :-1], 0, kvs[None])
+    steps = span.forward_batch([(embeds[:, -1:], 7, kvs["a"]), (embeds[:, -1:], 7, kvs[None])], 0, blocks)
+    assert (logits(steps[0]) - expected[:, -1:]).abs().max().item() < 1e-4
+    assert (logits(steps[1]) - base_logits[:, -1:]).abs().max().item() < 1e-4
+    # a pass without a cache (rpc_forward) with the adapter
+    assert (logits(span.forward(embeds, 0, None, adapter="a")) - expected).abs().max().item() < 1e-4

@@ -1,0 +1,1 @@
+"""Tests of `swarm.runtime`: the compute thread, swarm keys, DHT traffic."""

@@ -1,0 +1,1 @@
+"""Tests of `swarm.wire`: compression, reachability messages."""
