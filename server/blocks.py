@@ -90,6 +90,8 @@ class BlockSpan(nn.Module):
         self.shape = ModelShape.from_config(config)
         self.hidden_size, self.head_dim = self.shape.hidden_size, self.shape.head_dim
         self.kv_heads = self.shape.num_kv_heads
+        # what each block caches per token (DeepSeek's latent attention: one head of latent + rotary key)
+        self.cache_layout = self.shape.cache_layout
         self.fused: list = []  # the layers as `BlockLayer`s for server.decode / server.graphs (`FamilySpec.fuse`)
         self.graphs: Optional[Union["SpanGraphs", "StaticSteps"]] = None  # set by `enable_cuda_graphs`
         self.kv_arena: Optional[KVArena] = None  # set by `enable_kv_arena`
@@ -127,6 +129,9 @@ class BlockSpan(nn.Module):
             return f"the {self.family.model_type} family has no fused layers"
         if self.quant_type == "int8":
             return "int8 weights: LLM.int8() picks outlier columns per input (a host sync), which capture refuses"
+        if self.cache_layout.values_in_keys:
+            return ("the blocks cache a latent (multi-head latent attention): the graphs' static attention reads "
+                    "keys and values of one head size")
         if not all(getattr(layer, "capturable", True) for layer in self.fused):  # e.g. Mixtral's routing
             return "the layers route tokens by their values (a host sync per block)"
         if self.tp_devices:
@@ -144,7 +149,9 @@ class BlockSpan(nn.Module):
         if self.device.type != "cpu" or not self.can_batch or self.rotary is None or self.alibi or \
                 self.tp_devices or self.sessions_alone:
             return False
-        self.kv_arena = KVArena(self.kv_heads, self.head_dim, capacity, self.dtype)
+        layout = self.cache_layout
+        self.kv_arena = KVArena(layout.kv_heads, layout.key_dim, capacity, self.dtype,
+                                layout.value_dim if layout.values_in_keys else None)
         return True
 
     @classmethod
@@ -267,9 +274,10 @@ class BlockSpan(nn.Module):
             kv = SessionKV(len(windows), batch_size, self.kv_heads // n, self.head_dim, max_length, self.dtype,
                            self.device, layer_offset=(first - self.start) * n, windows=windows, devices=devices)
         else:
-            kv = SessionKV(last - first, batch_size, self.kv_heads, self.head_dim, max_length, self.dtype,
+            layout = self.cache_layout
+            kv = SessionKV(last - first, batch_size, layout.kv_heads, layout.key_dim, max_length, self.dtype,
                            self.device, layer_offset=first - self.start, windows=self.windows(first, last),
-                           arena=self.kv_arena)
+                           arena=self.kv_arena, values_in_keys=layout.value_dim if layout.values_in_keys else None)
         kv.adapter = adapter
         return kv
 

@@ -25,7 +25,7 @@ from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.model_config import model_config
 from tests.test_family_mixtral import check_batched_rows
 from tests.test_family_swarms import check_failover, check_split_swarm
-from tests.tiny_checkpoints import save_tiny, tensor_names
+from tests.tiny_checkpoints import save_fused, save_tiny, tensor_names
 
 VOCAB = 512
 WINDOW = dict(use_sliding_window=True, sliding_window=4)
@@ -43,6 +43,14 @@ GEMMA3 = dict(GEMMA, layer_types=["sliding_attention", "full_attention", "slidin
 GPT_OSS = dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=4,
                rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                 "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0})
+# MLA: 4 heads of 16 + 8 (rotary) query/key and 16 value channels over a latent of 32; 8 experts in 4 groups
+DEEPSEEK = dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                v_head_dim=16, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
+                moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=2.5)
+DEEPSEEK_YARN = dict(DEEPSEEK, q_lora_rank=None, rope_interleave=False, attention_bias=True, first_k_dense_replace=2,
+                     norm_topk_prob=False, rope_parameters={
+                         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0})
 CASES = {
     # windows on blocks 1.. (max_window_layers), a head_dim that is not hidden / heads
     "qwen3": ("qwen3", "hub", dict(WINDOW, max_window_layers=1, head_dim=32)),
@@ -56,6 +64,10 @@ CASES = {
     "gemma2": ("gemma2", "hub", GEMMA2),
     "gemma3_text": ("gemma3_text", "hub", GEMMA3),
     "gpt_oss": ("gpt_oss", "hub", GPT_OSS),
+    # latent attention with q_lora_rank, interleaved rotary; a dense first block, then grouped routing
+    "deepseek_v3": ("deepseek_v3", "hub", DEEPSEEK),
+    # queries without q_lora_rank, YaRN with mscale_all_dim, rotary halves, attention biases, the fused experts
+    "deepseek_v3-yarn": ("deepseek_v3", "fused", DEEPSEEK_YARN),
 }
 
 
@@ -66,14 +78,19 @@ def case(request, tmp_path_factory):
     reference = save_tiny(family, path, None, layout=layout, vocab_size=VOCAB, **overrides)
     # make what starts at a trivial value matter: Gemma's norms (a scale of 1 + weight, from 0), GPT-OSS's sinks
     # and its experts (std 0.02)
-    perturb = {"gemma2": {"norm": 0.3}, "gemma3_text": {"norm": 0.3}, "gpt_oss": {"sinks": 1.0, "experts": 0.3}}
+    # and DeepSeek's router (whose scores go through a sigmoid: spread them) and its choice's correction bias
+    perturb = {"gemma2": {"norm": 0.3}, "gemma3_text": {"norm": 0.3}, "gpt_oss": {"sinks": 1.0, "experts": 0.3},
+               "deepseek_v3": {"mlp.gate.weight": 0.5, "e_score_correction_bias": 0.1}}
     if family in perturb:
         with torch.no_grad():
-            for name, param in reference.named_parameters():
+            for name, param in list(reference.named_parameters()) + list(reference.named_buffers()):
                 for part, std in perturb[family].items():
                     if part in name:
                         param.normal_(0.0, std)
-        reference.save_pretrained(path)
+        if layout == "fused":
+            save_fused(reference, path)
+        else:
+            reference.save_pretrained(path)
     return request.param, path, reference, BlockSpan.load(Checkpoint(str(path)), 0, 4, "float32")
 
 
@@ -120,13 +137,21 @@ def test_the_checkpoint_has_the_family_layout(case):
                 "gemma3_text": {"model.layers.0.self_attn.q_norm.weight",
                                 "model.layers.3.post_attention_layernorm.weight"},
                 "gpt_oss": {"model.layers.0.self_attn.sinks", "model.layers.0.mlp.experts.gate_up_proj_bias",
-                            "model.layers.0.mlp.router.bias"}}
+                            "model.layers.0.mlp.router.bias"},
+                "deepseek_v3": {"model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+                                "model.layers.0.mlp.up_proj.weight", "model.layers.0.self_attn.q_b_proj.weight",
+                                "model.layers.1.mlp.experts.7.up_proj.weight",
+                                "model.layers.1.mlp.gate.e_score_correction_bias",
+                                "model.layers.1.mlp.shared_experts.down_proj.weight"},
+                "deepseek_v3-yarn": {"model.layers.0.self_attn.q_proj.weight",
+                                     "model.layers.2.mlp.experts.gate_up_proj",
+                                     "model.layers.0.self_attn.kv_a_proj_with_mqa.bias"}}
     assert expected.get(name, expected["phi3"]) <= names
     # each block's window as transformers' attention applies it (Phi-3 reads the config's at every layer)
-    windows = [getattr(layer.self_attn, "sliding_window", reference.config.sliding_window)
+    windows = [getattr(layer.self_attn, "sliding_window", getattr(reference.config, "sliding_window", None))
                for layer in reference.model.layers]
     assert span.windows(0, 4) == windows
-    assert any(windows) == (name != "qwen3_moe-fused" and name != "phi3-longrope")
+    assert any(windows) == (name not in ("qwen3_moe-fused", "phi3-longrope") and not name.startswith("deepseek"))
     assert span.can_batch  # (Gemma 2's soft-capped and GPT-OSS's sink attention: eager in the batched paths too)
 
 

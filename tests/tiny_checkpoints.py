@@ -19,6 +19,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 VOCAB = 49152  # the bundled tokenizer's
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+EXPERTS = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3")  # transformers' eager experts: the op order we follow
 
 
 def tiny_config(family: str, **overrides):
@@ -33,7 +34,7 @@ def tiny_config(family: str, **overrides):
     config = AutoConfig.for_model(family, **values)
     # Gemma 2's soft-capped and GPT-OSS's sinks attention are transformers' eager one
     config._attn_implementation = "eager" if family in ("gemma2", "gpt_oss") else "sdpa"
-    if family in ("mixtral", "qwen3_moe", "gpt_oss"):
+    if family in EXPERTS:
         config._experts_implementation = "eager"
     return config
 
@@ -46,22 +47,15 @@ def save_tiny(family: str, path: Path, tokenizer_dir: Optional[str], layout: str
 
     torch.manual_seed(seed)
     reference = AutoModelForCausalLM.from_config(tiny_config(family, **overrides)).eval()
-    if family in ("mixtral", "qwen3_moe", "gpt_oss"):
+    if family in EXPERTS:
         reference.set_experts_implementation("eager")  # transformers' per-expert loop: the op order we follow
     path = Path(path)
     if max_shard_size is not None:
         reference.save_pretrained(path, max_shard_size=max_shard_size)
     else:
         reference.save_pretrained(path)
-    if layout == "fused":  # the tensors under the modules' own names (fused experts), one file, no index
-        from safetensors.torch import save_file
-
-        for stale in list(path.glob("model*.safetensors*")):
-            stale.unlink()
-        state = {k: v.contiguous() for k, v in reference.state_dict().items()}
-        if reference.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    if layout == "fused":
+        save_fused(reference, path)
     elif layout != "hub":
         raise ValueError(f"unknown layout {layout!r}")
     for name in TOKENIZER_FILES if tokenizer_dir is not None else ():
@@ -71,6 +65,18 @@ def save_tiny(family: str, path: Path, tokenizer_dir: Optional[str], layout: str
         if source.is_file():
             shutil.copy(source, path / name)
     return reference
+
+
+def save_fused(reference, path: Path) -> None:
+    """`reference`'s tensors under the modules' own names (fused experts) at `path`, one file, no index."""
+    from safetensors.torch import save_file
+
+    for stale in list(Path(path).glob("model*.safetensors*")):
+        stale.unlink()
+    state = {k: v.contiguous() for k, v in reference.state_dict().items()}
+    if reference.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(Path(path) / "model.safetensors"), metadata={"format": "pt"})
 
 
 def tensor_names(path: Path) -> list:

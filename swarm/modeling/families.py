@@ -6,7 +6,7 @@ supported `config.model_type` names the family's modeling module and the classes
 module plus its tests; `swarm.modeling.llama` serves llama, mistral and qwen2, `swarm.modeling.mixtral`
 mixtral, `swarm.modeling.bloom` BLOOM, `swarm.modeling.falcon` Falcon, `swarm.modeling.qwen3` Qwen3,
 `swarm.modeling.qwen3_moe` Qwen3-MoE, `swarm.modeling.phi3` Phi-3, `swarm.modeling.gemma` Gemma 2 and 3
-(text) and `swarm.modeling.gpt_oss` GPT-OSS. A family module provides
+(text), `swarm.modeling.gpt_oss` GPT-OSS and `swarm.modeling.deepseek_v3` DeepSeek-V3. A family module provides
 - its decoder layer class (nn.Modules under transformers' parameter names) with transformers' calling convention
   `layer(hidden, attention_mask, position_ids, past_key_values, position_embeddings=(cos, sin))` (None without
   rotary), a settable `layer_idx`, its rotary embedding class (none for ALiBi-only families) and its norm class
@@ -150,6 +150,8 @@ FAMILIES = {
                 tensor_parallel=False),
         # attention sinks (eager attention: `layers.layer_sdpa`) and its own experts
         replace(_llama_like("gpt_oss", "GptOss"), module="swarm.modeling.gpt_oss", tensor_parallel=False),
+        # multi-head latent attention (a latent cache: `shape.CacheLayout`), shared experts and grouped routing
+        replace(_llama_like("deepseek_v3", "DeepseekV3"), module="swarm.modeling.deepseek_v3", tensor_parallel=False),
     )
 }
 
