@@ -70,7 +70,7 @@ def packed_rows_for(packed_rows: Sequence[int], device: str, dtype: torch.dtype,
     """The decode batch sizes a span packs its weights for (`swarm.modeling.smallgemm`): float32 Llama-family blocks
     (their `FusedLayer`s) on the CPU of a torch with MKL's packed GEMM, not quantized; else none."""
     if torch.device(device).type != "cpu" or dtype != torch.float32 or quant_type not in (None, "none") or \
-            family.module != LLAMA_MODULE or not packing_available():
+            family.layer.__module__ != LLAMA_MODULE or not packing_available():
         return ()
     return tuple(packed_rows)
 
@@ -194,8 +194,7 @@ class BlockSpan(nn.Module):
             quantize = quantize_layer
 
         config._attn_implementation = "sdpa"
-        layer_cls = family.import_class(family.layer_class)
-        fuse = family.import_class(family.fuse) if family.fuse else None
+        layer_cls, fuse = family.layer, family.fuse
         layers = nn.ModuleList()
         fused = []
         for index in range(start, end):
@@ -233,8 +232,8 @@ class BlockSpan(nn.Module):
             if fuse is not None:
                 fused.append(fuse(layers[-1]))
         rotary = None
-        if family.rotary_class is not None:
-            rotary = family.import_class(family.rotary_class)(config=config).to(torch_device)
+        if family.rotary is not None:
+            rotary = family.rotary(config=config).to(torch_device)
         logger.info(f"loaded blocks {start}:{end} of {checkpoint.name} ({dtype}, {device}, quant_type {quant_type})")
         span = cls(config, family, start, end, layers, rotary, dtype, torch_device)
         span.fused = fused

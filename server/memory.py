@@ -44,9 +44,8 @@ def block_parameter_counts(model_config) -> tuple[int, int]:
     from swarm.modeling.families import family_for
 
     family = family_for(model_config)
-    layer_cls = family.import_class(family.layer_class)
     with torch.device("meta"):
-        layer = layer_cls(model_config, 0)
+        layer = family.layer(model_config, 0)
     linear = other = 0
     for module in layer.modules():
         for name, param in module.named_parameters(recurse=False):

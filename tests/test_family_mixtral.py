@@ -139,7 +139,7 @@ def test_quantized_experts(quant_type, min_cosine, tmp_path):
     path equals the pass without a cache, and batched rows equal single ones."""
     import bitsandbytes as bnb
 
-    from swarm.modeling.mixtral import QuantizedMoeLayer
+    from swarm.modeling.quantize import QuantizedMoeLayer
     from swarm.modeling.quantize import quantized_weight_bytes
 
     reference = save_tiny("mixtral", tmp_path, None, vocab_size=VOCAB)

@@ -150,7 +150,7 @@ def test_a_block_server_needs_no_transformers_model_module(family, tmp_path):
         "if span.can_batch:\n"
         "    span.forward_batch([(torch.randn(1, 1, span.hidden_size), 5, kv)], 0, 2)\n"
         "family = family_for(checkpoint.load_config())\n"
-        "family.import_class(family.norm_class)(span.hidden_size)\n"
+        "family.norm(span.hidden_size)\n"
         "heavy = [m for m in sys.modules if m.startswith('transformers.models.') or m in "
         "('transformers.modeling_utils', 'torch._dynamo', 'scipy.optimize._optimize')]\n"
         "print(heavy)\n"

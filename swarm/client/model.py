@@ -116,7 +116,7 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         else:
             lm_head.weight = embed.weight  # tied
         if family.client_parts is not None:  # (Gemma's embedding scale and final soft-cap)
-            embed, lm_head = family.import_class(family.client_parts)(config, embed, lm_head)
+            embed, lm_head = family.client_parts(config, embed, lm_head)
         try:
             generation_config = GenerationConfig.from_pretrained(checkpoint.config_dir, cache_dir=cache_dir)
         except (OSError, ValueError):

@@ -31,7 +31,7 @@ layout (`mlp.experts.gate_up_proj` [experts, 2 * moe_intermediate, hidden]: `qwe
 
 The layer is its own `BlockLayer` (`fuse_layer`). Not CUDA-graph capturable (data-dependent routing; the graphs'
 static attention reads keys and values of one size), no int8/nf4 (the absorbed attention reads `kv_b_proj`'s
-weight as a matrix: `quantize` refuses with one line), no LoRA adapters (`families.LORA_MODULES`), no tensor
+weight as a matrix: `quantize` refuses with one line), no LoRA adapters (`FamilySpec.serves_adapters`), no tensor
 parallelism. The router weight is cast to the serving dtype like every weight (transformers keeps it in float32;
 the routing itself runs in float32). The multi-token-prediction layer of the hub checkpoint (block
 `num_hidden_layers`) is not served. Written here rather than imported from transformers' modeling_deepseek_v3
@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm.modeling.layers import AttentionIndexedLayer, RMSNorm, RotaryEmbedding, cache_attention
+from swarm.modeling.layers import AttentionIndexedLayer, RMSNorm, cache_attention
 from swarm.modeling.llama import MLP, Attend
 from swarm.modeling.qwen3_moe import from_fused_layout
 from swarm.modeling.shape import ModelShape
@@ -245,7 +245,3 @@ def fuse_layer(layer: DeepseekV3DecoderLayer) -> DeepseekV3DecoderLayer:
     """The layer is its own `BlockLayer` (see the module docstring)."""
     return layer
 
-
-# the shared pieces under the family's names (`swarm.modeling.families`)
-DeepseekV3RMSNorm = RMSNorm
-DeepseekV3RotaryEmbedding = RotaryEmbedding

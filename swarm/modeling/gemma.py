@@ -209,8 +209,3 @@ def client_parts(config, embed: nn.Embedding, lm_head: nn.Linear) -> Tuple[nn.Em
         lm_head.__class__ = SoftcappedHead
         cast(SoftcappedHead, lm_head).cap = float(cap)
     return embed, lm_head
-
-
-# the shared pieces under the families' names (`swarm.modeling.families`)
-Gemma2RMSNorm = Gemma3RMSNorm = GemmaRMSNorm
-Gemma2RotaryEmbedding = RotaryEmbedding

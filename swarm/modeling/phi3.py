@@ -19,8 +19,7 @@ from typing import Dict
 
 import torch
 
-from swarm.modeling.layers import RMSNorm, RotaryEmbedding
-from swarm.modeling.llama import DecoderLayer, fuse_layer  # noqa: F401  (`fuse_layer`: the family's, llama's)
+from swarm.modeling.llama import DecoderLayer
 from swarm.modeling.shape import ModelShape
 
 
@@ -61,7 +60,3 @@ class Phi3DecoderLayer(DecoderLayer):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         return super().load_state_dict(split_fused(dict(state_dict), self.shape), strict=strict, assign=assign)
 
-
-# the shared pieces under the family's names (`swarm.modeling.families`)
-Phi3RMSNorm = RMSNorm
-Phi3RotaryEmbedding = RotaryEmbedding
