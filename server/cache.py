@@ -101,8 +101,9 @@ class SessionKV:
 
     def can_start_at(self, start_position: int) -> bool:
         """Whether a step may start at `start_position` (<= length): every ring still holds the positions its
-        window needs before it."""
-        return all(window is None or max(0, start_position - window + 1) >= self._lost for window in self.windows)
+        window needs before it (a step at position 0 needs none)."""
+        return start_position == 0 or all(window is None or max(0, start_position - window + 1) >= self._lost
+                                          for window in self.windows)
 
     @property
     def step_start(self) -> int:
@@ -146,6 +147,8 @@ class SessionKV:
                              f"positions from {self._lost} on")
         self.length = start_position
         self._step_start = start_position
+        if start_position == 0:
+            self._lost = 0  # everything is written again
 
     def end_step(self, num_new: int) -> None:
         self.length = self._step_start + num_new

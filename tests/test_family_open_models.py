@@ -110,14 +110,19 @@ def _embed(reference, ids: torch.Tensor) -> torch.Tensor:
 def _greedy_steps(reference, span, kv, ids: torch.Tensor, hidden: torch.Tensor, steps: int) -> torch.Tensor:
     """ids [batch, prompt] extended by `steps` greedy tokens (never EOS, as generate's min_new_tokens), each a
     decode step of `span` (batched where it can batch) on the session `kv`; hidden: the prompt's last hidden
-    states [batch, >=1, hidden]."""
+    states [batch, >=1, hidden]. Where the family computes a cached sequence again (Phi-3's LongRoPE crossing its
+    original length: `FamilySpec.recompute_cache`), the step sends every token from position 0, as the client
+    does."""
     tokens = ids
+    recompute = span.family.recompute_cache
     for position in range(ids.shape[1], ids.shape[1] + steps):
         logits = _logits(reference, hidden[:, -1:])  # [batch, 1, vocab]
         logits[..., reference.config.eos_token_id] = float("-inf")
         next_token = logits.argmax(-1)  # [batch, 1]
         tokens = torch.cat([tokens, next_token], dim=1)
-        if span.can_batch:
+        if recompute is not None and recompute(span.config, position, position + 1):
+            hidden = span.forward(_embed(reference, tokens), 0, kv)
+        elif span.can_batch:
             hidden = span.forward_batch([(_embed(reference, next_token), position, kv)], 0, 4)[0]
         else:
             hidden = span.forward(_embed(reference, next_token), position, kv)
@@ -390,11 +395,9 @@ def test_lora_adapter_matches_peft(family, targets, tmp_path):
 def test_left_padded_batch_matches_transformers(case):
     """A batch of two prompts, the shorter left-padded by 4: the server hides the padding keys and counts each
     row's positions from its first token (prefill, then decode steps), as transformers' generate with the
-    attention mask does."""
+    attention mask does. (Phi-3 with LongRoPE: the generation crosses its original 12 positions, where the session
+    is computed again.)"""
     name, _, reference, span = case
-    if name == "phi3-longrope":
-        pytest.skip("the generation crosses LongRoPE's original 12 positions, where transformers recomputes its cache "
-                    "(not the swarm: the README's families table)")
     torch.manual_seed(6)
     ids = torch.randint(3, VOCAB, (2, 11))
     ids[1, :4] = reference.config.pad_token_id

@@ -141,6 +141,9 @@ class ModelSession:
         if offset and left_padding:
             raise ValueError("left-padded batches cannot be combined with shallow prompt tuning (ptune)")
         reuse, hypo_ids = self.reusable_prefix(input_ids, hypo_ids, left_padding)
+        recompute = self.model.family.recompute_cache
+        if recompute is not None and recompute(self.model.config, reuse + offset, input_ids.shape[1] + offset):
+            reuse, hypo_ids = 0, None  # (Phi-3's LongRoPE switching factors: everything again, as transformers)
         if reuse + offset < self.session.position:
             self.session.rewind(reuse + offset)
         new_ids = input_ids[:, reuse:]

@@ -70,6 +70,9 @@ class FamilySpec:
     client_parts: Optional[Callable] = None
     # LoRA adapters (`swarm.modeling.lora`) apply to its blocks (the mixtures of experts: to their attention)
     serves_adapters: bool = False
+    # (config, held, total) -> whether extending a cached sequence of `held` positions to `total` computes all of it
+    # again, as transformers' generate does (Phi-3's LongRoPE switching to its long factors: `phi3.recomputes_cache`)
+    recompute_cache: Optional[Callable] = None
 
     def block_tensor_prefix(self, index: int) -> str:
         return self.block_prefix.format(index)
@@ -129,7 +132,7 @@ FAMILIES = {
         _llama_like("qwen3", qwen3.Qwen3DecoderLayer, qwen3.fuse_layer, serves_adapters=True),
         _llama_like("qwen3_moe", qwen3_moe.Qwen3MoeDecoderLayer, qwen3_moe.fuse_layer, serves_adapters=True),
         # Llama's block with q/k/v and gate/up fused in the checkpoint
-        _llama_like("phi3", phi3.Phi3DecoderLayer, serves_adapters=True),
+        _llama_like("phi3", phi3.Phi3DecoderLayer, serves_adapters=True, recompute_cache=phi3.recomputes_cache),
         # pre- and post-norms, scaled embeddings; Gemma 2 soft-caps (eager attention: `layers.layer_sdpa`),
         # Gemma 3 has q/k norms and two rotary bases
         _llama_like("gemma2", gemma.Gemma2DecoderLayer, gemma.fuse_layer, norm=gemma.GemmaRMSNorm,
