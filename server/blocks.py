@@ -25,7 +25,7 @@ from server.cache import SessionKV, cache_tokens, padded_key_mask
 from server.decode import attention_backends, decode_step, prefill_step, ragged_prefill_step
 from server.kv_arena import KVArena
 from swarm.modeling.checkpoint import Checkpoint
-from swarm.modeling.families import FamilySpec, family_for
+from swarm.modeling.families import FAMILIES, FamilySpec, family_for
 from swarm.modeling.layers import cache_attention, causal_mask, key_bias
 from swarm.modeling.llama import FusedLayer, attach_small_gemms
 from swarm.modeling.lora import AdapterError, AdapterFiles, SpanAdapter, adapt_layers
@@ -174,9 +174,9 @@ class BlockSpan(nn.Module):
         if not 0 <= start < end <= config.num_hidden_layers:
             raise ValueError(f"blocks {start}:{end} are outside the model's 0:{config.num_hidden_layers}")
         if adapters and not family.serves_adapters:
-            raise AdapterError(f"LoRA adapters are served on llama, mistral, qwen2, qwen3, phi3, bloom and falcon "
-                               f"blocks and the attention of mixtral and qwen3_moe, "
-                               f"not on {family.model_type}")
+            served = sorted(name for name, spec in FAMILIES.items() if spec.serves_adapters)
+            raise AdapterError(f"LoRA adapters are not served on {family.model_type} blocks (served on "
+                               f"{', '.join(served)}; on the mixtures of experts, their attention)")
         # (a GPU may repeat here, for tests and the benchmark; the server's config refuses that)
         tp_devices = parse_devices(tensor_parallel, allow_repeat=True) if tensor_parallel else []
         torch_device = tp_devices[0] if tp_devices else torch.device(device)

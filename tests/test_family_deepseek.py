@@ -107,7 +107,7 @@ def test_what_deepseek_blocks_refuse(tiny, tmp_path):
     path, _ = tiny
     with pytest.raises(ValueError, match="not supported on DeepSeek-V3"):
         BlockSpan.load(Checkpoint(str(path)), 0, 2, "float32", quant_type="int8")
-    with pytest.raises(AdapterError, match="not on deepseek_v3"):
+    with pytest.raises(AdapterError, match="not served on deepseek_v3"):
         BlockSpan.load(Checkpoint(str(path)), 0, 2, "float32", adapters=[object()])  # type: ignore[list-item]
     span = BlockSpan.load(Checkpoint(str(path)), 0, 2, "float32")
     span.device = torch.device("cuda")  # (the refusal's reason only: nothing runs)

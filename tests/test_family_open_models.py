@@ -356,14 +356,20 @@ def test_mxfp4_gpt_oss_experts_are_a_clear_error():
         layer.load_state_dict({"mlp.experts.gate_up_proj_blocks": torch.zeros(1)}, strict=False)
 
 
+LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 @pytest.mark.parametrize("family, targets", [("qwen3", ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj")),
                                              ("phi3", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
                                              ("mixtral", ("q_proj", "k_proj", "v_proj", "o_proj")),
-                                             ("qwen3_moe", ("q_proj", "k_proj", "v_proj", "o_proj"))])
+                                             ("qwen3_moe", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                             ("gemma2", LLAMA_TARGETS), ("gemma3_text", LLAMA_TARGETS),
+                                             ("gpt_oss", ("q_proj", "k_proj", "v_proj", "o_proj"))])
 def test_lora_adapter_matches_peft(family, targets, tmp_path):
-    """A peft LoRA adapter on the span (Qwen3: its q/k deltas before the q/k norms; Phi-3: its fused qkv_proj and
-    gate_up_proj targets; the mixtures of experts: their attention, the experts' step unchanged) gives peft's
-    logits, in a prefill and in a decode step batched with a base session."""
+    """A peft LoRA adapter on the span (Qwen3, Gemma 3: its q/k deltas before the q/k norms; Phi-3: its fused
+    qkv_proj and gate_up_proj targets; Gemma: every projection, around its pre- and post-norms; the mixtures of
+    experts: their attention, the experts' step unchanged; GPT-OSS's with biases and sinks) gives peft's logits, in a
+    prefill and in a decode step batched with a base session."""
     from swarm.modeling.lora import AdapterSource, open_adapter
     from tests.lora_fixtures import make_adapter, peft_reference
 
@@ -390,6 +396,20 @@ def test_lora_adapter_matches_peft(family, targets, tmp_path):
     steps = span.forward_batch([(embeds[:, -1:], 9, kvs["a"]), (embeds[:, -1:], 9, kvs[None])], 0, 4)
     assert (_logits(model, steps[0]) - expected[:, -1:]).abs().max().item() < 1e-4
     assert (_logits(model, steps[1]) - base[:, -1:]).abs().max().item() < 1e-4
+
+
+def test_lora_on_experts_is_a_clear_error(tmp_path):
+    """peft adapts transformers 5's stacked experts only through `target_parameters`: refused with one line, as is
+    a tensor of an expert."""
+    from swarm.modeling.lora import AdapterError, AdapterSource, open_adapter
+    from tests.lora_fixtures import make_adapter
+
+    save_tiny("qwen3_moe", tmp_path / "base", None, vocab_size=VOCAB, **MOE)
+    adapter = make_adapter(str(tmp_path / "base"), tmp_path / "lora", seed=1, targets=(), r=4, alpha=8,
+                           target_parameters=["mlp.experts.gate_up_proj"])
+    config = Checkpoint(str(tmp_path / "base")).load_config()
+    with pytest.raises(AdapterError, match="adapters on experts are not served"):
+        open_adapter(AdapterSource.parse(f"a={adapter}"), config)
 
 
 def test_left_padded_batch_matches_transformers(case):

@@ -136,11 +136,11 @@ FAMILIES = {
         # pre- and post-norms, scaled embeddings; Gemma 2 soft-caps (eager attention: `layers.layer_sdpa`),
         # Gemma 3 has q/k norms and two rotary bases
         _llama_like("gemma2", gemma.Gemma2DecoderLayer, gemma.fuse_layer, norm=gemma.GemmaRMSNorm,
-                    client_parts=gemma.client_parts),
+                    client_parts=gemma.client_parts, serves_adapters=True),
         _llama_like("gemma3_text", gemma.Gemma3DecoderLayer, gemma.fuse_layer, norm=gemma.GemmaRMSNorm,
-                    rotary=gemma.Gemma3RotaryEmbedding, client_parts=gemma.client_parts),
+                    rotary=gemma.Gemma3RotaryEmbedding, client_parts=gemma.client_parts, serves_adapters=True),
         # attention sinks (eager attention: `layers.layer_sdpa`) and its own experts
-        _llama_like("gpt_oss", gpt_oss.GptOssDecoderLayer, gpt_oss.fuse_layer),
+        _llama_like("gpt_oss", gpt_oss.GptOssDecoderLayer, gpt_oss.fuse_layer, serves_adapters=True),
         # multi-head latent attention (a latent cache: `shape.CacheLayout`), shared experts and grouped routing
         _llama_like("deepseek_v3", deepseek_v3.DeepseekV3DecoderLayer, deepseek_v3.fuse_layer),
     )
