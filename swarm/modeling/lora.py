@@ -18,10 +18,11 @@ their scalings) form one block-diagonal matrix over the fused output's columns, 
 takes two small matmuls, the second added in place into the base output's rows.
 
 `AdaptedLayer` wraps a server block (`swarm.modeling.llama.FusedLayer` or `swarm.modeling.quantize.
-QuantizedLayer`, a mixture of experts' fused layer, a layer with `project` by groups: BLOOM, Falcon, Gemma) for one step whose rows [rows, ...] (flattened leading dims) come in groups, each with its own
-adapter or none: the base projections run once on all rows, and each group adds its own delta to its rows only.
-The wrapped layer is what `block_step` reads (`step`, `qkv`, `add_o_proj`, `gate_up`, `add_down`), so the server's
-decode and prefill paths (`server.decode`) run it unchanged.
+QuantizedLayer`, a mixture of experts' fused layer, a layer that projects by groups, `project`: BLOOM, Falcon,
+Gemma) for one step whose rows [rows, ...] (flattened leading dims) come in groups, each with its own adapter or
+none: the base projections run once on all rows, and each group adds its own delta to its rows only. The wrapped
+layer is what the block's step reads (`step`, `qkv`, `add_o_proj`, `gate_up`, `add_down`, `project`), so the
+server's decode and prefill paths (`server.decode`) run it unchanged.
 """
 from __future__ import annotations
 
