@@ -52,6 +52,16 @@ def test_the_cache_holds_the_latent(tiny):
     assert torch.equal(kv.keys[0][:, :, :5], before.flip(0))
 
 
+def test_memory_planning_counts_an_expert_block(tiny):
+    """A server plans its blocks by the larger of the first (dense) and last (experts) blocks' parameters."""
+    from server.memory import block_parameter_counts
+
+    path, reference = tiny
+    linear, other = block_parameter_counts(Checkpoint(str(path)).load_config())
+    assert linear + other == sum(p.numel() for p in reference.model.layers[3].parameters())
+    assert linear + other > sum(p.numel() for p in reference.model.layers[0].parameters())
+
+
 def test_arena_sessions_equal_their_own_buffers(tiny):
     """One-row sessions on the shared CPU arena (`server.kv_arena`, the latent layout: values inside the keys) attend
     together in a decode batch and give what sessions with buffers of their own give."""
