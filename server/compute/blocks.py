@@ -25,7 +25,7 @@ from server.compute.cache import SessionKV, cache_tokens, padded_key_mask
 from server.compute.decode import attention_backends, decode_step, prefill_step, ragged_prefill_step
 from server.compute.kv_arena import KVArena
 from swarm.modeling.checkpoint import Checkpoint
-from swarm.modeling.families import FamilySpec, family_for
+from swarm.modeling.families import FAMILIES, FamilySpec, family_for
 from swarm.modeling.layers import cache_attention, causal_mask, key_bias
 from swarm.modeling.llama import FusedLayer, attach_small_gemms
 from swarm.modeling.lora import AdapterError, AdapterFiles, SpanAdapter, adapt_layers
@@ -70,7 +70,7 @@ def packed_rows_for(packed_rows: Sequence[int], device: str, dtype: torch.dtype,
     """The decode batch sizes a span packs its weights for (`swarm.modeling.smallgemm`): float32 Llama-family blocks
     (their `FusedLayer`s) on the CPU of a torch with MKL's packed GEMM, not quantized; else none."""
     if torch.device(device).type != "cpu" or dtype != torch.float32 or quant_type not in (None, "none") or \
-            family.module != LLAMA_MODULE or not packing_available():
+            family.layer.__module__ != LLAMA_MODULE or not packing_available():
         return ()
     return tuple(packed_rows)
 
@@ -90,6 +90,8 @@ class BlockSpan(nn.Module):
         self.shape = ModelShape.from_config(config)
         self.hidden_size, self.head_dim = self.shape.hidden_size, self.shape.head_dim
         self.kv_heads = self.shape.num_kv_heads
+        # what each block caches per token (DeepSeek's latent attention: one head of latent + rotary key)
+        self.cache_layout = self.shape.cache_layout
         self.fused: list = []  # the layers as `BlockLayer`s for server.compute.decode / server.compute.graphs
         # (`FamilySpec.fuse`)
         self.graphs: Optional[Union["SpanGraphs", "StaticSteps"]] = None  # set by `enable_cuda_graphs`
@@ -128,6 +130,9 @@ class BlockSpan(nn.Module):
             return f"the {self.family.model_type} family has no fused layers"
         if self.quant_type == "int8":
             return "int8 weights: LLM.int8() picks outlier columns per input (a host sync), which capture refuses"
+        if self.cache_layout.values_in_keys:
+            return ("the blocks cache a latent (multi-head latent attention): the graphs' static attention reads "
+                    "keys and values of one head size")
         if not all(getattr(layer, "capturable", True) for layer in self.fused):  # e.g. Mixtral's routing
             return "the layers route tokens by their values (a host sync per block)"
         if self.tp_devices:
@@ -145,7 +150,9 @@ class BlockSpan(nn.Module):
         if self.device.type != "cpu" or not self.can_batch or self.rotary is None or self.alibi or \
                 self.tp_devices or self.sessions_alone:
             return False
-        self.kv_arena = KVArena(self.kv_heads, self.head_dim, capacity, self.dtype)
+        layout = self.cache_layout
+        self.kv_arena = KVArena(layout.kv_heads, layout.key_dim, capacity, self.dtype,
+                                layout.value_dim if layout.values_in_keys else None)
         return True
 
     @classmethod
@@ -168,9 +175,9 @@ class BlockSpan(nn.Module):
         if not 0 <= start < end <= config.num_hidden_layers:
             raise ValueError(f"blocks {start}:{end} are outside the model's 0:{config.num_hidden_layers}")
         if adapters and not family.serves_adapters:
-            raise AdapterError(f"LoRA adapters are served on llama, mistral, qwen2, qwen3, phi3, bloom and falcon "
-                               f"blocks and the attention of mixtral and qwen3_moe, "
-                               f"not on {family.model_type}")
+            served = sorted(name for name, spec in FAMILIES.items() if spec.serves_adapters)
+            raise AdapterError(f"LoRA adapters are not served on {family.model_type} blocks (served on "
+                               f"{', '.join(served)}; on the mixtures of experts, their attention)")
         # (a GPU may repeat here, for tests and the benchmark; the server's config refuses that)
         tp_devices = parse_devices(tensor_parallel, allow_repeat=True) if tensor_parallel else []
         torch_device = tp_devices[0] if tp_devices else torch.device(device)
@@ -188,8 +195,7 @@ class BlockSpan(nn.Module):
             quantize = quantize_layer
 
         config._attn_implementation = "sdpa"
-        layer_cls = family.import_class(family.layer_class)
-        fuse = family.import_class(family.fuse) if family.fuse else None
+        layer_cls, fuse = family.layer, family.fuse
         layers = nn.ModuleList()
         fused = []
         for index in range(start, end):
@@ -227,8 +233,8 @@ class BlockSpan(nn.Module):
             if fuse is not None:
                 fused.append(fuse(layers[-1]))
         rotary = None
-        if family.rotary_class is not None:
-            rotary = family.import_class(family.rotary_class)(config=config).to(torch_device)
+        if family.rotary is not None:
+            rotary = family.rotary(config=config).to(torch_device)
         logger.info(f"loaded blocks {start}:{end} of {checkpoint.name} ({dtype}, {device}, quant_type {quant_type})")
         span = cls(config, family, start, end, layers, rotary, dtype, torch_device)
         span.fused = fused
@@ -268,9 +274,10 @@ class BlockSpan(nn.Module):
             kv = SessionKV(len(windows), batch_size, self.kv_heads // n, self.head_dim, max_length, self.dtype,
                            self.device, layer_offset=(first - self.start) * n, windows=windows, devices=devices)
         else:
-            kv = SessionKV(last - first, batch_size, self.kv_heads, self.head_dim, max_length, self.dtype,
+            layout = self.cache_layout
+            kv = SessionKV(last - first, batch_size, layout.kv_heads, layout.key_dim, max_length, self.dtype,
                            self.device, layer_offset=first - self.start, windows=self.windows(first, last),
-                           arena=self.kv_arena)
+                           arena=self.kv_arena, values_in_keys=layout.value_dim if layout.values_in_keys else None)
         kv.adapter = adapter
         return kv
 

@@ -8,6 +8,10 @@ key/value buffers `[batch, kv_heads, max_length, head_dim]` allocated once: a st
 place and attention reads a view of the filled prefix, so no step reallocates. Rewinding (a client resending
 from an earlier position) only moves the fill mark.
 
+What a block caches per token is the span's `CacheLayout` (`swarm.modeling.shape`): kv_heads keys and values of
+head_dim, or for DeepSeek-V3's latent attention one key "head" of [latent, rotary key] whose first channels are the
+values (`values_in_keys`: the value buffers are views of the key buffers, nothing is stored twice).
+
 Blocks with a sliding window W (Mistral, Mixtral, Qwen2's windowed layers) keep at most `ring_capacity(W)` =
 2 W positions (when that is less than max_length): a ring buffer, position p in slot p % capacity, so a session
 longer than that holds what its window still needs plus one window of slack for rewinds, and reserves that much
@@ -58,8 +62,11 @@ class SessionKV:
     def __init__(self, num_layers: int, batch_size: int, kv_heads: int, head_dim: int, max_length: int,
                  dtype: torch.dtype, device: torch.device, layer_offset: int = 0,
                  windows: Optional[Sequence[Optional[int]]] = None, arena: Optional["KVArena"] = None,
-                 devices: Optional[Sequence[torch.device]] = None):
+                 devices: Optional[Sequence[torch.device]] = None, values_in_keys: Optional[int] = None):
         """windows: each block's sliding window (None: full attention); those blocks keep a ring buffer.
+        values_in_keys: the values are the keys' first `values_in_keys` channels, views of the key buffers
+        (`swarm.modeling.shape.CacheLayout`: DeepSeek's latent attention caches its latent and rotary key as one
+        key head of `head_dim` channels and attends with the latent as the value), else buffers of their own.
         arena: shared storage (`server.compute.kv_arena`) this session's buffers come from if it fits there (one row, no
         sliding window, on the arena's device); `slot` says where, None otherwise. devices: each layer's device
         (a tensor-parallel span's shards: `swarm.modeling.tensor_parallel.cache_layout`), else all on `device`."""
@@ -68,8 +75,9 @@ class SessionKV:
         self.keys: List[torch.Tensor] = []
         self.values: List[torch.Tensor] = []
         self.slot: Optional["ArenaSlot"] = None
+        self.values_in_keys = values_in_keys
         if arena is not None and arena.fits(batch_size, max_length) and device.type == "cpu" and \
-                all(window is None for window in self.windows):
+                all(window is None for window in self.windows) and arena.values_in_keys == values_in_keys:
             assigned = arena.assign(self, layer_offset, layer_offset + num_layers, max_length)
             if assigned is not None:
                 self.slot, self.keys, self.values = assigned
@@ -77,7 +85,10 @@ class SessionKV:
             shape = (batch_size, kv_heads, ring_capacity(window, max_length), head_dim)
             layer_device = device if devices is None else devices[index]
             self.keys.append(torch.empty(shape, dtype=dtype, device=layer_device))
-            self.values.append(torch.empty(shape, dtype=dtype, device=layer_device))
+            if values_in_keys is not None:
+                self.values.append(self.keys[-1][..., :values_in_keys])
+            else:
+                self.values.append(torch.empty(shape, dtype=dtype, device=layer_device))
         self.batch_size, self.max_length = batch_size, max_length
         self.layer_offset = layer_offset  # layer_idx of the first block this session uses
         self.length = 0  # positions filled (valid for all layers after a complete step)
@@ -90,8 +101,9 @@ class SessionKV:
 
     def can_start_at(self, start_position: int) -> bool:
         """Whether a step may start at `start_position` (<= length): every ring still holds the positions its
-        window needs before it."""
-        return all(window is None or max(0, start_position - window + 1) >= self._lost for window in self.windows)
+        window needs before it (a step at position 0 needs none)."""
+        return start_position == 0 or all(window is None or max(0, start_position - window + 1) >= self._lost
+                                          for window in self.windows)
 
     @property
     def step_start(self) -> int:
@@ -111,7 +123,8 @@ class SessionKV:
     def reorder(self, hypo_ids: torch.Tensor, length: int) -> None:
         """Row i of positions [0, length) becomes what row hypo_ids[i] held, in every layer (beam search)."""
         hypo_ids = hypo_ids.to(self.keys[0].device)
-        for buf in self.keys + self.values:  # (a tensor-parallel span's buffers may lie on several devices)
+        # (a tensor-parallel span's buffers may lie on several devices; values inside the keys move with them)
+        for buf in self.keys + ([] if self.values_in_keys is not None else self.values):
             buf[:, :, :length].copy_(buf[:, :, :length].index_select(0, hypo_ids.to(buf.device)))
         if self.padding is not None:
             self.padding = self.padding.index_select(0, hypo_ids)
@@ -134,6 +147,8 @@ class SessionKV:
                              f"positions from {self._lost} on")
         self.length = start_position
         self._step_start = start_position
+        if start_position == 0:
+            self._lost = 0  # everything is written again
 
     def end_step(self, num_new: int) -> None:
         self.length = self._step_start + num_new

@@ -38,11 +38,15 @@ class Chunk:
     """Per layer of one layer range, keys and values `[SLOTS, kv_heads, capacity, head_dim]` (zero-filled), each an
     anonymous mapping of its own (`_zeros`)."""
 
-    def __init__(self, num_layers: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype):
+    def __init__(self, num_layers: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype,
+                 values_in_keys: Optional[int] = None):
         shape = (SLOTS, kv_heads, capacity, head_dim)
-        self.maps: List[mmap.mmap] = []  # the mappings behind keys, then values
+        self.maps: List[mmap.mmap] = []  # the mappings behind keys, then values (if they have their own)
         self.keys = [self._zeros(shape, dtype) for _ in range(num_layers)]
-        self.values = [self._zeros(shape, dtype) for _ in range(num_layers)]
+        if values_in_keys is not None:  # the keys' first channels (`server.compute.cache.SessionKV`'s values_in_keys)
+            self.values = [k[..., :values_in_keys] for k in self.keys]
+        else:
+            self.values = [self._zeros(shape, dtype) for _ in range(num_layers)]
         self.free = list(range(SLOTS - 1, -1, -1))  # pop() takes the lowest: members stay near the range's start
 
     @property
@@ -63,7 +67,7 @@ class Chunk:
         (`MADV_DONTNEED`: an anonymous mapping's dropped pages read as zeros), the parts of pages it shares with the
         slots beside it are zeroed in place."""
         with torch.inference_mode():
-            for raw, buf in zip(self.maps, self.keys + self.values):
+            for raw, buf in zip(self.maps, self.keys + self.values[:len(self.maps) - len(self.keys)]):
                 flat = buf.view(-1)
                 per_slot = flat.numel() // SLOTS
                 size = buf.element_size()
@@ -101,8 +105,10 @@ class KVArena:
     (called by `assign`, `chunks` and the handler when a session ends) clears the queued slots and frees the chunks
     left empty."""
 
-    def __init__(self, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype):
+    def __init__(self, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
+                 values_in_keys: Optional[int] = None):
         self.kv_heads, self.head_dim, self.capacity, self.dtype = kv_heads, head_dim, capacity, dtype
+        self.values_in_keys = values_in_keys  # (`Chunk`: values as the keys' first channels, DeepSeek's latent)
         self._chunks: Dict[Tuple[int, int], List[Chunk]] = {}  # (first, last) -> chunks with these layers
         self._released: Deque[Tuple[Tuple[int, int], ArenaSlot]] = collections.deque()  # appended by finalizers
         self._lock = threading.Lock()
@@ -120,7 +126,8 @@ class KVArena:
             chunk = next((c for c in chunks if c.free), None)
             if chunk is None:
                 try:
-                    chunk = Chunk(last - first, self.kv_heads, self.capacity, self.head_dim, self.dtype)
+                    chunk = Chunk(last - first, self.kv_heads, self.capacity, self.head_dim, self.dtype,
+                                  self.values_in_keys)
                 except (MemoryError, RuntimeError, OSError):  # (mmap: ENOMEM under strict overcommit)
                     return None
                 chunks.append(chunk)

@@ -40,13 +40,18 @@ def free_memory_bytes(device: str) -> int:
 
 
 def block_parameter_counts(model_config) -> tuple[int, int]:
-    """(parameters in linear weights, other parameters) of one transformer block, counted on the meta device."""
+    """(parameters in linear weights, other parameters) of one transformer block, counted on the meta device: the
+    larger of the first and the last block (DeepSeek-V3's first blocks are dense MLPs, the later ones experts)."""
+    last = int(model_config.num_hidden_layers) - 1
+    return max((_parameter_counts(model_config, index) for index in {0, max(last, 0)}), key=sum)
+
+
+def _parameter_counts(model_config, index: int) -> tuple[int, int]:
     from swarm.modeling.families import family_for
 
     family = family_for(model_config)
-    layer_cls = family.import_class(family.layer_class)
     with torch.device("meta"):
-        layer = layer_cls(model_config, 0)
+        layer = family.layer(model_config, index)
     linear = other = 0
     for module in layer.modules():
         for name, param in module.named_parameters(recurse=False):

@@ -115,7 +115,7 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         else:
             lm_head.weight = embed.weight  # tied
         if family.client_parts is not None:  # (Gemma's embedding scale and final soft-cap)
-            embed, lm_head = family.import_class(family.client_parts)(config, embed, lm_head)
+            embed, lm_head = family.client_parts(config, embed, lm_head)
         try:
             generation_config = GenerationConfig.from_pretrained(checkpoint.config_dir, cache_dir=cache_dir)
         except (OSError, ValueError):
@@ -160,8 +160,10 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
 
     def inference_session(self, max_length: int, adapter: Any = ACTIVE_ADAPTER) -> ModelSession:
         """A session of up to `max_length` tokens with LoRA `adapter` (default: `active_adapter`; None: the base)."""
+        recompute = self.family.recompute_cache
         return ModelSession(self.local, self.manager, max_length + tuning.session_offset(self),
-                            adapter=self._adapter(adapter), ptune=self.ptune)
+                            adapter=self._adapter(adapter), ptune=self.ptune,
+                            recompute=None if recompute is None else functools.partial(recompute, self.config))
 
     # ---- the swarm, as a front end sees it (swarm.client.api.ClientModel) ---------------------------------
     def check_route(self, cache_tokens: int = 0, adapter: Any = ACTIVE_ADAPTER) -> None:

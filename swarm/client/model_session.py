@@ -30,10 +30,11 @@ class ModelSession:
     padding)."""
 
     def __init__(self, head: ClientHead, manager: SwarmManager, max_length: int, adapter: Optional[str] = None,
-                 ptune: Optional[PromptTuning] = None):
+                 ptune: Optional[PromptTuning] = None, recompute: Optional[Callable[[int, int], bool]] = None):
         """`ptune`: the model's trainable prompts (`swarm.client.ptune`): shallow ones take the first positions,
-        deep ones go to the servers."""
-        self.head, self.ptune = head, ptune
+        deep ones go to the servers. `recompute(held, total)`: whether extending `held` cached positions to `total`
+        computes everything again (the family's `recompute_cache`: Phi-3's LongRoPE switching factors)."""
+        self.head, self.ptune, self.recompute = head, ptune, recompute
         self.offset = ptune.pre_seq_len if ptune is not None else 0  # positions the shallow prompts hold
         deep = None if ptune is None or ptune.deep_prompts is None else \
             ptune.deep_prompts.detach().unsqueeze(1).cpu()  # [num_blocks, 1, pre_seq_len, hidden]
@@ -157,6 +158,8 @@ class ModelSession:
         if offset and left_padding:
             raise ValueError("left-padded batches cannot be combined with shallow prompt tuning (ptune)")
         reuse, hypo_ids = self.reusable_prefix(input_ids, hypo_ids, left_padding)
+        if self.recompute is not None and self.recompute(reuse + offset, input_ids.shape[1] + offset):
+            reuse, hypo_ids = 0, None  # (Phi-3's LongRoPE switching factors: everything again, as transformers)
         if reuse + offset < self.session.position:
             self.session.rewind(reuse + offset)
         new_ids = input_ids[:, reuse:]

@@ -27,8 +27,6 @@ from torch import nn
 
 from swarm.modeling.layers import DenseProjectionLayer, alibi_slopes, cache_attention
 
-BloomLayerNorm = nn.LayerNorm  # the final norm (`transformer.ln_f`) and the client's `word_embeddings_layernorm`
-
 
 class BloomGelu(nn.Module):
     """transformers' `bloom_gelu_forward` (its constants, not torch's tanh GELU's)."""

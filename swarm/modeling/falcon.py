@@ -29,15 +29,11 @@ from torch import nn
 
 from swarm.modeling.layers import (
     DenseProjectionLayer,
-    RotaryEmbedding,
     activation,
     alibi_slopes,
     apply_rotary,
     cache_attention,
 )
-
-FalconLayerNorm = nn.LayerNorm  # the final norm (`transformer.ln_f`)
-FalconRotaryEmbedding = RotaryEmbedding  # transformers' is a copy of Llama's
 
 
 class FalconLinear(nn.Linear):

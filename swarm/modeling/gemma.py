@@ -67,18 +67,17 @@ def gemma_block_step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         sin = sin[..., layer.rope_part * dim:(layer.rope_part + 1) * dim]
     attn = layer.self_attn
     h = layer.input_layernorm(x)
-    q = attn.q_proj(h).to(x.dtype).unflatten(-1, (heads, dim))  # [..., heads, head_dim]
-    k = attn.k_proj(h).to(x.dtype).unflatten(-1, (kv_heads, dim))
-    v = attn.v_proj(h).to(x.dtype).unflatten(-1, (kv_heads, dim))
+    # [..., heads + 2 * kv_heads, head_dim]: q, k, v (a LoRA adapter's `AdaptedLayer.project` adds its deltas here)
+    qkv = layer.project("qkv", h).unflatten(-1, (heads + 2 * kv_heads, dim))
+    q, k, v = qkv[..., :heads, :], qkv[..., heads:heads + kv_heads, :], qkv[..., heads + kv_heads:, :]
     if layer.qk_norm:
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = apply_rotary(q, cos.unsqueeze(-2), sin.unsqueeze(-2)), apply_rotary(k, cos.unsqueeze(-2), sin.unsqueeze(-2))
-    o = attn.o_proj(attend(layer, q, k, v)).to(x.dtype)  # [..., hidden]
+    o = layer.project("o", attend(layer, q, k, v))  # [..., hidden]
     x = x + layer.post_attention_layernorm(o)
     h = layer.pre_feedforward_layernorm(x)
-    mlp = layer.mlp
-    gate, up = mlp.gate_proj(h).to(x.dtype), mlp.up_proj(h).to(x.dtype)
-    return x + layer.post_feedforward_layernorm(mlp.down_proj(mlp.act_fn(gate) * up).to(x.dtype))
+    gate, up = layer.project("gate_up", h).chunk(2, dim=-1)  # [..., intermediate] each
+    return x + layer.post_feedforward_layernorm(layer.project("down", layer.mlp.act_fn(gate) * up))
 
 
 class GemmaAttention(nn.Module):
@@ -137,6 +136,17 @@ class GemmaDecoderLayer(AttentionIndexedLayer):
         self.sliding_window: Optional[int] = int(config.sliding_window) if sliding and config.sliding_window else None
         self.rope_part: Optional[int] = (1 if sliding else 0) if self.dual_rope else None
         self.logit_softcap: Optional[float] = getattr(config, "attn_logit_softcapping", None)
+
+    def project(self, group: str, h: torch.Tensor) -> torch.Tensor:
+        """Projection `group` of h [..., in] in h's dtype: "qkv" (q;k;v outputs side by side), "o", "gate_up"
+        (gate;up) or "down" (the groups a LoRA adapter's `AdaptedLayer` adds its deltas to; a quantized module
+        may answer in its compute dtype)."""
+        attn, mlp = self.self_attn, self.mlp
+        if group == "qkv":
+            return torch.cat([attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)], dim=-1).to(h.dtype)
+        if group == "gate_up":
+            return torch.cat([mlp.gate_proj(h), mlp.up_proj(h)], dim=-1).to(h.dtype)
+        return (attn.o_proj if group == "o" else mlp.down_proj)(h).to(h.dtype)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,
@@ -209,8 +219,3 @@ def client_parts(config, embed: nn.Embedding, lm_head: nn.Linear) -> Tuple[nn.Em
         lm_head.__class__ = SoftcappedHead
         cast(SoftcappedHead, lm_head).cap = float(cap)
     return embed, lm_head
-
-
-# the shared pieces under the families' names (`swarm.modeling.families`)
-Gemma2RMSNorm = Gemma3RMSNorm = GemmaRMSNorm
-Gemma2RotaryEmbedding = RotaryEmbedding

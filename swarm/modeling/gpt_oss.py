@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm.modeling.layers import RMSNorm, RotaryEmbedding, cache_attention
+from swarm.modeling.layers import cache_attention
 from swarm.modeling.llama import DecoderLayer
 from swarm.modeling.mixtral import moe_block_step
 
@@ -122,7 +122,3 @@ def fuse_layer(layer: GptOssDecoderLayer) -> GptOssDecoderLayer:
     `layers.layer_sdpa`)."""
     return layer
 
-
-# the shared pieces under the family's names (`swarm.modeling.families`)
-GptOssRMSNorm = RMSNorm
-GptOssRotaryEmbedding = RotaryEmbedding

@@ -31,7 +31,6 @@ from torch import nn
 from swarm.modeling.layers import (
     AttentionIndexedLayer,
     RMSNorm,
-    RotaryEmbedding,
     activation,
     apply_rotary,
     cache_attention,
@@ -165,10 +164,6 @@ class Qwen2DecoderLayer(DecoderLayer):
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx, qkv_bias=True)
 
-
-# the shared pieces under each family's names (`swarm.modeling.families`)
-LlamaRMSNorm = MistralRMSNorm = Qwen2RMSNorm = RMSNorm
-LlamaRotaryEmbedding = MistralRotaryEmbedding = Qwen2RotaryEmbedding = RotaryEmbedding
 
 
 @dataclass(eq=False)

@@ -6,7 +6,7 @@ lora_A.weight` ([r, in]) and `...lora_B.weight` ([out, r]). `open_adapter` reads
 header (names and shapes, no tensor data) and checks the whole adapter against the base model at server start:
 every tensor must be a LoRA A/B pair of a Llama projection (q/k/v/o, gate/up/down; Phi-3's fused qkv_proj and
 gate_up_proj instead of its parts; BLOOM's and Falcon's query_key_value, dense, dense_h_to_4h, dense_4h_to_h; only
-q/k/v/o on Mixtral and Qwen3-MoE) that the config targets, with
+q/k/v/o on Mixtral, Qwen3-MoE and GPT-OSS: not their experts) that the config targets, with
 the configured rank and the base model's shapes, for a block the model has. Features this module does not
 implement (DoRA, LoRA biases, trained base biases, `modules_to_save`, ...) are rejected with an error naming them.
 `SpanAdapter.load` then reads only the tensors of one span's blocks.
@@ -18,10 +18,11 @@ their scalings) form one block-diagonal matrix over the fused output's columns, 
 takes two small matmuls, the second added in place into the base output's rows.
 
 `AdaptedLayer` wraps a server block (`swarm.modeling.llama.FusedLayer` or `swarm.modeling.quantize.
-QuantizedLayer`) for one step whose rows [rows, ...] (flattened leading dims) come in groups, each with its own
-adapter or none: the base projections run once on all rows, and each group adds its own delta to its rows only.
-The wrapped layer is what `block_step` reads (`step`, `qkv`, `add_o_proj`, `gate_up`, `add_down`), so the server's
-decode and prefill paths (`server.compute.decode`) run it unchanged.
+QuantizedLayer`, a mixture of experts' fused layer, a layer that projects by groups, `project`: BLOOM, Falcon,
+Gemma) for one step whose rows [rows, ...] (flattened leading dims) come in groups, each with its own adapter or
+none: the base projections run once on all rows, and each group adds its own delta to its rows only. The wrapped
+layer is what the block's step reads (`step`, `qkv`, `add_o_proj`, `gate_up`, `add_down`, `project`), so the
+server's decode and prefill paths (`server.compute.decode`) run it unchanged.
 """
 from __future__ import annotations
 
@@ -58,8 +59,11 @@ LAYER_NORM_MODULES = {"query_key_value": "self_attention", "dense": "self_attent
 PHI3_MODULES = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
 
 
-# mixtures of experts: the attention's projections (the experts are not adapter targets here)
+# mixtures of experts: the attention's projections. Not their experts: transformers 5 keeps a layer's experts as
+# stacked 3-d parameters (`mlp.experts.gate_up_proj` [experts, ...]), which peft adapts only through
+# `target_parameters` (its per-expert ParamWrapper layout), not implemented here: refused with one line
 ATTENTION_MODULES = {target: module for target, module in MODULES.items() if module == "self_attn"}
+MIXTURES = ("mixtral", "qwen3_moe", "gpt_oss")
 
 
 def _blocks_prefix(model_config) -> str:
@@ -74,7 +78,7 @@ def modules_of(model_config) -> Dict[str, str]:
         return PHI3_MODULES
     if model_type in ("bloom", "falcon"):
         return LAYER_NORM_MODULES
-    return ATTENTION_MODULES if model_type in ("mixtral", "qwen3_moe") else MODULES
+    return ATTENTION_MODULES if model_type in MIXTURES else MODULES
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.|transformer\.)?(?:layers|h)\.(\d+)\."
                   r"(self_attn|self_attention|mlp)\.([a-z_0-9]+)"
                   r"\.lora_([AB])\.weight$")
@@ -154,7 +158,10 @@ def _parse_config(path: Path, where: str):
         unsupported.append(f"bias={config.bias!r} (trained base biases)")
     if config.modules_to_save:
         unsupported.append(f"modules_to_save {list(config.modules_to_save)}")
-    for name in ("layer_replication", "target_parameters", "trainable_token_indices", "alora_invocation_tokens",
+    if getattr(config, "target_parameters", None):
+        unsupported.append(f"target_parameters {list(config.target_parameters)} (LoRA on parameters, such as the "
+                           f"experts' stacked weights: adapters on experts are not served)")
+    for name in ("layer_replication", "trainable_token_indices", "alora_invocation_tokens",
                  "use_bdlora", "arrow_config", "kasa_config", "monteclora_config", "velora_config"):
         if getattr(config, name, None):
             unsupported.append(name)
@@ -243,6 +250,9 @@ def open_adapter(source: AdapterSource, model_config, cache_dir: Optional[str] =
     pairs: Dict[Tuple[int, str], Dict[str, Tuple[str, List[int]]]] = {}
     for key, info in header.items():
         match = _KEY.match(key)
+        if match is None and ".experts." in key:
+            raise AdapterError(f"{where}: tensor {key} adapts an expert: adapters on experts are not served (only "
+                               f"the attention's {', '.join(modules)} on {model_config.model_type})")
         if match is None or match.group(3) not in modules or modules[match.group(3)] != match.group(2):
             raise AdapterError(f"{where}: tensor {key} is not a LoRA A/B weight of a projection of a decoder block "
                                f"({', '.join(modules)})")

@@ -21,8 +21,8 @@ Two kinds of layer object, as in `swarm.modeling.llama`:
   intermediate]; the module's parameters become views into them. The server's prefill and batched decode
   (`server.compute.decode`) run it. Routing is data-dependent (a host sync per block to count each expert's tokens), so
   it is not `capturable` in a CUDA graph (`server.compute.blocks.BlockSpan.enable_cuda_graphs` declines).
-- `QuantizedMoeLayer` (`--quant_type int8 / nf4`): the fused layer's projections as bitsandbytes modules, one per
-  expert for gate/up and one for down; router and norms in float.
+- `--quant_type int8 / nf4`: `swarm.modeling.quantize.QuantizedMoeLayer`, the fused layer's projections as
+  bitsandbytes modules, one per expert for gate/up and one for down; router and norms in float.
 Written here in plain torch rather than imported from transformers' modeling_mixtral, which would cost every
 server and client about 135 MB of resident imports (measured: importing it after torch and the config
 module), while this module adds none measurable (`swarm.modeling.layers`).
@@ -39,13 +39,11 @@ from torch import nn
 from swarm.modeling.layers import (
     AttentionIndexedLayer,
     RMSNorm,
-    RotaryEmbedding,
     activation,
     cache_attention,
     sliding_window_of,
 )
 from swarm.modeling.llama import Attend, Attention, DecoderLayer, FusedLayer, _share, attention_residual
-from swarm.modeling.quantize import NF4_BLOCKSIZE, QuantizedLayer, quantized_linear
 from swarm.modeling.shape import ModelShape
 
 
@@ -176,10 +174,6 @@ class MixtralDecoderLayer(AttentionIndexedLayer):
         return expert.w2(self.block_sparse_moe.act_fn(expert.w1(h)) * expert.w3(h))
 
 
-# the shared pieces under the family's names (`swarm.modeling.families`)
-MixtralRMSNorm = RMSNorm
-MixtralRotaryEmbedding = RotaryEmbedding
-
 
 @dataclass(eq=False)
 class FusedMoeLayer:
@@ -207,10 +201,6 @@ class FusedMoeLayer:
 
     step = moe_block_step  # layer.step(x, cos, sin, attend)
     capturable = False  # data-dependent routing: no CUDA graphs
-
-    def quantize(self, quant_type: str, dtype: torch.dtype, device: torch.device) -> "QuantizedMoeLayer":
-        """`swarm.modeling.quantize.quantize_layer` for this family."""
-        return QuantizedMoeLayer(self, quant_type, dtype, device)
 
     input_norm = FusedLayer.input_norm
     post_norm = FusedLayer.post_norm
@@ -253,54 +243,3 @@ def fuse_layer(layer: MixtralDecoderLayer) -> FusedMoeLayer:
         top_k=moe.top_k, heads=layer.heads, kv_heads=layer.kv_heads, head_dim=layer.head_dim,
         scaling=layer.scaling, layer_idx=layer.layer_idx, sliding_window=layer.sliding_window,
     )
-
-
-class QuantizedMoeLayer(nn.Module):
-    """One Mixtral block with int8 / nf4 projections (`swarm.modeling.quantize`): q/k/v in one quantized module, o,
-    and per expert its gate/up rows in one and its down projection in one; the router and the norms stay in float
-    (the router is tiny, and its top-k choice is what quantization noise should not flip). `FusedMoeLayer`'s
-    methods for `moe_block_step`, `MixtralDecoderLayer`'s `forward`."""
-
-    step = moe_block_step
-    capturable = False
-
-    def __init__(self, fused: FusedMoeLayer, quant_type: str, dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        num_experts, two_intermediate, hidden = fused.gate_up_weight.shape
-        if quant_type == "nf4" and (hidden % NF4_BLOCKSIZE or (two_intermediate // 2) % NF4_BLOCKSIZE):
-            raise ValueError(f"nf4 needs hidden ({hidden}) and intermediate ({two_intermediate // 2}) sizes divisible "
-                             f"by {NF4_BLOCKSIZE}")
-        self.quant_type = quant_type
-        self.heads, self.kv_heads, self.head_dim = fused.heads, fused.kv_heads, fused.head_dim
-        self.scaling, self.layer_idx, self.eps = fused.scaling, fused.layer_idx, fused.eps
-        self.sliding_window, self.num_experts, self.top_k = fused.sliding_window, num_experts, fused.top_k
-        self.input_norm_weight = nn.Parameter(fused.input_norm_weight.detach().to(device, dtype), requires_grad=False)
-        self.post_norm_weight = nn.Parameter(fused.post_norm_weight.detach().to(device, dtype), requires_grad=False)
-        self.router_weight = nn.Parameter(fused.router_weight.detach().to(device, dtype), requires_grad=False)
-        self.qkv_proj = quantized_linear(fused.qkv_weight, None, quant_type, dtype, device)
-        self.o_proj = quantized_linear(fused.o_weight_t.t(), None, quant_type, dtype, device)
-        self.gate_up_projs = nn.ModuleList(quantized_linear(fused.gate_up_weight[e], None, quant_type, dtype, device)
-                                           for e in range(num_experts))
-        self.down_projs = nn.ModuleList(quantized_linear(fused.down_weight[e], None, quant_type, dtype, device)
-                                        for e in range(num_experts))
-        self.act = fused.act
-        self.eval()
-
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,
-                position_embeddings=None, **kwargs) -> torch.Tensor:
-        """`MixtralDecoderLayer.forward`'s call: [batch, seq, hidden] -> [batch, seq, hidden]."""
-        cos, sin = position_embeddings
-        return moe_block_step(self, hidden_states, cos, sin, cache_attention(past_key_values, attention_mask))
-
-    input_norm = QuantizedLayer.input_norm
-    post_norm = QuantizedLayer.post_norm
-    qkv = QuantizedLayer.qkv
-    add_o_proj = QuantizedLayer.add_o_proj
-
-    def router(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.router_weight)
-
-    def expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_projs[e](h).to(h.dtype).chunk(2, dim=-1)
-        return self.down_projs[e](self.act(gate).mul_(up)).to(h.dtype)

@@ -76,6 +76,15 @@ FAMILY_DEFAULTS["gpt_oss"] = {
     "sliding_window": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "num_experts_per_tok": 4,
     "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "router_aux_loss_coef": 0.001, "output_router_logits": False,
     "attention_bias": True, "layer_types": None, "bos_token_id": None, "eos_token_id": None}
+# DeepseekV3Config's (head_dim: the rotary part's size, as the class derives it)
+FAMILY_DEFAULTS["deepseek_v3"] = {
+    **_COMMON, "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": None, "n_shared_experts": 1,
+    "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4,
+    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True, "max_position_embeddings": 4096,
+    "bos_token_id": 0, "eos_token_id": 1, "rope_interleave": True, "attention_bias": False,
+    "output_router_logits": False}
 _LAYER_NORM: Dict[str, Any] = dict(vocab_size=32000, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
                                    layer_norm_epsilon=1e-5, initializer_range=0.02, use_cache=True, pad_token_id=None,
                                    hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=True)
@@ -111,6 +120,9 @@ def model_config(data: Dict[str, Any]):
     values = {**defaults, **values}
     rope = {key: values.pop(key, None) for key in _ROPE_KEYS}
     config = PreTrainedConfig(**values)
+    if family == "deepseek_v3":
+        config.head_dim = config.qk_rope_head_dim  # (rotary runs on that part of each head)
+        config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
     config.head_dim = head_dim_of(config)
     if getattr(config, "num_key_value_heads", None) is None:
         config.num_key_value_heads = config.num_attention_heads

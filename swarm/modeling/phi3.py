@@ -10,6 +10,12 @@ layer when the config names one) applies unchanged. LongRoPE ("longrope", the le
 Phi-3's configs) comes from transformers' RoPE functions in `layers.RotaryEmbedding`: the short factors up to
 `original_max_position_embeddings`, the long ones past it, chosen per step from its largest position as
 transformers' `Phi3RotaryEmbedding` does.
+A session that crosses that boundary: transformers' Phi-3 `generate` drops its cache at the first step whose
+sequence reaches past `original_max_position_embeddings` (while the cache holds no more than that) and computes
+the whole sequence again, so every position then has the long factors (`Phi3ForCausalLM.prepare_inputs_for_
+generation`); before it, every step's factors are the short ones. A client does the same (`recomputes_cache`,
+`FamilySpec.recompute_cache`: `swarm.client.model_session` sends the whole sequence again from position 0), so
+its tokens and logits equal transformers' throughout.
 Partial rotary (`partial_rotary_factor` < 1, Phi-4-mini) is refused with a clear error: `llama.block_step` rotates
 whole heads.
 """
@@ -19,9 +25,18 @@ from typing import Dict
 
 import torch
 
-from swarm.modeling.layers import RMSNorm, RotaryEmbedding
-from swarm.modeling.llama import DecoderLayer, fuse_layer  # noqa: F401  (`fuse_layer`: the family's, llama's)
+from swarm.modeling.llama import DecoderLayer
 from swarm.modeling.shape import ModelShape
+
+
+def recomputes_cache(config, held: int, total: int) -> bool:
+    """Whether a step that extends a sequence whose first `held` positions are cached to `total` positions must
+    compute all of them again (see the module docstring): LongRoPE's factors switch from short to long at it,
+    `0 < held <= original_max_position_embeddings < total`. (transformers drops its cache so whatever Phi-3's RoPE
+    type; only LongRoPE's values change by it, so other types keep their cache here.)"""
+    rope = getattr(config, "rope_parameters", None) or {}
+    boundary = getattr(config, "original_max_position_embeddings", None)
+    return rope.get("rope_type") == "longrope" and boundary is not None and 0 < held <= int(boundary) < total
 
 
 def split_fused(state: Dict[str, torch.Tensor], shape: ModelShape) -> Dict[str, torch.Tensor]:
@@ -61,7 +76,3 @@ class Phi3DecoderLayer(DecoderLayer):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         return super().load_state_dict(split_fused(dict(state_dict), self.shape), strict=strict, assign=assign)
 
-
-# the shared pieces under the family's names (`swarm.modeling.families`)
-Phi3RMSNorm = RMSNorm
-Phi3RotaryEmbedding = RotaryEmbedding

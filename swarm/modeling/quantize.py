@@ -27,6 +27,10 @@ kernel, and for several rows its dequantization and a float matmul, are plain ke
 `Linear8bitLt` picks its outlier columns from each input (data-dependent shapes and a host sync), which graph
 capture refuses, so int8 spans run their decode steps eagerly (`BlockSpan.enable_cuda_graphs` declines; the
 capture error is in docs/benchmarks-gpu.md).
+
+The families' own quantized blocks live here too (`QUANTIZED`, by the fused class they quantize): Mixtral's experts
+(`QuantizedMoeLayer`, one module per expert's gate/up and down), Qwen3's q/k norms (`QuantizedQkNormLayer`) and
+Qwen3-MoE's both (`QuantizedQkNormMoeLayer`).
 """
 from __future__ import annotations
 
@@ -34,10 +38,14 @@ import logging
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from swarm.modeling.layers import cache_attention
 from swarm.modeling.llama import FusedLayer, block_step
+from swarm.modeling.mixtral import FusedMoeLayer, moe_block_step
+from swarm.modeling.qwen3 import FusedQkNormLayer, normed_qk
+from swarm.modeling.qwen3_moe import FusedQkNormMoeLayer
 from swarm.wire.dtypes import QUANT_TYPES
 
 INT8_THRESHOLD = 6.0  # LLM.int8()'s outlier threshold (transformers' `llm_int8_threshold` default)
@@ -192,14 +200,15 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def quantize_layer(fused, quant_type: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """The quantized block on `device` from a fused float block (which the caller then drops): a
-    `QuantizedLayer` for the Llama family's `FusedLayer`, the fused layer's own `quantize` where it has one
-    (Mixtral's experts), else the family's layer (its own `BlockLayer`: BLOOM, Falcon) with its linear modules
-    quantized (`quantize_linears`)."""
-    if hasattr(fused, "quantize"):  # (first: a family's `FusedLayer` subclass may quantize its own way, Qwen3's)
+    """The quantized block on `device` from a fused float block (which the caller then drops): the quantized class
+    of its fused class (`QUANTIZED`: the Llama family's `QuantizedLayer`, Mixtral's experts, Qwen3's q/k norms), a
+    refusal where the layer says why it cannot be (its `quantize` raises: GPT-OSS, DeepSeek-V3), else the family's
+    layer (its own `BlockLayer`: BLOOM, Falcon, Gemma) with its linear modules quantized (`quantize_linears`)."""
+    quantized = QUANTIZED.get(type(fused))
+    if quantized is not None:
+        return quantized(fused, quant_type, dtype, device)
+    if hasattr(fused, "quantize"):
         return fused.quantize(quant_type, dtype, device)
-    if isinstance(fused, FusedLayer):
-        return QuantizedLayer(fused, quant_type, dtype, device)
     return quantize_linears(fused, quant_type, dtype, device)
 
 
@@ -243,3 +252,108 @@ def quantized_weight_bytes(module: nn.Module) -> int:
             total += sub.weight.numel() * sub.weight.element_size()
             total += state.absmax.numel() * state.absmax.element_size() + state.code.numel() * state.code.element_size()
     return total
+
+
+# the families' quantized blocks: Mixtral's experts, Qwen3's q/k norms, both (Qwen3-MoE)
+
+def quantized_qk_norm(layer, qkv: torch.Tensor) -> torch.Tensor:
+    """`normed_qk` with the op-for-op RMSNorm of the quantized layers (`quantize._rms_norm`)."""
+    return normed_qk(qkv, layer.heads, layer.kv_heads, lambda q: _rms_norm(q, layer.q_norm_weight, layer.eps),
+                     lambda k: _rms_norm(k, layer.k_norm_weight, layer.eps))
+
+
+class QuantizedMoeLayer(nn.Module):
+    """One Mixtral block with int8 / nf4 projections (`swarm.modeling.quantize`): q/k/v in one quantized module, o,
+    and per expert its gate/up rows in one and its down projection in one; the router and the norms stay in float
+    (the router is tiny, and its top-k choice is what quantization noise should not flip). `FusedMoeLayer`'s
+    methods for `moe_block_step`, `MixtralDecoderLayer`'s `forward`."""
+
+    step = moe_block_step
+    capturable = False
+
+    def __init__(self, fused: FusedMoeLayer, quant_type: str, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        num_experts, two_intermediate, hidden = fused.gate_up_weight.shape
+        if quant_type == "nf4" and (hidden % NF4_BLOCKSIZE or (two_intermediate // 2) % NF4_BLOCKSIZE):
+            raise ValueError(f"nf4 needs hidden ({hidden}) and intermediate ({two_intermediate // 2}) sizes divisible "
+                             f"by {NF4_BLOCKSIZE}")
+        self.quant_type = quant_type
+        self.heads, self.kv_heads, self.head_dim = fused.heads, fused.kv_heads, fused.head_dim
+        self.scaling, self.layer_idx, self.eps = fused.scaling, fused.layer_idx, fused.eps
+        self.sliding_window, self.num_experts, self.top_k = fused.sliding_window, num_experts, fused.top_k
+        self.input_norm_weight = nn.Parameter(fused.input_norm_weight.detach().to(device, dtype), requires_grad=False)
+        self.post_norm_weight = nn.Parameter(fused.post_norm_weight.detach().to(device, dtype), requires_grad=False)
+        self.router_weight = nn.Parameter(fused.router_weight.detach().to(device, dtype), requires_grad=False)
+        self.qkv_proj = quantized_linear(fused.qkv_weight, None, quant_type, dtype, device)
+        self.o_proj = quantized_linear(fused.o_weight_t.t(), None, quant_type, dtype, device)
+        self.gate_up_projs = nn.ModuleList(quantized_linear(fused.gate_up_weight[e], None, quant_type, dtype, device)
+                                           for e in range(num_experts))
+        self.down_projs = nn.ModuleList(quantized_linear(fused.down_weight[e], None, quant_type, dtype, device)
+                                        for e in range(num_experts))
+        self.act = fused.act
+        self.eval()
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,
+                position_embeddings=None, **kwargs) -> torch.Tensor:
+        """`MixtralDecoderLayer.forward`'s call: [batch, seq, hidden] -> [batch, seq, hidden]."""
+        cos, sin = position_embeddings
+        return moe_block_step(self, hidden_states, cos, sin, cache_attention(past_key_values, attention_mask))
+
+    input_norm = QuantizedLayer.input_norm
+    post_norm = QuantizedLayer.post_norm
+    qkv = QuantizedLayer.qkv
+    add_o_proj = QuantizedLayer.add_o_proj
+
+    def router(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.router_weight)
+
+    def expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_projs[e](h).to(h.dtype).chunk(2, dim=-1)
+        return self.down_projs[e](self.act(gate).mul_(up)).to(h.dtype)
+
+
+class QuantizedQkNormLayer(QuantizedLayer):
+    """`quantize.QuantizedLayer` (int8 / nf4 projections) with the query and key norms in float."""
+
+    def __init__(self, fused: FusedQkNormLayer, quant_type: str, dtype: torch.dtype, device: torch.device):
+        super().__init__(fused, quant_type, dtype, device)
+        assert fused.q_norm_weight is not None and fused.k_norm_weight is not None
+        self.q_norm_weight = torch.nn.Parameter(fused.q_norm_weight.detach().to(device, dtype), requires_grad=False)
+        self.k_norm_weight = torch.nn.Parameter(fused.k_norm_weight.detach().to(device, dtype), requires_grad=False)
+
+    def qkv_projection(self, h: torch.Tensor) -> torch.Tensor:
+        return QuantizedLayer.qkv(self, h)
+
+    def qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
+        return quantized_qk_norm(self, qkv)
+
+    def qkv(self, h: torch.Tensor) -> torch.Tensor:
+        return self.qk_norm(self.qkv_projection(h))
+
+
+class QuantizedQkNormMoeLayer(QuantizedMoeLayer):
+    """`mixtral.QuantizedMoeLayer` with the query and key norms in float."""
+
+    def __init__(self, fused: FusedQkNormMoeLayer, quant_type: str, dtype: torch.dtype, device: torch.device):
+        if fused.qkv_bias is not None or fused.o_bias is not None:
+            raise ValueError("quantized Qwen3-MoE blocks with attention biases are not supported")
+        super().__init__(fused, quant_type, dtype, device)
+        assert fused.q_norm_weight is not None and fused.k_norm_weight is not None
+        self.norm_topk_prob = fused.norm_topk_prob
+        self.q_norm_weight = nn.Parameter(fused.q_norm_weight.detach().to(device, dtype), requires_grad=False)
+        self.k_norm_weight = nn.Parameter(fused.k_norm_weight.detach().to(device, dtype), requires_grad=False)
+
+    def qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
+        return quantized_qk_norm(self, qkv)
+
+    def qkv_projection(self, h: torch.Tensor) -> torch.Tensor:
+        return self.qkv_proj(h).to(h.dtype).unflatten(-1, (-1, self.head_dim))  # (as QuantizedLayer.qkv)
+
+    def qkv(self, h: torch.Tensor) -> torch.Tensor:
+        return self.qk_norm(self.qkv_projection(h))
+
+
+# a fused float block's class -> its quantized class (`quantize_layer`)
+QUANTIZED = {FusedLayer: QuantizedLayer, FusedMoeLayer: QuantizedMoeLayer, FusedQkNormLayer: QuantizedQkNormLayer,
+             FusedQkNormMoeLayer: QuantizedQkNormMoeLayer}

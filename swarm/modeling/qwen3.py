@@ -7,8 +7,8 @@ override `qkv` to do that, so every caller of `block_step` (prefill, batched dec
 a cache) gets it:
 - `Qwen3DecoderLayer`: `llama.DecoderLayer` with the norms under transformers' names;
 - `FusedQkNormLayer` (`fuse_layer`): `llama.FusedLayer` plus the two norm weights (torch's fused RMSNorm);
-- `QuantizedQkNormLayer` (`FusedQkNormLayer.quantize`, `--quant_type int8 / nf4`): `quantize.QuantizedLayer`
-  plus the norms in float.
+- `--quant_type int8 / nf4`: `swarm.modeling.quantize.QuantizedQkNormLayer`, `quantize.QuantizedLayer` plus the
+  norms in float.
 An adapter's q/k/v delta belongs before the norms: `qkv_projection` is the projection alone and `qk_norm` the
 norms, which `swarm.modeling.lora.AdaptedLayer` calls around its delta.
 Sliding windows as Qwen2 (`layers.sliding_window_of`: the layers `layer_types` names "sliding_attention").
@@ -23,10 +23,9 @@ from typing import Optional, cast
 import torch
 import torch.nn.functional as F
 
-from swarm.modeling.layers import RMSNorm, RotaryEmbedding
+from swarm.modeling.layers import RMSNorm
 from swarm.modeling.llama import Attention, DecoderLayer, FusedLayer
 from swarm.modeling.llama import fuse_layer as fuse_llama_layer
-from swarm.modeling.quantize import QuantizedLayer, _rms_norm
 from swarm.modeling.shape import ModelShape
 
 
@@ -44,10 +43,7 @@ def fused_qk_norm(layer, qkv: torch.Tensor) -> torch.Tensor:
                      lambda k: F.rms_norm(k, dim, layer.k_norm_weight, layer.eps))
 
 
-def quantized_qk_norm(layer, qkv: torch.Tensor) -> torch.Tensor:
-    """`normed_qk` with the op-for-op RMSNorm of the quantized layers (`quantize._rms_norm`)."""
-    return normed_qk(qkv, layer.heads, layer.kv_heads, lambda q: _rms_norm(q, layer.q_norm_weight, layer.eps),
-                     lambda k: _rms_norm(k, layer.k_norm_weight, layer.eps))
+
 
 
 class QkNormAttention(Attention):
@@ -97,29 +93,6 @@ class FusedQkNormLayer(FusedLayer):
     def qkv(self, h: torch.Tensor) -> torch.Tensor:
         return self.qk_norm(self.qkv_projection(h))
 
-    def quantize(self, quant_type: str, dtype: torch.dtype, device: torch.device) -> "QuantizedQkNormLayer":
-        """`swarm.modeling.quantize.quantize_layer` for this family."""
-        return QuantizedQkNormLayer(self, quant_type, dtype, device)
-
-
-class QuantizedQkNormLayer(QuantizedLayer):
-    """`quantize.QuantizedLayer` (int8 / nf4 projections) with the query and key norms in float."""
-
-    def __init__(self, fused: FusedQkNormLayer, quant_type: str, dtype: torch.dtype, device: torch.device):
-        super().__init__(fused, quant_type, dtype, device)
-        assert fused.q_norm_weight is not None and fused.k_norm_weight is not None
-        self.q_norm_weight = torch.nn.Parameter(fused.q_norm_weight.detach().to(device, dtype), requires_grad=False)
-        self.k_norm_weight = torch.nn.Parameter(fused.k_norm_weight.detach().to(device, dtype), requires_grad=False)
-
-    def qkv_projection(self, h: torch.Tensor) -> torch.Tensor:
-        return QuantizedLayer.qkv(self, h)
-
-    def qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
-        return quantized_qk_norm(self, qkv)
-
-    def qkv(self, h: torch.Tensor) -> torch.Tensor:
-        return self.qk_norm(self.qkv_projection(h))
-
 
 def fuse_layer(layer: Qwen3DecoderLayer) -> FusedQkNormLayer:
     """`llama.fuse_layer` plus the query/key norms."""
@@ -128,7 +101,3 @@ def fuse_layer(layer: Qwen3DecoderLayer) -> FusedQkNormLayer:
     return FusedQkNormLayer(**values, q_norm_weight=layer.attention.q_norm.weight,
                             k_norm_weight=layer.attention.k_norm.weight)
 
-
-# the shared pieces under the family's names (`swarm.modeling.families`)
-Qwen3RMSNorm = RMSNorm
-Qwen3RotaryEmbedding = RotaryEmbedding

@@ -13,7 +13,8 @@ This is transformers' `Qwen3MoeDecoderLayer` with its eager experts, op for op (
   [experts, 2 * moe_intermediate, hidden], `mlp.experts.down_proj` [experts, hidden, moe_intermediate]).
 - `FusedQkNormMoeLayer` (`fuse_layer`, sparse layers): `mixtral.FusedMoeLayer` with the q/k norms; dense layers
   fuse to `qwen3.FusedQkNormLayer`. Routing is data-dependent: no CUDA graphs (as Mixtral).
-- `QuantizedQkNormMoeLayer` (`--quant_type int8 / nf4`): `mixtral.QuantizedMoeLayer` with the q/k norms in float.
+- `--quant_type int8 / nf4`: `swarm.modeling.quantize.QuantizedQkNormMoeLayer`, the quantized Mixtral block with the
+  q/k norms in float.
 """
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm.modeling.layers import RMSNorm, RotaryEmbedding, cache_attention
+from swarm.modeling.layers import cache_attention
 from swarm.modeling.llama import MLP, Attend, _share, block_step
-from swarm.modeling.mixtral import FusedMoeLayer, QuantizedMoeLayer, _stack_experts, moe_block_step
-from swarm.modeling.qwen3 import Qwen3DecoderLayer, fused_qk_norm, quantized_qk_norm
+from swarm.modeling.mixtral import FusedMoeLayer, _stack_experts, moe_block_step
+from swarm.modeling.qwen3 import Qwen3DecoderLayer, fused_qk_norm
 from swarm.modeling.qwen3 import fuse_layer as fuse_qwen3_layer
 from swarm.modeling.shape import ModelShape
 
@@ -130,30 +131,6 @@ class FusedQkNormMoeLayer(FusedMoeLayer):
     def qkv(self, h: torch.Tensor) -> torch.Tensor:
         return self.qk_norm(self.qkv_projection(h))
 
-    def quantize(self, quant_type: str, dtype: torch.dtype, device: torch.device) -> "QuantizedQkNormMoeLayer":
-        if self.qkv_bias is not None or self.o_bias is not None:
-            raise ValueError("quantized Qwen3-MoE blocks with attention biases are not supported")
-        return QuantizedQkNormMoeLayer(self, quant_type, dtype, device)
-
-
-class QuantizedQkNormMoeLayer(QuantizedMoeLayer):
-    """`mixtral.QuantizedMoeLayer` with the query and key norms in float."""
-
-    def __init__(self, fused: FusedQkNormMoeLayer, quant_type: str, dtype: torch.dtype, device: torch.device):
-        super().__init__(fused, quant_type, dtype, device)
-        assert fused.q_norm_weight is not None and fused.k_norm_weight is not None
-        self.norm_topk_prob = fused.norm_topk_prob
-        self.q_norm_weight = nn.Parameter(fused.q_norm_weight.detach().to(device, dtype), requires_grad=False)
-        self.k_norm_weight = nn.Parameter(fused.k_norm_weight.detach().to(device, dtype), requires_grad=False)
-
-    def qk_norm(self, qkv: torch.Tensor) -> torch.Tensor:
-        return quantized_qk_norm(self, qkv)
-
-    def qkv_projection(self, h: torch.Tensor) -> torch.Tensor:
-        return self.qkv_proj(h).to(h.dtype).unflatten(-1, (-1, self.head_dim))  # (as QuantizedLayer.qkv)
-
-    def qkv(self, h: torch.Tensor) -> torch.Tensor:
-        return self.qk_norm(self.qkv_projection(h))
 
 
 def fuse_layer(layer: Qwen3MoeDecoderLayer):
@@ -174,7 +151,3 @@ def fuse_layer(layer: Qwen3MoeDecoderLayer):
         q_norm_weight=attn.q_norm.weight, k_norm_weight=attn.k_norm.weight, norm_topk_prob=moe.norm_topk_prob,
     )
 
-
-# the shared pieces under the family's names (`swarm.modeling.families`)
-Qwen3MoeRMSNorm = RMSNorm
-Qwen3MoeRotaryEmbedding = RotaryEmbedding

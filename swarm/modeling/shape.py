@@ -3,7 +3,8 @@
 Every size the code needs of a block comes from here: the hidden size, query and key/value heads, `head_dim`,
 the MLP width, the norm's epsilon, the RoPE type and the checkpoint's own dtype. `head_dim_of` is the one place
 that derives `head_dim` as the transformers config classes do (`hidden_size // num_attention_heads` unless the
-config names one).
+config names one). `CacheLayout` is what one block caches per token: key and value heads (Llama-like attention), or
+DeepSeek's multi-head latent attention's compressed latent and shared rotary key (`swarm.modeling.deepseek_v3`).
 """
 from __future__ import annotations
 
@@ -27,6 +28,23 @@ def config_dtype(config) -> Optional[torch.dtype]:
 
 
 @dataclass(frozen=True)
+class CacheLayout:
+    """One block's cache per token: keys [kv_heads, key_dim] and values [kv_heads, value_dim]. With
+    `values_in_keys` the values are no tensor of their own but the keys' first `value_dim` channels (a view):
+    DeepSeek's latent attention caches [latent (kv_lora_rank), rotary key (qk_rope_head_dim)] as one key head,
+    and attends with the latent as the value (`server.compute.cache.SessionKV`, `server.compute.kv_arena`)."""
+    kv_heads: int
+    key_dim: int
+    value_dim: int
+    values_in_keys: bool = False
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes one cached token takes in one block at `dtype`."""
+        channels = self.key_dim + (0 if self.values_in_keys else self.value_dim)
+        return self.kv_heads * channels * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
 class ModelShape:
     hidden_size: int
     num_heads: int
@@ -38,6 +56,7 @@ class ModelShape:
     hidden_act: str
     rope_type: str  # "default", "llama3", "dynamic", ... (transformers' ROPE_INIT_FUNCTIONS)
     dtype: Optional[torch.dtype]  # the checkpoint's dtype per its config, None when it names none
+    kv_lora_rank: Optional[int] = None  # DeepSeek's latent attention: the compressed key/value latent's size
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
@@ -53,6 +72,7 @@ class ModelShape:
             hidden_act=getattr(config, "hidden_act", "silu"),
             rope_type=rope.get("rope_type", "default"),
             dtype=config_dtype(config),
+            kv_lora_rank=getattr(config, "kv_lora_rank", None),
         )
 
     @property
@@ -65,6 +85,15 @@ class ModelShape:
         """The attention logits' scale, 1 / sqrt(head_dim)."""
         return self.head_dim ** -0.5
 
+    @property
+    def cache_layout(self) -> CacheLayout:
+        """What a block caches per token: `num_kv_heads` keys and values of `head_dim`, or with a latent attention
+        (`kv_lora_rank`) one head of the latent and the rotary key (`head_dim` is then the rotary part's size),
+        whose first kv_lora_rank channels are the values."""
+        if self.kv_lora_rank:
+            return CacheLayout(1, self.kv_lora_rank + self.head_dim, self.kv_lora_rank, values_in_keys=True)
+        return CacheLayout(self.num_kv_heads, self.head_dim, self.head_dim)
+
     def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of keys and values one cached token takes in one block at `dtype`."""
-        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+        return self.cache_layout.bytes_per_token(dtype)

@@ -130,14 +130,16 @@ def test_the_gateway_and_client_model_load_without_transformers_generation_utils
     assert _run(code) == "[]"
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mixtral", "qwen3_moe", "gemma3_text", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen2", "mixtral", "qwen3_moe", "gemma3_text", "gpt_oss", "deepseek_v3"])
 def test_a_block_server_needs_no_transformers_model_module(family, tmp_path):
     """Config, blocks (with a forward pass) and the client's norm come from swarm.modeling (llama, mixtral, qwen3
-    and qwen3_moe, gemma, gpt_oss, layers, model_config)."""
+    and qwen3_moe, gemma, gpt_oss, deepseek_v3, layers, model_config)."""
     from tests.fixtures.tiny_checkpoints import save_tiny
+    from tests.swarm.modeling.test_family_open_models import DEEPSEEK
 
-    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32) if family == "qwen3_moe" else {}
-    save_tiny(family, tmp_path, None, vocab_size=512, **experts)
+    overrides = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+                 "deepseek_v3": DEEPSEEK}.get(family, {})
+    save_tiny(family, tmp_path, None, vocab_size=512, **overrides)
     code = (
         "import sys, swarm, torch, server.server\n"
         "from server.compute.blocks import BlockSpan\n"
@@ -150,7 +152,7 @@ def test_a_block_server_needs_no_transformers_model_module(family, tmp_path):
         "if span.can_batch:\n"
         "    span.forward_batch([(torch.randn(1, 1, span.hidden_size), 5, kv)], 0, 2)\n"
         "family = family_for(checkpoint.load_config())\n"
-        "family.import_class(family.norm_class)(span.hidden_size)\n"
+        "family.norm(span.hidden_size)\n"
         "heavy = [m for m in sys.modules if m.startswith('transformers.models.') or m in "
         "('transformers.modeling_utils', 'torch._dynamo', 'scipy.optimize._optimize')]\n"
         "print(heavy)\n"

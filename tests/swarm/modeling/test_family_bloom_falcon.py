@@ -400,7 +400,7 @@ def test_a_server_of_the_family_imports_no_transformers_model_module(case, tmp_p
         "span.forward(torch.randn(1, 5, span.hidden_size), 0, kv)\n"
         "span.forward_batch([(torch.randn(1, 1, span.hidden_size), 5, kv)], 0, 2)\n"
         "family = family_for(checkpoint.load_config())\n"
-        "family.import_class(family.norm_class)(span.hidden_size)\n"
+        "family.norm(span.hidden_size)\n"
         "heavy = [m for m in sys.modules if m.startswith('transformers.models.') or m in "
         "('transformers.modeling_utils', 'transformers.activations', 'torch._dynamo')]\n"
         "print(heavy)\n"

@@ -139,8 +139,7 @@ def test_quantized_experts(quant_type, min_cosine, tmp_path):
     path equals the pass without a cache, and batched rows equal single ones."""
     import bitsandbytes as bnb
 
-    from swarm.modeling.mixtral import QuantizedMoeLayer
-    from swarm.modeling.quantize import quantized_weight_bytes
+    from swarm.modeling.quantize import QuantizedMoeLayer, quantized_weight_bytes
 
     reference = save_tiny("mixtral", tmp_path, None, vocab_size=VOCAB)
     span = BlockSpan.load(Checkpoint(str(tmp_path)), 0, 4, "float32", quant_type=quant_type)

@@ -24,7 +24,7 @@ from server.compute.blocks import BlockSpan
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.model_config import model_config
 from tests.e2e.test_family_swarms import check_failover, check_split_swarm
-from tests.fixtures.tiny_checkpoints import save_tiny, tensor_names
+from tests.fixtures.tiny_checkpoints import save_fused, save_tiny, tensor_names
 from tests.swarm.modeling.test_family_mixtral import check_batched_rows
 
 VOCAB = 512
@@ -43,6 +43,14 @@ GEMMA3 = dict(GEMMA, layer_types=["sliding_attention", "full_attention", "slidin
 GPT_OSS = dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=4,
                rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                 "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0})
+# MLA: 4 heads of 16 + 8 (rotary) query/key and 16 value channels over a latent of 32; 8 experts in 4 groups
+DEEPSEEK = dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                v_head_dim=16, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
+                moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=2.5)
+DEEPSEEK_YARN = dict(DEEPSEEK, q_lora_rank=None, rope_interleave=False, attention_bias=True, first_k_dense_replace=2,
+                     norm_topk_prob=False, rope_parameters={
+                         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0})
 CASES = {
     # windows on blocks 1.. (max_window_layers), a head_dim that is not hidden / heads
     "qwen3": ("qwen3", "hub", dict(WINDOW, max_window_layers=1, head_dim=32)),
@@ -56,6 +64,10 @@ CASES = {
     "gemma2": ("gemma2", "hub", GEMMA2),
     "gemma3_text": ("gemma3_text", "hub", GEMMA3),
     "gpt_oss": ("gpt_oss", "hub", GPT_OSS),
+    # latent attention with q_lora_rank, interleaved rotary; a dense first block, then grouped routing
+    "deepseek_v3": ("deepseek_v3", "hub", DEEPSEEK),
+    # queries without q_lora_rank, YaRN with mscale_all_dim, rotary halves, attention biases, the fused experts
+    "deepseek_v3-yarn": ("deepseek_v3", "fused", DEEPSEEK_YARN),
 }
 
 
@@ -66,14 +78,19 @@ def case(request, tmp_path_factory):
     reference = save_tiny(family, path, None, layout=layout, vocab_size=VOCAB, **overrides)
     # make what starts at a trivial value matter: Gemma's norms (a scale of 1 + weight, from 0), GPT-OSS's sinks
     # and its experts (std 0.02)
-    perturb = {"gemma2": {"norm": 0.3}, "gemma3_text": {"norm": 0.3}, "gpt_oss": {"sinks": 1.0, "experts": 0.3}}
+    # and DeepSeek's router (whose scores go through a sigmoid: spread them) and its choice's correction bias
+    perturb = {"gemma2": {"norm": 0.3}, "gemma3_text": {"norm": 0.3}, "gpt_oss": {"sinks": 1.0, "experts": 0.3},
+               "deepseek_v3": {"mlp.gate.weight": 0.5, "e_score_correction_bias": 0.1}}
     if family in perturb:
         with torch.no_grad():
-            for name, param in reference.named_parameters():
+            for name, param in list(reference.named_parameters()) + list(reference.named_buffers()):
                 for part, std in perturb[family].items():
                     if part in name:
                         param.normal_(0.0, std)
-        reference.save_pretrained(path)
+        if layout == "fused":
+            save_fused(reference, path)
+        else:
+            reference.save_pretrained(path)
     return request.param, path, reference, BlockSpan.load(Checkpoint(str(path)), 0, 4, "float32")
 
 
@@ -93,14 +110,19 @@ def _embed(reference, ids: torch.Tensor) -> torch.Tensor:
 def _greedy_steps(reference, span, kv, ids: torch.Tensor, hidden: torch.Tensor, steps: int) -> torch.Tensor:
     """ids [batch, prompt] extended by `steps` greedy tokens (never EOS, as generate's min_new_tokens), each a
     decode step of `span` (batched where it can batch) on the session `kv`; hidden: the prompt's last hidden
-    states [batch, >=1, hidden]."""
+    states [batch, >=1, hidden]. Where the family computes a cached sequence again (Phi-3's LongRoPE crossing its
+    original length: `FamilySpec.recompute_cache`), the step sends every token from position 0, as the client
+    does."""
     tokens = ids
+    recompute = span.family.recompute_cache
     for position in range(ids.shape[1], ids.shape[1] + steps):
         logits = _logits(reference, hidden[:, -1:])  # [batch, 1, vocab]
         logits[..., reference.config.eos_token_id] = float("-inf")
         next_token = logits.argmax(-1)  # [batch, 1]
         tokens = torch.cat([tokens, next_token], dim=1)
-        if span.can_batch:
+        if recompute is not None and recompute(span.config, position, position + 1):
+            hidden = span.forward(_embed(reference, tokens), 0, kv)
+        elif span.can_batch:
             hidden = span.forward_batch([(_embed(reference, next_token), position, kv)], 0, 4)[0]
         else:
             hidden = span.forward(_embed(reference, next_token), position, kv)
@@ -120,13 +142,21 @@ def test_the_checkpoint_has_the_family_layout(case):
                 "gemma3_text": {"model.layers.0.self_attn.q_norm.weight",
                                 "model.layers.3.post_attention_layernorm.weight"},
                 "gpt_oss": {"model.layers.0.self_attn.sinks", "model.layers.0.mlp.experts.gate_up_proj_bias",
-                            "model.layers.0.mlp.router.bias"}}
+                            "model.layers.0.mlp.router.bias"},
+                "deepseek_v3": {"model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+                                "model.layers.0.mlp.up_proj.weight", "model.layers.0.self_attn.q_b_proj.weight",
+                                "model.layers.1.mlp.experts.7.up_proj.weight",
+                                "model.layers.1.mlp.gate.e_score_correction_bias",
+                                "model.layers.1.mlp.shared_experts.down_proj.weight"},
+                "deepseek_v3-yarn": {"model.layers.0.self_attn.q_proj.weight",
+                                     "model.layers.2.mlp.experts.gate_up_proj",
+                                     "model.layers.0.self_attn.kv_a_proj_with_mqa.bias"}}
     assert expected.get(name, expected["phi3"]) <= names
     # each block's window as transformers' attention applies it (Phi-3 reads the config's at every layer)
-    windows = [getattr(layer.self_attn, "sliding_window", reference.config.sliding_window)
+    windows = [getattr(layer.self_attn, "sliding_window", getattr(reference.config, "sliding_window", None))
                for layer in reference.model.layers]
     assert span.windows(0, 4) == windows
-    assert any(windows) == (name != "qwen3_moe-fused" and name != "phi3-longrope")
+    assert any(windows) == (name not in ("qwen3_moe-fused", "phi3-longrope") and not name.startswith("deepseek"))
     assert span.can_batch  # (Gemma 2's soft-capped and GPT-OSS's sink attention: eager in the batched paths too)
 
 
@@ -326,14 +356,20 @@ def test_mxfp4_gpt_oss_experts_are_a_clear_error():
         layer.load_state_dict({"mlp.experts.gate_up_proj_blocks": torch.zeros(1)}, strict=False)
 
 
+LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 @pytest.mark.parametrize("family, targets", [("qwen3", ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj")),
                                              ("phi3", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
                                              ("mixtral", ("q_proj", "k_proj", "v_proj", "o_proj")),
-                                             ("qwen3_moe", ("q_proj", "k_proj", "v_proj", "o_proj"))])
+                                             ("qwen3_moe", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                             ("gemma2", LLAMA_TARGETS), ("gemma3_text", LLAMA_TARGETS),
+                                             ("gpt_oss", ("q_proj", "k_proj", "v_proj", "o_proj"))])
 def test_lora_adapter_matches_peft(family, targets, tmp_path):
-    """A peft LoRA adapter on the span (Qwen3: its q/k deltas before the q/k norms; Phi-3: its fused qkv_proj and
-    gate_up_proj targets; the mixtures of experts: their attention, the experts' step unchanged) gives peft's
-    logits, in a prefill and in a decode step batched with a base session."""
+    """A peft LoRA adapter on the span (Qwen3, Gemma 3: its q/k deltas before the q/k norms; Phi-3: its fused
+    qkv_proj and gate_up_proj targets; Gemma: every projection, around its pre- and post-norms; the mixtures of
+    experts: their attention, the experts' step unchanged; GPT-OSS's with biases and sinks) gives peft's logits, in a
+    prefill and in a decode step batched with a base session."""
     from swarm.modeling.lora import AdapterSource, open_adapter
     from tests.fixtures.lora_fixtures import make_adapter, peft_reference
 
@@ -362,14 +398,26 @@ def test_lora_adapter_matches_peft(family, targets, tmp_path):
     assert (_logits(model, steps[1]) - base[:, -1:]).abs().max().item() < 1e-4
 
 
+def test_lora_on_experts_is_a_clear_error(tmp_path):
+    """peft adapts transformers 5's stacked experts only through `target_parameters`: refused with one line, as is
+    a tensor of an expert."""
+    from swarm.modeling.lora import AdapterError, AdapterSource, open_adapter
+    from tests.fixtures.lora_fixtures import make_adapter
+
+    save_tiny("qwen3_moe", tmp_path / "base", None, vocab_size=VOCAB, **MOE)
+    adapter = make_adapter(str(tmp_path / "base"), tmp_path / "lora", seed=1, targets=(), r=4, alpha=8,
+                           target_parameters=["mlp.experts.gate_up_proj"])
+    config = Checkpoint(str(tmp_path / "base")).load_config()
+    with pytest.raises(AdapterError, match="adapters on experts are not served"):
+        open_adapter(AdapterSource.parse(f"a={adapter}"), config)
+
+
 def test_left_padded_batch_matches_transformers(case):
     """A batch of two prompts, the shorter left-padded by 4: the server hides the padding keys and counts each
     row's positions from its first token (prefill, then decode steps), as transformers' generate with the
-    attention mask does."""
+    attention mask does. (Phi-3 with LongRoPE: the generation crosses its original 12 positions, where the session
+    is computed again.)"""
     name, _, reference, span = case
-    if name == "phi3-longrope":
-        pytest.skip("the generation crosses LongRoPE's original 12 positions, where transformers recomputes its cache "
-                    "(not the swarm: the README's families table)")
     torch.manual_seed(6)
     ids = torch.randint(3, VOCAB, (2, 11))
     ids[1, :4] = reference.config.pad_token_id

@@ -1,0 +1,100 @@
+"""Phi-3 with LongRoPE whose session crosses `original_max_position_embeddings` (12 here) mid-generation.
+
+What transformers does (5.24, `Phi3ForCausalLM.prepare_inputs_for_generation` and `longrope_frequency_update`): each
+forward call rotates with the short factors while its largest position is below the original length and with the
+long ones past it; and `generate` drops its cache at the first step whose sequence reaches past that length while
+the cache holds no more than it, computing the whole sequence again (so every key then has the long factors). Its
+greedy tokens and logits are therefore those of a pass without a cache over the whole sequence at every step. The
+swarm matches that: the client sends the whole sequence again from position 0 at that step
+(`phi3.recomputes_cache`, `swarm.client.model_session`), in process and through a server; keeping the cache
+instead (the earlier keys with the short factors) gives other logits, which this test also shows.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.compute.blocks import BlockSpan
+from swarm.modeling.checkpoint import Checkpoint
+from swarm.modeling.phi3 import recomputes_cache
+from tests.fixtures.tiny_checkpoints import save_tiny
+from tests.swarm.modeling.test_family_open_models import LONGROPE, VOCAB, _embed, _greedy_steps, _logits
+
+
+@pytest.fixture(scope="module")
+def longrope(tmp_path_factory):
+    path = tmp_path_factory.mktemp("longrope")
+    reference = save_tiny("phi3", path, None, vocab_size=VOCAB, **LONGROPE)
+    return path, reference
+
+
+def test_the_boundary_rule():
+    from swarm.modeling.model_config import model_config
+
+    config = model_config({"model_type": "phi3", **LONGROPE})
+    assert [recomputes_cache(config, held, held + 1) for held in (0, 5, 11, 12, 13)] == [False, False, False, True,
+                                                                                          False]
+    assert recomputes_cache(config, 8, 20) and not recomputes_cache(config, 8, 12)
+    assert not recomputes_cache(model_config({"model_type": "phi3", "original_max_position_embeddings": 12}), 12, 13)
+
+
+def test_a_session_crossing_the_original_length_matches_transformers(longrope):
+    """A 9-token prompt and 8 greedy tokens (positions 9..16): tokens equal transformers' generate and every step's
+    logits equal its scores within 1e-4; without computing the session again the logits past the boundary differ."""
+    path, reference = longrope
+    span = BlockSpan.load(Checkpoint(str(path)), 0, 4, "float32")
+    torch.manual_seed(11)
+    ids = torch.randint(3, VOCAB, (2, 9))
+    with torch.no_grad():
+        out = reference.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+    kv = span.new_session_kv(2, 32, 0, 4)
+    tokens = _greedy_steps(reference, span, kv, ids, span.forward(_embed(reference, ids), 0, kv), 8)
+    assert tokens.tolist() == out.sequences.tolist()
+    # the same steps, each step's logits against transformers' (the last position's after each step)
+    kept = span.new_session_kv(2, 32, 0, 4)  # (the cache kept across the boundary: what transformers does not do)
+    kv = span.new_session_kv(2, 32, 0, 4)
+    hidden, stale = span.forward(_embed(reference, ids), 0, kv), span.forward(_embed(reference, ids), 0, kept)
+    differ = 0.0
+    for step, position in enumerate(range(9, 17)):
+        assert (_logits(reference, hidden[:, -1]) - out.logits[step]).abs().max().item() < 1e-4
+        differ = max(differ, (_logits(reference, stale[:, -1]) - out.logits[step]).abs().max().item())
+        token = tokens[:, position:position + 1]
+        if recomputes_cache(span.config, position, position + 1):
+            hidden = span.forward(_embed(reference, tokens[:, :position + 1]), 0, kv)
+        else:
+            hidden = span.forward_batch([(_embed(reference, token), position, kv)], 0, 4)[0]
+        stale = span.forward_batch([(_embed(reference, token), position, kept)], 0, 4)[0]
+    assert differ > 1e-3
+
+
+@pytest.mark.extended
+def test_a_swarm_session_crossing_the_original_length(tmp_path, bootstrap, model_path, tokenizer):
+    """Through two servers (0:2, 2:4) and the client's `generate`: a 9-token prompt and 8 new tokens cross the
+    boundary, the tokens and the last logits equal transformers'."""
+    from swarm import AutoDistributedModelForCausalLM
+    from swarm.launch.topology import start_servers, terminate_all
+
+    reference = save_tiny("phi3", tmp_path, model_path, **LONGROPE)
+    with torch.no_grad():  # sharper attention (random q/k weights of std 0.02 attend almost uniformly): the
+        for name, param in reference.named_parameters():  # rotation's factors then move the tokens
+            if "qkv_proj" in name:
+                param.normal_(0.0, 0.3)
+    reference.save_pretrained(tmp_path)
+    servers = start_servers(str(tmp_path), [bootstrap.maddr], ["0:2", "2:4"], "tlr", threads=1)
+    model = AutoDistributedModelForCausalLM.from_pretrained(str(tmp_path), initial_peers=[bootstrap.maddr],
+                                                            dht_prefix="tlr")
+    try:
+        ids = tokenizer("The history of the Roman Empire begins with the", return_tensors="pt")["input_ids"][:, :9]
+        assert ids.shape[1] == 9
+        with torch.no_grad():
+            expected = reference.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+            expected_logits = reference(expected).logits[:, -1]
+        with model.inference_session(max_length=32) as session:
+            ours = model.generate(ids, session=session, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+            logits = model(ours).logits[:, -1]
+        assert ours.tolist() == expected.tolist()
+        assert (logits - expected_logits).abs().max().item() < 1e-3
+    finally:
+        model.shutdown()
+        terminate_all(servers)
