@@ -2,12 +2,12 @@
 
 `create_app(config, model=None, tokenizer=None)` builds the app around one client model (loaded here when not
 given: embeddings, final norm and LM head; the blocks run on the swarm) and its tokenizer. Routes: the OpenAI
-endpoints (`gateway.completions`), `GET /v1/models`, `POST /tokenize`, `POST /detokenize` (all behind the
-API keys when configured), `GET /health` (200 when every block is served, else 503 naming the missing
-ones) and `GET /metrics` (Prometheus), public unless `--protect_probes`, and the public swarm status page
-`GET /status` / `/status.json` (`gateway.status`), and the chat page `GET /chat` (`gateway.chat_page`; `GET /` sends
-a browser there). Every response carries `X-Request-Id` (echoed or created);
-CORS is on for the configured origins.
+endpoints (`gateway.completions`; the Responses API, `gateway.responses`), `GET /v1/models`, `POST /tokenize`,
+`POST /detokenize` (all behind the API keys when configured), `GET /health` (200 when every block is served, else
+503 naming the missing ones) and `GET /metrics` (Prometheus), public unless `--protect_probes`, and the public swarm
+status page `GET /status` / `/status.json` (`gateway.status`), and the chat page `GET /chat` (`gateway.chat_page`;
+`GET /` sends a browser there). Every response carries `X-Request-Id` (echoed or created); CORS is on for the
+configured origins.
 
 `main(argv)` parses flags / YAML / environment into `GatewayConfig`, serves with uvicorn, and prints
 `SWARMGATE_READY {"url": "http://host:port"}` on stdout once it accepts connections.
@@ -42,6 +42,7 @@ from gateway.errors import bad_request, install_error_handlers
 from gateway.metrics import CONTENT_TYPE_LATEST, Metrics
 from gateway.openapi import install as install_openapi
 from gateway.params import Limits, check_messages
+from gateway.responses.routes import install as install_responses
 from gateway.schemas import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
 from gateway.session_pool import SessionPool
 from gateway.sessions import SessionProvider
@@ -55,8 +56,8 @@ from swarm.runtime.taskpool import stop_client_pool
 logger = logging.getLogger("swarmgate.gateway")
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize",
-              "/detokenize", "/status", "/status.json", "/chat"}
+_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/metrics",
+              "/tokenize", "/detokenize", "/status", "/status.json", "/chat"}
 
 
 class RequestContext:
@@ -84,7 +85,8 @@ class RequestContext:
             await self.app(scope, receive, send_with_id)
         finally:
             path = scope.get("path", "")
-            endpoint = path if path in _ENDPOINTS else ("/v1/models" if path.startswith("/v1/models/") else "other")
+            prefix = next((p for p in ("/v1/models", "/v1/responses") if path.startswith(p + "/")), "other")
+            endpoint = path if path in _ENDPOINTS else prefix
             self.metrics.requests.labels(endpoint=endpoint, status=str(status[0])).inc()
 
 
@@ -162,6 +164,7 @@ def create_app(config: GatewayConfig, model=None, tokenizer=None) -> FastAPI:
                            allow_credentials="*" not in config.cors_origins)
     app.add_middleware(RequestContext, metrics=metrics)
     app.include_router(completions_router)
+    install_responses(app, config)  # /v1/responses (gateway.responses) and its store
     _add_routes(app, state)
     # `model` in /openapi.json: the served names (the base and its adapters)
     install_openapi(app, lambda: (config.model_name, config.model, *state.served_adapters()))
