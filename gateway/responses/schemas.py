@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Dict, List, Literal, Optional, Tuple, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_serializer
 
 from gateway.schemas import FUNCTION_NAME
 
@@ -291,3 +291,11 @@ class Response(BaseModel):
     metadata: Dict[str, str] = Field(default_factory=dict)
     safety_identifier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _omit_nulls(self, handler) -> Dict[str, Any]:
+        out = handler(self)
+        for key in ("user", "usage"):  # the spec's `user` is a string and `usage` an object, never null
+            if out.get(key, ...) is None:
+                del out[key]
+        return out
