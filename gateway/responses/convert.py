@@ -190,15 +190,15 @@ _PARAMS = (("messages", "input"), ("response_format.json_schema.", "text.format.
 def rename_param(error: APIError) -> APIError:
     """A chat-path error with its `param` in the Responses request's names (`messages.3...` is `input`, a tool's
     `tools.0.function.name` is `tools.0.name`, `response_format...` is `text.format...`)."""
-    param = error.param
-    if param is None:
+    given = param = error.param
+    if given is None or param is None:
         return error
     for old, new in _PARAMS:
         if param.startswith(old):
             param = "input" if old == "messages" else new + param[len(old):]
             break
     param = param.replace(".function.", ".")
-    error.message, error.param = error.message.replace(error.param, param), param
+    error.message, error.param = error.message.replace(given, param), param
     return error
 
 
