@@ -95,14 +95,12 @@ def test_unknown_and_unsupported_parameters_are_400s(client, model_name):
         client.responses.create(model=model_name, input="Hi", tools=[{"type": "web_search"}])
 
 
-def test_an_agents_sdk_agent_calls_a_function_tool(gateway, model_name):
-    """An OpenAI Agents SDK agent on the gateway's Responses API (OpenAIResponsesModel): the first turn is forced to
-    call the tool (tool_choice required: the tiny model would not call it by itself), the tool runs, its output goes
-    back as a function_call_output item (the SDK resets tool_choice after a call), and the run ends with text."""
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+def _weather_agent(gateway, model_name, calls):
+    """An OpenAI Agents SDK agent on the gateway's Responses API (OpenAIResponsesModel) with one function tool; its
+    first turn is forced to call the tool (tool_choice required: the tiny model would not call it by itself)."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, function_tool, set_tracing_disabled
 
     set_tracing_disabled(True)  # no trace export (no internet here)
-    calls = []
 
     @function_tool
     def get_weather(city: str) -> str:
@@ -112,10 +110,42 @@ def test_an_agents_sdk_agent_calls_a_function_tool(gateway, model_name):
 
     model = OpenAIResponsesModel(model=model_name, openai_client=openai.AsyncOpenAI(
         base_url=gateway.base_url, api_key="unused", max_retries=0, timeout=180))
-    agent = Agent(name="weather", instructions="Answer questions about the weather.", tools=[get_weather],
-                  model=model, model_settings=ModelSettings(tool_choice="required", max_tokens=48, temperature=0))
-    result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+    return Agent(name="weather", instructions="Answer questions about the weather.", tools=[get_weather],
+                 model=model, model_settings=ModelSettings(tool_choice="required", max_tokens=48, temperature=0))
+
+
+def test_an_agents_sdk_agent_calls_a_function_tool(gateway, model_name):
+    """The tool runs, its output goes back as a function_call_output item (the SDK resets tool_choice after a call),
+    and the run ends with text."""
+    from agents import Runner
+
+    calls: list = []
+    result = Runner.run_sync(_weather_agent(gateway, model_name, calls), "What is the weather in Paris?", max_turns=4)
     assert calls and isinstance(calls[0], str) and calls[0]
     first = result.raw_responses[0].output
     assert [item.type for item in first] == ["function_call"] and first[0].name == "get_weather"
     assert isinstance(result.final_output, str) and result.final_output
+
+
+def test_an_agents_sdk_agent_streams(gateway, model_name):
+    """The same agent run streamed (`Runner.run_streamed`: the SDK reads the typed events): the tool's call and
+    output are items of the run, text deltas arrive, and the final output is their text."""
+    import asyncio
+
+    from agents import Runner
+
+    calls: list = []
+
+    async def run():
+        result = Runner.run_streamed(_weather_agent(gateway, model_name, calls), "Weather in Rome?", max_turns=4)
+        deltas, items = [], []
+        async for event in result.stream_events():
+            if event.type == "raw_response_event" and event.data.type == "response.output_text.delta":
+                deltas.append(event.data.delta)
+            elif event.type == "run_item_stream_event":
+                items.append(event.item.type)
+        return result, deltas, items
+
+    result, deltas, items = asyncio.run(run())
+    assert calls and items[:2] == ["tool_call_item", "tool_call_output_item"]
+    assert result.final_output and "".join(deltas).endswith(result.final_output)
