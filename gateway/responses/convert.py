@@ -146,13 +146,21 @@ def input_messages(body: ResponsesRequest) -> List[ChatMessage]:
 
 def output_messages(output: Sequence[OutputItem]) -> List[ChatMessage]:
     """A response's output items as the chat history that follows its input (one assistant message: its text,
-    then its calls)."""
+    then its calls; a call cut short by max_output_tokens, whose arguments are not a whole JSON object, is left
+    out: the chat template could not render it, and the client never got a call to answer)."""
     texts = [part.text for item in output if isinstance(item, OutputMessage) for part in item.content]
     calls = [ToolCallIn(id=item.call_id, function=FunctionCallIn(name=item.name, arguments=item.arguments))
-             for item in output if not isinstance(item, OutputMessage)]
+             for item in output if not isinstance(item, OutputMessage) and _is_object(item.arguments)]
     if not texts and not calls:
         return [ChatMessage(role="assistant", content="")]
     return [ChatMessage(role="assistant", content="".join(texts) or None, tool_calls=calls or None)]
+
+
+def _is_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 def _response_format(body: ResponsesRequest) -> Optional[ResponseFormat]:
