@@ -54,10 +54,11 @@ def test_previous_response_id_reuses_the_pooled_session(gateway, client, model_n
     second turn is streamed raw, each event validated against its schema."""
     hello = "My name is Ada. Say hello to me."
     first = client.responses.create(model=model_name, input=hello, max_output_tokens=TOKENS, temperature=0)
-    with httpx.stream("POST", gateway.base_url + "/responses", timeout=180, json={
+    with httpx.stream("POST", gateway.base_url + "/responses", timeout=180,
+                      headers={"Authorization": "Bearer unused"}, json={  # the SDK client's key: the same owner
             "model": model_name, "input": "What is my name?", "previous_response_id": first.id, "stream": True,
             "max_output_tokens": TOKENS, "temperature": 0}) as r:
-        assert r.status_code == 200
+        assert r.status_code == 200, r.read()
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
     for event in events:
         check_event(event)
