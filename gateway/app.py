@@ -2,11 +2,11 @@
 
 `create_app(config, model=None, tokenizer=None)` builds the app around one client model (loaded here when not
 given: embeddings, final norm and LM head; the blocks run on the swarm) and its tokenizer. Routes: the OpenAI
-endpoints (`gateway.api.completions`), `GET /v1/models`, `POST /tokenize`, `POST /detokenize` (all behind the
-API keys when configured), `GET /health` (200 when every block is served, else 503 naming the missing
-ones) and `GET /metrics` (Prometheus), public unless `--protect_probes`, and the public swarm status page
-`GET /status` / `/status.json` (`gateway.api.status`), and the chat page `GET /chat` (`gateway.api.chat_page`; `GET /`
-sends a browser there). Every response carries `X-Request-Id` (echoed or created);
+endpoints (`gateway.api.completions`; the Responses API, `gateway.responses`), `GET /v1/models`, `POST /tokenize`,
+`POST /detokenize` (all behind the API keys when configured), `GET /health` (200 when every block is served, else
+503 naming the missing ones) and `GET /metrics` (Prometheus), public unless `--protect_probes`, and the public swarm
+status page `GET /status` / `/status.json` (`gateway.api.status`), and the chat page `GET /chat`
+(`gateway.api.chat_page`; `GET /` sends a browser there). Every response carries `X-Request-Id` (echoed or created);
 CORS is on for the configured origins.
 
 `main(argv)` parses flags / YAML / environment into `GatewayConfig`, serves with uvicorn, and prints
@@ -38,6 +38,7 @@ from gateway.api.chat_page import add_chat_routes
 from gateway.api.completions import router as completions_router
 from gateway.api.openapi import install as install_openapi
 from gateway.api.params import Limits, check_messages
+from gateway.api.responses.routes import install as install_responses
 from gateway.api.state import GatewayState, format_ranges, quant_note, quant_summary
 from gateway.api.status import add_status_routes
 from gateway.config import GatewayConfig
@@ -55,8 +56,8 @@ from swarm.runtime.taskpool import stop_client_pool
 logger = logging.getLogger("swarmgate.gateway")
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize",
-              "/detokenize", "/status", "/status.json", "/chat"}
+_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/metrics",
+              "/tokenize", "/detokenize", "/status", "/status.json", "/chat"}
 
 
 class RequestContext:
@@ -84,7 +85,8 @@ class RequestContext:
             await self.app(scope, receive, send_with_id)
         finally:
             path = scope.get("path", "")
-            endpoint = path if path in _ENDPOINTS else ("/v1/models" if path.startswith("/v1/models/") else "other")
+            prefix = next((p for p in ("/v1/models", "/v1/responses") if path.startswith(p + "/")), "other")
+            endpoint = path if path in _ENDPOINTS else prefix
             self.metrics.requests.labels(endpoint=endpoint, status=str(status[0])).inc()
 
 
@@ -165,6 +167,7 @@ def create_app(config: GatewayConfig, model=None, tokenizer=None) -> FastAPI:
                            allow_credentials="*" not in config.cors_origins)
     app.add_middleware(RequestContext, metrics=metrics)
     app.include_router(completions_router)
+    install_responses(app, config)  # /v1/responses (gateway.responses) and its store
     _add_routes(app, state)
     # `model` in /openapi.json: the served names (the base and its adapters)
     install_openapi(app, lambda: (config.model_name, config.model, *state.served_adapters()))

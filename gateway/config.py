@@ -65,6 +65,14 @@ class GatewayConfig(SwarmKeySettings):
     pool_headroom: int = Field(
         default=512, ge=0, description="tokens a pooled session reserves beyond prompt + max_tokens so that the "
                                        "next turns of the conversation fit in it (capped by the context length)")
+    responses_store_max: int = Field(
+        default=1000, ge=0,
+        description="most responses of the Responses API kept for previous_response_id and GET /v1/responses/{id} "
+                    "(`store: true`, the default): in this process's memory only, lost on restart; the oldest is "
+                    "dropped first (0: nothing is stored)")
+    responses_store_ttl: float = Field(
+        default=3600.0, gt=0, description="seconds a stored response is kept (then previous_response_id naming it is "
+                                          "a 400 and GET a 404)")
     compression: Optional[Compression] = Field(default=None, description=COMPRESSION_HELP + " of this gateway's "
                                                                                            "sessions (default: each "
                                                                                            "server's --compression)")

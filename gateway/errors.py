@@ -3,7 +3,8 @@
 `APIError` (and its helpers `bad_request`, `not_found`, ...) is raised anywhere in the gateway; the handlers
 installed by `install_error_handlers` turn it, FastAPI's validation errors (400, never 422), Starlette's
 HTTP errors (unknown route, wrong method) and any unexpected exception (500, logged, no traceback sent)
-into that envelope. `error_body` gives the same object for errors sent inside an SSE stream.
+into that envelope (an unknown field of a body that forbids them: "Unknown parameter: 'x'", as OpenAI says).
+`error_body` gives the same object for errors sent inside an SSE stream.
 """
 from __future__ import annotations
 
@@ -76,14 +77,18 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
         return "Invalid request.", None
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
-    # drop pydantic's union-member tags (e.g. "str", "list[str]") so that the param names the field
-    loc = [p for p in loc if not (p.startswith(("list[", "dict[", "function-")) or p in ("str", "int", "float"))]
+    # drop pydantic's union-member tags (e.g. "str", "list[str]", gateway.responses' "kind:...") so that the param
+    # names the field
+    tags = ("list[", "dict[", "function-", "kind:")
+    loc = [p for p in loc if not (p.startswith(tags) or p in ("str", "int", "float"))]
     param = ".".join(loc) or None
     message = str(first.get("msg", "invalid value"))
     if first.get("type") == "json_invalid":
         return "The request body is not valid JSON.", None
     if first.get("type") == "missing":
         return f"Missing required parameter: '{param}'.", param
+    if first.get("type") == "extra_forbidden":  # a body that rejects unknown fields (the Responses API's)
+        return f"Unknown parameter: '{param}'.", param
     more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
     return (f"Invalid value for '{param}': {message}{more}." if param else f"Invalid request: {message}{more}."), param
 

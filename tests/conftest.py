@@ -57,6 +57,10 @@ EXTENDED = (
     # out-of-cache scenarios that wait for time-outs (make test: the budget's waits, pooled eviction)
     "tests/gateway/test_session_pool.py::test_out_of_cache_evicts_pooled_sessions_and_retries",
     "tests/server/test_cache_budget.py::test_session_gets_out_of_cache_after_the_timeout",
+    # an Agents SDK agent streamed, json_schema on the real model (make test: the same agent run plainly, the SDK's
+    # streamed responses; text.format json_schema in process, chat's json_schema through the swarm)
+    "tests/gateway/test_responses.py::test_an_agents_sdk_agent_streams",
+    "tests/gateway/test_responses.py::test_json_schema_output_parses_and_validates",
     # the prompt-tuning example's training runs (make test: gradients vs transformers, classification training)
     "tests/e2e/test_training_example.py::",
     # a frozen server on loopback (make test: the liveness rules, fast; failover of killed and erroring servers)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import AsyncIterator, Dict, List, Optional, cast
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Dict, List, Optional, Union, cast
 
 from fastapi import APIRouter, Depends, Request
 from sse_starlette.sse import EventSourceResponse
@@ -57,9 +58,9 @@ from gateway.serving.engine import RequestRun
 from gateway.serving.events import ChoiceDelta, Done, GenerationFailed, swarm_error
 from gateway.structured.grammars import check as check_grammar
 from gateway.structured.grammars import request_grammar
-from gateway.structured.toolparse import ToolCallParser, finish_reason
+from gateway.structured.toolparse import ToolCallParser, finish_reason, parser_maker
 from gateway.structured.tools import check_tools
-from swarm.client.api import TokenChoice
+from swarm.client.api import SamplingParams, TokenChoice
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
@@ -132,16 +133,29 @@ async def _watch_disconnect(request: Request, run: RequestRun) -> None:
         await asyncio.sleep(0.5)
 
 
-class Collected:
-    def __init__(self, count: int):
-        self.texts = [""] * count
-        self.tokens: List[List[TokenChoice]] = [[] for _ in range(count)]
-        self.finish: List[Optional[str]] = [None] * count
+class Totals:
+    """The token counts of a request's jobs (their `Done` events) and the peer ids that served them."""
+
+    def __init__(self) -> None:
         self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
         self.servers: List[str] = []  # peer ids that served the jobs, each once, in order
 
+    def add(self, done: Done) -> None:
+        self.prompt_tokens += done.prompt_tokens
+        self.completion_tokens += done.completion_tokens
+        self.cached_tokens += done.cached_tokens
+        self.servers += [s for s in done.servers if s not in self.servers]
+
     def usage(self) -> Usage:
         return make_usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+
+class Collected(Totals):
+    def __init__(self, count: int):
+        super().__init__()
+        self.texts = [""] * count
+        self.tokens: List[List[TokenChoice]] = [[] for _ in range(count)]
+        self.finish: List[Optional[str]] = [None] * count
 
 
 def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
@@ -161,10 +175,7 @@ async def collect(request: Request, run: RequestRun, n: int) -> Collected:
                 out.tokens[index].extend(event.tokens)
                 out.finish[index] = event.finish_reason or out.finish[index]
             elif isinstance(event, Done):
-                out.prompt_tokens += event.prompt_tokens
-                out.completion_tokens += event.completion_tokens
-                out.cached_tokens += event.cached_tokens
-                out.servers += [s for s in event.servers if s not in out.servers]
+                out.add(event)
             elif isinstance(event, GenerationFailed):
                 raise event.error
     finally:
@@ -173,11 +184,13 @@ async def collect(request: Request, run: RequestRun, n: int) -> Collected:
     return out
 
 
-def sse_response(state: GatewayState, run: RequestRun, chunks: AsyncIterator[str]) -> EventSourceResponse:
+def sse_response(state: GatewayState, run: RequestRun, chunks: AsyncIterator[Union[str, Dict[str, str]]]
+                 ) -> EventSourceResponse:
+    """`chunks`: each event's data, or a dict of SSE fields (`event`, `data`)."""
     async def body():
         try:
             async for data in chunks:
-                yield {"data": data}
+                yield data if isinstance(data, dict) else {"data": data}
         finally:
             run.close()
 
@@ -188,24 +201,20 @@ def sse_response(state: GatewayState, run: RequestRun, chunks: AsyncIterator[str
 async def stream_events(run: RequestRun, n: int, on_delta, on_usage) -> AsyncIterator[str]:
     """Shared streaming loop: yields the serialized chunks of deltas, usage, errors and `[DONE]`;
     `on_usage(usage, servers)` gets the peer ids that served the jobs."""
-    prompt_tokens = completion_tokens = cached_tokens = 0
-    servers: List[str] = []
+    totals = Totals()
     failed = False
     async for k, event in run.events():
         if isinstance(event, ChoiceDelta):
             for chunk in on_delta(k * n + event.index, event):
                 yield chunk
         elif isinstance(event, Done):
-            prompt_tokens += event.prompt_tokens
-            completion_tokens += event.completion_tokens
-            cached_tokens += event.cached_tokens
-            servers += [s for s in event.servers if s not in servers]
+            totals.add(event)
         elif isinstance(event, GenerationFailed):
             yield json.dumps(event.error.body())
             failed = True
             break
     if not failed:
-        usage_chunk = on_usage(make_usage(prompt_tokens, completion_tokens, cached_tokens), servers)
+        usage_chunk = on_usage(totals.usage(), totals.servers)
         if usage_chunk is not None:
             yield usage_chunk
     yield "[DONE]"
@@ -216,9 +225,22 @@ def _include_usage(body) -> bool:
 
 
 # ---- chat ---------------------------------------------------------------------------------------------------------
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request):
-    state = _state(request)
+@dataclass
+class ChatPlan:
+    """What a chat request runs: the model id to answer with and its LoRA adapter, the prompt ids, the sampling
+    parameters (with the grammar of structured output or forced calls), and a maker of one choice's tool-call
+    parser (None: the output is not parsed for calls)."""
+
+    model_name: str
+    adapter: Optional[str]
+    prompt: List[int]
+    params: SamplingParams
+    new_parser: Optional[Callable[[], ToolCallParser]]
+
+
+async def plan_chat(state: GatewayState, body: ChatCompletionRequest) -> ChatPlan:
+    """Validate a chat request and render its prompt (every 400 is found here, before a slot is taken); used by
+    `/v1/chat/completions` and by the Responses API (`gateway.responses`), which converts its requests to chat's."""
     model_name, adapter = await run_in_threadpool(state.resolve_model, body.model, True)
     check_chat_request(body)
     tool_choice = check_tools(body.tools, body.tool_choice)
@@ -229,22 +251,26 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if grammar is not None:
         await run_in_threadpool(check_grammar, state.tokens, grammar, blame)
     params = chat_params(body, len(prompt), state.limits, grammar)
+    return ChatPlan(model_name, adapter, prompt, params, parser_maker(tools, tool_choice, body.parallel_tool_calls))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    state = _state(request)
+    plan = await plan_chat(state, body)
+    model_name, params, new_parser = plan.model_name, plan.params, plan.new_parser
     n = body.n or 1
-    forced = tool_choice not in ("none", "auto")  # the grammar guarantees the calls: stream their arguments
-    # the names a call may have (a named tool_choice: that one); None: the output is not parsed for tool calls
-    names = ([tool_choice] if forced and tool_choice != "required" else [t.function.name for t in tools]) \
-        if tools else None
-    max_calls = 1 if body.parallel_tool_calls is False else None
     completion_id = "chatcmpl-" + _request_id(request)
     created = int(time.time())
-    run = await state.admit([state.new_job(prompt, params, n, _request_id(request), owner_of(request), adapter,
-                                             stream=bool(body.stream), speculative=state.speculation(body))])
+    run = await state.admit([state.new_job(plan.prompt, params, n, _request_id(request), owner_of(request),
+                                           plan.adapter, stream=bool(body.stream),
+                                           speculative=state.speculation(body))])
 
     if not body.stream:
         got = await collect(request, run, n)
         choices = []
         for i in range(n):
-            parser = ToolCallParser(names, max_calls, forced) if names is not None else None
+            parser = new_parser() if new_parser is not None else None
             content, calls = parser.whole(got.texts[i]) if parser is not None else (got.texts[i], [])
             choices.append(ChatChoice(index=i, message=AssistantMessage(content=content, tool_calls=calls or None),
                                       logprobs=chat_logprobs(state, got.tokens[i]) if params.logprobs else None,
@@ -257,7 +283,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         return ChatCompletionChunk(id=completion_id, created=created, model=model_name, choices=choices,
                                    usage=usage, swarm=swarm).model_dump_json(exclude=None if swarm else {"swarm"})
 
-    parsers = [ToolCallParser(names, max_calls, forced) for _ in range(n)] if names is not None else None
+    parsers = [new_parser() for _ in range(n)] if new_parser is not None else None
 
     def on_delta(index: int, event: ChoiceDelta):
         logprobs = chat_logprobs(state, event.tokens) if params.logprobs and event.tokens else None

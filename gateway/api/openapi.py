@@ -24,8 +24,9 @@ ERROR_SCHEMA: Dict[str, Any] = {
                        "code": {"anyOf": [{"type": "string"}, {"type": "null"}]}},
     }},
 }
-MODEL_FIELDS = {"ChatCompletionRequest": True, "CompletionRequest": True, "TokenizeRequest": False,
-                "DetokenizeRequest": False}  # request model -> whether `model` is required there
+# request model -> whether `model` is required there
+MODEL_FIELDS = {"ChatCompletionRequest": True, "CompletionRequest": True, "ResponsesRequest": True,
+                "TokenizeRequest": False, "DetokenizeRequest": False}
 
 
 def _narrow(schema: Dict[str, Any], names: Sequence[str]) -> None:

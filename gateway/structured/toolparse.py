@@ -23,13 +23,14 @@ tokens). Streamed, `finish()` sends what was held back of it; whole, `parse_all`
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Collection, List, Optional, Tuple
+from typing import Callable, Collection, List, Optional, Sequence, Tuple
 
-from gateway.schemas import FunctionCall, FunctionCallChunk, ToolCall, ToolCallChunk
+from gateway.schemas import FunctionCall, FunctionCallChunk, ToolCall, ToolCallChunk, ToolDefinition
 from gateway.structured.tools import CALL_CLOSE, CALL_OPEN, call_header
 
 
@@ -258,6 +259,20 @@ def call_chunks(index: int, call: ToolCall) -> List[ToolCallChunk]:
     return [ToolCallChunk(index=index, id=call.id, type="function",
                           function=FunctionCallChunk(name=call.function.name, arguments="")),
             ToolCallChunk(index=index, function=FunctionCallChunk(arguments=call.function.arguments))]
+
+
+def parser_maker(tools: Optional[Sequence[ToolDefinition]], tool_choice: str, parallel_tool_calls: Optional[bool]
+                 ) -> Optional[Callable[[], ToolCallParser]]:
+    """A maker of one choice's parser for a request's tools (None, or `tool_choice` 'none': the output is not parsed)
+    and effective `tool_choice` (`gateway.structured.tools.check_tools`). A forced call (`required`, a named function)
+    streams its arguments as generated (the grammar guarantees the call); a named function is the one name a call may
+    have; `parallel_tool_calls: false` allows one call."""
+    if not tools:
+        return None
+    forced = tool_choice not in ("none", "auto")
+    names = [tool_choice] if forced and tool_choice != "required" else [t.function.name for t in tools]
+    max_calls = 1 if parallel_tool_calls is False else None
+    return functools.partial(ToolCallParser, names, max_calls, forced)
 
 
 def finish_reason(reason: Optional[str], parser: Optional[ToolCallParser]) -> Optional[str]:

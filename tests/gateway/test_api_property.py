@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
+from tests.fixtures import openai_responses_schemas as ors
 from tests.fixtures import openai_schemas as oas
 from tests.fixtures.gateway_fixtures import gateway, one_torch_thread  # noqa: F401
 from tests.gateway.test_openai_spec import validate
@@ -29,7 +30,9 @@ JSON_SCHEMAS = {
     ("POST", "/v1/chat/completions"): (oas.CHAT_COMPLETION, oas.CHAT_COMPLETION_CHUNK),
     ("POST", "/v1/completions"): (oas.COMPLETION, oas.COMPLETION_CHUNK),
     ("GET", "/v1/models"): (oas.MODEL_LIST, None),
+    ("POST", "/v1/responses"): (ors.RESPONSE, ors.STREAM_EVENT),
 }
+OUTPUT_TOKENS = 16  # the Responses API's least max_output_tokens (OpenAI's)
 
 
 def bounded(case) -> None:
@@ -38,10 +41,14 @@ def bounded(case) -> None:
     body = case.body
     if not isinstance(body, dict):
         return
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens") if "input" not in body else ():  # (chat and completions)
         value = body.get(key)
         if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > SMALL):
             body[key] = SMALL
+    value = body.get("max_output_tokens")
+    if "input" in body and (value is None or (isinstance(value, int) and not isinstance(value, bool)
+                                              and value > OUTPUT_TOKENS)):
+        body["max_output_tokens"] = OUTPUT_TOKENS
     if isinstance(body.get("n"), int) and not isinstance(body["n"], bool) and body["n"] > 2:
         body["n"] = 2
     if isinstance(body.get("best_of"), int) and not isinstance(body["best_of"], bool) and body["best_of"] > 2:
@@ -50,8 +57,11 @@ def bounded(case) -> None:
         body["prompt"] = body["prompt"][:4]
 
 
-def sse_events(text: str) -> List[Any]:
+def sse_events(text: str, done: bool = True) -> List[Any]:
+    """The JSON events of a stream; `done`: it ends with [DONE] (the chat endpoints; the Responses API's do not)."""
     data = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    if not done:
+        return [json.loads(d) for d in data]
     assert data and data[-1] == "[DONE]", text[-500:]
     return [json.loads(d) for d in data[:-1]]
 
@@ -69,8 +79,9 @@ def check_response(method: str, path: str, case, response) -> None:
     whole, chunk = schemas
     content_type = response.headers.get("content-type", "")  # schemathesis: a list of values
     if "text/event-stream" in (content_type if isinstance(content_type, str) else ",".join(content_type)):
-        for event in sse_events(response.text):
-            validate(oas.ERROR_RESPONSE if "error" in event else chunk, event)
+        responses = path == "/v1/responses"
+        for event in sse_events(response.text, done=not responses):
+            validate(oas.ERROR_RESPONSE if "error" in event and not responses else chunk, event)
     else:
         validate(whole, response.json())
 

@@ -13,13 +13,15 @@ from typing import Dict, List, NamedTuple, Optional
 
 import pytest
 
+from gateway.api.responses.schemas import ResponsesRequest
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from tests.fixtures.gateway_fixtures import one_torch_thread  # noqa: F401
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "openai_api.md"
-ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses"}
 BASE = {"chat": {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
-        "completions": {"model": "fake", "prompt": "a", "max_tokens": 3}}
+        "completions": {"model": "fake", "prompt": "a", "max_tokens": 3},
+        "responses": {"model": "fake", "input": "hi", "max_output_tokens": 16}}
 NEEDS = {"top_logprobs": {"logprobs": True}}  # what a supported example needs beside it
 
 
@@ -34,7 +36,7 @@ def table_rows() -> List[Row]:
     rows, endpoint = [], None
     for line in DOC.read_text().splitlines():
         if line.startswith("## "):
-            endpoint = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}[line[3:].strip()]
+            endpoint = {v: k for k, v in ENDPOINTS.items()}[line[3:].strip()]
         match = re.match(r"^\| `([^`]+)` \| (\w+) \| ([\w ]+) \| (.*?) \|.*\|$", line)
         if match and endpoint:
             example = match.group(4).strip()
@@ -60,7 +62,8 @@ def app(tokenizer):
 
 def test_the_tables_list_every_field_of_the_request_models():
     assert len(ROWS) > 100 and {r.status for r in ROWS} == {"supported", "no effect", "400"}
-    for endpoint, model in (("chat", ChatCompletionRequest), ("completions", CompletionRequest)):
+    for endpoint, model in (("chat", ChatCompletionRequest), ("completions", CompletionRequest),
+                            ("responses", ResponsesRequest)):
         documented = {r.name for r in ROWS if r.endpoint == endpoint and "[" not in r.name}
         fields = {f.alias or name for name, f in model.model_fields.items()}
         assert fields - documented == set(), f"{endpoint}: fields missing from docs/openai_api.md"
