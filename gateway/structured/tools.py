@@ -85,7 +85,8 @@ def check_tools(tools: Optional[Sequence[ToolDefinition]], choice: Union[str, Na
     return choice
 
 
-def _arguments(raw: str, param: str) -> Any:
+def call_arguments(raw: str, param: str) -> Any:
+    """A tool call's arguments (JSON text) as the object they must be; else a 400 naming `param`."""
     try:
         value = json.loads(raw)
     except ValueError:
@@ -104,7 +105,8 @@ def render_messages(messages: Sequence[ChatMessage], texts: Sequence[str], tools
         role = "system" if m.role == "developer" else m.role
         if m.tool_calls and role != "assistant":
             raise bad_request("Only assistant messages carry tool_calls.", param=f"messages.{i}.tool_calls")
-        calls = [(c.function.name, _arguments(c.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments"))
+        calls = [(c.function.name,
+                  call_arguments(c.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments"))
                  for j, c in enumerate(m.tool_calls or ())]
         if native:
             entry: Dict[str, Any] = {"role": role, "content": text}

@@ -46,6 +46,7 @@ from gateway.schemas import (
     ToolCallIn,
     ToolDefinition,
 )
+from gateway.structured.tools import call_arguments
 
 UNSUPPORTED: Table = {
     "background": ((False,), "a response is generated while its request waits (no background mode)"),
@@ -106,12 +107,7 @@ def _text(content: Any, param: str) -> str:
 
 
 def _arguments(raw: str, param: str) -> str:
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        raise bad_request("A function call's arguments must be a JSON object.", param=param) from None
-    if not isinstance(value, dict):
-        raise bad_request("A function call's arguments must be a JSON object.", param=param)
+    call_arguments(raw, param)  # a JSON object, else a 400
     return raw
 
 
