@@ -1,6 +1,6 @@
-"""A block's only servers are retried after a short back-off when they could not be reached (`SwarmManager.ban`,
-`sole_retry_wait`), on a fixed swarm view (no network); the end-to-end case, a relayed server whose relay
-restarted, is in tests/test_nat.py."""
+"""A block's only servers are retried after a short back-off when they are relayed and could not be reached
+(`SwarmManager.ban`, `sole_retry_wait`), on a fixed swarm view (no network); the end-to-end case, a relayed server
+whose relay restarted, is in tests/test_nat.py."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +12,14 @@ import pytest
 from swarm.client.manager import unreachable
 from swarm.client.routing import RouteHop, RoutingError
 from swarm.wire import protocol as P
+from swarm.wire.records import ServerInfo, ServerSpan, ServerState
 from tests.test_quant_routing import fake_manager, span
+
+
+def relayed(peer: str, start: int, end: int, throughput: float = 1.0) -> ServerSpan:
+    info = ServerInfo(state=ServerState.ONLINE, start=start, end=end, throughput=throughput,
+                      cache_tokens_left=100_000, reachable="relayed")
+    return ServerSpan(peer, start, end, info)
 
 
 def due_now(manager, peer: str) -> None:
@@ -22,7 +29,7 @@ def due_now(manager, peer: str) -> None:
 
 
 def test_an_unreachable_sole_server_is_retried_after_a_short_back_off():
-    manager = fake_manager([span("a", 0, 15), span("b", 15, 30), span("c", 15, 30, throughput=0.5)], None)
+    manager = fake_manager([span("a", 0, 15), relayed("b", 15, 30), relayed("c", 15, 30, throughput=0.5)], None)
     manager.ban("b", ConnectionError("all dials failed"))
     assert manager.sole_retry_wait(15, 30) is None  # "c" still serves 15:30: "b" stays banned
     assert manager.make_inference_chain(15, 30) == [RouteHop("c", 15, 30)]
@@ -43,12 +50,15 @@ def test_an_unreachable_sole_server_is_retried_after_a_short_back_off():
         assert retry_at - time.monotonic() == pytest.approx(min(2.0 ** (failures - 1), 15.0), abs=0.5)
 
 
-def test_a_refusal_is_not_retried_and_silent_pings_do_not_rule_a_sole_server_out():
-    manager = fake_manager([span("a", 0, 30)], None)
+def test_refusals_and_direct_servers_are_not_retried_and_silent_pings_do_not_rule_a_sole_server_out():
+    manager = fake_manager([relayed("a", 0, 30)], None)
     manager.ban("a", P.RemoteError("out_of_cache", "no room"))  # it answered: no reason to hammer it
     assert manager.sole_retry_wait() is None
     with pytest.raises(RoutingError):
         manager.make_inference_chain()
+    direct = fake_manager([span("d", 0, 30)], None)
+    direct.ban("d", ConnectionError())  # a direct server nobody can reach is most likely gone: fail fast
+    assert direct.sole_retry_wait() is None
     manager.mark_ok("a")
     manager.rtts = {"a": math.inf}  # its last ping went unanswered, but nothing else serves the blocks
     assert manager.make_inference_chain() == [RouteHop("a", 0, 30)]

@@ -3,9 +3,10 @@
 `SwarmManager` joins the DHT as a client, reads the block records (refreshing them periodically, and at once
 when a route cannot be built), and turns them into chains of servers with `swarm.client.routing`. Servers that failed
 are banned with exponential back-off so that routing avoids them for a while; but when every server of some block
-is banned (a span's only server failed, e.g. a server behind a NAT whose relay restarted), those servers may be
-tried again after a short back-off (1, 2, 4, ... s, up to `ban_timeout`), so that a session waits for them for up
-to `sole_retry_patience` seconds instead of failing (`sole_retry_wait`, `swarm.client.session`). With
+is banned and the failed ones are relayed servers that could not be reached (a server behind a NAT whose relay
+restarted: it renews its slot), they may be tried again after a short back-off (1, 2, 4, ... s, up to
+`ban_timeout`), so that a session waits for them for up to `sole_retry_patience` seconds instead of failing
+(`sole_retry_wait`, `swarm.client.session`). With
 `allowed_quant_types`, servers announcing another weight format (`quant_type`) are never routed to (nor pinged);
 `spans` keeps every server seen, `allowed_spans()` those a route may use. `on_route`, when set, is called after
 each inference chain is built with its `RouteTiming`: the seconds spent getting the swarm view (reading the DHT
@@ -78,9 +79,9 @@ class ClientConfig(BaseModel):
     max_retries: int = Field(default=3, ge=0, description="times a failed step is re-routed before giving up")
     ban_timeout: float = Field(default=15.0, gt=0, description="first ban of a failed server, doubled each time")
     sole_retry_patience: float = Field(default=60.0, ge=0, description="seconds a session keeps retrying the "
-                                       "banned servers of blocks that no other server covers (back-off 1, 2, 4, ... "
-                                       "s up to ban_timeout; e.g. a relayed server whose relay restarted) before it "
-                                       "fails; 0: fail after max_retries")
+                                       "unreachable relayed servers of blocks that no other server covers (back-off "
+                                       "1, 2, 4, ... s up to ban_timeout: a relayed server whose relay restarted "
+                                       "renews its slot) before it fails; 0: fail after max_retries")
     max_chunk_bytes: int = Field(default=2 << 20, gt=0, description="largest hidden-state message sent at once")
     measure_rtt: bool = Field(default=True, description="ping servers at each refresh and route by latency")
     max_pings: int = Field(default=64, gt=0, description="most servers pinged per refresh")
@@ -214,8 +215,10 @@ class SwarmManager:
         return duration
 
     def _sole_banned(self, spans: List[ServerSpan], start: int, end: int) -> Dict[str, float]:
-        """Banned (not distrusted) ONLINE servers of blocks in [start, end) that no unbanned ONLINE server covers:
-        peer id -> when it may be tried again (monotonic seconds)."""
+        """Banned (not distrusted) ONLINE relayed servers of blocks in [start, end) that no unbanned ONLINE server
+        covers: peer id -> when it may be tried again (monotonic seconds). Only servers behind a NAT (`reachable:
+        relayed`): one that cannot be reached may be renewing its relay slot (`server.relay_watch`), while a directly
+        reachable server that cannot be reached is most likely gone (and a session should fail fast)."""
         banned = set(self.banned())
         covered: Set[int] = set()
         for span in self._allowed(spans):
@@ -224,7 +227,7 @@ class SwarmManager:
         holes = set(range(start, end)) - covered
         return {span.peer_id: self._bans[span.peer_id][2] for span in self._allowed(spans)
                 if span.peer_id in self._bans and span.peer_id in banned and span.peer_id not in self.distrusted
-                and span.info.state == ServerState.ONLINE
+                and span.info.state == ServerState.ONLINE and span.info.reachable == "relayed"
                 and holes.intersection(range(max(span.start, start), min(span.end, end)))}
 
     def sole_retry_wait(self, start: int = 0, end: Optional[int] = None) -> Optional[float]:
