@@ -59,10 +59,10 @@ def lab_rates(model_path: str, ids, tokens: int, latencies) -> dict:
                 model_path, initial_peers=lab.initial_peers, dht_prefix=lab.prefix, update_period=5)
             try:
                 for latency in latencies:
-                    for ms in (0, latency):
+                    for ms, key in ((0, f"{chain}_0ms_before_{latency:g}ms"), (latency, f"{chain}_{latency:g}ms")):
                         lab.set_links(ms)
                         rate, texts[chain, ms] = tokens_per_second(model, ids, tokens)
-                        result[f"{chain}_{ms}ms_tokens_per_s"] = round(rate, 2)
+                        result[f"{key}_tokens_per_s"] = round(rate, 2)
                         print(f"{chain} {ms} ms: {rate:.2f} tok/s", file=sys.stderr, flush=True)
             finally:
                 model.shutdown()
