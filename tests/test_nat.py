@@ -10,6 +10,9 @@ page), and that a greedy chat through the gateway in the client namespace, whose
 returns the text local transformers gives, the public server pushing its decode outputs to the home server
 through the relay. With relays off (`--no_relay`) a home server exits 1 with one error
 line naming the addresses tried and the flags that help, before loading any block, and leaves no process behind.
+Last, the relay (the bootstrap peer, at a fixed port with a fixed identity) is SIGKILLed and started again: the
+home server renews its slot (`server.relay_watch`) and a chat sent at once, which the gateway holds while it
+retries the span's only server (`SwarmManager.sole_retry_wait`), equals transformers.
 Skips, saying why, where network namespaces are not permitted.
 """
 from __future__ import annotations
