@@ -10,6 +10,9 @@ serving loop every `--relay_check_period` seconds, looks at the peer's own addre
   its p2pd are restarted as a relayed DHT client with the same peer id (`server.reachable.restart_relayed`), the
   block handlers are registered on the new p2pd and the record is announced again, so clients reach the server
   through the new slot. While no relay answers, nothing is restarted (a DHT client cannot join without one).
+  A renewal that gets no slot, or whose DHT peer fails to start, is tried again after 2, 4, 8, ... check periods
+  (at most `MAX_BACKOFF` s); a server left without a DHT peer exits at its next record refresh (`Server._heal`),
+  for its supervisor to start it again.
 Clients meanwhile retry a span's only server with a short back-off (`swarm.client.manager`).
 """
 from __future__ import annotations
@@ -73,9 +76,15 @@ class RelayWatch:
             self.lost_since = time.monotonic()
             logger.warning("relay: this server has no relay slot any more (the relay restarted or dropped the "
                            "connection); renewing it once a relay answers")
-        if not await relay_answers(server.p2p, server.config.initial_peers):
+        # (no p2p: an earlier renewal failed half-way; its DHT peer is gone, so try again without asking)
+        if server.p2p is not None and not await relay_answers(server.p2p, server.config.initial_peers):
             return False
         return await self.renew(server)
+
+    def _back_off(self, what: str) -> None:
+        self.failures += 1
+        self.next_check = time.monotonic() + min(MAX_BACKOFF, self.period * 2 ** self.failures)
+        logger.warning(f"relay: {what}; trying again in {self.next_check - time.monotonic():.0f}s")
 
     async def renew(self, server) -> bool:
         began = time.monotonic()
@@ -85,14 +94,16 @@ class RelayWatch:
                 await asyncio.wait_for(handler.remove_p2p_handlers(server.p2p), CONNECT_TIMEOUT)
             except Exception:  # the old p2pd is going anyway
                 pass
-        circuits = await restart_relayed(server)
+        try:
+            circuits = await restart_relayed(server)
+        except Exception as e:  # e.g. the relay went away again while the DHT peer joined through it
+            server.p2p = None
+            self._back_off(f"could not restart the DHT peer ({type(e).__name__}: {e})")
+            return False
         if handler is not None:
             await handler.add_p2p_handlers(server.p2p)
         if not circuits:
-            self.failures += 1
-            self.next_check = time.monotonic() + min(MAX_BACKOFF, self.period * 2 ** self.failures)
-            logger.warning(f"relay: restarted the DHT peer but got no relay slot; trying again in "
-                           f"{self.next_check - time.monotonic():.0f}s")
+            self._back_off("restarted the DHT peer but got no relay slot")
             return False
         self.failures = 0
         await server.announce(ServerState.ONLINE)
