@@ -44,6 +44,10 @@ class ServerConfig(SwarmKeySettings, RelaySettings):
                                                            "through a relay: exit instead")
     skip_reachability_check: bool = Field(default=False, description="do not ask peers to dial this server back at "
                                                                      "start: assume it is directly reachable")
+    relay_check_period: float = Field(default=5.0, ge=0, description="behind a NAT (served through a relay): "
+                                                                      "seconds between checks that the relay still "
+                                                                      "holds this server's slot; a lost slot is "
+                                                                      "renewed once a relay answers (0: never check)")
     identity_path: Optional[str] = Field(default=None, description="private key file for a fixed peer id")
     block_indices: Optional[str] = Field(default=None, description="serve blocks start:end (pinned: no rebalancing)")
     num_blocks: Optional[int] = Field(default=None, gt=0,

@@ -30,7 +30,9 @@ import asyncio
 import gc
 import json
 import logging
+import os
 import random
+import shutil
 import sys
 import threading
 import time
@@ -44,8 +46,10 @@ from server.compute.cache import CacheBudget
 from server.config import ServerConfig
 from server.placement import spans
 from server.placement.announce import Announcer, start_dht
+from server.placement.liveness import HolderLiveness
 from server.placement.memory import Capacity
 from server.placement.reachable import Unreachable, settle_reachability
+from server.placement.relay_watch import RelayWatch
 from server.placement.throughput import get_throughput
 from server.rpc.handler import BlockHandler
 from server.rpc.limits import RpcLimits
@@ -61,6 +65,7 @@ from swarm.modeling.tensor_parallel import TensorParallelError, check_splittable
 from swarm.runtime import lifecycle, malloc
 from swarm.runtime.cpu_turns import CpuTurns, cpu_turns_enabled
 from swarm.runtime.dht_traffic import read_dht_traffic_async
+from swarm.runtime.swarm_key import proof_for
 from swarm.runtime.taskpool import PRIORITY_FORWARD, TaskPool
 from swarm.runtime.threads import serial_torch_here
 from swarm.wire.records import ServerState, dht_prefix_for
@@ -106,6 +111,8 @@ class Server:
         self.dht: Optional[hivemind.DHT] = None
         self.p2p = None
         self.dial_back = None  # the dial-back checks this server offers others (when directly reachable)
+        self.relay_identity: Optional[str] = None  # a relayed peer's key file (its peer id survives p2pd restarts)
+        self.relay_watch: Optional[RelayWatch] = None  # a relayed server's check of its relay slot
         self.handler: Optional[BlockHandler] = None
         # the one thread that does this process's tensor work (swarm.runtime.threads)
         self.pool: Optional[TaskPool] = None
@@ -118,6 +125,7 @@ class Server:
         self._stop = asyncio.Event()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.record.swarm_key = config.load_swarm_key()  # a private swarm's: handlers and pings use it
+        self.liveness = HolderLiveness()  # the hole watch's pings of servers that alone serve some block
         self.record.public_name = config.public_name
         self.record.tensor_parallel = max(1, len(config.tensor_parallel_devices))
 
@@ -248,6 +256,8 @@ class Server:
                 delay, num_servers = await spans.check_holes(self)
                 fill_at = never if delay is None else time.monotonic() + delay
                 next_hole_check = time.monotonic() + spans.hole_check_interval(hole_period, num_servers, self.rng)
+            if self.relay_watch is not None and self.relay_watch.due():
+                await self.relay_watch.check(self)
             if now >= next_balance:
                 await spans.maybe_rebalance(self)
                 next_balance = time.monotonic() + spans.jittered(self.config.balance_period, self.rng)
@@ -293,12 +303,15 @@ class Server:
         try:
             # before placing or loading blocks: behind a NAT, a relay (or exit 1 with one line: Unreachable)
             self.record.reachable = await settle_reachability(self)
+            if self.record.reachable == "relayed":
+                self.relay_watch = RelayWatch(self.config.relay_check_period)
             self.record.throughput, source = await self._compute_pool().submit(
                 PRIORITY_FORWARD, lambda: get_throughput(self.config.throughput, self.checkpoint, self.config.device,
                                                          self.dtype, self.config.torch_dtype,
                                                          quant_type=self.quant_type,
                                                          tensor_parallel=self.config.tensor_parallel_devices))
             logger.info(f"throughput: {self.record.throughput:.1f} decode steps/s per block ({source})")
+            self.liveness.proof = proof_for(self.record.swarm_key, self.peer_id)
             await spans.place(self)
             if self._stop.is_set():
                 await self.announce(ServerState.OFFLINE)
@@ -357,6 +370,8 @@ class Server:
                 pass
         if self.dht is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.dht.shutdown)
+        if self.relay_identity is not None and self.relay_identity != self.config.identity_path:
+            shutil.rmtree(os.path.dirname(self.relay_identity), ignore_errors=True)  # our own key file
 
 
 def main(argv=None, server_class: Type[Server] = Server) -> int:

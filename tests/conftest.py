@@ -42,8 +42,9 @@ EXTENDED = (
     # placement scenarios of three servers (make test: placement policy on synthetic swarms, the serving loop)
     "tests/e2e/test_self_placement.py::test_three_servers_cover_the_model_and_recover_from_a_crash",
     "tests/e2e/test_self_placement.py::test_a_moving_server_lets_running_sessions_finish",
-    # two free servers filling a hole left by a pinned one (about 2 min; make test: the hole watch's turns on
-    # synthetic swarms in tests/server/test_placement.py)
+    # two free servers filling a hole left by a pinned one, stopped or SIGKILLed (about 2 min each; make test: the
+    # hole watch's turns on synthetic swarms in tests/server/test_placement.py, its pings in
+    # tests/server/test_hole_liveness.py)
     "tests/e2e/test_gap_fill.py::",
     # eight self-placed servers on a tiny Llama, two killed during a chat (about 65 s; make test: the placement policy
     # on synthetic swarms, the failover tests)
@@ -112,9 +113,10 @@ EXTENDED = (
     # named calls and closed schemas in process, every cut point by the parser, every closed grammar sampled)
     "tests/gateway/test_tools.py::test_forced_call_cut_by_max_tokens_is_a_partial_call[named]",
     "tests/gateway/test_tools.py::test_strict_tool_arguments_have_every_property_and_no_other[closed]",
-    # a volunteer behind a NAT in three network namespaces, about 90 s (make test: the dial-back check against the
-    # bootstrap peer on loopback, the relay arguments and flags, routing's preference for direct servers, in
-    # tests/swarm/wire/test_reachability.py)
+    # a volunteer behind a NAT in three network namespaces, its relay restarted at the end, about 2.5-4 min (make
+    # test: the dial-back check against the bootstrap peer on loopback, the relay arguments and flags, routing's
+    # preference for direct servers, in tests/swarm/wire/test_reachability.py; sole-server retries in
+    # tests/swarm/client/test_sole_retry.py)
     "tests/e2e/test_nat.py::",
     # speculation asked per request on the scripted gateway (make test: through a real gateway in test_gateway.py)
     "tests/swarm/client/test_speculative.py::test_gateway_speculative_requests_match_plain_ones",

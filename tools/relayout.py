@@ -59,10 +59,13 @@ MOVES: Dict[str, str] = {
     **_group("server", "server/rpc", "handler limits push training"),
     **_group("server", "server/placement", "announce memory pings reachable spans throughput"),
     "server/placement.py": "server/placement/policy.py",
+    **_group("server", "server/placement", "liveness relay_watch"),
     **_group("gateway/responses", "gateway/api/responses", "__init__ convert output routes schemas store"),
     # tests: conftest.py and the tests of the project as a whole (layout, deployment files, benchmark reports) stay
     **_group("tests", "tests/fixtures", "browser faulty_server gateway_fixtures lora_fixtures openai_schemas "
                                         "tiny_checkpoints client_doubles openai_responses_schemas"),
+    **_group("tests", "tests/server", "test_hole_liveness"),
+    **_group("tests", "tests/swarm/client", "test_sole_retry"),
     **_group("tests", "tests/gateway", "test_api_property test_api_table test_responses test_responses_unit "
                                        "test_chat_page test_gateway test_gateway_auth "
                                        "test_gateway_concurrency test_gateway_failover test_gateway_unit "

@@ -37,17 +37,18 @@ from swarm.wire.records import (
 logger = logging.getLogger("swarmgate.server")
 
 
-def start_dht(config: ServerConfig, relayed: bool = False) -> hivemind.DHT:
+def start_dht(config: ServerConfig, relayed: bool = False, identity_path: Optional[str] = None) -> hivemind.DHT:
     """The server's DHT peer: joins `--initial_peers`, or starts a new swarm with `--new_swarm`. Directly
     reachable (`relayed=False`): a full DHT peer that offers relay service (`swarm.runtime.relays`); `relayed`: a
-    DHT client that reserves a slot on a relay (its initial peers) and is dialed through it."""
+    DHT client that reserves a slot on a relay (its initial peers) and is dialed through it. `identity_path`: the
+    private key file (default `--identity_path`)."""
     if not config.new_swarm and not config.initial_peers:
         raise ValueError("give --initial_peers to join a swarm, or --new_swarm to start one")
     return join_dht(
         config.load_swarm_key(), initial_peers=[] if config.new_swarm else config.initial_peers,
         host_maddrs=config.listen_maddrs(), announce_maddrs=config.announced_maddrs() or None,
-        identity_path=config.identity_path, client_mode=relayed,
-        # a relayed restart reuses the identity of the direct peer it replaces, which other peers may still know
+        identity_path=identity_path or config.identity_path, client_mode=relayed,
+        # a relayed restart reuses the identity of the peer it replaces, which other peers may still know
         **({"check_if_identity_free": False} if relayed else {}),
         **relay_dht_kwargs(config, offer=not relayed, reserve=relayed, relays=config.initial_peers),
     )

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import tempfile
 import time
 from typing import List
 
@@ -44,7 +46,7 @@ def circuit_maddrs(maddrs) -> List[str]:
 async def settle_reachability(server) -> Reachable:
     """Check `server`'s reachability and set up its DHT peer for it (restarting it behind a relay if needed);
     `server.dht` and `server.p2p` are the peer to use afterwards. Returns `direct` or `relayed`."""
-    config, loop = server.config, asyncio.get_running_loop()
+    config = server.config
     if server.p2p is None:
         server.p2p = await server.started_dht.replicate_p2p()
     verdict = None
@@ -68,22 +70,49 @@ async def settle_reachability(server) -> Reachable:
             f"and {flag} forbids serving through a relay: forward the port on your router and give "
             f"--public_ip (or --announce_maddrs with the public address), or drop {flag}")
     # the direct peer goes: a DHT client that reserves a relay slot replaces it (before anything was announced)
-    await server.p2p.shutdown()
-    server.p2p = None
-    await loop.run_in_executor(None, server.started_dht.shutdown)
-    server.dht = server.record.dht = await loop.run_in_executor(None, lambda: start_dht(config, relayed=True))
-    server.p2p = await server.started_dht.replicate_p2p()
-    deadline = time.monotonic() + RELAY_WAIT
-    circuits: List[str] = []
-    while not circuits and time.monotonic() < deadline:
-        circuits = circuit_maddrs(await server.p2p.get_visible_maddrs(latest=True))
-        if not circuits:
-            await asyncio.sleep(0.5)
+    circuits = await restart_relayed(server)
     if not circuits:
         raise Unreachable(f"no peer of the swarm can dial this server at {', '.join(tried)}, and no relay gave it a "
                           f"slot within {RELAY_WAIT:.0f}s: forward the port on your router and give --public_ip (or "
                           f"--announce_maddrs)")
-    relays = sorted({m.split("/p2p-circuit")[0].rsplit("/p2p/", 1)[-1] for m in circuits})
-    logger.info(f"not reachable directly at {', '.join(tried)}: serving through relay {', '.join(relays)} "
+    logger.info(f"not reachable directly at {', '.join(tried)}: serving through relay {', '.join(relay_ids(circuits))} "
                 f"(DHT in client mode)")
     return RELAYED
+
+
+def relay_ids(circuits: List[str]) -> List[str]:
+    """The relays' peer ids in circuit addresses (/.../p2p/RELAY/p2p-circuit/...)."""
+    return sorted({m.split("/p2p-circuit")[0].rsplit("/p2p/", 1)[-1] for m in circuits})
+
+
+async def wait_for_circuits(p2p, timeout: float = RELAY_WAIT) -> List[str]:
+    """This peer's relay circuit addresses, once it has some (empty: none within `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        circuits = circuit_maddrs(await p2p.get_visible_maddrs(latest=True))
+        if circuits or time.monotonic() >= deadline:
+            return circuits
+        await asyncio.sleep(0.5)
+
+
+async def restart_relayed(server, timeout: float = RELAY_WAIT) -> List[str]:
+    """Replace `server`'s DHT peer (and p2pd) by a DHT client that reserves a slot on a relay, with the same peer
+    id (`--identity_path`, else a key file of this process's own: `server.relay_identity`); returns its circuit
+    addresses once it has some (empty: none within `timeout`). p2pd's autorelay (go-libp2p 0.32) backs a relay
+    off for an hour after each reservation, so a lost reservation is only made again by a new p2pd."""
+    loop = asyncio.get_running_loop()
+    if server.relay_identity is None:
+        server.relay_identity = server.config.identity_path or os.path.join(
+            tempfile.mkdtemp(prefix="swarmgate-identity-"), "relayed.key")
+    if server.p2p is not None:
+        try:
+            await asyncio.wait_for(server.p2p.shutdown(), 5)
+        except Exception:  # its p2pd may be gone already
+            pass
+        server.p2p = None
+    if server.dht is not None:
+        await loop.run_in_executor(None, server.dht.shutdown)
+    server.dht = server.record.dht = await loop.run_in_executor(
+        None, lambda: start_dht(server.config, relayed=True, identity_path=server.relay_identity))
+    server.p2p = await server.started_dht.replicate_p2p()
+    return await wait_for_circuits(server.p2p, timeout)

@@ -13,6 +13,9 @@
   `--hole_check_period` (times servers/100 in swarms of more than 100, so that the swarm's DHT reads stay
   bounded); if moving would cover some, it waits its turn (`placement.hole_fill_turn`, `hole_fill_delay`), looks
   again and moves. The first server in turn moves at once; the others find the hole served (joining counts).
+  Before each check it pings the servers that alone serve some block (`server.placement.liveness`): the records of one
+  that does not answer (SIGKILLed, crashed) are left out of the hole watch's, the move's and the rebalancing's view, so
+  its hole is filled without waiting for its record to expire.
 
 The functions work on a `SpanHost` (the server process, `server.server.Server`).
 """
@@ -21,13 +24,14 @@ from __future__ import annotations
 import logging
 import random
 import time
-from typing import Optional, Protocol, Tuple
+from typing import Any, Optional, Protocol, Tuple
 
 import torch
 
 from server.compute.blocks import packed_rows_for
 from server.config import ServerConfig
 from server.placement.announce import Announcer
+from server.placement.liveness import HolderLiveness
 from server.placement.memory import Capacity, free_memory_bytes, plan_capacity
 from server.placement.policy import block_throughputs, choose_best_span, hole_fill_turn, should_move, uncovered_blocks
 from server.rpc.handler import BlockHandler
@@ -58,6 +62,8 @@ class SpanHost(Protocol):
     rng: random.Random
     handler: Optional[BlockHandler]
     moves: int
+    liveness: HolderLiveness
+    p2p: Any
 
     @property
     def peer_id(self) -> str: ...
@@ -145,7 +151,7 @@ def _decide(host: SpanHost, spans) -> Tuple[bool, Optional[Tuple[int, int]]]:
 
 async def maybe_rebalance(host: SpanHost) -> bool:
     """Move to other blocks if that would help the swarm enough (looking twice); True if it moved."""
-    move, target = _decide(host, await host.record.spans())
+    move, target = _decide(host, host.liveness.without_dead(await host.record.spans()))
     if not move:
         return False
     # another server may be reaching the same decision now: wait a little, then look again
@@ -170,6 +176,8 @@ async def check_holes(host: SpanHost) -> Tuple[Optional[float], int]:
     not cover any; the number of servers the records show)."""
     spans = await host.record.spans()
     num_servers = len({span.peer_id for span in spans})
+    spans = host.liveness.without_dead(spans, await host.liveness.probe(host.p2p, spans, host.num_blocks_total,
+                                                                        host.peer_id))
     turn = hole_fill_turn(spans, host.num_blocks_total, host.peer_id, balance_quality=host.config.balance_quality)
     if turn is None:
         return None, num_servers
@@ -182,7 +190,7 @@ async def check_holes(host: SpanHost) -> Tuple[Optional[float], int]:
 
 async def fill_hole(host: SpanHost, why: str = "hole watch") -> bool:
     """Look again and move if that still helps (another server may have moved first); True if it moved."""
-    move, target = _decide(host, await host.record.spans())
+    move, target = _decide(host, host.liveness.without_dead(await host.record.spans()))
     if not move or target is None:
         logger.info(f"{why}: someone else moved first; staying")
         return False

@@ -2,20 +2,26 @@
 
 `SwarmManager` joins the DHT as a client, reads the block records (refreshing them periodically, and at once
 when a route cannot be built), and turns them into chains of servers with `swarm.client.routing`. Servers that failed
-are banned with exponential back-off so that routing avoids them for a while. With `allowed_quant_types`, servers
-announcing another weight format (`quant_type`) are never routed to (nor pinged); `spans` keeps every server seen,
-`allowed_spans()` those a route may use. `on_route`, when set, is called after each inference chain is built with
-its `RouteTiming`: the seconds spent getting the swarm view (reading the DHT records and pinging the servers when
-the view was due for a refresh, else only the lock) and in `find_inference_chain`.
+are banned with exponential back-off so that routing avoids them for a while; but when every server of some block
+is banned and the failed ones are relayed servers that could not be reached (a server behind a NAT whose relay
+restarted: it renews its slot), they may be tried again after a short back-off (1, 2, 4, ... s, up to
+`ban_timeout`), so that a session waits for them for up to `sole_retry_patience` seconds instead of failing
+(`sole_retry_wait`, `swarm.client.session`). With
+`allowed_quant_types`, servers announcing another weight format (`quant_type`) are never routed to (nor pinged);
+`spans` keeps every server seen, `allowed_spans()` those a route may use. `on_route`, when set, is called after
+each inference chain is built with its `RouteTiming`: the seconds spent getting the swarm view (reading the DHT
+records and pinging the servers when the view was due for a refresh, else only the lock) and in
+`find_inference_chain`.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
 
 import hivemind
 from hivemind.p2p import P2P, PeerID
@@ -37,12 +43,22 @@ from swarm.runtime import aio
 from swarm.runtime.swarm_key import SwarmKey, join_dht, proof_for
 from swarm.wire import protocol as P
 from swarm.wire.compression import COMPRESSION_HELP, Compression
-from swarm.wire.records import ServerSpan, fetch_block_records, online_spans
+from swarm.wire.records import ServerSpan, ServerState, fetch_block_records, online_spans
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
+
+SOLE_RETRY_BASE = 1.0  # seconds before a banned server that alone serves some blocks is tried again (doubled)
+
+
+def unreachable(error: Optional[BaseException]) -> bool:
+    """Whether `error` says a server could not be reached (a lost connection, a time-out, no answer to a liveness
+    ping), rather than that it answered with a refusal (out of cache, a bad request) or broke the protocol."""
+    if error is None or isinstance(error, P.ProtocolError):
+        return False
+    return not isinstance(error, P.RemoteError) or error.code == "unreachable"
 
 
 class ClientConfig(BaseModel):
@@ -62,6 +78,10 @@ class ClientConfig(BaseModel):
     update_period: float = Field(default=30.0, gt=0, description="seconds between refreshes of the swarm view")
     max_retries: int = Field(default=3, ge=0, description="times a failed step is re-routed before giving up")
     ban_timeout: float = Field(default=15.0, gt=0, description="first ban of a failed server, doubled each time")
+    sole_retry_patience: float = Field(default=60.0, ge=0, description="seconds a session keeps retrying the "
+                                       "unreachable relayed servers of blocks that no other server covers (back-off "
+                                       "1, 2, 4, ... s up to ban_timeout: a relayed server whose relay restarted "
+                                       "renews its slot) before it fails; 0: fail after max_retries")
     max_chunk_bytes: int = Field(default=2 << 20, gt=0, description="largest hidden-state message sent at once")
     measure_rtt: bool = Field(default=True, description="ping servers at each refresh and route by latency")
     max_pings: int = Field(default=64, gt=0, description="most servers pinged per refresh")
@@ -131,7 +151,8 @@ class SwarmManager:
         self.member_proof = proof_for(key, self.p2p.peer_id)  # sent with every block RPC (private swarms)
         self.spans: List[ServerSpan] = []
         self._last_update = 0.0
-        self._bans: Dict[str, tuple[float, int]] = {}  # peer id -> (banned until, consecutive failures)
+        # peer id -> (banned until, consecutive failures, may be retried from: when nothing else covers its blocks)
+        self._bans: Dict[str, Tuple[float, int, float]] = {}
         self.distrusted: Set[str] = set()  # servers outvoted by spot-checks (swarm.client.verify): never routed to
         self.rtts: Dict[str, float] = {}  # peer id -> client RTT in seconds, measured at each refresh
         self._lock = threading.Lock()
@@ -179,14 +200,42 @@ class SwarmManager:
 
     def banned(self) -> List[str]:
         now = time.monotonic()
-        return [peer for peer, (until, _) in self._bans.items() if until > now] + sorted(self.distrusted)
+        return [peer for peer, (until, _, _) in self._bans.items() if until > now] + sorted(self.distrusted)
 
-    def ban(self, peer_id: str) -> float:
-        _, failures = self._bans.get(peer_id, (0.0, 0))
+    def ban(self, peer_id: str, error: Optional[BaseException] = None) -> float:
+        """Keep routing away from a failed server for `ban_timeout` x 2^(failures so far) seconds. A server that
+        could not be reached (`error` a lost connection or a time-out, not an error reply) may be tried again
+        after a short back-off when nothing else serves some of its blocks (`sole_retry_wait`)."""
+        _, failures, _ = self._bans.get(peer_id, (0.0, 0, 0.0))
         duration = self.config.ban_timeout * (2 ** failures)
-        self._bans[peer_id] = (time.monotonic() + duration, failures + 1)
+        now = time.monotonic()
+        retry = min(self.config.ban_timeout, SOLE_RETRY_BASE * 2 ** failures) if unreachable(error) else math.inf
+        self._bans[peer_id] = (now + duration, failures + 1, now + retry)
         logger.warning(f"banning server {peer_id} for {duration:.0f}s")
         return duration
+
+    def _sole_banned(self, spans: List[ServerSpan], start: int, end: int) -> Dict[str, float]:
+        """Banned (not distrusted) ONLINE relayed servers of blocks in [start, end) that no unbanned ONLINE server
+        covers: peer id -> when it may be tried again (monotonic seconds). Only servers behind a NAT (`reachable:
+        relayed`): one that cannot be reached may be renewing its relay slot (`server.placement.relay_watch`), while a
+        directly reachable server that cannot be reached is most likely gone (and a session should fail fast)."""
+        banned = set(self.banned())
+        covered: Set[int] = set()
+        for span in self._allowed(spans):
+            if span.peer_id not in banned and span.info.state == ServerState.ONLINE:
+                covered.update(range(max(span.start, start), min(span.end, end)))
+        holes = set(range(start, end)) - covered
+        return {span.peer_id: self._bans[span.peer_id][2] for span in self._allowed(spans)
+                if span.peer_id in self._bans and span.peer_id in banned and span.peer_id not in self.distrusted
+                and span.info.state == ServerState.ONLINE and span.info.reachable == "relayed"
+                and holes.intersection(range(max(span.start, start), min(span.end, end)))}
+
+    def sole_retry_wait(self, start: int = 0, end: Optional[int] = None) -> Optional[float]:
+        """Seconds until a banned server that alone serves some of blocks [start, end) may be tried again (0: now),
+        or None when no banned server could fill what the unbanned ones leave uncovered."""
+        retry_at = [at for at in self._sole_banned(self.spans, start, self.num_blocks if end is None else end).values()
+                    if at < math.inf]
+        return max(0.0, min(retry_at) - time.monotonic()) if retry_at else None
 
     def mark_ok(self, peer_id: str) -> None:
         self._bans.pop(peer_id, None)
@@ -211,8 +260,25 @@ class SwarmManager:
         spans = self.update(force=force)
         viewed = time.perf_counter()
         spent[0] += viewed - began
+        banned = self.banned()
         try:
-            return fn(spans, start, end, banned=self.banned(), **kwargs)
+            try:
+                return fn(spans, start, end, banned=banned, **kwargs)
+            except RoutingError:
+                # blocks only banned servers cover: those past their short back-off are tried again; servers whose
+                # last ping went unanswered (infinite RTT) count as unmeasured rather than unreachable
+                now = time.monotonic()
+                retry = {peer for peer, at in self._sole_banned(spans, start, end).items() if at <= now}
+                rtts = kwargs.get("client_rtts") or {}
+                silent = {peer for peer, rtt in rtts.items() if rtt == math.inf}
+                if not retry and not silent:
+                    raise
+                if retry:
+                    logger.info(f"retrying server(s) {sorted(retry)}: nothing else serves some of blocks "
+                                f"{start}:{end}")
+                if "client_rtts" in kwargs:
+                    kwargs["client_rtts"] = {p: rtt for p, rtt in rtts.items() if p not in retry | silent}
+                return fn(spans, start, end, banned=[p for p in banned if p not in retry], **kwargs)
         finally:
             spent[1] += time.perf_counter() - viewed
 

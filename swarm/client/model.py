@@ -35,7 +35,7 @@ from swarm.client.hf_decoding import generate as hf_generate
 from swarm.client.manager import ClientConfig, SwarmManager
 from swarm.client.model_session import ModelSession
 from swarm.client.remote_autograd import RemoteBlocks
-from swarm.client.routing import quant_allowed
+from swarm.client.routing import RoutingError, quant_allowed
 from swarm.client.rows import left_padding
 from swarm.client.session import SessionError
 from swarm.client.status import SwarmStatusView
@@ -167,8 +167,15 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
 
     # ---- the swarm, as a front end sees it (swarm.client.api.ClientModel) ---------------------------------
     def check_route(self, cache_tokens: int = 0, adapter: Any = ACTIVE_ADAPTER) -> None:
-        """Raise `RoutingError` unless a chain over every block with cache for `cache_tokens` can be routed now."""
-        self.manager.make_inference_chain(0, None, cache_tokens_needed=cache_tokens, adapter=self._adapter(adapter))
+        """Raise `RoutingError` unless a chain over every block with cache for `cache_tokens` can be routed now, or
+        soon: when blocks whose only servers could not be reached wait for them to be tried again, a session waits
+        for them (`SwarmManager.sole_retry_wait`), so this passes."""
+        try:
+            self.manager.make_inference_chain(0, None, cache_tokens_needed=cache_tokens,
+                                              adapter=self._adapter(adapter))
+        except RoutingError:
+            if self.manager.sole_retry_wait() is None:
+                raise
 
     def coverage(self, force: bool = False) -> Coverage:
         """Blocks served by servers of an allowed quant type, and every online server seen with its format."""

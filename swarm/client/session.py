@@ -84,7 +84,8 @@ class InferenceSession:
     (`_History`). When a server fails (lost connection, time-out, an error reply), it is banned, only its span
     is re-routed (possibly onto several servers), the replacement replays that boundary's history from
     position 0 to rebuild its cache, and the step goes on; other servers see only new tokens. A step gives up
-    with `SessionError` after `max_retries` failures.
+    with `SessionError` after `max_retries` failures, except while blocks whose only servers could not be reached
+    wait for them to be tried again (`SwarmManager.sole_retry_wait`), for up to `sole_retry_patience` seconds.
     """
 
     def __init__(self, manager: SwarmManager, max_length: int, start: int = 0, end: Optional[int] = None,
@@ -177,7 +178,9 @@ class InferenceSession:
         `reasons`: what made earlier servers of this span fail, named in the error if no server is left."""
         last_error: Optional[BaseException] = None
         server_errors: List[str] = list(reasons)  # what the servers said, kept when routing runs out of servers
-        for _ in range(self.manager.config.max_retries + 1):
+        config, tries = self.manager.config, 0
+        patience_ends = time.monotonic() + config.sole_retry_patience
+        while tries <= config.max_retries or self._patient(start, end, patience_ends):
             try:
                 hops = await asyncio.get_running_loop().run_in_executor(
                     None, lambda: self.manager.make_inference_chain(start, end, batch_size * self.max_length,
@@ -185,7 +188,12 @@ class InferenceSession:
                                                                     session_length=self.max_length))
             except RoutingError as e:
                 last_error = e
-                await asyncio.sleep(min(1.0, self.manager.config.ban_timeout))
+                turn = self.manager.sole_retry_wait(start, end)
+                if turn is not None and time.monotonic() + turn < patience_ends:  # blocks whose only servers
+                    await asyncio.sleep(max(turn, 0.05))  # failed: wait for their turn (not counted as a try)
+                    continue
+                tries += 1
+                await asyncio.sleep(min(1.0, config.ban_timeout))
                 continue
             streams = [SpanStream(self.manager, hop, self.session_id, self.max_length, batch_size, self.adapter,
                                   None if self.prompts is None else self.prompts[hop.start:hop.end]) for hop in hops]
@@ -193,15 +201,21 @@ class InferenceSession:
             failed = [(s, r) for s, r in zip(streams, results) if isinstance(r, BaseException)]
             if not failed:
                 return streams
+            tries += 1
             await asyncio.gather(*(s.close() for s in streams), return_exceptions=True)
             for stream, error in failed:
                 logger.warning(f"cannot open a session on {stream.hop.peer_id}: {error}")
-                self.manager.ban(stream.hop.peer_id)
+                self.manager.ban(stream.hop.peer_id, error)
                 server_errors.append(str(error))
                 last_error = error
         reasons = "; ".join(dict.fromkeys(server_errors + ([str(last_error)] if last_error else [])))
-        raise SessionError(f"cannot serve blocks {start}:{end} after {self.manager.config.max_retries + 1} tries: "
-                           f"{reasons}") from last_error
+        raise SessionError(f"cannot serve blocks {start}:{end} after {tries} tries: {reasons}") from last_error
+
+    def _patient(self, start: int, end: int, patience_ends: float) -> bool:
+        """Whether to go on past `max_retries`: some of blocks [start, end) have only banned servers, and one of
+        them may be tried again before the session's `sole_retry_patience` runs out."""
+        wait = self.manager.sole_retry_wait(start, end)
+        return wait is not None and time.monotonic() + wait < patience_ends
 
     async def _close_streams(self) -> None:
         if self._checks is not None:
@@ -215,7 +229,7 @@ class InferenceSession:
         assert self.batch_size is not None, "the session is not open"
         logger.warning(f"server {failed.hop.peer_id} failed on blocks {failed.hop.start}:{failed.hop.end}: "
                        f"{type(error).__name__}: {error}; re-routing that span")
-        self.manager.ban(failed.hop.peer_id)
+        self.manager.ban(failed.hop.peer_id, error)
         asyncio.ensure_future(failed.close())
         began = time.monotonic()
         replacement = await self._open_span(failed.hop.start, failed.hop.end, self.batch_size, reasons=[str(error)])
@@ -229,8 +243,8 @@ class InferenceSession:
                     self._history[stream.hop.start] = history
                 try:
                     x = await self._replay(stream, x, self._history[failed.hop.start].padding)
-                except Exception:
-                    self.manager.ban(stream.hop.peer_id)
+                except Exception as replay_error:
+                    self.manager.ban(stream.hop.peer_id, replay_error)
                     await asyncio.gather(*(s.close() for s in replacement), return_exceptions=True)
                     raise
         self._streams[index:index + 1] = replacement

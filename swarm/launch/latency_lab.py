@@ -55,14 +55,14 @@ class LatencyLab:
     def __init__(self, model: str, spans: Sequence[str] = (), latency_ms: float = 0.0, links: Optional[LinkSpec] = None,
                  *, jitter_ms: float = 0.0, bandwidth: Optional[float] = None, prefix: Optional[str] = None,
                  server_args: Sequence[str] = (), threads: Optional[int] = 1, log_dir: Optional[str] = None,
-                 ready_timeout: float = 300):
+                 ready_timeout: float = 300, public: bool = False):
         self.model, self.spans, self.server_args = model, list(spans), list(server_args)
         self.prefix = prefix or f"lab{os.getpid()}"
         self.threads, self.ready_timeout = threads, ready_timeout
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="swarmgate-lab-")
         self.latency_ms, self.links = latency_ms, self._normalized(links or {})
         self.jitter_ms, self.bandwidth = jitter_ms, bandwidth
-        self.net = NetLab()
+        self.net = NetLab(public=public)  # public-looking addresses: needed for libp2p relays (`add_server(home=)`)
         self.hosts: Dict[str, Host] = {}
         self.relays: Dict[str, ManagedProcess] = {}
         self.peers: Dict[str, ManagedProcess] = {}  # name -> bootstrap peer or server
@@ -161,13 +161,16 @@ class LatencyLab:
         return self
 
     def add_server(self, span: Optional[str], extra: Sequence[str] = (), name: Optional[str] = None,
-                   wait: bool = True) -> ManagedProcess:
-        """A server in a new namespace `name` (default `s<index>`), behind its own relay."""
+                   wait: bool = True, home: bool = False) -> ManagedProcess:
+        """A server in a new namespace `name` (default `s<index>`), behind its own relay. `home`: a server behind
+        a NAT instead: it announces no address (its delaying relay is never dialed), so the dial-back check fails
+        and it serves through a libp2p relay (the bootstrap peer `dht`: needs `public=True`); its traffic then
+        crosses two delayed links, its own to `dht` and the other side's."""
         name = name or f"s{len(self.servers)}"
         host = self._add_host(name)
         proc = start_server(self.model, self.initial_peers, span, self.prefix,
-                            [*self.server_args, *extra, *self.announce(name)], name=name, threads=self.threads,
-                            log_dir=self.log_dir, wrap=host.wrap, port=PEER_PORT)
+                            [*self.server_args, *extra, *([] if home else self.announce(name))], name=name,
+                            threads=self.threads, log_dir=self.log_dir, wrap=host.wrap, port=PEER_PORT)
         self.peers[name] = proc
         if wait:
             proc.wait_ready(self.ready_timeout)

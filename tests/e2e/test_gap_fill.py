@@ -1,9 +1,13 @@
 """Gaps filled fast, on real processes: when a server leaves a hole, exactly one of two free servers moves into it,
-noticed by the hole watch (`--hole_check_period`), not the slow balance check."""
+noticed by the hole watch (`--hole_check_period`), not the slow balance check. The server leaves gracefully
+(SIGTERM: it announces its blocks offline) or is SIGKILLed (its record stays `online` until it expires, 240 s
+here: the free servers find it dead by pinging it, `server.placement.liveness`)."""
 from __future__ import annotations
 
 import time
 import uuid
+
+import pytest
 
 from swarm.launch.topology import start_server, terminate_all, wait_all
 from swarm.wire.records import fetch_block_records, online_spans
@@ -12,8 +16,9 @@ from tests.e2e.test_self_placement import NUM_BLOCKS, online_cover, reader, wait
 MOVED = "rebalancing: moving"
 
 
+@pytest.mark.parametrize("departure", ["sigterm", "sigkill"])
 def test_two_free_servers_exactly_one_fills_the_hole(model_path, bootstrap, reader, reference_model,  # noqa: F811
-                                                    tokenizer, tmp_path):
+                                                    tokenizer, tmp_path, departure):
     from swarm import AutoDistributedModelForCausalLM
 
     prefix = f"gap-{uuid.uuid4().hex[:8]}"
@@ -33,13 +38,16 @@ def test_two_free_servers_exactly_one_fills_the_hole(model_path, bootstrap, read
         assert all((p.ready["start"], p.ready["end"]) == (0, 15) for p in free), [p.ready for p in free]
         wait_for(lambda: online_cover(reader, prefix), 60, "all four servers online")
 
-        fast_b.terminate()  # SIGTERM: B announces its blocks offline and leaves a hole at 15:30
+        if departure == "sigterm":
+            fast_b.terminate()  # B announces its blocks offline and leaves a hole at 15:30
+        else:
+            fast_b.kill()  # SIGKILL (the whole group, p2pd too): B's records stay online, a hole nobody announces
         left_at = time.monotonic()
 
         def refilled():
             records = fetch_block_records(reader, prefix, NUM_BLOCKS)
-            if any(fast_b.peer_id in servers and servers[fast_b.peer_id].state.value != "offline"
-                   for servers in records):
+            if departure == "sigterm" and any(fast_b.peer_id in servers and servers[fast_b.peer_id].state.value
+                                              != "offline" for servers in records):
                 return None
             return online_cover(reader, prefix, exclude=fast_b.peer_id)
 
@@ -48,7 +56,8 @@ def test_two_free_servers_exactly_one_fills_the_hole(model_path, bootstrap, read
         filled_in = time.monotonic() - left_at
         time.sleep(15)  # three more hole checks: the other free server must stay where it is
         moved = [p for p in free if MOVED in p.log_path.read_text()]
-        print(f"\nhole 15:30 served again {filled_in:.1f}s after the departure (load included); spans {spans}")
+        print(f"\nhole 15:30 served again {filled_in:.1f}s after the departure ({departure}, load included); spans "
+              f"{spans}")
         assert len(moved) == 1, [p.log_tail(15) for p in free]
         stayed = next(p for p in free if p is not moved[0])
         final = {s.peer_id: (s.start, s.end) for s in online_spans(fetch_block_records(reader, prefix, NUM_BLOCKS))}

@@ -10,6 +10,9 @@ page), and that a greedy chat through the gateway in the client namespace, whose
 returns the text local transformers gives, the public server pushing its decode outputs to the home server
 through the relay. With relays off (`--no_relay`) a home server exits 1 with one error
 line naming the addresses tried and the flags that help, before loading any block, and leaves no process behind.
+Last, the relay (the bootstrap peer, at a fixed port with a fixed identity) is SIGKILLed and started again: the
+home server renews its slot (`server.placement.relay_watch`) and a chat sent at once, which the gateway holds while it
+retries the span's only server (`SwarmManager.sole_retry_wait`), equals transformers.
 Skips, saying why, where network namespaces are not permitted.
 """
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -34,11 +38,12 @@ PREFIX = "tnat"
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
 MAX_TOKENS = 12
 HOME_PORT = 31400
+BOOT_PORT = 31337
 DIRECT_AT = re.compile(r"not reachable directly at /ip4/([\d.]+)/tcp/(\d+)")
 
 
 @pytest.fixture(scope="module")
-def nat_lab(model_path):
+def nat_lab(model_path, tmp_path_factory):
     reason = NetLab.unavailable()
     if reason:
         pytest.skip(f"the NAT test needs network namespaces: {reason}")
@@ -46,8 +51,11 @@ def nat_lab(model_path):
         hosts = {name: lab.add_host(name) for name in ("public", "home", "client")}
         lab.refuse_inbound(hosts["home"])
         procs = []
+        # a fixed port and identity: the relay's restart (the last test) brings it back at the same address
+        boot_args = dict(threads=1, wrap=hosts["public"].wrap,
+                         extra=["--identity_path", str(tmp_path_factory.mktemp("nat") / "dht.key")])
         try:
-            boot = start_bootstrap(hosts["public"].address, 0, name="nat-dht", threads=1, wrap=hosts["public"].wrap)
+            boot = start_bootstrap(hosts["public"].address, BOOT_PORT, name="nat-dht", **boot_args)
             procs.append(boot)
             servers = {}
             for name, span in (("public", "0:15"), ("home", "15:30")):
@@ -61,7 +69,7 @@ def nat_lab(model_path):
                                     host=hosts["client"].address, port=8000, threads=1, wrap=hosts["client"].wrap)
             procs.append(gateway)
             yield SimpleNamespace(lab=lab, hosts=hosts, boot=boot, servers=servers, gateway=gateway,
-                                  url=gateway.ready["url"])
+                                  url=gateway.ready["url"], procs=procs, boot_args=boot_args)
         finally:
             for proc in reversed(procs):
                 proc.kill()
@@ -93,12 +101,17 @@ def test_the_home_server_cannot_be_dialed_and_serves_through_a_relay(nat_lab):
     assert status["blocks_covered"] == 30
 
 
+def _chat(url: str) -> str:
+    model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    answer = httpx.post(url + "/v1/chat/completions", timeout=300, json={
+        "model": model, "messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0})
+    assert answer.status_code == 200, answer.text
+    return answer.json()["choices"][0]["message"]["content"]
+
+
 def test_a_chat_through_the_relayed_home_server_equals_transformers(nat_lab, tokenizer, reference_model):
     expected = reference_text(tokenizer, reference_model, MESSAGES, MAX_TOKENS)
-    model = httpx.get(nat_lab.url + "/v1/models", timeout=30).json()["data"][0]["id"]
-    answer = httpx.post(nat_lab.url + "/v1/chat/completions", timeout=300, json={
-        "model": model, "messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0}).json()
-    assert answer["choices"][0]["message"]["content"] == expected
+    assert _chat(nat_lab.url) == expected
     # the decode steps crossed the relay: the public server pushed its outputs to the home server through it
     manager = SwarmManager(ClientConfig(initial_peers=[nat_lab.boot.maddr], measure_rtt=False), PREFIX, 30)
     try:
@@ -129,3 +142,30 @@ def test_with_relays_off_an_unreachable_server_exits_with_one_line(nat_lab, mode
     assert "loaded" not in log and "Traceback" not in log
     with pytest.raises(ProcessLookupError):  # the process group (the DHT child and p2pd included) is gone
         os.killpg(proc.proc.pid, 0)
+
+
+def test_a_relayed_chain_survives_the_relays_restart(nat_lab, tokenizer, reference_model):
+    """Last in the module: the bootstrap peer (the home server's relay) is killed and started again at the same
+    address with the same identity; the home server notices its lost slot and renews it
+    (`server.placement.relay_watch`), and a chat sent at once waits for it (the gateway retries a span's only server)
+    and equals transformers."""
+    expected = reference_text(tokenizer, reference_model, MESSAGES, MAX_TOKENS)
+    home = nat_lab.servers["home"]
+    assert _chat(nat_lab.url) == expected  # the chain through the relay is up
+    nat_lab.boot.kill()  # SIGKILL: the relay vanishes with every reservation and relayed connection
+    began = time.monotonic()
+    boot = start_bootstrap(nat_lab.hosts["public"].address, BOOT_PORT, name="nat-dht-restarted",
+                           **nat_lab.boot_args)
+    nat_lab.procs.append(boot)
+    assert boot.peer_id == nat_lab.boot.peer_id
+    restarted = time.monotonic()
+    assert _chat(nat_lab.url) == expected  # sent at once: the home server has no slot yet
+    answered = time.monotonic()
+    log = home.log_path.read_text(errors="replace")
+    renewed = re.findall(r"relay: serving through relay (\S+) again \(slot lost for ([\d.]+)s, renewed in ([\d.]+)s",
+                         log)
+    retried = nat_lab.gateway.log_path.read_text(errors="replace").count("nothing else serves some of blocks")
+    print(f"\nrelay restarted in {restarted - began:.1f}s; the next chat answered {answered - restarted:.1f}s later; "
+          f"home server: {renewed}; the gateway retried its only server {retried} time(s)")
+    assert renewed and renewed[-1][0] == boot.peer_id, home.log_tail(30)
+    assert home.proc.poll() is None

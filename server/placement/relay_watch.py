@@ -1,0 +1,115 @@
+"""A relayed server keeps its relay: it notices a lost reservation and makes a new one.
+
+A server behind a NAT (`server.placement.reachable`: `reachable: relayed`) can only be dialed through the relay that
+holds its slot. When that relay restarts (or its connection drops), the slot is gone, and hivemind 1.1.12's p2pd does
+not reserve it again: go-libp2p 0.32's autorelay puts every relay it reserved with on an hour's back-off, so even a
+static relay that is back is skipped (measured: no new slot within 140 s). So `RelayWatch.check`, called by the
+serving loop every `--relay_check_period` seconds, looks at the peer's own addresses:
+- relay circuit addresses present: all is well;
+- none: the slot is lost; once one of the relays (the initial peers) accepts a connection again, the DHT peer and
+  its p2pd are restarted as a relayed DHT client with the same peer id (`server.placement.reachable.restart_relayed`),
+  the block handlers are registered on the new p2pd and the record is announced again, so clients reach the server
+  through the new slot. While no relay answers, nothing is restarted (a DHT client cannot join without one).
+  A renewal that gets no slot, or whose DHT peer fails to start, is tried again after 2, 4, 8, ... check periods
+  (at most `MAX_BACKOFF` s); a server left without a DHT peer exits at its next record refresh (`Server._heal`),
+  for its supervisor to start it again.
+Clients meanwhile retry a span's only server with a short back-off (`swarm.client.manager`).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import List, Optional, Sequence
+
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from server.placement.reachable import circuit_maddrs, relay_ids, restart_relayed
+from swarm.wire.records import ServerState
+
+logger = logging.getLogger("swarmgate.server")
+
+CONNECT_TIMEOUT = 5.0  # seconds to try connecting to a relay
+MAX_BACKOFF = 300.0  # most seconds between checks after renewals that got no slot
+
+
+async def relay_answers(p2p: P2P, relays: Sequence[str], timeout: float = CONNECT_TIMEOUT) -> bool:
+    """Whether one of `relays` (multiaddrs ending in /p2p/ID) accepts a connection from `p2p` now."""
+    for text in relays:
+        try:
+            maddr = Multiaddr(text)
+            peer = PeerID.from_base58(maddr["p2p"])
+            await asyncio.wait_for(p2p._client.connect(peer, [maddr.decapsulate(Multiaddr(f"/p2p/{peer}"))]),
+                                   timeout)
+            return True
+        except Exception as e:
+            logger.debug(f"relay {text} does not answer: {type(e).__name__}: {e}")
+    return False
+
+
+class RelayWatch:
+    """Checks a relayed server's reservation and renews it (see the module docstring)."""
+
+    def __init__(self, period: float):
+        self.period = period
+        self.next_check = time.monotonic() + period
+        self.lost_since: Optional[float] = None
+        self.renewals = 0  # reservations made again (logs, tests)
+        self.failures = 0  # renewals in a row that got no slot: the next check waits longer (up to MAX_BACKOFF)
+
+    def due(self) -> bool:
+        return self.period > 0 and time.monotonic() >= self.next_check
+
+    async def check(self, server) -> bool:
+        """One check; True if the reservation was renewed now."""
+        self.next_check = time.monotonic() + self.period
+        circuits: List[str] = []
+        try:
+            circuits = circuit_maddrs(await server.p2p.get_visible_maddrs(latest=True))
+        except Exception as e:  # p2pd gone: treated as a lost slot (the DHT process check stops the server)
+            logger.debug(f"reading this peer's addresses failed: {type(e).__name__}: {e}")
+        if circuits:
+            self.lost_since = None
+            return False
+        if self.lost_since is None:
+            self.lost_since = time.monotonic()
+            logger.warning("relay: this server has no relay slot any more (the relay restarted or dropped the "
+                           "connection); renewing it once a relay answers")
+        # (no p2p: an earlier renewal failed half-way; its DHT peer is gone, so try again without asking)
+        if server.p2p is not None and not await relay_answers(server.p2p, server.config.initial_peers):
+            return False
+        return await self.renew(server)
+
+    def _back_off(self, what: str) -> None:
+        self.failures += 1
+        self.next_check = time.monotonic() + min(MAX_BACKOFF, self.period * 2 ** self.failures)
+        logger.warning(f"relay: {what}; trying again in {self.next_check - time.monotonic():.0f}s")
+
+    async def renew(self, server) -> bool:
+        began = time.monotonic()
+        handler = server.handler
+        if handler is not None:
+            try:
+                await asyncio.wait_for(handler.remove_p2p_handlers(server.p2p), CONNECT_TIMEOUT)
+            except Exception:  # the old p2pd is going anyway
+                pass
+        try:
+            circuits = await restart_relayed(server)
+        except Exception as e:  # e.g. the relay went away again while the DHT peer joined through it
+            server.p2p = None
+            self._back_off(f"could not restart the DHT peer ({type(e).__name__}: {e})")
+            return False
+        if handler is not None:
+            await handler.add_p2p_handlers(server.p2p)
+        if not circuits:
+            self._back_off("restarted the DHT peer but got no relay slot")
+            return False
+        self.failures = 0
+        await server.announce(ServerState.ONLINE)
+        self.renewals += 1
+        lost_for = time.monotonic() - (self.lost_since or began)
+        self.lost_since = None
+        logger.info(f"relay: serving through relay {', '.join(relay_ids(circuits))} again (slot lost for "
+                    f"{lost_for:.1f}s, renewed in {time.monotonic() - began:.1f}s)")
+        return True
