@@ -6,7 +6,8 @@ The servers are those of bench/bench_swarm_scale.py (a tiny random 16-block Llam
 throughputs, `--update_period 10`). After they are all ready and have announced twice, a client-mode DHT peer reads
 every block's records three times (`one_read`: its find and store calls, bytes sent plus received, records read),
 then each server's counters (`rpc_dht_traffic`) are read twice, `--window` s apart (`per_server_per_min`: the
-median over servers of bytes sent and received, and of the RPCs made and served by kind). Counted in each DHT
+median and max over servers of messages and bytes sent and received, and of the RPCs made and served by kind;
+`traffic_rates` of bench_swarm_scale). Counted in each DHT
 process (`swarm.runtime.dht_traffic`): protobuf payloads, not p2pd's framing.
 
 Usage: python bench/bench_dht_reads.py [--servers 8] [--window 60]
@@ -17,7 +18,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.bench_swarm_scale import BLOCKS, SIZES, read_traffic  # noqa: E402
+from bench.bench_swarm_scale import BLOCKS, SIZES, read_traffic, traffic_rates  # noqa: E402
 from swarm.client.manager import ClientConfig, SwarmManager  # noqa: E402
 from swarm.launch import topology  # noqa: E402
 from swarm.launch.topology import start_server, terminate_all, wait_all  # noqa: E402
@@ -81,19 +81,9 @@ def main() -> int:
     finally:
         terminate_all(procs)
         boot.terminate()
-    rates = []
-    for peer in set(first) & set(last):
-        a, b = first[peer], last[peer]
-        rate = {"sent_bytes": (b.sent_bytes - a.sent_bytes) * per_min,
-                "received_bytes": (b.received_bytes - a.received_bytes) * per_min}
-        for field in ("calls_made", "calls_served"):
-            for kind, count in getattr(b, field).items():
-                rate[f"{field}.{kind}"] = (count - getattr(a, field).get(kind, 0)) * per_min
-        rates.append(rate)
-    keys = sorted({key for rate in rates for key in rate})
-    print(json.dumps({"servers": args.servers, "update_period": args.update_period, "servers_measured": len(rates),
-                      "one_read": reads, "per_server_per_min": {
-                          key: round(statistics.median(rate.get(key, 0.0) for rate in rates)) for key in keys}}))
+    readings = {peer: [(0.0, first[peer]), (60.0 / per_min, last[peer])] for peer in set(first) & set(last)}
+    print(json.dumps({"servers": args.servers, "update_period": args.update_period, "one_read": reads,
+                      "per_server_per_min": traffic_rates(readings, 0.0)}))
     return 0
 
 
