@@ -9,7 +9,7 @@ logs), RSS/PSS and CPU per process kind (each server counted with its DHT child 
 before the load; and draws docs/swarm-scale.png (coverage per block over time with the churn events, served
 requests per second).
 DHT records: the unexpired (block, server) records under the model's keys, any state. DHT traffic per server per
-minute: each online server's info (`ServerStats.dht_traffic`, its DHT peer's RPC messages and their protobuf bytes,
+minute: each online server's counters (`rpc_dht_traffic`: its DHT peer's RPC messages and their protobuf bytes,
 sent and received, counted in the DHT process by `swarm.runtime.dht_traffic`, as of its last announcement) is read
 every `--update_period` s; a server's rate is its counters' growth between its first and last reading (servers
 read over at least one period), reported as the median and max over servers. Routing time: the gateway's
@@ -51,6 +51,7 @@ from swarm.launch.topology import ManagedProcess, start_gateway, start_server, t
 from swarm.modeling.prepare import prepare_model  # noqa: E402
 from swarm.runtime import aio  # noqa: E402
 from swarm.runtime.dht_traffic import DHTTraffic  # noqa: E402
+from swarm.runtime.swarm_key import NO_DHT_CACHE  # noqa: E402
 from swarm.wire.records import fetch_block_records, online_spans  # noqa: E402
 from tests.fixtures.tiny_checkpoints import save_tiny  # noqa: E402
 
@@ -79,10 +80,10 @@ def tree_usage(proc: ManagedProcess) -> Dict[str, float]:
 
 
 def read_traffic(manager: SwarmManager, peer_ids: List[str]) -> Dict[str, DHTTraffic]:
-    """Each server's DHT traffic counters from its info RPC (servers that do not answer are left out)."""
+    """Each server's DHT traffic counters (`rpc_dht_traffic`; servers that do not answer are left out)."""
     async def one(peer_id: str):
         try:
-            return (await asyncio.wait_for(manager.info(peer_id), 10)).dht_traffic
+            return await asyncio.wait_for(manager.dht_traffic(peer_id), 10)
         except Exception:
             return None
 
@@ -178,7 +179,7 @@ def main() -> int:
         everyone.append(proc)
         return proc
 
-    dht = hivemind.DHT(initial_peers=[boot.maddr], client_mode=True, start=True)
+    dht = hivemind.DHT(initial_peers=[boot.maddr], client_mode=True, start=True, **NO_DHT_CACHE)  # as every peer
     manager = SwarmManager(ClientConfig(initial_peers=[boot.maddr], measure_rtt=False), prefix, BLOCKS, dht=dht)
     traffic: Dict[str, List[tuple]] = {}  # peer id -> [(seconds since the load began, DHTTraffic)]
     metrics_text = ""

@@ -24,9 +24,11 @@ It reports the swarm's throughput (the bottleneck: the weakest block's total ONL
 also as a fraction of the ideal, total capacity spread evenly), holes (blocks no live server serves), moves per
 hour, routing and decision wall times, and the DHT work per server per minute the settings imply. The baseline is
 the reference system's policy: least-served span, balance_quality 0.75, 120 s checks, 120 s update period, no hole
-watch. `--grid` runs the settings sweep behind docs/swarm-simulation.md and draws its plots.
+watch. `--grid` runs the settings sweep behind docs/swarm-simulation.md and draws its plots; `--seeds K` repeats
+each setting over K seeds and reports mean, std, min and max; `--sweep` runs the recommended settings and their
+baselines over 5 seeds (docs/swarm-simulation-seeds.json).
 
-Usage: python bench/bench_swarm_sim.py [--servers 1000] [--hours 1] [--grid]
+Usage: python bench/bench_swarm_sim.py [--servers 1000] [--hours 1] [--seeds 1] [--grid | --sweep]
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ from typing import Dict, List, Optional, Set, Tuple
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from server.placement.policy import choose_best_span, hole_fill_turn, move_target, uncovered_blocks  # noqa: E402
-from server.placement.spans import hole_check_interval, hole_fill_delay  # noqa: E402
+from server.placement.spans import HOLE_FULL_READ_SWARM, hole_check_interval, hole_fill_delay  # noqa: E402
 from swarm.client.routing import RoutingError, find_inference_chain  # noqa: E402
 from swarm.wire.records import ServerInfo, ServerSpan, ServerState  # noqa: E402
 
@@ -297,9 +299,12 @@ def simulate(policy: Policy, *, servers: int, hours: float, blocks: int = 80, se
     stats, warm = swarm.stats, [s for s in swarm.stats.samples if s["t_min"] >= 10]  # after the first 10 minutes
     hole_minutes = sum(1 for s in warm if s["holes"]) / max(1, len(warm))
     durations = swarm.hole_durations + [swarm.now - since for since in swarm.hole_since.values()]
-    checks_per_min = 60 / policy.balance_period + 60 / policy.update_period  # balance check, next-ping fetch
+    # reads of every block's key: balance checks, and the hole watch's full reads
+    # (server.placement.spans.full_read_due); the hole checks in between read only the thin blocks' keys, the next-ping
+    # measurement block `end`'s key
+    checks_per_min = 60 / policy.balance_period
     if policy.hole_check_period > 0:
-        checks_per_min += 60 / (policy.hole_check_period * max(1.0, servers / 100))
+        checks_per_min += 60 / (policy.hole_check_period * max(1.0, servers / 100, servers / HOLE_FULL_READ_SWARM))
     mean_length = statistics.fmean(SPAN_LENGTHS)
     return {
         "policy": asdict(policy), "servers": servers, "blocks": blocks, "hours": hours, "seed": seed,
@@ -330,21 +335,41 @@ def main() -> int:
     parser.add_argument("--servers", type=int, default=1000)
     parser.add_argument("--hours", type=float, default=1.0)
     parser.add_argument("--blocks", type=int, default=80)
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=1, help="the (first) seed of the volunteers' world")
+    parser.add_argument("--seeds", type=int, default=1, help="runs per setting, seeds --seed, --seed + 1, ...: with "
+                                                             "more than one, each measure's mean, std, min and max")
     parser.add_argument("--grid", action="store_true", help="the settings sweep of docs/swarm-simulation.md (long)")
-    parser.add_argument("--out", default="docs", help="where --grid writes its JSON and plots")
+    parser.add_argument("--sweep", action="store_true", help="the recommended settings and their baselines over "
+                                                             "--seeds seeds (default 5; docs/swarm-simulation.md)")
+    parser.add_argument("--out", default="docs", help="where --grid and --sweep write their JSON (and plots)")
     args = parser.parse_args()
+    if args.seeds < 1:
+        parser.error("--seeds must be at least 1")
     if args.grid:
         from bench.swarm_sim_grid import run_grid
 
         run_grid(args.out, simulate, BASELINE, RECOMMENDED, replace)
         return 0
-    results = [simulate(policy, servers=args.servers, hours=args.hours, blocks=args.blocks, seed=args.seed)
-               for policy in (BASELINE, RECOMMENDED)]
+    seeds = list(range(args.seed, args.seed + (5 if args.sweep and args.seeds == 1 else args.seeds)))
+    if args.sweep:
+        from bench.swarm_sim_grid import run_seeds
+
+        summaries = run_seeds(args.out, simulate, BASELINE, replace, seeds)
+        print(json.dumps({"runs": len(summaries) * len(seeds), "seeds": seeds, "settings": summaries}))
+        return 0
     keys = ["bottleneck_of_ideal", "minutes_with_holes_frac", "hole_block_minutes", "hole_duration_max_s",
             "moves_per_hour", "failed_first_try_dead", "failed_hole", "route_ms_p50", "decide_ms_p50", "wall_s"]
-    summary = {f"{r['policy']['name']}.{key}": r[key] for r in results for key in keys}
-    print(json.dumps({"servers": args.servers, "hours": args.hours, **summary}))
+    summary = {}
+    for policy in (BASELINE, RECOMMENDED):
+        runs = [simulate(policy, servers=args.servers, hours=args.hours, blocks=args.blocks, seed=seed)
+                for seed in seeds]
+        if len(runs) == 1:
+            summary.update({f"{policy.name}.{key}": runs[0][key] for key in keys})
+        else:
+            from bench.swarm_sim_grid import spread
+
+            summary.update({f"{policy.name}.{key}": value for key, value in spread(runs, keys).items()})
+    print(json.dumps({"servers": args.servers, "hours": args.hours, "seeds": seeds, **summary}))
     return 0
 
 

@@ -4,13 +4,17 @@ For swarms of 30, 100, 1,000 and 10,000 servers it runs the reference policy (ba
 balance_quality, balance_period, update_period and the hole watch, writes every run's summary to
 docs/swarm-simulation.json and draws docs/swarm-sim-timeline.png (throughput and holes over time, baseline vs
 recommended) and docs/swarm-sim-settings.png (moves per hour, holes and throughput against the settings).
+
+`run_seeds` (`--sweep`) runs the recommended settings of docs/swarm-simulation.md and their baselines over several
+seeds (`SEED_SWEEP`) and reports each measure's mean, standard deviation, minimum and maximum over the seeds
+(docs/swarm-simulation-seeds.json).
 """
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 # (servers, hours, [policy variants as overrides of the baseline])
 SIZES = [
@@ -29,6 +33,45 @@ VARIANTS = {
     "hole_u60_b300": {"hole_check_period": 5.0, "update_period": 60.0, "balance_period": 300.0},
 }
 RECOMMENDED = "hole_u60"
+# (servers, hours, policies) of the multi-seed sweep: the recommended settings per swarm size and their baselines
+SEED_SWEEP = [
+    (30, 6.0, ["baseline", "hole", "hole_u60", "hole_u30"]),
+    (100, 4.0, ["baseline", "hole_u60", "hole_u30"]),
+    (1000, 1.5, ["baseline", "hole_u60_b300"]),
+]
+SPREAD_KEYS = ["bottleneck_of_ideal", "hole_block_minutes", "hole_duration_max_s", "moves_per_hour",
+               "failed_first_try_dead", "sessions", "route_ms_p50"]
+
+
+def spread(results: List[dict], keys: List[str] = SPREAD_KEYS) -> dict:
+    """Mean, standard deviation (0 for one run), min and max of each key over runs of several seeds."""
+    import statistics
+
+    summary = {}
+    for key in keys:
+        values = [r[key] for r in results if r.get(key) is not None]
+        if values:
+            summary[key] = {"mean": round(statistics.fmean(values), 3),
+                            "std": round(statistics.stdev(values), 3) if len(values) > 1 else 0.0,
+                            "min": min(values), "max": max(values)}
+    return summary
+
+
+def run_seeds(out: Optional[str], simulate: Callable, baseline, replace: Callable, seeds: List[int],
+              sweep: Optional[list] = None) -> List[dict]:
+    """Each (servers, policy) of `sweep` (default `SEED_SWEEP`) once per seed; one summary per pair."""
+    summaries = []
+    for servers, hours, names in sweep or SEED_SWEEP:
+        for name in names:
+            policy = replace(baseline, name=name, **VARIANTS[name])
+            runs = [simulate(policy, servers=servers, hours=hours, seed=seed) for seed in seeds]
+            summary = {"servers": servers, "hours": hours, "policy": name, "seeds": list(seeds), **spread(runs)}
+            print(json.dumps(summary), file=sys.stderr, flush=True)
+            summaries.append(summary)
+    if out is not None:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "swarm-simulation-seeds.json").write_text(json.dumps(summaries, indent=1))
+    return summaries
 
 
 def run_grid(out: str, simulate: Callable, baseline, _recommended, replace: Callable) -> List[dict]:

@@ -5,14 +5,16 @@ RTTs to the next servers) is stored under each block the server holds, always wi
 (`--expiration`, default twice `--update_period`), since the DHT keeps whichever value of a key expires later.
 `Announcer` keeps what was last announced, so that the supervisor refreshes the record every `--update_period`, or
 sooner when the free cache changed by a tenth of the budget; moving the span announces the blocks left behind as
-offline.
+offline. Reading the swarm back: `spans` (every block's key; the last result kept as `view`), `unserved` (a few
+blocks' keys: the hole watch between full reads), and the next servers' RTTs read block `end`'s key alone.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from functools import partial
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import hivemind
 import torch
@@ -31,6 +33,7 @@ from swarm.wire.records import (
     ServerState,
     declare_blocks,
     fetch_block_records,
+    fetch_spans_at,
     online_spans,
 )
 
@@ -79,6 +82,7 @@ class Announcer:
         self.limits: Optional[ServerLimits] = None  # the RPC limits this server enforces (set by the server)
         self.reachable: Reachable = "direct"  # or "relayed": behind a NAT, served through a relay
         # (server.placement.reachable)
+        self.view: Optional[Tuple[float, List[ServerSpan]]] = None  # (monotonic time, spans) of the last full read
         # observable counters (tests, logs) and what the last announcement said
         self.announcements = 0
         self.announced_free: Optional[int] = None
@@ -118,8 +122,18 @@ class Announcer:
         self.start, self.end = start, end
 
     async def spans(self) -> List[ServerSpan]:
-        return await asyncio.get_running_loop().run_in_executor(
+        """Every server's span (every block's key read); kept as `view`."""
+        spans = await asyncio.get_running_loop().run_in_executor(
             None, swarm_spans, self.dht, self.prefix, self.num_blocks_total)
+        self.view = (time.monotonic(), spans)
+        return spans
+
+    async def unserved(self, blocks: Sequence[int]) -> List[int]:
+        """Which of `blocks` no JOINING or ONLINE server announces now (only their keys read)."""
+        records = await asyncio.get_running_loop().run_in_executor(
+            None, partial(fetch_block_records, self.dht, self.prefix, self.num_blocks_total, blocks=blocks))
+        serving = (ServerState.JOINING, ServerState.ONLINE)
+        return [b for b in blocks if not any(info.state in serving for info in records[b].values())]
 
     async def measure_next_pings(self, p2p, peer_id: str) -> None:
         """RTTs to the servers that can run the block after this span, for latency-aware routing."""
@@ -127,7 +141,10 @@ class Announcer:
             self.next_pings = {}
             return
         try:
-            self.next_pings = await measure_next_pings(p2p, await self.spans(), peer_id, self.end,
+            # the servers that hold block `end`: that block's key alone, not the whole swarm's
+            candidates = await asyncio.get_running_loop().run_in_executor(
+                None, fetch_spans_at, self.dht, self.prefix, self.num_blocks_total, self.end)
+            self.next_pings = await measure_next_pings(p2p, candidates, peer_id, self.end,
                                                        proof=proof_for(self.swarm_key, peer_id))
         except Exception as e:  # measuring is best effort; the record goes out anyway
             logger.debug(f"measuring next pings failed: {e}")

@@ -15,7 +15,8 @@ the number of moves is bounded.
 Filling holes (`uncovered_blocks`, `hole_fill_turn`): free servers watch the swarm for blocks nobody serves; the
 servers that would cover some of them by moving take turns in one order that all of them compute alike from the
 same records (a hash of peer id and holes), so that the first one moves and the others, looking again after it
-had time to, see it there (joining counts) and stay: no thundering herd into one hole.
+had time to, see it there (joining counts) and stay: no thundering herd into one hole. Between full reads of the
+swarm they watch only the blocks few servers serve (`thin_blocks`).
 
 `should_move` costs O(servers x span) to sum the swarm's per-block throughput plus O(blocks x span) to decide;
 `move_target` is the decision alone on per-block totals, for callers that keep those totals up to date (the
@@ -30,7 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from swarm.wire.records import ServerSpan, ServerState
 
 __all__ = ["block_throughputs", "choose_best_span", "should_move", "move_target", "uncovered_blocks",
-           "hole_fill_turn", "num_blocks_that_fit"]
+           "hole_fill_turn", "thin_blocks", "num_blocks_that_fit"]
 
 _SERVING_STATES = (ServerState.JOINING, ServerState.ONLINE)
 _REL_EPS = 1e-9  # float sums that differ by less than this (relatively) are considered equal
@@ -142,6 +143,20 @@ def move_target(without_me: Sequence[float], current: Tuple[int, int], my_throug
 def uncovered_blocks(throughputs: Sequence[float]) -> List[int]:
     """The blocks nobody serves (a hole), from `block_throughputs`."""
     return [index for index, value in enumerate(throughputs) if value <= 0]
+
+
+def thin_blocks(spans: Sequence[ServerSpan], num_blocks: int, most: int = 2) -> List[int]:
+    """The blocks that at most `most` JOINING or ONLINE servers serve (the hole watch reads these more often: a
+    hole opens where the last servers of a block leave)."""
+    served: Dict[str, set] = {}  # peer id -> the blocks it serves (a peer listed twice counts once)
+    for span in spans:
+        if span.info.state in _SERVING_STATES:
+            served.setdefault(span.peer_id, set()).update(range(max(span.start, 0), min(span.end, num_blocks)))
+    counts = [0] * num_blocks
+    for blocks in served.values():
+        for index in blocks:
+            counts[index] += 1
+    return [index for index, count in enumerate(counts) if count <= most]
 
 
 def _fill_order_key(peer_id: str, holes: Sequence[int]) -> bytes:

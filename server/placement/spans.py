@@ -16,6 +16,11 @@
   Before each check it pings the servers that alone serve some block (`server.placement.liveness`): the records of one
   that does not answer (SIGKILLed, crashed) are left out of the hole watch's, the move's and the rebalancing's view, so
   its hole is filled without waiting for its record to expire.
+  A look reads every block's key only in swarms of up to `HOLE_FULL_READ_SWARM` servers, or when its last full
+  read is `full_read_due`; in between it reads only the keys of the blocks that at most `THIN_SERVERS` servers
+  served at that read (`placement.thin_blocks`: where the last servers of a block can leave before the next full
+  read), and reads everything as soon as one of those has nobody. A full read costs O(servers) bytes, so a
+  server's hole-watch traffic stays flat as the swarm grows instead of growing with it.
 
 The functions work on a `SpanHost` (the server process, `server.server.Server`).
 """
@@ -33,7 +38,14 @@ from server.config import ServerConfig
 from server.placement.announce import Announcer
 from server.placement.liveness import HolderLiveness
 from server.placement.memory import Capacity, free_memory_bytes, plan_capacity
-from server.placement.policy import block_throughputs, choose_best_span, hole_fill_turn, should_move, uncovered_blocks
+from server.placement.policy import (
+    block_throughputs,
+    choose_best_span,
+    hole_fill_turn,
+    should_move,
+    thin_blocks,
+    uncovered_blocks,
+)
 from server.rpc.handler import BlockHandler
 from swarm.modeling.families import family_for
 from swarm.runtime.config import parse_span
@@ -44,6 +56,8 @@ logger = logging.getLogger("swarmgate.server")
 JOIN_CHECKS = 3  # re-checks of the initial placement before loading
 HOLE_FILL_SLOT = 3.0  # seconds between the turns of servers that could fill a hole (> a DHT store plus a read)
 HOLE_WATCH_SWARM = 100  # servers up to which each checks every --hole_check_period; more: each checks less often
+HOLE_FULL_READ_SWARM = 8  # servers up to which every hole check reads every block's key
+THIN_SERVERS = 2  # between full reads a hole check reads the blocks served by at most this many servers
 
 
 def jittered(mean: float, rng: random.Random) -> float:
@@ -171,9 +185,23 @@ def hole_fill_delay(turn: int, period: float, num_servers: int, rng: random.Rand
     return longest_check + turn * HOLE_FILL_SLOT + rng.uniform(0.0, HOLE_FILL_SLOT / 4)
 
 
+def full_read_due(age: float, period: float, num_servers: int) -> bool:
+    """Whether a hole check reads every block's key, its last full read being `age` s old: always in swarms of up to
+    HOLE_FULL_READ_SWARM servers; in larger ones once that read is period x servers/HOLE_FULL_READ_SWARM old."""
+    return num_servers <= HOLE_FULL_READ_SWARM or age >= period * num_servers / HOLE_FULL_READ_SWARM
+
+
 async def check_holes(host: SpanHost) -> Tuple[Optional[float], int]:
     """(seconds until this server looks again and moves into the swarm's hole, or None: no hole, or moving would
     not cover any; the number of servers the records show)."""
+    view = host.record.view
+    if view is not None:
+        seen_at, seen = view
+        num_servers = len({span.peer_id for span in seen})
+        if not full_read_due(time.monotonic() - seen_at, host.config.hole_check_period, num_servers):
+            thin = thin_blocks(seen, host.num_blocks_total, THIN_SERVERS)
+            if not thin or not await host.record.unserved(thin):
+                return None, num_servers
     spans = await host.record.spans()
     num_servers = len({span.peer_id for span in spans})
     spans = host.liveness.without_dead(spans, await host.liveness.probe(host.p2p, spans, host.num_blocks_total,

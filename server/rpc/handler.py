@@ -416,10 +416,14 @@ class BlockHandler(TrainingHandler):
             decode_batches=self.pool.batches_done, largest_batch=self.pool.largest_batch,
             decode_compute_seconds=round(self.counters.compute_seconds, 6),
             training_tokens_processed=self.training_tokens, limits=self.limits.announced(self.max_length),
-            dht_traffic=self.dht_traffic,
         )
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         if not self._admits(context, request.uid):
             raise PermissionError(NOT_A_MEMBER)  # the caller gets an RPC error
         return runtime_pb2.ExpertInfo(serialized_info=P.encode(self.stats()))
+
+    async def rpc_dht_traffic(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        if not self._admits(context, request.uid):
+            raise PermissionError(NOT_A_MEMBER)
+        return runtime_pb2.ExpertInfo(serialized_info=P.encode(P.DHTTrafficReport(traffic=self.dht_traffic)))

@@ -48,6 +48,8 @@ from swarm.wire.records import ServerSpan, ServerState, fetch_block_records, onl
 if TYPE_CHECKING:
     import torch
 
+    from swarm.runtime.dht_traffic import DHTTraffic
+
 logger = logging.getLogger(__name__)
 
 SOLE_RETRY_BASE = 1.0  # seconds before a banned server that alone serves some blocks is tried again (doubled)
@@ -312,6 +314,13 @@ class SwarmManager:
     async def info(self, peer_id: str) -> P.ServerStats:
         response = await self.stub(peer_id).rpc_info(runtime_pb2.ExpertUID(uid=""), timeout=self.config.request_timeout)
         return P.parse_stats(response)
+
+    async def dht_traffic(self, peer_id: str) -> "Optional[DHTTraffic]":
+        """The server's DHT traffic counters (`rpc_dht_traffic`; None: not read yet). A server from before the RPC
+        fails the call."""
+        response = await self.stub(peer_id).rpc_dht_traffic(runtime_pb2.ExpertUID(uid=""),
+                                                            timeout=self.config.request_timeout)
+        return P.parse_dht_traffic(response)
 
     def server_info(self, peer_id: str) -> P.ServerStats:
         return aio.run(self.info(peer_id), timeout=self.config.request_timeout + 5)

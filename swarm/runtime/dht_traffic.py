@@ -9,7 +9,7 @@ and libp2p's identify/keep-alive streams, so the bytes are the DHT payload, a lo
 network. A call that fails or times out counts its request only.
 
 `read_dht_traffic(dht)` returns the counters of a running `hivemind.DHT` (one round trip over its command pipe). A
-server refreshes its snapshot at each announcement and reports it in its info (`ServerStats.dht_traffic`).
+server refreshes its snapshot at each announcement and reports it through its `rpc_dht_traffic` RPC.
 """
 from __future__ import annotations
 

@@ -130,18 +130,25 @@ class SwarmKeyAuthorizer(AuthorizerBase):
 
 logger = logging.getLogger(__name__)
 BOOTSTRAP_ATTEMPTS = 2  # joins tried before a failed bootstrap is an error (none of the initial peers answered)
+# hivemind's DHT caching off: by default a peer caches every value it finds and pushes it to the nearest peer that
+# lacks it, and serves its cached copies to others' finds. Every read here asks for the latest values
+# (`swarm.wire.records`), so a cache never answers one, and each cached copy was sent again with every find of
+# that key: a read's bytes grew with the number of readers (x N at N servers).
+NO_DHT_CACHE = {"cache_locally": False, "cache_nearest": 0}
+
 NOT_A_MEMBER = "this is a private swarm: the request carries no valid proof of its swarm key"
 
 
 def join_dht(key: Optional[SwarmKey], **kwargs: Any) -> Any:
     """`hivemind.DHT(start=True, **kwargs)` as a member of the swarm of `key` (None: an open swarm), run as a
-    `swarm.runtime.dht_process.DHTProcess` (a child process that never outlives, nor hangs, its parent). A failed
+    `swarm.runtime.dht_process.DHTProcess` (a child process that never outlives, nor hangs, its parent), without
+    DHT caching (`NO_DHT_CACHE`, unless `kwargs` say otherwise). A failed
     bootstrap says what to check: in a private swarm, members do not answer a peer without the same key."""
     from swarm.runtime.dht_process import DHTProcess
 
     for attempt in range(1, BOOTSTRAP_ATTEMPTS + 1):
         try:
-            return DHTProcess(start=True, **kwargs, **dht_kwargs(key))
+            return DHTProcess(start=True, **{**NO_DHT_CACHE, **kwargs}, **dht_kwargs(key))
         except RuntimeError as e:
             if "bootstrap failed" not in str(e):
                 raise

@@ -25,6 +25,13 @@ RPCs (see `BlockRPC`):
   output; `TrainBackward` + hidden, grad_output (+ prompts) -> `TrainResult` + grad_input (+ grad_prompts). The
   server keeps nothing between the two calls: backward recomputes the span's forward from the inputs it is sent.
 - `rpc_info`: `ServerStats`.
+- `rpc_dht_traffic`: `DHTTrafficReport`, the server's DHT peer's traffic counters (`swarm.runtime.dht_traffic`).
+
+Versions. Every message rejects unknown fields, so a reader parses exactly the fields of its own version. A field
+added to a message later is optional and never reaches a reader from before it: in a request it is left out
+while unset (`OpenSession.compression`: a server from before takes every session that does not ask for
+compression); a reply (`ServerStats`) keeps the fields it had, and what a server reports later gets an RPC of its
+own (`rpc_dht_traffic`), which a server from before answers with the transport's "no such handler" error.
 
 In a private swarm the `uid` of a stream's first request (of every `rpc_forward` request, of `rpc_info`'s
 `ExpertUID`) carries the caller's membership proof (`swarm.runtime.swarm_key`; `ProvedStub` stamps it);
@@ -245,11 +252,16 @@ class ServerStats(Message):
     decode_compute_seconds: float = 0.0
     training_tokens_processed: int = Field(default=0, description="tokens of training forward/backward passes")
     limits: Optional[ServerLimits] = Field(default=None, description="the resource limits the server enforces")
-    # left out when None, so that clients from before the field (which reject unknown fields) still read the info
-    dht_traffic: Optional[DHTTraffic] = Field(
-        default=None, exclude_if=lambda value: value is None,
-        description="the server's DHT peer's traffic since start, as of its last announcement "
-                    "(swarm.runtime.dht_traffic)")
+    # no field may be added here: clients parse exactly these (see the module's Versions); a new report gets its
+    # own RPC, as `DHTTrafficReport` did
+
+
+class DHTTrafficReport(Message):
+    """`rpc_dht_traffic`'s reply: the server's DHT peer's traffic since it started, as of its last announcement."""
+
+    type: Literal["dht_traffic"] = "dht_traffic"
+    traffic: Optional[DHTTraffic] = Field(default=None, description="None: not read yet (before the first "
+                                                                    "announcement with blocks loaded)")
 
 
 ReplyMessage = Union[StepResult, ErrorReply]
@@ -397,6 +409,9 @@ class BlockRPC(ServicerBase):
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         raise NotImplementedError
 
+    async def rpc_dht_traffic(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        raise NotImplementedError
+
 
 class ProvedStub:
     """A `BlockRPC` stub whose calls carry `proof` (a private swarm's membership proof, `swarm.runtime.swarm_key`)
@@ -419,6 +434,9 @@ class ProvedStub:
     async def rpc_info(self, request: runtime_pb2.ExpertUID, **kwargs):
         return await self._stub.rpc_info(self._proved(request), **kwargs)
 
+    async def rpc_dht_traffic(self, request: runtime_pb2.ExpertUID, **kwargs):
+        return await self._stub.rpc_dht_traffic(self._proved(request), **kwargs)
+
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, **kwargs):
         return await self._stub.rpc_forward(self._proved(request), **kwargs)
 
@@ -437,3 +455,7 @@ class ProvedStub:
 
 def parse_stats(info: runtime_pb2.ExpertInfo) -> ServerStats:
     return decode(info.serialized_info, ServerStats)
+
+
+def parse_dht_traffic(info: runtime_pb2.ExpertInfo) -> Optional[DHTTraffic]:
+    return decode(info.serialized_info, DHTTrafficReport).traffic

@@ -6,6 +6,17 @@ measured to servers that host its next blocks, its resource limits (`ServerLimit
 directly or through a relay (`reachable`, `swarm.wire.reachability`). Records expire unless
 refreshed; a server going away stores `offline` with a short expiration. Records that fail validation are ignored
 (a bad peer cannot break a reader).
+
+What a read costs (it grows with the swarm, so it is kept small): hivemind answers a find with the whole value
+of each key asked (every server's record under it) from every node visited that holds it, plus a list of that
+node's nearest neighbours. So:
+- a server's RTTs to the next servers (`next_pings`, more than half of a record's bytes) go only into the record
+  under its span's last block, the one routing reads them from (`online_spans` keeps each span's last record);
+- reads and stores visit at most `DHT_BEAM` nodes per key (hivemind's default is its bucket size, 20: every node
+  of a small swarm), enough to reach the `num_replicas` (5) nodes nearest to a key that hold it;
+- the peers keep no DHT cache (`swarm.runtime.swarm_key.NO_DHT_CACHE`): every read asks for the latest values
+  anyway, and cached copies only multiplied what each read downloads;
+- a check that needs one block reads one key (`fetch_spans_at`).
 """
 from __future__ import annotations
 
@@ -24,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 logger = logging.getLogger(__name__)
 
 RECORD_VERSION = 1
+DHT_BEAM = 8  # nodes a read or store visits per key (hivemind stores each key on its 5 nearest nodes)
 
 
 class ServerState(str, enum.Enum):
@@ -100,32 +112,39 @@ def block_key(prefix: str, index: int) -> str:
     return f"{prefix}.{index}"
 
 
-async def _store_records(dht: DHT, node, *, keys, subkey, value, expiration_time):
-    return await node.store_many(
-        keys=keys, values=[value] * len(keys), expiration_time=expiration_time, subkeys=[subkey] * len(keys)
-    )
+async def _store_records(dht: DHT, node, *, keys, subkey, values, expiration_time):
+    return await node.store_many(keys=keys, values=values, expiration_time=expiration_time,
+                                 subkeys=[subkey] * len(keys), beam_size=DHT_BEAM)
 
 
 def declare_blocks(
     dht: DHT, prefix: str, blocks: Sequence[int], info: ServerInfo, expiration_time: float, wait: bool = True
 ):
-    """Store `info` under each block's key with this server's peer id as sub-key."""
+    """Store `info` under each block's key with this server's peer id as sub-key (its `next_pings` only under
+    the last block of its span, where routing reads them)."""
+    blocks = list(blocks)
     keys = [block_key(prefix, i) for i in blocks]
     subkey = dht.peer_id.to_base58()
-    value = info.model_dump(mode="json")
-    coro = partial(_store_records, keys=keys, subkey=subkey, value=value, expiration_time=expiration_time)
+    full = info.model_dump(mode="json")
+    lean = info.model_copy(update={"next_pings": {}}).model_dump(mode="json")
+    values = [full if index == info.end - 1 else lean for index in blocks]
+    coro = partial(_store_records, keys=keys, subkey=subkey, values=values, expiration_time=expiration_time)
     return dht.run_coroutine(coro, return_future=not wait)
 
 
 async def _get_records(dht: DHT, node, *, keys):
-    # latest values, not whatever this node cached: a server's offline record must replace its online one
-    return await node.get_many(keys, sufficient_expiration_time=float("inf"))
+    # latest values (merged over the nodes visited), not the first found: an offline record must replace the online
+    # one, and a node that joined near a key lately may hold only the records stored since
+    return await node.get_many(keys, sufficient_expiration_time=float("inf"), beam_size=DHT_BEAM)
 
 
-def fetch_block_records(dht: DHT, prefix: str, num_blocks: int) -> List[Dict[str, ServerInfo]]:
-    """For each block, the valid, unexpired records of the servers that announce it: [{peer_id: ServerInfo}]."""
+def fetch_block_records(dht: DHT, prefix: str, num_blocks: int,
+                        blocks: Optional[Sequence[int]] = None) -> List[Dict[str, ServerInfo]]:
+    """For each block, the valid, unexpired records of the servers that announce it: [{peer_id: ServerInfo}].
+    `blocks`: read only these blocks' keys (the others' entries are left empty)."""
+    wanted = range(num_blocks) if blocks is None else sorted({i for i in blocks if 0 <= i < num_blocks})
     keys = [block_key(prefix, i) for i in range(num_blocks)]
-    found = dht.run_coroutine(partial(_get_records, keys=keys))
+    found = dht.run_coroutine(partial(_get_records, keys=[keys[i] for i in wanted])) if wanted else {}
     now = get_dht_time()
     result: List[Dict[str, ServerInfo]] = []
     for index, key in enumerate(keys):
@@ -147,8 +166,19 @@ def fetch_block_records(dht: DHT, prefix: str, num_blocks: int) -> List[Dict[str
     return result
 
 
+def fetch_spans_at(dht: DHT, prefix: str, num_blocks: int, block: int,
+                   include_joining: bool = False) -> List[ServerSpan]:
+    """The servers whose span holds `block`, as their record under that one key says (one key read instead of
+    every block's: `ServerSpan.start`/`end` are the announced span)."""
+    states = {ServerState.ONLINE} | ({ServerState.JOINING} if include_joining else set())
+    records = fetch_block_records(dht, prefix, num_blocks, blocks=[block])
+    return sorted((ServerSpan(peer_id, info.start, info.end, info) for peer_id, info in records[block].items()
+                   if info.state in states), key=lambda s: (s.start, s.end, s.peer_id))
+
+
 def online_spans(records: List[Dict[str, ServerInfo]], include_joining: bool = False) -> List[ServerSpan]:
-    """Each server's contiguous run of announced blocks (starting at its declared start) as a ServerSpan."""
+    """Each server's contiguous run of announced blocks (starting at its declared start) as a ServerSpan, with the
+    record of the run's last block (the one that carries `next_pings`)."""
     states = {ServerState.ONLINE} | ({ServerState.JOINING} if include_joining else set())
     spans: Dict[str, ServerSpan] = {}
     for index, servers in enumerate(records):

@@ -1,13 +1,16 @@
 """End to end on real processes: a bootstrap peer, block servers, the client model; compared with transformers."""
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 import torch
+from hivemind.proto import runtime_pb2
 
 from swarm import AutoDistributedModelForCausalLM
 from swarm.client.session import SessionError
+from swarm.runtime import aio
 
 TOPOLOGIES = [("0:15", "15:30"), ("0:20", "10:30"), ("0:10", "10:20", "20:30")]
 PROMPTS = [
@@ -212,9 +215,18 @@ def test_no_repeat_ngram_and_bad_words_match_transformers(clients, reference_mod
     assert ours.tolist() != model.generate(ids, max_new_tokens=24, do_sample=False).tolist()  # the settings acted
 
 
+# the fields of `ServerStats` that clients have parsed since the RPC began (they reject any other field)
+SERVER_STATS_V1_FIELDS = {
+    "v", "type", "version", "model", "start", "end", "num_blocks_total", "dtype", "hidden_size", "cache_tokens_total",
+    "cache_tokens_used", "sessions_open", "streams_open", "inference_tokens_processed", "inference_steps",
+    "forward_tokens_processed", "steps_from_push", "pushes_sent", "pushes_refused", "decode_batches",
+    "largest_batch", "decode_compute_seconds", "training_tokens_processed", "limits"}
+
+
 def test_routing_time_and_dht_traffic_are_reported(clients, swarms):
-    """The client reports each inference chain's routing time (view + search), and each server's info carries its
-    DHT peer's traffic counters (its announcements are stores it made)."""
+    """The client reports each inference chain's routing time (view + search), and each server reports its DHT
+    peer's traffic counters through `rpc_dht_traffic` (its announcements are stores it made), while its info stays
+    what older clients parse."""
     spans = TOPOLOGIES[0]
     model, swarm = clients(spans), swarms.get(spans)
     timings = []
@@ -229,6 +241,11 @@ def test_routing_time_and_dht_traffic_are_reported(clients, swarms):
         model.manager.on_route = None
     assert len(timings) == 2 and all(t.search_s > 0 and t.total_s == t.view_s + t.search_s for t in timings)
     assert all(t.view_s >= 0 for t in timings)
-    for stats in _server_stats(model, swarm).values():
-        assert stats.dht_traffic is not None
-        assert stats.dht_traffic.calls_made.get("store", 0) >= 1 and stats.dht_traffic.sent_bytes > 0
+    for server in swarm["servers"]:
+        traffic = aio.run(model.manager.dht_traffic(server.peer_id), timeout=60)
+        assert traffic is not None
+        assert traffic.calls_made.get("store", 0) >= 1 and traffic.sent_bytes > 0
+        # the info a client from before rpc_dht_traffic parses: exactly the fields it knows (it rejects others)
+        info = aio.run(model.manager.stub(server.peer_id).rpc_info(runtime_pb2.ExpertUID(uid=""), timeout=60),
+                       timeout=90)
+        assert set(json.loads(info.serialized_info)) == SERVER_STATS_V1_FIELDS

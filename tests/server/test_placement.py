@@ -1,7 +1,10 @@
 """Tests for server.placement.policy on synthetic swarms (no network)."""
 from __future__ import annotations
 
+import asyncio
 import random
+import time
+from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional, Tuple
 
 import pytest
@@ -13,9 +16,10 @@ from server.placement.policy import (
     move_target,
     num_blocks_that_fit,
     should_move,
+    thin_blocks,
     uncovered_blocks,
 )
-from server.placement.spans import hole_fill_delay
+from server.placement.spans import check_holes, full_read_due, hole_fill_delay
 from swarm.wire.records import ServerInfo, ServerSpan, ServerState
 
 
@@ -319,3 +323,55 @@ def test_servers_taking_turns_fill_a_hole_once_where_random_delays_herd():
     naive = [_fill_a_hole("naive", seed) for seed in range(20)]
     assert turns == [1] * 20, turns
     assert min(naive) >= 2 and sum(naive) >= 3 * sum(turns), naive
+
+
+def test_thin_blocks_are_those_few_servers_hold():
+    spans = [make_span("a", 0, 4), make_span("b", 0, 4), make_span("c", 2, 6),
+             make_span("d", 4, 8, state=ServerState.JOINING), make_span("gone", 0, 8, state=ServerState.OFFLINE)]
+    assert thin_blocks(spans, 8) == [0, 1, 4, 5, 6, 7]  # 2, 2, 3, 3, 2, 2, 1, 1 servers; offline ones do not count
+    assert thin_blocks(spans, 8, most=1) == [6, 7]
+    assert thin_blocks(spans + [make_span("a", 0, 4)], 8) == [0, 1, 4, 5, 6, 7]  # a server listed twice counts once
+    assert thin_blocks([], 3) == [0, 1, 2]
+
+
+class _Record:
+    """The records a hole check reads: `spans` (all blocks) and `unserved` (a few blocks), counted."""
+
+    def __init__(self, spans, seen_ago: float):
+        self.now_spans, self.full_reads, self.partial_reads = list(spans), 0, []
+        self.view = (time.monotonic() - seen_ago, list(spans))
+
+    async def spans(self):
+        self.full_reads += 1
+        self.view = (time.monotonic(), list(self.now_spans))
+        return list(self.now_spans)
+
+    async def unserved(self, blocks):
+        self.partial_reads.append(list(blocks))
+        covered = set(b for s in self.now_spans for b in range(s.start, s.end) if s.info.state == ServerState.ONLINE)
+        return [b for b in blocks if b not in covered]
+
+
+def _host(record, peer="p0"):
+    return SimpleNamespace(record=record, num_blocks_total=12, peer_id=peer, rng=random.Random(0),
+                           config=SimpleNamespace(hole_check_period=5.0, balance_quality=0.75))
+
+
+def test_hole_checks_between_full_reads_read_only_the_thin_blocks():
+    # 20 servers: 0:6 served by ten, 6:12 by nine plus one that alone serves 11
+    spans = [make_span(f"p{i}", 0, 6) for i in range(10)] + [make_span(f"q{i}", 6, 11) for i in range(9)]
+    spans.append(make_span("lone", 11, 12))
+    assert full_read_due(0.0, 5.0, 8) and not full_read_due(12.0, 5.0, 20) and full_read_due(12.5, 5.0, 20)
+    record = _Record(spans, seen_ago=1.0)
+    assert asyncio.run(check_holes(_host(record))) == (None, 20)
+    assert (record.full_reads, record.partial_reads) == (0, [[11]])  # one key read, not twelve
+    record.now_spans = spans[:-1]  # the lone server of block 11 left: the next check reads everything
+    delay, servers = asyncio.run(check_holes(_host(record)))
+    assert record.full_reads == 1 and servers == 19
+    assert (delay is None) == (hole_fill_turn(spans[:-1], 12, "p0") is None)
+    record = _Record(spans, seen_ago=13.0)  # the last full read is due again
+    asyncio.run(check_holes(_host(record)))
+    assert (record.full_reads, record.partial_reads) == (1, [])
+    small = _Record(spans[:6] + spans[10:12], seen_ago=0.0)  # up to 8 servers: every check reads everything
+    asyncio.run(check_holes(_host(small)))
+    assert (small.full_reads, small.partial_reads) == (1, [])

@@ -1,16 +1,28 @@
 """The DHT traffic counters (`swarm.runtime.dht_traffic`) and the routing time observer (`SwarmManager.on_route`,
 `swarmgate_route_seconds`): the counter's arithmetic on real protobuf messages, and real DHT peers counting what
-they send and serve."""
+they send and serve; what keeps a read of the records small (`swarm.wire.records`); `rpc_dht_traffic`'s reply."""
 from __future__ import annotations
 
 import time
 
+import pytest
 from hivemind.proto import dht_pb2
+from hivemind.utils import get_dht_time
 
 from gateway.metrics import Metrics
 from swarm.client.manager import RouteTiming
 from swarm.runtime.dht_process import DHTProcess
 from swarm.runtime.dht_traffic import DHTTraffic, TrafficCounter, read_dht_traffic
+from swarm.runtime.swarm_key import join_dht
+from swarm.wire import protocol as P
+from swarm.wire.records import (
+    ServerInfo,
+    ServerState,
+    declare_blocks,
+    fetch_block_records,
+    fetch_spans_at,
+    online_spans,
+)
 
 
 def test_counter_counts_requests_and_responses_by_direction():
@@ -56,3 +68,45 @@ def test_route_seconds_histogram_renders_each_part():
     assert 'swarmgate_route_seconds_count{part="total"} 2.0' in text
     assert 'swarmgate_route_seconds_sum{part="view"} 0.004' in text
     assert 'swarmgate_route_seconds_bucket{le="0.0003",part="search"} 2.0' in text
+
+
+async def _cached_values(_dht, node) -> int:
+    return len(node.protocol.cache)
+
+
+def test_records_read_lean(bootstrap):
+    """A server's RTTs to its next servers go only under its span's last block (routing still sees them), a check
+    of one block reads one key, and our DHT peers keep no cache of what they read."""
+    server = join_dht(None, initial_peers=[bootstrap.maddr])  # a full peer, as a server's
+    reader = join_dht(None, initial_peers=[bootstrap.maddr], client_mode=True)
+    try:
+        me = server.peer_id.to_base58()
+        info = ServerInfo(state=ServerState.ONLINE, start=2, end=5, next_pings={"next-server": 0.012})
+        declare_blocks(server, "lean-read", range(2, 5), info, get_dht_time() + 60)
+        records = fetch_block_records(reader, "lean-read", 6)
+        assert [records[b][me].next_pings for b in (2, 3, 4)] == [{}, {}, {"next-server": 0.012}]
+        [span] = online_spans(records)
+        assert (span.peer_id, span.start, span.end, span.info.next_pings) == (me, 2, 5, {"next-server": 0.012})
+        before = read_dht_traffic(reader)
+        at = fetch_spans_at(reader, "lean-read", 6, 3)
+        one = read_dht_traffic(reader)
+        fetch_block_records(reader, "lean-read", 6)
+        full = read_dht_traffic(reader)
+        assert [(s.peer_id, s.start, s.end) for s in at] == [(me, 2, 5)]
+        assert one.received_bytes - before.received_bytes < (full.received_bytes - one.received_bytes) / 2
+        assert reader.run_coroutine(_cached_values) == 0 and server.run_coroutine(_cached_values) == 0
+    finally:
+        reader.shutdown()
+        server.shutdown()
+
+
+def test_dht_traffic_report_is_its_own_versioned_message():
+    traffic = DHTTraffic(sent_messages=3, sent_bytes=300, calls_made={"store": 2})
+    report = P.decode(P.encode(P.DHTTrafficReport(traffic=traffic)), P.DHTTrafficReport)
+    assert report.traffic == traffic
+    assert P.decode(P.encode(P.DHTTrafficReport()), P.DHTTrafficReport).traffic is None
+    with pytest.raises(P.ProtocolError, match="dht_traffic"):  # a field ServerStats' readers do not know
+        P.decode(b'{"v": 1, "type": "info", "version": "x", "model": "m", "start": 0, "end": 1, '
+                 b'"num_blocks_total": 1, "dtype": "float32", "hidden_size": 8, "cache_tokens_total": 1, '
+                 b'"cache_tokens_used": 0, "sessions_open": 0, "inference_tokens_processed": 0, '
+                 b'"inference_steps": 0, "forward_tokens_processed": 0, "dht_traffic": {}}', P.ServerStats)
