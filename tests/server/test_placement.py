@@ -9,6 +9,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import pytest
 
+from server.placement.liveness import HolderLiveness
 from server.placement.policy import (
     block_throughputs,
     choose_best_span,
@@ -353,8 +354,10 @@ class _Record:
 
 
 def _host(record, peer="p0"):
+    # (no p2p: the hole watch's pings of sole holders judge nobody, `server.placement.liveness`)
     return SimpleNamespace(record=record, num_blocks_total=12, peer_id=peer, rng=random.Random(0),
-                           config=SimpleNamespace(hole_check_period=5.0, balance_quality=0.75))
+                           config=SimpleNamespace(hole_check_period=5.0, balance_quality=0.75),
+                           liveness=HolderLiveness(), p2p=None)
 
 
 def test_hole_checks_between_full_reads_read_only_the_thin_blocks():
