@@ -117,6 +117,18 @@ EXTENDED = (
     # a session's replay onto a second split server (make test: the split server's prefill, rewinds and beams in
     # tests/test_tensor_parallel*.py; failover replay itself in tests/test_failover.py)
     "tests/test_tensor_parallel_swarm.py::test_failover_replays_a_session_onto_a_split_server",
+    # mistral on one tiny server (make test: mistral through a split swarm in tests/test_family_swarms.py, with
+    # failover through mixtral's; llama and qwen2 on one tiny server here)
+    "tests/test_families.py::test_tiny_family_through_the_swarm[mistral]",
+    # json_object run to its end (make test: the same json_object request cut at 10 tokens through the same gateway,
+    # streamed and not; the json_object grammar in process in tests/test_structured.py)
+    "tests/test_gateway.py::test_json_object_output_parses[60]",
+    # beam search with 3 returned sequences and length penalty 0.6 (make test: num_beams=3, returned sequences with
+    # scores, a negative length penalty with early_stopping, n-gram and repetition penalties, on the same swarm)
+    "tests/test_beam.py::test_beam_search_on_a_padded_batch_equals_transformers[num_beams=4,",
+    # a first-span server dying during beam search (make test: the last-span one on the same swarm; first-span
+    # failover with speculative rewinds in tests/test_failover.py)
+    "tests/test_beam.py::test_a_server_dying_during_beam_search_keeps_the_output[first-span]",
 )
 
 

@@ -23,18 +23,24 @@ from typing import Any, List, Optional, Tuple
 
 def start_with_honest(model_path: str, initial_peers: List[str], prefix: str, fault: List[str],
                       honest_spans: List[str], name: str) -> Tuple[Any, List[Any]]:
-    """A faulty server on 0:30 with the flags `fault` (chosen first by routing: throughput 100), then honest servers
-    on `honest_spans` (throughput 1), all ready: (faulty, honest); the faulty one killed if the others fail."""
+    """A faulty server on 0:30 with the flags `fault` (chosen first by routing: throughput 100) and honest servers
+    on `honest_spans` (throughput 1), started together, all ready: (faulty, honest); all killed if one fails."""
     from swarm.launch.topology import start_server, start_servers
 
     faulty = start_server(model_path, initial_peers, "0:30", prefix, ["--throughput", "100", *fault], name=name,
                           threads=1, module="tests.faulty_server")
     try:
-        faulty.wait_ready()
-        return faulty, start_servers(model_path, initial_peers, honest_spans, prefix, ["--throughput", "1"], threads=1)
+        honest = start_servers(model_path, initial_peers, honest_spans, prefix, ["--throughput", "1"], threads=1)
     except BaseException:
         faulty.kill()
         raise
+    try:
+        faulty.wait_ready()
+    except BaseException:
+        for proc in (faulty, *honest):
+            proc.kill()
+        raise
+    return faulty, honest
 
 
 def faulty_server(fail_after_steps: Optional[int] = None, perturb_after_steps: Optional[int] = None,
