@@ -132,6 +132,12 @@ EXTENDED = (
     # Mixtral's session failover (make test: Qwen3-MoE's through the same check_failover in
     # tests/test_family_open_models.py, SmolLM2's failover tests; Mixtral through a split swarm and a gateway)
     "tests/test_family_swarms.py::test_failover_replays_a_session[mixtral]",
+    # two of generate's five local runs against transformers' generate (make test: every applied setting builds
+    # transformers' processors, in test_each_applied_setting_builds_transformers_processors; generate against
+    # transformers with n-gram, bad-words and suppress processors, and sampling with epsilon/eta cut-offs, a
+    # temperature and several return sequences)
+    "tests/test_generation.py::test_generate_settings_match_transformers[do_sample,forced_eos_token_id,",
+    "tests/test_generation.py::test_generate_settings_match_transformers[do_sample,typical_p,",
 )
 
 
