@@ -123,6 +123,28 @@ EXTENDED = (
     # a session's replay onto a second split server (make test: the split server's prefill, rewinds and beams in
     # tests/test_tensor_parallel*.py; failover replay itself in tests/e2e/test_failover.py)
     "tests/e2e/test_tensor_parallel_swarm.py::test_failover_replays_a_session_onto_a_split_server",
+    # mistral on one tiny server (make test: mistral through a split swarm in tests/e2e/test_family_swarms.py, with
+    # failover through mixtral's; llama and qwen2 on one tiny server here)
+    "tests/swarm/modeling/test_families.py::test_tiny_family_through_the_swarm[mistral]",
+    # json_object run to its end (make test: the same json_object request cut at 10 tokens through the same gateway,
+    # streamed and not; the json_object grammar in process in tests/gateway/test_structured.py)
+    "tests/gateway/test_gateway.py::test_json_object_output_parses[60]",
+    # beam search with 3 returned sequences and length penalty 0.6 (make test: num_beams=3, returned sequences with
+    # scores, a negative length penalty with early_stopping, n-gram and repetition penalties, on the same swarm)
+    "tests/e2e/test_beam.py::test_beam_search_on_a_padded_batch_equals_transformers[num_beams=4,",
+    # a first-span server dying during beam search (make test: the last-span one on the same swarm; first-span
+    # failover with speculative rewinds in tests/e2e/test_failover.py)
+    "tests/e2e/test_beam.py::test_a_server_dying_during_beam_search_keeps_the_output[first-span]",
+    # Mixtral's session failover (make test: Qwen3-MoE's through the same check_failover in
+    # tests/swarm/modeling/test_family_open_models.py, SmolLM2's failover tests; Mixtral through a split swarm and a
+    # gateway)
+    "tests/e2e/test_family_swarms.py::test_failover_replays_a_session[mixtral]",
+    # two of generate's five local runs against transformers' generate (make test: every applied setting builds
+    # transformers' processors, in test_each_applied_setting_builds_transformers_processors; generate against
+    # transformers with n-gram, bad-words and suppress processors, and sampling with epsilon/eta cut-offs, a
+    # temperature and several return sequences)
+    "tests/swarm/client/test_generation.py::test_generate_settings_match_transformers[do_sample,forced_eos_token_id,",
+    "tests/swarm/client/test_generation.py::test_generate_settings_match_transformers[do_sample,typical_p,",
 )
 
 

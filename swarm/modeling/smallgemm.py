@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 
 PLAIN, PADDED = 0, -1  # a row count's way: the plain product, padded to the multiple, or a pack's row count
+# `GemmGroup.calibrate`'s timings in this process: (weight shape, has bias, threads, settings) -> {rows: padded}
+_TIMED: Dict[tuple, Dict[int, bool]] = {}
 
 
 def valid_packed_rows(value: Sequence[int]) -> List[int]:
@@ -161,9 +163,16 @@ class GemmGroup:
     def calibrate(self, min_rows: int = 4) -> None:
         """Time each member's product plain and padded for every row count from `min_rows` below the multiple
         that no pack takes, and remember which was faster (a client model does it at load: half a second for
-        SmolLM2's head, rather than amid its first concurrent sessions)."""
+        SmolLM2's head, rather than amid its first concurrent sessions). A product of the same shape, thread count
+        and settings timed before in this process takes that timing (`_TIMED`): a process that loads a model
+        again (tests, benchmarks) does not time it again."""
         generator = torch.Generator().manual_seed(0)
         for member in self.members:
+            key = (tuple(member.weight.shape), member.bias is not None, torch.get_num_threads(), min_rows,
+                   self.multiple, self.trials, self.min_packed, self.packed_rows)
+            if key in _TIMED:
+                member.padded.update(_TIMED[key])
+                continue
             for rows in range(min_rows, self.multiple):
                 if self.way(rows, {}) != PLAIN:
                     continue  # a pack takes it
@@ -175,4 +184,5 @@ class GemmGroup:
                         member.product(x, way)
                         best[way] = min(best[way], time.perf_counter() - began)
                 member.padded[rows] = best[PADDED] < best[PLAIN]
+            _TIMED[key] = dict(member.padded)
         self._buffers = {}  # made again at the first padded product

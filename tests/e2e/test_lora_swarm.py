@@ -182,17 +182,22 @@ def test_gateway_serves_adapters_as_models(model_path, lora_swarm, tokenizer, re
 
 
 def test_bad_adapters_stop_the_server_at_start(model_path, lora_dirs, tmp_path):
-    def server(*adapters: str):
-        return subprocess.run([sys.executable, "-m", "swarm.launch.cli", "server", model_path, "--new_swarm",
-                               "--block_indices", "0:2", "--adapters", *adapters], cwd=REPO, capture_output=True,
-                              text=True, timeout=120)
-
-    r = server(str(tmp_path / "missing"))
-    assert r.returncode == 1 and "no such directory" in r.stderr, r.stderr[-2000:]
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "adapter_config.json").write_text("[1, 2")
     (tmp_path / "broken" / "adapter_model.safetensors").write_bytes(b"")
-    r = server(str(tmp_path / "broken"))
-    assert r.returncode == 1 and "cannot read adapter_config.json" in r.stderr, r.stderr[-2000:]
-    r = server(f"same={lora_dirs['alpha']}", f"same={lora_dirs['beta']}")
-    assert r.returncode != 0 and "must differ" in r.stderr, r.stderr[-2000:]
+    cases = [  # (--adapters, expected exit status (None: not 0), text in stderr); the servers start together
+        ((str(tmp_path / "missing"),), 1, "no such directory"),
+        ((str(tmp_path / "broken"),), 1, "cannot read adapter_config.json"),
+        ((f"same={lora_dirs['alpha']}", f"same={lora_dirs['beta']}"), None, "must differ"),
+    ]
+    procs = [subprocess.Popen([sys.executable, "-m", "swarm.launch.cli", "server", model_path, "--new_swarm",
+                               "--block_indices", "0:2", "--adapters", *adapters], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for adapters, _, _ in cases]
+    try:
+        results = [proc.communicate(timeout=180) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for (adapters, code, text), proc, (_, stderr) in zip(cases, procs, results):
+        assert (proc.returncode != 0 if code is None else proc.returncode == code), (adapters, stderr[-2000:])
+        assert text in stderr, (adapters, stderr[-2000:])

@@ -212,17 +212,21 @@ def test_cli_rejects_bad_flags(model_path, bootstrap):
 
     from swarm.launch.topology import REPO
 
-    def run(*args):
-        return subprocess.run([sys.executable, "-m", "swarm.launch.cli", *args], cwd=REPO, capture_output=True,
-                              text=True, timeout=120)
-
-    r = run("server", model_path, "--new_swarm", "--block_indices", "20:10")
-    assert r.returncode != 0 and "start < end" in r.stderr
-    r = run("server", model_path, "--new_swarm", "--torch_dtype", "float8")
-    assert r.returncode != 0 and "torch_dtype" in r.stderr
-    r = run("server", model_path, "--new_swarm", "--block_indices", "0:99", "--host_maddrs", "/ip4/127.0.0.1/tcp/0")
-    assert r.returncode == 1 and "outside" in r.stderr
-    r = run("server", model_path)  # neither --new_swarm nor --initial_peers
-    assert r.returncode == 1 and "initial_peers" in r.stderr
-    r = run("nonsense")
-    assert r.returncode == 2 and "unknown command" in r.stderr
+    cases = [  # (arguments, expected exit status (None: not 0), text in stderr); the processes run together
+        (("server", model_path, "--new_swarm", "--block_indices", "20:10"), None, "start < end"),
+        (("server", model_path, "--new_swarm", "--torch_dtype", "float8"), None, "torch_dtype"),
+        (("server", model_path, "--new_swarm", "--block_indices", "0:99", "--host_maddrs", "/ip4/127.0.0.1/tcp/0"),
+         1, "outside"),
+        (("server", model_path), 1, "initial_peers"),  # neither --new_swarm nor --initial_peers
+        (("nonsense",), 2, "unknown command"),
+    ]
+    procs = [subprocess.Popen([sys.executable, "-m", "swarm.launch.cli", *args], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for args, _, _ in cases]
+    try:
+        results = [proc.communicate(timeout=180) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for (args, code, text), proc, (_, stderr) in zip(cases, procs, results):
+        assert (proc.returncode != 0 if code is None else proc.returncode == code), (args, proc.returncode, stderr)
+        assert text in stderr, (args, stderr)

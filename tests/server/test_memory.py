@@ -8,6 +8,7 @@ cache), and `swarm.runtime.malloc.trim` works where glibc is.
 from __future__ import annotations
 
 import gc
+import json
 import platform
 import subprocess
 import sys
@@ -130,31 +131,39 @@ def test_the_gateway_and_client_model_load_without_transformers_generation_utils
     assert _run(code) == "[]"
 
 
-@pytest.mark.parametrize("family", ["qwen2", "mixtral", "qwen3_moe", "gemma3_text", "gpt_oss", "deepseek_v3"])
-def test_a_block_server_needs_no_transformers_model_module(family, tmp_path):
+FAMILIES = ["qwen2", "mixtral", "qwen3_moe", "gemma3_text", "gpt_oss", "deepseek_v3"]
+
+
+def test_a_block_server_needs_no_transformers_model_module(tmp_path):
     """Config, blocks (with a forward pass) and the client's norm come from swarm.modeling (llama, mixtral, qwen3
-    and qwen3_moe, gemma, gpt_oss, deepseek_v3, layers, model_config)."""
+    and qwen3_moe, gemma, gpt_oss, deepseek_v3, layers, model_config), for each family in turn in one process (one
+    interpreter start for all: what any family imports stays in sys.modules and is named after it)."""
     from tests.fixtures.tiny_checkpoints import save_tiny
     from tests.swarm.modeling.test_family_open_models import DEEPSEEK
 
-    overrides = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
-                 "deepseek_v3": DEEPSEEK}.get(family, {})
-    save_tiny(family, tmp_path, None, vocab_size=512, **overrides)
+    paths = {}
+    for family in FAMILIES:
+        experts = {"qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+                   "deepseek_v3": DEEPSEEK}.get(family, {})
+        paths[family] = str(tmp_path / family)
+        save_tiny(family, tmp_path / family, None, vocab_size=512, **experts)
     code = (
-        "import sys, swarm, torch, server.server\n"
+        "import json, sys, swarm, torch, server.server\n"
         "from server.compute.blocks import BlockSpan\n"
         "from swarm.modeling.checkpoint import Checkpoint\n"
         "from swarm.modeling.families import family_for\n"
-        f"checkpoint = Checkpoint({str(tmp_path)!r})\n"
-        "span = BlockSpan.load(checkpoint, 0, 2, 'float32')\n"
-        "kv = span.new_session_kv(1, 8, 0, 2)\n"
-        "span.forward(torch.randn(1, 5, span.hidden_size), 0, kv)\n"
-        "if span.can_batch:\n"
-        "    span.forward_batch([(torch.randn(1, 1, span.hidden_size), 5, kv)], 0, 2)\n"
-        "family = family_for(checkpoint.load_config())\n"
-        "family.norm(span.hidden_size)\n"
-        "heavy = [m for m in sys.modules if m.startswith('transformers.models.') or m in "
+        "heavy = {}\n"
+        f"for family, path in {paths!r}.items():\n"
+        "    checkpoint = Checkpoint(path)\n"
+        "    span = BlockSpan.load(checkpoint, 0, 2, 'float32')\n"
+        "    kv = span.new_session_kv(1, 8, 0, 2)\n"
+        "    span.forward(torch.randn(1, 5, span.hidden_size), 0, kv)\n"
+        "    if span.can_batch:\n"
+        "        span.forward_batch([(torch.randn(1, 1, span.hidden_size), 5, kv)], 0, 2)\n"
+        "    kind = family_for(checkpoint.load_config())\n"
+        "    kind.norm(span.hidden_size)\n"
+        "    heavy[family] = [m for m in sys.modules if m.startswith('transformers.models.') or m in "
         "('transformers.modeling_utils', 'torch._dynamo', 'scipy.optimize._optimize')]\n"
-        "print(heavy)\n"
+        "print(json.dumps(heavy))\n"
     )
-    assert _run(code) == "[]"
+    assert json.loads(_run(code)) == {family: [] for family in FAMILIES}

@@ -382,30 +382,36 @@ def test_base_model_checkpoint_loads(tmp_path, model_path):
                             "transformer.word_embeddings_layernorm.bias"}
 
 
-@pytest.mark.parametrize("case", ["bloom", "falcon-new", "falcon-alibi"])
-def test_a_server_of_the_family_imports_no_transformers_model_module(case, tmp_path, model_path):
+def test_a_server_of_the_family_imports_no_transformers_model_module(tmp_path, model_path):
     """Blocks (prefill and a batched decode step), config and the client's norms come from swarm.modeling: no
-    process pays for transformers' modeling modules (torch._dynamo, sympy, ...; README's memory paragraph)."""
+    process pays for transformers' modeling modules (torch._dynamo, sympy, ...; README's memory paragraph). Each
+    case in turn in one process (one interpreter start for all; what any case imports is named after it)."""
     from tests.server.test_memory import _run
 
-    _build(case, tmp_path, model_path)
+    cases = ["bloom", "falcon-new", "falcon-alibi"]
+    paths = {}
+    for case in cases:
+        _build(case, tmp_path / case, model_path)
+        paths[case] = str(tmp_path / case)
     code = (
-        "import sys, swarm, torch, server.server\n"
+        "import json, sys, swarm, torch, server.server\n"
         "from server.compute.blocks import BlockSpan\n"
         "from swarm.modeling.checkpoint import Checkpoint\n"
         "from swarm.modeling.families import family_for\n"
-        f"checkpoint = Checkpoint({str(tmp_path)!r})\n"
-        "span = BlockSpan.load(checkpoint, 0, 2, 'float32')\n"
-        "kv = span.new_session_kv(1, 8, 0, 2)\n"
-        "span.forward(torch.randn(1, 5, span.hidden_size), 0, kv)\n"
-        "span.forward_batch([(torch.randn(1, 1, span.hidden_size), 5, kv)], 0, 2)\n"
-        "family = family_for(checkpoint.load_config())\n"
-        "family.norm(span.hidden_size)\n"
-        "heavy = [m for m in sys.modules if m.startswith('transformers.models.') or m in "
+        "heavy = {}\n"
+        f"for case, path in {paths!r}.items():\n"
+        "    checkpoint = Checkpoint(path)\n"
+        "    span = BlockSpan.load(checkpoint, 0, 2, 'float32')\n"
+        "    kv = span.new_session_kv(1, 8, 0, 2)\n"
+        "    span.forward(torch.randn(1, 5, span.hidden_size), 0, kv)\n"
+        "    span.forward_batch([(torch.randn(1, 1, span.hidden_size), 5, kv)], 0, 2)\n"
+        "    family = family_for(checkpoint.load_config())\n"
+        "    family.norm(span.hidden_size)\n"
+        "    heavy[case] = [m for m in sys.modules if m.startswith('transformers.models.') or m in "
         "('transformers.modeling_utils', 'transformers.activations', 'torch._dynamo')]\n"
-        "print(heavy)\n"
+        "print(json.dumps(heavy))\n"
     )
-    assert _run(code) == "[]"
+    assert json.loads(_run(code)) == {case: [] for case in cases}
 
 
 @pytest.mark.parametrize("case", ["falcon-new", "falcon-mq"])

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from swarm.modeling.smallgemm import PADDED, PLAIN, GemmGroup, packing_available
+from swarm.modeling.smallgemm import PADDED, PLAIN, GemmGroup, SmallGemm, packing_available
 
 needs_packing = pytest.mark.skipif(not packing_available(), reason="this torch has no MKL packed GEMM")
 
@@ -48,6 +48,17 @@ def test_calibrate_times_the_row_counts_no_pack_takes_and_products_needing_gradi
     out = gemm(x)
     out.sum().backward()  # the plain product: differentiable
     torch.testing.assert_close(x.grad, weight.sum(0).expand(5, 32), rtol=1e-5, atol=1e-4)
+
+
+def test_a_product_timed_before_in_this_process_takes_that_timing(monkeypatch):
+    first = GemmGroup([], multiple=8, trials=1)
+    timed = first.gemm(torch.randn(300, 24))
+    first.calibrate(min_rows=3)
+    second = GemmGroup([], multiple=8, trials=1)
+    again = second.gemm(torch.randn(300, 24))
+    monkeypatch.setattr(SmallGemm, "product", lambda *args: pytest.fail("timed again"))
+    second.calibrate(min_rows=3)
+    assert again.padded == timed.padded and sorted(again.padded) == [3, 4, 5, 6, 7]
 
 
 def test_only_contiguous_float32_cpu_weights_and_positive_row_counts():
