@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import swarm.modeling.llama as llama
+from swarm.modeling.families import family_for
 from swarm.modeling.model_config import model_config
 from tests.swarm.modeling.test_families import TINY, _configs
 
@@ -53,12 +54,15 @@ def test_layers_compute_what_transformers_computes(name, dtype):
     ours_config = model_config(hf_config.to_dict())
     torch.manual_seed(0)
     reference = getattr(hf, f"{CAMEL[family]}DecoderLayer")(hf_config, 1).to(dtype).eval()
-    ours = getattr(llama, f"{CAMEL[family]}DecoderLayer")(ours_config, 1).to(dtype).eval()
+    spec = family_for(ours_config)  # the family's classes, registered by reference (Llama's for all three)
+    assert spec.layer.__module__ == llama.__name__
+    ours = spec.layer(ours_config, 1).to(dtype).eval()
     ours.load_state_dict(reference.state_dict(), strict=True)
     rotary_ref = getattr(hf, f"{CAMEL[family]}RotaryEmbedding")(config=hf_config)
-    rotary = getattr(llama, f"{CAMEL[family]}RotaryEmbedding")(ours_config)
+    assert spec.rotary is not None
+    rotary = spec.rotary(ours_config)
     norm_ref = getattr(hf, f"{CAMEL[family]}RMSNorm")(TINY["hidden_size"], eps=1e-5).to(dtype)
-    norm = getattr(llama, f"{CAMEL[family]}RMSNorm")(TINY["hidden_size"], eps=1e-5).to(dtype)
+    norm = spec.norm(TINY["hidden_size"], eps=1e-5).to(dtype)
     norm.load_state_dict(norm_ref.state_dict())
     kv_heads, head_dim = hf_config.num_key_value_heads, ours.self_attn.head_dim
     # (batch, positions before, new positions, with an explicit mask); position 200 > the llama3 original length
