@@ -161,7 +161,7 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
     def inference_session(self, max_length: int, adapter: Any = ACTIVE_ADAPTER) -> ModelSession:
         """A session of up to `max_length` tokens with LoRA `adapter` (default: `active_adapter`; None: the base)."""
         recompute = self.family.recompute_cache
-        return ModelSession(self.local, self.manager, max_length + tuning.session_offset(self),
+        return ModelSession(self.local, self.manager, max_length,
                             adapter=self._adapter(adapter), ptune=self.ptune,
                             recompute=None if recompute is None else functools.partial(recompute, self.config))
 

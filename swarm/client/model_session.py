@@ -38,7 +38,8 @@ class ModelSession:
         self.offset = ptune.pre_seq_len if ptune is not None else 0  # positions the shallow prompts hold
         deep = None if ptune is None or ptune.deep_prompts is None else \
             ptune.deep_prompts.detach().unsqueeze(1).cpu()  # [num_blocks, 1, pre_seq_len, hidden]
-        self.session = InferenceSession(manager, max_length, adapter=adapter, prompts=deep)
+        # the servers hold the shallow prompts' positions too
+        self.session = InferenceSession(manager, max_length + self.offset, adapter=adapter, prompts=deep)
         self.token_ids: Optional[torch.Tensor] = None
         self.left_padding: Optional[List[int]] = None
 

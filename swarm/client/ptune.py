@@ -120,8 +120,3 @@ def trainable_forward(model: DistributedModel, input_ids: Optional[torch.Tensor]
     the LM head."""
     normed = trainable_hidden(model, input_ids, inputs_embeds)
     return model.lm_head(normed).float(), normed
-
-
-def session_offset(model: DistributedModel) -> int:
-    """Positions an inference session holds before the tokens: the shallow prompts."""
-    return model.ptune.pre_seq_len if model.ptune is not None else 0
