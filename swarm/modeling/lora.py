@@ -37,6 +37,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from swarm.modeling.llama import block_step
+from swarm.modeling.lora_experts import (
+    EXPERT_KEY,
+    ExpertLora,
+    ExpertTarget,
+    adapted_expert,
+    expert_sizes,
+    expert_targets,
+    load_expert_loras,
+    unsupported_parameters,
+)
 from swarm.modeling.shape import ModelShape
 
 logger = logging.getLogger(__name__)
@@ -59,11 +69,16 @@ LAYER_NORM_MODULES = {"query_key_value": "self_attention", "dense": "self_attent
 PHI3_MODULES = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
 
 
-# mixtures of experts: the attention's projections. Not their experts: transformers 5 keeps a layer's experts as
-# stacked 3-d parameters (`mlp.experts.gate_up_proj` [experts, ...]), which peft adapts only through
-# `target_parameters` (its per-expert ParamWrapper layout), not implemented here: refused with one line
+# mixtures of experts: the attention's projections as modules; their experts' stacked 3-d parameters
+# (`mlp.experts.gate_up_proj` [experts, ...]) through peft's `target_parameters` (`swarm.modeling.lora_experts`)
 ATTENTION_MODULES = {target: module for target, module in MODULES.items() if module == "self_attn"}
 MIXTURES = ("mixtral", "qwen3_moe", "gpt_oss")
+# DeepSeek-V3: its latent attention's projections, the dense blocks' MLP and the sparse blocks' shared experts, each
+# a group of its own (named "module.target", e.g. "self_attn.q_a_proj"; the layer's `project` and `absorbed`)
+DEEPSEEK_MODULES = {**{t: "self_attn" for t in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                                               "o_proj")},
+                    **{f"{shared}{t}": "mlp" for shared in ("", "shared_experts.")
+                       for t in ("gate_proj", "up_proj", "down_proj")}}
 
 
 def _blocks_prefix(model_config) -> str:
@@ -78,9 +93,11 @@ def modules_of(model_config) -> Dict[str, str]:
         return PHI3_MODULES
     if model_type in ("bloom", "falcon"):
         return LAYER_NORM_MODULES
+    if model_type == "deepseek_v3":
+        return DEEPSEEK_MODULES
     return ATTENTION_MODULES if model_type in MIXTURES else MODULES
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.|transformer\.)?(?:layers|h)\.(\d+)\."
-                  r"(self_attn|self_attention|mlp)\.([a-z_0-9]+)"
+                  r"(self_attn|self_attention|mlp)\.((?:shared_experts\.)?[a-z_0-9]+)"
                   r"\.lora_([AB])\.weight$")
 ADAPTERS_HELP = ("LoRA adapters to serve on the blocks (users choose one per request): each a local directory or a "
                  "hub repo id in peft's format (adapter_config.json + adapter_model.safetensors), optionally "
@@ -133,6 +150,27 @@ def _target_shapes(shape: ModelShape) -> Dict[str, Tuple[int, int]]:
             "dense_4h_to_h": (hidden, inter)}
 
 
+def _deepseek_shapes(config, block: int) -> Dict[str, Tuple[int, int]]:
+    """DeepSeek-V3's target -> (out_features, in_features) of the projections block `block` has."""
+    hidden, heads = int(config.hidden_size), int(config.num_attention_heads)
+    rope, nope, v_dim = int(config.qk_rope_head_dim), int(config.qk_nope_head_dim), int(config.v_head_dim)
+    rank = int(config.kv_lora_rank)
+    shapes = {"kv_a_proj_with_mqa": (rank + rope, hidden), "kv_b_proj": (heads * (nope + v_dim), rank),
+              "o_proj": (hidden, heads * v_dim)}
+    if config.q_lora_rank is None:
+        shapes["q_proj"] = (heads * (nope + rope), hidden)
+    else:
+        shapes.update(q_a_proj=(int(config.q_lora_rank), hidden), q_b_proj=(heads * (nope + rope),
+                                                                             int(config.q_lora_rank)))
+    if expert_sizes(config, block) is None:
+        prefix, inter = "", int(config.intermediate_size)
+    else:
+        prefix, inter = "shared_experts.", int(config.moe_intermediate_size) * int(config.n_shared_experts)
+    shapes.update({f"{prefix}gate_proj": (inter, hidden), f"{prefix}up_proj": (inter, hidden),
+                   f"{prefix}down_proj": (hidden, inter)})
+    return shapes
+
+
 def _parse_config(path: Path, where: str):
     """`peft.LoraConfig` of `adapter_config.json` at `path` (peft's own parsing and defaults)."""
     from peft import LoraConfig, PeftType
@@ -158,9 +196,10 @@ def _parse_config(path: Path, where: str):
         unsupported.append(f"bias={config.bias!r} (trained base biases)")
     if config.modules_to_save:
         unsupported.append(f"modules_to_save {list(config.modules_to_save)}")
-    if getattr(config, "target_parameters", None):
-        unsupported.append(f"target_parameters {list(config.target_parameters)} (LoRA on parameters, such as the "
-                           f"experts' stacked weights: adapters on experts are not served)")
+    odd = unsupported_parameters(getattr(config, "target_parameters", None) or [])
+    if odd:
+        unsupported.append(f"target_parameters {odd} (LoRA on parameters other than the experts' stacked "
+                           f"gate_up_proj and down_proj)")
     for name in ("layer_replication", "trainable_token_indices", "alora_invocation_tokens",
                  "use_bdlora", "arrow_config", "kasa_config", "monteclora_config", "velora_config"):
         if getattr(config, name, None):
@@ -194,6 +233,7 @@ class TargetSpec:
     b_key: str
     rank: int
     scaling: float
+    module: str = ""  # its parent module ("self_attn", "mlp")
 
 
 @dataclass
@@ -204,9 +244,13 @@ class AdapterFiles:
     config: object  # peft.LoraConfig
     weights: Path
     targets: Dict[Tuple[int, str], TargetSpec] = field(default_factory=dict)
+    # (block, "gate_up_proj" / "down_proj") -> the experts' stacked parameter it adapts (`target_parameters`)
+    experts: Dict[Tuple[int, str], ExpertTarget] = field(default_factory=dict)
+    model_config: object = None
+    grouped: bool = True  # targets grouped by their input (`PROJECTIONS`); False: each its own (DeepSeek-V3)
 
     def blocks(self) -> List[int]:
-        return sorted({block for block, _ in self.targets})
+        return sorted({block for block, _ in self.targets} | {block for block, _ in self.experts})
 
 
 def _safetensors_header(path: Path, where: str) -> Dict[str, dict]:
@@ -248,11 +292,18 @@ def open_adapter(source: AdapterSource, model_config, cache_dir: Optional[str] =
 
     modules = modules_of(model_config)
     pairs: Dict[Tuple[int, str], Dict[str, Tuple[str, List[int]]]] = {}
+    expert_pairs: Dict[Tuple[int, str], Dict[str, Tuple[str, List[int]]]] = {}
     for key, info in header.items():
         match = _KEY.match(key)
+        expert = EXPERT_KEY.match(key)
+        if expert is not None:  # an experts' stacked parameter (`target_parameters`), by its wrapper's nesting
+            expert_pairs.setdefault((int(expert.group(1)), expert.group(2)), {})[expert.group(3)] = \
+                (key, list(info.get("shape", [])))
+            continue
         if match is None and ".experts." in key:
-            raise AdapterError(f"{where}: tensor {key} adapts an expert: adapters on experts are not served (only "
-                               f"the attention's {', '.join(modules)} on {model_config.model_type})")
+            raise AdapterError(f"{where}: tensor {key} adapts one expert's own module: only the experts' stacked "
+                               f"parameters (target_parameters) and {', '.join(modules)} are served on "
+                               f"{model_config.model_type}")
         if match is None or match.group(3) not in modules or modules[match.group(3)] != match.group(2):
             raise AdapterError(f"{where}: tensor {key} is not a LoRA A/B weight of a projection of a decoder block "
                                f"({', '.join(modules)})")
@@ -261,9 +312,17 @@ def open_adapter(source: AdapterSource, model_config, cache_dir: Optional[str] =
             raise AdapterError(f"{where}: tensor {key} is for block {block}, but the model has "
                                f"{model_config.num_hidden_layers} blocks (an adapter for another model?)")
         pairs.setdefault((block, target), {})[which] = (key, list(info.get("shape", [])))
-    if not pairs:
+    if not pairs and not expert_pairs:
         raise AdapterError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
-    result = AdapterFiles(source.name, config, weights_path)
+    deepseek = model_config.model_type == "deepseek_v3"
+    result = AdapterFiles(source.name, config, weights_path, model_config=model_config, grouped=not deepseek)
+    if expert_pairs or config.target_parameters:
+        try:
+            result.experts = expert_targets(model_config, config, expert_pairs, lambda key: (
+                int(_pattern_value(config.rank_pattern, key, config.r)),
+                float(_pattern_value(config.alpha_pattern, key, config.lora_alpha))))
+        except ValueError as e:
+            raise AdapterError(f"{where}: {e}") from None
     for (block, target), found in sorted(pairs.items()):
         if set(found) != {"A", "B"}:
             raise AdapterError(f"{where}: block {block} {target} has lora_{''.join(found)} without its pair")
@@ -273,7 +332,10 @@ def open_adapter(source: AdapterSource, model_config, cache_dir: Optional[str] =
                                f"{sorted(config.target_modules or [])} do not target")
         rank = int(_pattern_value(config.rank_pattern, module_key, config.r))
         alpha = float(_pattern_value(config.alpha_pattern, module_key, config.lora_alpha))
-        out_features, in_features = shapes[target]
+        block_shapes = _deepseek_shapes(model_config, block) if deepseek else shapes
+        if target not in block_shapes:
+            raise AdapterError(f"{where}: weights for {module_key}, which block {block} does not have")
+        out_features, in_features = block_shapes[target]
         (a_key, a_shape), (b_key, b_shape) = found["A"], found["B"]
         if a_shape != [rank, in_features] or b_shape != [out_features, rank]:
             raise AdapterError(
@@ -281,12 +343,15 @@ def open_adapter(source: AdapterSource, model_config, cache_dir: Optional[str] =
                 f"[{rank}, {in_features}] and [{out_features}, {rank}] (an adapter for another model, or a rank "
                 f"that disagrees with its config?)")
         scaling = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
-        result.targets[(block, target)] = TargetSpec(block, target, a_key, b_key, rank, scaling)
+        result.targets[(block, target)] = TargetSpec(block, target, a_key, b_key, rank, scaling, modules[target])
     wanted = {t for t in modules
               if check_target_module_exists(config, f"{_blocks_prefix(model_config)}0.{modules[t]}.{t}")}
-    present = {target for _, target in result.targets}
+    present = {t for _, target in result.targets for t in (target, target.rpartition(".")[2])}
     if isinstance(config.target_modules, (set, list, tuple)):
         named = set(config.target_modules) & set(modules)
+        if deepseek:  # (only the projections its blocks have: q_proj or q_a_proj / q_b_proj, ...)
+            named &= {t for block in range(model_config.num_hidden_layers)
+                      for t in _deepseek_shapes(model_config, block)}
         if named - present:
             raise AdapterError(f"{where}: the config targets {sorted(named - present)} but the weights hold none")
     elif wanted and not present:
@@ -305,12 +370,15 @@ class ProjectionLora:
 
 @dataclass
 class LayerLora:
-    """An adapter's tensors for one block: group ("qkv", "o", "gate_up", "down") -> ProjectionLora."""
+    """An adapter's tensors for one block: group ("qkv", "o", "gate_up", "down"; DeepSeek-V3: "module.target") ->
+    ProjectionLora, and its experts' stacked parameters ("gate_up_proj" / "down_proj" -> `ExpertLora`)."""
 
     projections: Dict[str, ProjectionLora]
+    experts: Dict[str, ExpertLora] = field(default_factory=dict)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for p in self.projections.values() for t in (p.a_t, p.b_t))
+        return sum(t.numel() * t.element_size() for p in self.projections.values() for t in (p.a_t, p.b_t)) \
+            + sum(lora.nbytes() for lora in self.experts.values())
 
 
 def _columns(shape: ModelShape) -> Dict[str, Tuple[int, int, int]]:
@@ -345,7 +413,11 @@ class SpanAdapter:
         with safe_open(str(files.weights), framework="pt") as f:
             for block in range(start, end):
                 projections: Dict[str, ProjectionLora] = {}
-                for group, targets in PROJECTIONS:
+                for spec in ([] if files.grouped else [s for (b, _), s in files.targets.items() if b == block]):
+                    a, b = f.get_tensor(spec.a_key).float(), f.get_tensor(spec.b_key).float()  # [r, in], [out, r]
+                    projections[f"{spec.module}.{spec.target}"] = ProjectionLora(
+                        a.t().to(device, dtype).contiguous(), (b.t() * spec.scaling).to(device, dtype).contiguous())
+                for group, targets in (PROJECTIONS if files.grouped else ()):
                     fused = [t for t, g in FUSED_PROJECTIONS.items() if g == group]
                     specs = [files.targets[(block, t)] for t in (*targets, *fused) if (block, t) in files.targets]
                     if not specs:
@@ -358,7 +430,9 @@ class SpanAdapter:
                         b_t[row:row + spec.rank, c0:c1] = f.get_tensor(spec.b_key).float().t() * spec.scaling
                         row += spec.rank
                     projections[group] = ProjectionLora(a.t().to(device, dtype).contiguous(), b_t.to(device, dtype))
-                layers.append(LayerLora(projections) if projections else None)
+                experts = load_expert_loras(f, [t for (b, _), t in files.experts.items() if b == block],
+                                            files.model_config, dtype, device)
+                layers.append(LayerLora(projections, experts) if projections or experts else None)
         return cls(files.name, start, end, layers)
 
     def nbytes(self) -> int:
@@ -443,6 +517,33 @@ class AdaptedLayer:
         out = self.base.add_down(x, h)  # a new tensor: [..., hidden]
         self._add("down", h, out)
         return out
+
+    def expert_rows(self, e: int, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Expert e on h [n, hidden], the tokens of rows `tokens` [n] (`mixtral.sparse_moe`), with each row
+        group's deltas on the experts' stacked parameters (`lora_experts`) -> [n, hidden]."""
+        groups = [(r0, r1, lora.experts) for r0, r1, lora in self.groups if lora.experts]
+        return adapted_expert(self.base, groups, e, h, tokens) if groups else self.base.expert(e, h)
+
+    def absorbed(self, group: str) -> List[Tuple[int, int, ProjectionLora]]:
+        """[(r0, r1, lora)]: the row groups' deltas on projection `group` for a layer that reads its weight as a
+        matrix rather than projecting through `project` (DeepSeek-V3's kv_b_proj)."""
+        return [(r0, r1, lora.projections[group]) for r0, r1, lora in self.groups if group in lora.projections]
+
+
+def check_layers(adapter: SpanAdapter, layers: Sequence) -> None:
+    """AdapterError where a block of the span (`layers`: its fused layers, blocks start, start + 1, ...) cannot take
+    the adapter's deltas: experts that are not given in parts (int8 / nf4 experts), a DeepSeek-V3 block without its
+    `project` (a quantized one)."""
+    for offset, (lora, layer) in enumerate(zip(adapter.layers, layers)):
+        if lora is None:
+            continue
+        block = adapter.start + offset
+        if lora.experts and not hasattr(layer, "expert_gate_up"):
+            raise AdapterError(f"adapter {adapter.name!r}: block {block} ({type(layer).__name__}) does not take LoRA "
+                               f"deltas on its experts (quantized experts: serve expert adapters on float blocks)")
+        if any("." in group for group in lora.projections) and not hasattr(layer, "project"):
+            raise AdapterError(f"adapter {adapter.name!r}: block {block} ({type(layer).__name__}) does not take LoRA "
+                               f"deltas (a quantized DeepSeek-V3 block: serve adapters on float blocks)")
 
 
 def adapt_layers(layers: Sequence, groups: Sequence[Tuple[int, int, Optional[SpanAdapter]]], first: int) -> list:

@@ -110,15 +110,11 @@ def test_model_config_matches_transformers_config(tmp_path):
 
 
 def test_what_deepseek_blocks_refuse(tiny, tmp_path):
-    """int8 / nf4 (the absorbed attention reads kv_b_proj as a float matrix), LoRA adapters, and CUDA graphs (the
-    latent cache) are refused with one line each."""
-    from swarm.modeling.lora import AdapterError
-
+    """int8 / nf4 (the absorbed attention reads kv_b_proj as a float matrix) and CUDA graphs (the latent cache) are
+    refused with one line each (LoRA adapters are served: test_family_open_models.py)."""
     path, _ = tiny
     with pytest.raises(ValueError, match="not supported on DeepSeek-V3"):
         BlockSpan.load(Checkpoint(str(path)), 0, 2, "float32", quant_type="int8")
-    with pytest.raises(AdapterError, match="not served on deepseek_v3"):
-        BlockSpan.load(Checkpoint(str(path)), 0, 2, "float32", adapters=[object()])  # type: ignore[list-item]
     span = BlockSpan.load(Checkpoint(str(path)), 0, 2, "float32")
     span.device = torch.device("cuda")  # (the refusal's reason only: nothing runs)
     assert "latent" in (span.cuda_graphs_refusal() or "")
