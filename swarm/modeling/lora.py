@@ -532,15 +532,16 @@ class AdaptedLayer:
 
 def check_layers(adapter: SpanAdapter, layers: Sequence) -> None:
     """AdapterError where a block of the span (`layers`: its fused layers, blocks start, start + 1, ...) cannot take
-    the adapter's deltas: experts that are not given in parts (int8 / nf4 experts), a DeepSeek-V3 block without its
+    the adapter's deltas: experts that are not given in parts (`lora_experts`), a DeepSeek-V3 block without its
     `project` (a quantized one)."""
     for offset, (lora, layer) in enumerate(zip(adapter.layers, layers)):
         if lora is None:
             continue
         block = adapter.start + offset
-        if lora.experts and not hasattr(layer, "expert_gate_up"):
+        if lora.experts and not all(hasattr(part, "expert_gate_up") for part in getattr(layer, "shards", [layer])):
             raise AdapterError(f"adapter {adapter.name!r}: block {block} ({type(layer).__name__}) does not take LoRA "
-                               f"deltas on its experts (quantized experts: serve expert adapters on float blocks)")
+                               f"deltas on its experts (they are not given in parts: expert_gate_up, expert_act, "
+                               f"expert_down)")
         if any("." in group for group in lora.projections) and not hasattr(layer, "project"):
             raise AdapterError(f"adapter {adapter.name!r}: block {block} ({type(layer).__name__}) does not take LoRA "
                                f"deltas (a quantized DeepSeek-V3 block: serve adapters on float blocks)")

@@ -468,8 +468,8 @@ def test_deepseek_mlp_adapter_matches_merged_weights(tmp_path):
 
 def test_lora_adapters_that_cannot_be_served_are_clear_errors(tmp_path):
     """target_parameters other than the experts' stacked weights (an expert bias), expert tensors for a model without
-    experts or on a dense block, an expert's own module, and expert adapters on int8 experts: refused with one line
-    each."""
+    experts or on a dense block, and an expert's own module: refused with one line each. On int8 experts the
+    adapter adds its deltas: int8 + adapter is as far from float + adapter as int8 is from float."""
     from safetensors.torch import load_file, save_file
 
     from swarm.modeling.lora import AdapterError, AdapterSource, open_adapter
@@ -499,8 +499,16 @@ def test_lora_adapters_that_cannot_be_served_are_clear_errors(tmp_path):
     refused("adapts one expert's own module")
     save_file(tensors, str(adapter / "adapter_model.safetensors"))
     files = open_adapter(AdapterSource.parse(f"a={adapter}"), config)
-    with pytest.raises(AdapterError, match="does not take LoRA deltas on its experts"):
-        BlockSpan.load(Checkpoint(str(tmp_path / "base")), 0, 1, "float32", quant_type="int8", adapters=[files])
+    embeds = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(2))
+    out = {}
+    for quant in ("none", "int8"):
+        span = BlockSpan.load(Checkpoint(str(tmp_path / "base")), 0, 4, "float32", quant_type=quant, adapters=[files])
+        for name in ("a", None):
+            out[quant, name] = span.forward(embeds, 0, span.new_session_kv(1, 16, 0, 4, adapter=name))
+    quant_error, adapted_error = [(out["int8", a] - out["none", a]).norm() for a in (None, "a")]
+    adapter_effect = (out["none", "a"] - out["none", None]).norm()
+    assert adapted_error < 1.5 * quant_error and adapted_error < 0.5 * adapter_effect, \
+        (adapted_error, quant_error, adapter_effect)
 
 
 def test_left_padded_batch_matches_transformers(case):
