@@ -315,7 +315,9 @@ class QuantizedMoeLayer(nn.Module):
     def expert_gate_up(self, e: int, h: torch.Tensor) -> torch.Tensor:
         return self.gate_up_projs[e](h).to(h.dtype)  # [n, 2 * intermediate]
 
-    expert_act = FusedMoeLayer.expert_act  # (its `act`)
+    def expert_act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act(gate).mul_(up)  # [n, intermediate]
 
     def expert_down(self, e: int, a: torch.Tensor) -> torch.Tensor:
         return self.down_projs[e](a).to(a.dtype)  # [n, hidden]
