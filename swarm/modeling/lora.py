@@ -5,10 +5,12 @@ and `adapter_model.safetensors`, whose tensors are named `base_model.model.model
 lora_A.weight` ([r, in]) and `...lora_B.weight` ([out, r]). `open_adapter` reads the config and the safetensors
 header (names and shapes, no tensor data) and checks the whole adapter against the base model at server start:
 every tensor must be a LoRA A/B pair of a Llama projection (q/k/v/o, gate/up/down; Phi-3's fused qkv_proj and
-gate_up_proj instead of its parts; BLOOM's and Falcon's query_key_value, dense, dense_h_to_4h, dense_4h_to_h; only
-q/k/v/o on Mixtral, Qwen3-MoE and GPT-OSS: not their experts) that the config targets, with
-the configured rank and the base model's shapes, for a block the model has. Features this module does not
-implement (DoRA, LoRA biases, trained base biases, `modules_to_save`, ...) are rejected with an error naming them.
+gate_up_proj instead of its parts; BLOOM's and Falcon's query_key_value, dense, dense_h_to_4h, dense_4h_to_h;
+q/k/v/o on Mixtral, Qwen3-MoE and GPT-OSS; DeepSeek-V3's latent attention's projections, its dense MLP's and shared
+experts') that the config targets, with the configured rank and the base model's shapes, for a block the model has,
+or of an experts' stacked parameter that the config's `target_parameters` name (`swarm.modeling.lora_experts`).
+Features this module does not implement (DoRA, LoRA biases, trained base biases, `modules_to_save`, ...) are
+rejected with an error naming them.
 `SpanAdapter.load` then reads only the tensors of one span's blocks.
 
 The math (as peft's `lora.Linear.forward`): `y = base(x) + (x @ A^T) @ B^T * scaling`, scaling = `lora_alpha / r`
@@ -21,8 +23,9 @@ takes two small matmuls, the second added in place into the base output's rows.
 QuantizedLayer`, a mixture of experts' fused layer, a layer that projects by groups, `project`: BLOOM, Falcon,
 Gemma) for one step whose rows [rows, ...] (flattened leading dims) come in groups, each with its own adapter or
 none: the base projections run once on all rows, and each group adds its own delta to its rows only. The wrapped
-layer is what the block's step reads (`step`, `qkv`, `add_o_proj`, `gate_up`, `add_down`, `project`), so the
-server's decode and prefill paths (`server.compute.decode`) run it unchanged.
+layer is what the block's step reads (`step`, `qkv`, `add_o_proj`, `gate_up`, `add_down`, `project`; `expert_rows`
+for the experts, `absorbed` for DeepSeek-V3's kv_b_proj), so the server's decode and prefill paths
+(`server.compute.decode`) run it unchanged.
 """
 from __future__ import annotations
 
