@@ -508,7 +508,7 @@ class AdaptedLayer:
 
     def gate_up(self, h: torch.Tensor):
         gate, up = self.base.gate_up(h)  # [..., intermediate] each (the halves of one output)
-        joined = _joined(gate, up)
+        joined = None if gate.requires_grad else _joined(gate, up)  # (autograd: chunk's views are not written)
         if joined is not None:
             self._add("gate_up", h, joined)
             return gate, up

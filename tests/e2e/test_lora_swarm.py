@@ -206,7 +206,8 @@ def test_bad_adapters_stop_the_server_at_start(model_path, lora_dirs, tmp_path):
 def test_expert_adapter_through_a_split_swarm(tmp_path, bootstrap, model_path, tokenizer):
     """An adapter on a tiny Mixtral's attention and its experts' stacked parameters (peft's `target_parameters`),
     served by two servers split mid-model (0:2, 2:4): greedy tokens with the adapter and without it, in concurrent
-    sessions on the same servers, equal local peft's; a forward pass's logits within 1e-4."""
+    sessions on the same servers, equal local peft's; a forward pass's logits within 1e-4; a training pass's input
+    gradients equal peft's."""
     from swarm import AutoDistributedModelForCausalLM
     from swarm.launch.topology import terminate_all
     from tests.fixtures.tiny_checkpoints import save_tiny
@@ -233,6 +234,14 @@ def test_expert_adapter_through_a_split_swarm(tmp_path, bootstrap, model_path, t
         with torch.no_grad():
             logits = reference(input_ids=ids).logits
         assert (model.forward(ids, adapter="moe").logits - logits).abs().max().item() < 1e-4
+        # a training pass through the adapter (rpc_train_forward / backward): the input embeddings' gradients
+        embeds = reference.get_input_embeddings()(ids).detach().requires_grad_(True)
+        reference(inputs_embeds=embeds, labels=ids).loss.backward()
+        ours = embeds.detach().clone().requires_grad_(True)
+        out = model.forward(inputs_embeds=ours, adapter="moe").logits
+        torch.nn.functional.cross_entropy(out[0, :-1], ids[0, 1:]).backward()
+        assert ours.grad is not None and embeds.grad is not None
+        assert (ours.grad - embeds.grad).abs().max().item() < 1e-4 * embeds.grad.abs().max().item()
     finally:
         model.shutdown()
         terminate_all(servers)

@@ -319,12 +319,12 @@ def _logits_with_grad(reference, hidden: torch.Tensor) -> torch.Tensor:
     return logits if not cap else torch.tanh(logits / cap) * cap
 
 
-def check_training_gradients(reference, span, ids: torch.Tensor, embed_norm, head) -> None:
+def check_training_gradients(reference, span, ids: torch.Tensor, embed_norm, head, adapter=None) -> None:
     """The gradient of the next-token loss on `ids` [batch, seq] for the input embeddings, through the span's blocks
     as a training pass runs them (`server.rpc.training.block_forward` / `block_backward`, block by block) with
     transformers' `embed_norm` (embeddings -> the first block's input) and `head` (the last block's output ->
     logits) around them, equals transformers' own (`reference(inputs_embeds=..., labels=ids)`), within 1e-4 of
-    its largest value."""
+    its largest value. With LoRA `adapter`: the span's adapter, `reference` a peft model with it active."""
     from server.rpc.training import block_backward, block_forward
 
     embeds = reference.get_input_embeddings()(ids).detach().requires_grad_(True)
@@ -333,14 +333,14 @@ def check_training_gradients(reference, span, ids: torch.Tensor, embed_norm, hea
         first = embed_norm(embeds)  # [batch, seq, hidden], the graph back to the embeddings
     hiddens = [first.detach()]
     for index in range(span.start, span.end):
-        hiddens.append(block_forward(span, index, hiddens[-1], None))
+        hiddens.append(block_forward(span, index, hiddens[-1], None, adapter))
     final = hiddens[-1].requires_grad_(True)
     with torch.enable_grad():
         logits = head(final)
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
         grad, = torch.autograd.grad(loss, final)
     for index in reversed(range(span.start, span.end)):
-        grad, _ = block_backward(span, index, hiddens[index - span.start], None, grad)
+        grad, _ = block_backward(span, index, hiddens[index - span.start], None, grad, adapter)
     grad, = torch.autograd.grad(first, embeds, grad)
     assert embeds.grad is not None and embeds.grad.abs().max().item() > 0
     assert (grad - embeds.grad).abs().max().item() < 1e-4 * embeds.grad.abs().max().item() + 1e-7
@@ -385,7 +385,7 @@ def test_lora_adapter_matches_peft(case, targets, extra, tmp_path):
     experts: their attention and their experts (peft's `target_parameters`: each routed token gets its expert's
     delta; GPT-OSS's interleaved gate/up with biases, clamps and sinks); DeepSeek-V3's latent attention with
     kv_b_proj's delta absorbed, its MLPs and experts) gives peft's logits, in a prefill and in a decode step batched
-    with a base session."""
+    with a base session; a training pass's input gradients equal peft's."""
     from swarm.modeling.lora import AdapterSource, open_adapter
     from tests.fixtures.lora_fixtures import make_adapter, peft_reference
 
@@ -417,6 +417,9 @@ def test_lora_adapter_matches_peft(case, targets, extra, tmp_path):
     assert (_logits(model, steps[1]) - base[:, -1:]).abs().max().item() < 1e-4
     # a pass without a cache (rpc_forward) with the adapter
     assert (_logits(model, span.forward(embeds, 0, None, adapter="a")) - expected).abs().max().item() < 1e-4
+    # a training pass's input gradients through the adapter's (frozen) deltas
+    check_training_gradients(reference, span, torch.randint(3, VOCAB, (2, 10)), lambda e: e,
+                             lambda hidden: _logits_with_grad(model, hidden), adapter="a")
 
 
 def test_deepseek_mlp_adapter_matches_merged_weights(tmp_path):
@@ -592,7 +595,7 @@ def test_left_padded_batch_on_alibi_blocks_matches_transformers(case, tmp_path, 
 @pytest.mark.parametrize("case", ["bloom", "falcon-new", "falcon-alibi"])
 def test_lora_adapter_on_bloom_and_falcon_matches_peft(case, tmp_path, model_path):
     """A peft LoRA adapter on BLOOM's / Falcon's fused query_key_value, dense and MLP projections gives peft's
-    logits: a prefill, and a decode step batched with a base session."""
+    logits: a prefill, and a decode step batched with a base session; and its input gradients in a training pass."""
     from swarm.modeling.lora import AdapterSource, open_adapter
     from tests.fixtures.lora_fixtures import make_adapter, peft_reference
     from tests.swarm.modeling.test_family_bloom_falcon import _build
@@ -629,3 +632,7 @@ def test_lora_adapter_on_bloom_and_falcon_matches_peft(case, tmp_path, model_pat
     assert (logits(steps[1]) - base_logits[:, -1:]).abs().max().item() < 1e-4
     # a pass without a cache (rpc_forward) with the adapter
     assert (logits(span.forward(embeds, 0, None, adapter="a")) - expected).abs().max().item() < 1e-4
+    # a training pass's input gradients through the adapter (ALiBi: the step's biased mask)
+    check_training_gradients(peft_model, span, ids.repeat(2, 1), model.word_embeddings_layernorm if case == "bloom"
+                             else torch.nn.Identity(), lambda hidden: peft_model.base_model.model.lm_head(
+                                 model.ln_f(hidden)), adapter="a")
