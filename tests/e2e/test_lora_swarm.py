@@ -5,7 +5,8 @@ Two servers (blocks 0:15 and 15:30) hold two peft-saved adapters of the bundled 
 equals peft's, the base equals the base; concurrent sessions with different adapters (and none) on the same
 servers each equal their own reference; the DHT records list each server's adapters and adapter sessions are never
 routed to the server without them; through the gateway, adapters are model ids of their own. Bad adapters stop a
-server at start with a clear error.
+server at start with a clear error. A tiny Mixtral's adapter on its experts (peft's `target_parameters`) through two
+servers: tokens, logits and a training pass's gradients equal peft's (extended tier).
 """
 from __future__ import annotations
 
