@@ -102,6 +102,9 @@ def check_quant_support(quant_type: str, device: torch.device | str, dtype: torc
         raise ValueError(f"--quant_type {quant_type} cannot run on {device} with this bitsandbytes: {message}"
                          ) from None
 
+# bitsandbytes' CPU nf4 kernel computes outputs in blocks of 32
+NF4_CPU_OUTPUTS = 32
+
 
 def quantized_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], quant_type: str, compute_dtype: torch.dtype,
                      device: torch.device) -> nn.Module:
@@ -109,6 +112,11 @@ def quantized_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], quant_t
     import bitsandbytes as bnb
 
     out_features, in_features = weight.shape
+    if quant_type == "nf4" and device.type == "cpu" and out_features % NF4_CPU_OUTPUTS:
+        # bitsandbytes' CPU 4-bit kernel (AVX512-BF16 machines) asserts `N must be divisible by block_n` at the first
+        # matmul: refused here, at load time, on every CPU alike
+        raise ValueError(f"nf4 on the CPU needs output sizes divisible by {NF4_CPU_OUTPUTS}: a projection has "
+                         f"{out_features} outputs")
     with torch.device("meta"):  # no float weight is allocated (nor initialized) for the module's constructor
         if quant_type == "int8":
             module: nn.Module = bnb.nn.Linear8bitLt(in_features, out_features, bias=bias is not None,
