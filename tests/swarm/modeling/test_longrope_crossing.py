@@ -98,3 +98,50 @@ def test_a_swarm_session_crossing_the_original_length(tmp_path, bootstrap, model
     finally:
         model.shutdown()
         terminate_all(servers)
+
+
+def _chunked(span, kv, hidden: torch.Tensor, start: int, chunk: int, rope_length) -> torch.Tensor:
+    """hidden [batch, seq, hidden] for positions start.. through `span` in passes of `chunk` positions, each picking
+    LongRoPE's factors by `rope_length` (what the handler sets per step: `Step.rope_length`; None: each pass's end)."""
+    kv.rope_length = rope_length
+    return torch.cat([span.forward(hidden[:, offset:offset + chunk], start + offset, kv)
+                      for offset in range(0, hidden.shape[1], chunk)], dim=1)
+
+
+def test_a_step_in_chunks_across_the_boundary_has_the_whole_steps_factors(longrope):
+    """One 20-token step (past the original length 12) in passes of 8 positions: the first pass ends before the
+    boundary. With the step's `rope_length` every pass has the long factors, as transformers' one call over the
+    whole step: logits within 1e-4 of `Phi3ForCausalLM`; each pass picking by its own end (before the fix) differs.
+    In a batched prefill pass and a batched decode step, each session's rows have their own step's factors (a
+    session below the boundary next to one past it)."""
+    path, reference = longrope
+    span = BlockSpan.load(Checkpoint(str(path)), 0, 4, "float32")
+    torch.manual_seed(12)
+    ids = torch.randint(3, VOCAB, (2, 21))
+    with torch.no_grad():
+        expected = reference(ids[:, :20]).logits  # [2, 20, vocab]
+    kv = span.new_session_kv(2, 32, 0, 4)
+    ours = _logits(reference, _chunked(span, kv, _embed(reference, ids[:, :20]), 0, 8, 20))
+    assert (ours - expected).abs().max().item() < 1e-4
+    per_pass = _logits(reference, _chunked(span, span.new_session_kv(2, 32, 0, 4), _embed(reference, ids[:, :20]), 0,
+                                           8, None))
+    assert (per_pass - expected).abs().max().item() > 1e-3  # the first passes' short factors
+    assert (per_pass[:, 16:] - expected[:, 16:]).abs().max().item() > 1e-3  # and every key the later ones read
+
+    # a batched decode step: this session at position 20 (long factors) with a session at position 8 (short)
+    short = span.new_session_kv(1, 32, 0, 4)
+    _chunked(span, short, _embed(reference, ids[:1, :8]), 0, 8, 8)
+    one, two = span.forward_batch([(_embed(reference, ids[:, 20:21]), 20, kv),
+                                   (_embed(reference, ids[:1, 8:9]), 8, short)], 0, 4)
+    with torch.no_grad():
+        assert (_logits(reference, one[:, -1]) - reference(ids).logits[:, -1]).abs().max().item() < 1e-4
+        assert (_logits(reference, two[:, -1]) - reference(ids[:1, :9]).logits[:, -1]).abs().max().item() < 1e-4
+
+    # a batched prefill pass: the first 8 positions of a 20-token step (long) with an 8-token step (short)
+    first, second = span.new_session_kv(1, 32, 0, 4), span.new_session_kv(1, 32, 0, 4)
+    first.rope_length, second.rope_length = 20, 8
+    embeds = _embed(reference, ids[:2, :8])
+    a, b = span.forward_prefill_batch([(embeds[:1], 0, first), (embeds[1:], 0, second)], 0, 4)
+    assert torch.allclose(a, _chunked(span, span.new_session_kv(1, 32, 0, 4), embeds[:1], 0, 8, 20), atol=1e-5)
+    with torch.no_grad():
+        assert (_logits(reference, b) - reference(ids[1:2, :8]).logits).abs().max().item() < 1e-4
