@@ -145,3 +145,46 @@ def test_a_step_in_chunks_across_the_boundary_has_the_whole_steps_factors(longro
     assert torch.allclose(a, _chunked(span, span.new_session_kv(1, 32, 0, 4), embeds[:1], 0, 8, 20), atol=1e-5)
     with torch.no_grad():
         assert (_logits(reference, b) - reference(ids[1:2, :8]).logits).abs().max().item() < 1e-4
+
+    # a spot-check's replay of the step's first 8 positions (`ForwardRequest.rope_length`: a pass without a cache)
+    replayed = span.forward(_embed(reference, ids[:, :8]), 0, None, rope_length=20)
+    assert torch.allclose(replayed, _chunked(span, span.new_session_kv(2, 32, 0, 4), _embed(reference, ids[:, :20]),
+                                             0, 8, 20)[:, :8], atol=1e-5)
+
+
+@pytest.mark.extended
+def test_a_swarm_step_in_messages_across_the_boundary(tmp_path, bootstrap, model_path, tokenizer):
+    """Two servers (0:2, 2:4) that take at most 5 tokens a message (`--max_step_tokens`), so the client sends a step
+    in parts whose first ones end before the original length (12): a 20-token step's logits within 1e-4 of
+    transformers' (float32), and a 9-token prompt's 8 greedy tokens, whose step past the boundary sends the whole
+    sequence again in 5-token messages (`phi3.recomputes_cache`), equal transformers' generate."""
+    from swarm import AutoDistributedModelForCausalLM
+    from swarm.launch.topology import start_servers, terminate_all
+
+    reference = save_tiny("phi3", tmp_path, model_path, **LONGROPE)
+    with torch.no_grad():  # sharper attention, so the factors move the tokens (as the test above)
+        for name, param in reference.named_parameters():
+            if "qkv_proj" in name:
+                param.normal_(0.0, 0.3)
+    reference.save_pretrained(tmp_path)
+    servers = start_servers(str(tmp_path), [bootstrap.maddr], ["0:2", "2:4"], "tlrm", ["--max_step_tokens", "5"],
+                            threads=1)
+    model = AutoDistributedModelForCausalLM.from_pretrained(str(tmp_path), initial_peers=[bootstrap.maddr],
+                                                            dht_prefix="tlrm")
+    try:
+        ids = tokenizer("The history of the Roman Empire begins with the founding of the city of Rome in the "
+                        "eighth century before the common era", return_tensors="pt")["input_ids"][:, :20]
+        assert ids.shape[1] == 20
+        with torch.no_grad():
+            expected = reference(ids).logits
+            with model.inference_session(max_length=32) as session:
+                logits = model.head(session.session.step(model.embed(ids)))
+        assert (logits - expected).abs().max().item() < 1e-4
+        with torch.no_grad():
+            tokens = reference.generate(ids[:, :9], max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        with model.inference_session(max_length=32) as session:
+            ours = model.generate(ids[:, :9], session=session, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        assert ours.tolist() == tokens.tolist()
+    finally:
+        model.shutdown()
+        terminate_all(servers)
