@@ -8,6 +8,10 @@ greedy tokens and logits are therefore those of a pass without a cache over the 
 swarm matches that: the client sends the whole sequence again from position 0 at that step
 (`phi3.recomputes_cache`, `swarm.client.model_session`), in process and through a server; keeping the cache
 instead (the earlier keys with the short factors) gives other logits, which this test also shows.
+
+A step computed in parts (passes of a few positions on a server, messages of a few tokens from the client) has the
+whole step's factors in every part (`Step.rope_length`, `SessionKV.rope_length`): each part picking by its own end
+(the first parts below the boundary, short) is what these tests show differs.
 """
 from __future__ import annotations
 
