@@ -103,6 +103,7 @@ class InferenceSession:
         self.session_id = uuid.uuid4().hex
         self.prompts = prompts
         self.rope_lengths = rope_lengths
+        self._step_end: Optional[int] = None  # where the step in flight ends (`_rope_length`), None between steps
         self.position = 0
         self.batch_size: Optional[int] = None
         self._streams: List[SpanStream] = []
@@ -258,11 +259,14 @@ class InferenceSession:
 
     async def _replay(self, stream: SpanStream, x: torch.Tensor, padding: Optional[List[int]]) -> torch.Tensor:
         """Send positions [0, len) of `x` [batch, len, hidden] (rows left-padded by `padding`) through `stream` in
-        chunks; return its output."""
+        chunks; return its output. Their rotary factors are those the positions got: a failover in the middle of a
+        step replays with that step's end (positions held before a step that crosses LongRoPE's boundary are sent
+        again in it: `phi3.recomputes_cache`), else with the replay's."""
         chunk = self._chunk_len(x)
+        end = max(x.shape[1], self._step_end or 0)
         outputs = [await stream.step(x[:, offset:offset + chunk], offset, self._next_step_id(),
                                      dict(left_padding=padding if offset == 0 else None,
-                                          rope_length=self._rope_length(x.shape[1], offset + chunk)))
+                                          rope_length=self._rope_length(end, offset + chunk)))
                    for offset in range(0, x.shape[1], chunk)]
         return torch.cat(outputs, dim=1)
 
@@ -312,11 +316,14 @@ class InferenceSession:
         await self._apply_checks()  # a check finished since found a server wrong: OutputsRetracted
         outputs = []
         chunk = self._chunk_len(hidden)
-        step_end = self.position + seq  # each message's rotary factors are the whole step's (`_rope_length`)
-        for offset in range(0, seq, chunk):
-            outputs.append(await self._step_chunk(hidden[:, offset:offset + chunk], hypo if offset == 0 else None,
-                                                  padding, step_end))
-            self.position += outputs[-1].shape[1]
+        self._step_end = self.position + seq  # each message's rotary factors are the whole step's (`_rope_length`)
+        try:
+            for offset in range(0, seq, chunk):
+                outputs.append(await self._step_chunk(hidden[:, offset:offset + chunk],
+                                                      hypo if offset == 0 else None, padding))
+                self.position += outputs[-1].shape[1]
+        finally:
+            self._step_end = None
         if self.check_all_next and self._checkable(hypo):  # asked for: every span checked before this step returns
             self._start_checks(range(len(self._streams)), explicit=True)
             await self.asettle()
@@ -324,7 +331,7 @@ class InferenceSession:
         return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
 
     async def _step_chunk(self, x: torch.Tensor, hypo_ids: Optional[List[int]] = None,
-                          left_padding: Optional[List[int]] = None, step_end: Optional[int] = None) -> torch.Tensor:
+                          left_padding: Optional[List[int]] = None) -> torch.Tensor:
         """Send x [batch, seq, hidden] through the chain.
 
         With push, the client sends the step to the first server only, naming the rest of the chain; each
@@ -338,7 +345,7 @@ class InferenceSession:
         `hypo_ids` reorder the held rows first, named by this step's first id (`reorder_id`): a server applies it
         once, and a replacement, rebuilt from the history still in the old order, applies it like the others. Each
         boundary's history is reordered once its server has answered. `left_padding` goes with a step at 0.
-        `step_end`: where the step that x is part of ends (`_rope_length`; None: at x's end).
+        Each message names where the step that x is part of ends where that is past its own (`_rope_length`).
         """
         config = self.manager.config
         seq = x.shape[1]
@@ -348,7 +355,7 @@ class InferenceSession:
             edits.update(hypo_ids=hypo_ids, reorder_id=step_id)
         if self.position == 0:
             edits.update(left_padding=left_padding)
-        rope_length = self._rope_length(step_end or 0, self.position + seq)
+        rope_length = self._rope_length(self._step_end or 0, self.position + seq)
         if rope_length is not None:
             edits.update(rope_length=rope_length)
         assert self.batch_size is not None, "the session is not open"

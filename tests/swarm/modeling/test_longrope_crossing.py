@@ -72,6 +72,22 @@ def test_a_session_crossing_the_original_length_matches_transformers(longrope):
     assert differ > 1e-3
 
 
+def _sharp_checkpoint(path, model_path):
+    """The tiny LongRoPE Phi-3 saved at `path` with the bundled tokenizer, with sharper attention (random q/k weights
+    of std 0.02 attend almost uniformly: the rotation's factors then move the tokens); returns transformers' model."""
+    reference = save_tiny("phi3", path, model_path, **LONGROPE)
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if "qkv_proj" in name:
+                param.normal_(0.0, 0.3)
+    reference.save_pretrained(path)
+    return reference
+
+
+LONG_PROMPT = ("The history of the Roman Empire begins with the founding of the city of Rome in the eighth century "
+               "before the common era")
+
+
 @pytest.mark.extended
 def test_a_swarm_session_crossing_the_original_length(tmp_path, bootstrap, model_path, tokenizer):
     """Through two servers (0:2, 2:4) and the client's `generate`: a 9-token prompt and 8 new tokens cross the
@@ -79,12 +95,7 @@ def test_a_swarm_session_crossing_the_original_length(tmp_path, bootstrap, model
     from swarm import AutoDistributedModelForCausalLM
     from swarm.launch.topology import start_servers, terminate_all
 
-    reference = save_tiny("phi3", tmp_path, model_path, **LONGROPE)
-    with torch.no_grad():  # sharper attention (random q/k weights of std 0.02 attend almost uniformly): the
-        for name, param in reference.named_parameters():  # rotation's factors then move the tokens
-            if "qkv_proj" in name:
-                param.normal_(0.0, 0.3)
-    reference.save_pretrained(tmp_path)
+    reference = _sharp_checkpoint(tmp_path, model_path)
     servers = start_servers(str(tmp_path), [bootstrap.maddr], ["0:2", "2:4"], "tlr", threads=1)
     model = AutoDistributedModelForCausalLM.from_pretrained(str(tmp_path), initial_peers=[bootstrap.maddr],
                                                             dht_prefix="tlr")
@@ -165,19 +176,13 @@ def test_a_swarm_step_in_messages_across_the_boundary(tmp_path, bootstrap, model
     from swarm import AutoDistributedModelForCausalLM
     from swarm.launch.topology import start_servers, terminate_all
 
-    reference = save_tiny("phi3", tmp_path, model_path, **LONGROPE)
-    with torch.no_grad():  # sharper attention, so the factors move the tokens (as the test above)
-        for name, param in reference.named_parameters():
-            if "qkv_proj" in name:
-                param.normal_(0.0, 0.3)
-    reference.save_pretrained(tmp_path)
+    reference = _sharp_checkpoint(tmp_path, model_path)
     servers = start_servers(str(tmp_path), [bootstrap.maddr], ["0:2", "2:4"], "tlrm", ["--max_step_tokens", "5"],
                             threads=1)
     model = AutoDistributedModelForCausalLM.from_pretrained(str(tmp_path), initial_peers=[bootstrap.maddr],
                                                             dht_prefix="tlrm")
     try:
-        ids = tokenizer("The history of the Roman Empire begins with the founding of the city of Rome in the "
-                        "eighth century before the common era", return_tensors="pt")["input_ids"][:, :20]
+        ids = tokenizer(LONG_PROMPT, return_tensors="pt")["input_ids"][:, :20]
         assert ids.shape[1] == 20
         with torch.no_grad():
             expected = reference(ids).logits
@@ -192,3 +197,43 @@ def test_a_swarm_step_in_messages_across_the_boundary(tmp_path, bootstrap, model
     finally:
         model.shutdown()
         terminate_all(servers)
+
+
+@pytest.mark.extended
+def test_a_failover_in_the_middle_of_a_step_replays_with_its_factors(tmp_path, bootstrap, model_path, tokenizer):
+    """Servers 0:2, 2:4, 2:4 taking 5 tokens a message; the session's 2:4 server is killed once 2 messages of a
+    20-token step are through: the replacement replays positions 0..10 with the step's factors (the long ones, its
+    `rope_length` 20, not the replay's own 10), and the step's logits equal transformers' within 1e-4."""
+    from swarm import AutoDistributedModelForCausalLM
+    from swarm.launch.topology import start_servers
+
+    reference = _sharp_checkpoint(tmp_path, model_path)
+    servers = {s.peer_id: s for s in start_servers(str(tmp_path), [bootstrap.maddr], ["0:2", "2:4", "2:4"], "tlrf",
+                                                   ["--max_step_tokens", "5"], threads=1)}
+    model = AutoDistributedModelForCausalLM.from_pretrained(str(tmp_path), initial_peers=[bootstrap.maddr],
+                                                            dht_prefix="tlrf", ban_timeout=60, max_retries=2)
+    try:
+        ids = tokenizer(LONG_PROMPT, return_tensors="pt")["input_ids"][:, :20]
+        with torch.no_grad():
+            expected = reference(ids).logits
+        with model.inference_session(max_length=32) as session:
+            inner = session.session
+            send = inner._step_chunk
+            sent = []
+
+            async def kill_after_two(x, *args):  # the real step, then the kill between two messages
+                out = await send(x, *args)
+                sent.append(x.shape[1])
+                if len(sent) == 2:
+                    servers[next(hop.peer_id for hop in inner.chain if hop.start <= 2 < hop.end)].kill()
+                return out
+
+            inner._step_chunk = kill_after_two
+            with torch.no_grad():
+                logits = model.head(inner.step(model.embed(ids)))
+            assert inner.failovers >= 1 and sent == [5, 5, 5, 5]
+        assert (logits - expected).abs().max().item() < 1e-4
+    finally:
+        model.shutdown()
+        for server in servers.values():
+            server.kill()
