@@ -85,6 +85,7 @@ class RotaryEmbedding(nn.Module):
                                  persistent=False)
             self.boundary = boundary
 
+    @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, lengths: Optional[torch.Tensor] = None
                 ) -> Tuple[torch.Tensor, torch.Tensor]:
         if lengths is None or not self.by_length:
