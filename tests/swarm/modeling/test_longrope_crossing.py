@@ -171,8 +171,9 @@ def test_a_step_in_chunks_across_the_boundary_has_the_whole_steps_factors(longro
 def test_a_swarm_step_in_messages_across_the_boundary(tmp_path, bootstrap, model_path, tokenizer):
     """Two servers (0:2, 2:4) that take at most 5 tokens a message (`--max_step_tokens`), so the client sends a step
     in parts whose first ones end before the original length (12): a 20-token step's logits within 1e-4 of
-    transformers' (float32), and a 9-token prompt's 8 greedy tokens, whose step past the boundary sends the whole
-    sequence again in 5-token messages (`phi3.recomputes_cache`), equal transformers' generate."""
+    transformers' (float32; its later messages pushed server to server), and a 9-token prompt's 8 greedy tokens,
+    whose step past the boundary sends the whole sequence again in 5-token messages (`phi3.recomputes_cache`), equal
+    transformers' generate."""
     from swarm import AutoDistributedModelForCausalLM
     from swarm.launch.topology import start_servers, terminate_all
 
@@ -189,6 +190,9 @@ def test_a_swarm_step_in_messages_across_the_boundary(tmp_path, bootstrap, model
             with model.inference_session(max_length=32) as session:
                 logits = model.head(session.session.step(model.embed(ids)))
         assert (logits - expected).abs().max().item() < 1e-4
+        # the 2:4 server got the messages after the first (once its part was open) pushed by the 0:2 server, with
+        # their rope_length (`PushStep`)
+        assert max(model.manager.server_info(server.peer_id).steps_from_push for server in servers) >= 2
         with torch.no_grad():
             tokens = reference.generate(ids[:, :9], max_new_tokens=8, min_new_tokens=8, do_sample=False)
         with model.inference_session(max_length=32) as session:
