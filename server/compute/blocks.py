@@ -26,7 +26,7 @@ from server.compute.decode import attention_backends, decode_step, prefill_step,
 from server.compute.kv_arena import KVArena
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FAMILIES, FamilySpec, family_for
-from swarm.modeling.layers import cache_attention, causal_mask, key_bias
+from swarm.modeling.layers import cache_attention, causal_mask, key_bias, rope_lengths
 from swarm.modeling.llama import FusedLayer, attach_small_gemms
 from swarm.modeling.lora import AdapterError, AdapterFiles, SpanAdapter, adapt_layers, check_layers
 from swarm.modeling.shape import ModelShape, config_dtype
@@ -329,7 +329,9 @@ class BlockSpan(nn.Module):
         sizes = [h.shape[1] for h, _, _ in items]
         position_ids = torch.cat([torch.arange(start, start + h.shape[1], device=self.device)
                                   for h, start, _ in items])[:, None]  # [rows, 1]
-        cos, sin = (t[:, 0] for t in self.rotary(x, position_ids))  # [rows, head_dim]
+        lengths = torch.cat([self.rope_lengths(start, h.shape[1], kv, h.shape[1]) for h, start, kv in items]) \
+            if self.by_length else None  # [rows, 1]: each session's step's
+        cos, sin = (t[:, 0] for t in self.rotary(x, position_ids, lengths))  # [rows, head_dim]
         begun: list = []  # only these are taken back on a failure (the others' fill marks stay as they are)
         try:
             for _, start, kv in items:
@@ -374,7 +376,9 @@ class BlockSpan(nn.Module):
         position_ids = torch.cat([kv.position_ids(pos, 1) for _, pos, kv in items])  # [rows, 1]
         cos = sin = None  # without rotary (ALiBi: the attention's bias carries the positions)
         if self.rotary is not None:
-            cos, sin = (t[:, 0] for t in self.rotary(x, position_ids))  # [rows, head_dim]
+            lengths = torch.cat([self.rope_lengths(pos, 1, kv, h.shape[0]) for h, pos, kv in items]) \
+                if self.by_length else None  # [rows, 1]: each session's step's
+            cos, sin = (t[:, 0] for t in self.rotary(x, position_ids, lengths))  # [rows, head_dim]
         for _, pos, kv in items:
             kv.begin_step(pos)
         layers = self.fused[first - self.start:last - self.start]
@@ -405,12 +409,14 @@ class BlockSpan(nn.Module):
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, start_position: int = 0, kv: Optional[SessionKV] = None,
                 first: Optional[int] = None, last: Optional[int] = None, adapter: Optional[str] = None,
-                padding: Optional[torch.Tensor] = None, prompts: Optional[torch.Tensor] = None) -> torch.Tensor:
+                padding: Optional[torch.Tensor] = None, prompts: Optional[torch.Tensor] = None,
+                rope_length: Optional[int] = None) -> torch.Tensor:
         """hidden: [batch, seq, hidden] for positions start_position.. ; runs blocks [first, last) of the model.
         With a LoRA adapter: `kv.adapter`, or `adapter` for a pass without a cache. `padding` [batch] (a pass
         without a cache): each row's leading padding keys are hidden, the positions left as they are
         (transformers' forward with an attention mask and no position ids). prompts: deep prompts
-        [last - first, batch | 1, pre_seq_len, hidden] (`add_prompt`), or None."""
+        [last - first, batch | 1, pre_seq_len, hidden] (`add_prompt`), or None. `rope_length`: where the step this
+        pass is part of ends (`rope_lengths`; default: `kv.rope_length`, else this pass's end)."""
         if prompts is not None and start_position >= prompts.shape[2]:
             prompts = None  # past the prompts' positions
         first = self.start if first is None else first
@@ -434,7 +440,11 @@ class BlockSpan(nn.Module):
             mask = padded_key_mask(row_padding.to(self.device), start_position, seq, self.dtype, self.device)
             # [batch, 1, seq, p+seq]; the window's cut too where one applies
             window_mask = mask if window_mask is None else torch.minimum(mask, window_mask)
-        position_embeddings = self.rotary(hidden, position_ids) if self.rotary is not None else None
+        position_embeddings = None
+        if self.rotary is not None:
+            lengths = rope_lengths(position_ids, self._beyond(start_position, seq, kv, rope_length)) \
+                if self.by_length else None  # [batch, 1]
+            position_embeddings = self.rotary(hidden, position_ids, lengths)
         if kv is not None:
             kv.begin_step(start_position)
         try:
@@ -470,6 +480,24 @@ class BlockSpan(nn.Module):
         if kv is not None:
             kv.end_step(seq)
         return hidden
+
+    def rope_lengths(self, start: int, seq: int, kv: SessionKV, rows: int = 1) -> torch.Tensor:
+        """[rows, 1]: the length by which a session's pass over positions start..start+seq picks its rotary factors
+        (`swarm.modeling.layers.rope_lengths`; LongRoPE's): that of the step it is part of, which ends at
+        `kv.rope_length` (the handler sets it per step: `Step.rope_length`), or at this pass's end."""
+        position_ids = kv.position_ids(start, seq)  # [batch, seq]
+        return rope_lengths(position_ids, self._beyond(start, seq, kv))[:1].expand(rows, 1)
+
+    @property
+    def by_length(self) -> bool:
+        """Whether the rotary picks its factors by the sequence's length (`swarm.modeling.layers.picks_by_length`)."""
+        return bool(getattr(self.rotary, "by_length", False))
+
+    @staticmethod
+    def _beyond(start: int, seq: int, kv: Optional[SessionKV], rope_length: Optional[int] = None) -> int:
+        """How many positions the step runs past a pass over start..start+seq (`rope_length`, else the session's)."""
+        end = rope_length if rope_length is not None else kv.rope_length if kv is not None else None
+        return 0 if end is None else max(0, end - start - seq)
 
     def _layers(self, hidden, masks, position_ids, position_embeddings, kv, first: int, last: int,
                 prompts: Optional[torch.Tensor] = None, start_position: int = 0) -> torch.Tensor:

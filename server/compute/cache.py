@@ -97,6 +97,9 @@ class SessionKV:
         self._lost = 0  # positions before this are overwritten in some ring buffer
         self.padding: Optional[torch.Tensor] = None  # [batch] long: leading padding positions per row, or none
         self.padding_version = 0  # counts changes of `padding` (a CUDA graph reads the tensor it was captured with)
+        # where the client's step that the next calls are parts of ends (`Step.rope_length`): LongRoPE picks its
+        # factors by it (`BlockSpan.rope_lengths`); None: each call by its own end
+        self.rope_length: Optional[int] = None
         self.serial = next(_SERIALS)  # unique for the process's life (unlike id()): orders batches, keys graphs
 
     def can_start_at(self, start_position: int) -> bool:

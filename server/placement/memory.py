@@ -4,7 +4,8 @@
 pure `server.placement.policy.num_blocks_that_fit`. A block's size is counted from its parameters (built on the meta
 device, nothing allocated) at the serving dtype, its linear weights at their quantized size with their scales for
 `--quant_type` int8 / nf4 (`swarm.modeling.quantize`); a cached token costs keys and values of every kv head at the
-dtype, per block.
+dtype, per block. A layer's `float_linears` (DeepSeek-V3's kv_b_proj, which int8 / nf4 leave in float) count at the
+dtype; of a model whose blocks differ (DeepSeek-V3's dense first blocks), the larger of its first and last block.
 """
 from __future__ import annotations
 
@@ -40,10 +41,16 @@ def free_memory_bytes(device: str) -> int:
 
 
 def block_parameter_counts(model_config) -> tuple[int, int]:
-    """(parameters in linear weights, other parameters) of one transformer block, counted on the meta device: the
-    larger of the first and the last block (DeepSeek-V3's first blocks are dense MLPs, the later ones experts)."""
+    """(parameters in the linear weights int8 / nf4 quantize, other parameters: norms, routers, biases and the linear
+    weights a layer keeps in float, its `float_linears`: DeepSeek-V3's kv_b_proj) of the larger of the first and
+    the last block, by parameters (DeepSeek-V3's first blocks are dense MLPs, the later ones experts)."""
+    return max(_block_counts(model_config), key=sum)
+
+
+def _block_counts(model_config) -> list[tuple[int, int]]:
+    """`_parameter_counts` of the first and the last block: the kinds of block a model mixes (dense, experts)."""
     last = int(model_config.num_hidden_layers) - 1
-    return max((_parameter_counts(model_config, index) for index in {0, max(last, 0)}), key=sum)
+    return [_parameter_counts(model_config, index) for index in sorted({0, max(last, 0)})]
 
 
 def _parameter_counts(model_config, index: int) -> tuple[int, int]:
@@ -52,10 +59,11 @@ def _parameter_counts(model_config, index: int) -> tuple[int, int]:
     family = family_for(model_config)
     with torch.device("meta"):
         layer = family.layer(model_config, index)
+    kept = set(getattr(layer, "float_linears", ()))
     linear = other = 0
-    for module in layer.modules():
+    for module_name, module in layer.named_modules():
         for name, param in module.named_parameters(recurse=False):
-            if isinstance(module, torch.nn.Linear) and name == "weight":
+            if isinstance(module, torch.nn.Linear) and name == "weight" and module_name not in kept:
                 linear += param.numel()
             else:
                 other += param.numel()
@@ -63,15 +71,16 @@ def _parameter_counts(model_config, index: int) -> tuple[int, int]:
 
 
 def bytes_per_block(model_config, dtype: torch.dtype, quant_type: str = "none", packed_copies: int = 0) -> int:
-    """Bytes one block's weights take on the device at `dtype` (linear weights at the quantized size; with
-    `packed_copies` more copies of the float linear weights: `swarm.modeling.smallgemm`'s packs)."""
+    """Bytes one block's weights take on the device at `dtype` (linear weights at the quantized size, but those a
+    layer keeps in float; with `packed_copies` more copies of the float linear weights: `swarm.modeling.smallgemm`'s
+    packs): the larger of the first and the last block, by these bytes."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    linear, other = block_parameter_counts(model_config)
     if quant_type in (None, "none"):
-        return (linear * (1 + packed_copies) + other) * itemsize
+        return max((linear * (1 + packed_copies) + other) * itemsize for linear, other in _block_counts(model_config))
     if quant_type not in QUANT_BYTES_PER_PARAM:
         raise ValueError(f"unknown quant_type {quant_type!r}; choose none, {', '.join(QUANT_BYTES_PER_PARAM)}")
-    return int(linear * QUANT_BYTES_PER_PARAM[quant_type]) + other * itemsize
+    return max(int(linear * QUANT_BYTES_PER_PARAM[quant_type]) + other * itemsize
+               for linear, other in _block_counts(model_config))
 
 
 def cache_bytes_per_token(model_config, dtype: torch.dtype) -> int:

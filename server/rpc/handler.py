@@ -218,7 +218,7 @@ class BlockHandler(TrainingHandler):
                             f"positions up to {step.start_position + seq} exceed the session's max_length "
                             f"{opened.max_length}"
                         )
-                    P.check_row_edits(step, batch, opened.max_length)
+                    P.check_row_edits(step, batch, opened.max_length, step.start_position + seq)
                 except (P.ProtocolError, LimitError) as e:
                     if source == "push":
                         logger.warning(f"dropping a malformed push for {key}: {e}")
@@ -234,6 +234,8 @@ class BlockHandler(TrainingHandler):
                         last_reorder_id = step.reorder_id
                     if step.start_position == 0:  # the rows start afresh: their padding is this step's
                         kv.set_padding(step.left_padding)
+                    # the client's step this message is part of ends here (LongRoPE picks its factors by it)
+                    kv.rope_length = step.rope_length if step.rope_length is not None else step.start_position + seq
                     output = await self._compute(hidden, step.start_position, kv, opened.start, opened.end,
                                                   prompts)
                 except Exception as e:
@@ -386,14 +388,17 @@ class BlockHandler(TrainingHandler):
             if padding is not None and (len(padding) != hidden.shape[0] or max(padding) >= hidden.shape[1]):
                 raise P.ProtocolError(f"left_padding must have one entry per row ({hidden.shape[0]}), each below "
                                       f"the sequence length {hidden.shape[1]}")
+            if message.rope_length is not None and not hidden.shape[1] <= message.rope_length <= self.max_length:
+                raise P.ProtocolError(f"rope_length {message.rope_length} is outside [{hidden.shape[1]}, "
+                                      f"{self.max_length}]: at least the sequence, at most this server's limit")
         except LimitError as e:
             return P.error_response("over_limit", str(e))
         except P.ProtocolError as e:
             return P.error_response("bad_request", str(e))
         try:
             output = await self.pool.submit(
-                PRIORITY_FORWARD, self.span.forward, hidden, 0, None, message.start, message.end, message.adapter,
-                None if padding is None else torch.tensor(padding)
+                PRIORITY_FORWARD, partial(self.span.forward, rope_length=message.rope_length), hidden, 0, None,
+                message.start, message.end, message.adapter, None if padding is None else torch.tensor(padding)
             )
         except Exception as e:
             logger.exception("forward failed")

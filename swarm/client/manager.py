@@ -328,11 +328,11 @@ class SwarmManager:
         return aio.run(self.info(peer_id), timeout=self.config.request_timeout + 5)
 
     async def forward(self, hop: RouteHop, hidden: "torch.Tensor", adapter: Optional[str] = None,
-                      left_padding: Optional[List[int]] = None) -> "torch.Tensor":
+                      left_padding: Optional[List[int]] = None, rope_length: Optional[int] = None) -> "torch.Tensor":
         """hidden [batch, seq, hidden] through the hop's blocks (no cache), with LoRA `adapter`; `left_padding`:
-        keys never attended."""
+        keys never attended; `rope_length`: `ForwardRequest.rope_length` (None: left out)."""
         request = P.make_request(P.ForwardRequest(start=hop.start, end=hop.end, adapter=adapter,
-                                                  left_padding=left_padding), [hidden])
+                                                  left_padding=left_padding, rope_length=rope_length), [hidden])
         response = await self.stub(hop.peer_id).rpc_forward(request, timeout=self.config.request_timeout)
         _, tensors = P.unpack_reply(response, hop.peer_id, forward=True)
         return tensors[0]

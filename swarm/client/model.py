@@ -42,6 +42,7 @@ from swarm.client.status import SwarmStatusView
 from swarm.client.verify import VerifyStats, verifier_for
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec, family_for
+from swarm.modeling.layers import picks_by_length
 from swarm.modeling.smallgemm import GemmGroup
 from swarm.runtime import aio, malloc
 from swarm.runtime.taskpool import PRIORITY_FORWARD, client_pool
@@ -163,7 +164,8 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         recompute = self.family.recompute_cache
         return ModelSession(self.local, self.manager, max_length,
                             adapter=self._adapter(adapter), ptune=self.ptune,
-                            recompute=None if recompute is None else functools.partial(recompute, self.config))
+                            recompute=None if recompute is None else functools.partial(recompute, self.config),
+                            rope_lengths=picks_by_length(self.config))
 
     # ---- the swarm, as a front end sees it (swarm.client.api.ClientModel) ---------------------------------
     def check_route(self, cache_tokens: int = 0, adapter: Any = ACTIVE_ADAPTER) -> None:

@@ -30,16 +30,19 @@ class ModelSession:
     padding)."""
 
     def __init__(self, head: ClientHead, manager: SwarmManager, max_length: int, adapter: Optional[str] = None,
-                 ptune: Optional[PromptTuning] = None, recompute: Optional[Callable[[int, int], bool]] = None):
+                 ptune: Optional[PromptTuning] = None, recompute: Optional[Callable[[int, int], bool]] = None,
+                 rope_lengths: bool = False):
         """`ptune`: the model's trainable prompts (`swarm.client.ptune`): shallow ones take the first positions,
         deep ones go to the servers. `recompute(held, total)`: whether extending `held` cached positions to `total`
-        computes everything again (the family's `recompute_cache`: Phi-3's LongRoPE switching factors)."""
+        computes everything again (the family's `recompute_cache`: Phi-3's LongRoPE switching factors).
+        `rope_lengths`: `InferenceSession`'s (LongRoPE: the factors of a step sent in parts are the whole step's)."""
         self.head, self.ptune, self.recompute = head, ptune, recompute
         self.offset = ptune.pre_seq_len if ptune is not None else 0  # positions the shallow prompts hold
         deep = None if ptune is None or ptune.deep_prompts is None else \
             ptune.deep_prompts.detach().unsqueeze(1).cpu()  # [num_blocks, 1, pre_seq_len, hidden]
         # the servers hold the shallow prompts' positions too
-        self.session = InferenceSession(manager, max_length + self.offset, adapter=adapter, prompts=deep)
+        self.session = InferenceSession(manager, max_length + self.offset, adapter=adapter, prompts=deep,
+                                        rope_lengths=rope_lengths)
         self.token_ids: Optional[torch.Tensor] = None
         self.left_padding: Optional[List[int]] = None
 

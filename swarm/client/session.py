@@ -89,9 +89,12 @@ class InferenceSession:
     """
 
     def __init__(self, manager: SwarmManager, max_length: int, start: int = 0, end: Optional[int] = None,
-                 adapter: Optional[str] = None, prompts: Optional[torch.Tensor] = None):
+                 adapter: Optional[str] = None, prompts: Optional[torch.Tensor] = None, rope_lengths: bool = False):
         """`prompts`: deep prompts [num_blocks, 1, pre_seq_len, hidden] (`swarm.client.ptune`), sent to each server
-        with its blocks' part when its stream opens."""
+        with its blocks' part when its stream opens. `rope_lengths`: the model's rotary picks its factors by the
+        sequence's length (LongRoPE: `swarm.modeling.layers.picks_by_length`), so each message of a step cut into
+        several (and of a replay, and a spot-check's replay) names where the whole step ends (`Step.rope_length`;
+        left out where that is the message's own end, so other models' steps reach servers from before it)."""
         if max_length <= 0:
             raise ValueError("max_length must be positive")
         self.manager, self.max_length = manager, max_length
@@ -99,6 +102,8 @@ class InferenceSession:
         self.start, self.end = start, manager.num_blocks if end is None else end
         self.session_id = uuid.uuid4().hex
         self.prompts = prompts
+        self.rope_lengths = rope_lengths
+        self._step_end: Optional[int] = None  # where the step in flight ends (`_rope_length`), None between steps
         self.position = 0
         self.batch_size: Optional[int] = None
         self._streams: List[SpanStream] = []
@@ -254,12 +259,21 @@ class InferenceSession:
 
     async def _replay(self, stream: SpanStream, x: torch.Tensor, padding: Optional[List[int]]) -> torch.Tensor:
         """Send positions [0, len) of `x` [batch, len, hidden] (rows left-padded by `padding`) through `stream` in
-        chunks; return its output."""
+        chunks; return its output. Their rotary factors are those the positions got: a failover in the middle of a
+        step replays with that step's end (positions held before a step that crosses LongRoPE's boundary are sent
+        again in it: `phi3.recomputes_cache`), else with the replay's."""
         chunk = self._chunk_len(x)
+        end = max(x.shape[1], self._step_end or 0)
         outputs = [await stream.step(x[:, offset:offset + chunk], offset, self._next_step_id(),
-                                     dict(left_padding=padding) if offset == 0 else None)
+                                     dict(left_padding=padding if offset == 0 else None,
+                                          rope_length=self._rope_length(end, offset + chunk)))
                    for offset in range(0, x.shape[1], chunk)]
         return torch.cat(outputs, dim=1)
+
+    def _rope_length(self, step_end: int, message_end: int) -> Optional[int]:
+        """The `rope_length` a message ending at `message_end` of a step (or replay) ending at `step_end` carries:
+        None where it changes nothing (the message's own end, or a model whose rotary ignores it)."""
+        return step_end if self.rope_lengths and step_end > message_end else None
 
     def _next_step_id(self) -> int:
         self._step_id += 1
@@ -302,10 +316,14 @@ class InferenceSession:
         await self._apply_checks()  # a check finished since found a server wrong: OutputsRetracted
         outputs = []
         chunk = self._chunk_len(hidden)
-        for offset in range(0, seq, chunk):
-            outputs.append(await self._step_chunk(hidden[:, offset:offset + chunk], hypo if offset == 0 else None,
-                                                  padding))
-            self.position += outputs[-1].shape[1]
+        self._step_end = self.position + seq  # each message's rotary factors are the whole step's (`_rope_length`)
+        try:
+            for offset in range(0, seq, chunk):
+                outputs.append(await self._step_chunk(hidden[:, offset:offset + chunk],
+                                                      hypo if offset == 0 else None, padding))
+                self.position += outputs[-1].shape[1]
+        finally:
+            self._step_end = None
         if self.check_all_next and self._checkable(hypo):  # asked for: every span checked before this step returns
             self._start_checks(range(len(self._streams)), explicit=True)
             await self.asettle()
@@ -327,6 +345,7 @@ class InferenceSession:
         `hypo_ids` reorder the held rows first, named by this step's first id (`reorder_id`): a server applies it
         once, and a replacement, rebuilt from the history still in the old order, applies it like the others. Each
         boundary's history is reordered once its server has answered. `left_padding` goes with a step at 0.
+        Each message names where the step that x is part of ends where that is past its own (`_rope_length`).
         """
         config = self.manager.config
         seq = x.shape[1]
@@ -336,6 +355,9 @@ class InferenceSession:
             edits.update(hypo_ids=hypo_ids, reorder_id=step_id)
         if self.position == 0:
             edits.update(left_padding=left_padding)
+        rope_length = self._rope_length(self._step_end or 0, self.position + seq)
+        if rope_length is not None:
+            edits.update(rope_length=rope_length)
         assert self.batch_size is not None, "the session is not open"
         failures, index = 0, 0
         # random spot-checks (swarm.client.verify), started once the step is done, in the background (none when the
@@ -374,7 +396,8 @@ class InferenceSession:
                         out, pushed = await stream.receive(self.position, seq)
                 if index in checks and self._verifier is not None:  # ServerMismatch: a failover
                     await self._verifier.check(stream.hop, history.read(self.position + seq),
-                                               self._outputs_of(stream.hop.end, out), self.adapter, history.padding)
+                                               self._outputs_of(stream.hop.end, out), self.adapter, history.padding,
+                                               rope_length)
                     if stream.hop.peer_id in self.manager.distrusted:  # right here, but outvoted elsewhere: leave it
                         raise ServerMismatch(f"server {stream.hop.peer_id} is distrusted", self.position)
             except Exception as e:  # connection lost, time-out, or an error reply: the server is failed
@@ -395,7 +418,7 @@ class InferenceSession:
             index += 1
         if self._verifier is not None:  # the last span's outputs, which a check compares too
             self._boundary(self.end, x).write(self.position, x)
-            self._start_checks(sorted(planned - checks), end=self.position + seq)
+            self._start_checks(sorted(planned - checks), end=self.position + seq, rope_length=rope_length)
         return x
 
     def _checkable(self, hypo_ids) -> bool:
@@ -403,8 +426,10 @@ class InferenceSession:
         once the span has answered), nor with deep prompts (a referee's plain forward pass cannot carry them)."""
         return self._verifier is not None and self.verify_steps and hypo_ids is None and self.prompts is None
 
-    def _start_checks(self, indexes, end: Optional[int] = None, explicit: bool = False) -> None:
-        """Start background checks of the spans at `indexes` over positions [0, end) (default: all held)."""
+    def _start_checks(self, indexes, end: Optional[int] = None, explicit: bool = False,
+                      rope_length: Optional[int] = None) -> None:
+        """Start background checks of the spans at `indexes` over positions [0, end) (default: all held), with the
+        step's `rope_length` where it ends past `end`."""
         end = self.position if end is None else end
         for i in indexes:
             if i >= len(self._streams):  # a failover during the step re-routed the chain: fewer streams
@@ -414,7 +439,7 @@ class InferenceSession:
             if self._checks is None or outputs is None or outputs.length < end or end == 0:
                 continue
             self._checks.start(hop, inputs.read(end).clone(), outputs.read(end).clone(), self.adapter,
-                               inputs.padding, explicit)
+                               inputs.padding, explicit, rope_length)
 
     async def _apply_checks(self) -> None:
         """If a check found a server wrong: leave it (its spans re-routed and replayed up to where its wrong outputs

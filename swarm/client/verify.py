@@ -141,7 +141,8 @@ class Verifier:
                                     adapter=adapter)
 
     async def _referee(self, hop: RouteHop, inputs: torch.Tensor, seq: int, exclude: Set[str],
-                       adapter: Optional[str], left_padding: Optional[List[int]] = None) -> Optional[tuple]:
+                       adapter: Optional[str], left_padding: Optional[List[int]] = None,
+                       rope_length: Optional[int] = None) -> Optional[tuple]:
         """(peers, output [batch, seq, hidden]) of an independent chain over hop's blocks (its last seq positions),
         or None if none is left."""
         loop = asyncio.get_running_loop()
@@ -155,15 +156,18 @@ class Verifier:
             try:
                 x = inputs
                 for referee in chain:
-                    x = await self.manager.forward(referee, x, adapter, left_padding)
+                    x = await self.manager.forward(referee, x, adapter, left_padding, rope_length)
                 return peers, x[:, -seq:]
             except Exception as e:  # a referee that fails gives no opinion; try another
                 self.stats.referee_failures += 1
                 logger.info(f"referee {peers} failed: {e}")
 
     async def check(self, hop: RouteHop, inputs: torch.Tensor, output: torch.Tensor,
-                    adapter: Optional[str] = None, left_padding: Optional[List[int]] = None) -> None:
-        """`left_padding`: the rows' leading padding (a left-padded batch), hidden from the referee too. inputs: the
+                    adapter: Optional[str] = None, left_padding: Optional[List[int]] = None,
+                    rope_length: Optional[int] = None) -> None:
+        """`left_padding`: the rows' leading padding (a left-padded batch), hidden from the referee too;
+        `rope_length`: where the session's step ended, past the inputs (`ForwardRequest.rope_length`: the referee
+        picks LongRoPE's factors as that step did), None: at the inputs' end. inputs: the
         span's whole input history [batch, n, hidden]; output: what it returned for the last seq
         positions [batch, seq, hidden] (seq <= n: the session passes every output it recorded). Raises
         ServerMismatch, with the first wrong position, if a majority of independent servers disagrees with it."""
@@ -173,7 +177,7 @@ class Verifier:
         seq = output.shape[1]
         exclude = {hop.peer_id} | self.manager.distrusted
         self.checked.add(hop.peer_id)  # at once: a check in flight is not planned again as a first check
-        first = await self._referee(hop, inputs, seq, exclude, adapter, left_padding)
+        first = await self._referee(hop, inputs, seq, exclude, adapter, left_padding, rope_length)
         if first is None:
             self.stats.unverifiable += 1
             return
@@ -183,7 +187,7 @@ class Verifier:
             self.stats.passed += 1
             self.stats.largest_passed = max(self.stats.largest_passed, first_divergence)
             return
-        second = await self._referee(hop, inputs, seq, exclude, adapter, left_padding)
+        second = await self._referee(hop, inputs, seq, exclude, adapter, left_padding, rope_length)
         if second is None:
             self.stats.unresolved += 1
             logger.warning(f"server {hop.peer_id} and referee {first[0]} disagree on blocks {hop.start}:{hop.end} "
@@ -232,13 +236,13 @@ class BackgroundChecks:
         self.pending: List[_Pending] = []
 
     def start(self, hop: RouteHop, inputs: torch.Tensor, outputs: torch.Tensor, adapter: Optional[str],
-              left_padding: Optional[List[int]], explicit: bool = False) -> bool:
+              left_padding: Optional[List[int]], explicit: bool = False, rope_length: Optional[int] = None) -> bool:
         """Check hop's outputs [batch, n, hidden] for its inputs [batch, n, hidden] (copies: the session goes on) in
         the background; a random check (not `explicit`) is skipped, and counted, while `limit` are in flight."""
         if not explicit and sum(not p.task.done() and not p.explicit for p in self.pending) >= self.limit:
             self.verifier.stats.skipped_busy += 1
             return False
-        task = asyncio.ensure_future(self.verifier.check(hop, inputs, outputs, adapter, left_padding))
+        task = asyncio.ensure_future(self.verifier.check(hop, inputs, outputs, adapter, left_padding, rope_length))
         self.pending.append(_Pending(task, inputs.shape[1], explicit))
         return True
 

@@ -29,20 +29,21 @@ n_shared_experts) run on every token and add.
 Checkpoints load in the hub's per-expert names (`mlp.experts.{e}.gate_proj`, ...) and in transformers 5's fused
 layout (`mlp.experts.gate_up_proj` [experts, 2 * moe_intermediate, hidden]: `qwen3_moe.from_fused_layout`).
 
-The layer is its own `BlockLayer` (`fuse_layer`). Not CUDA-graph capturable (data-dependent routing; the graphs'
-static attention reads keys and values of one size), no int8/nf4 (the absorbed attention reads `kv_b_proj`'s
-weight as a matrix: `quantize` refuses with one line), no tensor parallelism. The router weight is cast to the
-serving dtype like every weight (transformers keeps it in float32; the routing itself runs in float32). The
-multi-token-prediction layer of the hub checkpoint (block `num_hidden_layers`) is not served. Written here rather
-than imported from transformers' modeling_deepseek_v3 (about 135 MB of resident imports per process,
-`swarm.modeling.layers`).
+The layer is its own `BlockLayer` (`fuse_layer`). int8 / nf4 (`quantize`) swap every projection for a bitsandbytes
+module but `kv_b_proj` (the absorbed attention reads its weight as a matrix) and the router, which stay in the
+serving dtype. Not CUDA-graph capturable (data-dependent routing; the graphs' static attention reads keys and values
+of one size), no tensor parallelism. The router weight is cast to the serving dtype like every weight (transformers
+keeps it in float32; the routing itself runs in float32). The multi-token-prediction layer of the hub checkpoint
+(block `num_hidden_layers`) is not served. Written here rather than imported from transformers' modeling_deepseek_v3
+(about 135 MB of resident imports per process, `swarm.modeling.layers`).
 
 LoRA adapters (`swarm.modeling.lora`): every projection goes through the layer's `project` (q_proj / q_a_proj /
 q_b_proj, kv_a_proj_with_mqa, o_proj, the dense MLP's and the shared experts' gate/up/down), where an adapter's rows
-add their deltas. kv_b_proj's delta s * B @ A is absorbed like its weight (`absorbed`: per head, the query's
-q_nope @ (s B_uk) @ A and the output's (o @ A^T) @ (s B_uv)^T on that adapter's rows; exact, and the cached latent
-is not touched by it). The routed experts' stacked parameters through peft's `target_parameters`
-(`swarm.modeling.lora_experts`; `expert_gate_up`, `expert_act`, `expert_down`).
+add their deltas. kv_b_proj's delta s * B @ A is absorbed like its weight (`absorbed`: per head, the query's q_nope
+@ (s B_uk) @ A and the output's (o @ A^T) @ (s B_uv)^T on that adapter's rows; exact, and the cached latent is not
+touched by it). The routed experts' stacked parameters through peft's `target_parameters`
+(`swarm.modeling.lora_experts`; `expert_gate_up`, `expert_act`, `expert_down`). On int8 / nf4 blocks the same: the
+adapter's deltas add to the bitsandbytes modules' outputs, and kv_b_proj stays float.
 """
 from __future__ import annotations
 
@@ -274,10 +275,28 @@ class DeepseekV3DecoderLayer(AttentionIndexedLayer):
         [..., out] (what a LoRA adapter's `lora.AdaptedLayer.project` adds its deltas to)."""
         return self.get_submodule(name)(h)
 
+    # linear modules int8 / nf4 leave in the serving dtype (`quantize`; counted as such by `server.placement.memory`)
+    float_linears = ("self_attn.kv_b_proj",)
+
     def quantize(self, quant_type: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
-        """(`swarm.modeling.quantize.quantize_layer`)"""
-        raise ValueError(f"--quant_type {quant_type} is not supported on DeepSeek-V3 blocks (the latent attention "
-                         f"absorbs kv_b_proj's weight into its query and output as a float matrix)")
+        """This layer with int8 / nf4 projections (`swarm.modeling.quantize.quantize_layer`, `quantize_linears`):
+        q_proj (or q_a_proj and q_b_proj), kv_a_proj_with_mqa, o_proj, the dense MLP or every routed expert's and
+        the shared experts' gate/up/down become bitsandbytes modules, called as modules by the same step.
+
+        Kept in the serving dtype: the norms, the router (`mlp.gate`, a tiny [experts, hidden] matrix whose top-k
+        choice quantization noise should not flip, as Mixtral's and Qwen3-MoE's quantized blocks keep theirs), and
+        `kv_b_proj` (`float_linears`). The absorbed attention never calls kv_b_proj on an input: it reads its weight
+        as per-head matrices, W_uk multiplied into the query and W_uv applied to the attention's output over the
+        latent (`mla_attention`). bitsandbytes' packed int8 / nf4 weight is only usable inside its own matmul, so a
+        quantized kv_b_proj would be dequantized into a float temporary every step (the same numbers as keeping
+        the dequantized matrix), or the cached latent expanded back through it into every head's keys and values
+        every step (what the latent cache exists to avoid). At DeepSeek-V3's sizes kv_b_proj is [128 * (128 +
+        128), 512] = 16.8M parameters, 32 MiB in bfloat16: 0.15% of an expert block's 11.5G parameters (0.52% of
+        its 6199 MiB in nf4, 0.27% of 11677 MiB in int8), 2.9% of a dense first block's 584M (9.5% of its 336 MiB
+        in nf4); quantized to nf4 it would take 9 MiB, 23 MiB less per block."""
+        from swarm.modeling.quantize import quantize_linears
+
+        return quantize_linears(self, quant_type, dtype, device, keep=self.float_linears)
 
 
 def fuse_layer(layer: DeepseekV3DecoderLayer) -> DeepseekV3DecoderLayer:

@@ -178,10 +178,13 @@ class Gemma3RotaryEmbedding(nn.Module):
         super().__init__()
         self.full = RotaryEmbedding(_rope_config(config, "full_attention"))
         self.sliding = RotaryEmbedding(_rope_config(config, "sliding_attention"))
+        self.by_length = self.full.by_length or self.sliding.by_length
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        cos_full, sin_full = self.full(x, position_ids)
-        cos_sliding, sin_sliding = self.sliding(x, position_ids)
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, lengths: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """`lengths`: as `RotaryEmbedding`'s (which each angle set's RoPE type uses or ignores)."""
+        cos_full, sin_full = self.full(x, position_ids, lengths)
+        cos_sliding, sin_sliding = self.sliding(x, position_ids, lengths)
         return torch.cat([cos_full, cos_sliding], dim=-1), torch.cat([sin_full, sin_sliding], dim=-1)
 
 

@@ -53,9 +53,17 @@ def default_rope_parameters(config, device=None, **kwargs) -> Tuple[torch.Tensor
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin `[batch, seq, head_dim]` for position ids `[batch, seq]` (any RoPE type transformers knows)."""
+    """cos/sin `[batch, seq, head_dim]` for position ids `[batch, seq]` (any RoPE type transformers knows).
+
+    LongRoPE picks its short or long factors by a sequence length: transformers' `dynamic_rope_update` by the call's
+    (its largest position + 1), for every row. A server's call may be one chunk of a longer step, or rows of several
+    sessions' steps, so `lengths` [batch, 1] (each row's, broadcast over its positions) picks them per row: the
+    long factors where the row's length is past `original_max_position_embeddings` (`rope_lengths`). Other RoPE
+    types ignore `lengths`."""
 
     inv_freq: torch.Tensor  # [head_dim / 2], a buffer
+    original_inv_freq: torch.Tensor  # [head_dim / 2]: the short factors' (LongRoPE), a buffer
+    long_inv_freq: torch.Tensor  # [head_dim / 2]: LongRoPE's long factors', a buffer (`by_length` only)
 
     def __init__(self, config):
         super().__init__()
@@ -70,15 +78,48 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.attention_scaling = self.rope_init_fn(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
+        self.by_length = picks_by_length(config)
+        if self.by_length:  # the long factors' inverse frequencies (the short ones are `original_inv_freq`)
+            boundary = int(config.rope_parameters["original_max_position_embeddings"])
+            self.register_buffer("long_inv_freq", self.rope_init_fn(config, seq_len=boundary + 1)[0],
+                                 persistent=False)
+            self.boundary = boundary
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, lengths: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+        if lengths is None or not self.by_length:
+            return self._forward(x, position_ids)
+        inv_freq = torch.where(lengths.to(position_ids.device)[..., None] > self.boundary,  # [batch, 1, head_dim / 2]
+                               self.long_inv_freq.to(x.device), self.original_inv_freq.to(x.device))
+        freqs = position_ids[..., None].float() * inv_freq
+        return self._angles(freqs, x.dtype)
 
     @torch.no_grad()
     @dynamic_rope_update  # the RoPE types that grow with the sequence (dynamic, longrope)
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        return self._angles(freqs, x.dtype)
+
+    def _angles(self, freqs: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
-        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+        return cos.to(dtype=dtype), sin.to(dtype=dtype)
+
+
+def picks_by_length(config) -> bool:
+    """Whether the config's rotary picks its factors by the sequence's length (LongRoPE: `RotaryEmbedding`), so that
+    a step computed in parts must name the whole step's length (`rope_length`) for each part."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    return rope.get("rope_type") == "longrope" and rope.get("original_max_position_embeddings") is not None
+
+
+def rope_lengths(position_ids: torch.Tensor, beyond: int = 0) -> torch.Tensor:
+    """[batch, 1]: the sequence length by which a call over rotary positions `position_ids` [batch, seq] picks its
+    factors (`RotaryEmbedding`) when its step runs `beyond` positions past the call's last one: as transformers picks
+    them for the whole step at once, its largest position + 1 over the rows (rows of one step share the pick)."""
+    return (position_ids[:, -1:].max() + 1 + beyond).expand(position_ids.shape[0], 1)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -535,8 +535,8 @@ class AdaptedLayer:
 
 def check_layers(adapter: SpanAdapter, layers: Sequence) -> None:
     """AdapterError where a block of the span (`layers`: its fused layers, blocks start, start + 1, ...) cannot take
-    the adapter's deltas: experts that are not given in parts (`lora_experts`), a DeepSeek-V3 block without its
-    `project` (a quantized one)."""
+    the adapter's deltas: experts that are not given in parts (`lora_experts`), a layer of per-module groups
+    (DeepSeek-V3's) without its `project`. (Every layer served today has them; a new family's layers might not.)"""
     for offset, (lora, layer) in enumerate(zip(adapter.layers, layers)):
         if lora is None:
             continue
@@ -547,7 +547,7 @@ def check_layers(adapter: SpanAdapter, layers: Sequence) -> None:
                                f"expert_down)")
         if any("." in group for group in lora.projections) and not hasattr(layer, "project"):
             raise AdapterError(f"adapter {adapter.name!r}: block {block} ({type(layer).__name__}) does not take LoRA "
-                               f"deltas (a quantized DeepSeek-V3 block: serve adapters on float blocks)")
+                               f"deltas (its projections do not go through `project`)")
 
 
 def adapt_layers(layers: Sequence, groups: Sequence[Tuple[int, int, Optional[SpanAdapter]]], first: int) -> list:

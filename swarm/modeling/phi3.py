@@ -9,7 +9,12 @@ everything Llama's blocks have (batched decode, chunked prefill, CUDA graphs, in
 layer when the config names one) applies unchanged. LongRoPE ("longrope", the legacy "su"/"yarn" names of
 Phi-3's configs) comes from transformers' RoPE functions in `layers.RotaryEmbedding`: the short factors up to
 `original_max_position_embeddings`, the long ones past it, chosen per step from its largest position as
-transformers' `Phi3RotaryEmbedding` does.
+transformers' `Phi3RotaryEmbedding` does. A step computed in parts (the client's messages under a server's
+`--max_step_tokens` or its `max_chunk_bytes`, a server's prefill chunks, a batch of several sessions' rows) picks
+them for every part by the whole step's end: the client names it in each message (`Step.rope_length`, where it is
+past the message's end; also on pushes, failover replays and spot-checks' `ForwardRequest`), the server keeps it on
+the session (`SessionKV.rope_length`) and passes each row's to the rotary (`layers.rope_lengths`), so a prompt past
+the boundary has the long factors in its first parts too, as transformers' one call over it.
 A session that crosses that boundary: transformers' Phi-3 `generate` drops its cache at the first step whose
 sequence reaches past `original_max_position_embeddings` (while the cache holds no more than that) and computes
 the whole sequence again, so every position then has the long factors (`Phi3ForCausalLM.prepare_inputs_for_

@@ -13,8 +13,9 @@ modules):
 Quantization happens when the parameters move `.to(device)`; the float tensors are dropped right after, block by
 block (`server.compute.blocks.BlockSpan.load`). Norms (and the client's embeddings and LM head) stay in float.
 
-A family whose layer is its own `BlockLayer` (BLOOM, Falcon: q/k/v fused in the checkpoint) keeps its layer and
-gets its `nn.Linear`s swapped for bitsandbytes modules (`quantize_linears`).
+A family whose layer is its own `BlockLayer` (BLOOM, Falcon: q/k/v fused in the checkpoint; Gemma; DeepSeek-V3, whose
+`kv_b_proj` stays in float: `deepseek_v3.DeepseekV3DecoderLayer.quantize`) keeps its layer and gets its `nn.Linear`s
+swapped for bitsandbytes modules (`quantize_linears`).
 
 `QuantizedLayer` has `FusedLayer`'s methods (`block_step` reads it: batched decode, chunked prefill) and
 `DecoderLayer`'s `forward` (passes without a cache), so one set of quantized weights serves every path and no
@@ -35,7 +36,7 @@ Qwen3-MoE's both (`QuantizedQkNormMoeLayer`).
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Collection, Optional
 
 import torch
 import torch.nn.functional as F
@@ -101,6 +102,9 @@ def check_quant_support(quant_type: str, device: torch.device | str, dtype: torc
         raise ValueError(f"--quant_type {quant_type} cannot run on {device} with this bitsandbytes: {message}"
                          ) from None
 
+# bitsandbytes' CPU nf4 kernel computes outputs in blocks of 32
+NF4_CPU_OUTPUTS = 32
+
 
 def quantized_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], quant_type: str, compute_dtype: torch.dtype,
                      device: torch.device) -> nn.Module:
@@ -108,6 +112,11 @@ def quantized_linear(weight: torch.Tensor, bias: Optional[torch.Tensor], quant_t
     import bitsandbytes as bnb
 
     out_features, in_features = weight.shape
+    if quant_type == "nf4" and device.type == "cpu" and out_features % NF4_CPU_OUTPUTS:
+        # bitsandbytes' CPU 4-bit kernel (AVX512-BF16 machines) asserts `N must be divisible by block_n` at the first
+        # matmul: refused here, at load time, on every CPU alike
+        raise ValueError(f"nf4 on the CPU needs output sizes divisible by {NF4_CPU_OUTPUTS}: a projection has "
+                         f"{out_features} outputs")
     with torch.device("meta"):  # no float weight is allocated (nor initialized) for the module's constructor
         if quant_type == "int8":
             module: nn.Module = bnb.nn.Linear8bitLt(in_features, out_features, bias=bias is not None,
@@ -202,8 +211,9 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 def quantize_layer(fused, quant_type: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """The quantized block on `device` from a fused float block (which the caller then drops): the quantized class
     of its fused class (`QUANTIZED`: the Llama family's `QuantizedLayer`, Mixtral's experts, Qwen3's q/k norms), a
-    refusal where the layer says why it cannot be (its `quantize` raises: GPT-OSS, DeepSeek-V3), else the family's
-    layer (its own `BlockLayer`: BLOOM, Falcon, Gemma) with its linear modules quantized (`quantize_linears`)."""
+    layer's own `quantize` where it has one (DeepSeek-V3: `quantize_linears` with its `float_linears` kept; GPT-OSS:
+    a refusal saying why), else the family's layer (its own `BlockLayer`: BLOOM, Falcon, Gemma) with its linear
+    modules quantized (`quantize_linears`)."""
     quantized = QUANTIZED.get(type(fused))
     if quantized is not None:
         return quantized(fused, quant_type, dtype, device)
@@ -212,28 +222,40 @@ def quantize_layer(fused, quant_type: str, dtype: torch.dtype, device: torch.dev
     return quantize_linears(fused, quant_type, dtype, device)
 
 
-def quantize_linears(layer: nn.Module, quant_type: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def quantize_linears(layer: nn.Module, quant_type: str, dtype: torch.dtype, device: torch.device,
+                     keep: Collection[str] = ()) -> nn.Module:
     """`layer` with each `nn.Linear` (subclasses included) replaced by a bitsandbytes module of its weight, and
-    its other tensors (norms) moved to `device` at `dtype`: for layers that call their projections as modules
-    and cast their outputs to the input's dtype (`swarm.modeling.bloom`, `swarm.modeling.falcon`). A fused q/k/v
-    projection is one module already, quantized row by row as transformers' `BitsAndBytesConfig` would."""
-    linears = [(name, m) for name, m in layer.named_modules() if isinstance(m, nn.Linear)]
+    its other tensors (norms, routers, the linear modules named in `keep`) moved to `device` (parameters at `dtype`):
+    for layers that call their projections as modules and cast their outputs to the input's dtype
+    (`swarm.modeling.bloom`, `swarm.modeling.falcon`, `swarm.modeling.gemma`, `swarm.modeling.deepseek_v3`, which
+    keeps its `kv_b_proj` in float). A fused q/k/v projection is one module already, quantized row by row as
+    transformers' `BitsAndBytesConfig` would."""
+    unknown = set(keep) - {name for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
+    if unknown:
+        raise ValueError(f"no linear modules {sorted(unknown)} to keep in float")
+    linears = [(name, m) for name, m in layer.named_modules() if isinstance(m, nn.Linear) and name not in keep]
     if quant_type == "nf4":
         for name, linear in linears:
             if linear.in_features % NF4_BLOCKSIZE:
                 raise ValueError(f"nf4 needs input sizes divisible by {NF4_BLOCKSIZE}: {name} has "
                                  f"{linear.in_features}")
+    quantized = set()
     for name, linear in linears:
         parent_name, _, child = name.rpartition(".")
         parent = layer.get_submodule(parent_name) if parent_name else layer
-        quantized = quantized_linear(linear.weight, linear.bias, quant_type, dtype, device)
-        setattr(parent, child, quantized)
-    # the norms (the only float tensors left) to the device; bitsandbytes' modules (nn.Linears) are there already
+        module = quantized_linear(linear.weight, linear.bias, quant_type, dtype, device)
+        setattr(parent, child, module)
+        quantized.add(module)
+    # the float tensors left (norms, routers, kept linears) to the device; bitsandbytes' modules are there already
     for sub in layer.modules():
-        if not isinstance(sub, nn.Linear):
-            for key, param in list(sub._parameters.items()):
-                if param is not None:
-                    sub._parameters[key] = nn.Parameter(param.detach().to(device, dtype), requires_grad=False)
+        if sub in quantized:
+            continue
+        for key, param in list(sub._parameters.items()):
+            if param is not None:
+                sub._parameters[key] = nn.Parameter(param.detach().to(device, dtype), requires_grad=False)
+        for key, buffer in list(sub._buffers.items()):
+            if buffer is not None:
+                sub._buffers[key] = buffer.to(device)
     return layer.eval().requires_grad_(False)
 
 

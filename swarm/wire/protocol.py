@@ -124,6 +124,13 @@ class RowEdits(Message):
         default=None, max_length=MAX_BATCH,
         description="only at start_position 0: each row's count of leading padding positions (never attended; "
                     "the row's positions count from its first real token); absent at 0: no padding")
+    # left out of the message when None (a field added later: see Versions), so servers from before still take
+    # every step that does not need it
+    rope_length: Optional[int] = Field(
+        default=None, gt=0, exclude_if=lambda value: value is None,
+        description="where the client's step that this message is part of ends (>= this message's end): a rotary "
+                    "that picks its factors by the sequence's length (LongRoPE) picks them by this one for every "
+                    "part of the step, as one pass over the whole step would; None: this message's own end")
 
     @model_validator(mode="after")
     def _padding_at_start(self):
@@ -132,11 +139,13 @@ class RowEdits(Message):
         return self
 
     def row_edits(self) -> dict:
-        return dict(hypo_ids=self.hypo_ids, reorder_id=self.reorder_id, left_padding=self.left_padding)
+        return dict(hypo_ids=self.hypo_ids, reorder_id=self.reorder_id, left_padding=self.left_padding,
+                    rope_length=self.rope_length)
 
 
-def check_row_edits(edits: RowEdits, batch: int, max_length: int) -> None:
-    """ProtocolError unless `hypo_ids` / `left_padding` fit a session of `batch` rows and `max_length` positions."""
+def check_row_edits(edits: RowEdits, batch: int, max_length: int, end: Optional[int] = None) -> None:
+    """ProtocolError unless `hypo_ids` / `left_padding` fit a session of `batch` rows and `max_length` positions, and
+    `rope_length` lies in [end, max_length] (`end`: where the message's positions end)."""
     if edits.hypo_ids is not None:
         if len(edits.hypo_ids) != batch:
             raise ProtocolError(f"hypo_ids has {len(edits.hypo_ids)} entries; the session has {batch} rows")
@@ -148,6 +157,9 @@ def check_row_edits(edits: RowEdits, batch: int, max_length: int) -> None:
             raise ProtocolError(f"left_padding has {len(edits.left_padding)} entries; the session has {batch} rows")
         if max(edits.left_padding) >= max_length:
             raise ProtocolError(f"left_padding {max(edits.left_padding)} is not below max_length {max_length}")
+    if edits.rope_length is not None and not (end or 0) <= edits.rope_length <= max_length:
+        raise ProtocolError(f"rope_length {edits.rope_length} is outside [{end or 0}, {max_length}]: the step's end "
+                            f"must be at or after this message's and within the session's max_length")
 
 
 class Step(RowEdits):
@@ -196,6 +208,10 @@ class ForwardRequest(Message):
         default=None, max_length=MAX_BATCH,
         description="each row's count of leading padding positions, never attended (length = batch, each below "
                     "the sequence length); positions are not shifted, as transformers' forward without position ids")
+    rope_length: Optional[int] = Field(
+        default=None, gt=0, exclude_if=lambda value: value is None,
+        description="as `Step.rope_length` (>= the sequence length; left out when None): a spot-check replays a "
+                    "session's positions with the factors its step picked")
 
 
 class ForwardResult(Message):

@@ -95,14 +95,17 @@ def test_bad_steps_get_errors_and_the_session_goes_on(manager):
         _step(good),                                            # a good step still works
         _step(torch.randn(1, 14, HIDDEN), start_position=3),    # past max_length 16
         _step(torch.randn(1, 1, HIDDEN), start_position=3),     # and the session still works
+        P.make_request(P.Step(start_position=4, rope_length=4), [good[:, :1]]),  # a step ending before its part
+        P.make_request(P.Step(start_position=4, rope_length=9), [good[:, :1]]),  # a part of a longer step
     )
     kinds = [type(r).__name__ for r in replies]
     assert kinds == ["StepResult", "ErrorReply", "ErrorReply", "ErrorReply", "ErrorReply", "ErrorReply",
-                     "StepResult", "ErrorReply", "StepResult"]
+                     "StepResult", "ErrorReply", "StepResult", "ErrorReply", "StepResult"]
     messages = [r.message for r in replies if isinstance(r, P.ErrorReply)]
     assert "576" in messages[0] and "float64" in messages[1] and "start_position" in messages[2]
     assert "batch size" in messages[3] and "NaN" in messages[4] and "max_length" in messages[5]
-    assert replies[6].position == 3 and replies[8].position == 4
+    assert replies[6].position == 3 and replies[8].position == 4 and replies[10].position == 5
+    assert "rope_length" in messages[6]
 
 
 def test_bad_session_openings(manager):
@@ -189,6 +192,8 @@ def test_bad_forward_requests(manager):
     assert isinstance(wrong, P.ErrorReply) and "not served" in wrong.message
     two = call(P.make_request(P.ForwardRequest(start=15, end=30), [torch.randn(1, 4, HIDDEN)] * 2))
     assert isinstance(two, P.ErrorReply) and "exactly 1" in two.message
+    short = call(P.make_request(P.ForwardRequest(start=15, end=30, rope_length=3), [torch.randn(1, 4, HIDDEN)]))
+    assert isinstance(short, P.ErrorReply) and "rope_length" in short.message
 
 
 def test_sigterm_announces_offline_and_exits_zero(model_path, bootstrap):

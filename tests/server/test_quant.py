@@ -14,7 +14,7 @@ import torch
 from server.compute.blocks import BlockSpan
 from server.placement.memory import QUANT_BYTES_PER_PARAM, block_parameter_counts, bytes_per_block
 from swarm.modeling.checkpoint import Checkpoint
-from swarm.modeling.quantize import check_quant_support, quantized_weight_bytes, resolve_quant_type
+from swarm.modeling.quantize import check_quant_support, quantized_linear, quantized_weight_bytes, resolve_quant_type
 
 A, B = 2, 6  # the span under test
 PROMPT = [1, 504, 3458, 314, 253, 1345, 28, 357]
@@ -179,6 +179,14 @@ def test_quant_type_resolution_and_support():
         resolve_quant_type("int4", "cpu")
     for quant_type in ("none", "int8", "nf4"):
         check_quant_support(quant_type, "cpu")
+
+
+def test_nf4_outputs_the_cpu_kernel_cannot_compute_are_refused_at_load():
+    # bitsandbytes' CPU kernel would assert "N must be divisible by block_n" at the first matmul instead
+    with pytest.raises(ValueError, match="nf4 on the CPU needs output sizes divisible by 32: a projection has 48"):
+        quantized_linear(torch.randn(48, 64), None, "nf4", torch.float32, torch.device("cpu"))
+    module = quantized_linear(torch.randn(96, 64), None, "nf4", torch.float32, torch.device("cpu"))
+    assert module(torch.randn(3, 64)).shape == (3, 96)
 
 
 def test_bad_quant_type_is_a_config_error(model_path, capsys, monkeypatch):

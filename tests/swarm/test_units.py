@@ -72,6 +72,25 @@ def test_messages_reject_unknown_fields_and_versions():
         P.decode(b'{"v": 1, "type": "open", "session_id": "", "start": 0, "end": 1, "max_length": 1}', P.OpenSession)
 
 
+def test_rope_length_is_left_out_while_unset_and_checked_against_the_step():
+    """`RowEdits.rope_length` (a field added later) never reaches a server from before it unless set, travels on
+    pushes (`row_edits`), and must lie between the message's end and the session's max_length."""
+    import json
+
+    assert "rope_length" not in json.loads(P.encode(P.Step(start_position=3)))
+    assert "rope_length" not in json.loads(P.encode(P.ForwardRequest(start=0, end=1)))
+    step = P.decode(P.encode(P.Step(start_position=3, rope_length=20)), P.Step)
+    assert step.rope_length == 20
+    pushed = P.PushStep(stream_key="k", start_position=3, step_id=1, **step.row_edits())
+    assert P.decode(P.encode(pushed), P.PushStep).rope_length == 20
+    P.check_row_edits(step, 1, 32, end=8)
+    for end, max_length in ((21, 32), (8, 16)):
+        with pytest.raises(P.ProtocolError, match="rope_length"):
+            P.check_row_edits(step, 1, max_length, end=end)
+    with pytest.raises(P.ProtocolError, match="rope_length"):
+        P.decode(b'{"v": 1, "type": "step", "start_position": 0, "rope_length": 0}', P.Step)
+
+
 def test_error_reply_raises_remote_error():
     response = P.error_response("bad_request", "nope")
     with pytest.raises(P.RemoteError, match="nope") as info:

@@ -2,9 +2,9 @@
 (tests/swarm/modeling/test_family_open_models.py: logits, chunked prefill, greedy decoding, batched rows, a left-padded
 batch and training gradients against transformers, with and without q_lora_rank, YaRN and both rotary layouts): its
 latent cache (bytes per token, values as views of the keys, the shared CPU arena's sessions equal to their own
-buffers'), its config against transformers' `DeepseekV3Config`, what it refuses with a clear error (int8/nf4, adapters,
-CUDA graphs), and two servers split mid-model against transformers (`check_split_swarm`; a session failing over in the
-extended tier).
+buffers'), its config against transformers' `DeepseekV3Config`, what it refuses with a clear error (adapters, CUDA
+graphs, nf4 on widths it cannot quantize; its int8 / nf4 blocks: test_deepseek_quant.py), and two servers split
+mid-model against transformers (`check_split_swarm`; a session failing over in the extended tier).
 """
 from __future__ import annotations
 
@@ -110,11 +110,12 @@ def test_model_config_matches_transformers_config(tmp_path):
 
 
 def test_what_deepseek_blocks_refuse(tiny, tmp_path):
-    """int8 / nf4 (the absorbed attention reads kv_b_proj as a float matrix) and CUDA graphs (the latent cache) are
-    refused with one line each (LoRA adapters are served: test_family_open_models.py)."""
+    """CUDA graphs (the latent cache) and nf4 on widths bitsandbytes' 64-value blocks do not divide are refused with
+    one line each (int8 / nf4 blocks: tests/swarm/modeling/test_deepseek_quant.py; LoRA adapters are served:
+    test_family_open_models.py)."""
     path, _ = tiny
-    with pytest.raises(ValueError, match="not supported on DeepSeek-V3"):
-        BlockSpan.load(Checkpoint(str(path)), 0, 2, "float32", quant_type="int8")
+    with pytest.raises(ValueError, match="nf4 needs input sizes divisible by 64: self_attn.q_b_proj has 24"):
+        BlockSpan.load(Checkpoint(str(path)), 0, 2, "float32", quant_type="nf4")
     span = BlockSpan.load(Checkpoint(str(path)), 0, 2, "float32")
     span.device = torch.device("cuda")  # (the refusal's reason only: nothing runs)
     assert "latent" in (span.cuda_graphs_refusal() or "")

@@ -472,7 +472,7 @@ def test_deepseek_mlp_adapter_matches_merged_weights(tmp_path):
 def test_lora_adapters_that_cannot_be_served_are_clear_errors(tmp_path):
     """target_parameters other than the experts' stacked weights (an expert bias), expert tensors for a model without
     experts or on a dense block, and an expert's own module: refused with one line each. On int8 experts the
-    adapter adds its deltas: int8 + adapter is as far from float + adapter as int8 is from float."""
+    adapter adds its deltas (`check_int8_adapter`)."""
     from safetensors.torch import load_file, save_file
 
     from swarm.modeling.lora import AdapterError, AdapterSource, open_adapter
@@ -501,17 +501,35 @@ def test_lora_adapters_that_cannot_be_served_are_clear_errors(tmp_path):
               str(adapter / "adapter_model.safetensors"))
     refused("adapts one expert's own module")
     save_file(tensors, str(adapter / "adapter_model.safetensors"))
-    files = open_adapter(AdapterSource.parse(f"a={adapter}"), config)
+    check_int8_adapter(tmp_path / "base", open_adapter(AdapterSource.parse(f"a={adapter}"), config))
+
+
+def check_int8_adapter(path, files) -> None:
+    """On int8 blocks an adapter adds its deltas: int8 + adapter is about as far from float + adapter as int8 is from
+    float, and much closer to it than the float blocks without the adapter are."""
     embeds = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(2))
     out = {}
     for quant in ("none", "int8"):
-        span = BlockSpan.load(Checkpoint(str(tmp_path / "base")), 0, 4, "float32", quant_type=quant, adapters=[files])
+        span = BlockSpan.load(Checkpoint(str(path)), 0, 4, "float32", quant_type=quant, adapters=[files])
         for name in ("a", None):
             out[quant, name] = span.forward(embeds, 0, span.new_session_kv(1, 16, 0, 4, adapter=name))
     quant_error, adapted_error = [(out["int8", a] - out["none", a]).norm() for a in (None, "a")]
     adapter_effect = (out["none", "a"] - out["none", None]).norm()
     assert adapted_error < 1.5 * quant_error and adapted_error < 0.5 * adapter_effect, \
         (adapted_error, quant_error, adapter_effect)
+
+
+def test_deepseek_adapter_on_int8_blocks(tmp_path):
+    """DeepSeek-V3 int8 blocks (bitsandbytes projections, kv_b_proj in float) take an adapter on every attention
+    projection (kv_b_proj's delta absorbed) and the routed experts (`check_int8_adapter`)."""
+    from swarm.modeling.lora import AdapterSource, open_adapter
+    from tests.fixtures.lora_fixtures import make_adapter
+
+    save_tiny("deepseek_v3", tmp_path / "base", None, vocab_size=VOCAB, **DEEPSEEK)
+    adapter = make_adapter(str(tmp_path / "base"), tmp_path / "lora", seed=1, targets=DEEPSEEK_TARGETS, r=4, alpha=8,
+                           **EXPERTS)
+    config = Checkpoint(str(tmp_path / "base")).load_config()
+    check_int8_adapter(tmp_path / "base", open_adapter(AdapterSource.parse(f"a={adapter}"), config))
 
 
 def test_left_padded_batch_matches_transformers(case):

@@ -1,0 +1,214 @@
+"""DeepSeek-V3 blocks served int8 / nf4 (`DeepseekV3DecoderLayer.quantize`): every projection a bitsandbytes module
+but `kv_b_proj` and the router, in float.
+
+The reference is the same model quantized locally by transformers' bitsandbytes integration, as the other families'
+quant tests (tests/server/test_quant.py, tests/e2e/test_quant_swarm.py): `BitsAndBytesConfig` (LLM.int8() with
+threshold 6, or nf4 with blocksize 64 and float32 compute) with `kv_b_proj` (and the LM head) skipped; the routed
+experts, 3D tensors that transformers' integration leaves in float, through per-expert `Linear8bitLt` / `Linear4bit`
+modules of the same settings (`quantized_experts`). Both sides then run the same bitsandbytes modules on the same
+weights; what differs is the attention's float arithmetic (the server's absorbed latent attention against
+transformers' keys and values expanded per head: 2e-7 apart in float32 logits), which int8's per-row quantization of
+each projection's input (and nf4's kernels) mostly rounds away. Measured on this CPU: equal to the last bit. Asserted:
+within 1e-5 (absolute, on hidden states and logits of magnitude ~1), a thousandth of what quantization itself moves
+them (int8 1e-2, nf4 1e-1 from the float model's logits, asserted above 1e-3 so that a layer left in float fails).
+
+The tiny config's widths suit nf4 on bitsandbytes' CPU backend: inputs divisible by 64 (`quantize_linears`), outputs
+by 32 (the AVX512-BF16 kernels repack weights in 32-row blocks): q_lora_rank 64, kv_lora_rank + rope 24 + 8, experts
+of 64.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from server.compute.blocks import BlockSpan
+from server.placement.memory import QUANT_BYTES_PER_PARAM, block_parameter_counts, bytes_per_block
+from swarm.modeling.checkpoint import Checkpoint
+from swarm.modeling.model_config import model_config
+from tests.e2e.test_family_swarms import PROMPTS, _generate
+from tests.fixtures.tiny_checkpoints import save_tiny
+from tests.swarm.modeling.test_family_open_models import DEEPSEEK, VOCAB
+
+QUANT_DEEPSEEK = dict(DEEPSEEK, q_lora_rank=64, kv_lora_rank=24, moe_intermediate_size=64)
+TOLERANCE = 1e-5
+
+
+def _bnb_linear(weight: torch.Tensor, quant_type: str) -> nn.Module:
+    """A bitsandbytes module of `weight` [out, in] as transformers' integration makes them on the CPU."""
+    import bitsandbytes as bnb
+
+    out_features, in_features = weight.shape
+    if quant_type == "int8":
+        module: nn.Module = bnb.nn.Linear8bitLt(in_features, out_features, bias=False, has_fp16_weights=False,
+                                                threshold=6.0)
+        module.weight = bnb.nn.Int8Params(weight.detach().clone(), requires_grad=False, has_fp16_weights=False)
+    else:
+        module = bnb.nn.Linear4bit(in_features, out_features, bias=False, compute_dtype=torch.float32,
+                                   compress_statistics=False, quant_type="nf4")
+        module.weight = bnb.nn.Params4bit(weight.detach().clone(), requires_grad=False, blocksize=64,
+                                          compress_statistics=False, quant_type="nf4", module=module)
+    return module.to("cpu").eval()
+
+
+class QuantizedExperts(nn.Module):
+    """transformers' `DeepseekV3Experts` (eager: each expert's gate;up rows, then down, on its tokens) with each
+    expert's [2 * moe_intermediate, hidden] and [hidden, moe_intermediate] matrices as bitsandbytes modules."""
+
+    def __init__(self, experts, quant_type: str):
+        super().__init__()
+        self.num_experts, self.act_fn = experts.num_experts, experts.act_fn
+        self.gate_up = nn.ModuleList(_bnb_linear(experts.gate_up_proj[e], quant_type)
+                                     for e in range(self.num_experts))
+        self.down = nn.ModuleList(_bnb_linear(experts.down_proj[e], quant_type) for e in range(self.num_experts))
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        """hidden_states [tokens, hidden], top_k_index / top_k_weights [tokens, top_k] -> [tokens, hidden]"""
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):
+            token_idx, top_k_pos = torch.where(top_k_index == e)
+            if token_idx.numel():
+                gate, up = self.gate_up[e](hidden_states[token_idx]).chunk(2, dim=-1)
+                step = self.down[e](self.act_fn(gate) * up) * top_k_weights[token_idx, top_k_pos, None]
+                out.index_add_(0, token_idx, step.to(out.dtype))
+        return out
+
+
+def quantized_reference(path, quant_type: str):
+    """transformers' model of `path` quantized by its bitsandbytes integration, kv_b_proj and the LM head in float,
+    the routed experts through `QuantizedExperts`."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    skip = ["kv_b_proj", "lm_head"]
+    config = (BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=6.0, llm_int8_skip_modules=skip)
+              if quant_type == "int8" else
+              BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
+                                 llm_int8_skip_modules=skip))
+    model = AutoModelForCausalLM.from_pretrained(str(path), quantization_config=config, dtype=torch.float32,
+                                                 device_map="cpu").eval()
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "experts"):
+            layer.mlp.experts = QuantizedExperts(layer.mlp.experts, quant_type)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("deepseek-quant")
+    return path, save_tiny("deepseek_v3", path, None, vocab_size=VOCAB, **QUANT_DEEPSEEK)
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+@pytest.mark.parametrize("quant_type", ["int8", "nf4"])
+def test_quantized_blocks_equal_the_locally_quantized_model(tiny, quant_type):
+    """Blocks 0:4 (block 0 dense, 1-3 experts) loaded as a server loads them: chunked prefill (5 then 4 tokens) and
+    two decode steps through the server's batched path, each call's output hidden states and logits against the
+    reference model run on the same chunks with its cache (LLM.int8() picks outlier columns from the rows of a call,
+    so each side must see the same rows per call)."""
+    import bitsandbytes as bnb
+
+    path, float_model = tiny
+    span = BlockSpan.load(Checkpoint(str(path)), 0, 4, "float32", "cpu", quant_type)
+    for layer in span.layers:
+        floats = {name for name, m in layer.named_modules() if isinstance(m, nn.Linear)
+                  and not isinstance(m, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit))}
+        assert floats == {"self_attn.kv_b_proj"}
+        assert layer.self_attn.kv_b_proj.weight.dtype == torch.float32
+        if layer.sparse:
+            assert len([m for m in layer.mlp.experts.modules() if isinstance(m, nn.Linear)]) == 3 * 8
+            assert layer.mlp.gate.weight.dtype == torch.float32  # the router
+    reference = quantized_reference(path, quant_type)
+    torch.manual_seed(3)
+    ids = torch.randint(3, VOCAB, (1, 11))
+    kv = span.new_session_kv(1, 32, 0, 4)
+    past, position, diffs = None, 0, []
+    with torch.inference_mode():
+        for chunk in (ids[:, :5], ids[:, 5:9], ids[:, 9:10], ids[:, 10:11]):
+            out = reference(chunk, past_key_values=past, use_cache=True, output_hidden_states=True)
+            past, entering = out.past_key_values, out.hidden_states[0]
+            if chunk.shape[1] > 1:
+                ours = span.forward(entering, position, kv)
+            else:
+                (ours,) = span.forward_batch([(entering, position, kv)], 0, 4)
+            logits = reference.lm_head(reference.model.norm(ours))
+            diffs.append((_max_diff(reference.model.norm(ours), out.hidden_states[-1]),
+                          _max_diff(logits, out.logits)))
+            assert _max_diff(logits, float_model(ids[:, :position + chunk.shape[1]]).logits[:, position:]) > 1e-3
+            position += chunk.shape[1]
+    print(f"{quant_type}: max abs diff per call (normed hidden, logits) {diffs}")
+    assert max(max(d) for d in diffs) <= TOLERANCE
+
+
+def test_memory_planning_counts_kv_b_proj_in_float(tiny):
+    """`server.placement.memory` counts kv_b_proj (and the router, the norms) at the serving dtype, the other linear
+    weights at their quantized size: what a loaded span holds, for the dense first block and an expert block; and at
+    DeepSeek-V3's own sizes the plan is the expert block's, kv_b_proj 32 MiB of it in bfloat16."""
+    import bitsandbytes as bnb
+
+    from swarm.modeling.quantize import quantized_weight_bytes
+
+    path, _ = tiny
+    config = Checkpoint(str(path)).load_config()
+    linear, other = block_parameter_counts(config)
+    for quant_type in ("int8", "nf4"):
+        span = BlockSpan.load(Checkpoint(str(path)), 0, 4, "float32", "cpu", quant_type)
+        sizes = []
+        for layer in span.layers:
+            floats = sum(p.numel() * p.element_size() for p in layer.parameters() if p.is_floating_point())
+            sizes.append(quantized_weight_bytes(layer) + floats)
+        expert = span.layers[3]
+        assert sum(p.numel() for p in expert.parameters() if p.is_floating_point()) == other  # kv_b_proj among them
+        # (each nf4 module also holds its 16-value float32 code table: 64 bytes, which the estimate leaves out)
+        tables = 64 * sum(isinstance(m, bnb.nn.Linear4bit) for m in expert.modules())
+        assert linear * (1.0 if quant_type == "int8" else 0.5) < quantized_weight_bytes(expert) \
+            <= linear * QUANT_BYTES_PER_PARAM[quant_type] + tables
+        assert max(sizes) <= bytes_per_block(config, torch.float32, quant_type) + tables < 1.1 * max(sizes)
+    real = model_config({"model_type": "deepseek_v3"})
+    linear, other = block_parameter_counts(real)
+    kv_b = 128 * (128 + 128) * 512
+    assert other >= kv_b and linear + other > 11e9  # the expert block's parameters
+    assert bytes_per_block(real, torch.bfloat16, "nf4") == int(linear * QUANT_BYTES_PER_PARAM["nf4"]) + other * 2
+    assert kv_b * 2 / 2**20 == 32
+
+
+def test_chunked_and_single_pass_prefill_agree(tiny):
+    """nf4 quantizes weights only, so a prompt sent in chunks through the cache gives (to float rounding) the pass
+    without a cache; the quantized span batches decode rows of several sessions like the float one."""
+    from tests.swarm.modeling.test_family_mixtral import check_batched_rows
+
+    path, _ = tiny
+    span = BlockSpan.load(Checkpoint(str(path)), 0, 4, "float32", "cpu", "nf4")
+    torch.manual_seed(5)
+    x = torch.randn(1, 9, span.hidden_size)
+    kv = span.new_session_kv(1, 16, 0, 4)
+    chunked = torch.cat([span.forward(x[:, :4], 0, kv), span.forward(x[:, 4:], 4, kv)], dim=1)
+    assert _max_diff(chunked, span.forward(x, 0, None)) < 1e-5
+    check_batched_rows(span)
+
+
+@pytest.mark.extended  # (40 s on the 2 shared cores: two server processes and a transformers model)
+def test_an_nf4_split_swarm_generates_what_the_locally_quantized_model_does(tmp_path, bootstrap, model_path,
+                                                                           tokenizer):
+    """Two servers (0:2, 2:4) with --quant_type nf4: greedy tokens of three prompts equal the reference's."""
+    from swarm import AutoDistributedModelForCausalLM
+    from swarm.launch.topology import start_servers, terminate_all
+
+    path = tmp_path / "tiny-deepseek-nf4"
+    save_tiny("deepseek_v3", path, model_path, **QUANT_DEEPSEEK)
+    reference = quantized_reference(path, "nf4")
+    prefix = "tdsq"
+    servers = start_servers(str(path), [bootstrap.maddr], ["0:2", "2:4"], prefix, ["--quant_type", "nf4"], threads=1)
+    model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=[bootstrap.maddr],
+                                                            dht_prefix=prefix)
+    try:
+        assert {s.info.quant_type for s in model.manager.update(force=True)} == {"nf4"}
+        for prompt in PROMPTS[:3]:
+            ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+            ours = model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+            assert ours.tolist() == _generate(reference, ids).tolist()
+    finally:
+        model.shutdown()
+        terminate_all(servers)
