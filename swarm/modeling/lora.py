@@ -45,10 +45,18 @@ from swarm.modeling.lora_experts import (
     ExpertLora,
     ExpertTarget,
     adapted_expert,
-    expert_sizes,
     expert_targets,
     load_expert_loras,
     unsupported_parameters,
+)
+from swarm.modeling.lora_targets import (
+    FUSED_PROJECTIONS,
+    PROJECTIONS,
+    blocks_prefix,
+    columns,
+    deepseek_shapes,
+    modules_of,
+    target_shapes,
 )
 from swarm.modeling.shape import ModelShape
 
@@ -56,49 +64,6 @@ logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-# the projections of a Llama-family block, grouped by the input they share: (group, targets)
-PROJECTIONS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
-    ("qkv", ("q_proj", "k_proj", "v_proj")), ("o", ("o_proj",)), ("gate_up", ("gate_proj", "up_proj")),
-    ("down", ("down_proj",)), ("up", ()),
-)
-MODULES = {target: ("self_attn" if group in ("qkv", "o") else "mlp") for group, targets in PROJECTIONS
-           for target in targets}
-# Phi-3's checkpoints fuse q/k/v and gate/up into one projection each, which its adapters target as such; BLOOM's
-# and Falcon's layers name theirs query_key_value, dense, dense_h_to_4h ("up": no gate) and dense_4h_to_h
-FUSED_PROJECTIONS = {"qkv_proj": "qkv", "gate_up_proj": "gate_up", "query_key_value": "qkv", "dense": "o",
-                     "dense_h_to_4h": "up", "dense_4h_to_h": "down"}
-LAYER_NORM_MODULES = {"query_key_value": "self_attention", "dense": "self_attention", "dense_h_to_4h": "mlp",
-                      "dense_4h_to_h": "mlp"}
-PHI3_MODULES = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
-
-
-# mixtures of experts: the attention's projections as modules; their experts' stacked 3-d parameters
-# (`mlp.experts.gate_up_proj` [experts, ...]) through peft's `target_parameters` (`swarm.modeling.lora_experts`)
-ATTENTION_MODULES = {target: module for target, module in MODULES.items() if module == "self_attn"}
-MIXTURES = ("mixtral", "qwen3_moe", "gpt_oss")
-# DeepSeek-V3: its latent attention's projections, the dense blocks' MLP and the sparse blocks' shared experts, each
-# a group of its own (named "module.target", e.g. "self_attn.q_a_proj"; the layer's `project` and `absorbed`)
-DEEPSEEK_MODULES = {**{t: "self_attn" for t in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
-                                               "o_proj")},
-                    **{f"{shared}{t}": "mlp" for shared in ("", "shared_experts.")
-                       for t in ("gate_proj", "up_proj", "down_proj")}}
-
-
-def _blocks_prefix(model_config) -> str:
-    """How the model's modules name its blocks (what an adapter config's target patterns match)."""
-    return "transformer.h." if getattr(model_config, "model_type", None) in ("bloom", "falcon") else "model.layers."
-
-
-def modules_of(model_config) -> Dict[str, str]:
-    """The adaptable projections (target -> its parent module's name) of the model whose config is `model_config`."""
-    model_type = getattr(model_config, "model_type", None)
-    if model_type == "phi3":
-        return PHI3_MODULES
-    if model_type in ("bloom", "falcon"):
-        return LAYER_NORM_MODULES
-    if model_type == "deepseek_v3":
-        return DEEPSEEK_MODULES
-    return ATTENTION_MODULES if model_type in MIXTURES else MODULES
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.|transformer\.)?(?:layers|h)\.(\d+)\."
                   r"(self_attn|self_attention|mlp)\.((?:shared_experts\.)?[a-z_0-9]+)"
                   r"\.lora_([AB])\.weight$")
@@ -140,38 +105,6 @@ def check_adapter_name(name: str) -> str:
         raise AdapterError(f"adapter name {name!r} must be 1-{MAX_NAME_LEN} characters of letters, digits and ._/- "
                            f"(give one with NAME=PATH)")
     return name
-
-
-def _target_shapes(shape: ModelShape) -> Dict[str, Tuple[int, int]]:
-    """target -> (out_features, in_features) of the base model's projection."""
-    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    hidden, inter = shape.hidden_size, shape.intermediate_size
-    return {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
-            "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter),
-            "qkv_proj": (q + 2 * kv, hidden), "gate_up_proj": (2 * inter, hidden),
-            "query_key_value": (q + 2 * kv, hidden), "dense": (hidden, q), "dense_h_to_4h": (inter, hidden),
-            "dense_4h_to_h": (hidden, inter)}
-
-
-def _deepseek_shapes(config, block: int) -> Dict[str, Tuple[int, int]]:
-    """DeepSeek-V3's target -> (out_features, in_features) of the projections block `block` has."""
-    hidden, heads = int(config.hidden_size), int(config.num_attention_heads)
-    rope, nope, v_dim = int(config.qk_rope_head_dim), int(config.qk_nope_head_dim), int(config.v_head_dim)
-    rank = int(config.kv_lora_rank)
-    shapes = {"kv_a_proj_with_mqa": (rank + rope, hidden), "kv_b_proj": (heads * (nope + v_dim), rank),
-              "o_proj": (hidden, heads * v_dim)}
-    if config.q_lora_rank is None:
-        shapes["q_proj"] = (heads * (nope + rope), hidden)
-    else:
-        shapes.update(q_a_proj=(int(config.q_lora_rank), hidden), q_b_proj=(heads * (nope + rope),
-                                                                             int(config.q_lora_rank)))
-    if expert_sizes(config, block) is None:
-        prefix, inter = "", int(config.intermediate_size)
-    else:
-        prefix, inter = "shared_experts.", int(config.moe_intermediate_size) * int(config.n_shared_experts)
-    shapes.update({f"{prefix}gate_proj": (inter, hidden), f"{prefix}up_proj": (inter, hidden),
-                   f"{prefix}down_proj": (hidden, inter)})
-    return shapes
 
 
 def _parse_config(path: Path, where: str):
@@ -289,7 +222,7 @@ def open_adapter(source: AdapterSource, model_config, cache_dir: Optional[str] =
     assert config_path is not None and weights_path is not None  # required files raise instead
     config = _parse_config(config_path, where)
     shape = ModelShape.from_config(model_config)
-    shapes = _target_shapes(shape)
+    shapes = target_shapes(shape)
     header = _safetensors_header(weights_path, where)
     from peft.tuners.tuners_utils import check_target_module_exists
 
@@ -329,13 +262,13 @@ def open_adapter(source: AdapterSource, model_config, cache_dir: Optional[str] =
     for (block, target), found in sorted(pairs.items()):
         if set(found) != {"A", "B"}:
             raise AdapterError(f"{where}: block {block} {target} has lora_{''.join(found)} without its pair")
-        module_key = f"{_blocks_prefix(model_config)}{block}.{modules[target]}.{target}"
+        module_key = f"{blocks_prefix(model_config)}{block}.{modules[target]}.{target}"
         if not check_target_module_exists(config, module_key):
             raise AdapterError(f"{where}: weights for {module_key}, which the config's target_modules "
                                f"{sorted(config.target_modules or [])} do not target")
         rank = int(_pattern_value(config.rank_pattern, module_key, config.r))
         alpha = float(_pattern_value(config.alpha_pattern, module_key, config.lora_alpha))
-        block_shapes = _deepseek_shapes(model_config, block) if deepseek else shapes
+        block_shapes = deepseek_shapes(model_config, block) if deepseek else shapes
         if target not in block_shapes:
             raise AdapterError(f"{where}: weights for {module_key}, which block {block} does not have")
         out_features, in_features = block_shapes[target]
@@ -348,13 +281,13 @@ def open_adapter(source: AdapterSource, model_config, cache_dir: Optional[str] =
         scaling = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
         result.targets[(block, target)] = TargetSpec(block, target, a_key, b_key, rank, scaling, modules[target])
     wanted = {t for t in modules
-              if check_target_module_exists(config, f"{_blocks_prefix(model_config)}0.{modules[t]}.{t}")}
+              if check_target_module_exists(config, f"{blocks_prefix(model_config)}0.{modules[t]}.{t}")}
     present = {t for _, target in result.targets for t in (target, target.rpartition(".")[2])}
     if isinstance(config.target_modules, (set, list, tuple)):
         named = set(config.target_modules) & set(modules)
         if deepseek:  # (only the projections its blocks have: q_proj or q_a_proj / q_b_proj, ...)
             named &= {t for block in range(model_config.num_hidden_layers)
-                      for t in _deepseek_shapes(model_config, block)}
+                      for t in deepseek_shapes(model_config, block)}
         if named - present:
             raise AdapterError(f"{where}: the config targets {sorted(named - present)} but the weights hold none")
     elif wanted and not present:
@@ -384,17 +317,6 @@ class LayerLora:
             + sum(lora.nbytes() for lora in self.experts.values())
 
 
-def _columns(shape: ModelShape) -> Dict[str, Tuple[int, int, int]]:
-    """target -> (first column, last column + 1, width) in the output of its group's fused projection."""
-    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    hidden, inter = shape.hidden_size, shape.intermediate_size
-    return {"q_proj": (0, q, q + 2 * kv), "k_proj": (q, q + kv, q + 2 * kv), "v_proj": (q + kv, q + 2 * kv, q + 2 * kv),
-            "o_proj": (0, hidden, hidden), "gate_proj": (0, inter, 2 * inter), "up_proj": (inter, 2 * inter, 2 * inter),
-            "down_proj": (0, hidden, hidden), "qkv_proj": (0, q + 2 * kv, q + 2 * kv),
-            "gate_up_proj": (0, 2 * inter, 2 * inter), "query_key_value": (0, q + 2 * kv, q + 2 * kv),
-            "dense": (0, hidden, hidden), "dense_h_to_4h": (0, inter, inter), "dense_4h_to_h": (0, hidden, hidden)}
-
-
 @dataclass
 class SpanAdapter:
     """An adapter's tensors for the blocks [start, end) of a span: `layers[i]` for block start + i (None: the
@@ -411,7 +333,7 @@ class SpanAdapter:
         """Read only the tensors of blocks [start, end) (in `dtype`, on `device`) of a model of `shape`."""
         from safetensors import safe_open
 
-        columns = _columns(shape)
+        group_columns = columns(shape)
         layers: List[Optional[LayerLora]] = []
         with safe_open(str(files.weights), framework="pt") as f:
             for block in range(start, end):
@@ -426,10 +348,10 @@ class SpanAdapter:
                     if not specs:
                         continue
                     a = torch.cat([f.get_tensor(s.a_key).float() for s in specs])  # [R, in]
-                    b_t = torch.zeros(a.shape[0], columns[specs[0].target][2])  # [R, width]
+                    b_t = torch.zeros(a.shape[0], group_columns[specs[0].target][2])  # [R, width]
                     row = 0
                     for spec in specs:
-                        c0, c1, _ = columns[spec.target]
+                        c0, c1, _ = group_columns[spec.target]
                         b_t[row:row + spec.rank, c0:c1] = f.get_tensor(spec.b_key).float().t() * spec.scaling
                         row += spec.rank
                     projections[group] = ProjectionLora(a.t().to(device, dtype).contiguous(), b_t.to(device, dtype))
