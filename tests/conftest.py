@@ -139,6 +139,10 @@ EXTENDED = (
     # tests/swarm/modeling/test_family_open_models.py, SmolLM2's failover tests; Mixtral through a split swarm and a
     # gateway)
     "tests/e2e/test_family_swarms.py::test_failover_replays_a_session[mixtral]",
+    # a Mixtral adapter on its experts through two servers (about 45 s; make test: the same adapter kinds against
+    # peft in process on every mixture of experts, prefill and batched decode, in test_family_open_models.py, and
+    # adapters through real servers in the rest of test_lora_swarm.py)
+    "tests/e2e/test_lora_swarm.py::test_expert_adapter_through_a_split_swarm",
     # two of generate's five local runs against transformers' generate (make test: every applied setting builds
     # transformers' processors, in test_each_applied_setting_builds_transformers_processors; generate against
     # transformers with n-gram, bad-words and suppress processors, and sampling with epsilon/eta cut-offs, a

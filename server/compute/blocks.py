@@ -28,7 +28,7 @@ from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FAMILIES, FamilySpec, family_for
 from swarm.modeling.layers import cache_attention, causal_mask, key_bias, rope_lengths
 from swarm.modeling.llama import FusedLayer, attach_small_gemms
-from swarm.modeling.lora import AdapterError, AdapterFiles, SpanAdapter, adapt_layers
+from swarm.modeling.lora import AdapterError, AdapterFiles, SpanAdapter, adapt_layers, check_layers
 from swarm.modeling.shape import ModelShape, config_dtype
 from swarm.modeling.smallgemm import GemmGroup, packing_available
 from swarm.modeling.tensor_parallel import cache_layout, check_splittable, parse_devices, split_layer
@@ -177,7 +177,7 @@ class BlockSpan(nn.Module):
         if adapters and not family.serves_adapters:
             served = sorted(name for name, spec in FAMILIES.items() if spec.serves_adapters)
             raise AdapterError(f"LoRA adapters are not served on {family.model_type} blocks (served on "
-                               f"{', '.join(served)}; on the mixtures of experts, their attention)")
+                               f"{', '.join(served)})")
         # (a GPU may repeat here, for tests and the benchmark; the server's config refuses that)
         tp_devices = parse_devices(tensor_parallel, allow_repeat=True) if tensor_parallel else []
         torch_device = tp_devices[0] if tp_devices else torch.device(device)
@@ -253,6 +253,7 @@ class BlockSpan(nn.Module):
         span.quant_type = quant_type
         for files in adapters:
             span.adapters[files.name] = SpanAdapter.load(files, start, end, dtype, torch_device, span.shape)
+            check_layers(span.adapters[files.name], fused)
             logger.info(f"loaded adapter {files.name} for blocks {start}:{end} "
                         f"({span.adapters[files.name].nbytes() / 2**20:.1f} MiB)")
         return span

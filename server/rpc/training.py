@@ -1,6 +1,8 @@
 """Training passes on a block server: the streamed `rpc_train_forward` / `rpc_train_backward` handlers.
 
-The weights stay frozen; only the inputs (and deep prompts) get gradients. A training forward runs the span's
+The weights stay frozen; only the inputs (and deep prompts) get gradients. A call may name one of the server's LoRA
+adapters (`TrainForward.adapter`): each block is then its fused layer with the adapter's deltas, which stay frozen
+too (gradients flow through them to the inputs). A training forward runs the span's
 layer modules without a cache (`BlockSpan.layers`, the same modules as `rpc_forward`, outside inference mode).
 A backward keeps nothing from the forward call: it reruns the span from the hidden states the client sends, with
 autograd on for each block's input (and prompt) only, keeping each piece's graph, then walks the blocks backwards
@@ -31,7 +33,8 @@ from hivemind.proto import runtime_pb2
 from server.compute.blocks import add_prompt
 from server.compute.decode import attention_backends
 from server.rpc.limits import LimitError, StreamLimiter
-from swarm.modeling.layers import causal_mask
+from swarm.modeling.layers import cache_attention, causal_mask
+from swarm.modeling.lora import adapt_layers
 from swarm.runtime.swarm_key import NOT_A_MEMBER
 from swarm.runtime.taskpool import PRIORITY_TRAINING
 from swarm.wire import protocol as P
@@ -46,9 +49,11 @@ logger = logging.getLogger(__name__)
 TRAIN_PIECE_TOKENS = 1024  # tokens of one piece of a training pass (one block, whole rows)
 
 
-def _run_block(span: "BlockSpan", index: int, hidden: torch.Tensor, prompt: Optional[torch.Tensor]) -> torch.Tensor:
+def _run_block(span: "BlockSpan", index: int, hidden: torch.Tensor, prompt: Optional[torch.Tensor],
+               adapter: Optional[str] = None) -> torch.Tensor:
     """Block `index` (of the model) on hidden [batch, seq, hidden], positions from 0, causal, no cache; the prompt
-    [batch | 1, pre_seq_len, hidden] is added to the first positions of its input."""
+    [batch | 1, pre_seq_len, hidden] is added to the first positions of its input. With LoRA `adapter`: the fused
+    layer wrapped with its deltas (`lora.adapt_layers`), as `BlockSpan.forward`'s pass without a cache."""
     if prompt is not None:
         hidden = add_prompt(hidden, prompt, 0)
     batch, seq, _ = hidden.shape
@@ -58,25 +63,31 @@ def _run_block(span: "BlockSpan", index: int, hidden: torch.Tensor, prompt: Opti
     # causal (None: SDPA's own), cut by the layer's sliding window where it has one and the sequence is longer
     mask = causal_mask(0, seq, getattr(layer, "sliding_window", None), hidden.dtype, span.device)
     with attention_backends(span.device):
+        if adapter is not None:
+            adapted = adapt_layers([span.fused[index - span.start]], [(0, batch * seq, span.adapters[adapter])],
+                                   index)[0]
+            cos, sin = embeddings if embeddings is not None else (None, None)
+            return adapted.step(hidden, cos, sin, cache_attention(None, mask, mask))
         out = layer(hidden, attention_mask=mask, position_ids=position_ids,
                                               past_key_values=None, use_cache=False, position_embeddings=embeddings)
     return out[0] if isinstance(out, tuple) else out
 
 
-def block_forward(span: "BlockSpan", index: int, hidden: torch.Tensor, prompt: Optional[torch.Tensor]) -> torch.Tensor:
+def block_forward(span: "BlockSpan", index: int, hidden: torch.Tensor, prompt: Optional[torch.Tensor],
+                  adapter: Optional[str] = None) -> torch.Tensor:
     with torch.no_grad():
-        return _run_block(span, index, hidden, prompt)
+        return _run_block(span, index, hidden, prompt, adapter)
 
 
-def block_graph(span: "BlockSpan", index: int, hidden: torch.Tensor, prompt: Optional[torch.Tensor]
-                ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+def block_graph(span: "BlockSpan", index: int, hidden: torch.Tensor, prompt: Optional[torch.Tensor],
+                adapter: Optional[str] = None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """The block's output with its autograd graph, and the graph's leaves: the input (and the prompt); the weights
     do not require grad, so the graph keeps only what the input's gradient needs."""
     with torch.enable_grad():
         leaves = [hidden.detach().requires_grad_(True)]
         if prompt is not None:
             leaves.append(prompt.detach().requires_grad_(True))
-        return _run_block(span, index, leaves[0], leaves[1] if prompt is not None else None), leaves
+        return _run_block(span, index, leaves[0], leaves[1] if prompt is not None else None, adapter), leaves
 
 
 def graph_backward(out: torch.Tensor, leaves: List[torch.Tensor], grad_output: torch.Tensor
@@ -87,9 +98,10 @@ def graph_backward(out: torch.Tensor, leaves: List[torch.Tensor], grad_output: t
 
 
 def block_backward(span: "BlockSpan", index: int, hidden: torch.Tensor, prompt: Optional[torch.Tensor],
-                   grad_output: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                   grad_output: torch.Tensor, adapter: Optional[str] = None
+                   ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """`block_graph` then `graph_backward`: one block's gradients for its input and prompt."""
-    return graph_backward(*block_graph(span, index, hidden, prompt), grad_output)
+    return graph_backward(*block_graph(span, index, hidden, prompt, adapter), grad_output)
 
 
 async def drain_refused(requests: AsyncIterator, timeout: float = 2.0, max_messages: int = 64) -> None:
@@ -128,6 +140,9 @@ class TrainingHandler(P.BlockRPC):
     def _check_range(self, start: int, end: int) -> None:
         raise NotImplementedError
 
+    def _check_adapter(self, adapter: Optional[str]) -> None:
+        raise NotImplementedError
+
     def _admits(self, context: P2PContext, proof: str) -> bool:
         """Whether the caller may use this server (`BlockHandler`: members only in a private swarm)."""
         raise NotImplementedError
@@ -162,6 +177,7 @@ class TrainingHandler(P.BlockRPC):
         metadata, parts = await streaming.collect(requests, self._max_train_bytes())
         message: Any = P.decode(metadata, kind)
         self._check_range(message.start, message.end)
+        self._check_adapter(message.adapter)
         tensors = streaming.unpack(parts, max_elements=self._max_train_bytes())
         backward = kind is P.TrainBackward
         names = ["hidden"] + (["grad_output"] if backward else []) + (["prompts"] if message.prompts else [])
@@ -217,19 +233,20 @@ class TrainingHandler(P.BlockRPC):
         return prompts.to(self.span.device, self.span.dtype)
 
     # ---- the passes, in pieces ----------------------------------------------------------------------------
-    async def _forward_pieces(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor], start: int, end: int
-                              ) -> torch.Tensor:
+    async def _forward_pieces(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor], start: int, end: int,
+                              adapter: Optional[str] = None) -> torch.Tensor:
         """The span's output [batch, seq, hidden], without autograd."""
         pieces = _pieces(hidden.shape[0], hidden.shape[1], self.train_piece_tokens)
         for index in range(start, end):
             prompt = None if prompts is None else prompts[index - start]
             outs = [await self.pool.submit(PRIORITY_TRAINING, block_forward, self.span, index, hidden[rows],
-                                           _rows(prompt, rows)) for rows in pieces]
+                                           _rows(prompt, rows), adapter) for rows in pieces]
             hidden = outs[0] if len(outs) == 1 else torch.cat(outs)
         return hidden
 
     async def _backward_pieces(self, hidden: torch.Tensor, grad: torch.Tensor, prompts: Optional[torch.Tensor],
-                               start: int, end: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                               start: int, end: int, adapter: Optional[str] = None
+                               ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The span's forward again, each piece keeping its autograd graph (the call's only state, dropped block by
         block as the gradients go back), then the pieces' backwards in reverse order."""
         pieces = _pieces(hidden.shape[0], hidden.shape[1], self.train_piece_tokens)
@@ -238,7 +255,7 @@ class TrainingHandler(P.BlockRPC):
         for index in range(start, end):
             prompt = None if prompts is None else prompts[index - start]
             level = [await self.pool.submit(PRIORITY_TRAINING, block_graph, self.span, index, x[rows],
-                                            _rows(prompt, rows)) for rows in pieces]
+                                            _rows(prompt, rows), adapter) for rows in pieces]
             graphs.append(level)
             x = torch.cat([out.detach() for out, _ in level]) if len(level) > 1 else level[0][0].detach()
         grad_prompts = None if prompts is None else torch.zeros_like(prompts)
@@ -262,7 +279,7 @@ class TrainingHandler(P.BlockRPC):
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         async def forward(message, hidden, grad, prompts) -> List[torch.Tensor]:
-            return [await self._forward_pieces(hidden, prompts, message.start, message.end)]
+            return [await self._forward_pieces(hidden, prompts, message.start, message.end, message.adapter)]
 
         async for response in self._train_rpc(requests, context, P.TrainForward, "forward", forward):
             yield response
@@ -272,7 +289,8 @@ class TrainingHandler(P.BlockRPC):
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         async def backward(message, hidden, grad, prompts) -> List[torch.Tensor]:
             assert grad is not None
-            grad_input, grad_prompts = await self._backward_pieces(hidden, grad, prompts, message.start, message.end)
+            grad_input, grad_prompts = await self._backward_pieces(hidden, grad, prompts, message.start, message.end,
+                                                                   message.adapter)
             return [grad_input] if grad_prompts is None else [grad_input, grad_prompts]
 
         async for response in self._train_rpc(requests, context, P.TrainBackward, "backward", backward):

@@ -302,9 +302,11 @@ class SwarmManager:
         return served_adapters(self.update(force=force), self.num_blocks, self.banned(),
                                self.config.allowed_quant_types)
 
-    def make_training_chain(self, start: int, end: int, load: Optional[Dict[str, int]] = None) -> List[RouteHop]:
-        """A chain for one training sub-batch over blocks [start, end), spread by `load` (requests in flight)."""
-        return self._route(choose_training_chain, start, end, load=dict(load or {}))
+    def make_training_chain(self, start: int, end: int, load: Optional[Dict[str, int]] = None,
+                            adapter: Optional[str] = None) -> List[RouteHop]:
+        """A chain for one training sub-batch over blocks [start, end), spread by `load` (requests in flight);
+        `adapter`: only through servers that hold this LoRA adapter."""
+        return self._route(choose_training_chain, start, end, load=dict(load or {}), adapter=adapter)
 
     # ---- RPC ----------------------------------------------------------------------------------------------
     def stub(self, peer_id: str):

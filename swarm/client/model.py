@@ -216,14 +216,12 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         """Logits for every position of `input_ids` [batch, seq] (or `inputs_embeds` [batch, seq, hidden]) through
         the swarm (no cache), with LoRA `adapter`. `attention_mask` (left padding): padding keys are never attended;
         positions are not shifted, as in transformers' forward without `position_ids`. Differentiable
-        (`swarm.client.ptune.trainable_forward`, base model, no padding) when prompts, trainable modules or inputs
-        that require grad are involved, so that `loss.backward()` works."""
+        (`swarm.client.ptune.trainable_forward`, no padding; through the adapter's frozen deltas) when prompts,
+        trainable modules or inputs that require grad are involved, so that `loss.backward()` works."""
         if tuning.needs_autograd(self, inputs_embeds):
             if attention_mask is not None and not bool(attention_mask.all()):
                 raise ValueError("training passes do not take padded batches (attention_mask with zeros)")
-            if self._adapter(adapter) is not None:
-                raise ValueError("training passes run on the base model, not on a LoRA adapter")
-            return CausalLMOutput(*tuning.trainable_forward(self, input_ids, inputs_embeds))
+            return CausalLMOutput(*tuning.trainable_forward(self, input_ids, inputs_embeds, self._adapter(adapter)))
         if input_ids is None:
             raise ValueError("input_ids are needed (inputs_embeds only for differentiable passes)")
         padding = left_padding(attention_mask, input_ids)

@@ -92,9 +92,10 @@ def needs_autograd(model: DistributedModel, inputs_embeds: Optional[torch.Tensor
 
 
 def trainable_hidden(model: DistributedModel, input_ids: Optional[torch.Tensor],
-                     inputs_embeds: Optional[torch.Tensor]) -> torch.Tensor:
+                     inputs_embeds: Optional[torch.Tensor], adapter: Optional[str] = None) -> torch.Tensor:
     """Final-norm states [batch, seq, hidden] of the input positions (the prompts' dropped), differentiable with
-    respect to `inputs_embeds`, the prompts and any trainable client module."""
+    respect to `inputs_embeds`, the prompts and any trainable client module; through the servers' LoRA `adapter`
+    (None: the base model)."""
     if inputs_embeds is None:
         if input_ids is None or input_ids.ndim != 2 or input_ids.shape[1] == 0:
             raise ValueError("input_ids must be a non-empty [batch, seq] tensor")
@@ -110,13 +111,14 @@ def trainable_hidden(model: DistributedModel, input_ids: Optional[torch.Tensor],
         deep = model.ptune.block_prompts()
     if model.remote_blocks is None:
         model.remote_blocks = RemoteBlocks(model.manager)
-    out = model.remote_blocks(hidden.cpu(), None if deep is None else deep.cpu())[:, pre:]
+    out = model.remote_blocks(hidden.cpu(), None if deep is None else deep.cpu(), adapter)[:, pre:]
     return model.norm(out.to(model.device))
 
 
 def trainable_forward(model: DistributedModel, input_ids: Optional[torch.Tensor],
-                      inputs_embeds: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+                      inputs_embeds: Optional[torch.Tensor], adapter: Optional[str] = None
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(logits [batch, seq, vocab] (float32), final-norm states [batch, seq, hidden]): `trainable_hidden`, then
     the LM head."""
-    normed = trainable_hidden(model, input_ids, inputs_embeds)
+    normed = trainable_hidden(model, input_ids, inputs_embeds, adapter)
     return model.lm_head(normed).float(), normed

@@ -4,7 +4,8 @@
 hidden]` (and deep prompts `[num_blocks, batch | 1, pre_seq_len, hidden]`) through every block of the model with
 the servers' streamed training RPCs (`rpc_train_forward` / `rpc_train_backward`, `swarm.wire.streaming`), and
 whose backward sends the gradients back through the same blocks, returning the gradients for the hidden states
-and the prompts. The servers keep nothing between the two: the client keeps each span's input.
+and the prompts. The servers keep nothing between the two: the client keeps each span's input. With a LoRA
+adapter, only servers that hold it are used, and each call names it (`TrainForward.adapter`).
 
 - Sub-batches: a batch is split into parts of at most `training_sub_batch_tokens` tokens, all in flight at once.
 - Routing for throughput: each sub-batch's chain is chosen by `routing.choose_training_chain` with this client's
@@ -64,11 +65,13 @@ class RemoteBlocks:
         self.resent = 0  # calls sent again to the same server after they got no reply
         self.failed: List[str] = []  # servers whose calls failed (then banned), oldest first
 
-    def __call__(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor] = None, adapter: Optional[str] = None
+                 ) -> torch.Tensor:
         """hidden [batch, seq, hidden] -> the last block's output [batch, seq, hidden]; prompts (optional)
-        [num_blocks, batch | 1, pre_seq_len, hidden] are added to each block's first positions."""
+        [num_blocks, batch | 1, pre_seq_len, hidden] are added to each block's first positions; `adapter`: the
+        servers' LoRA adapter the blocks run with (only servers that hold it; None: the base model)."""
         empty = torch.empty(0, dtype=hidden.dtype)
-        return _RemoteFunction.apply(hidden, prompts if prompts is not None else empty, self)
+        return _RemoteFunction.apply(hidden, prompts if prompts is not None else empty, self, adapter)
 
     # ---- one call to one server ---------------------------------------------------------------------------
     async def _call(self, hop: RouteHop, message: P.Message, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -106,20 +109,21 @@ class RemoteBlocks:
                                 hop.peer_id)
         return [t.to(tensors[0].dtype) for t in out]
 
-    async def _forward_hop(self, hop: RouteHop, x: torch.Tensor, prompts: Optional[torch.Tensor]) -> torch.Tensor:
-        message = P.TrainForward(start=hop.start, end=hop.end, prompts=prompts is not None)
+    async def _forward_hop(self, hop: RouteHop, x: torch.Tensor, prompts: Optional[torch.Tensor],
+                           adapter: Optional[str]) -> torch.Tensor:
+        message = P.TrainForward(start=hop.start, end=hop.end, prompts=prompts is not None, adapter=adapter)
         tensors = [x] + ([prompts[hop.start:hop.end]] if prompts is not None else [])
         return (await self._call(hop, message, tensors))[0]
 
-    async def _backward_hop(self, hop: RouteHop, x: torch.Tensor, grad: torch.Tensor, prompts: Optional[torch.Tensor]
-                            ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        message = P.TrainBackward(start=hop.start, end=hop.end, prompts=prompts is not None)
+    async def _backward_hop(self, hop: RouteHop, x: torch.Tensor, grad: torch.Tensor, prompts: Optional[torch.Tensor],
+                            adapter: Optional[str]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        message = P.TrainBackward(start=hop.start, end=hop.end, prompts=prompts is not None, adapter=adapter)
         tensors = [x, grad] + ([prompts[hop.start:hop.end]] if prompts is not None else [])
         out = await self._call(hop, message, tensors)
         return out[0], (out[1] if prompts is not None else None)
 
-    def _route(self, start: int, end: int) -> List[RouteHop]:
-        return self.manager.make_training_chain(start, end, load=self.load)
+    def _route(self, start: int, end: int, adapter: Optional[str]) -> List[RouteHop]:
+        return self.manager.make_training_chain(start, end, load=self.load, adapter=adapter)
 
     def _failed(self, hop: RouteHop, error: BaseException, tries: int) -> None:
         logger.warning(f"training call to {hop.peer_id} (blocks {hop.start}:{hop.end}) failed: {error}")
@@ -131,16 +135,16 @@ class RemoteBlocks:
             raise TrainingError(f"training pass failed after {tries} tries: {error}") from error
 
     # ---- a sub-batch's passes -----------------------------------------------------------------------------
-    async def _forward_rows(self, x: torch.Tensor, prompts: Optional[torch.Tensor]
+    async def _forward_rows(self, x: torch.Tensor, prompts: Optional[torch.Tensor], adapter: Optional[str]
                             ) -> Tuple[torch.Tensor, List[Record]]:
         records: List[Record] = []
         position, tries = 0, 0
         while position < self.manager.num_blocks:
             hops = await asyncio.get_running_loop().run_in_executor(None, self._route, position,
-                                                                    self.manager.num_blocks)
+                                                                    self.manager.num_blocks, adapter)
             for hop in hops:
                 try:
-                    y = await self._forward_hop(hop, x, prompts)
+                    y = await self._forward_hop(hop, x, prompts, adapter)
                 except Exception as e:
                     tries += 1
                     self._failed(hop, e, tries)
@@ -150,19 +154,20 @@ class RemoteBlocks:
         return x, records
 
     async def _backward_span(self, start: int, end: int, x: torch.Tensor, grad: torch.Tensor,
-                             prompts: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                             prompts: Optional[torch.Tensor], adapter: Optional[str]
+                             ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Gradients through blocks [start, end) of one sub-batch whose input there was `x`."""
         tries = 0
         while True:
-            hops = await asyncio.get_running_loop().run_in_executor(None, self._route, start, end)
+            hops = await asyncio.get_running_loop().run_in_executor(None, self._route, start, end, adapter)
             hop = hops[0]
             try:
                 inputs = [x]
                 for hop in hops[:-1]:  # a span rerouted over several servers: their inputs, recomputed
-                    inputs.append(await self._forward_hop(hop, inputs[-1], prompts))
+                    inputs.append(await self._forward_hop(hop, inputs[-1], prompts, adapter))
                 g, grads_p = grad, []
                 for hop, inp in zip(reversed(hops), reversed(inputs)):
-                    g, gp = await self._backward_hop(hop, inp, g, prompts)
+                    g, gp = await self._backward_hop(hop, inp, g, prompts, adapter)
                     if gp is not None:
                         grads_p.append(gp)
                 grad_prompts = torch.cat(grads_p[::-1]) if prompts is not None else None
@@ -171,11 +176,11 @@ class RemoteBlocks:
                 tries += 1
                 self._failed(hop, e, tries)
 
-    async def _backward_rows(self, records: List[Record], grad: torch.Tensor, prompts: Optional[torch.Tensor]
-                             ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    async def _backward_rows(self, records: List[Record], grad: torch.Tensor, prompts: Optional[torch.Tensor],
+                             adapter: Optional[str]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         grad_prompts = None if prompts is None else torch.zeros_like(prompts)
         for start, end, x in reversed(records):
-            grad, gp = await self._backward_span(start, end, x, grad, prompts)
+            grad, gp = await self._backward_span(start, end, x, grad, prompts, adapter)
             if grad_prompts is not None and gp is not None:
                 grad_prompts[start:end] = gp
         return grad, grad_prompts
@@ -186,22 +191,24 @@ class RemoteBlocks:
         rows = max(1, self.manager.config.training_sub_batch_tokens // seq)
         return [slice(i, i + rows) for i in range(0, batch, rows)]
 
-    def forward(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor]
+    def forward(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor], adapter: Optional[str] = None
                 ) -> Tuple[torch.Tensor, List[Tuple[slice, List[Record]]]]:
         parts = self._sub_batches(hidden)
 
         async def run():
-            return await asyncio.gather(*(self._forward_rows(hidden[rows], _rows(prompts, rows)) for rows in parts))
+            return await asyncio.gather(*(self._forward_rows(hidden[rows], _rows(prompts, rows), adapter)
+                                          for rows in parts))
 
         results = aio.run(run())
         output = torch.cat([out for out, _ in results])
         return output, [(rows, records) for rows, (_, records) in zip(parts, results)]
 
     def backward(self, saved: List[Tuple[slice, List[Record]]], grad_output: torch.Tensor,
-                 prompts: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                 prompts: Optional[torch.Tensor], adapter: Optional[str] = None
+                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         async def run():
-            return await asyncio.gather(*(self._backward_rows(records, grad_output[rows], _rows(prompts, rows))
-                                          for rows, records in saved))
+            return await asyncio.gather(*(self._backward_rows(records, grad_output[rows], _rows(prompts, rows),
+                                                              adapter) for rows, records in saved))
 
         results = aio.run(run())
         grad_input = torch.cat([g for g, _ in results])
@@ -223,10 +230,11 @@ def _rows(prompts: Optional[torch.Tensor], rows: slice) -> Optional[torch.Tensor
 
 class _RemoteFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, prompts: torch.Tensor, blocks: RemoteBlocks) -> torch.Tensor:
+    def forward(ctx, hidden: torch.Tensor, prompts: torch.Tensor, blocks: RemoteBlocks, adapter: Optional[str]
+                ) -> torch.Tensor:
         deep = prompts if prompts.numel() else None
-        output, saved = blocks.forward(hidden.detach(), None if deep is None else deep.detach())
-        ctx.blocks, ctx.saved, ctx.deep = blocks, saved, deep is not None
+        output, saved = blocks.forward(hidden.detach(), None if deep is None else deep.detach(), adapter)
+        ctx.blocks, ctx.saved, ctx.deep, ctx.adapter = blocks, saved, deep is not None, adapter
         ctx.save_for_backward(prompts.detach())
         return output.to(hidden.dtype)
 
@@ -234,7 +242,7 @@ class _RemoteFunction(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         (prompts,) = ctx.saved_tensors
         grad_input, grad_prompts = ctx.blocks.backward(ctx.saved, grad_output.contiguous(),
-                                                       prompts if ctx.deep else None)
+                                                       prompts if ctx.deep else None, ctx.adapter)
         if not ctx.deep or not ctx.needs_input_grad[1]:
             grad_prompts = None
-        return grad_input, grad_prompts, None
+        return grad_input, grad_prompts, None, None

@@ -368,13 +368,16 @@ def choose_training_chain(
     banned: Collection[str] = (),
     rng: Optional[random.Random] = None,
     allowed_quant_types: Optional[Collection[str]] = None,
+    adapter: Optional[str] = None,
 ) -> List[RouteHop]:
     """A chain for one training sub-batch: at each boundary, the covering server with the least
     (`load[peer]` + 1) / throughput (`load`: requests this client has in flight there), then the one reaching
-    furthest, ties broken at random; used as far as it covers. Raises RoutingError on gaps."""
+    furthest, ties broken at random; used as far as it covers. Raises RoutingError on gaps (servers without
+    `adapter` do not count; None: any)."""
     _check_range(start, end)
-    usable = usable_spans(spans, start, end, banned, allowed_quant_types)
-    raise_if_uncovered(usable, start, end, spans=spans, banned=banned, allowed_quant_types=allowed_quant_types)
+    usable = usable_spans(spans, start, end, banned, allowed_quant_types, adapter)
+    raise_if_uncovered(usable, start, end, spans=spans, banned=banned, allowed_quant_types=allowed_quant_types,
+                       adapter=adapter)
     rng = rng if rng is not None else random.Random()
     load = load or {}
     hops: List[RouteHop] = []

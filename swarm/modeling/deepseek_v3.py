@@ -32,11 +32,18 @@ layout (`mlp.experts.gate_up_proj` [experts, 2 * moe_intermediate, hidden]: `qwe
 The layer is its own `BlockLayer` (`fuse_layer`). int8 / nf4 (`quantize`) swap every projection for a bitsandbytes
 module but `kv_b_proj` (the absorbed attention reads its weight as a matrix) and the router, which stay in the
 serving dtype. Not CUDA-graph capturable (data-dependent routing; the graphs' static attention reads keys and values
-of one size), no LoRA adapters (`FamilySpec.serves_adapters`), no tensor parallelism. The router weight is cast to
-the serving dtype like every weight (transformers keeps it in float32; the routing itself runs in float32). The
-multi-token-prediction layer of the hub checkpoint (block `num_hidden_layers`) is not served. Written here rather
-than imported from transformers' modeling_deepseek_v3 (about 135 MB of resident imports per process,
-`swarm.modeling.layers`).
+of one size), no tensor parallelism. The router weight is cast to the serving dtype like every weight (transformers
+keeps it in float32; the routing itself runs in float32). The multi-token-prediction layer of the hub checkpoint
+(block `num_hidden_layers`) is not served. Written here rather than imported from transformers' modeling_deepseek_v3
+(about 135 MB of resident imports per process, `swarm.modeling.layers`).
+
+LoRA adapters (`swarm.modeling.lora`): every projection goes through the layer's `project` (q_proj / q_a_proj /
+q_b_proj, kv_a_proj_with_mqa, o_proj, the dense MLP's and the shared experts' gate/up/down), where an adapter's rows
+add their deltas. kv_b_proj's delta s * B @ A is absorbed like its weight (`absorbed`: per head, the query's q_nope
+@ (s B_uk) @ A and the output's (o @ A^T) @ (s B_uv)^T on that adapter's rows; exact, and the cached latent is not
+touched by it). The routed experts' stacked parameters through peft's `target_parameters`
+(`swarm.modeling.lora_experts`; `expert_gate_up`, `expert_act`, `expert_down`). On int8 / nf4 blocks the same: the
+adapter's deltas add to the bitsandbytes modules' outputs, and kv_b_proj stays float.
 """
 from __future__ import annotations
 
@@ -108,23 +115,37 @@ def mla_attention(layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     rope], the rotary angles of each token's position (see the module docstring for the absorbed form)."""
     attn = cast(MlaAttention, layer.self_attn)
     heads, nope, rope, rank, v_dim = layer.heads, layer.nope_dim, layer.rope_dim, layer.rank, layer.v_dim
+    project = layer.project  # (a LoRA adapter's `lora.AdaptedLayer.project` adds its deltas)
     if attn.q_lora_rank is None:
-        q = attn.q_proj(h)
+        q = project("self_attn.q_proj", h)
     else:
-        q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(h)))
+        q = project("self_attn.q_b_proj", attn.q_a_layernorm(project("self_attn.q_a_proj", h)))
     q_nope, q_rot = q.unflatten(-1, (heads, nope + rope)).split([nope, rope], dim=-1)  # [..., heads, nope / rope]
-    latent, k_rot = attn.kv_a_proj_with_mqa(h).split([rank, rope], dim=-1)  # [..., rank], [..., rope]
+    latent, k_rot = project("self_attn.kv_a_proj_with_mqa", h).split([rank, rope], dim=-1)  # [..., rank], [..., rope]
     latent = attn.kv_a_layernorm(latent)
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [..., 1, rope]
     q_rot = rotate(q_rot, cos, sin, layer.rope_interleave)
     k_rot = rotate(k_rot.unsqueeze(-2), cos, sin, layer.rope_interleave)  # [..., 1, rope]
     w = attn.kv_b_proj.weight.view(heads, nope + v_dim, rank)  # per head: W_uk rows, then W_uv rows
     q_latent = torch.einsum("...hn,hnr->...hr", q_nope, w[:, :nope])  # [..., heads, rank]
+    deltas = layer.absorbed("self_attn.kv_b_proj") if hasattr(layer, "absorbed") else []
+    if deltas:
+        q_latent = q_latent.contiguous()  # (the deltas go into its rows' memory)
+    for r0, r1, lora in deltas:  # kv_b_proj's LoRA delta s * B @ A on its rows: q_nope @ (s B_uk) @ A
+        b_t = lora.b_t.view(-1, heads, nope + v_dim)  # [r, heads, nope + v_dim]: s * B^T per head
+        low = torch.einsum("thn,jhn->thj", q_nope.reshape(-1, heads, nope)[r0:r1], b_t[:, :, :nope])
+        q_latent.view(-1, heads, rank)[r0:r1] += low @ lora.a_t.t()  # [rows, heads, r] @ [r, rank]
     query = torch.cat([q_latent, q_rot], dim=-1)  # [..., heads, rank + rope]
     key = torch.cat([latent.unsqueeze(-2), k_rot], dim=-1)  # [..., 1, rank + rope]: what the cache holds
-    o = attend(layer, query, key, key[..., :rank])  # [..., heads * rank], the attention over the latent
-    o = torch.einsum("...hr,hvr->...hv", o.unflatten(-1, (heads, rank)), w[:, nope:])  # [..., heads, v_dim]
-    return attn.o_proj(o.flatten(-2))
+    o = attend(layer, query, key, key[..., :rank]).unflatten(-1, (heads, rank))  # [..., heads, rank] over the latent
+    o_v = torch.einsum("...hr,hvr->...hv", o, w[:, nope:])  # [..., heads, v_dim]
+    if deltas:
+        o_v = o_v.contiguous()
+    for r0, r1, lora in deltas:  # and (o @ A^T) @ (s B_uv)^T per head
+        b_t = lora.b_t.view(-1, heads, nope + v_dim)
+        low = o.reshape(-1, heads, rank)[r0:r1] @ lora.a_t  # [rows, heads, r]
+        o_v.view(-1, heads, v_dim)[r0:r1] += torch.einsum("thj,jhv->thv", low, b_t[:, :, nope:])
+    return project("self_attn.o_proj", o_v.flatten(-2))
 
 
 def deepseek_block_step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
@@ -132,14 +153,15 @@ def deepseek_block_step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     """One block on x: [..., hidden] (tokens on the leading dims); cos, sin: [..., rope]. Returns [..., hidden]."""
     x = x + mla_attention(layer, layer.input_layernorm(x), cos, sin, attend)
     h = layer.post_attention_layernorm(x)
+    project = layer.project
     if not layer.sparse:
-        mlp = cast(MLP, layer.mlp)
-        return x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
+        act = cast(MLP, layer.mlp).act_fn
+        return x + project("mlp.down_proj", act(project("mlp.gate_proj", h)) * project("mlp.up_proj", h))
     from swarm.modeling.mixtral import sparse_moe  # (mixtral imports quantize: bitsandbytes only when it runs)
 
-    moe = cast(DeepseekV3MoE, layer.mlp)
-    shared = moe.shared_experts
-    return x + (sparse_moe(layer, h) + shared.down_proj(shared.act_fn(shared.gate_proj(h)) * shared.up_proj(h)))
+    act = cast(DeepseekV3MoE, layer.mlp).shared_experts.act_fn
+    return x + (sparse_moe(layer, h) + project("mlp.shared_experts.down_proj", act(
+        project("mlp.shared_experts.gate_proj", h)) * project("mlp.shared_experts.up_proj", h)))
 
 
 class TopkRouter(nn.Module):
@@ -235,6 +257,23 @@ class DeepseekV3DecoderLayer(AttentionIndexedLayer):
     def expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
         expert = cast(MLP, cast(DeepseekV3MoE, self.mlp).experts[e])
         return expert.down_proj(expert.act_fn(expert.gate_proj(h)) * expert.up_proj(h))
+
+    # the expert in parts, where a LoRA adapter adds its deltas (`swarm.modeling.lora_experts`)
+    def expert_gate_up(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        expert = cast(MLP, cast(DeepseekV3MoE, self.mlp).experts[e])
+        return torch.cat([expert.gate_proj(h), expert.up_proj(h)], dim=-1)  # [n, 2 * intermediate]: gate, up
+
+    def expert_act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return cast(MLP, cast(DeepseekV3MoE, self.mlp).experts[0]).act_fn(gate) * up  # [n, intermediate]
+
+    def expert_down(self, e: int, a: torch.Tensor) -> torch.Tensor:
+        return cast(MLP, cast(DeepseekV3MoE, self.mlp).experts[e]).down_proj(a)  # [n, hidden]
+
+    def project(self, name: str, h: torch.Tensor) -> torch.Tensor:
+        """The projection `name` ("self_attn.q_a_proj", "mlp.shared_experts.up_proj", ...) of h [..., in] ->
+        [..., out] (what a LoRA adapter's `lora.AdaptedLayer.project` adds its deltas to)."""
+        return self.get_submodule(name)(h)
 
     # linear modules int8 / nf4 leave in the serving dtype (`quantize`; counted as such by `server.placement.memory`)
     float_linears = ("self_attn.kv_b_proj",)

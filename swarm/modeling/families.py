@@ -68,7 +68,8 @@ class FamilySpec:
     # (config, embed, lm_head) -> (embed, lm_head): changes the client's parts (Gemma's embedding scale and final
     # soft-cap)
     client_parts: Optional[Callable] = None
-    # LoRA adapters (`swarm.modeling.lora`) apply to its blocks (the mixtures of experts: to their attention)
+    # LoRA adapters (`swarm.modeling.lora`) apply to its blocks (the mixtures of experts: their attention, and their
+    # experts' stacked parameters through `target_parameters`, `swarm.modeling.lora_experts`)
     serves_adapters: bool = False
     # (config, held, total) -> whether extending a cached sequence of `held` positions to `total` computes all of it
     # again, as transformers' generate does (Phi-3's LongRoPE switching to its long factors: `phi3.recomputes_cache`)
@@ -142,7 +143,8 @@ FAMILIES = {
         # attention sinks (eager attention: `layers.layer_sdpa`) and its own experts
         _llama_like("gpt_oss", gpt_oss.GptOssDecoderLayer, gpt_oss.fuse_layer, serves_adapters=True),
         # multi-head latent attention (a latent cache: `shape.CacheLayout`), shared experts and grouped routing
-        _llama_like("deepseek_v3", deepseek_v3.DeepseekV3DecoderLayer, deepseek_v3.fuse_layer),
+        _llama_like("deepseek_v3", deepseek_v3.DeepseekV3DecoderLayer, deepseek_v3.fuse_layer,
+                    serves_adapters=True),
     )
 }
 

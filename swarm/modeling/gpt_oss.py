@@ -102,13 +102,23 @@ class GptOssDecoderLayer(DecoderLayer):
 
     def expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
         """h: [n, hidden] -> [n, hidden]: expert e's clamped SwiGLU with biases."""
+        return self.expert_down(e, self.expert_act(self.expert_gate_up(e, h)))
+
+    # the expert in parts, where a LoRA adapter adds its deltas (`swarm.modeling.lora_experts`)
+    def expert_gate_up(self, e: int, h: torch.Tensor) -> torch.Tensor:
         experts = self.moe.experts
-        gate_up = h @ experts.gate_up_proj[e] + experts.gate_up_proj_bias[e]  # [n, 2 * intermediate]
+        return h @ experts.gate_up_proj[e] + experts.gate_up_proj_bias[e]  # [n, 2 * intermediate], interleaved
+
+    def expert_act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        experts = self.moe.experts
         gate, up = gate_up[..., ::2], gate_up[..., 1::2]
         gate = gate.clamp(min=None, max=experts.limit)
         up = up.clamp(min=-experts.limit, max=experts.limit)
-        return ((up + 1) * (gate * torch.sigmoid(gate * experts.alpha))) @ experts.down_proj[e] \
-            + experts.down_proj_bias[e]
+        return (up + 1) * (gate * torch.sigmoid(gate * experts.alpha))  # [n, intermediate]
+
+    def expert_down(self, e: int, a: torch.Tensor) -> torch.Tensor:
+        experts = self.moe.experts
+        return a @ experts.down_proj[e] + experts.down_proj_bias[e]  # [n, hidden]
 
 
     def quantize(self, quant_type: str, dtype: torch.dtype, device: torch.device) -> nn.Module:

@@ -5,10 +5,12 @@ and `adapter_model.safetensors`, whose tensors are named `base_model.model.model
 lora_A.weight` ([r, in]) and `...lora_B.weight` ([out, r]). `open_adapter` reads the config and the safetensors
 header (names and shapes, no tensor data) and checks the whole adapter against the base model at server start:
 every tensor must be a LoRA A/B pair of a Llama projection (q/k/v/o, gate/up/down; Phi-3's fused qkv_proj and
-gate_up_proj instead of its parts; BLOOM's and Falcon's query_key_value, dense, dense_h_to_4h, dense_4h_to_h; only
-q/k/v/o on Mixtral, Qwen3-MoE and GPT-OSS: not their experts) that the config targets, with
-the configured rank and the base model's shapes, for a block the model has. Features this module does not
-implement (DoRA, LoRA biases, trained base biases, `modules_to_save`, ...) are rejected with an error naming them.
+gate_up_proj instead of its parts; BLOOM's and Falcon's query_key_value, dense, dense_h_to_4h, dense_4h_to_h;
+q/k/v/o on Mixtral, Qwen3-MoE and GPT-OSS; DeepSeek-V3's latent attention's projections, its dense MLP's and shared
+experts') that the config targets, with the configured rank and the base model's shapes, for a block the model has,
+or of an experts' stacked parameter that the config's `target_parameters` name (`swarm.modeling.lora_experts`).
+Features this module does not implement (DoRA, LoRA biases, trained base biases, `modules_to_save`, ...) are
+rejected with an error naming them.
 `SpanAdapter.load` then reads only the tensors of one span's blocks.
 
 The math (as peft's `lora.Linear.forward`): `y = base(x) + (x @ A^T) @ B^T * scaling`, scaling = `lora_alpha / r`
@@ -21,8 +23,9 @@ takes two small matmuls, the second added in place into the base output's rows.
 QuantizedLayer`, a mixture of experts' fused layer, a layer that projects by groups, `project`: BLOOM, Falcon,
 Gemma) for one step whose rows [rows, ...] (flattened leading dims) come in groups, each with its own adapter or
 none: the base projections run once on all rows, and each group adds its own delta to its rows only. The wrapped
-layer is what the block's step reads (`step`, `qkv`, `add_o_proj`, `gate_up`, `add_down`, `project`), so the
-server's decode and prefill paths (`server.compute.decode`) run it unchanged.
+layer is what the block's step reads (`step`, `qkv`, `add_o_proj`, `gate_up`, `add_down`, `project`; `expert_rows`
+for the experts, `absorbed` for DeepSeek-V3's kv_b_proj), so the server's decode and prefill paths
+(`server.compute.decode`) run it unchanged.
 """
 from __future__ import annotations
 
@@ -37,50 +40,32 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from swarm.modeling.llama import block_step
+from swarm.modeling.lora_experts import (
+    EXPERT_KEY,
+    ExpertLora,
+    ExpertTarget,
+    adapted_expert,
+    expert_targets,
+    load_expert_loras,
+    unsupported_parameters,
+)
+from swarm.modeling.lora_targets import (
+    FUSED_PROJECTIONS,
+    PROJECTIONS,
+    blocks_prefix,
+    columns,
+    deepseek_shapes,
+    modules_of,
+    target_shapes,
+)
 from swarm.modeling.shape import ModelShape
 
 logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-# the projections of a Llama-family block, grouped by the input they share: (group, targets)
-PROJECTIONS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
-    ("qkv", ("q_proj", "k_proj", "v_proj")), ("o", ("o_proj",)), ("gate_up", ("gate_proj", "up_proj")),
-    ("down", ("down_proj",)), ("up", ()),
-)
-MODULES = {target: ("self_attn" if group in ("qkv", "o") else "mlp") for group, targets in PROJECTIONS
-           for target in targets}
-# Phi-3's checkpoints fuse q/k/v and gate/up into one projection each, which its adapters target as such; BLOOM's
-# and Falcon's layers name theirs query_key_value, dense, dense_h_to_4h ("up": no gate) and dense_4h_to_h
-FUSED_PROJECTIONS = {"qkv_proj": "qkv", "gate_up_proj": "gate_up", "query_key_value": "qkv", "dense": "o",
-                     "dense_h_to_4h": "up", "dense_4h_to_h": "down"}
-LAYER_NORM_MODULES = {"query_key_value": "self_attention", "dense": "self_attention", "dense_h_to_4h": "mlp",
-                      "dense_4h_to_h": "mlp"}
-PHI3_MODULES = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
-
-
-# mixtures of experts: the attention's projections. Not their experts: transformers 5 keeps a layer's experts as
-# stacked 3-d parameters (`mlp.experts.gate_up_proj` [experts, ...]), which peft adapts only through
-# `target_parameters` (its per-expert ParamWrapper layout), not implemented here: refused with one line
-ATTENTION_MODULES = {target: module for target, module in MODULES.items() if module == "self_attn"}
-MIXTURES = ("mixtral", "qwen3_moe", "gpt_oss")
-
-
-def _blocks_prefix(model_config) -> str:
-    """How the model's modules name its blocks (what an adapter config's target patterns match)."""
-    return "transformer.h." if getattr(model_config, "model_type", None) in ("bloom", "falcon") else "model.layers."
-
-
-def modules_of(model_config) -> Dict[str, str]:
-    """The adaptable projections (target -> its parent module's name) of the model whose config is `model_config`."""
-    model_type = getattr(model_config, "model_type", None)
-    if model_type == "phi3":
-        return PHI3_MODULES
-    if model_type in ("bloom", "falcon"):
-        return LAYER_NORM_MODULES
-    return ATTENTION_MODULES if model_type in MIXTURES else MODULES
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.|transformer\.)?(?:layers|h)\.(\d+)\."
-                  r"(self_attn|self_attention|mlp)\.([a-z_0-9]+)"
+                  r"(self_attn|self_attention|mlp)\.((?:shared_experts\.)?[a-z_0-9]+)"
                   r"\.lora_([AB])\.weight$")
 ADAPTERS_HELP = ("LoRA adapters to serve on the blocks (users choose one per request): each a local directory or a "
                  "hub repo id in peft's format (adapter_config.json + adapter_model.safetensors), optionally "
@@ -122,17 +107,6 @@ def check_adapter_name(name: str) -> str:
     return name
 
 
-def _target_shapes(shape: ModelShape) -> Dict[str, Tuple[int, int]]:
-    """target -> (out_features, in_features) of the base model's projection."""
-    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    hidden, inter = shape.hidden_size, shape.intermediate_size
-    return {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
-            "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter),
-            "qkv_proj": (q + 2 * kv, hidden), "gate_up_proj": (2 * inter, hidden),
-            "query_key_value": (q + 2 * kv, hidden), "dense": (hidden, q), "dense_h_to_4h": (inter, hidden),
-            "dense_4h_to_h": (hidden, inter)}
-
-
 def _parse_config(path: Path, where: str):
     """`peft.LoraConfig` of `adapter_config.json` at `path` (peft's own parsing and defaults)."""
     from peft import LoraConfig, PeftType
@@ -158,9 +132,10 @@ def _parse_config(path: Path, where: str):
         unsupported.append(f"bias={config.bias!r} (trained base biases)")
     if config.modules_to_save:
         unsupported.append(f"modules_to_save {list(config.modules_to_save)}")
-    if getattr(config, "target_parameters", None):
-        unsupported.append(f"target_parameters {list(config.target_parameters)} (LoRA on parameters, such as the "
-                           f"experts' stacked weights: adapters on experts are not served)")
+    odd = unsupported_parameters(getattr(config, "target_parameters", None) or [])
+    if odd:
+        unsupported.append(f"target_parameters {odd} (LoRA on parameters other than the experts' stacked "
+                           f"gate_up_proj and down_proj)")
     for name in ("layer_replication", "trainable_token_indices", "alora_invocation_tokens",
                  "use_bdlora", "arrow_config", "kasa_config", "monteclora_config", "velora_config"):
         if getattr(config, name, None):
@@ -194,6 +169,7 @@ class TargetSpec:
     b_key: str
     rank: int
     scaling: float
+    module: str = ""  # its parent module ("self_attn", "mlp")
 
 
 @dataclass
@@ -204,9 +180,13 @@ class AdapterFiles:
     config: object  # peft.LoraConfig
     weights: Path
     targets: Dict[Tuple[int, str], TargetSpec] = field(default_factory=dict)
+    # (block, "gate_up_proj" / "down_proj") -> the experts' stacked parameter it adapts (`target_parameters`)
+    experts: Dict[Tuple[int, str], ExpertTarget] = field(default_factory=dict)
+    model_config: object = None
+    grouped: bool = True  # targets grouped by their input (`PROJECTIONS`); False: each its own (DeepSeek-V3)
 
     def blocks(self) -> List[int]:
-        return sorted({block for block, _ in self.targets})
+        return sorted({block for block, _ in self.targets} | {block for block, _ in self.experts})
 
 
 def _safetensors_header(path: Path, where: str) -> Dict[str, dict]:
@@ -242,17 +222,24 @@ def open_adapter(source: AdapterSource, model_config, cache_dir: Optional[str] =
     assert config_path is not None and weights_path is not None  # required files raise instead
     config = _parse_config(config_path, where)
     shape = ModelShape.from_config(model_config)
-    shapes = _target_shapes(shape)
+    shapes = target_shapes(shape)
     header = _safetensors_header(weights_path, where)
     from peft.tuners.tuners_utils import check_target_module_exists
 
     modules = modules_of(model_config)
     pairs: Dict[Tuple[int, str], Dict[str, Tuple[str, List[int]]]] = {}
+    expert_pairs: Dict[Tuple[int, str], Dict[str, Tuple[str, List[int]]]] = {}
     for key, info in header.items():
         match = _KEY.match(key)
+        expert = EXPERT_KEY.match(key)
+        if expert is not None:  # an experts' stacked parameter (`target_parameters`), by its wrapper's nesting
+            expert_pairs.setdefault((int(expert.group(1)), expert.group(2)), {})[expert.group(3)] = \
+                (key, list(info.get("shape", [])))
+            continue
         if match is None and ".experts." in key:
-            raise AdapterError(f"{where}: tensor {key} adapts an expert: adapters on experts are not served (only "
-                               f"the attention's {', '.join(modules)} on {model_config.model_type})")
+            raise AdapterError(f"{where}: tensor {key} adapts one expert's own module: only the experts' stacked "
+                               f"parameters (target_parameters) and {', '.join(modules)} are served on "
+                               f"{model_config.model_type}")
         if match is None or match.group(3) not in modules or modules[match.group(3)] != match.group(2):
             raise AdapterError(f"{where}: tensor {key} is not a LoRA A/B weight of a projection of a decoder block "
                                f"({', '.join(modules)})")
@@ -261,19 +248,30 @@ def open_adapter(source: AdapterSource, model_config, cache_dir: Optional[str] =
             raise AdapterError(f"{where}: tensor {key} is for block {block}, but the model has "
                                f"{model_config.num_hidden_layers} blocks (an adapter for another model?)")
         pairs.setdefault((block, target), {})[which] = (key, list(info.get("shape", [])))
-    if not pairs:
+    if not pairs and not expert_pairs:
         raise AdapterError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
-    result = AdapterFiles(source.name, config, weights_path)
+    deepseek = model_config.model_type == "deepseek_v3"
+    result = AdapterFiles(source.name, config, weights_path, model_config=model_config, grouped=not deepseek)
+    if expert_pairs or config.target_parameters:
+        try:
+            result.experts = expert_targets(model_config, config, expert_pairs, lambda key: (
+                int(_pattern_value(config.rank_pattern, key, config.r)),
+                float(_pattern_value(config.alpha_pattern, key, config.lora_alpha))))
+        except ValueError as e:
+            raise AdapterError(f"{where}: {e}") from None
     for (block, target), found in sorted(pairs.items()):
         if set(found) != {"A", "B"}:
             raise AdapterError(f"{where}: block {block} {target} has lora_{''.join(found)} without its pair")
-        module_key = f"{_blocks_prefix(model_config)}{block}.{modules[target]}.{target}"
+        module_key = f"{blocks_prefix(model_config)}{block}.{modules[target]}.{target}"
         if not check_target_module_exists(config, module_key):
             raise AdapterError(f"{where}: weights for {module_key}, which the config's target_modules "
                                f"{sorted(config.target_modules or [])} do not target")
         rank = int(_pattern_value(config.rank_pattern, module_key, config.r))
         alpha = float(_pattern_value(config.alpha_pattern, module_key, config.lora_alpha))
-        out_features, in_features = shapes[target]
+        block_shapes = deepseek_shapes(model_config, block) if deepseek else shapes
+        if target not in block_shapes:
+            raise AdapterError(f"{where}: weights for {module_key}, which block {block} does not have")
+        out_features, in_features = block_shapes[target]
         (a_key, a_shape), (b_key, b_shape) = found["A"], found["B"]
         if a_shape != [rank, in_features] or b_shape != [out_features, rank]:
             raise AdapterError(
@@ -281,12 +279,15 @@ def open_adapter(source: AdapterSource, model_config, cache_dir: Optional[str] =
                 f"[{rank}, {in_features}] and [{out_features}, {rank}] (an adapter for another model, or a rank "
                 f"that disagrees with its config?)")
         scaling = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
-        result.targets[(block, target)] = TargetSpec(block, target, a_key, b_key, rank, scaling)
+        result.targets[(block, target)] = TargetSpec(block, target, a_key, b_key, rank, scaling, modules[target])
     wanted = {t for t in modules
-              if check_target_module_exists(config, f"{_blocks_prefix(model_config)}0.{modules[t]}.{t}")}
-    present = {target for _, target in result.targets}
+              if check_target_module_exists(config, f"{blocks_prefix(model_config)}0.{modules[t]}.{t}")}
+    present = {t for _, target in result.targets for t in (target, target.rpartition(".")[2])}
     if isinstance(config.target_modules, (set, list, tuple)):
         named = set(config.target_modules) & set(modules)
+        if deepseek:  # (only the projections its blocks have: q_proj or q_a_proj / q_b_proj, ...)
+            named &= {t for block in range(model_config.num_hidden_layers)
+                      for t in deepseek_shapes(model_config, block)}
         if named - present:
             raise AdapterError(f"{where}: the config targets {sorted(named - present)} but the weights hold none")
     elif wanted and not present:
@@ -305,23 +306,15 @@ class ProjectionLora:
 
 @dataclass
 class LayerLora:
-    """An adapter's tensors for one block: group ("qkv", "o", "gate_up", "down") -> ProjectionLora."""
+    """An adapter's tensors for one block: group ("qkv", "o", "gate_up", "down"; DeepSeek-V3: "module.target") ->
+    ProjectionLora, and its experts' stacked parameters ("gate_up_proj" / "down_proj" -> `ExpertLora`)."""
 
     projections: Dict[str, ProjectionLora]
+    experts: Dict[str, ExpertLora] = field(default_factory=dict)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for p in self.projections.values() for t in (p.a_t, p.b_t))
-
-
-def _columns(shape: ModelShape) -> Dict[str, Tuple[int, int, int]]:
-    """target -> (first column, last column + 1, width) in the output of its group's fused projection."""
-    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    hidden, inter = shape.hidden_size, shape.intermediate_size
-    return {"q_proj": (0, q, q + 2 * kv), "k_proj": (q, q + kv, q + 2 * kv), "v_proj": (q + kv, q + 2 * kv, q + 2 * kv),
-            "o_proj": (0, hidden, hidden), "gate_proj": (0, inter, 2 * inter), "up_proj": (inter, 2 * inter, 2 * inter),
-            "down_proj": (0, hidden, hidden), "qkv_proj": (0, q + 2 * kv, q + 2 * kv),
-            "gate_up_proj": (0, 2 * inter, 2 * inter), "query_key_value": (0, q + 2 * kv, q + 2 * kv),
-            "dense": (0, hidden, hidden), "dense_h_to_4h": (0, inter, inter), "dense_4h_to_h": (0, hidden, hidden)}
+        return sum(t.numel() * t.element_size() for p in self.projections.values() for t in (p.a_t, p.b_t)) \
+            + sum(lora.nbytes() for lora in self.experts.values())
 
 
 @dataclass
@@ -340,25 +333,31 @@ class SpanAdapter:
         """Read only the tensors of blocks [start, end) (in `dtype`, on `device`) of a model of `shape`."""
         from safetensors import safe_open
 
-        columns = _columns(shape)
+        group_columns = columns(shape)
         layers: List[Optional[LayerLora]] = []
         with safe_open(str(files.weights), framework="pt") as f:
             for block in range(start, end):
                 projections: Dict[str, ProjectionLora] = {}
-                for group, targets in PROJECTIONS:
+                for spec in ([] if files.grouped else [s for (b, _), s in files.targets.items() if b == block]):
+                    a, b = f.get_tensor(spec.a_key).float(), f.get_tensor(spec.b_key).float()  # [r, in], [out, r]
+                    projections[f"{spec.module}.{spec.target}"] = ProjectionLora(
+                        a.t().to(device, dtype).contiguous(), (b.t() * spec.scaling).to(device, dtype).contiguous())
+                for group, targets in (PROJECTIONS if files.grouped else ()):
                     fused = [t for t, g in FUSED_PROJECTIONS.items() if g == group]
                     specs = [files.targets[(block, t)] for t in (*targets, *fused) if (block, t) in files.targets]
                     if not specs:
                         continue
                     a = torch.cat([f.get_tensor(s.a_key).float() for s in specs])  # [R, in]
-                    b_t = torch.zeros(a.shape[0], columns[specs[0].target][2])  # [R, width]
+                    b_t = torch.zeros(a.shape[0], group_columns[specs[0].target][2])  # [R, width]
                     row = 0
                     for spec in specs:
-                        c0, c1, _ = columns[spec.target]
+                        c0, c1, _ = group_columns[spec.target]
                         b_t[row:row + spec.rank, c0:c1] = f.get_tensor(spec.b_key).float().t() * spec.scaling
                         row += spec.rank
                     projections[group] = ProjectionLora(a.t().to(device, dtype).contiguous(), b_t.to(device, dtype))
-                layers.append(LayerLora(projections) if projections else None)
+                experts = load_expert_loras(f, [t for (b, _), t in files.experts.items() if b == block],
+                                            files.model_config, dtype, device)
+                layers.append(LayerLora(projections, experts) if projections or experts else None)
         return cls(files.name, start, end, layers)
 
     def nbytes(self) -> int:
@@ -431,7 +430,7 @@ class AdaptedLayer:
 
     def gate_up(self, h: torch.Tensor):
         gate, up = self.base.gate_up(h)  # [..., intermediate] each (the halves of one output)
-        joined = _joined(gate, up)
+        joined = None if gate.requires_grad else _joined(gate, up)  # (autograd: chunk's views are not written)
         if joined is not None:
             self._add("gate_up", h, joined)
             return gate, up
@@ -443,6 +442,34 @@ class AdaptedLayer:
         out = self.base.add_down(x, h)  # a new tensor: [..., hidden]
         self._add("down", h, out)
         return out
+
+    def expert_rows(self, e: int, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Expert e on h [n, hidden], the tokens of rows `tokens` [n] (`mixtral.sparse_moe`), with each row
+        group's deltas on the experts' stacked parameters (`lora_experts`) -> [n, hidden]."""
+        groups = [(r0, r1, lora.experts) for r0, r1, lora in self.groups if lora.experts]
+        return adapted_expert(self.base, groups, e, h, tokens) if groups else self.base.expert(e, h)
+
+    def absorbed(self, group: str) -> List[Tuple[int, int, ProjectionLora]]:
+        """[(r0, r1, lora)]: the row groups' deltas on projection `group` for a layer that reads its weight as a
+        matrix rather than projecting through `project` (DeepSeek-V3's kv_b_proj)."""
+        return [(r0, r1, lora.projections[group]) for r0, r1, lora in self.groups if group in lora.projections]
+
+
+def check_layers(adapter: SpanAdapter, layers: Sequence) -> None:
+    """AdapterError where a block of the span (`layers`: its fused layers, blocks start, start + 1, ...) cannot take
+    the adapter's deltas: experts that are not given in parts (`lora_experts`), a layer of per-module groups
+    (DeepSeek-V3's) without its `project`. (Every layer served today has them; a new family's layers might not.)"""
+    for offset, (lora, layer) in enumerate(zip(adapter.layers, layers)):
+        if lora is None:
+            continue
+        block = adapter.start + offset
+        if lora.experts and not all(hasattr(part, "expert_gate_up") for part in getattr(layer, "shards", [layer])):
+            raise AdapterError(f"adapter {adapter.name!r}: block {block} ({type(layer).__name__}) does not take LoRA "
+                               f"deltas on its experts (they are not given in parts: expert_gate_up, expert_act, "
+                               f"expert_down)")
+        if any("." in group for group in lora.projections) and not hasattr(layer, "project"):
+            raise AdapterError(f"adapter {adapter.name!r}: block {block} ({type(layer).__name__}) does not take LoRA "
+                               f"deltas (its projections do not go through `project`)")
 
 
 def adapt_layers(layers: Sequence, groups: Sequence[Tuple[int, int, Optional[SpanAdapter]]], first: int) -> list:

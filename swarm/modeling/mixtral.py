@@ -52,7 +52,8 @@ def sparse_moe(layer, h: torch.Tensor) -> torch.Tensor:
 
     `layer` provides `router(h [tokens, hidden]) -> [tokens, experts]` (or its own `route(h) -> (weights, experts)
     [tokens, top_k] each`), `expert(e, h [n, hidden]) -> [n, hidden]`, `num_experts` and `top_k`. Returns
-    [..., hidden].
+    [..., hidden]. A layer with LoRA deltas on its experts (`lora.AdaptedLayer`) takes `expert_rows(e, h, tokens)`
+    instead, tokens [n] the rows of h's tokens (ascending) among the flattened leading dims.
     """
     flat = h.reshape(-1, h.shape[-1])  # [tokens, hidden]
     route = getattr(layer, "route", None)  # a family's own routing (GPT-OSS: the softmax of the top-k logits)
@@ -69,6 +70,7 @@ def sparse_moe(layer, h: torch.Tensor) -> torch.Tensor:
     order = torch.argsort(flat_chosen, stable=True)
     counts = torch.bincount(flat_chosen, minlength=layer.num_experts).tolist()
     flat_weights = weights.reshape(-1)
+    expert_rows = getattr(type(layer), "expert_rows", None)  # (a class attribute: not the wrapped layer's lookup)
     begin = 0
     for expert, count in enumerate(counts):
         if count == 0:
@@ -76,7 +78,9 @@ def sparse_moe(layer, h: torch.Tensor) -> torch.Tensor:
         assignments = order[begin:begin + count]
         begin += count
         tokens = assignments // layer.top_k  # [count]
-        y = layer.expert(expert, flat[tokens]) * flat_weights[assignments, None]  # [count, hidden]
+        h_e = flat[tokens]  # [count, hidden]
+        y = layer.expert(expert, h_e) if expert_rows is None else expert_rows(layer, expert, h_e, tokens)
+        y = y * flat_weights[assignments, None]  # [count, hidden]
         out.index_add_(0, tokens, y.to(out.dtype))
     return out.view(h.shape)
 
@@ -212,8 +216,18 @@ class FusedMoeLayer:
 
     def expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
         """h: [n, hidden] -> [n, hidden], as transformers' fused `MixtralExperts` (gate and up in one matmul)."""
-        gate, up = F.linear(h, self.gate_up_weight[e]).chunk(2, dim=-1)
-        return F.linear(self.act(gate).mul_(up), self.down_weight[e])
+        return self.expert_down(e, self.expert_act(self.expert_gate_up(e, h)))
+
+    # the expert in parts, where a LoRA adapter adds its deltas (`swarm.modeling.lora_experts`)
+    def expert_gate_up(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.gate_up_weight[e])  # [n, hidden] -> [n, 2 * intermediate]
+
+    def expert_act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act(gate).mul_(up)  # [n, intermediate]
+
+    def expert_down(self, e: int, a: torch.Tensor) -> torch.Tensor:
+        return F.linear(a, self.down_weight[e])  # [n, intermediate] -> [n, hidden]
 
 
 def _stack_experts(experts: nn.ModuleList, names: tuple) -> torch.Tensor:

@@ -331,8 +331,18 @@ class QuantizedMoeLayer(nn.Module):
         return F.linear(h, self.router_weight)
 
     def expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_projs[e](h).to(h.dtype).chunk(2, dim=-1)
-        return self.down_projs[e](self.act(gate).mul_(up)).to(h.dtype)
+        return self.expert_down(e, self.expert_act(self.expert_gate_up(e, h)))
+
+    # the expert in parts, where a LoRA adapter adds its deltas (`swarm.modeling.lora_experts`)
+    def expert_gate_up(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        return self.gate_up_projs[e](h).to(h.dtype)  # [n, 2 * intermediate]
+
+    def expert_act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act(gate).mul_(up)  # [n, intermediate]
+
+    def expert_down(self, e: int, a: torch.Tensor) -> torch.Tensor:
+        return self.down_projs[e](a).to(a.dtype)  # [n, hidden]
 
 
 class QuantizedQkNormLayer(QuantizedLayer):

@@ -39,6 +39,7 @@ from swarm.modeling.families import FAMILIES, FamilySpec
 from swarm.modeling.layers import cache_attention
 from swarm.modeling.llama import attention_output
 from swarm.modeling.lora import AdaptedLayer, LayerLora, ProjectionLora
+from swarm.modeling.lora_experts import ExpertLora
 from swarm.modeling.mixtral import FusedMoeLayer, sparse_moe
 from swarm.modeling.shape import ModelShape
 
@@ -193,8 +194,18 @@ def split_lora(lora: LayerLora, shape: ModelShape, devices: Sequence[torch.devic
             "o": (torch.arange(i * heads // n * dim, (i + 1) * heads // n * dim), None),
             "gate_up": (None, _mlp_rows(inter, n, i)),
             "down": (torch.arange(i * inter // n, (i + 1) * inter // n), None)}
+        experts = {}  # Mixtral's experts, split like their weights: gate/up by B's columns, down by A's rows
+        if "gate_up_proj" in lora.experts:
+            p = lora.experts["gate_up_proj"]  # a_t [experts, hidden, r], b_t [experts, r, 2 * intermediate]
+            cols = _mlp_rows(p.b_t.shape[2] // 2, n, i).to(p.b_t.device)
+            experts["gate_up_proj"] = ExpertLora(p.a_t.to(device), p.b_t[:, :, cols].to(device).contiguous())
+        if "down_proj" in lora.experts:
+            p = lora.experts["down_proj"]  # a_t [experts, intermediate, r], b_t [experts, r, hidden]
+            part = p.a_t.shape[1] // n
+            experts["down_proj"] = ExpertLora(p.a_t[:, i * part:(i + 1) * part].to(device).contiguous(),
+                                              p.b_t.to(device))
         shards.append(LayerLora({group: _split_projection(p, *columns[group], device)
-                                 for group, p in lora.projections.items()}))
+                                 for group, p in lora.projections.items()}, experts))
     return shards
 
 

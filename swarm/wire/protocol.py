@@ -226,6 +226,8 @@ class TrainForward(Message):
     start: int = Field(ge=0)
     end: int = Field(gt=0)
     prompts: bool = False
+    adapter: Optional[str] = Field(default=None, min_length=1, max_length=128,
+                                   description="the LoRA adapter the blocks run with (None: the base model)")
 
 
 class TrainBackward(Message):
@@ -236,6 +238,8 @@ class TrainBackward(Message):
     start: int = Field(ge=0)
     end: int = Field(gt=0)
     prompts: bool = False
+    adapter: Optional[str] = Field(default=None, min_length=1, max_length=128,
+                                   description="the LoRA adapter the blocks run with (None: the base model)")
 
 
 class TrainResult(Message):

@@ -5,7 +5,8 @@ Two servers (blocks 0:15 and 15:30) hold two peft-saved adapters of the bundled 
 equals peft's, the base equals the base; concurrent sessions with different adapters (and none) on the same
 servers each equal their own reference; the DHT records list each server's adapters and adapter sessions are never
 routed to the server without them; through the gateway, adapters are model ids of their own. Bad adapters stop a
-server at start with a clear error.
+server at start with a clear error. A tiny Mixtral's adapter on its experts (peft's `target_parameters`) through two
+servers: tokens, logits and a training pass's gradients equal peft's (extended tier).
 """
 from __future__ import annotations
 
@@ -201,3 +202,47 @@ def test_bad_adapters_stop_the_server_at_start(model_path, lora_dirs, tmp_path):
     for (adapters, code, text), proc, (_, stderr) in zip(cases, procs, results):
         assert (proc.returncode != 0 if code is None else proc.returncode == code), (adapters, stderr[-2000:])
         assert text in stderr, (adapters, stderr[-2000:])
+
+
+def test_expert_adapter_through_a_split_swarm(tmp_path, bootstrap, model_path, tokenizer):
+    """An adapter on a tiny Mixtral's attention and its experts' stacked parameters (peft's `target_parameters`),
+    served by two servers split mid-model (0:2, 2:4): greedy tokens with the adapter and without it, in concurrent
+    sessions on the same servers, equal local peft's; a forward pass's logits within 1e-4; a training pass's input
+    gradients equal peft's."""
+    from swarm import AutoDistributedModelForCausalLM
+    from swarm.launch.topology import terminate_all
+    from tests.fixtures.tiny_checkpoints import save_tiny
+
+    path = tmp_path / "tiny-mixtral"
+    save_tiny("mixtral", path, model_path, sliding_window=4)
+    adapter = make_adapter(str(path), tmp_path / "moe-lora", seed=3, targets=("q_proj", "v_proj"), r=4, alpha=8,
+                           target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    reference = peft_reference(str(path), {"moe": adapter})
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    expected = {name: reference_generate(reference, ids, NEW_TOKENS, name) for name in ("moe", None)}
+    assert not torch.equal(expected["moe"], expected[None])  # the adapter changes the text
+    servers = start_servers(str(path), [bootstrap.maddr], ["0:2", "2:4"], "lora-moe", ("--adapters", f"moe={adapter}"),
+                            threads=1)
+    model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=[bootstrap.maddr],
+                                                            dht_prefix="lora-moe")
+    try:
+        names = ["moe", None, "moe"]
+        with ThreadPoolExecutor(len(names)) as pool:
+            results = list(pool.map(lambda name: _generate(model, ids, name)[0], names))
+        for name, out in zip(names, results):
+            assert torch.equal(out, expected[name]), (name, tokenizer.decode(out[0]))
+        reference.set_adapter("moe")
+        with torch.no_grad():
+            logits = reference(input_ids=ids).logits
+        assert (model.forward(ids, adapter="moe").logits - logits).abs().max().item() < 1e-4
+        # a training pass through the adapter (rpc_train_forward / backward): the input embeddings' gradients
+        embeds = reference.get_input_embeddings()(ids).detach().requires_grad_(True)
+        reference(inputs_embeds=embeds, labels=ids).loss.backward()
+        ours = embeds.detach().clone().requires_grad_(True)
+        out = model.forward(inputs_embeds=ours, adapter="moe").logits
+        torch.nn.functional.cross_entropy(out[0, :-1], ids[0, 1:]).backward()
+        assert ours.grad is not None and embeds.grad is not None
+        assert (ours.grad - embeds.grad).abs().max().item() < 1e-4 * embeds.grad.abs().max().item()
+    finally:
+        model.shutdown()
+        terminate_all(servers)

@@ -161,9 +161,9 @@ def test_a_long_training_pass_lets_decode_steps_in_between(checkpoint, monkeypat
     log: list = []
     original = training.block_forward
 
-    def logged(span, index, hidden, prompt):
+    def logged(span, index, hidden, prompt, adapter=None):
         log.append(("train", index, hidden.shape[0]))
-        return original(span, index, hidden, prompt)
+        return original(span, index, hidden, prompt, adapter)
 
     monkeypatch.setattr(training, "block_forward", logged)
 

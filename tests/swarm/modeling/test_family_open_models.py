@@ -319,12 +319,12 @@ def _logits_with_grad(reference, hidden: torch.Tensor) -> torch.Tensor:
     return logits if not cap else torch.tanh(logits / cap) * cap
 
 
-def check_training_gradients(reference, span, ids: torch.Tensor, embed_norm, head) -> None:
+def check_training_gradients(reference, span, ids: torch.Tensor, embed_norm, head, adapter=None) -> None:
     """The gradient of the next-token loss on `ids` [batch, seq] for the input embeddings, through the span's blocks
     as a training pass runs them (`server.rpc.training.block_forward` / `block_backward`, block by block) with
     transformers' `embed_norm` (embeddings -> the first block's input) and `head` (the last block's output ->
     logits) around them, equals transformers' own (`reference(inputs_embeds=..., labels=ids)`), within 1e-4 of
-    its largest value."""
+    its largest value. With LoRA `adapter`: the span's adapter, `reference` a peft model with it active."""
     from server.rpc.training import block_backward, block_forward
 
     embeds = reference.get_input_embeddings()(ids).detach().requires_grad_(True)
@@ -333,14 +333,14 @@ def check_training_gradients(reference, span, ids: torch.Tensor, embed_norm, hea
         first = embed_norm(embeds)  # [batch, seq, hidden], the graph back to the embeddings
     hiddens = [first.detach()]
     for index in range(span.start, span.end):
-        hiddens.append(block_forward(span, index, hiddens[-1], None))
+        hiddens.append(block_forward(span, index, hiddens[-1], None, adapter))
     final = hiddens[-1].requires_grad_(True)
     with torch.enable_grad():
         logits = head(final)
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
         grad, = torch.autograd.grad(loss, final)
     for index in reversed(range(span.start, span.end)):
-        grad, _ = block_backward(span, index, hiddens[index - span.start], None, grad)
+        grad, _ = block_backward(span, index, hiddens[index - span.start], None, grad, adapter)
     grad, = torch.autograd.grad(first, embeds, grad)
     assert embeds.grad is not None and embeds.grad.abs().max().item() > 0
     assert (grad - embeds.grad).abs().max().item() < 1e-4 * embeds.grad.abs().max().item() + 1e-7
@@ -359,26 +359,45 @@ def test_mxfp4_gpt_oss_experts_are_a_clear_error():
 LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-@pytest.mark.parametrize("family, targets", [("qwen3", ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj")),
-                                             ("phi3", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
-                                             ("mixtral", ("q_proj", "k_proj", "v_proj", "o_proj")),
-                                             ("qwen3_moe", ("q_proj", "k_proj", "v_proj", "o_proj")),
-                                             ("gemma2", LLAMA_TARGETS), ("gemma3_text", LLAMA_TARGETS),
-                                             ("gpt_oss", ("q_proj", "k_proj", "v_proj", "o_proj"))])
-def test_lora_adapter_matches_peft(family, targets, tmp_path):
+EXPERTS = dict(target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+# (peft 0.21 turns any gate_proj / up_proj / down_proj target on DeepSeek-V3, "mlp.gate_proj" and
+# "shared_experts.gate_proj" included, into its routed experts' target_parameters: it cannot adapt the dense and shared
+# MLPs, which `test_deepseek_mlp_adapter_matches_merged_weights` checks against merged weights instead)
+DEEPSEEK_TARGETS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+
+
+@pytest.mark.parametrize("case, targets, extra", [
+    ("qwen3", ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj"), {}),
+    ("phi3", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), {}),
+    # the mixtures of experts: their attention and their experts' stacked parameters (`target_parameters`)
+    ("mixtral", ("q_proj", "k_proj", "v_proj", "o_proj"), EXPERTS),
+    ("qwen3_moe", (), EXPERTS),  # experts only (block 1 dense: none there), the top-k probabilities as they are
+    ("gemma2", LLAMA_TARGETS, {}), ("gemma3_text", LLAMA_TARGETS, {}),
+    ("gpt_oss", ("q_proj", "k_proj", "v_proj", "o_proj"), EXPERTS),
+    # DeepSeek-V3: every projection (kv_b_proj absorbed), the dense block's MLP, the shared and the routed experts
+    ("deepseek_v3", DEEPSEEK_TARGETS, EXPERTS),
+    # without q_lora_rank; bare gate/up/down targets, which peft turns into the experts' (gate_up with twice the rank)
+    ("deepseek_v3-yarn", (*DEEPSEEK_TARGETS, "gate_proj", "up_proj", "down_proj"), dict(use_rslora=True)),
+])
+def test_lora_adapter_matches_peft(case, targets, extra, tmp_path):
     """A peft LoRA adapter on the span (Qwen3, Gemma 3: its q/k deltas before the q/k norms; Phi-3: its fused
     qkv_proj and gate_up_proj targets; Gemma: every projection, around its pre- and post-norms; the mixtures of
-    experts: their attention, the experts' step unchanged; GPT-OSS's with biases and sinks) gives peft's logits, in a
-    prefill and in a decode step batched with a base session."""
+    experts: their attention and their experts (peft's `target_parameters`: each routed token gets its expert's
+    delta; GPT-OSS's interleaved gate/up with biases, clamps and sinks); DeepSeek-V3's latent attention with
+    kv_b_proj's delta absorbed, its MLPs and experts) gives peft's logits, in a prefill and in a decode step batched
+    with a base session; a training pass's input gradients equal peft's."""
     from swarm.modeling.lora import AdapterSource, open_adapter
     from tests.fixtures.lora_fixtures import make_adapter, peft_reference
 
-    _, layout, overrides = CASES.get(family, (family, "hub", {}))
+    family, layout, overrides = CASES.get(case, (case, "hub", {}))
     save_tiny(family, tmp_path / "base", None, layout=layout, vocab_size=VOCAB, **overrides)
-    adapter = make_adapter(str(tmp_path / "base"), tmp_path / "lora", seed=1, targets=targets, r=4, alpha=8)
+    adapter = make_adapter(str(tmp_path / "base"), tmp_path / "lora", seed=1, targets=targets, r=4, alpha=8, **extra)
     config = Checkpoint(str(tmp_path / "base")).load_config()
-    span = BlockSpan.load(Checkpoint(str(tmp_path / "base")), 0, 4, "float32",
-                          adapters=[open_adapter(AdapterSource.parse(f"a={adapter}"), config)])
+    files = open_adapter(AdapterSource.parse(f"a={adapter}"), config)
+    assert bool(files.experts) == (family in ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"))
+    if family == "deepseek_v3":  # (kv_b_proj: its delta absorbed into the query and output)
+        assert {"kv_b_proj", "o_proj"} <= {t for _, t in files.targets}
+    span = BlockSpan.load(Checkpoint(str(tmp_path / "base")), 0, 4, "float32", adapters=[files])
     reference = peft_reference(str(tmp_path / "base"), {"a": adapter})
     torch.manual_seed(5)
     ids = torch.randint(3, VOCAB, (1, 10))
@@ -396,20 +415,121 @@ def test_lora_adapter_matches_peft(family, targets, tmp_path):
     steps = span.forward_batch([(embeds[:, -1:], 9, kvs["a"]), (embeds[:, -1:], 9, kvs[None])], 0, 4)
     assert (_logits(model, steps[0]) - expected[:, -1:]).abs().max().item() < 1e-4
     assert (_logits(model, steps[1]) - base[:, -1:]).abs().max().item() < 1e-4
+    # a pass without a cache (rpc_forward) with the adapter
+    assert (_logits(model, span.forward(embeds, 0, None, adapter="a")) - expected).abs().max().item() < 1e-4
+    # a training pass's input gradients through the adapter's (frozen) deltas
+    check_training_gradients(reference, span, torch.randint(3, VOCAB, (2, 10)), lambda e: e,
+                             lambda hidden: _logits_with_grad(model, hidden), adapter="a")
 
 
-def test_lora_on_experts_is_a_clear_error(tmp_path):
-    """peft adapts transformers 5's stacked experts only through `target_parameters`: refused with one line, as is
-    a tensor of an expert."""
+def test_deepseek_mlp_adapter_matches_merged_weights(tmp_path):
+    """LoRA on DeepSeek-V3's dense MLP (block 0) and shared experts (blocks 1-3), which peft 0.21 cannot make (it
+    turns those targets into the routed experts'): an adapter in peft's format written here gives the logits of
+    transformers' model with the deltas merged into its weights (W + alpha / r * B @ A), in a prefill and in a decode
+    step batched with a base session."""
+    from safetensors.torch import save_file
+
+    from swarm.modeling.lora import AdapterSource, open_adapter
+
+    reference = save_tiny("deepseek_v3", tmp_path / "base", None, vocab_size=VOCAB, **DEEPSEEK)
+    names = ("gate_proj", "up_proj", "down_proj")
+    generator = torch.Generator().manual_seed(3)
+    tensors = {}
+    for name, module in reference.named_modules():
+        if name.rpartition(".")[2] in names and ".experts." not in f"{name}.":
+            prefix = f"base_model.model.{name}"
+            a = torch.randn(4, module.in_features, generator=generator) * 0.1
+            b = torch.randn(module.out_features, 4, generator=generator) * 0.1
+            tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a, b
+            with torch.no_grad():
+                module.weight += 2.0 * b @ a  # alpha 8 / r 4
+    (tmp_path / "lora").mkdir()
+    save_file(tensors, str(tmp_path / "lora" / "adapter_model.safetensors"))
+    (tmp_path / "lora" / "adapter_config.json").write_text(json.dumps(dict(
+        peft_type="LORA", r=4, lora_alpha=8, task_type="CAUSAL_LM",
+        target_modules=[f"{part}.{name}" for part in ("mlp", "shared_experts") for name in names])))
+    config = Checkpoint(str(tmp_path / "base")).load_config()
+    files = open_adapter(AdapterSource.parse(f"a={tmp_path / 'lora'}"), config)
+    assert {(0, "gate_proj"), (1, "shared_experts.down_proj"), (3, "shared_experts.up_proj")} <= set(files.targets)
+    span = BlockSpan.load(Checkpoint(str(tmp_path / "base")), 0, 4, "float32", adapters=[files])
+    base = BlockSpan.load(Checkpoint(str(tmp_path / "base")), 0, 4, "float32")
+    torch.manual_seed(5)
+    ids = torch.randint(3, VOCAB, (1, 10))
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+    embeds = _embed(reference, ids)
+    kvs = {name: span.new_session_kv(1, 32, 0, 4, adapter=name) for name in ("a", None)}
+    got = _logits(reference, span.forward(embeds[:, :-1], 0, kvs["a"]))
+    assert (got - expected[:, :-1]).abs().max().item() < 1e-4
+    without = _logits(reference, base.forward(embeds, 0, base.new_session_kv(1, 32, 0, 4)))
+    assert (without - expected).abs().max().item() > 1e-2  # the adapter matters
+    span.forward(embeds[:, :-1], 0, kvs[None])
+    steps = span.forward_batch([(embeds[:, -1:], 9, kvs["a"]), (embeds[:, -1:], 9, kvs[None])], 0, 4)
+    assert (_logits(reference, steps[0]) - expected[:, -1:]).abs().max().item() < 1e-4
+    assert (_logits(reference, steps[1]) - without[:, -1:]).abs().max().item() < 1e-4
+
+
+def test_lora_adapters_that_cannot_be_served_are_clear_errors(tmp_path):
+    """target_parameters other than the experts' stacked weights (an expert bias), expert tensors for a model without
+    experts or on a dense block, and an expert's own module: refused with one line each. On int8 experts the
+    adapter adds its deltas (`check_int8_adapter`)."""
+    from safetensors.torch import load_file, save_file
+
     from swarm.modeling.lora import AdapterError, AdapterSource, open_adapter
     from tests.fixtures.lora_fixtures import make_adapter
+    from tests.fixtures.tiny_checkpoints import tiny_config
 
-    save_tiny("qwen3_moe", tmp_path / "base", None, vocab_size=VOCAB, **MOE)
-    adapter = make_adapter(str(tmp_path / "base"), tmp_path / "lora", seed=1, targets=(), r=4, alpha=8,
-                           target_parameters=["mlp.experts.gate_up_proj"])
+    save_tiny("qwen3_moe", tmp_path / "base", None, vocab_size=VOCAB, **MOE, mlp_only_layers=[1])
     config = Checkpoint(str(tmp_path / "base")).load_config()
-    with pytest.raises(AdapterError, match="adapters on experts are not served"):
-        open_adapter(AdapterSource.parse(f"a={adapter}"), config)
+    adapter = make_adapter(str(tmp_path / "base"), tmp_path / "lora", seed=1, targets=(), r=4, alpha=8, **EXPERTS)
+
+    def refused(match: str, model_config=config):
+        with pytest.raises(AdapterError, match=match):
+            open_adapter(AdapterSource.parse(f"a={adapter}"), model_config)
+
+    raw = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps(dict(raw, target_parameters=[
+        "mlp.experts.down_proj", "experts.down_proj_bias"])))
+    refused(r"does not implement target_parameters \['experts.down_proj_bias'\]")
+    (adapter / "adapter_config.json").write_text(json.dumps(raw))
+    refused("qwen3 has no routed experts", tiny_config("qwen3", vocab_size=VOCAB))
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    save_file({k.replace("layers.0.", "layers.1."): v for k, v in tensors.items() if "layers.0." in k},
+              str(adapter / "adapter_model.safetensors"))
+    refused("experts of block 1, which has none")  # (mlp_only_layers: a dense block)
+    save_file({"base_model.model.model.layers.0.mlp.experts.0.up_proj.lora_A.weight": torch.zeros(4, 64)},
+              str(adapter / "adapter_model.safetensors"))
+    refused("adapts one expert's own module")
+    save_file(tensors, str(adapter / "adapter_model.safetensors"))
+    check_int8_adapter(tmp_path / "base", open_adapter(AdapterSource.parse(f"a={adapter}"), config))
+
+
+def check_int8_adapter(path, files) -> None:
+    """On int8 blocks an adapter adds its deltas: int8 + adapter is about as far from float + adapter as int8 is from
+    float, and much closer to it than the float blocks without the adapter are."""
+    embeds = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(2))
+    out = {}
+    for quant in ("none", "int8"):
+        span = BlockSpan.load(Checkpoint(str(path)), 0, 4, "float32", quant_type=quant, adapters=[files])
+        for name in ("a", None):
+            out[quant, name] = span.forward(embeds, 0, span.new_session_kv(1, 16, 0, 4, adapter=name))
+    quant_error, adapted_error = [(out["int8", a] - out["none", a]).norm() for a in (None, "a")]
+    adapter_effect = (out["none", "a"] - out["none", None]).norm()
+    assert adapted_error < 1.5 * quant_error and adapted_error < 0.5 * adapter_effect, \
+        (adapted_error, quant_error, adapter_effect)
+
+
+def test_deepseek_adapter_on_int8_blocks(tmp_path):
+    """DeepSeek-V3 int8 blocks (bitsandbytes projections, kv_b_proj in float) take an adapter on every attention
+    projection (kv_b_proj's delta absorbed) and the routed experts (`check_int8_adapter`)."""
+    from swarm.modeling.lora import AdapterSource, open_adapter
+    from tests.fixtures.lora_fixtures import make_adapter
+
+    save_tiny("deepseek_v3", tmp_path / "base", None, vocab_size=VOCAB, **DEEPSEEK)
+    adapter = make_adapter(str(tmp_path / "base"), tmp_path / "lora", seed=1, targets=DEEPSEEK_TARGETS, r=4, alpha=8,
+                           **EXPERTS)
+    config = Checkpoint(str(tmp_path / "base")).load_config()
+    check_int8_adapter(tmp_path / "base", open_adapter(AdapterSource.parse(f"a={adapter}"), config))
 
 
 def test_left_padded_batch_matches_transformers(case):
@@ -493,7 +613,7 @@ def test_left_padded_batch_on_alibi_blocks_matches_transformers(case, tmp_path, 
 @pytest.mark.parametrize("case", ["bloom", "falcon-new", "falcon-alibi"])
 def test_lora_adapter_on_bloom_and_falcon_matches_peft(case, tmp_path, model_path):
     """A peft LoRA adapter on BLOOM's / Falcon's fused query_key_value, dense and MLP projections gives peft's
-    logits: a prefill, and a decode step batched with a base session."""
+    logits: a prefill, and a decode step batched with a base session; and its input gradients in a training pass."""
     from swarm.modeling.lora import AdapterSource, open_adapter
     from tests.fixtures.lora_fixtures import make_adapter, peft_reference
     from tests.swarm.modeling.test_family_bloom_falcon import _build
@@ -530,3 +650,7 @@ def test_lora_adapter_on_bloom_and_falcon_matches_peft(case, tmp_path, model_pat
     assert (logits(steps[1]) - base_logits[:, -1:]).abs().max().item() < 1e-4
     # a pass without a cache (rpc_forward) with the adapter
     assert (logits(span.forward(embeds, 0, None, adapter="a")) - expected).abs().max().item() < 1e-4
+    # a training pass's input gradients through the adapter (ALiBi: the step's biased mask)
+    check_training_gradients(peft_model, span, ids.repeat(2, 1), model.word_embeddings_layernorm if case == "bloom"
+                             else torch.nn.Identity(), lambda hidden: peft_model.base_model.model.lm_head(
+                                 model.ln_f(hidden)), adapter="a")

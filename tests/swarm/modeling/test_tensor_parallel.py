@@ -131,15 +131,18 @@ def test_quantized_shards(quant_path, quant_type, tol):
     assert float((grads[0] - grads[1]).norm() / grads[0].norm()) < tol
 
 
-@pytest.mark.parametrize("family_path", ["llama"], indirect=True)  # adapters are served on llama-family blocks
-def test_adapter_deltas_are_split_like_their_projections(family_path, tmp_path_factory):
+@pytest.mark.parametrize("family_path, targets, extra", [
+    ("llama", ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), {}),
+    # the attention and the experts' stacked parameters (each expert's delta split like its weights)
+    ("mixtral", ("q_proj", "k_proj", "v_proj", "o_proj"),
+     dict(target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))], indirect=["family_path"])
+def test_adapter_deltas_are_split_like_their_projections(family_path, targets, extra, tmp_path_factory):
     from swarm.modeling.lora import AdapterSource, open_adapter
     from tests.fixtures.lora_fixtures import make_adapter
 
     _, path = family_path
     root = tmp_path_factory.mktemp("tp-lora")
-    make_adapter(str(path), root / "alpha", seed=1, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                             "up_proj", "down_proj"), r=4, std=0.1)
+    make_adapter(str(path), root / "alpha", seed=1, targets=targets, r=4, std=0.1, **extra)
     checkpoint = Checkpoint(str(path))
     files = [open_adapter(AdapterSource.parse(f"alpha={root / 'alpha'}"), checkpoint.load_config())]
     spans = [BlockSpan.load(checkpoint, 0, 4, "float32", "cpu", adapters=files, tensor_parallel=devices)
