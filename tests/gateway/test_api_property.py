@@ -127,7 +127,7 @@ def test_property_in_process(tokenizer):
 
     with tool_app(tokenizer, "Hello there, world!") as client:
         schema = schemathesis.openapi.from_asgi("/openapi.json", client.app)
-        statuses = run_property_test(schema, examples=20)
+        statuses = run_property_test(schema, examples=12)
     print(json.dumps(statuses, indent=1))
     for path in ("/v1/chat/completions", "/v1/completions"):  # both valid and invalid requests were made
         assert statuses.get(f"POST {path} 200") and statuses.get(f"POST {path} 400"), statuses
