@@ -226,7 +226,9 @@ class TrainForward(Message):
     start: int = Field(ge=0)
     end: int = Field(gt=0)
     prompts: bool = False
-    adapter: Optional[str] = Field(default=None, min_length=1, max_length=128,
+    # left out of the message when None (a field added later: see Versions), so servers from before still take
+    # every training call on the base model
+    adapter: Optional[str] = Field(default=None, min_length=1, max_length=128, exclude_if=lambda value: value is None,
                                    description="the LoRA adapter the blocks run with (None: the base model)")
 
 
@@ -238,7 +240,9 @@ class TrainBackward(Message):
     start: int = Field(ge=0)
     end: int = Field(gt=0)
     prompts: bool = False
-    adapter: Optional[str] = Field(default=None, min_length=1, max_length=128,
+    # left out of the message when None (a field added later: see Versions), so servers from before still take
+    # every training call on the base model
+    adapter: Optional[str] = Field(default=None, min_length=1, max_length=128, exclude_if=lambda value: value is None,
                                    description="the LoRA adapter the blocks run with (None: the base model)")
 
 

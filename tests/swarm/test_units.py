@@ -91,6 +91,18 @@ def test_rope_length_is_left_out_while_unset_and_checked_against_the_step():
         P.decode(b'{"v": 1, "type": "step", "start_position": 0, "rope_length": 0}', P.Step)
 
 
+def test_training_calls_name_their_adapter_only_when_they_have_one():
+    """`TrainForward/TrainBackward.adapter` (added later) is left out on the base model, so servers from before
+    still take those calls; set, it round-trips."""
+    import json
+
+    for kind in (P.TrainForward, P.TrainBackward):
+        assert "adapter" not in json.loads(P.encode(kind(start=0, end=2)))
+        assert P.decode(P.encode(kind(start=0, end=2, adapter="a1")), kind).adapter == "a1"
+        with pytest.raises(P.ProtocolError, match="adapter"):
+            P.decode(P.encode(kind(start=0, end=2)).replace(b'"end":2', b'"end":2,"adapter":""'), kind)
+
+
 def test_error_reply_raises_remote_error():
     response = P.error_response("bad_request", "nope")
     with pytest.raises(P.RemoteError, match="nope") as info:
