@@ -563,6 +563,19 @@ def test_deepseek_adapter_on_int8_blocks(tmp_path):
     check_int8_adapter(tmp_path / "base", open_adapter(AdapterSource.parse(f"a={adapter}"), config))
 
 
+def test_gpt_oss_adapter_on_int8_blocks(tmp_path):
+    """GPT-OSS int8 blocks (per-expert bitsandbytes modules) take an adapter on q/k/v/o and the experts' stacked
+    parameters: the deltas add on top of the quantized experts' outputs (`check_int8_adapter`)."""
+    from swarm.modeling.lora import AdapterSource, open_adapter
+    from tests.fixtures.lora_fixtures import make_adapter
+
+    save_tiny("gpt_oss", tmp_path / "base", None, vocab_size=VOCAB, **GPT_OSS)
+    adapter = make_adapter(str(tmp_path / "base"), tmp_path / "lora", seed=1,
+                           targets=("q_proj", "k_proj", "v_proj", "o_proj"), r=4, alpha=8, **EXPERTS)
+    config = Checkpoint(str(tmp_path / "base")).load_config()
+    check_int8_adapter(tmp_path / "base", open_adapter(AdapterSource.parse(f"a={adapter}"), config))
+
+
 def test_left_padded_batch_matches_transformers(case):
     """A batch of two prompts, the shorter left-padded by 4: the server hides the padding keys and counts each
     row's positions from its first token (prefill, then decode steps), as transformers' generate with the
