@@ -258,7 +258,7 @@ def test_gpt_oss_blocks_are_quantized(tmp_path, quant_type):
     assert held <= planned + 64 * 16 < 1.1 * held  # (+ nf4's 64-byte code tables, which the plan leaves out)
     x = torch.randn(1, 6, 64)
     got, want = quant.forward(x, 0, None), plain.forward(x, 0, None)
-    assert (got - want).abs().max().item() > 1e-3
+    assert (got - want).abs().max().item() > 1e-4  # (measured: int8 1.2e-3, nf4 1.1e-2 here)
     assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0).item() > 0.95
 
 
