@@ -60,10 +60,12 @@ def _parameter_counts(model_config, index: int) -> tuple[int, int]:
     with torch.device("meta"):
         layer = family.layer(model_config, index)
     kept = set(getattr(layer, "float_linears", ()))
+    stacked = set(getattr(layer, "quantized_parameters", ()))  # e.g. GPT-OSS's experts, quantized per expert
     linear = other = 0
     for module_name, module in layer.named_modules():
         for name, param in module.named_parameters(recurse=False):
-            if isinstance(module, torch.nn.Linear) and name == "weight" and module_name not in kept:
+            if f"{module_name}.{name}" in stacked or (
+                    isinstance(module, torch.nn.Linear) and name == "weight" and module_name not in kept):
                 linear += param.numel()
             else:
                 other += param.numel()

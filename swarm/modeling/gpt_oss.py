@@ -13,8 +13,9 @@ This is transformers' `GptOssDecoderLayer` with eager attention and eager expert
 The sinks make the attention something SDPA cannot compute: the layer's `attention_sinks` are read by
 `layers.cache_attention` (prefill, passes without a cache) and `layers.layer_sdpa` (the server's batched decode and
 arena attention), which compute it eagerly; the layer is its own `BlockLayer` (`fuse_layer`), not CUDA-graph
-`capturable` (the captured attention is SDPA), and not quantized (its experts are stacked tensors, not the linear
-layers `quantize.quantize_linears` swaps: `--quant_type` is refused with one line). Checkpoints in transformers'
+`capturable` (the captured attention is SDPA). int8 / nf4 (`GptOssDecoderLayer.quantize`): the attention's
+projections through `quantize.quantize_linears`, each expert's gate_up and down as bitsandbytes modules of their own
+(weights transposed to [out, in], biases kept); router, sinks and norms in float. Checkpoints in transformers'
 names (`mlp.experts.gate_up_proj` [experts, hidden, 2 * intermediate], ...) load; the hub's original MXFP4 blocks
 (`*_blocks`, `*_scales`) do not (a clear error names the tensors).
 Written here rather than imported from transformers' modeling_gpt_oss (about 135 MB of resident imports per
@@ -107,6 +108,8 @@ class GptOssDecoderLayer(DecoderLayer):
     # the expert in parts, where a LoRA adapter adds its deltas (`swarm.modeling.lora_experts`)
     def expert_gate_up(self, e: int, h: torch.Tensor) -> torch.Tensor:
         experts = self.moe.experts
+        if hasattr(experts, "gate_up_q"):  # quantized (`quantize`)
+            return experts.gate_up_q[e](h).to(h.dtype)
         return h @ experts.gate_up_proj[e] + experts.gate_up_proj_bias[e]  # [n, 2 * intermediate], interleaved
 
     def expert_act(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -118,13 +121,34 @@ class GptOssDecoderLayer(DecoderLayer):
 
     def expert_down(self, e: int, a: torch.Tensor) -> torch.Tensor:
         experts = self.moe.experts
+        if hasattr(experts, "down_q"):  # quantized (`quantize`)
+            return experts.down_q[e](a).to(a.dtype)
         return a @ experts.down_proj[e] + experts.down_proj_bias[e]  # [n, hidden]
 
 
+    # what int8 / nf4 keep in float and what they quantize beyond the linear modules (`server.placement.memory`)
+    float_linears = ("mlp.router",)
+    quantized_parameters = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
     def quantize(self, quant_type: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
-        """(`swarm.modeling.quantize.quantize_layer`) GPT-OSS's experts are stacked parameters, not linear layers."""
-        raise ValueError(f"--quant_type {quant_type} is not supported on GPT-OSS blocks (their experts are stacked "
-                         f"tensors, not linear layers)")
+        """This layer with int8 / nf4 projections (`swarm.modeling.quantize.quantize_layer`): q/k/v/o through
+        `quantize_linears`, and each expert's gate_up ([hidden, 2 * inter] stored, [2 * inter, hidden] quantized, its
+        gate/up columns still interleaved) and down as bitsandbytes modules of their own, with their biases. Kept in
+        the serving dtype: the norms, the sinks and the router (`mlp.router`, whose top-k choice quantization noise
+        should not flip, as Mixtral's and Qwen3-MoE's quantized blocks keep theirs)."""
+        from swarm.modeling.quantize import quantize_linears, quantized_linear
+
+        experts = self.moe.experts
+        stacked = {k: experts._parameters.pop(k) for k in ("gate_up_proj", "gate_up_proj_bias", "down_proj",
+                                                          "down_proj_bias")}
+        quantize_linears(self, quant_type, dtype, device, keep=self.float_linears)
+        gate_up, gate_up_bias = cast(torch.Tensor, stacked["gate_up_proj"]), stacked["gate_up_proj_bias"]
+        down, down_bias = cast(torch.Tensor, stacked["down_proj"]), stacked["down_proj_bias"]
+        experts.gate_up_q = nn.ModuleList(quantized_linear(gate_up[e].t(), gate_up_bias[e], quant_type, dtype, device)
+                                          for e in range(self.num_experts))
+        experts.down_q = nn.ModuleList(quantized_linear(down[e].t(), down_bias[e], quant_type, dtype, device)
+                                       for e in range(self.num_experts))
+        return self.eval().requires_grad_(False)
 
 
 def fuse_layer(layer: GptOssDecoderLayer) -> GptOssDecoderLayer:

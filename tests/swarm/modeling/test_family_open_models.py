@@ -225,10 +225,41 @@ def test_quantized_blocks(family, quant_type, min_cosine, tmp_path):
     assert torch.allclose(span.forward(embeds, 0, None), hidden, atol=1e-5, rtol=1e-5)
 
 
-def test_gpt_oss_is_not_quantized_with_a_clear_error(tmp_path):
+@pytest.mark.parametrize("quant_type", ["int8", "nf4"])
+def test_gpt_oss_blocks_are_quantized(tmp_path, quant_type):
+    """int8 / nf4 GPT-OSS blocks: each expert's gate_up and down give exactly what a bitsandbytes module of that
+    expert's transposed weight and bias gives, the router stays float, and the span's output moves off the float
+    span's (a layer left float fails) while staying close to it."""
+    from tests.swarm.modeling.test_deepseek_quant import _bnb_linear
+
     save_tiny("gpt_oss", tmp_path, None, vocab_size=VOCAB, **GPT_OSS)
-    with pytest.raises(ValueError, match="not supported on GPT-OSS"):
-        BlockSpan.load(Checkpoint(str(tmp_path)), 0, 4, "float32", quant_type="int8")
+    ckpt = Checkpoint(str(tmp_path))
+    plain = BlockSpan.load(ckpt, 0, 4, "float32")
+    quant = BlockSpan.load(ckpt, 0, 4, "float32", quant_type=quant_type)
+    torch.manual_seed(0)
+    h = torch.randn(5, 64)
+    for fl, ql in zip(plain.layers, quant.layers):
+        assert isinstance(ql.moe.router, torch.nn.Linear) and ql.moe.router.weight.dtype == torch.float32
+        experts = fl.moe.experts
+        for e in range(fl.num_experts):
+            ref = _bnb_linear(experts.gate_up_proj[e].t(), quant_type)(h) + experts.gate_up_proj_bias[e]
+            assert torch.allclose(ql.expert_gate_up(e, h), ref, atol=1e-5)
+            a = fl.expert_act(ref)
+            ref_down = _bnb_linear(experts.down_proj[e].t(), quant_type)(a) + experts.down_proj_bias[e]
+            assert torch.allclose(ql.expert_down(e, a), ref_down, atol=1e-5)
+    # memory planning counts the experts at their quantized size, the router / sinks / norms / biases in float
+    from server.placement.memory import bytes_per_block
+    from swarm.modeling.quantize import quantized_weight_bytes
+
+    layer = quant.layers[0]
+    held = quantized_weight_bytes(layer) + sum(p.numel() * p.element_size() for p in layer.parameters()
+                                               if p.is_floating_point())
+    planned = bytes_per_block(ckpt.load_config(), torch.float32, quant_type)
+    assert held <= planned + 64 * 16 < 1.1 * held  # (+ nf4's 64-byte code tables, which the plan leaves out)
+    x = torch.randn(1, 6, 64)
+    got, want = quant.forward(x, 0, None), plain.forward(x, 0, None)
+    assert (got - want).abs().max().item() > 1e-4  # (measured: int8 1.2e-3, nf4 1.1e-2 here)
+    assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0).item() > 0.95
 
 
 def test_model_config_matches_transformers_configs(tmp_path):
@@ -528,6 +559,19 @@ def test_deepseek_adapter_on_int8_blocks(tmp_path):
     save_tiny("deepseek_v3", tmp_path / "base", None, vocab_size=VOCAB, **DEEPSEEK)
     adapter = make_adapter(str(tmp_path / "base"), tmp_path / "lora", seed=1, targets=DEEPSEEK_TARGETS, r=4, alpha=8,
                            **EXPERTS)
+    config = Checkpoint(str(tmp_path / "base")).load_config()
+    check_int8_adapter(tmp_path / "base", open_adapter(AdapterSource.parse(f"a={adapter}"), config))
+
+
+def test_gpt_oss_adapter_on_int8_blocks(tmp_path):
+    """GPT-OSS int8 blocks (per-expert bitsandbytes modules) take an adapter on q/k/v/o and the experts' stacked
+    parameters: the deltas add on top of the quantized experts' outputs (`check_int8_adapter`)."""
+    from swarm.modeling.lora import AdapterSource, open_adapter
+    from tests.fixtures.lora_fixtures import make_adapter
+
+    save_tiny("gpt_oss", tmp_path / "base", None, vocab_size=VOCAB, **GPT_OSS)
+    adapter = make_adapter(str(tmp_path / "base"), tmp_path / "lora", seed=1,
+                           targets=("q_proj", "k_proj", "v_proj", "o_proj"), r=4, alpha=8, **EXPERTS)
     config = Checkpoint(str(tmp_path / "base")).load_config()
     check_int8_adapter(tmp_path / "base", open_adapter(AdapterSource.parse(f"a={adapter}"), config))
 
