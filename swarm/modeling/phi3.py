@@ -30,6 +30,7 @@ from typing import Dict
 
 import torch
 
+from swarm.modeling.layers import picks_by_length
 from swarm.modeling.llama import DecoderLayer
 from swarm.modeling.shape import ModelShape
 
@@ -39,9 +40,9 @@ def recomputes_cache(config, held: int, total: int) -> bool:
     compute all of them again (see the module docstring): LongRoPE's factors switch from short to long at it,
     `0 < held <= original_max_position_embeddings < total`. (transformers drops its cache so whatever Phi-3's RoPE
     type; only LongRoPE's values change by it, so other types keep their cache here.)"""
-    rope = getattr(config, "rope_parameters", None) or {}
-    boundary = getattr(config, "original_max_position_embeddings", None)
-    return rope.get("rope_type") == "longrope" and boundary is not None and 0 < held <= int(boundary) < total
+    if not picks_by_length(config):
+        return False
+    return 0 < held <= int(config.rope_parameters["original_max_position_embeddings"]) < total
 
 
 def split_fused(state: Dict[str, torch.Tensor], shape: ModelShape) -> Dict[str, torch.Tensor]:
