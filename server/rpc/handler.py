@@ -126,11 +126,16 @@ class BlockHandler(TrainingHandler):
             self.streams.enter_stream()
         except LimitError as e:
             yield P.error_response("over_limit", str(e))
+            await drain_refused(requests)  # closing at once may reset the stream before the caller reads the reply
             return
         try:
             try:
                 first = await asyncio.wait_for(requests.__anext__(), timeout=self.step_timeout)
-            except (StopAsyncIteration, asyncio.TimeoutError):
+            except StopAsyncIteration:
+                return
+            except asyncio.TimeoutError:
+                yield P.error_response("timeout", f"no request within {self.step_timeout:g}s of opening the stream "
+                                                  f"(the server's --step_timeout); stream closed")
                 return
             if not self._admits(context, first.uid):
                 yield P.error_response("forbidden", NOT_A_MEMBER)

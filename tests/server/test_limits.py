@@ -12,6 +12,7 @@ from hivemind.proto import runtime_pb2
 
 from server.config import ServerConfig
 from swarm.client.manager import ClientConfig, SwarmManager
+from swarm.launch.topology import start_servers, terminate_all
 from swarm.runtime import aio
 from swarm.wire import protocol as P
 
@@ -26,6 +27,18 @@ def limited(swarms):
     m = SwarmManager(ClientConfig(initial_peers=swarm["initial_peers"]), swarm["prefix"], 30)
     yield m, swarm["servers"][0]
     m.shutdown()
+
+
+@pytest.fixture(scope="module")
+def capped(model_path, bootstrap):
+    """A server capping sessions per peer and open streams only: with the default --step_timeout no stream or
+    session of a test expires while it runs, however slow the machine."""
+    servers = start_servers(model_path, [bootstrap.maddr], ["0:30"], "tcapped",
+                            ["--max_sessions_per_peer", "2", "--max_streams", "4"], threads=1)
+    m = SwarmManager(ClientConfig(initial_peers=[bootstrap.maddr]), "tcapped", 30)
+    yield m, servers[0]
+    m.shutdown()
+    terminate_all(servers)
 
 
 def _open(session_id: str) -> runtime_pb2.ExpertRequest:
@@ -93,8 +106,8 @@ def test_limit_flags_are_documented_and_checked():
     assert ServerConfig(model="m", packed_rows=[16, 8, 16]).packed_rows == [8, 16]
 
 
-def test_sessions_per_peer_and_open_streams(limited):
-    m, server = limited
+def test_sessions_per_peer_and_open_streams(capped):
+    m, server = capped
     a, b = Stream(m, server.peer_id).start(), Stream(m, server.peer_id).start()
     idle = []
     try:
@@ -107,13 +120,20 @@ def test_sessions_per_peer_and_open_streams(limited):
         c.close()
         # two streams that have sent nothing yet still count against --max_streams 4: a fifth is refused
         idle = [Stream(m, server.peer_id).start() for _ in range(2)]
-        deadline = time.monotonic() + 30  # until the server has them all (a fixed sleep raced a loaded machine)
+        deadline = time.monotonic() + 60  # until the server has them all (a fixed sleep raced a loaded machine)
         while m.server_info(server.peer_id).streams_open < 4 and time.monotonic() < deadline:
             time.sleep(0.2)
         fifth = Stream(m, server.peer_id).start()
         refused = fifth.ask(_open("e"))
         assert isinstance(refused, P.ErrorReply) and refused.code == "over_limit" and "max_streams" in refused.message
         fifth.close()
+        # every refused stream gets its reply: the server used to close it at once, unread, and the reset that
+        # closing sent could overtake the reply (the caller then saw a broken pipe or waited for ever)
+        for i in range(100):
+            over = Stream(m, server.peer_id).start()
+            refused = over.ask(_open(f"over{i}"))
+            over.close()
+            assert isinstance(refused, P.ErrorReply) and refused.code == "over_limit", (i, refused)
         # the open sessions are unaffected
         reply = a.ask(P.make_request(P.Step(start_position=0), [torch.randn(1, 2, HIDDEN)]))
         assert isinstance(reply, P.StepResult) and reply.position == 2
@@ -170,7 +190,7 @@ def test_oversize_messages_do_not_grow_memory(limited):
 def test_training_calls_time_out_and_count_as_streams(limited, backward):
     """Regression (found fuzzing the training RPCs): a training call whose request never ended held its handler
     forever, and training calls were not counted against --max_streams. Now a stalled call gets `timeout` after
-    --step_timeout, and calls over --max_streams get `over_limit`."""
+    --step_timeout, and calls over --max_streams get `over_limit`; a silent inference stream is one of the five."""
     from swarm.wire import streaming
 
     m, server = limited
@@ -181,17 +201,22 @@ def test_training_calls_time_out_and_count_as_streams(limited, backward):
         yield first
         await asyncio.sleep(3600)
 
-    async def call():
+    async def silent():
+        await asyncio.sleep(3600)
+        yield first
+
+    async def call(inference: bool = False):
         stub = m.stub(server.peer_id)
         rpc = stub.rpc_train_backward if backward else stub.rpc_train_forward
-        responses = await rpc(stalled())
+        # an inference stream that never sends its first request gets `timeout` too (it used to be closed silently)
+        responses = await (stub.rpc_inference(silent()) if inference else rpc(stalled()))
         try:  # the first reply only: reading to the end would wait for our own (stalled) writer
             return P.decode_reply((await responses.__anext__()).metadata)
         finally:
             await responses.aclose()
 
     async def five():
-        return await asyncio.gather(*(call() for _ in range(5)))
+        return await asyncio.gather(*(call() for _ in range(4)), call(inference=True))
 
     _wait_streams_closed(m, server.peer_id)  # the streams of earlier tests are gone
     errors = aio.run(asyncio.wait_for(five(), 120), timeout=150)  # --max_streams 4, --step_timeout 10
