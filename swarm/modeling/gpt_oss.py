@@ -15,7 +15,8 @@ The sinks make the attention something SDPA cannot compute: the layer's `attenti
 arena attention), which compute it eagerly; the layer is its own `BlockLayer` (`fuse_layer`), not CUDA-graph
 `capturable` (the captured attention is SDPA). int8 / nf4 (`GptOssDecoderLayer.quantize`): the attention's
 projections through `quantize.quantize_linears`, each expert's gate_up and down as bitsandbytes modules of their own
-(weights transposed to [out, in], biases kept); router, sinks and norms in float. Checkpoints in transformers'
+(weights transposed to [out, in], biases kept); router, sinks and norms in float (equal to transformers' model
+quantized locally: tests/swarm/modeling/test_gpt_oss_quant.py). Checkpoints in transformers'
 names (`mlp.experts.gate_up_proj` [experts, hidden, 2 * intermediate], ...) load; the hub's original MXFP4 blocks
 (`*_blocks`, `*_scales`) do not (a clear error names the tensors).
 Written here rather than imported from transformers' modeling_gpt_oss (about 135 MB of resident imports per

@@ -26,29 +26,19 @@ from server.compute.blocks import BlockSpan
 from server.placement.memory import QUANT_BYTES_PER_PARAM, block_parameter_counts, bytes_per_block
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.model_config import model_config
-from tests.e2e.test_family_swarms import PROMPTS, _generate
+from tests.e2e.test_family_swarms import PROMPTS
 from tests.fixtures.tiny_checkpoints import save_tiny
+from tests.swarm.modeling.quant_reference import (
+    bnb_linear,
+    check_nf4_split_swarm,
+    compare_calls,
+    max_diff,
+    quantized_reference,
+)
 from tests.swarm.modeling.test_family_open_models import DEEPSEEK, VOCAB
 
 QUANT_DEEPSEEK = dict(DEEPSEEK, q_lora_rank=64, kv_lora_rank=24, moe_intermediate_size=64)
 TOLERANCE = 1e-5
-
-
-def _bnb_linear(weight: torch.Tensor, quant_type: str) -> nn.Module:
-    """A bitsandbytes module of `weight` [out, in] as transformers' integration makes them on the CPU."""
-    import bitsandbytes as bnb
-
-    out_features, in_features = weight.shape
-    if quant_type == "int8":
-        module: nn.Module = bnb.nn.Linear8bitLt(in_features, out_features, bias=False, has_fp16_weights=False,
-                                                threshold=6.0)
-        module.weight = bnb.nn.Int8Params(weight.detach().clone(), requires_grad=False, has_fp16_weights=False)
-    else:
-        module = bnb.nn.Linear4bit(in_features, out_features, bias=False, compute_dtype=torch.float32,
-                                   compress_statistics=False, quant_type="nf4")
-        module.weight = bnb.nn.Params4bit(weight.detach().clone(), requires_grad=False, blocksize=64,
-                                          compress_statistics=False, quant_type="nf4", module=module)
-    return module.to("cpu").eval()
 
 
 class QuantizedExperts(nn.Module):
@@ -58,9 +48,9 @@ class QuantizedExperts(nn.Module):
     def __init__(self, experts, quant_type: str):
         super().__init__()
         self.num_experts, self.act_fn = experts.num_experts, experts.act_fn
-        self.gate_up = nn.ModuleList(_bnb_linear(experts.gate_up_proj[e], quant_type)
+        self.gate_up = nn.ModuleList(bnb_linear(experts.gate_up_proj[e], quant_type)
                                      for e in range(self.num_experts))
-        self.down = nn.ModuleList(_bnb_linear(experts.down_proj[e], quant_type) for e in range(self.num_experts))
+        self.down = nn.ModuleList(bnb_linear(experts.down_proj[e], quant_type) for e in range(self.num_experts))
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         """hidden_states [tokens, hidden], top_k_index / top_k_weights [tokens, top_k] -> [tokens, hidden]"""
@@ -74,32 +64,16 @@ class QuantizedExperts(nn.Module):
         return out
 
 
-def quantized_reference(path, quant_type: str):
+def deepseek_reference(path, quant_type: str):
     """transformers' model of `path` quantized by its bitsandbytes integration, kv_b_proj and the LM head in float,
     the routed experts through `QuantizedExperts`."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    skip = ["kv_b_proj", "lm_head"]
-    config = (BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=6.0, llm_int8_skip_modules=skip)
-              if quant_type == "int8" else
-              BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
-                                 llm_int8_skip_modules=skip))
-    model = AutoModelForCausalLM.from_pretrained(str(path), quantization_config=config, dtype=torch.float32,
-                                                 device_map="cpu").eval()
-    for layer in model.model.layers:
-        if hasattr(layer.mlp, "experts"):
-            layer.mlp.experts = QuantizedExperts(layer.mlp.experts, quant_type)
-    return model
+    return quantized_reference(path, quant_type, ["kv_b_proj"], QuantizedExperts)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("deepseek-quant")
     return path, save_tiny("deepseek_v3", path, None, vocab_size=VOCAB, **QUANT_DEEPSEEK)
-
-
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max())
 
 
 @pytest.mark.parametrize("quant_type", ["int8", "nf4"])
@@ -120,24 +94,9 @@ def test_quantized_blocks_equal_the_locally_quantized_model(tiny, quant_type):
         if layer.sparse:
             assert len([m for m in layer.mlp.experts.modules() if isinstance(m, nn.Linear)]) == 3 * 8
             assert layer.mlp.gate.weight.dtype == torch.float32  # the router
-    reference = quantized_reference(path, quant_type)
     torch.manual_seed(3)
     ids = torch.randint(3, VOCAB, (1, 11))
-    kv = span.new_session_kv(1, 32, 0, 4)
-    past, position, diffs = None, 0, []
-    with torch.inference_mode():
-        for chunk in (ids[:, :5], ids[:, 5:9], ids[:, 9:10], ids[:, 10:11]):
-            out = reference(chunk, past_key_values=past, use_cache=True, output_hidden_states=True)
-            past, entering = out.past_key_values, out.hidden_states[0]
-            if chunk.shape[1] > 1:
-                ours = span.forward(entering, position, kv)
-            else:
-                (ours,) = span.forward_batch([(entering, position, kv)], 0, 4)
-            logits = reference.lm_head(reference.model.norm(ours))
-            diffs.append((_max_diff(reference.model.norm(ours), out.hidden_states[-1]),
-                          _max_diff(logits, out.logits)))
-            assert _max_diff(logits, float_model(ids[:, :position + chunk.shape[1]]).logits[:, position:]) > 1e-3
-            position += chunk.shape[1]
+    diffs = compare_calls(span, deepseek_reference(path, quant_type), float_model, ids, (5, 9, 10, 11))
     print(f"{quant_type}: max abs diff per call (normed hidden, logits) {diffs}")
     assert max(max(d) for d in diffs) <= TOLERANCE
 
@@ -185,7 +144,7 @@ def test_chunked_and_single_pass_prefill_agree(tiny):
     x = torch.randn(1, 9, span.hidden_size)
     kv = span.new_session_kv(1, 16, 0, 4)
     chunked = torch.cat([span.forward(x[:, :4], 0, kv), span.forward(x[:, 4:], 4, kv)], dim=1)
-    assert _max_diff(chunked, span.forward(x, 0, None)) < 1e-5
+    assert max_diff(chunked, span.forward(x, 0, None)) < 1e-5
     check_batched_rows(span)
 
 
@@ -193,22 +152,6 @@ def test_chunked_and_single_pass_prefill_agree(tiny):
 def test_an_nf4_split_swarm_generates_what_the_locally_quantized_model_does(tmp_path, bootstrap, model_path,
                                                                            tokenizer):
     """Two servers (0:2, 2:4) with --quant_type nf4: greedy tokens of three prompts equal the reference's."""
-    from swarm import AutoDistributedModelForCausalLM
-    from swarm.launch.topology import start_servers, terminate_all
-
     path = tmp_path / "tiny-deepseek-nf4"
     save_tiny("deepseek_v3", path, model_path, **QUANT_DEEPSEEK)
-    reference = quantized_reference(path, "nf4")
-    prefix = "tdsq"
-    servers = start_servers(str(path), [bootstrap.maddr], ["0:2", "2:4"], prefix, ["--quant_type", "nf4"], threads=1)
-    model = AutoDistributedModelForCausalLM.from_pretrained(str(path), initial_peers=[bootstrap.maddr],
-                                                            dht_prefix=prefix)
-    try:
-        assert {s.info.quant_type for s in model.manager.update(force=True)} == {"nf4"}
-        for prompt in PROMPTS[:3]:
-            ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
-            ours = model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False)
-            assert ours.tolist() == _generate(reference, ids).tolist()
-    finally:
-        model.shutdown()
-        terminate_all(servers)
+    check_nf4_split_swarm(path, deepseek_reference(path, "nf4"), bootstrap, tokenizer, "tdsq", PROMPTS[:3])

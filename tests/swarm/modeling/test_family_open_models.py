@@ -230,7 +230,7 @@ def test_gpt_oss_blocks_are_quantized(tmp_path, quant_type):
     """int8 / nf4 GPT-OSS blocks: each expert's gate_up and down give exactly what a bitsandbytes module of that
     expert's transposed weight and bias gives, the router stays float, and the span's output moves off the float
     span's (a layer left float fails) while staying close to it."""
-    from tests.swarm.modeling.test_deepseek_quant import _bnb_linear
+    from tests.swarm.modeling.quant_reference import bnb_linear
 
     save_tiny("gpt_oss", tmp_path, None, vocab_size=VOCAB, **GPT_OSS)
     ckpt = Checkpoint(str(tmp_path))
@@ -242,10 +242,10 @@ def test_gpt_oss_blocks_are_quantized(tmp_path, quant_type):
         assert isinstance(ql.moe.router, torch.nn.Linear) and ql.moe.router.weight.dtype == torch.float32
         experts = fl.moe.experts
         for e in range(fl.num_experts):
-            ref = _bnb_linear(experts.gate_up_proj[e].t(), quant_type)(h) + experts.gate_up_proj_bias[e]
+            ref = bnb_linear(experts.gate_up_proj[e].t(), quant_type)(h) + experts.gate_up_proj_bias[e]
             assert torch.allclose(ql.expert_gate_up(e, h), ref, atol=1e-5)
             a = fl.expert_act(ref)
-            ref_down = _bnb_linear(experts.down_proj[e].t(), quant_type)(a) + experts.down_proj_bias[e]
+            ref_down = bnb_linear(experts.down_proj[e].t(), quant_type)(a) + experts.down_proj_bias[e]
             assert torch.allclose(ql.expert_down(e, a), ref_down, atol=1e-5)
     # memory planning counts the experts at their quantized size, the router / sinks / norms / biases in float
     from server.placement.memory import bytes_per_block
