@@ -4,8 +4,9 @@
 pure `server.placement.policy.num_blocks_that_fit`. A block's size is counted from its parameters (built on the meta
 device, nothing allocated) at the serving dtype, its linear weights at their quantized size with their scales for
 `--quant_type` int8 / nf4 (`swarm.modeling.quantize`); a cached token costs keys and values of every kv head at the
-dtype, per block. A layer's `float_linears` (DeepSeek-V3's kv_b_proj, which int8 / nf4 leave in float) count at the
-dtype; of a model whose blocks differ (DeepSeek-V3's dense first blocks), the larger of its first and last block.
+dtype, per block. A layer's `float_linears` (DeepSeek-V3's kv_b_proj, the MoE routers, which int8 / nf4 leave in float)
+count at the dtype; of a model whose blocks differ (DeepSeek-V3's dense first blocks), the larger of its first and last
+block.
 """
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ def free_memory_bytes(device: str) -> int:
 
 def block_parameter_counts(model_config) -> tuple[int, int]:
     """(parameters in the linear weights int8 / nf4 quantize, other parameters: norms, routers, biases and the linear
-    weights a layer keeps in float, its `float_linears`: DeepSeek-V3's kv_b_proj) of the larger of the first and
-    the last block, by parameters (DeepSeek-V3's first blocks are dense MLPs, the later ones experts)."""
+    weights a layer keeps in float, its `float_linears`: DeepSeek-V3's kv_b_proj, the routers) of the larger of the
+    first and the last block, by parameters (DeepSeek-V3's first blocks are dense MLPs, the later ones experts)."""
     return max(_block_counts(model_config), key=sum)
 
 

@@ -138,6 +138,7 @@ class MixtralDecoderLayer(AttentionIndexedLayer):
     """`layer(hidden, attention_mask, position_ids, past_key_values, use_cache, position_embeddings)` -> hidden."""
 
     step = moe_block_step  # layer.step(x, cos, sin, attend)
+    float_linears = ("block_sparse_moe.gate",)  # the router: int8 / nf4 keep it float (`QuantizedMoeLayer`)
 
     def __init__(self, config, layer_idx: int):
         super().__init__()

@@ -209,11 +209,11 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def quantize_layer(fused, quant_type: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """The quantized block on `device` from a fused float block (which the caller then drops): the quantized class
-    of its fused class (`QUANTIZED`: the Llama family's `QuantizedLayer`, Mixtral's experts, Qwen3's q/k norms), a
-    layer's own `quantize` where it has one (DeepSeek-V3: `quantize_linears` with its `float_linears` kept; GPT-OSS:
-    a refusal saying why), else the family's layer (its own `BlockLayer`: BLOOM, Falcon, Gemma) with its linear
-    modules quantized (`quantize_linears`)."""
+    """The quantized block on `device` from a fused float block (which the caller then drops): the quantized class of
+    its fused class (`QUANTIZED`: the Llama family's `QuantizedLayer`, Mixtral's experts, Qwen3's q/k norms), a layer's
+    own `quantize` where it has one (DeepSeek-V3: `quantize_linears` with its `float_linears` kept; GPT-OSS: its
+    attention so and each expert's matrices as bitsandbytes modules), else the family's layer (its own `BlockLayer`:
+    BLOOM, Falcon, Gemma) with its linear modules quantized (`quantize_linears`)."""
     quantized = QUANTIZED.get(type(fused))
     if quantized is not None:
         return quantized(fused, quant_type, dtype, device)

@@ -78,6 +78,7 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
 
     num_experts = top_k = 0  # (sparse layers': moe_block_step reads them)
     norm_topk_prob = False
+    float_linears = ("mlp.gate",)  # a sparse layer's router: int8 / nf4 keep it float (`QuantizedMoeLayer`)
 
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)

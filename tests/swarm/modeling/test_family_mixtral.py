@@ -139,6 +139,7 @@ def test_quantized_experts(quant_type, min_cosine, tmp_path):
     path equals the pass without a cache, and batched rows equal single ones."""
     import bitsandbytes as bnb
 
+    from server.placement.memory import block_parameter_counts
     from swarm.modeling.quantize import QuantizedMoeLayer, quantized_weight_bytes
 
     reference = save_tiny("mixtral", tmp_path, None, vocab_size=VOCAB)
@@ -149,6 +150,9 @@ def test_quantized_experts(quant_type, min_cosine, tmp_path):
                    for m in layer.modules())
     float_bytes = sum(p.numel() * 4 for n, p in reference.model.layers[0].named_parameters() if "norm" not in n)
     assert quantized_weight_bytes(layer) < float_bytes / (3 if quant_type == "int8" else 5)
+    # memory planning counts what stays float (the norms and the router) at the dtype, the rest quantized
+    _, other = block_parameter_counts(span.config)
+    assert sum(p.numel() for p in layer.parameters() if p.is_floating_point()) == other
     torch.manual_seed(3)
     ids = torch.randint(3, VOCAB, (2, 12))
     with torch.no_grad():
@@ -171,10 +175,12 @@ def test_quantized_experts(quant_type, min_cosine, tmp_path):
 
 def test_server_memory_counts_every_expert(mixtral):
     """`server.placement.memory` sizes a block from the layer module: every expert's weights (as linear weights, which
-    quantization shrinks), the router and the norms, as many parameters as transformers' block has."""
+    quantization shrinks; not the router, which it keeps float) and the norms, as many parameters as transformers' block
+    has."""
     from server.placement.memory import block_parameter_counts
 
     _, path, reference, _ = mixtral
     linear, other = block_parameter_counts(Checkpoint(str(path)).load_config())
     assert linear + other == sum(p.numel() for p in reference.model.layers[0].parameters())
-    assert other == 2 * reference.config.hidden_size  # the two norms
+    config = reference.config  # the two norms and the router (int8 / nf4 keep it float)
+    assert other == 2 * config.hidden_size + config.num_local_experts * config.hidden_size

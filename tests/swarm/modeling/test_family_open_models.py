@@ -223,6 +223,11 @@ def test_quantized_blocks(family, quant_type, min_cosine, tmp_path):
     got = _logits(reference, hidden)
     assert torch.nn.functional.cosine_similarity(got.flatten(), expected.flatten(), dim=0).item() > min_cosine
     assert torch.allclose(span.forward(embeds, 0, None), hidden, atol=1e-5, rtol=1e-5)
+    # memory planning counts what stays float (norms, Qwen3-MoE's router) at the dtype (block 0: a sparse block)
+    from server.placement.memory import block_parameter_counts
+
+    _, other = block_parameter_counts(span.config)
+    assert sum(p.numel() for p in span.layers[0].parameters() if p.is_floating_point()) == other
 
 
 @pytest.mark.parametrize("quant_type", ["int8", "nf4"])
