@@ -126,7 +126,6 @@ class GptOssDecoderLayer(DecoderLayer):
             return experts.down_q[e](a).to(a.dtype)
         return a @ experts.down_proj[e] + experts.down_proj_bias[e]  # [n, hidden]
 
-
     # what int8 / nf4 keep in float and what they quantize beyond the linear modules (`server.placement.memory`)
     float_linears = ("mlp.router",)
     quantized_parameters = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
