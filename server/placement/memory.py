@@ -25,6 +25,11 @@ logger = logging.getLogger(__name__)
 # int8: a float32 scale per row (<= 4 / 64 bytes per weight from 64 columns on); nf4: a float32 absmax per 64
 # weights (no double quantization, as `swarm.modeling.quantize`)
 QUANT_BYTES_PER_PARAM = {"int8": 1.0 + 1 / 16, "nf4": 0.5 + 4 / 64}
+# bytes each quantized module holds whatever its size: nf4's code table (16 float32 values; int8 has none). Counted
+# per linear weight of the family's layer: the served layer fuses some (q/k/v, gate/up), so this is an upper bound
+# by at most 64 bytes a fused weight. (After its first call on a CPU with bitsandbytes' packed kernels an nf4
+# module's absmax shrinks to bfloat16: what is held then is less, never more.)
+QUANT_BYTES_PER_MODULE = {"int8": 0, "nf4": 16 * 4}
 DEFAULT_CACHE_TOKENS = 16384  # Petals' per-server default: plenty of sessions of a few thousand tokens
 MIN_CACHE_TOKENS = 2048
 CACHE_MEMORY_FRACTION = 0.25  # at most this share of the free memory goes to the KV cache by default
@@ -45,16 +50,24 @@ def block_parameter_counts(model_config) -> tuple[int, int]:
     """(parameters in the linear weights int8 / nf4 quantize, other parameters: norms, routers, biases and the linear
     weights a layer keeps in float, its `float_linears`: DeepSeek-V3's kv_b_proj, the routers) of the larger of the
     first and the last block, by parameters (DeepSeek-V3's first blocks are dense MLPs, the later ones experts)."""
-    return max(_block_counts(model_config), key=sum)
+    linear, other, _modules = max(_block_counts(model_config), key=lambda counts: counts[0] + counts[1])
+    return linear, other
 
 
-def _block_counts(model_config) -> list[tuple[int, int]]:
+def quantized_module_count(model_config) -> int:
+    """Quantized modules of the block `block_parameter_counts` describes: one a linear weight, one an expert's
+    matrix of a stacked parameter (GPT-OSS's experts, quantized per expert)."""
+    return max(_block_counts(model_config), key=lambda counts: counts[0] + counts[1])[2]
+
+
+def _block_counts(model_config) -> list[tuple[int, int, int]]:
     """`_parameter_counts` of the first and the last block: the kinds of block a model mixes (dense, experts)."""
     last = int(model_config.num_hidden_layers) - 1
     return [_parameter_counts(model_config, index) for index in sorted({0, max(last, 0)})]
 
 
-def _parameter_counts(model_config, index: int) -> tuple[int, int]:
+def _parameter_counts(model_config, index: int) -> tuple[int, int, int]:
+    """(quantizable linear parameters, other parameters, quantized modules) of block `index`."""
     from swarm.modeling.families import family_for
 
     family = family_for(model_config)
@@ -62,15 +75,18 @@ def _parameter_counts(model_config, index: int) -> tuple[int, int]:
         layer = family.layer(model_config, index)
     kept = set(getattr(layer, "float_linears", ()))
     stacked = set(getattr(layer, "quantized_parameters", ()))  # e.g. GPT-OSS's experts, quantized per expert
-    linear = other = 0
+    linear = other = modules = 0
     for module_name, module in layer.named_modules():
         for name, param in module.named_parameters(recurse=False):
-            if f"{module_name}.{name}" in stacked or (
-                    isinstance(module, torch.nn.Linear) and name == "weight" and module_name not in kept):
+            if f"{module_name}.{name}" in stacked:
                 linear += param.numel()
+                modules += param.shape[0]  # [experts, ...]: one quantized module an expert
+            elif isinstance(module, torch.nn.Linear) and name == "weight" and module_name not in kept:
+                linear += param.numel()
+                modules += 1
             else:
                 other += param.numel()
-    return linear, other
+    return linear, other, modules
 
 
 def bytes_per_block(model_config, dtype: torch.dtype, quant_type: str = "none", packed_copies: int = 0) -> int:
@@ -79,11 +95,18 @@ def bytes_per_block(model_config, dtype: torch.dtype, quant_type: str = "none", 
     packs): the larger of the first and the last block, by these bytes."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     if quant_type in (None, "none"):
-        return max((linear * (1 + packed_copies) + other) * itemsize for linear, other in _block_counts(model_config))
+        return max((linear * (1 + packed_copies) + other) * itemsize
+                   for linear, other, _modules in _block_counts(model_config))
+    return max(quantized_bytes(linear, modules, quant_type) + other * itemsize
+               for linear, other, modules in _block_counts(model_config))
+
+
+def quantized_bytes(linear: int, modules: int, quant_type: str) -> int:
+    """Bytes of `linear` parameters quantized as `quant_type` in `modules` modules, with their statistics and tables:
+    what `swarm.modeling.quantize.quantized_weight_bytes` measures of them, at most."""
     if quant_type not in QUANT_BYTES_PER_PARAM:
         raise ValueError(f"unknown quant_type {quant_type!r}; choose none, {', '.join(QUANT_BYTES_PER_PARAM)}")
-    return max(int(linear * QUANT_BYTES_PER_PARAM[quant_type]) + other * itemsize
-               for linear, other in _block_counts(model_config))
+    return int(linear * QUANT_BYTES_PER_PARAM[quant_type]) + modules * QUANT_BYTES_PER_MODULE[quant_type]
 
 
 def cache_bytes_per_token(model_config, dtype: torch.dtype) -> int:

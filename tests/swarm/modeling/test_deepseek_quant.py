@@ -23,7 +23,13 @@ import torch
 from torch import nn
 
 from server.compute.blocks import BlockSpan
-from server.placement.memory import QUANT_BYTES_PER_PARAM, block_parameter_counts, bytes_per_block
+from server.placement.memory import (
+    QUANT_BYTES_PER_PARAM,
+    block_parameter_counts,
+    bytes_per_block,
+    quantized_bytes,
+    quantized_module_count,
+)
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.model_config import model_config
 from tests.e2e.test_family_swarms import PROMPTS
@@ -120,16 +126,18 @@ def test_memory_planning_counts_kv_b_proj_in_float(tiny):
             sizes.append(quantized_weight_bytes(layer) + floats)
         expert = span.layers[3]
         assert sum(p.numel() for p in expert.parameters() if p.is_floating_point()) == other  # kv_b_proj among them
-        # (each nf4 module also holds its 16-value float32 code table: 64 bytes, which the estimate leaves out)
-        tables = 64 * sum(isinstance(m, bnb.nn.Linear4bit) for m in expert.modules())
+        # (each nf4 module also holds its 16-value float32 code table, 64 bytes, which the plan counts)
+        modules = sum(isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)) for m in expert.modules())
+        assert modules == quantized_module_count(config)
         assert linear * (1.0 if quant_type == "int8" else 0.5) < quantized_weight_bytes(expert) \
-            <= linear * QUANT_BYTES_PER_PARAM[quant_type] + tables
-        assert max(sizes) <= bytes_per_block(config, torch.float32, quant_type) + tables < 1.1 * max(sizes)
+            <= quantized_bytes(linear, modules, quant_type)
+        assert max(sizes) <= bytes_per_block(config, torch.float32, quant_type) < 1.1 * max(sizes)
     real = model_config({"model_type": "deepseek_v3"})
     linear, other = block_parameter_counts(real)
     kv_b = 128 * (128 + 128) * 512
     assert other >= kv_b and linear + other > 11e9  # the expert block's parameters
-    assert bytes_per_block(real, torch.bfloat16, "nf4") == int(linear * QUANT_BYTES_PER_PARAM["nf4"]) + other * 2
+    assert bytes_per_block(real, torch.bfloat16, "nf4") == \
+        int(linear * QUANT_BYTES_PER_PARAM["nf4"]) + 64 * quantized_module_count(real) + other * 2
     assert kv_b * 2 / 2**20 == 32
 
 

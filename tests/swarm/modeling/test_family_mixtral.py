@@ -14,6 +14,7 @@ from server.compute.blocks import BlockSpan
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.mixtral import FusedMoeLayer
 from swarm.modeling.model_config import model_config
+from tests.fixtures.numerics import assert_close_at_scale
 from tests.fixtures.tiny_checkpoints import save_tiny, tensor_names
 
 VOCAB = 512
@@ -92,8 +93,8 @@ def check_batched_rows(span) -> List[torch.Tensor]:
         alone.append(span.forward_batch([(x, length, kv)], 0, 4)[0])
         kv.begin_step(length)  # taken back: the batched pass below writes the same position again
     together = span.forward_batch([(x, length, kv) for x, (kv, length) in zip(xs, sessions)], 0, 4)
-    for a, b in zip(alone, together):
-        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+    for a, b in zip(alone, together):  # one row alone or in a batch may sum in another order (numerics.py)
+        assert_close_at_scale(b, a, 1e-5, "batched vs alone")
     return xs
 
 

@@ -260,7 +260,7 @@ def test_gpt_oss_blocks_are_quantized(tmp_path, quant_type):
     held = quantized_weight_bytes(layer) + sum(p.numel() * p.element_size() for p in layer.parameters()
                                                if p.is_floating_point())
     planned = bytes_per_block(ckpt.load_config(), torch.float32, quant_type)
-    assert held <= planned + 64 * 16 < 1.1 * held  # (+ nf4's 64-byte code tables, which the plan leaves out)
+    assert held <= planned < 1.1 * held  # (nf4's 64-byte code tables counted)
     x = torch.randn(1, 6, 64)
     got, want = quant.forward(x, 0, None), plain.forward(x, 0, None)
     assert (got - want).abs().max().item() > 1e-4  # (measured: int8 1.2e-3, nf4 1.1e-2 here)
