@@ -194,6 +194,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if item.nodeid.startswith(EXTENDED):
             item.add_marker(pytest.mark.extended)
+    stale = stale_extended(EXTENDED, [item.nodeid for item in items], config.rootpath)
+    if stale:
+        raise pytest.UsageError("tests/conftest.py EXTENDED names no test (renamed or removed?): " + ", ".join(stale))
+
+
+def stale_extended(prefixes, nodeids, root) -> list:
+    """The EXTENDED prefixes that name no test: a file that does not exist, or a collected file none of whose
+    collected tests starts with the prefix (files not collected in this run are not judged)."""
+    collected_files = {nodeid.split("::")[0] for nodeid in nodeids}
+    stale = []
+    for prefix in prefixes:
+        path = prefix.split("::")[0]
+        if not (root / path).is_file():
+            stale.append(prefix)
+        elif path in collected_files and not any(nodeid.startswith(prefix) for nodeid in nodeids):
+            stale.append(prefix)
+    return stale
 
 
 @pytest.fixture(scope="session")

@@ -177,3 +177,16 @@ def test_the_gateway_uses_the_client_only_through_its_api():
     side_doors = sorted((name, dep) for name, deps in graph(top_level_only=False).items() if area(name) == "gateway"
                         for dep in deps if area(dep) == "swarm.client" and dep != "swarm.client.api")
     assert side_doors == []
+
+
+def test_a_stale_extended_prefix_is_found(tmp_path):
+    """`tests/conftest.py` refuses a run whose EXTENDED names a test that no longer exists (a renamed test would
+    otherwise move silently into `make test`, or out of every tier)."""
+    from tests.conftest import stale_extended
+
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text("")
+    ids = ["tests/test_a.py::test_one[x]", "tests/test_a.py::test_two"]
+    prefixes = ("tests/test_a.py::test_one", "tests/test_a.py::test_gone", "tests/test_b.py::", "tests/test_a.py::")
+    assert stale_extended(prefixes, ids, tmp_path) == ["tests/test_a.py::test_gone", "tests/test_b.py::"]
+    assert stale_extended(prefixes[1:2], [], tmp_path) == []  # a file this run did not collect is not judged
