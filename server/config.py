@@ -21,7 +21,8 @@ from swarm.runtime.config import parse_span
 from swarm.runtime.relays import RelaySettings
 from swarm.runtime.swarm_key import SwarmKeySettings
 from swarm.wire.compression import COMPRESSION_HELP, Compression
-from swarm.wire.dtypes import DTYPES, QUANT_TYPES
+from swarm.wire.dtypes import DTYPES
+from swarm.wire.quant import parse_quant_type
 
 
 class ServerConfig(SwarmKeySettings, RelaySettings):
@@ -173,10 +174,7 @@ class ServerConfig(SwarmKeySettings, RelaySettings):
     @field_validator("quant_type", mode="before")
     @classmethod
     def _valid_quant_type(cls, value):
-        text = str(value).strip().lower()
-        if text != "auto" and text not in QUANT_TYPES:
-            raise ValueError(f"must be auto, {', '.join(QUANT_TYPES)}")
-        return text
+        return parse_quant_type(value, allow_auto=True)
 
     @field_validator("throughput", mode="before")
     @classmethod

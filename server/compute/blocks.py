@@ -34,6 +34,7 @@ from swarm.modeling.smallgemm import GemmGroup, packing_available
 from swarm.modeling.tensor_parallel import cache_layout, check_splittable, parse_devices, split_layer
 from swarm.runtime import malloc
 from swarm.wire.dtypes import DTYPES
+from swarm.wire.quant import QuantFormat, quant_format
 
 if TYPE_CHECKING:
     from server.compute.graphs import SpanGraphs, StaticSteps
@@ -128,8 +129,8 @@ class BlockSpan(nn.Module):
             return f"the span is on {self.device.type}, not a CUDA device"
         if not self.can_batch:
             return f"the {self.family.model_type} family has no fused layers"
-        if self.quant_type == "int8":
-            return "int8 weights: LLM.int8() picks outlier columns per input (a host sync), which capture refuses"
+        if self.quant.graph_refusal:
+            return self.quant.graph_refusal
         if self.cache_layout.values_in_keys:
             return ("the blocks cache a latent (multi-head latent attention): the graphs' static attention reads "
                     "keys and values of one head size")
@@ -296,13 +297,18 @@ class BlockSpan(nn.Module):
         return bool(self.fused) and key_bias(self.fused[0], 1, self.dtype, self.device) is not None
 
     @property
+    def quant(self) -> QuantFormat:
+        """The span's weight format, with its facts (`swarm.wire.quant`)."""
+        return quant_format(self.quant_type)
+
+    @property
     def sessions_alone(self) -> bool:
         """Whether each session's rows must go through the layers in calls of their own: int8 spans. LLM.int8()
         picks its outlier columns (kept in float; the rest quantized per row over the others) from all rows of a
         call, so rows of other sessions in the same projection change a session's numbers, and which sessions
         meet in a batch depends on timing. A session's decode step and prefill chunk then see exactly the rows
         that a local int8 model's call for that session sees (`forward_batch`, `can_batch_prefill`)."""
-        return self.quant_type == "int8"
+        return self.quant.sessions_alone is not None
 
     @property
     def can_batch(self) -> bool:

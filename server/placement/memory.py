@@ -18,18 +18,14 @@ import torch
 
 from server.placement.policy import num_blocks_that_fit
 from swarm.modeling.shape import ModelShape
+from swarm.wire.quant import quant_format
 
 logger = logging.getLogger(__name__)
 
-# bytes per parameter of a quantized linear weight, relative to nothing (absolute), with its scales/statistics
-# int8: a float32 scale per row (<= 4 / 64 bytes per weight from 64 columns on); nf4: a float32 absmax per 64
-# weights (no double quantization, as `swarm.modeling.quantize`)
-QUANT_BYTES_PER_PARAM = {"int8": 1.0 + 1 / 16, "nf4": 0.5 + 4 / 64}
-# bytes each quantized module holds whatever its size: nf4's code table (16 float32 values; int8 has none). Counted
-# per linear weight of the family's layer: the served layer fuses some (q/k/v, gate/up), so this is an upper bound
-# by at most 64 bytes a fused weight. (After its first call on a CPU with bitsandbytes' packed kernels an nf4
-# module's absmax shrinks to bfloat16: what is held then is less, never more.)
-QUANT_BYTES_PER_MODULE = {"int8": 0, "nf4": 16 * 4}
+# A quantized weight's bytes per parameter and per module are its format's (`swarm.wire.quant`). The per-module
+# bytes (nf4's code table) are counted per linear weight of the family's layer: the served layer fuses some (q/k/v,
+# gate/up), so this is an upper bound by at most 64 bytes a fused weight. (After its first call on a CPU with
+# bitsandbytes' packed kernels an nf4 module's absmax shrinks to bfloat16: what is held then is less, never more.)
 DEFAULT_CACHE_TOKENS = 16384  # Petals' per-server default: plenty of sessions of a few thousand tokens
 MIN_CACHE_TOKENS = 2048
 CACHE_MEMORY_FRACTION = 0.25  # at most this share of the free memory goes to the KV cache by default
@@ -94,7 +90,7 @@ def bytes_per_block(model_config, dtype: torch.dtype, quant_type: str = "none", 
     layer keeps in float; with `packed_copies` more copies of the float linear weights: `swarm.modeling.smallgemm`'s
     packs): the larger of the first and the last block, by these bytes."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    if quant_type in (None, "none"):
+    if quant_type is None or not quant_format(quant_type).quantized:
         return max((linear * (1 + packed_copies) + other) * itemsize
                    for linear, other, _modules in _block_counts(model_config))
     return max(quantized_bytes(linear, modules, quant_type) + other * itemsize
@@ -104,9 +100,10 @@ def bytes_per_block(model_config, dtype: torch.dtype, quant_type: str = "none", 
 def quantized_bytes(linear: int, modules: int, quant_type: str) -> int:
     """Bytes of `linear` parameters quantized as `quant_type` in `modules` modules, with their statistics and tables:
     what `swarm.modeling.quantize.quantized_weight_bytes` measures of them, at most."""
-    if quant_type not in QUANT_BYTES_PER_PARAM:
-        raise ValueError(f"unknown quant_type {quant_type!r}; choose none, {', '.join(QUANT_BYTES_PER_PARAM)}")
-    return int(linear * QUANT_BYTES_PER_PARAM[quant_type]) + modules * QUANT_BYTES_PER_MODULE[quant_type]
+    quant = quant_format(quant_type)
+    if not quant.quantized:
+        raise ValueError("quantized_bytes of quant_type none: the weights count at the serving dtype")
+    return int(linear * quant.bytes_per_param) + modules * quant.bytes_per_module
 
 
 def cache_bytes_per_token(model_config, dtype: torch.dtype) -> int:

@@ -43,12 +43,13 @@ import torch
 
 from swarm.client.manager import SwarmManager
 from swarm.client.routing import RouteHop, RoutingError, choose_forward_chain
+from swarm.wire.quant import QUANT_FORMATS, UNKNOWN_TOLERANCE
 
 logger = logging.getLogger(__name__)
 
 # largest honest divergence (see `divergence`) by serving dtype; a quantized weight format adds its own margin
+# (`QuantFormat.verify_tolerance`)
 DTYPE_TOLERANCE = {"float32": 0.02, "float16": 0.1, "bfloat16": 0.15}
-QUANT_TOLERANCE = {"none": 0.0, "int8": 0.3, "nf4": 0.3}  # int8 decode vs prefill: ~0.16 seen
 MAX_PENDING_CHECKS = 2  # random checks a session may have in flight; more are skipped (`VerifyStats.skipped_busy`)
 
 
@@ -98,7 +99,8 @@ class VerifyStats:
 
 
 def tolerance(dtype: str, quant_type: str) -> float:
-    return DTYPE_TOLERANCE.get(dtype, 0.15) + QUANT_TOLERANCE.get(quant_type, 0.1)
+    quant = QUANT_FORMATS.get(quant_type)
+    return DTYPE_TOLERANCE.get(dtype, 0.15) + (quant.verify_tolerance if quant else UNKNOWN_TOLERANCE)
 
 
 def position_divergence(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,7 @@ from swarm.modeling.llama import FusedLayer, block_step
 from swarm.modeling.mixtral import FusedMoeLayer, moe_block_step
 from swarm.modeling.qwen3 import FusedQkNormLayer, normed_qk
 from swarm.modeling.qwen3_moe import FusedQkNormMoeLayer
-from swarm.wire.dtypes import QUANT_TYPES
+from swarm.wire.quant import parse_quant_type
 
 INT8_THRESHOLD = 6.0  # LLM.int8()'s outlier threshold (transformers' `llm_int8_threshold` default)
 NF4_BLOCKSIZE = 64
@@ -73,11 +73,9 @@ logging.getLogger("bitsandbytes.autograd._functions").addFilter(_DropCastNotice(
 
 def resolve_quant_type(name: Optional[str], device: torch.device | str) -> str:
     """`name` ("auto" or one of QUANT_TYPES) for `device`: auto is nf4 on CUDA and none elsewhere."""
-    name = (name or "auto").lower()
+    name = parse_quant_type(name or "auto", allow_auto=True)
     if name == "auto":
         return "nf4" if torch.device(device).type == "cuda" else "none"
-    if name not in QUANT_TYPES:
-        raise ValueError(f"unknown quant_type {name!r}; choose auto, {', '.join(QUANT_TYPES)}")
     return name
 
 

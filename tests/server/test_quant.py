@@ -246,3 +246,16 @@ def test_throughput_measures_a_quantized_block(model_path, tmp_path):
 
     cached = json.loads((tmp_path / CACHE_FILE).read_text())
     assert cache_key(model_path, "cpu", torch.float32, "nf4") in cached
+
+
+def test_quant_formats_are_validated_once_and_carry_their_facts():
+    from swarm.wire.quant import INT8, NF4, QUANT_TYPES, parse_quant_type, quant_format
+
+    assert QUANT_TYPES == ("none", "int8", "nf4")
+    assert parse_quant_type(" NF4 ") == "nf4" and parse_quant_type("auto", allow_auto=True) == "auto"
+    for bad, allow_auto in (("auto", False), ("fp8", True), (None, False), (4, True)):
+        with pytest.raises(ValueError, match="unknown quant_type .*; choose "):
+            parse_quant_type(bad, allow_auto=allow_auto)
+    assert quant_format("int8") is INT8 and INT8.sessions_alone and INT8.graph_refusal
+    assert NF4.sessions_alone is None and NF4.graph_refusal is None and NF4.bytes_per_module == 64
+    assert not quant_format("none").quantized

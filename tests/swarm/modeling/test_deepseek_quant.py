@@ -24,7 +24,6 @@ from torch import nn
 
 from server.compute.blocks import BlockSpan
 from server.placement.memory import (
-    QUANT_BYTES_PER_PARAM,
     block_parameter_counts,
     bytes_per_block,
     quantized_bytes,
@@ -32,6 +31,7 @@ from server.placement.memory import (
 )
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.model_config import model_config
+from swarm.wire.quant import NF4
 from tests.e2e.test_family_swarms import PROMPTS
 from tests.fixtures.tiny_checkpoints import save_tiny
 from tests.swarm.modeling.quant_reference import (
@@ -137,7 +137,7 @@ def test_memory_planning_counts_kv_b_proj_in_float(tiny):
     kv_b = 128 * (128 + 128) * 512
     assert other >= kv_b and linear + other > 11e9  # the expert block's parameters
     assert bytes_per_block(real, torch.bfloat16, "nf4") == \
-        int(linear * QUANT_BYTES_PER_PARAM["nf4"]) + 64 * quantized_module_count(real) + other * 2
+        int(linear * NF4.bytes_per_param) + 64 * quantized_module_count(real) + other * 2
     assert kv_b * 2 / 2**20 == 32
 
 
