@@ -18,7 +18,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_seria
 from swarm import __version__
 
 SYSTEM_FINGERPRINT = f"swarmgate-{__version__}"  # OpenAI: a string when present, never null
-ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class _Request(BaseModel):
