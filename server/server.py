@@ -10,7 +10,10 @@ Lifecycle (each step's module in brackets):
 4. Place: pinned `--block_indices` or the least-served window, re-checked against concurrent joiners
    (`server.placement.spans.place`).
 5. Load only those blocks, register the RPC handlers (`server.rpc.handler`) on the DHT's P2P daemon, announce
-   `online`, print `SWARMGATE_READY {json}` (supervisors and tests wait for it).
+   `online`, print `SWARMGATE_READY {json}` (supervisors and tests wait for it) with the addresses p2pd tells now
+   (`server.placement.reachable.own_maddrs`, waited for: a relay reservation may come late). A DHT step of the
+   start (placing, announcing) that fails is tried again with back-off (`server.retry`, one line): only errors the
+   volunteer can fix, or the DHT process dying, end a server.
 6. Serve, supervised: refresh the record every `--update_period`, sooner when the free cache changed a lot
    (`server.placement.announce`); at random intervals around `--balance_period`, move if that helps the swarm enough
    (`server.placement.spans.maybe_rebalance`); every few seconds (`--hole_check_period`) look for blocks nobody serves
@@ -36,7 +39,7 @@ import shutil
 import sys
 import threading
 import time
-from typing import Optional, Type
+from typing import Optional, Tuple, Type
 
 import hivemind
 import torch
@@ -48,9 +51,10 @@ from server.placement import spans
 from server.placement.announce import Announcer, start_dht
 from server.placement.liveness import HolderLiveness
 from server.placement.memory import Capacity
-from server.placement.reachable import Unreachable, settle_reachability
+from server.placement.reachable import RELAY_WAIT, RELAYED, Unreachable, own_maddrs, settle_reachability
 from server.placement.relay_watch import RelayWatch
 from server.placement.throughput import get_throughput
+from server.retry import backoff, until_done
 from server.rpc.handler import BlockHandler
 from server.rpc.limits import RpcLimits
 from swarm import __version__
@@ -224,8 +228,7 @@ class Server:
 
     async def _heal(self) -> None:
         """Make sure the blocks are loaded and served, and that the compute thread is alive."""
-        if self.dht is not None and not self.dht.is_alive():
-            raise SystemExit("the DHT peer process died; exiting so that a supervisor restarts the server")
+        self._check_dht_alive()
         if self.handler is None:
             logger.info(f"blocks {self.record.start}:{self.record.end} are not loaded: loading them")
             await self.load_blocks()
@@ -233,6 +236,10 @@ class Server:
         if not self.handler.pool.is_alive():
             logger.warning("the compute thread died: starting a new one")
             self.handler.pool = self._compute_pool()
+
+    def _check_dht_alive(self) -> None:
+        if self.dht is not None and not self.dht.is_alive():
+            raise SystemExit("the DHT peer process died; exiting so that a supervisor restarts the server")
 
     # ---- the supervised serving loop ----------------------------------------------------------------------
     async def _serve_loop(self) -> None:
@@ -271,6 +278,7 @@ class Server:
 
     async def _supervise(self) -> None:
         failures = 0
+        last: Optional[Tuple[type, str]] = None  # the previous failure: the same one again is logged in one line
         while not self._stop.is_set():
             began = time.monotonic()
             try:
@@ -287,8 +295,13 @@ class Server:
                                      "server") from None
                 self.restarts += 1
                 failures = 1 if time.monotonic() - began > 10 * self.config.update_period else failures + 1
-                delay = min(MAX_RESTART_DELAY, self.config.update_period, 0.5 * 2 ** (failures - 1))
-                logger.exception(f"the serving loop died ({type(e).__name__}: {e}); restarting in {delay:.1f}s")
+                delay = backoff(failures, min(MAX_RESTART_DELAY, self.config.update_period))
+                if (type(e), str(e)) == last:
+                    logger.warning(f"the serving loop died again ({type(e).__name__}: {e}); restarting in "
+                                   f"{delay:.1f}s")
+                else:
+                    logger.exception(f"the serving loop died ({type(e).__name__}: {e}); restarting in {delay:.1f}s")
+                last = (type(e), str(e))
                 await self.sleep(delay)
 
     # ---- main ---------------------------------------------------------------------------------------------
@@ -312,15 +325,23 @@ class Server:
                                                          tensor_parallel=self.config.tensor_parallel_devices))
             logger.info(f"throughput: {self.record.throughput:.1f} decode steps/s per block ({source})")
             self.liveness.proof = proof_for(self.record.swarm_key, self.peer_id)
-            await spans.place(self)
+            await until_done("placing this server's blocks", lambda: spans.place(self), sleep=self.sleep,
+                             check=self._check_dht_alive, max_delay=MAX_RESTART_DELAY)
             if self._stop.is_set():
-                await self.announce(ServerState.OFFLINE)
+                await self._leave()
                 return 0
             await self.load_blocks()
-            await self.announce(ServerState.ONLINE)
+            await until_done("announcing this server online", lambda: self.announce(ServerState.ONLINE),
+                             sleep=self.sleep, check=self._check_dht_alive, max_delay=MAX_RESTART_DELAY)
+            if self._stop.is_set():
+                await self._leave()
+                return 0
             start, end = self.record.start, self.record.end
-            ready = {"peer_id": self.peer_id, "start": start, "end": end,
-                     "maddrs": [str(m) for m in self.started_dht.get_visible_maddrs()], "prefix": self.prefix,
+            relayed = self.record.reachable == RELAYED
+            maddrs = await own_maddrs(self.p2p, relayed=relayed, **({"timeout": RELAY_WAIT} if relayed else {}))
+            if not maddrs:  # serving anyway: the relay watch renews a lost slot; clients find a server by its id
+                logger.warning("p2pd tells no address of this server yet: serving anyway")
+            ready = {"peer_id": self.peer_id, "start": start, "end": end, "maddrs": maddrs, "prefix": self.prefix,
                      "throughput": self.record.throughput, "attn_cache_tokens": self.capacity.attn_cache_tokens,
                      "quant_type": self.quant_type, "adapters": [files.name for files in self.adapters],
                      "tensor_parallel_devices": self.config.tensor_parallel_devices,

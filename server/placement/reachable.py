@@ -6,9 +6,15 @@ three of its initial peers to dial it back on its announced addresses (`swarm.wi
   server then offers dial-back checks and relay service to others;
 - not reached, relays on (the default): the DHT peer is restarted as a DHT client that reserves a slot on a relay
   (`swarm.runtime.relays`); the server waits until it has a relay circuit address, logs one line, and announces
-  `reachable: relayed` in its record;
+  `reachable: relayed` in its record (no slot within `RELAY_WAIT`: `Unreachable`);
 - not reached, with `--no_relay` or `--no_auto_relay`: `Unreachable`, one line naming the addresses tried and the
   flags that help; the server exits 1 before loading any block.
+
+This peer's own addresses (`own_maddrs`) are always asked of p2pd afresh, and waited for: p2pd answers "No
+multiaddrs found for peer <own id>" (hivemind's `ValueError`) while it has none to announce, which is the case of
+a relayed peer (its public addresses hidden: reachability `private`) until its relay reservation is in place, and
+on a busy machine the reservation comes late. Never ask the DHT peer for them (`DHT.get_visible_maddrs()` without
+`latest`): hivemind keeps the list p2pd gave when it started, which for a relayed peer may be empty for ever.
 """
 from __future__ import annotations
 
@@ -32,7 +38,9 @@ from swarm.wire.reachability import (
 
 logger = logging.getLogger("swarmgate.server")
 
-RELAY_WAIT = 30.0  # seconds to get a relay circuit address
+RELAY_WAIT = 60.0  # seconds to get a relay circuit address (a busy machine makes the reservation late)
+ADDRS_WAIT = 30.0  # seconds a directly reachable peer waits for p2pd to tell its own addresses
+FIRST_RETRY, MAX_RETRY = 0.25, 4.0  # seconds between asks: doubling from FIRST_RETRY up to MAX_RETRY
 
 
 class Unreachable(RuntimeError):
@@ -51,7 +59,7 @@ async def settle_reachability(server) -> Reachable:
         server.p2p = await server.started_dht.replicate_p2p()
     verdict = None
     if not config.new_swarm and not config.skip_reachability_check:
-        tried = dialable_maddrs(server.started_dht.get_visible_maddrs())
+        tried = dialable_maddrs(await own_maddrs(server.p2p))
         checkers = checker_peers(config.initial_peers)
         began = time.monotonic()
         verdict = await check_reachability(server.p2p, checkers, tried)
@@ -85,14 +93,34 @@ def relay_ids(circuits: List[str]) -> List[str]:
     return sorted({m.split("/p2p-circuit")[0].rsplit("/p2p/", 1)[-1] for m in circuits})
 
 
-async def wait_for_circuits(p2p, timeout: float = RELAY_WAIT) -> List[str]:
-    """This peer's relay circuit addresses, once it has some (empty: none within `timeout`)."""
-    deadline = time.monotonic() + timeout
+async def own_maddrs(p2p, *, relayed: bool = False, timeout: float = ADDRS_WAIT) -> List[str]:
+    """This peer's visible addresses as p2pd tells them now (`relayed`: its relay circuit addresses only), asked
+    again with back-off while it has none (see the module docstring), for at most `timeout` seconds; logs one line
+    if it has to wait. Empty: none within `timeout`."""
+    began = time.monotonic()
+    delay = FIRST_RETRY
+    waiting = False
     while True:
-        circuits = circuit_maddrs(await p2p.get_visible_maddrs(latest=True))
-        if circuits or time.monotonic() >= deadline:
-            return circuits
-        await asyncio.sleep(0.5)
+        try:
+            maddrs = [str(m) for m in await p2p.get_visible_maddrs(latest=True)]
+        except ValueError as e:  # "No multiaddrs found for peer <own id>": none yet
+            maddrs, why = [], str(e)
+        else:
+            why = "p2pd has no relay circuit address for it yet"
+        if relayed:
+            maddrs = circuit_maddrs(maddrs)
+        left = timeout - (time.monotonic() - began)
+        if maddrs or left <= 0:
+            if waiting:
+                logger.debug(f"waited {time.monotonic() - began:.1f}s for this peer's addresses: {maddrs}")
+            return maddrs
+        if not waiting:
+            waiting = True
+            what = "its relay reservation" if relayed else "p2pd to tell its addresses"
+            logger.info(f"this server has no address to announce yet ({why}): waiting for {what}, up to "
+                        f"{timeout:.0f}s")
+        await asyncio.sleep(min(delay, left))
+        delay = min(MAX_RETRY, 2 * delay)
 
 
 async def restart_relayed(server, timeout: float = RELAY_WAIT) -> List[str]:
@@ -115,4 +143,4 @@ async def restart_relayed(server, timeout: float = RELAY_WAIT) -> List[str]:
     server.dht = server.record.dht = await loop.run_in_executor(
         None, lambda: start_dht(server.config, relayed=True, identity_path=server.relay_identity))
     server.p2p = await server.started_dht.replicate_p2p()
-    return await wait_for_circuits(server.p2p, timeout)
+    return await own_maddrs(server.p2p, relayed=True, timeout=timeout)

@@ -8,8 +8,9 @@ serving loop every `--relay_check_period` seconds, looks at the peer's own addre
 - relay circuit addresses present: all is well;
 - none: the slot is lost; once one of the relays (the initial peers) accepts a connection again, the DHT peer and
   its p2pd are restarted as a relayed DHT client with the same peer id (`server.placement.reachable.restart_relayed`),
-  the block handlers are registered on the new p2pd and the record is announced again, so clients reach the server
-  through the new slot. While no relay answers, nothing is restarted (a DHT client cannot join without one).
+  the block handlers are registered on the new p2pd and the record is announced again (an announcement that fails
+  is left to the serving loop's next refresh), so clients reach the server through the new slot. While no relay
+  answers, nothing is restarted (a DHT client cannot join without one).
   A renewal that gets no slot, or whose DHT peer fails to start, is tried again after 2, 4, 8, ... check periods
   (at most `MAX_BACKOFF` s); a server left without a DHT peer exits at its next record refresh (`Server._heal`),
   for its supervisor to start it again.
@@ -106,7 +107,11 @@ class RelayWatch:
             self._back_off("restarted the DHT peer but got no relay slot")
             return False
         self.failures = 0
-        await server.announce(ServerState.ONLINE)
+        try:
+            await server.announce(ServerState.ONLINE)
+        except Exception as e:  # the DHT peer is new and may be busy: the serving loop's next refresh announces
+            logger.warning(f"relay: announcing after the renewal failed ({type(e).__name__}: {e}); the next record "
+                           "refresh announces again")
         self.renewals += 1
         lost_for = time.monotonic() - (self.lost_since or began)
         self.lost_since = None

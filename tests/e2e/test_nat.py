@@ -10,6 +10,9 @@ page), and that a greedy chat through the gateway in the client namespace, whose
 returns the text local transformers gives, the public server pushing its decode outputs to the home server
 through the relay. With relays off (`--no_relay`) a home server exits 1 with one error
 line naming the addresses tried and the flags that help, before loading any block, and leaves no process behind.
+A home server whose relay reservation comes late (`tests.fixtures.late_addrs_server`: each p2pd handle of it first
+answers "No multiaddrs found for peer <own id>", as p2pd does until the reservation is in place) waits for it and
+serves: its record appears, `relayed`, and it stays up (issue 52: it exited 1).
 Last, the relay (the bootstrap peer, at a fixed port with a fixed identity) is SIGKILLed and started again: the
 home server renews its slot (`server.placement.relay_watch`) and a chat sent at once, which the gateway holds while it
 retries the span's only server (`SwarmManager.sole_retry_wait`), equals transformers.
@@ -24,13 +27,16 @@ import sys
 import time
 from types import SimpleNamespace
 
+import hivemind
 import httpx
 import pytest
 
 from swarm.client.manager import ClientConfig, SwarmManager
 from swarm.launch.netns import NetLab
 from swarm.launch.topology import start_bootstrap, start_gateway, start_server, wait_all
+from swarm.wire.records import ServerState, fetch_block_records
 from tests.fixtures.gateway_fixtures import reference_text
+from tests.fixtures.late_addrs_server import INJECTED
 
 pytestmark = pytest.mark.slow
 
@@ -38,6 +44,8 @@ PREFIX = "tnat"
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
 MAX_TOKENS = 12
 HOME_PORT = 31400
+LATE_PREFIX = "tnatlate"  # the late home server's own swarm: the gateway never routes through it
+NO_ADDRS_FOR = 6  # asks for its own addresses answered "No multiaddrs found" on each p2pd handle of it
 BOOT_PORT = 31337
 DIRECT_AT = re.compile(r"not reachable directly at /ip4/([\d.]+)/tcp/(\d+)")
 
@@ -142,6 +150,39 @@ def test_with_relays_off_an_unreachable_server_exits_with_one_line(nat_lab, mode
     assert "loaded" not in log and "Traceback" not in log
     with pytest.raises(ProcessLookupError):  # the process group (the DHT child and p2pd included) is gone
         os.killpg(proc.proc.pid, 0)
+
+
+def test_a_home_server_whose_reservation_is_late_serves_once_it_is_in_place(nat_lab, model_path):
+    home = nat_lab.hosts["home"]
+    proc = start_server(model_path, [nat_lab.boot.maddr], "15:30", LATE_PREFIX,
+                        ["--update_period", "10", "--throughput", "1", "--no_addrs_for", str(NO_ADDRS_FOR)],
+                        name="nat-late", host=home.address, threads=1, wrap=home.wrap, port=HOME_PORT + 1,
+                        module="tests.fixtures.late_addrs_server")
+    reader = None
+    try:
+        ready = proc.wait_ready(300)
+        log = proc.log_path.read_text(errors="replace")
+        # the direct peer's handle and the relayed one's each answered NO_ADDRS_FOR asks with "No multiaddrs"
+        assert log.count(INJECTED) >= 2 * NO_ADDRS_FOR, log
+        assert log.count("waiting for its relay reservation") == 1, log
+        assert "server failed" not in log, log
+        assert ready["reachable"] == "relayed"
+        assert ready["maddrs"] and all(f"/p2p/{nat_lab.boot.peer_id}/p2p-circuit/p2p/{proc.peer_id}" in m
+                                       for m in ready["maddrs"]), ready["maddrs"]
+        reader = hivemind.DHT(initial_peers=[nat_lab.boot.maddr], client_mode=True, start=True)
+        deadline = time.monotonic() + 60
+        while True:
+            info = fetch_block_records(reader, LATE_PREFIX, 30, blocks=[15])[15].get(proc.peer_id)
+            if info is not None and info.state == ServerState.ONLINE:
+                break
+            assert time.monotonic() < deadline, info
+            time.sleep(0.5)
+        assert info.reachable == "relayed" and (info.start, info.end) == (15, 30)
+        assert proc.proc.poll() is None  # still serving
+    finally:
+        if reader is not None:
+            reader.shutdown()
+        proc.kill()
 
 
 def test_a_relayed_chain_survives_the_relays_restart(nat_lab, tokenizer, reference_model):
