@@ -24,6 +24,11 @@ union of the groups' columns, rows zeroed outside their own) changes the bits fr
 a 960-wide projection, by 1-2 ulp). Each group's own `addmm` (its rows, its columns, as bitsandbytes calls it) is
 exact; it reads only the outlier columns of the weight, a few of its hundreds, so the weight is still read once.
 
+Step 2 is exact whatever the rows around: `torch._int_mm` sums integers; bitsandbytes' fallback on CPUs without
+AVX-512, a float32 matmul of the int8 values, is exact while every partial sum stays within 2^24 (always for
+in_features <= 1040, as 127 * 127 * 1040 < 2^24; beyond, only rows of nearly all +-127 values of one sign could
+round).
+
 Step 1 reproduces bitsandbytes' CPU quantization (its default `int8_vectorwise_quant`, torch ops) op for op, so the
 server groups rows on CPU spans only (`server.compute.blocks.BlockSpan.groups_int8_rows`). On CUDA bitsandbytes
 quantizes rows in a kernel of its own (`cint8_vector_quant`, then the outlier columns zeroed in Python); the exact
