@@ -15,6 +15,7 @@ adapter's rows are one contiguous group).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence, Union
 
@@ -26,6 +27,7 @@ from server.compute.decode import attention_backends, decode_step, prefill_step,
 from server.compute.kv_arena import KVArena
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FAMILIES, FamilySpec, family_for
+from swarm.modeling.int8_rows import row_groups
 from swarm.modeling.layers import cache_attention, causal_mask, key_bias, rope_lengths
 from swarm.modeling.llama import FusedLayer, attach_small_gemms
 from swarm.modeling.lora import AdapterError, AdapterFiles, SpanAdapter, adapt_layers, check_layers
@@ -143,13 +145,12 @@ class BlockSpan(nn.Module):
     def enable_kv_arena(self, capacity: int) -> bool:
         """Give one-row sessions of up to `capacity` positions slots of shared CPU storage (`server.compute.kv_arena`),
         whose decode batches attend with one call per layer; True if on. CPU spans of fused rotary layers only (ALiBi
-        layers and sliding windows attend per session; CUDA has its graphs), and not int8 spans
-        (`sessions_alone`): the arena's grouped attention sums in another order than a session's own call, and
-        LLM.int8() quantizes the next projection's input per row, so a last-bit difference there can move an
-        activation a whole int8 step (measured: a 9-token prompt's greedy text left transformers' int8 model's at
-        its 14th token)."""
+        layers and sliding windows attend per session; CUDA has its graphs), and not int8 spans: the arena's
+        grouped attention sums in another order than a session's own call, and LLM.int8() quantizes the next
+        projection's input per row, so a last-bit difference there can move an activation a whole int8 step
+        (measured: a 9-token prompt's greedy text left transformers' int8 model's at its 14th token)."""
         if self.device.type != "cpu" or not self.can_batch or self.rotary is None or self.alibi or \
-                self.tp_devices or self.sessions_alone:
+                self.tp_devices or self.quant_type == "int8":
             return False
         layout = self.cache_layout
         self.kv_arena = KVArena(layout.kv_heads, layout.key_dim, capacity, self.dtype,
@@ -302,13 +303,28 @@ class BlockSpan(nn.Module):
         return quant_format(self.quant_type)
 
     @property
+    def groups_int8_rows(self) -> bool:
+        """Whether this int8 span's steps quantize each session's rows as a call of their own inside a merged batch
+        (`swarm.modeling.int8_rows`): every block a `QuantizedLayer` (each projection sees all rows of the step; a
+        mixture of experts' expert sees routed subsets), not split across devices, on the CPU: bit-exactness was
+        shown for bitsandbytes' CPU kernels, whose quantization `int8_rows` reproduces op for op; CUDA quantizes rows
+        in a kernel of its own (`int8_vectorwise_quant`), unverified here, so a CUDA int8 span runs sessions alone."""
+        from swarm.modeling.quantize import QuantizedLayer
+
+        return self.quant_type == "int8" and self.device.type == "cpu" and bool(self.fused) and \
+            not self.tp_devices and all(isinstance(layer, QuantizedLayer) for layer in self.fused)
+
+    @property
     def sessions_alone(self) -> bool:
-        """Whether each session's rows must go through the layers in calls of their own: int8 spans. LLM.int8()
-        picks its outlier columns (kept in float; the rest quantized per row over the others) from all rows of a
-        call, so rows of other sessions in the same projection change a session's numbers, and which sessions
-        meet in a batch depends on timing. A session's decode step and prefill chunk then see exactly the rows
-        that a local int8 model's call for that session sees (`forward_batch`, `can_batch_prefill`)."""
-        return self.quant.sessions_alone is not None
+        """Whether each session's rows must go through the layers in calls of their own: int8 spans that cannot
+        group rows per session (`groups_int8_rows`: MoE, BLOOM / Falcon / Gemma / DeepSeek-V3 / GPT-OSS layers,
+        tensor parallelism, CUDA). LLM.int8() picks its outlier columns (kept in float; the rest quantized per row over
+        the others) from all rows of a call, so rows of other sessions in the same projection change a session's
+        numbers, and which sessions meet in a batch depends on timing. A session's decode step and prefill chunk
+        then see exactly the rows that a local int8 model's call for that session sees (`forward_batch`,
+        `can_batch_prefill`). The other int8 spans merge sessions with each session's rows quantized on their own:
+        the same numbers, bit for bit."""
+        return self.quant.sessions_alone is not None and not self.groups_int8_rows
 
     @property
     def can_batch(self) -> bool:
@@ -343,9 +359,10 @@ class BlockSpan(nn.Module):
             for _, start, kv in items:
                 kv.begin_step(start)
                 begun.append(kv)
-            x = ragged_prefill_step(self.fused[first - self.start:last - self.start], x, cos, sin,
-                                    [(start, seq, kv) for seq, (_, start, kv) in zip(sizes, items)],
-                                    self.sliding_window)
+            with row_groups(sizes) if self.quant_type == "int8" else contextlib.nullcontext():
+                x = ragged_prefill_step(self.fused[first - self.start:last - self.start], x, cos, sin,
+                                        [(start, seq, kv) for seq, (_, start, kv) in zip(sizes, items)],
+                                        self.sliding_window)
         except BaseException:
             for kv in begun:
                 kv.abort_step()
@@ -360,8 +377,9 @@ class BlockSpan(nn.Module):
 
         items: [(hidden [b_i, 1, hidden], start_position_i, kv_i)], all over blocks [first, last). The norms,
         projections and MLP run once on all rows `[sum b_i, hidden]`; attention runs per session against its own
-        cache. Returns the outputs `[b_i, 1, hidden]` in the same order. On an int8 span (`sessions_alone`) each
-        session's step runs alone, one after another: the same numbers whichever sessions' steps came together.
+        cache. Returns the outputs `[b_i, 1, hidden]` in the same order. On an int8 span each session's rows are
+        quantized on their own (`swarm.modeling.int8_rows`), or where the layers cannot (`sessions_alone`) each
+        session's step runs alone: the same numbers whichever sessions' steps came together.
         """
         if self.sessions_alone and len(items) > 1:
             return [self._forward_batch([item], first, last)[0] for item in items]
@@ -403,7 +421,11 @@ class BlockSpan(nn.Module):
             if self.graphs is not None and len(items) <= self.graphs.max_sessions:
                 # one launch for the whole step instead of the eager path's hundreds of kernel launches
                 graphed = self.graphs.run(layers, first, last, sessions, x, cos, sin, [pos for _, pos, _ in items])
-            x = graphed if graphed is not None else decode_step(layers, x, cos, sin, sessions)
+            if graphed is not None:
+                x = graphed
+            else:
+                with row_groups(sizes) if self.quant_type == "int8" else contextlib.nullcontext():
+                    x = decode_step(layers, x, cos, sin, sessions)
         except BaseException:
             for _, _, kv in items:
                 kv.abort_step()

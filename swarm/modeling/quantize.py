@@ -21,7 +21,9 @@ swapped for bitsandbytes modules (`quantize_linears`).
 `DecoderLayer`'s `forward` (passes without a cache), so one set of quantized weights serves every path and no
 float copy of a linear weight stays resident. bitsandbytes dequantizes per call into temporaries (nf4 on the
 CPU: the whole weight, then a float matmul; on CUDA a fused kernel for single-token rows), never into a kept
-copy.
+copy. In a merged decode batch or prefill of an int8 span, `QuantizedLayer.linear` quantizes each session's rows on
+their own (`swarm.modeling.int8_rows`: LLM.int8()'s outlier columns are per call, so per session), bit for bit what
+the session's calls alone compute.
 
 CUDA graphs (`server.compute.graphs`): nf4 spans replay their decode steps as graphs (`Linear4bit`'s single-row gemv
 kernel, and for several rows its dequantization and a float matmul, are plain kernels on the stream).
@@ -42,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from swarm.modeling import int8_rows
 from swarm.modeling.layers import cache_attention
 from swarm.modeling.llama import FusedLayer, block_step
 from swarm.modeling.mixtral import FusedMoeLayer, moe_block_step
@@ -184,18 +187,23 @@ class QuantizedLayer(nn.Module):
     def post_norm(self, x: torch.Tensor) -> torch.Tensor:
         return _rms_norm(x, self.post_norm_weight, self.eps)
 
+    def linear(self, module: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """One of the projections on h [..., in]: an int8 one per session's rows where the step set row groups
+        (`swarm.modeling.int8_rows`: a merged decode batch), else the module's own call."""
+        return int8_rows.linear(module, h) if self.quant_type == "int8" else module(h)
+
     def qkv(self, h: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., heads + 2 * kv_heads, head_dim]"""
-        return self.qkv_proj(h).to(h.dtype).unflatten(-1, (-1, self.head_dim))
+        return self.linear(self.qkv_proj, h).to(h.dtype).unflatten(-1, (-1, self.head_dim))
 
     def add_o_proj(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        return x + self.o_proj(o).to(x.dtype)
+        return x + self.linear(self.o_proj, o).to(x.dtype)
 
     def gate_up(self, h: torch.Tensor):
-        return self.gate_up_proj(h).to(h.dtype).chunk(2, dim=-1)
+        return self.linear(self.gate_up_proj, h).to(h.dtype).chunk(2, dim=-1)
 
     def add_down(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        return x + self.down_proj(h).to(x.dtype)
+        return x + self.linear(self.down_proj, h).to(x.dtype)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -322,6 +330,7 @@ class QuantizedMoeLayer(nn.Module):
 
     input_norm = QuantizedLayer.input_norm
     post_norm = QuantizedLayer.post_norm
+    linear = QuantizedLayer.linear  # (a MoE span's sessions run alone: its experts see routed subsets of the rows)
     qkv = QuantizedLayer.qkv
     add_o_proj = QuantizedLayer.add_o_proj
 

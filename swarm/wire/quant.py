@@ -23,7 +23,7 @@ class QuantFormat:
     bytes_per_module: int
     # what spot-check verification adds to the serving dtype's tolerance (int8 decode vs prefill: ~0.16 seen)
     verify_tolerance: float
-    # why rows of different sessions may not share one call of its layers (None: they may)
+    # why rows of different sessions may not share one plain call of its layers (None: they may)
     sessions_alone: Optional[str]
     # why CUDA graphs cannot capture its layers (None: they can)
     graph_refusal: Optional[str]
@@ -37,7 +37,8 @@ NONE = QuantFormat("none", 0.0, 0, 0.0, None, None)
 INT8 = QuantFormat(
     "int8", 1.0 + 1 / 16, 0, 0.3,
     sessions_alone=("LLM.int8() picks its outlier columns (kept in float) from all rows of a call, so other "
-                    "sessions' rows change a session's numbers"),
+                    "sessions' rows change a session's numbers, unless each session's rows are quantized on their "
+                    "own (`swarm.modeling.int8_rows`, where a span can: `BlockSpan.groups_int8_rows`)"),
     graph_refusal="int8 weights: LLM.int8() picks outlier columns per input (a host sync), which capture refuses")
 NF4 = QuantFormat("nf4", 0.5 + 4 / 64, 16 * 4, 0.3, None, None)
 

@@ -63,6 +63,33 @@ def test_quantized_swarm_generates_what_the_locally_quantized_model_does(quant_t
         assert ours.tolist() == ref.tolist(), (tokenizer.decode(ours[0]), tokenizer.decode(ref[0]))
 
 
+def test_concurrent_int8_sessions_are_batched_and_each_what_the_local_model_computes(quantized, tokenizer):
+    """Three sessions in lockstep on the int8 swarm: the servers merge their steps (each session's rows quantized on
+    their own, `swarm.modeling.int8_rows`), and every session's tokens are transformers' int8 model's for it alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    swarm, model, reference = quantized("int8")
+    prompts = [tokenizer(p, return_tensors="pt")["input_ids"] for p in PROMPTS]
+    steps = 8
+    with torch.no_grad():
+        expected = [reference.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+                    for ids in prompts]
+    sessions = [model.inference_session(max_length=64) for _ in prompts]
+    outputs = list(prompts)
+    try:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            for _ in range(steps):  # every session's step in flight at once
+                logits = list(pool.map(lambda pair: pair[0].feed(pair[1]), zip(sessions, outputs)))
+                outputs = [torch.cat([ids, lg.argmax(-1, keepdim=True)], dim=1) for ids, lg in zip(outputs, logits)]
+    finally:
+        for session in sessions:
+            session.close()
+    for out, ref in zip(outputs, expected):
+        assert out.tolist() == ref.tolist(), (tokenizer.decode(out[0]), tokenizer.decode(ref[0]))
+    stats = [model.manager.server_info(s.peer_id) for s in swarm["servers"]]
+    assert max(s.largest_batch for s in stats) >= 2
+
+
 @pytest.mark.parametrize("quant_type", ["int8", "nf4"])
 def test_a_quantized_session_goes_on_across_turns(quant_type, quantized, tokenizer):
     _, model, reference = quantized(quant_type)

@@ -95,11 +95,13 @@ def test_pass_without_cache_matches_transformers(span, reference):
 
 
 def test_batched_sessions_equal_single_sessions(span, quant_type):
-    """Several sessions (different batch sizes and lengths) decoded in one pass equal each decoded alone."""
+    """Several sessions (different batch sizes and lengths) decoded in one pass equal each decoded alone; on an int8
+    span bit for bit (each session's rows quantized on their own: `swarm.modeling.int8_rows`)."""
     generator = torch.Generator().manual_seed(3)
     sessions = [(2, 5), (1, 9), (3, 2)]  # (batch, prompt length)
     prompts = [torch.randn(b, n, span.hidden_size, generator=generator) for b, n in sessions]
     steps = [torch.randn(b, 1, span.hidden_size, generator=generator) for b, _ in sessions]
+    steps[1][..., 5] = 40.0  # a column over LLM.int8()'s threshold in this session's rows
     singles, kvs = [], []
     for prompt, step in zip(prompts, steps):
         for group in (singles, kvs):
@@ -113,9 +115,72 @@ def test_batched_sessions_equal_single_sessions(span, quant_type):
     batched = span.forward_batch([(step, p.shape[1], kv) for step, p, kv in zip(steps, prompts, kvs)], A, B)
     diffs = [_max_diff(x, y) for x, y in zip(batched, singles)]
     print(f"{quant_type}: batched vs single max abs diff {diffs}")
-    if quant_type == "int8":  # each session's step runs alone on an int8 span (`BlockSpan.sessions_alone`)
+    if quant_type == "int8":
+        assert not span.sessions_alone
         assert all(torch.equal(x, y) for x, y in zip(batched, singles)), diffs
     assert max(diffs) <= 1e-4
+
+
+OTHER_PROMPTS = [[1, 2683, 314, 253, 3458, 28, 4327, 30, 1567, 504, 357, 1345], [1, 357, 1567, 30]]
+
+
+@pytest.fixture(scope="module")
+def int8_sessions(model_path, quant_type):
+    """transformers' int8 model, one session at a time: for PROMPT and OTHER_PROMPTS, the hidden states entering
+    block A and leaving block B for the prompt, then for each of NEXT with the cache."""
+    if quant_type != "int8":
+        pytest.skip("nf4 quantizes weights only: rows of other sessions do not change a session's numbers")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, device_map="cpu", dtype=torch.float32,
+                                                 quantization_config=BitsAndBytesConfig(load_in_8bit=True,
+                                                                                        llm_int8_threshold=6.0))
+    sessions = []
+    with torch.inference_mode():
+        for prompt in [PROMPT] + OTHER_PROMPTS:
+            out = model.eval()(torch.tensor([prompt]), use_cache=True, output_hidden_states=True)
+            steps = [(out.hidden_states[A], out.hidden_states[B])]
+            for token in NEXT:
+                out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True,
+                            output_hidden_states=True)
+                steps.append((out.hidden_states[A], out.hidden_states[B]))
+            sessions.append(steps)
+    return sessions
+
+
+def test_int8_sessions_merged_are_each_transformers_alone(span, int8_sessions, monkeypatch):
+    """Three sessions' prompts as one merged prefill, then their decode steps as merged batches, beside a fourth
+    session of random rows with outliers of its own: each of the three is bit for bit what transformers' int8 model
+    computes for that session alone; and the merged calls did hold sessions with different outlier columns, and
+    ones without any."""
+    from swarm.modeling import int8_rows
+
+    seen = []  # per merged int8 call: each group's outlier columns
+    grouped = int8_rows.grouped_linear
+
+    def spy(module, x, groups):
+        rows = x.reshape(-1, x.shape[-1]).half().abs() >= module.state.threshold
+        seen.append([frozenset(rows[r0:r1].any(0).nonzero().view(-1).tolist()) for r0, r1 in groups.bounds])
+        return grouped(module, x, groups)
+
+    monkeypatch.setattr(int8_rows, "grouped_linear", spy)
+    kvs = [span.new_session_kv(1, 32, A, B) for _ in range(4)]
+    assert all(span.can_batch_prefill(kv) for kv in kvs)
+    random_rows = torch.randn(1, 6 + len(NEXT), span.hidden_size, generator=torch.Generator().manual_seed(7))
+    random_rows[..., 11] = -30.0
+    items = [(steps[0][0], 0, kv) for steps, kv in zip(int8_sessions, kvs)] + [(random_rows[:, :6], 0, kvs[3])]
+    outs = span.forward_prefill_batch(items, A, B)
+    for i, steps in enumerate(int8_sessions):
+        assert torch.equal(outs[i], steps[0][1]), f"session {i} prefill: max abs diff {_max_diff(outs[i], steps[0][1])}"
+    for n in range(len(NEXT)):
+        items = [(steps[1 + n][0], steps[0][0].shape[1] + n, kv) for steps, kv in zip(int8_sessions, kvs)]
+        outs = span.forward_batch(items + [(random_rows[:, 6 + n:7 + n], 6 + n, kvs[3])], A, B)
+        for i, steps in enumerate(int8_sessions):
+            assert torch.equal(outs[i], steps[1 + n][1]), \
+                f"session {i} step {n}: max abs diff {_max_diff(outs[i], steps[1 + n][1])}"
+    assert len(seen) == 4 * (B - A) * (1 + len(NEXT))  # every projection of every block, merged
+    assert any(len({c for c in sets if c}) > 1 for sets in seen)  # sessions with outliers, in different columns
+    assert any(not sets[0] and any(sets[1:]) for sets in seen)  # a session without outliers beside ones with
 
 
 def test_int8_session_computes_what_transformers_does_whatever_runs_beside_it(span, reference, quant_type):
@@ -132,13 +197,13 @@ def test_int8_session_computes_what_transformers_does_whatever_runs_beside_it(sp
     other_rows = torch.randn(1, 8 + len(NEXT), span.hidden_size, generator=generator)
     other_rows[..., 5] = 40.0  # a column over LLM.int8()'s threshold in every row of the other session
     kv, other = span.new_session_kv(1, 32, A, B), span.new_session_kv(1, 32, A, B)
-    assert torch.equal(span.forward(steps[0][0], 0, kv), steps[0][1])
-    span.forward(other_rows[:, :8], 0, other)
+    ours, _ = span.forward_prefill_batch([(steps[0][0], 0, kv), (other_rows[:, :8], 0, other)], A, B)
+    assert torch.equal(ours, steps[0][1])
     for i, (step_in, step_out) in enumerate(steps[1:]):
         _, ours = span.forward_batch([(other_rows[:, 8 + i:9 + i], 8 + i, other), (step_in, len(PROMPT) + i, kv)],
                                      A, B)
         assert torch.equal(ours, step_out), f"step {i}: max abs diff {_max_diff(ours, step_out)}"
-    assert not arena and not span.can_batch_prefill(kv)  # nor are int8 sessions' prefill chunks merged
+    assert not arena  # int8 sessions attend each with its own call
 
 
 def test_no_float_linear_weight_stays_and_sizes_add_up(span, quant_type):
