@@ -35,7 +35,9 @@ EXTENDED = (
         "test_server_stops[SIGINT-group-load]", "test_gateway_stops[SIGTERM-alone]",
         "test_gateway_stops[SIGTERM-group]", "test_gateway_stops[SIGINT-group]", "test_gateway_stops[SIGINT-alone]",
         "test_gateway_stops[SIGTERM-alone-load]", "test_gateway_stops[SIGINT-group-load]",
-        "test_up_stops[SIGTERM-alone]", "test_up_stops[SIGINT-group]", "test_client_exits_quietly[exit]")),
+        "test_up_stops[SIGTERM-alone]", "test_up_stops[SIGINT-group]", "test_client_exits_quietly[exit]",
+        # a group SIGTERM announcing offline (make test: the same with a group SIGINT, Ctrl-C)
+        "test_a_group_stop_announces_offline_before_the_dht_child_goes[SIGTERM]")),
     # the 2- and 3-hop topologies (make test: the 0:15 + 15:30 split, and every other e2e test on it)
     "tests/e2e/test_swarm_e2e.py::test_greedy_generation_matches_transformers[0:10+10:20+20:30]",
     "tests/e2e/test_swarm_e2e.py::test_greedy_generation_matches_transformers[0:20+10:30]",

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+import psutil
+
 READY = "SWARMGATE_READY "
 REPO = Path(__file__).resolve().parents[2]
 CLI = "swarm.launch.cli"
@@ -93,6 +95,20 @@ class ManagedProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
 
+    def signal_tree(self, sig: int) -> None:
+        """Send `sig` to the process and every descendant (its DHT child and p2pd are in a process group of their
+        own, so `os.killpg` on this process's group no longer reaches them), e.g. SIGSTOP to freeze a host."""
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return
+        for proc in procs:
+            try:
+                proc.send_signal(sig)
+            except psutil.Error:
+                pass
+
     def wait(self, timeout: float) -> Optional[int]:
         """Its exit status, waiting up to `timeout` s; None if it is still running."""
         try:
@@ -101,7 +117,17 @@ class ManagedProcess:
             return None
 
     def kill(self) -> None:
-        """SIGKILL the whole process group (the process, its DHT child and that child's p2p daemon)."""
+        """SIGKILL the process, its descendants (its DHT child and p2pd run in a group of their own:
+        `swarm.runtime.dht_process`) and whatever else is left of its process group."""
+        try:
+            descendants = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            descendants = []
+        for child in descendants:
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
