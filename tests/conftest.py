@@ -26,6 +26,8 @@ PROCESS_FIXTURES = {"bootstrap"}
 # node id prefix, with what still covers its ground in `make test`.
 EXTENDED = (
     # 500 honest steps each (about 2.5 min); the lying-server test checks honest sessions pass too
+    # 20 client models made and dropped (make test: 3, each way of ending one once)
+    "tests/swarm/client/test_model_lifecycle.py::test_dropped_models_release_their_processes_and_files[20]",
     "tests/e2e/test_verify.py::test_honest_",
     # every signal x target x load combination; make test keeps one of each process kind (below)
     *(f"tests/e2e/test_shutdown.py::{case}" for case in (

@@ -149,6 +149,7 @@ class SwarmManager:
         key = config.load_swarm_key()
         self.dht = dht or join_dht(key, initial_peers=config.initial_peers, client_mode=True)
         self._own_dht = dht is None
+        self._closed = False  # shutdown() ran
         self.p2p: P2P = aio.run(self.dht.replicate_p2p(), timeout=60)
         self.member_proof = proof_for(key, self.p2p.peer_id)  # sent with every block RPC (private swarms)
         self.spans: List[ServerSpan] = []
@@ -338,8 +339,16 @@ class SwarmManager:
         return tensors[0]
 
     def shutdown(self) -> None:
+        """Close the P2P handle and stop the DHT process (and its p2pd) this manager started; once (later calls do
+        nothing). Safe from any thread, the client loop's included (a finalizer may run there)."""
+        if self._closed:
+            return
+        self._closed = True
         try:  # close our handle on the daemon so that its reader tasks end instead of dying pending at exit
-            aio.run(self.p2p.shutdown(), timeout=5)
+            if threading.current_thread().name == "swarm-client-loop":
+                aio.get_loop().create_task(self.p2p.shutdown())
+            else:
+                aio.run(self.p2p.shutdown(), timeout=5)
         except Exception:
             pass
         if self._own_dht:

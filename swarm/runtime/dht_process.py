@@ -173,6 +173,7 @@ class DHTProcess(hivemind.DHT):
         super().run()
 
     def shutdown(self, timeout: float = SHUTDOWN_TIMEOUT) -> None:
+        atexit.unregister(self.shutdown)  # nothing left to stop at exit (and the process object may be freed)
         if self.is_alive():
             try:
                 self._outer_pipe.send(("_shutdown", [], {}))
