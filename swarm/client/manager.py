@@ -21,7 +21,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
 import hivemind
 from hivemind.p2p import P2P, PeerID
@@ -127,6 +127,14 @@ class ClientConfig(BaseModel):
         if self.swarm_key_file is not None:
             return SwarmKey.from_file(self.swarm_key_file)
         return None if self.swarm_key is None else SwarmKey(self.swarm_key.get_secret_value())
+
+
+def needs_for(adapter: Optional[str] = None, training: bool = False) -> FrozenSet[str]:
+    """The capabilities (`swarm.wire.capabilities`) a request needs from every server of its chain."""
+    needs = {"training"} if training else set()
+    if adapter is not None:
+        needs.add("train_adapters" if training else "adapters")
+    return frozenset(needs)
 
 
 @dataclass(frozen=True)
@@ -291,12 +299,13 @@ class SwarmManager:
         through servers whose announced limits take a session that long."""
         end = self.num_blocks if end is None else end
         return self._route(find_inference_chain, start, end, cache_tokens_needed=cache_tokens_needed,
-                           client_rtts=dict(self.rtts), adapter=adapter, session_length=session_length)
+                           client_rtts=dict(self.rtts), adapter=adapter, session_length=session_length,
+                           needs=needs_for(adapter=adapter))
 
     def make_forward_chain(self, start: int = 0, end: Optional[int] = None, adapter: Optional[str] = None
                            ) -> List[RouteHop]:
         end = self.num_blocks if end is None else end
-        return self._route(choose_forward_chain, start, end, adapter=adapter)
+        return self._route(choose_forward_chain, start, end, adapter=adapter, needs=needs_for(adapter=adapter))
 
     def served_adapters(self, force: bool = False) -> List[str]:
         """The LoRA adapters that servers of an allowed quant type serve over every block."""
@@ -307,7 +316,8 @@ class SwarmManager:
                             adapter: Optional[str] = None) -> List[RouteHop]:
         """A chain for one training sub-batch over blocks [start, end), spread by `load` (requests in flight);
         `adapter`: only through servers that hold this LoRA adapter."""
-        return self._route(choose_training_chain, start, end, load=dict(load or {}), adapter=adapter)
+        return self._route(choose_training_chain, start, end, load=dict(load or {}), adapter=adapter,
+                           needs=needs_for(adapter=adapter, training=True))
 
     # ---- RPC ----------------------------------------------------------------------------------------------
     def stub(self, peer_id: str):
