@@ -42,7 +42,10 @@ class ManagedProcess:
     logging to a file."""
 
     def __init__(self, args: Sequence[str], name: str, env: Optional[Dict[str, str]] = None,
-                 log_dir: Optional[str] = None, module: Optional[str] = None, wrap: Sequence[str] = ()):
+                 log_dir: Optional[str] = None, module: Optional[str] = None, wrap: Sequence[str] = (),
+                 cwd: Optional[str] = None):
+        """`cwd`: where it runs (default: this checkout; `python -m` imports from there first: another release's
+        tree runs that release)."""
         self.name = name
         if log_dir:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
@@ -52,7 +55,7 @@ class ManagedProcess:
         self._log = open(self.log_path, "w")
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         command = [*wrap, sys.executable, "-m", module or CLI, *args]
-        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO,
+        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd or REPO,
                                      start_new_session=True)
         self.ready: Optional[dict] = None
 
