@@ -6,7 +6,9 @@ beside the current code, in one swarm of real processes.
   pushes decode steps to the new one, and the status shows both releases (make test: the one representative);
 - a new server 0:15 + an old server 15:30 under an old client: greedy `generate` equals transformers (extended);
 - failover from an old server to a new one mid-generation (extended);
-- training (gradients equal transformers' autograd) across an old and a new server (extended).
+- training (gradients equal transformers' autograd) across an old and a new server (extended);
+- a rolling upgrade: four old servers (two per span) replaced one at a time by new ones while four users stream
+  greedy chats through a gateway: no request fails, every reply is transformers' text (extended).
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import os
 import subprocess
 import sys
 import tarfile
+import threading
+import time
 from pathlib import Path
 from typing import Dict, List
 
@@ -25,7 +29,7 @@ import torch
 from swarm import AutoDistributedModelForCausalLM
 from swarm.launch.topology import REPO, ManagedProcess, start_gateway, start_server, terminate_all, wait_all
 from swarm.wire import capabilities as C
-from swarm.wire.records import fetch_block_records
+from swarm.wire.records import ServerState, fetch_block_records
 from tests.e2e.test_failover import KillAfter
 from tests.fixtures.gateway_fixtures import reference_text
 
@@ -64,9 +68,10 @@ def start_old_server(tree: Path, model_path: str, peers: List[str], span: str, p
 
 
 def releases(model, prefix: str) -> Dict[str, tuple]:
-    """peer id -> (release, announced capabilities) as this release reads the records."""
+    """peer id -> (release, announced capabilities) of the online servers, as this release reads the records."""
     records = fetch_block_records(model.manager.dht, prefix, 30)
-    return {peer: (info.version, info.capabilities) for block in records for peer, info in block.items()}
+    return {peer: (info.version, info.capabilities) for block in records for peer, info in block.items()
+            if info.state == ServerState.ONLINE}
 
 
 def client(model_path: str, bootstrap, prefix: str, **kwargs):
@@ -204,3 +209,91 @@ def test_failover_from_an_old_server_to_a_new_one(previous_tree, model_path, boo
         if model is not None:
             model.close()
         terminate_all([old, new])
+
+
+# ---- a rolling upgrade ----------------------------------------------------------------------------------------------
+QUESTIONS = ["Name three rivers of Europe.", "What is 2 + 2?", "Say hello in French.", "Name a large planet."]
+
+
+class Chats(threading.Thread):
+    """One user chatting through the gateway again and again (streamed, greedy) until `stop`: every reply is kept
+    as (HTTP status, finish reason, text) or as the error that broke it."""
+
+    def __init__(self, url: str, question: str, stop: threading.Event):
+        super().__init__(daemon=True)
+        self.url, self.question, self.stop = url, question, stop
+        self.replies: List[tuple] = []
+
+    def run(self) -> None:
+        body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": self.question}],
+                "temperature": 0, "max_tokens": 16, "stream": True}
+        while not self.stop.is_set() or not self.replies:
+            text, finish, status = "", None, 0
+            try:
+                with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=300) as response:
+                    status = response.status_code
+                    for line in response.iter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        chunk = json.loads(line[len("data: "):])
+                        if "error" in chunk:
+                            finish = f"error: {chunk['error']}"
+                            continue
+                        for choice in chunk.get("choices", []):
+                            text += (choice.get("delta") or {}).get("content") or ""
+                            finish = choice.get("finish_reason") or finish
+                self.replies.append((status, finish, text))
+            except httpx.HTTPError as e:
+                self.replies.append((status, f"broken: {e!r}", text))
+
+
+def test_a_rolling_upgrade_under_streaming_chats(previous_tree, model_path, bootstrap, tokenizer, reference_model):
+    """Four servers of the previous release (two per span) are replaced one at a time by the current release (stop,
+    then start the new one on the same span) while four users stream greedy chats through a gateway: no request
+    fails, and every reply is transformers' greedy text."""
+    prefix = "compat-rolling"
+    spans = ["0:15", "15:30", "0:15", "15:30"]
+    olds = [start_old_server(previous_tree, model_path, [bootstrap.maddr], span, prefix) for span in spans]
+    news: List[ManagedProcess] = []
+    gateway = None
+    stop = threading.Event()
+    users: List[Chats] = []
+    try:
+        for i, proc in enumerate(olds):
+            proc.name = f"{proc.name}-{i}"
+        wait_all(olds, 300)
+        expected = {q: reference_text(tokenizer, reference_model, [{"role": "user", "content": q}], 16)
+                    for q in QUESTIONS}
+        gateway = start_gateway(model_path, [bootstrap.maddr], prefix, threads=1, name=f"gateway-{prefix}")
+        users = [Chats(gateway.ready["url"], q, stop) for q in QUESTIONS]
+        for user in users:
+            user.start()
+        for i, (old, span) in enumerate(zip(olds, spans)):
+            while sum(len(user.replies) for user in users) < i + 1:  # chats flow before each replacement
+                assert all(user.is_alive() for user in users)
+                time.sleep(0.5)
+            assert old.terminate() == 0, old.log_tail()
+            new = start_server(model_path, [bootstrap.maddr], span, prefix, threads=1,
+                               name=f"new-server-{prefix}-{i}")
+            news.append(new)
+            new.wait_ready(300)
+        stop.set()
+        for user in users:
+            user.join(600)
+        model = client(model_path, bootstrap, prefix)
+        try:
+            seen = releases(model, prefix)
+        finally:
+            model.close()
+        assert {peer: release for peer, (release, _) in seen.items()} == {n.peer_id: C.release() for n in news}
+        for user in users:
+            good = [reply for reply in user.replies
+                    if reply[0] == 200 and reply[1] in ("stop", "length") and reply[2] == expected[user.question]]
+            assert user.replies and len(good) == len(user.replies), \
+                (user.question, expected[user.question], [r for r in user.replies if r not in good])
+        print(f"\nrolling upgrade: {sum(len(user.replies) for user in users)} streamed chats, all complete and equal")
+    finally:
+        stop.set()
+        if gateway is not None:
+            gateway.terminate()
+        terminate_all([*olds, *news])
