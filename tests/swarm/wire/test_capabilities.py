@@ -163,3 +163,15 @@ def test_unknown_records_are_skipped_with_one_log_line_per_peer(caplog):
         assert any("malformed release" in line for line in lines) and any("future protocol" in line for line in lines)
     finally:
         dht.shutdown()
+
+
+def test_status_shows_each_servers_release_and_protocol():
+    from swarm.client.status import build_status, format_table
+
+    records = [{"peer-old": _info(version="0.1.0", end=2), "peer-new": _info(version=C.release(), end=2,
+                                                                             capabilities=C.OWN_CAPABILITIES)}] * 2
+    status = build_status(records, "m", "p")
+    assert {s.peer_id: (s.version, s.protocol) for s in status.servers} == {"peer-old": ("0.1.0", "1"),
+                                                                            "peer-new": (C.release(), "1")}
+    table = format_table(status)
+    assert "release" in table.splitlines()[2] and "0.1.0" in table and C.release() in table
