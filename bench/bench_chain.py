@@ -10,7 +10,6 @@ error ever comes, the client's liveness ping finds it silent).
 from __future__ import annotations
 
 import json
-import os
 import signal
 import statistics
 import sys
@@ -77,7 +76,7 @@ def main() -> None:
                 model.shutdown()
         # failover pause: a killed server (its connections reset), a frozen one (SIGSTOP: they stay open, silent)
         for name, stop in (("failover", lambda proc: proc.kill()),
-                           ("failover_frozen", lambda proc: os.killpg(proc.proc.pid, signal.SIGSTOP))):
+                           ("failover_frozen", lambda proc: proc.signal_tree(signal.SIGSTOP))):
             result[name] = pause_at_failover(path, dht.maddr, servers[name], name, stop)
     print(json.dumps(result))
 

@@ -20,9 +20,11 @@ Lifecycle (each step's module in brackets):
    and, when this server's turn comes, move into them (`server.placement.spans.check_holes`, `fill_hole`). If the
    serving loop dies (an exception while announcing, rebalancing or loading), it is restarted with back-off: blocks that
    are missing are reloaded, a dead compute thread is replaced, and the record is announced again.
-7. On SIGINT/SIGTERM (to the process or its whole group): stop taking sessions, announce `offline` if the DHT
-   peer still can, stop the compute thread, the DHT process and p2pd (`swarm.runtime.dht_process`), reap any
-   descendant left (`swarm.runtime.lifecycle`) and exit 0, within a few seconds; a second signal exits at once.
+7. On SIGINT/SIGTERM (to the process or its whole group: the DHT process and p2pd are in a group of their own and
+   do not get a group's signal, `swarm.runtime.dht_process`): stop taking sessions, announce `offline` (before the
+   DHT peer stops: clients stop routing to the server at once), stop the compute thread, the DHT process and
+   p2pd, reap any descendant left (`swarm.runtime.lifecycle`) and exit 0, within a few seconds; a second signal
+   exits at once.
 
 The typed configuration is `server.config.ServerConfig`. `main(argv, server_class)` lets a test run the normal
 entry point with a subclass (e.g. a handler that injects faults, `tests/fixtures/faulty_server.py`).

@@ -4,7 +4,9 @@
 (`AutoDistributedModelForSequenceClassification`: a trainable classification head on top); the heavy
 imports happen on first use so that servers and tools importing `swarm.*` modules stay light.
 """
-__version__ = "0.1.0"
+from swarm.wire.capabilities import release as _release  # noqa: E402
+
+__version__ = _release()  # pyproject.toml's version (swarm.wire.capabilities.release)
 
 from swarm.runtime.deferred_imports import defer_unused_imports as _defer_unused_imports  # noqa: E402
 from swarm.runtime.threads import tune_openmp_env as _tune_openmp_env  # noqa: E402

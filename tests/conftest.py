@@ -26,6 +26,14 @@ PROCESS_FIXTURES = {"bootstrap"}
 # node id prefix, with what still covers its ground in `make test`.
 EXTENDED = (
     # 500 honest steps each (about 2.5 min); the lying-server test checks honest sessions pass too
+    # the previous release beside this one, more variants (make test: an old server + a new one under a new gateway,
+    # tests/e2e/test_compat.py's first test; the records' and messages' compatibility in tests/swarm/wire)
+    "tests/e2e/test_compat.py::test_training_across_an_old_and_a_new_server",
+    "tests/e2e/test_compat.py::test_a_new_server_and_an_old_one_under_an_old_client",
+    "tests/e2e/test_compat.py::test_failover_from_an_old_server_to_a_new_one",
+    "tests/e2e/test_compat.py::test_a_rolling_upgrade_under_streaming_chats",
+    # 20 client models made and dropped (make test: 3, each way of ending one once)
+    "tests/swarm/client/test_model_lifecycle.py::test_dropped_models_release_their_processes_and_files[20]",
     "tests/e2e/test_verify.py::test_honest_",
     # every signal x target x load combination; make test keeps one of each process kind (below)
     *(f"tests/e2e/test_shutdown.py::{case}" for case in (
@@ -35,7 +43,9 @@ EXTENDED = (
         "test_server_stops[SIGINT-group-load]", "test_gateway_stops[SIGTERM-alone]",
         "test_gateway_stops[SIGTERM-group]", "test_gateway_stops[SIGINT-group]", "test_gateway_stops[SIGINT-alone]",
         "test_gateway_stops[SIGTERM-alone-load]", "test_gateway_stops[SIGINT-group-load]",
-        "test_up_stops[SIGTERM-alone]", "test_up_stops[SIGINT-group]", "test_client_exits_quietly[exit]")),
+        "test_up_stops[SIGTERM-alone]", "test_up_stops[SIGINT-group]", "test_client_exits_quietly[exit]",
+        # a group SIGTERM announcing offline (make test: the same with a group SIGINT, Ctrl-C)
+        "test_a_group_stop_announces_offline_before_the_dht_child_goes[SIGTERM]")),
     # the 2- and 3-hop topologies (make test: the 0:15 + 15:30 split, and every other e2e test on it)
     "tests/e2e/test_swarm_e2e.py::test_greedy_generation_matches_transformers[0:10+10:20+20:30]",
     "tests/e2e/test_swarm_e2e.py::test_greedy_generation_matches_transformers[0:20+10:30]",

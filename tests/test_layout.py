@@ -28,7 +28,7 @@ ALLOWED = {
     "swarm.client": {"swarm.client", "swarm.wire", "swarm.modeling", "swarm.runtime", "swarm"},
     "swarm.launch": {"swarm.launch", "server", "gateway", "swarm.client", "swarm.runtime", "swarm.wire",
                      "swarm.modeling", "swarm"},
-    "swarm": {"swarm", "swarm.runtime", "swarm.client"},
+    "swarm": {"swarm", "swarm.runtime", "swarm.wire", "swarm.client"},  # swarm.wire: __version__ (its release)
     "server": {"server", "swarm.wire", "swarm.modeling", "swarm.runtime", "swarm"},
     "gateway": {"gateway", "swarm.client", "swarm.wire", "swarm.modeling", "swarm.runtime", "swarm"},
 }

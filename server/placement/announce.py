@@ -1,12 +1,14 @@
 """This server's record in the DHT: starting the DHT peer, and what the server announces and when.
 
 A record (`swarm.wire.records.ServerInfo`: state, span, throughput, dtype, quant_type, LoRA adapters, free cache,
-RTTs to the next servers) is stored under each block the server holds, always with the full lifetime
-(`--expiration`, default twice `--update_period`), since the DHT keeps whichever value of a key expires later.
-`Announcer` keeps what was last announced, so that the supervisor refreshes the record every `--update_period`, or
-sooner when the free cache changed by a tenth of the budget; moving the span announces the blocks left behind as
-offline. Reading the swarm back: `spans` (every block's key; the last result kept as `view`), `unserved` (a few
-blocks' keys: the hole watch between full reads), and the next servers' RTTs read block `end`'s key alone.
+RTTs to the next servers, the release, protocol versions and capabilities: `swarm.wire.capabilities`) is stored
+under each block the server holds, always with the full lifetime (`--expiration`, default twice `--update_period`),
+since the DHT keeps whichever value of a key expires later. `Announcer` keeps what was last announced, so that the
+supervisor refreshes the record every `--update_period`, or sooner when the free cache changed by a tenth of the
+budget; moving the span announces the blocks left behind as offline. A full read that finds servers of a newer
+release logs one line, once. Reading the swarm back: `spans` (every block's key; the last result kept as `view`),
+`unserved` (a few blocks' keys: the hole watch between full reads), and the next servers' RTTs read block `end`'s
+key alone.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from server.placement.pings import measure_next_pings
 from swarm import __version__
 from swarm.runtime.relays import relay_dht_kwargs
 from swarm.runtime.swarm_key import SwarmKey, join_dht, proof_for
+from swarm.wire.capabilities import MIN_PROTOCOL_VERSION, OWN_CAPABILITIES, PROTOCOL_VERSION, parse_release
 from swarm.wire.reachability import Reachable
 from swarm.wire.records import (
     ServerInfo,
@@ -83,6 +86,7 @@ class Announcer:
         self.reachable: Reachable = "direct"  # or "relayed": behind a NAT, served through a relay
         # (server.placement.reachable)
         self.view: Optional[Tuple[float, List[ServerSpan]]] = None  # (monotonic time, spans) of the last full read
+        self.newer_release_noted = False  # a newer release was seen in the swarm and logged (once)
         # observable counters (tests, logs) and what the last announcement said
         self.announcements = 0
         self.announced_free: Optional[int] = None
@@ -92,6 +96,7 @@ class Announcer:
         return ServerInfo(state=state, public_name=self.public_name, start=self.start if start is None else start,
                           end=self.end if end is None else end, throughput=self.throughput,
                           cache_tokens_left=self.free_cache_tokens(), version=__version__,
+                          protocol=PROTOCOL_VERSION, min_protocol=MIN_PROTOCOL_VERSION, capabilities=OWN_CAPABILITIES,
                           dtype=str(self.dtype).replace("torch.", ""), quant_type=self.quant_type,
                           adapters=self.adapters, next_pings=dict(self.next_pings), limits=self.limits,
                           tensor_parallel=self.tensor_parallel, reachable=self.reachable)
@@ -126,7 +131,29 @@ class Announcer:
         spans = await asyncio.get_running_loop().run_in_executor(
             None, swarm_spans, self.dht, self.prefix, self.num_blocks_total)
         self.view = (time.monotonic(), spans)
+        self.note_newer_releases(spans)
         return spans
+
+    def note_newer_releases(self, spans: Sequence[ServerSpan]) -> Optional[str]:
+        """Log one line, once, when servers of a newer release than this one's run in the swarm; returns it."""
+        if self.newer_release_noted:
+            return None
+        own = parse_release(__version__)
+        if own is None:
+            return None
+        found = {}
+        for span in spans:
+            seen = parse_release(span.info.version)
+            if seen is not None and seen > own:
+                found[seen] = span.info.version
+        if not found:
+            return None
+        newer = [found[key] for key in sorted(found)]
+        self.newer_release_noted = True
+        line = (f"servers of a newer release run in this swarm ({', '.join(newer[-3:])}; this server: {__version__}): "
+                f"upgrade when you can (docs/compatibility.md)")
+        logger.warning(line)
+        return line
 
     async def unserved(self, blocks: Sequence[int]) -> List[int]:
         """Which of `blocks` no JOINING or ONLINE server announces now (only their keys read)."""

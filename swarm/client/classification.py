@@ -43,8 +43,17 @@ class DistributedModelForSequenceClassification(nn.Module):
             loss = nn.functional.cross_entropy(logits, labels.to(logits.device))
         return SequenceClassifierOutputWithPast(loss=loss, logits=logits)
 
-    def shutdown(self) -> None:
-        self.base.shutdown()
+    def close(self) -> None:
+        """Stop the base model's DHT process and p2pd (`DistributedModelForCausalLM.close`)."""
+        self.base.close()
+
+    shutdown = close
+
+    def __enter__(self) -> "DistributedModelForSequenceClassification":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
 
 class AutoDistributedModelForSequenceClassification:

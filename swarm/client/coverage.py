@@ -1,9 +1,10 @@
 """Which servers a route may use for a range of blocks, and the error that says why none covers some of them.
 
 `usable_spans` keeps the ONLINE, non-banned spans of an allowed weight format (holding a session's LoRA adapter,
-taking its length) that intersect the range, one per peer; `raise_if_uncovered` raises `RoutingError` naming the
-uncovered blocks, with what the swarm does serve there (other quant types, other adapters, shorter sessions).
-Pure code, used by `swarm.client.routing`.
+taking its length, supporting the capabilities it needs) that intersect the range, one per peer;
+`raise_if_uncovered` raises `RoutingError` naming the uncovered blocks, with what the swarm does serve there (other
+quant types, other adapters, shorter sessions, servers of a release without a needed capability). Pure code, used by
+`swarm.client.routing`.
 """
 from __future__ import annotations
 
@@ -44,10 +45,11 @@ def format_blocks(blocks: Sequence[int]) -> str:
 def usable_spans(
     spans: Sequence[ServerSpan], start: int, end: int, banned: Collection[str],
     allowed_quant_types: Optional[Collection[str]] = None, adapter: Optional[str] = None, session_length: int = 0,
+    needs: Collection[str] = (),
 ) -> Dict[str, ServerSpan]:
     """ONLINE, non-banned spans of an allowed quant type (holding `adapter`, if given; taking sessions of
-    `session_length` tokens if they announce limits) that intersect [start, end), one per peer (the one covering
-    most of the range)."""
+    `session_length` tokens if they announce limits; supporting every capability in `needs`,
+    `swarm.wire.capabilities`) that intersect [start, end), one per peer (the one covering most of the range)."""
     banned_set = set(banned)
     chosen: Dict[str, ServerSpan] = {}
     for span in spans:
@@ -58,6 +60,8 @@ def usable_spans(
         if adapter is not None and adapter not in span.info.adapters:
             continue
         if span.info.limits is not None and span.info.limits.max_length < session_length:
+            continue
+        if needs and not span.info.capability_set.issuperset(needs):
             continue
         overlap = min(span.end, end) - max(span.start, start)
         if overlap <= 0:
@@ -103,7 +107,7 @@ def _quant_note(spans: Sequence[ServerSpan], missing: Sequence[int], banned: Col
 def raise_if_uncovered(usable: Mapping[str, ServerSpan], start: int, end: int, *,
                         spans: Sequence[ServerSpan] = (), banned: Collection[str] = (),
                         allowed_quant_types: Optional[Collection[str]] = None, adapter: Optional[str] = None,
-                        session_length: int = 0) -> None:
+                        session_length: int = 0, needs: Collection[str] = ()) -> None:
     delta = [0] * (end - start + 1)
     for span in usable.values():
         delta[max(span.start, start) - start] += 1
@@ -121,7 +125,8 @@ def raise_if_uncovered(usable: Mapping[str, ServerSpan], start: int, end: int, *
         raise RoutingError(
             f"no usable ({what}) server covers block(s) {format_blocks(missing)} "
             f"of the requested range [{start}, {end})" + _quant_note(spans, missing, banned, allowed_quant_types)
-            + _adapter_note(spans, missing, adapter) + _length_note(spans, missing, session_length),
+            + _adapter_note(spans, missing, adapter) + _length_note(spans, missing, session_length)
+            + _capability_note(spans, missing, needs),
             missing,
         )
 
@@ -145,3 +150,23 @@ def _adapter_note(spans: Sequence[ServerSpan], missing: Sequence[int], adapter: 
     held = sorted({name for span in spans if span.info.state == ServerState.ONLINE
                    and missing_set.intersection(range(span.start, span.end)) for name in span.info.adapters})
     return f"; adapters served there: {', '.join(held) if held else 'none'}"
+
+
+def _capability_note(spans: Sequence[ServerSpan], missing: Sequence[int], needs: Collection[str]) -> str:
+    """For a request that needs capabilities: which of them the ONLINE servers of the missing blocks lack, and
+    their releases (upgrading them is the fix)."""
+    if not needs or not missing:
+        return ""
+    missing_set = set(missing)
+    lacking: set[str] = set()
+    releases: set[str] = set()
+    for span in spans:
+        if span.info.state == ServerState.ONLINE and missing_set.intersection(range(span.start, span.end)):
+            gap = set(needs) - span.info.capability_set
+            if gap:
+                lacking |= gap
+                releases.add(span.info.version or "unknown")
+    if not lacking:
+        return ""
+    return (f"; the servers there lack {', '.join(sorted(lacking))}, which this request needs (their release: "
+            f"{', '.join(sorted(releases))})")

@@ -21,7 +21,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
 import hivemind
 from hivemind.p2p import P2P, PeerID
@@ -129,6 +129,14 @@ class ClientConfig(BaseModel):
         return None if self.swarm_key is None else SwarmKey(self.swarm_key.get_secret_value())
 
 
+def needs_for(adapter: Optional[str] = None, training: bool = False) -> FrozenSet[str]:
+    """The capabilities (`swarm.wire.capabilities`) a request needs from every server of its chain."""
+    needs = {"training"} if training else set()
+    if adapter is not None:
+        needs.add("train_adapters" if training else "adapters")
+    return frozenset(needs)
+
+
 @dataclass(frozen=True)
 class RouteTiming:
     """Where the time of building one inference chain went (seconds; a retry after a RoutingError adds to both)."""
@@ -149,6 +157,7 @@ class SwarmManager:
         key = config.load_swarm_key()
         self.dht = dht or join_dht(key, initial_peers=config.initial_peers, client_mode=True)
         self._own_dht = dht is None
+        self._closed = False  # shutdown() ran
         self.p2p: P2P = aio.run(self.dht.replicate_p2p(), timeout=60)
         self.member_proof = proof_for(key, self.p2p.peer_id)  # sent with every block RPC (private swarms)
         self.spans: List[ServerSpan] = []
@@ -290,12 +299,13 @@ class SwarmManager:
         through servers whose announced limits take a session that long."""
         end = self.num_blocks if end is None else end
         return self._route(find_inference_chain, start, end, cache_tokens_needed=cache_tokens_needed,
-                           client_rtts=dict(self.rtts), adapter=adapter, session_length=session_length)
+                           client_rtts=dict(self.rtts), adapter=adapter, session_length=session_length,
+                           needs=needs_for(adapter=adapter))
 
     def make_forward_chain(self, start: int = 0, end: Optional[int] = None, adapter: Optional[str] = None
                            ) -> List[RouteHop]:
         end = self.num_blocks if end is None else end
-        return self._route(choose_forward_chain, start, end, adapter=adapter)
+        return self._route(choose_forward_chain, start, end, adapter=adapter, needs=needs_for(adapter=adapter))
 
     def served_adapters(self, force: bool = False) -> List[str]:
         """The LoRA adapters that servers of an allowed quant type serve over every block."""
@@ -306,7 +316,8 @@ class SwarmManager:
                             adapter: Optional[str] = None) -> List[RouteHop]:
         """A chain for one training sub-batch over blocks [start, end), spread by `load` (requests in flight);
         `adapter`: only through servers that hold this LoRA adapter."""
-        return self._route(choose_training_chain, start, end, load=dict(load or {}), adapter=adapter)
+        return self._route(choose_training_chain, start, end, load=dict(load or {}), adapter=adapter,
+                           needs=needs_for(adapter=adapter, training=True))
 
     # ---- RPC ----------------------------------------------------------------------------------------------
     def stub(self, peer_id: str):
@@ -338,8 +349,16 @@ class SwarmManager:
         return tensors[0]
 
     def shutdown(self) -> None:
+        """Close the P2P handle and stop the DHT process (and its p2pd) this manager started; once (later calls do
+        nothing). Safe from any thread, the client loop's included (a finalizer may run there)."""
+        if self._closed:
+            return
+        self._closed = True
         try:  # close our handle on the daemon so that its reader tasks end instead of dying pending at exit
-            aio.run(self.p2p.shutdown(), timeout=5)
+            if threading.current_thread().name == "swarm-client-loop":
+                aio.get_loop().create_task(self.p2p.shutdown())
+            else:
+                aio.run(self.p2p.shutdown(), timeout=5)
         except Exception:
             pass
         if self._own_dht:

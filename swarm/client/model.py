@@ -12,12 +12,16 @@ gateway's path too: Hugging Face logits processors, greedy or sampling) and acce
 runs transformers' beam search with the servers' caches reordered in place (`swarm.client.beam`). Batches of
 prompts of different lengths are left-padded with an `attention_mask` (`swarm.client.rows`).
 The model implements `swarm.client.api.ClientModel` (route check, coverage, bans, sessions) for the gateway.
+Lifecycle: `with ... from_pretrained(...) as model:` or `model.close()` (`shutdown()`, the older name) stops the
+model's DHT process and p2p daemon; a model dropped without either releases them when it is garbage-collected
+(`weakref.finalize`).
 LoRA adapters: `active_adapter`, or one per session (`swarm.client.adapters`).
 """
 from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Union, cast
 
@@ -77,6 +81,10 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         self.ptune: Optional[tuning.PromptTuning] = None  # from_pretrained(tuning_mode=..., pre_seq_len=...)
         self.remote_blocks: Optional[RemoteBlocks] = None  # the differentiable blocks, made on first use
         self.last_speculation: Any = None  # the last speculative generate's `DraftLength` (acceptance counts)
+        # a model dropped without close() still releases its DHT process and p2pd when it is collected; the
+        # finalizer holds the manager, never the model (at exit the DHT process's own atexit stops it)
+        self._finalizer = weakref.finalize(self, SwarmManager.shutdown, manager)
+        self._finalizer.atexit = False
 
     # ---- loading ------------------------------------------------------------------------------------------
     @classmethod
@@ -302,8 +310,24 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
                            generation_config=generation_config, logits_processor=logits_processor,
                            stopping_criteria=stopping_criteria, streamer=streamer, tokenizer=tokenizer, **kwargs)
 
-    def shutdown(self) -> None:
-        self.manager.shutdown()
+    # ---- lifecycle ----------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop this model's DHT process and p2p daemon (the swarm's servers keep running). Once: later calls, and
+        the finalizer, do nothing. `with from_pretrained(...) as model:` calls it at the block's end; a model
+        dropped without it is closed when it is garbage-collected."""
+        self._finalizer()
+
+    shutdown = close  # the older name
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self) -> "DistributedModelForCausalLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
 
 class AutoDistributedModelForCausalLM:

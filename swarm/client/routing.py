@@ -33,6 +33,8 @@ Only ONLINE spans are used, banned peers are skipped, and with `allowed_quant_ty
 weight formats, `QUANT_TYPES`; None: any) servers whose record announces another `quant_type` are skipped too.
 With `adapter` (a LoRA adapter's name) only servers whose record lists it in `adapters` are used: a session with
 an adapter never runs a block on a server without it.
+With `needs` (capability names, `swarm.wire.capabilities`) only servers whose record announces all of them are used
+(a first-release record: the first release's capabilities); each hop carries its server's capabilities.
 A block that no usable server covers raises `RoutingError` naming the blocks, and saying when servers of other
 quant types do serve them, or that no server holds the adapter there (`swarm.client.coverage`: which spans are
 usable, and that error).
@@ -45,9 +47,10 @@ import math
 import random
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Collection, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Collection, Dict, FrozenSet, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from swarm.client.coverage import RoutingError, quant_allowed, raise_if_uncovered, usable_spans
+from swarm.wire.capabilities import FIRST_RELEASE_CAPABILITIES
 from swarm.wire.dtypes import QUANT_TYPES
 from swarm.wire.records import ServerLimits, ServerSpan
 
@@ -105,6 +108,8 @@ class RouteHop:
     end: int
     limits: Optional[ServerLimits] = field(default=None, compare=False)  # what the server announced
     dtype: Optional[str] = field(default=None, compare=False)  # the server's announced serving dtype (`ServerInfo`)
+    # what the server supports (`swarm.wire.capabilities`): a client sends an optional field only where announced
+    capabilities: FrozenSet[str] = field(default=FIRST_RELEASE_CAPABILITIES, compare=False)
 
     @property
     def length(self) -> int:
@@ -189,6 +194,7 @@ def find_inference_chain(
     allowed_quant_types: Optional[Collection[str]] = None,
     adapter: Optional[str] = None,
     session_length: int = 0,
+    needs: Collection[str] = (),
 ) -> List[RouteHop]:
     """The chain covering blocks [start, end) with the least expected time per decode step (see module doc).
     Servers whose announced limits take no session of `session_length` tokens are skipped.
@@ -198,9 +204,9 @@ def find_inference_chain(
     allowed quant type (`allowed_quant_types`, None: any) that holds `adapter` (None: any server).
     """
     _check_range(start, end)
-    usable = usable_spans(spans, start, end, banned, allowed_quant_types, adapter, session_length)
+    usable = usable_spans(spans, start, end, banned, allowed_quant_types, adapter, session_length, needs)
     raise_if_uncovered(usable, start, end, spans=spans, banned=banned, allowed_quant_types=allowed_quant_types,
-                        adapter=adapter, session_length=session_length)
+                        adapter=adapter, session_length=session_length, needs=needs)
 
     usable = _cheapest_per_block(usable, start, end, cache_tokens_needed, costs)
     num = end - start
@@ -277,7 +283,7 @@ def find_inference_chain(
         source = parents[offset][current]
         if source != current:  # `current` received the activations right before block start+offset
             info = usable[current].info
-            hops.append(RouteHop(current, start + offset, hop_end, info.limits, info.dtype))
+            hops.append(RouteHop(current, start + offset, hop_end, info.limits, info.dtype, info.capability_set))
             hop_end = start + offset
             current = source
     hops.reverse()
@@ -318,14 +324,15 @@ def choose_forward_chain(
     rng: Optional[random.Random] = None,
     allowed_quant_types: Optional[Collection[str]] = None,
     adapter: Optional[str] = None,
+    needs: Collection[str] = (),
 ) -> List[RouteHop]:
     """A chain for forward passes that spreads load: at each boundary, a covering server chosen at random
     with probability proportional to its throughput, used as far as it covers. Raises RoutingError on gaps
     (servers of quant types outside `allowed_quant_types`, or without `adapter`, do not count; None: any)."""
     _check_range(start, end)
-    usable = usable_spans(spans, start, end, banned, allowed_quant_types, adapter)
+    usable = usable_spans(spans, start, end, banned, allowed_quant_types, adapter, needs=needs)
     raise_if_uncovered(usable, start, end, spans=spans, banned=banned, allowed_quant_types=allowed_quant_types,
-                        adapter=adapter)
+                        adapter=adapter, needs=needs)
     rng = rng if rng is not None else random.Random()
     ordered = sorted(usable.values(), key=lambda span: (span.start, span.peer_id))
 
@@ -338,7 +345,7 @@ def choose_forward_chain(
         weights = [span.info.throughput for span in candidates]
         chosen = rng.choices(candidates, weights=weights)[0]
         hop_end = min(chosen.end, end)
-        hops.append(RouteHop(chosen.peer_id, position, hop_end))
+        hops.append(RouteHop(chosen.peer_id, position, hop_end, capabilities=chosen.info.capability_set))
         position = hop_end
     return hops
 
@@ -369,15 +376,16 @@ def choose_training_chain(
     rng: Optional[random.Random] = None,
     allowed_quant_types: Optional[Collection[str]] = None,
     adapter: Optional[str] = None,
+    needs: Collection[str] = (),
 ) -> List[RouteHop]:
     """A chain for one training sub-batch: at each boundary, the covering server with the least
     (`load[peer]` + 1) / throughput (`load`: requests this client has in flight there), then the one reaching
     furthest, ties broken at random; used as far as it covers. Raises RoutingError on gaps (servers without
     `adapter` do not count; None: any)."""
     _check_range(start, end)
-    usable = usable_spans(spans, start, end, banned, allowed_quant_types, adapter)
+    usable = usable_spans(spans, start, end, banned, allowed_quant_types, adapter, needs=needs)
     raise_if_uncovered(usable, start, end, spans=spans, banned=banned, allowed_quant_types=allowed_quant_types,
-                       adapter=adapter)
+                       adapter=adapter, needs=needs)
     rng = rng if rng is not None else random.Random()
     load = load or {}
     hops: List[RouteHop] = []
@@ -390,6 +398,6 @@ def choose_training_chain(
         chosen = min(candidates, key=lambda span: ((load.get(span.peer_id, 0) + 1) / max(span.info.throughput, 1e-9),
                                                    -span.end))
         hop_end = min(chosen.end, end)
-        hops.append(RouteHop(chosen.peer_id, position, hop_end))
+        hops.append(RouteHop(chosen.peer_id, position, hop_end, capabilities=chosen.info.capability_set))
         position = hop_end
     return hops

@@ -111,12 +111,19 @@ class SpanStream:
         opened = P.OpenSession(session_id=self.session_id, start=self.hop.start, end=self.hop.end,
                                max_length=self.max_length, batch_size=self.batch_size, adapter=self.adapter,
                                prompts=self.prompts is not None, push_token=self.push_token,
-                               compression=self.manager.config.compression)
+                               compression=self.compression)
         self._queue.put_nowait(P.make_request(opened, [] if self.prompts is None else [self.prompts]))
         if wait:
             await self._next_reply()
         else:
             self.open_pending = True
+
+    @property
+    def compression(self):
+        """The client's compression, for a server that announces the capability (None otherwise: the field is
+        left out of OpenSession and the tensors travel raw, as a server from before it expects)."""
+        wanted = self.manager.config.compression
+        return wanted if wanted is not None and "compression" in self.hop.capabilities else None
 
     @property
     def key(self) -> str:
@@ -129,7 +136,7 @@ class SpanStream:
         step = P.Step(start_position=start_position, step_id=step_id, push_chain=list(push_chain), **(edits or {}))
         if self.wire_dtype is not None and hidden.is_floating_point():
             hidden = hidden.to(self.wire_dtype)
-        self._queue.put_nowait(P.make_request(step, [hidden], compression=self.manager.config.compression or "none"))
+        self._queue.put_nowait(P.make_request(step, [hidden], compression=self.compression or "none"))
 
     async def receive(self, start_position: int, seq: int, timeout: Optional[float] = None):
         """The reply to the step at start_position: (output [batch, seq, hidden], pushed)."""

@@ -35,7 +35,8 @@ class ServerStatus(BaseModel):
     quant_type: str
     dtype: str
     adapters: List[str] = Field(default_factory=list)
-    version: str = ""
+    version: str = ""  # the server's release (`swarm.wire.capabilities`), as its record announces it
+    protocol: str = "1"  # the protocol versions it speaks ("1", "1..2")
     rtt_ms: Optional[float] = None  # round trip of an info call from here; None: not measured or unreachable
     reachable: str = "direct"  # direct, or relayed: behind a NAT, dialed through a relay peer
 
@@ -74,6 +75,8 @@ def build_status(records: Sequence[Dict[str, ServerInfo]], model: str, prefix: s
             peer_id=span.peer_id, public_name=info.public_name, start=span.start, end=span.end, state=state,
             throughput=info.throughput, cache_tokens_left=info.cache_tokens_left, quant_type=info.quant_type,
             dtype=info.dtype, adapters=list(info.adapters), version=info.version, reachable=info.reachable,
+            protocol=(str(info.protocol) if info.min_protocol == info.protocol
+                      else f"{info.min_protocol}..{info.protocol}"),
             rtt_ms=None if rtt is None or math.isinf(rtt) else round(rtt * 1000, 2)))
         if state == ServerState.ONLINE.value:
             for block in range(span.start, span.end):
@@ -126,12 +129,13 @@ def format_table(status: SwarmStatus) -> str:
              f"coverage [{coverage_bar(status)}]"]
     if status.missing:
         lines.append(f"missing blocks: {', '.join(str(i) for i in status.missing)}")
-    header = ("peer id", "name", "blocks", "state", "reach", "steps/s", "free cache", "quant", "adapters", "version",
-              "rtt ms")
+    header = ("peer id", "name", "blocks", "state", "reach", "steps/s", "free cache", "quant", "adapters", "release",
+              "proto", "rtt ms")
     rows = [(_clean(s.peer_id, 56), _clean(s.public_name, 24), f"{s.start}:{s.end}", s.state, s.reachable,
              f"{s.throughput:.1f}",
              str(s.cache_tokens_left), _clean(s.quant_type, 8), _clean(",".join(s.adapters) or "-", 24),
-             _clean(s.version, 12), "-" if s.rtt_ms is None else f"{s.rtt_ms:.1f}") for s in status.servers]
+             _clean(s.version or "-", 16), s.protocol, "-" if s.rtt_ms is None else f"{s.rtt_ms:.1f}")
+            for s in status.servers]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]

@@ -47,8 +47,13 @@ def run_command(name: str, argv: List[str]) -> int:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        from swarm.wire.capabilities import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, release
+
+        print(f"swarmgate {release()} (protocol {MIN_PROTOCOL_VERSION}..{PROTOCOL_VERSION})")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: swarmgate {" + ",".join(COMMANDS) + "} ...\n")
+        print("usage: swarmgate {" + ",".join(COMMANDS) + "} ...  (or --version)\n")
         for name, text in COMMANDS.items():
             print(f"  {name:14s} {text}")
         if argv and argv[0] not in ("-h", "--help"):

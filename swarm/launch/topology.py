@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+import psutil
+
 READY = "SWARMGATE_READY "
 REPO = Path(__file__).resolve().parents[2]
 CLI = "swarm.launch.cli"
@@ -40,7 +42,10 @@ class ManagedProcess:
     logging to a file."""
 
     def __init__(self, args: Sequence[str], name: str, env: Optional[Dict[str, str]] = None,
-                 log_dir: Optional[str] = None, module: Optional[str] = None, wrap: Sequence[str] = ()):
+                 log_dir: Optional[str] = None, module: Optional[str] = None, wrap: Sequence[str] = (),
+                 cwd: Optional[str] = None):
+        """`cwd`: where it runs (default: this checkout; `python -m` imports from there first: another release's
+        tree runs that release)."""
         self.name = name
         if log_dir:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
@@ -50,7 +55,7 @@ class ManagedProcess:
         self._log = open(self.log_path, "w")
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         command = [*wrap, sys.executable, "-m", module or CLI, *args]
-        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO,
+        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd or REPO,
                                      start_new_session=True)
         self.ready: Optional[dict] = None
 
@@ -93,6 +98,20 @@ class ManagedProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
 
+    def signal_tree(self, sig: int) -> None:
+        """Send `sig` to the process and every descendant (its DHT child and p2pd are in a process group of their
+        own, so `os.killpg` on this process's group no longer reaches them), e.g. SIGSTOP to freeze a host."""
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return
+        for proc in procs:
+            try:
+                proc.send_signal(sig)
+            except psutil.Error:
+                pass
+
     def wait(self, timeout: float) -> Optional[int]:
         """Its exit status, waiting up to `timeout` s; None if it is still running."""
         try:
@@ -101,7 +120,17 @@ class ManagedProcess:
             return None
 
     def kill(self) -> None:
-        """SIGKILL the whole process group (the process, its DHT child and that child's p2p daemon)."""
+        """SIGKILL the process, its descendants (its DHT child and p2pd run in a group of their own:
+        `swarm.runtime.dht_process`) and whatever else is left of its process group."""
+        try:
+            descendants = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            descendants = []
+        for child in descendants:
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):

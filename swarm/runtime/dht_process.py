@@ -3,9 +3,14 @@
 `hivemind.DHT` runs its node in a forked child (which starts p2pd as its own child). `DHTProcess` is that class
 with the shutdown paths made safe for every process kind (server, gateway, bootstrap peer):
 
+- The child runs in a process group of its own (and so does the p2pd it starts): a stop signal sent to the
+  parent's whole group (Ctrl-C in a terminal, `kill -TERM -PGID`, supervisors) reaches the parent only, which can
+  still use its DHT peer to say goodbye (a server announces `offline`) before it stops the child. Before, the
+  group's SIGTERM killed the child and p2pd at once and the server's last announcement failed (issue 45).
 - In the child: the signal handling inherited from the parent is reset (an asyncio loop's handlers would make the
-  child ignore SIGTERM and write to the parent's wake-up socket): SIGTERM ends it, SIGINT is ignored (hivemind's
-  choice: the parent decides). A watchdog thread ends the child, and p2pd with it, if its parent disappears.
+  child ignore SIGTERM and write to the parent's wake-up socket): SIGTERM sent to the child itself ends it, SIGINT
+  is ignored (hivemind's choice: the parent decides). A watchdog thread ends the child, and p2pd with it, if its
+  parent disappears (the parent SIGKILLed: no group signal reaches the child any more).
 - In the parent: when the child dies for any reason (e.g. SIGTERM to the whole process group), every call to
   that DHT still waiting fails at once instead of blocking its thread forever (which would also block the exit),
   and so does every later call. Only that DHT's calls: a process may run several DHT peers (a test's reader next
@@ -113,6 +118,15 @@ def _add_p2pd_flags(extra: Dict[str, Any]) -> None:
     P2P._make_process_args = staticmethod(with_extra)
 
 
+def _own_group(pid: int) -> None:
+    """Make process `pid` (0: this one) the leader of a new process group; harmless when it already is one, or
+    when the child has already exited."""
+    try:
+        os.setpgid(pid, 0)
+    except (OSError, AttributeError):  # the child exited or exec'd already; a platform without process groups
+        pass
+
+
 class DHTProcess(hivemind.DHT):
     """`hivemind.DHT` (same arguments) with the child's signals reset, a parent watchdog in the child, pending calls
     failed when the child dies, and a `shutdown` that always ends the child within its timeout."""
@@ -133,6 +147,7 @@ class DHTProcess(hivemind.DHT):
 
     def start(self) -> None:
         super().start()
+        _own_group(self.pid)  # both sides set it: no window where a group signal still reaches the child
         threading.Thread(target=self._watch_child, name="dht-process-watch", daemon=True).start()
         atexit.register(self.shutdown)  # a client that never calls shutdown() still stops its DHT and p2pd
 
@@ -144,6 +159,7 @@ class DHTProcess(hivemind.DHT):
             logger.debug(f"the DHT process exited; failed {failed} pending call(s)")
 
     def run(self) -> None:  # in the child
+        _own_group(0)  # before p2pd starts: it inherits this group
         try:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -157,6 +173,7 @@ class DHTProcess(hivemind.DHT):
         super().run()
 
     def shutdown(self, timeout: float = SHUTDOWN_TIMEOUT) -> None:
+        atexit.unregister(self.shutdown)  # nothing left to stop at exit (and the process object may be freed)
         if self.is_alive():
             try:
                 self._outer_pipe.send(("_shutdown", [], {}))

@@ -1,8 +1,9 @@
 """How a swarmgate process ends: stop signals, and leaving no descendant behind.
 
 Every process kind (`dht`, `server`, `gateway`, `up`) stops within seconds of SIGTERM or SIGINT, whether the signal
-reached it alone or its whole process group (Ctrl-C in a terminal, systemd, supervisors), in which case its
-children (the hivemind DHT process, p2pd) got it too and may already be gone.
+reached it alone or its whole process group (Ctrl-C in a terminal, systemd, supervisors). Its DHT process and
+p2pd run in a process group of their own (`swarm.runtime.dht_process`) and do not get a group's signal; they may
+still be gone first (killed on their own, by an OOM killer or a supervisor that signals every process).
 
 - `become_subreaper()`: on Linux, descendants orphaned by a child that died first (p2pd, when the DHT process was
   killed) are re-parented to this process instead of init, so that `reap_descendants` still finds them.

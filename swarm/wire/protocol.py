@@ -30,8 +30,12 @@ RPCs (see `BlockRPC`):
 Versions. Every message rejects unknown fields, so a reader parses exactly the fields of its own version. A field
 added to a message later is optional and never reaches a reader from before it: in a request it is left out
 while unset (`OpenSession.compression`: a server from before takes every session that does not ask for
-compression); a reply (`ServerStats`) keeps the fields it had, and what a server reports later gets an RPC of its
-own (`rpc_dht_traffic`), which a server from before answers with the transport's "no such handler" error.
+compression), and a client sets it only for a server whose record announces the capability that names it
+(`swarm.wire.capabilities`; routing avoids servers without what a session needs); a reply (`ServerStats`) keeps
+the fields it had, and what a server reports later gets an RPC of its own (`rpc_dht_traffic`), which a server from
+before answers with the transport's "no such handler" error. A peer accepts messages of the protocol versions
+`MIN_PROTOCOL_VERSION..PROTOCOL_VERSION` (so far only 1) and a server answers in the version it was sent. The rule
+for adding a field is in `docs/compatibility.md`.
 
 In a private swarm the `uid` of a stream's first request (of every `rpc_forward` request, of `rpc_info`'s
 `ExpertUID`) carries the caller's membership proof (`swarm.runtime.swarm_key`; `ProvedStub` stamps it);
@@ -41,7 +45,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, AsyncIterator, Final, List, Literal, Optional, Sequence, Tuple, Type, TypeVar, Union
+from typing import Annotated, AsyncIterator, List, Literal, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 import torch
 from hivemind.p2p import P2PContext, ServicerBase
@@ -50,10 +54,13 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from swarm.runtime.dht_traffic import DHTTraffic
 from swarm.wire import compression as wire_compression
+from swarm.wire.capabilities import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
 from swarm.wire.dtypes import DTYPES, WIRE_DTYPES, dtype_name
 from swarm.wire.records import ServerLimits
 
-PROTOCOL_VERSION: Final = 1
+# the RPC handlers' names keep "v1" for good (`swarmgate.v1.rpc_inference`): a later protocol version travels in the
+# messages' `v`, never in the names, or a newer peer's handlers would vanish for an older one
+HANDLER_VERSION = 1
 MAX_SESSION_ID_LEN = 128
 MAX_TOKEN_LEN = 64  # push tokens (`OpenSession.push_token`)
 MAX_BATCH = 1024
@@ -305,8 +312,11 @@ def decode(data: bytes, message_type: Type[M]) -> M:
         raise ProtocolError("metadata is not valid JSON") from None
     if not isinstance(raw, dict):
         raise ProtocolError("metadata must be a JSON object")
-    if raw.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {raw.get('v')!r}; this peer speaks {PROTOCOL_VERSION}")
+    version = raw.get("v")
+    if isinstance(version, bool) or not isinstance(version, int) \
+            or not MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {version!r}; this peer speaks "
+                            f"{MIN_PROTOCOL_VERSION}..{PROTOCOL_VERSION}")
     try:
         return message_type.model_validate(raw)
     except ValidationError as e:
@@ -400,7 +410,7 @@ class BlockRPC(ServicerBase):
 
     @classmethod
     def _get_handle_name(cls, namespace: Optional[str], method_name: str) -> str:
-        name = f"swarmgate.v{PROTOCOL_VERSION}.{method_name}"
+        name = f"swarmgate.v{HANDLER_VERSION}.{method_name}"
         return f"{namespace}::{name}" if namespace is not None else name
 
     async def rpc_inference(

@@ -87,7 +87,7 @@ class DialBackService(ServicerBase):
 
     @classmethod
     def _get_handle_name(cls, namespace: Optional[str], method_name: str) -> str:
-        name = f"swarmgate.v{P.PROTOCOL_VERSION}.{method_name}"
+        name = f"swarmgate.v{P.HANDLER_VERSION}.{method_name}"
         return f"{namespace}::{name}" if namespace is not None else name
 
     async def rpc_dial_back(self, request: runtime_pb2.ExpertRequest,

@@ -1,11 +1,14 @@
 """DHT records: what a block server announces about itself, and reading the swarm's state back.
 
 One DHT key per block of a model (`"{prefix}.{block_index}"`), one sub-key per server (its peer id), whose
-value is a `ServerInfo` dict: the server's state, its span, throughput, free KV cache, version, the RTTs it
+value is a `ServerInfo` dict: the server's state, its span, throughput, free KV cache, release (`version`), the
+protocol versions and named capabilities it supports (`swarm.wire.capabilities`), the RTTs it
 measured to servers that host its next blocks, its resource limits (`ServerLimits`) and whether peers dial it
 directly or through a relay (`reachable`, `swarm.wire.reachability`). Records expire unless
-refreshed; a server going away stores `offline` with a short expiration. Records that fail validation are ignored
-(a bad peer cannot break a reader).
+refreshed; a server going away stores `offline` with a short expiration. Records that fail validation, or that are
+"unknown" (a malformed release, no protocol version in common: `ServerInfo.problem`), are ignored with one log line
+per peer (a bad peer cannot break a reader). A reader ignores fields it does not know (`extra="ignore"`): fields are
+added to records freely, and the first release reads this release's records (`docs/compatibility.md`).
 
 What a read costs (it grows with the swarm, so it is kept small): hivemind answers a find with the whole value
 of each key asked (every server's record under it) from every node visited that holds it, plus a list of that
@@ -25,12 +28,20 @@ import logging
 import re
 from dataclasses import dataclass
 from functools import partial
-from typing import Dict, List, Literal, Optional, Sequence
+from typing import Annotated, Dict, FrozenSet, List, Literal, Optional, Sequence, Tuple
 
 from hivemind import DHT
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+
+from swarm.wire.capabilities import (
+    CAPABILITY_PATTERN,
+    known_capabilities,
+    parse_release,
+    protocol_problem,
+    unknown_capabilities,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +96,25 @@ class ServerInfo(BaseModel):
     reachable: Literal["direct", "relayed"] = Field(default="direct", description="direct: peers dial it; relayed: "
                                                                                   "it is behind a NAT and served "
                                                                                   "through a relay peer")
+    # added in 0.2.0 (issue 45): a first-release peer ignores them (extra="ignore" above), and a record without them
+    # is a first-release server's (`swarm.wire.capabilities`)
+    protocol: int = Field(default=1, ge=1, le=1 << 16, description="the newest protocol version the server speaks")
+    min_protocol: int = Field(default=1, ge=1, le=1 << 16, description="the oldest one it speaks")
+    capabilities: Optional[Tuple[Annotated[str, StringConstraints(pattern=CAPABILITY_PATTERN)], ...]] = Field(
+        default=None, max_length=128, description="the named features the server supports (swarm.wire.capabilities); "
+                                                  "None: a first-release server (it supports the first release's)")
+
+    @property
+    def capability_set(self) -> FrozenSet[str]:
+        """The capabilities this release knows that the server supports."""
+        return known_capabilities(self.capabilities)
+
+    def problem(self) -> Optional[str]:
+        """Why this record is read as "unknown" (skipped by routing), or None: a malformed release string or no
+        protocol version in common with this peer."""
+        if self.version and parse_release(self.version) is None:
+            return f"malformed release {self.version[:40]!r}"
+        return protocol_problem(self.min_protocol, self.protocol)
 
 
 @dataclass(frozen=True)
@@ -155,15 +185,43 @@ def fetch_block_records(dht: DHT, prefix: str, num_blocks: int,
                 if item.expiration_time < now:
                     continue
                 try:
-                    info = ServerInfo.model_validate(item.value)
                     PeerID.from_base58(subkey)
+                except (ValueError, TypeError):
+                    continue  # not a peer's record at all
+                try:
+                    info = ServerInfo.model_validate(item.value)
                 except (ValidationError, ValueError, TypeError) as e:
-                    logger.debug(f"ignoring malformed record for {key}/{subkey}: {e}")
+                    _note_once(subkey, "malformed", f"ignoring server {subkey}: its record does not parse "
+                                                    f"({str(e).splitlines()[0]})")
                     continue
+                problem = info.problem()
+                if problem is not None:
+                    _note_once(subkey, "unknown", f"ignoring server {subkey} (release {info.version[:40]!r}): "
+                                                  f"{problem}")
+                    continue
+                unknown = unknown_capabilities(info.capabilities)
+                if unknown:
+                    _note_once(subkey, "capabilities", f"server {subkey} (release {info.version[:40]!r}) announces "
+                                                       f"capabilities this release does not know: "
+                                                       f"{', '.join(unknown[:8])} (ignored)", level=logging.DEBUG)
                 if info.start <= index < info.end:
                     servers[subkey] = info
         result.append(servers)
     return result
+
+
+_NOTED: Dict[tuple, None] = {}  # (peer id, kind) already logged (bounded: the oldest are forgotten)
+_MAX_NOTED = 4096
+
+
+def _note_once(peer_id: str, kind: str, text: str, level: int = logging.INFO) -> None:
+    """Log `text` once per peer and kind: a bad record is read again at every refresh."""
+    if (peer_id, kind) in _NOTED:
+        return
+    if len(_NOTED) >= _MAX_NOTED:
+        _NOTED.pop(next(iter(_NOTED)))
+    _NOTED[(peer_id, kind)] = None
+    logger.log(level, text)
 
 
 def fetch_spans_at(dht: DHT, prefix: str, num_blocks: int, block: int,

@@ -19,6 +19,7 @@ from typing import List, Optional
 import httpx
 import psutil
 import pytest
+import torch
 
 from swarm.launch import topology
 from swarm.launch.topology import ManagedProcess
@@ -186,7 +187,7 @@ def test_server_stops(model_path, bootstrap, case):
             generation.start()
             generation.wait_tokens(gateway)
         log = stop_and_check(server, sig, group, children_first=how == "children-first")
-        if not group and how is None:  # its DHT peer is intact: it must say goodbye to the swarm
+        if how != "children-first":  # its DHT peer is intact (group signals reach it no more): it says goodbye
             assert "announced offline" in log, log[-3000:]
     finally:
         server.kill()
@@ -321,3 +322,43 @@ async def slow(_dht, _node, seconds: float) -> str:
 
     await asyncio.sleep(seconds)
     return "answered"
+
+
+# ---- a group stop announces offline first (issue 45) ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def offline_swarm(model_path, bootstrap):
+    """A server that stays (0:30) and a client that watches the records from another DHT peer."""
+    from swarm import AutoDistributedModelForCausalLM
+
+    prefix = _prefix("offline")
+    stays = _server(model_path, bootstrap, prefix)
+    model = AutoDistributedModelForCausalLM.from_pretrained(model_path, initial_peers=[bootstrap.maddr],
+                                                            dht_prefix=prefix, pad_head_rows=False)
+    yield prefix, stays, model
+    model.shutdown()
+    stays.terminate()
+
+
+@pytest.mark.parametrize("sig", [INT, TERM], ids=lambda sig: sig.name)
+def test_a_group_stop_announces_offline_before_the_dht_child_goes(model_path, bootstrap, offline_swarm, sig):
+    """Ctrl-C (SIGINT to the whole process group) or SIGTERM to the group: the DHT child and p2pd no longer get the
+    signal (a process group of their own), so the server announces `offline` through them before it stops them.
+    Read from another DHT peer right after the exit (no waiting: the record must already say so), and a client's next
+    session never tries the stopped server (no phantom first try, no failover)."""
+    from swarm.wire.records import ServerState, fetch_block_records
+
+    prefix, stays, model = offline_swarm
+    leaving = _server(model_path, bootstrap, prefix)
+    manager = model.manager
+    seen = {span.peer_id for span in manager.allowed_spans(force=True)}
+    assert leaving.peer_id in seen and stays.peer_id in seen, seen
+    log = stop_and_check(leaving, sig, group=True)
+    assert "announced offline" in log and "could not announce offline" not in log, log[-3000:]
+    records = fetch_block_records(manager.dht, prefix, 30)
+    states = {records[i][leaving.peer_id].state for i in range(30) if leaving.peer_id in records[i]}
+    assert states == {ServerState.OFFLINE}, states  # every block's record, read at once from another peer
+    assert leaving.peer_id not in {span.peer_id for span in manager.allowed_spans(force=True)}
+    with model.inference_session(max_length=16) as session:
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, session=session)
+        assert session.session.failovers == 0
+        assert [hop.peer_id for hop in session.session.chain] == [stays.peer_id]

@@ -72,7 +72,7 @@ def test_liveness_settings_are_validated(value):
 
 
 def test_a_frozen_server_mid_generation_is_failed_over_on_loopback(model_path, bootstrap, tokenizer, reference_model):
-    """Where network namespaces are not permitted, a frozen server (SIGSTOP to its process group: p2pd included, so
+    """Where network namespaces are not permitted, a frozen server (SIGSTOP to it and its descendants: p2pd included, so
     its connections stay open and say nothing) stands in for a cut link: the default liveness settings fail it
     over and the greedy tokens equal transformers' (the session's step time-out alone would wait 120 s)."""
     import os
@@ -95,7 +95,7 @@ def test_a_frozen_server_mid_generation_is_failed_over_on_loopback(model_path, b
         with model.inference_session(max_length=ids.shape[1] + new) as session:
             def freeze():
                 victim = by_peer[session.session.chain[0].peer_id]
-                os.killpg(victim.proc.pid, signal.SIGSTOP)
+                victim.signal_tree(signal.SIGSTOP)
                 freeze.victim = victim.peer_id
 
             began = time.monotonic()

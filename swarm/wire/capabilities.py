@@ -1,0 +1,106 @@
+"""What a peer's release can do: its release string, the protocol versions it speaks, its named capabilities.
+
+A volunteer swarm runs several releases at once. Every server's DHT record (`swarm.wire.records.ServerInfo`) says
+which release it runs (`version`, this package's version from `pyproject.toml`), the protocol versions it speaks
+(`min_protocol`..`protocol`) and the named capabilities it supports (`capabilities`): each feature added to the
+wire after the first release gets a name here, so that a client sends a field only to a server that announces it
+and routing avoids servers that lack what a request needs (`swarm.client.coverage`). `docs/compatibility.md` has
+the rule for adding a field.
+
+A record without `capabilities` comes from the first release (0.1.0, `compat/previous_release`), which announced no
+capabilities but supports every one named in `FIRST_RELEASE_CAPABILITIES`. Names this release does not know (a
+newer server's) are ignored; a malformed version or a record that speaks no protocol version in common with this
+peer is read as "unknown" (`record_problem`) and skipped by routing.
+"""
+from __future__ import annotations
+
+import functools
+import re
+import sys
+from pathlib import Path
+from typing import Final, FrozenSet, Mapping, Optional, Tuple
+
+from packaging.version import InvalidVersion, Version
+
+PROTOCOL_VERSION: Final = 1  # the newest message version this release speaks (`swarm.wire.protocol.Message.v`)
+MIN_PROTOCOL_VERSION: Final = 1  # the oldest one it still speaks (and answers in)
+
+# every feature added to the wire since the first message set, by name (what a server announces)
+CAPABILITIES: Mapping[str, str] = {
+    "adapters": "LoRA adapters in sessions and forward passes (OpenSession.adapter, ForwardRequest.adapter)",
+    "beam_reorder": "beam search's cache reorder (RowEdits.hypo_ids, reorder_id)",
+    "compression": "compressed hidden states (OpenSession.compression; float16, blockwise8 tensors)",
+    "deep_prompts": "deep prompts (OpenSession.prompts, TrainForward/TrainBackward.prompts)",
+    "dht_traffic": "the rpc_dht_traffic report",
+    "left_padding": "left-padded batches (RowEdits.left_padding, ForwardRequest.left_padding)",
+    "limits": "announced RPC limits (ServerInfo.limits, ServerStats.limits)",
+    "push": "server-to-server push (rpc_push, Step.push_chain, OpenSession.push_token)",
+    "relay": "servers behind a NAT served through a relay (ServerInfo.reachable) and the dial-back check",
+    "rope_length": "a step's rope length (RowEdits.rope_length, ForwardRequest.rope_length)",
+    "tensor_parallel": "blocks split across devices (ServerInfo.tensor_parallel)",
+    "train_adapters": "training through a LoRA adapter (TrainForward/TrainBackward.adapter)",
+    "training": "training passes (rpc_train_forward, rpc_train_backward)",
+}
+OWN_CAPABILITIES: Tuple[str, ...] = tuple(sorted(CAPABILITIES))  # what this release's servers announce
+# the first release (0.1.0) announced no capabilities and supports all of these: a record without the field
+FIRST_RELEASE_CAPABILITIES: FrozenSet[str] = frozenset(CAPABILITIES)
+CAPABILITY_PATTERN = r"^[a-z][a-z0-9_]{0,31}$"
+_NAME = re.compile(CAPABILITY_PATTERN)
+
+
+@functools.lru_cache(maxsize=1)
+def release() -> str:
+    """This package's release: `pyproject.toml`'s version in a source checkout (editable installs may carry stale
+    metadata), else the installed distribution's (`importlib.metadata`)."""
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    if pyproject.is_file() and sys.version_info >= (3, 11):
+        import tomllib
+
+        try:
+            project = tomllib.loads(pyproject.read_text()).get("project", {})
+            if project.get("name") == "swarmgate" and isinstance(project.get("version"), str):
+                return project["version"]
+        except (OSError, ValueError):
+            pass
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("swarmgate")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def parse_release(text: str) -> Optional[Version]:
+    """A release string as a comparable version; None if it is empty or malformed."""
+    try:
+        return Version(text) if text else None
+    except InvalidVersion:
+        return None
+
+
+def known_capabilities(announced: Optional[Tuple[str, ...]]) -> FrozenSet[str]:
+    """What a record's `capabilities` means to this release: None (a first-release record) is
+    `FIRST_RELEASE_CAPABILITIES`; names this release does not know are dropped."""
+    if announced is None:
+        return FIRST_RELEASE_CAPABILITIES
+    return frozenset(name for name in announced if name in CAPABILITIES)
+
+
+def unknown_capabilities(announced: Optional[Tuple[str, ...]]) -> Tuple[str, ...]:
+    return tuple(name for name in announced or () if name not in CAPABILITIES)
+
+
+def valid_name(name: str) -> bool:
+    return bool(_NAME.match(name))
+
+
+def protocol_problem(min_protocol: int, protocol: int) -> Optional[str]:
+    """Why a peer speaking versions [min_protocol, protocol] cannot talk with this one (None: they share one)."""
+    if min_protocol > protocol:
+        return f"announces protocol versions {min_protocol}..{protocol} (an empty range)"
+    if min_protocol > PROTOCOL_VERSION:
+        return (f"speaks protocol versions {min_protocol}..{protocol} only; this peer speaks "
+                f"{MIN_PROTOCOL_VERSION}..{PROTOCOL_VERSION} (a future protocol)")
+    if protocol < MIN_PROTOCOL_VERSION:
+        return f"speaks protocol versions up to {protocol}; this peer needs {MIN_PROTOCOL_VERSION} or later"
+    return None
