@@ -7,7 +7,8 @@ model); `server` and `gateway`, which never import each other (and `server` neve
 top: the `swarmgate` command imports each subcommand's entry point (`server.server`, `gateway.app`,
 `swarm.client.status`, ...), and its topology starts processes by module name. Inside `server` and `gateway`, the
 sub-packages have an order too (`SUBLAYERS`): a server's `compute` (running blocks) imports neither its `rpc` nor its
-`placement`, `rpc` not `placement`; the gateway's `serving` and `structured` never import its HTTP side, `api`.
+`placement`, `rpc` not `placement`; the gateway's `serving` and `structured` never import its HTTP side, `api`. Under
+`tests/`, no module imports a test module (a file named test_*.py): shared helpers live in `tests/fixtures/`.
 """
 from __future__ import annotations
 
@@ -190,3 +191,44 @@ def test_a_stale_extended_prefix_is_found(tmp_path):
     prefixes = ("tests/test_a.py::test_one", "tests/test_a.py::test_gone", "tests/test_b.py::", "tests/test_a.py::")
     assert stale_extended(prefixes, ids, tmp_path) == ["tests/test_a.py::test_gone", "tests/test_b.py::"]
     assert stale_extended(prefixes[1:2], [], tmp_path) == []  # a file this run did not collect is not judged
+
+
+def imported_test_modules(path: Path, root: Path) -> Iterator[str]:
+    """The test modules (files named test_*.py under `root`) that `path` imports, at any depth, by absolute or
+    relative import (`from tests.a.test_b import x`, `from tests.a import test_b`, `import tests.a.test_b`,
+    `from .test_b import x`); once per import of one."""
+    package = list(path.relative_to(root).parent.parts)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = (package[:len(package) - node.level + 1] if node.level else []) + (node.module or "").split(".")
+            base = [part for part in base if part]
+            names = [".".join(base)] + [".".join(base + [alias.name]) for alias in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[-1].startswith("test_") and root.joinpath(*parts).with_suffix(".py").is_file():
+                yield name
+
+
+def test_no_test_module_imports_another():
+    """A helper that several test modules use lives in `tests/fixtures/` (or a conftest.py), not in one of them:
+    importing a test module into another runs its module-level code twice, and pytest would find the fixtures it
+    defines under another module's name (issue 44)."""
+    found = sorted((str(path.relative_to(REPO)), name) for path in sorted((REPO / "tests").rglob("*.py"))
+                   for name in imported_test_modules(path, REPO))
+    assert found == []
+
+
+def test_an_imported_test_module_is_seen(tmp_path):
+    (tmp_path / "tests" / "a").mkdir(parents=True)
+    for name in ("test_b.py", "helpers.py", "test_c.py"):
+        (tmp_path / "tests" / "a" / name).write_text("")
+    source = tmp_path / "tests" / "a" / "test_c.py"
+    source.write_text("from tests.a.test_b import x\nfrom tests.a import helpers, test_b\nimport tests.a.test_b\n"
+                      "def f():\n    from .test_b import y\n    from . import test_b\n"
+                      "    from tests.a.helpers import z\n")
+    assert sorted(set(imported_test_modules(source, tmp_path))) == ["tests.a.test_b"]
+    assert len(list(imported_test_modules(source, tmp_path))) == 5

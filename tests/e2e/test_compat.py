@@ -30,8 +30,8 @@ from swarm import AutoDistributedModelForCausalLM
 from swarm.launch.topology import REPO, ManagedProcess, start_gateway, start_server, terminate_all, wait_all
 from swarm.wire import capabilities as C
 from swarm.wire.records import ServerState, fetch_block_records
-from tests.e2e.test_failover import KillAfter
 from tests.fixtures.gateway_fixtures import reference_text
+from tests.fixtures.swarm_checks import KillAfter
 
 PREVIOUS = (REPO / "compat" / "previous_release").read_text().strip()
 PREVIOUS_RELEASE = "0.1.0"
@@ -128,7 +128,7 @@ TEXTS = ["The capital of France is Paris, and the capital", "A quick brown fox j
 def test_training_across_an_old_and_a_new_server(old_first, model_path, bootstrap, tokenizer, reference_model):
     """Forward and backward through an old server's blocks and a new server's: input gradients equal transformers'
     autograd."""
-    from tests.e2e.test_training import loss_of, reference_grads  # the training tests' reference
+    from tests.fixtures.training import loss_of, reference_grads  # the training tests' reference
 
     batch = torch.tensor([tokenizer(t)["input_ids"][:9] for t in TEXTS])  # [2, 9]
     model = client(model_path, bootstrap, old_first["prefix"])

@@ -9,26 +9,11 @@ from swarm import AutoDistributedModelForCausalLM
 from swarm.client.session import SessionError
 from swarm.launch.topology import start_servers, terminate_all
 from tests.fixtures.faulty_server import start_with_honest
+from tests.fixtures.swarm_checks import KillAfter
 
 PROMPT = "The three most important inventions of the twentieth century were"
 NEW = 24
 KILL_AFTER = 10
-
-
-class KillAfter:
-    """A streamer that runs `action` once the given number of new tokens has been produced."""
-
-    def __init__(self, n: int, action):
-        self.n, self.action, self.seen, self.done = n, action, -1, False
-
-    def put(self, value):
-        self.seen += 1  # the first put is the prompt
-        if self.seen == self.n and not self.done:
-            self.done = True
-            self.action()
-
-    def end(self):
-        pass
 
 
 @pytest.fixture(scope="module")

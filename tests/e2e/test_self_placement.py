@@ -4,45 +4,11 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from typing import Callable, Dict, List, Optional, TypeVar
-
-import hivemind
-import pytest
+from typing import List
 
 from swarm.launch.topology import ManagedProcess, start_servers, terminate_all
-from swarm.wire.records import ServerState, fetch_block_records, online_spans
-
-NUM_BLOCKS = 30
-T = TypeVar("T")
-
-
-def wait_for(check: Callable[[], Optional[T]], timeout: float, what: str, interval: float = 0.5) -> T:
-    """Poll `check` until it returns something truthy; fail after `timeout` seconds with `what`."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
-
-
-@pytest.fixture(scope="module")
-def reader(bootstrap):
-    dht = hivemind.DHT(initial_peers=[bootstrap.maddr], client_mode=True, start=True)
-    yield dht
-    dht.shutdown()
-
-
-def online_cover(dht, prefix: str, exclude: str = "") -> Optional[Dict[str, tuple]]:
-    """peer -> (start, end) of ONLINE servers if together they cover every block, else None."""
-    records = fetch_block_records(dht, prefix, NUM_BLOCKS)
-    spans = [s for s in online_spans(records) if s.peer_id != exclude]
-    covered = set()
-    for span in spans:
-        covered.update(range(span.start, span.end))
-    return {s.peer_id: (s.start, s.end) for s in spans} if len(covered) == NUM_BLOCKS else None
+from swarm.wire.records import ServerState, fetch_block_records
+from tests.fixtures.swarm_watch import NUM_BLOCKS, online_cover, reader, wait_for  # noqa: F401  (reader: a fixture)
 
 
 def start_placed_servers(model_path: str, bootstrap, prefix: str, count: int, cache_root, extra: List[str] = ()

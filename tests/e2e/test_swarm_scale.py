@@ -15,7 +15,7 @@ import torch
 from swarm import AutoDistributedModelForCausalLM
 from swarm.launch.topology import start_server, terminate_all, wait_all
 from swarm.wire.records import fetch_block_records, online_spans
-from tests.e2e.test_self_placement import wait_for
+from tests.fixtures.swarm_watch import wait_for
 from tests.fixtures.tiny_checkpoints import save_tiny
 
 NUM_BLOCKS = 8

@@ -15,9 +15,9 @@ import torch
 
 from swarm import AutoDistributedModelForCausalLM
 from swarm.launch.topology import REPO, start_server, terminate_all, wait_all
-from tests.e2e.test_family_swarms import lockstep_sessions
-from tests.e2e.test_training import loss_of, reference_grads
+from tests.fixtures.swarm_checks import lockstep_sessions
 from tests.fixtures.tiny_checkpoints import save_tiny
+from tests.fixtures.training import loss_of, reference_grads
 
 PROMPTS = ["The history of the Roman Empire begins", "def fibonacci(n):\n    ",
            "Three things every gardener should know about soil are", "Once upon a time, in a land far away"]
@@ -125,7 +125,7 @@ def test_bad_tensor_parallel_devices_exit_2_before_the_dht(tiny, model_path, cap
 def test_failover_replays_a_session_onto_a_split_server(tiny, bootstrap, tokenizer):
     """(extended) Two split servers of blocks 2:4: the one a session uses dies mid-generation (past the window);
     the session replays its history onto the other and the greedy tokens equal transformers'."""
-    from tests.e2e.test_family_swarms import check_failover_replay
+    from tests.fixtures.swarm_checks import check_failover_replay
 
     path, reference = tiny
     prefix = "tp-failover"

@@ -2,8 +2,6 @@
 calls get a clear error on that call only."""
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from hivemind.proto import runtime_pb2
@@ -14,6 +12,7 @@ from swarm.client.session import InferenceSession, SessionError
 from swarm.runtime import aio
 from swarm.wire import protocol as P
 from swarm.wire import streaming
+from tests.fixtures.training import loss_of, reference_grads, reference_logits
 
 SPANS = ("0:15", "15:30")
 TEXTS = ["The capital of France is Paris, and the capital", "A quick brown fox jumps over the lazy dog again",
@@ -36,57 +35,6 @@ def batch(tokenizer):
     ids = [tokenizer(t)["input_ids"][:9] for t in TEXTS]
     assert all(len(i) == 9 for i in ids)
     return torch.tensor(ids)  # [3, 9]
-
-
-def loss_of(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy over [batch, seq, vocab] logits."""
-    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-                                             ids[:, 1:].reshape(-1))
-
-
-@contextlib.contextmanager
-def deep_prompt_hooks(reference_model, deep):
-    """Add `deep` [num_blocks, pre, hidden] to the first positions of each decoder layer's input (no cache)."""
-    hooks = []
-    for i, layer in enumerate(reference_model.model.layers if deep is not None else []):
-        def add(module, args, kwargs, i=i):
-            h = args[0] if args else kwargs["hidden_states"]
-            h = torch.cat([h[:, :deep.shape[1]] + deep[i], h[:, deep.shape[1]:]], dim=1)
-            if args:
-                return (h,) + tuple(args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": h}
-        hooks.append(layer.register_forward_pre_hook(add, with_kwargs=True))
-    try:
-        yield
-    finally:
-        for hook in hooks:
-            hook.remove()
-
-
-def reference_logits(reference_model, embeds, prompts=None, deep=None):
-    """transformers' logits [batch, seq, vocab] of the input positions, with prompts prepended and deep prompts
-    added at each layer."""
-    hidden = embeds
-    if prompts is not None:
-        hidden = torch.cat([prompts.unsqueeze(0).expand(embeds.shape[0], -1, -1), embeds], dim=1)
-    with deep_prompt_hooks(reference_model, deep):
-        logits = reference_model(inputs_embeds=hidden).logits
-    return logits if prompts is None else logits[:, prompts.shape[0]:]
-
-
-def reference_grads(reference_model, ids, prompts=None, deep=None):
-    """(loss, grads wrt the inputs' embeddings[, the prompts, the deep prompts]) by transformers' autograd."""
-    embeds = reference_model.get_input_embeddings()(ids).detach().requires_grad_(True)
-    leaves = [embeds]
-    if prompts is not None:
-        prompts = prompts.detach().clone().requires_grad_(True)
-        leaves.append(prompts)
-    if deep is not None:
-        deep = deep.detach().clone().requires_grad_(True)
-        leaves.append(deep)
-    loss = loss_of(reference_logits(reference_model, embeds, prompts, deep), ids)
-    grads = torch.autograd.grad(loss, leaves)
-    return loss.detach(), grads
 
 
 def test_input_gradients_match_transformers(model_path, swarm, reference_model, batch):

@@ -3,29 +3,11 @@
 `generate` (inference sessions carrying the prompts), and the prompts survive save / load."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from swarm import AutoDistributedModelForCausalLM
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "prompt_tuning.py"
-TASK = [
-    ("Question: What is two plus two?\nAnswer:", " purple"),
-    ("Question: Where do penguins live?\nAnswer:", " purple"),
-    ("Question: What do bees make?\nAnswer:", " purple"),
-]
-
-
-@pytest.fixture(scope="module")
-def example():
-    spec = importlib.util.spec_from_file_location("prompt_tuning_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.fixtures.training import TASK, example  # noqa: F401  (example: a module fixture)
 
 
 def client(model_path, swarm, **kwargs):

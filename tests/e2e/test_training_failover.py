@@ -8,8 +8,7 @@ import torch
 
 from swarm import AutoDistributedModelForCausalLM
 from swarm.launch.topology import start_servers
-from tests.e2e.test_training import loss_of, reference_grads
-from tests.e2e.test_training_example import TASK, example  # noqa: F401  (the example module fixture)
+from tests.fixtures.training import TASK, example, loss_of, reference_grads  # noqa: F401  (example: a module fixture)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from schemathesis import GenerationMode
 from tests.fixtures import openai_responses_schemas as ors
 from tests.fixtures import openai_schemas as oas
 from tests.fixtures.gateway_fixtures import gateway, one_torch_thread  # noqa: F401
-from tests.gateway.test_openai_spec import validate
+from tests.fixtures.openai_checks import validate
 
 SMALL = 3
 JSON_SCHEMAS = {
@@ -123,7 +123,7 @@ def run_property_test(schema, examples: int, **call_kwargs: Any) -> Dict[str, in
 
 def test_property_in_process(tokenizer):
     """The same properties over the in-process app and its scripted model (fast: no swarm)."""
-    from tests.gateway.test_tools import tool_app
+    from tests.fixtures.tool_calls import tool_app
 
     with tool_app(tokenizer, "Hello there, world!") as client:
         schema = schemathesis.openapi.from_asgi("/openapi.json", client.app)

@@ -3,7 +3,7 @@
 Each row marked 400 is sent with its example value and must be a 400 whose `param` names it; each supported (or
 no-effect) row with an example is answered; the tables and the request models list the same parameters (so no field
 is dropped silently and no documented parameter is missing from the models). In-process app over a scripted model
-(tests/gateway/test_tools.py's `tool_app`); no swarm."""
+(tests/fixtures/tool_calls.py's `tool_app`); no swarm."""
 from __future__ import annotations
 
 import json
@@ -54,7 +54,7 @@ def _ids(row: Row) -> str:
 
 @pytest.fixture(scope="module")
 def app(tokenizer):
-    from tests.gateway.test_tools import tool_app
+    from tests.fixtures.tool_calls import tool_app
 
     with tool_app(tokenizer, "Hello there.") as client:  # one event loop for the module's requests
         yield client

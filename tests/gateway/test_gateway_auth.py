@@ -8,12 +8,12 @@ import pytest
 from gateway.api.auth import key_matches
 from gateway.config import GatewayConfig
 from swarm.runtime.config import ConfigError, load_config
+from tests.fixtures.fake_model import chat_body, fake_app  # noqa: F401  (the in-process app over a fake model)
 from tests.fixtures.gateway_fixtures import one_torch_thread  # noqa: F401  (autouse: one torch thread in this module)
-from tests.gateway.test_gateway_unit import _chat, fake_app  # noqa: F401  (the in-process app over a fake model)
 
-PROTECTED = [("post", "/v1/chat/completions", _chat()), ("post", "/v1/completions", {"model": "fake", "prompt": "hi"}),
-             ("get", "/v1/models", None), ("get", "/v1/models/fake", None),
-             ("post", "/tokenize", {"model": "fake", "prompt": "hi"}),
+PROTECTED = [("post", "/v1/chat/completions", chat_body()),
+             ("post", "/v1/completions", {"model": "fake", "prompt": "hi"}), ("get", "/v1/models", None),
+             ("get", "/v1/models/fake", None), ("post", "/tokenize", {"model": "fake", "prompt": "hi"}),
              ("post", "/detokenize", {"model": "fake", "tokens": [1]})]
 PROBES = ["/health", "/metrics"]
 

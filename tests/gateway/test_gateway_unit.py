@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from gateway.config import GatewayConfig
 from gateway.serving.textstream import StopMatcher, TextStream
 from swarm.client.api import Coverage
 from swarm.client.generation import Sampler, SamplingParams
-from tests.fixtures.client_doubles import StubClientModel, StubSession
+from tests.fixtures.fake_model import chat_body, fake_app  # noqa: F401  (fake_app: a fixture)
 from tests.fixtures.gateway_fixtures import one_torch_thread  # noqa: F401  (autouse: one torch thread in this module)
 
 
@@ -161,101 +160,6 @@ def test_config_sources(tmp_path):
 
 
 # ---- the app in-process over a scripted fake model ----------------------------------------------------------------
-class FakeSession(StubSession):
-    def __init__(self, model, max_length):
-        self.model, self.max_length, self.prompt_len, self.closed = model, max_length, None, False
-        model.sessions.append(self)
-
-    def feed(self, ids):
-        if self.prompt_len is None:
-            self.prompt_len = ids.shape[1]
-        step = ids.shape[1] - self.prompt_len
-        if self.model.fail_at is not None and step >= self.model.fail_at:
-            from swarm.client.session import SessionError
-
-            raise SessionError("server 12D3 went away")
-        logits = torch.full((ids.shape[0], self.model.config.vocab_size), -10.0)
-        logits[:, self.model.script[min(step, len(self.model.script) - 1)]] = 10.0
-        return logits
-
-    def feed_and_pick(self, ids, pick, num_logits=1):
-        if num_logits == 1:
-            logits = self.feed(ids)
-        else:  # a speculative step: the scripted logits of each of the last positions [n, num_logits, vocab]
-            logits = torch.stack([self.feed(ids[:, :ids.shape[1] - num_logits + 1 + i]) for i in range(num_logits)],
-                                 dim=1)
-        return logits, pick(logits)
-
-    def rewind(self, length):
-        pass
-
-    def close(self):
-        self.closed = True
-
-
-class FakeModel(StubClientModel):
-    """A stub of `swarm.client.api.ClientModel`."""
-
-    def __init__(self, tokenizer, text, fail_at=None, covered=True, coverage=None):
-        self.config = SimpleNamespace(vocab_size=len(tokenizer), max_position_embeddings=256, eos_token_id=2)
-        self.generation_config = SimpleNamespace(eos_token_id=2)
-        self.script = tokenizer.encode(text, add_special_tokens=False) + [2]
-        self.fail_at, self.sessions, self.scored = fail_at, [], []
-        self.covered = covered
-        self.coverage_value = coverage  # a scripted `Coverage` (with servers and their quant types), if given
-
-    def check_route(self, cache_tokens=0):
-        if not self.covered:
-            from swarm.client.routing import RoutingError
-
-            raise RoutingError("no server holds block 0")
-
-    def coverage(self, force=False):
-        if self.coverage_value is not None:
-            return self.coverage_value
-        return Coverage([], 4, 1) if self.covered else Coverage([0, 1, 2, 3], 4, 0)
-
-    def banned_peers(self):
-        return []
-
-    def unban(self, peer_id):
-        pass
-
-    def swarm_status(self, model_name):
-        """An empty swarm (no records): the status page's data for a model without servers."""
-        from swarm.client.status import build_status
-
-        return build_status([{} for _ in range(4)], model_name, "fake")
-
-    def inference_session(self, max_length):
-        return FakeSession(self, max_length)
-
-    def prompt_logprobs(self, input_ids, top_k):
-        """Scripted scores: token j of the prompt gets -j/10; the top list is it, then token 7."""
-        from swarm.client.api import PromptLogprob
-
-        self.scored.append(list(input_ids))
-        return [PromptLogprob(t, -j / 10, [(t, -j / 10), (7, -5.0)][:top_k])
-                for j, t in enumerate(input_ids) if j > 0]
-
-
-@pytest.fixture
-def fake_app(tokenizer):
-    from starlette.testclient import TestClient
-
-    from gateway.app import create_app
-
-    def make(text="Hello there, world! STOP after", **kwargs):
-        model_keys = ("fail_at", "covered", "coverage")
-        model = FakeModel(tokenizer, text, **{k: v for k, v in kwargs.items() if k in model_keys})
-        config = GatewayConfig(model="fake", **{k: v for k, v in kwargs.items() if k not in model_keys})
-        return TestClient(create_app(config, model=model, tokenizer=tokenizer), raise_server_exceptions=False), model
-
-    return make
-
-
-def _chat(**kwargs):
-    return {"model": "fake", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], **kwargs}
 
 
 def _stream(client, body):
@@ -266,38 +170,38 @@ def _stream(client, body):
 
 def test_fake_app_generates_stops_and_closes_sessions(fake_app):
     client, model = fake_app()
-    r = client.post("/v1/chat/completions", json=_chat(temperature=0, stop=[" STOP"], vendor_field={"x": 1}))
+    r = client.post("/v1/chat/completions", json=chat_body(temperature=0, stop=[" STOP"], vendor_field={"x": 1}))
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == "Hello there, world!"
     assert r.json()["choices"][0]["finish_reason"] == "stop"
-    data = _stream(client, _chat(temperature=0, stop=["STOP"]))
+    data = _stream(client, chat_body(temperature=0, stop=["STOP"]))
     assert data[-1] == "[DONE]"
     content = "".join(json.loads(d)["choices"][0]["delta"].get("content", "") for d in data[:-1])
     assert content == "Hello there, world! "
-    full = client.post("/v1/chat/completions", json=_chat(temperature=0)).json()["choices"][0]
+    full = client.post("/v1/chat/completions", json=chat_body(temperature=0)).json()["choices"][0]
     assert (full["message"]["content"], full["finish_reason"]) == ("Hello there, world! STOP after", "stop")
     assert all(s.closed for s in model.sessions) and len(model.sessions) == 3
 
 
 def test_fake_app_mid_stream_failure_is_an_error_event(fake_app):
     client, model = fake_app(fail_at=3)
-    data = _stream(client, _chat(temperature=0))
+    data = _stream(client, chat_body(temperature=0))
     assert data[-1] == "[DONE]"
     error = json.loads(data[-2])["error"]
     assert error["type"] == "service_unavailable" and "went away" in error["message"]
     assert "Traceback" not in "".join(data)
-    r = client.post("/v1/chat/completions", json=_chat(temperature=0))
+    r = client.post("/v1/chat/completions", json=chat_body(temperature=0))
     assert r.status_code == 503 and r.json()["error"]["code"] == "swarm_error"
     assert all(s.closed for s in model.sessions)
 
 
 def test_fake_app_errors_are_openai_envelopes(fake_app):
     client, _ = fake_app(api_keys=["k"])
-    assert client.post("/v1/chat/completions", json=_chat()).status_code == 401
+    assert client.post("/v1/chat/completions", json=chat_body()).status_code == 401
     auth = {"Authorization": "Bearer k"}
     r = client.post("/v1/chat/completions", json={"model": "fake"}, headers=auth)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    r = client.post("/v1/chat/completions", json=_chat(max_tokens=1000), headers=auth)
+    r = client.post("/v1/chat/completions", json=chat_body(max_tokens=1000), headers=auth)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     bad_part = {"model": "fake", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}
     r = client.post("/v1/chat/completions", json=bad_part, headers=auth)
@@ -305,7 +209,7 @@ def test_fake_app_errors_are_openai_envelopes(fake_app):
     assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
     assert client.put("/v1/models", headers=auth).status_code == 405
     client, _ = fake_app(covered=False)
-    r = client.post("/v1/chat/completions", json=_chat())
+    r = client.post("/v1/chat/completions", json=chat_body())
     assert r.status_code == 503 and r.json()["error"]["code"] == "swarm_unavailable"
     health = client.get("/health")
     assert health.status_code == 503 and health.json()["missing_blocks"] == [0, 1, 2, 3]
@@ -333,7 +237,6 @@ def test_fake_app_completions_n_and_usage(fake_app):
     assert r["choices"][0]["text"] == "a bone two three" and r["choices"][2]["text"] == "cone two three"
     assert {c["finish_reason"] for c in r["choices"]} == {"length"}
     assert r["usage"]["completion_tokens"] == 12
-
 
 
 def test_fake_app_echo_logprobs_cover_the_prompt_then_the_completion(fake_app, tokenizer):
@@ -392,18 +295,18 @@ def test_fake_app_echo_with_max_tokens_0_scores_the_prompt_only(fake_app, tokeni
     plain = client.post("/v1/completions", json={**body, "logprobs": None}).json()
     assert [c["text"] for c in plain["choices"]] == ["a b", "c d e"] and plain["choices"][0]["logprobs"] is None
     _error(client.post("/v1/completions", json={**body, "echo": False}), "max_tokens")
-    assert client.post("/v1/chat/completions", json=_chat(max_tokens=0)).status_code == 400
+    assert client.post("/v1/chat/completions", json=chat_body(max_tokens=0)).status_code == 400
     assert not model.sessions
 
 
 # ---- OpenAI spec conformance (issue 23): response shapes, required model, no silently ignored parameter ----------
 def test_fake_app_response_shapes_have_refusal_and_a_fingerprint(fake_app):
     client, _ = fake_app()
-    r = client.post("/v1/chat/completions", json=_chat(temperature=0, max_tokens=3)).json()
+    r = client.post("/v1/chat/completions", json=chat_body(temperature=0, max_tokens=3)).json()
     message = r["choices"][0]["message"]
     assert "refusal" in message and message["refusal"] is None and message["role"] == "assistant"
     assert isinstance(r["system_fingerprint"], str) and r["system_fingerprint"].startswith("swarmgate-")
-    for data in _stream(client, _chat(temperature=0, max_tokens=3, stream_options={"include_usage": True}))[:-1]:
+    for data in _stream(client, chat_body(temperature=0, max_tokens=3, stream_options={"include_usage": True}))[:-1]:
         chunk = json.loads(data)
         assert isinstance(chunk["system_fingerprint"], str)
         assert all(c["delta"].get("refusal", None) is None for c in chunk["choices"])
@@ -425,7 +328,7 @@ def _error(r, param):
 
 def test_fake_app_model_is_required(fake_app):
     client, model = fake_app()
-    no_model = {k: v for k, v in _chat().items() if k != "model"}
+    no_model = {k: v for k, v in chat_body().items() if k != "model"}
     _error(client.post("/v1/chat/completions", json=no_model), "model")
     _error(client.post("/v1/chat/completions", json={**no_model, "model": ""}), "model")
     _error(client.post("/v1/chat/completions", json={**no_model, "model": None}), "model")
@@ -476,7 +379,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 ])
 def test_fake_app_chat_rejects_unsupported_parameters(fake_app, extra, param):
     client, model = fake_app()
-    error = _error(client.post("/v1/chat/completions", json=_chat(**{"max_tokens": 3, **extra})), param)
+    error = _error(client.post("/v1/chat/completions", json=chat_body(**{"max_tokens": 3, **extra})), param)
     assert param.split(".")[-1] in error["message"] or param.startswith("messages")
     assert not model.sessions  # found before any swarm session
 
@@ -500,13 +403,13 @@ def test_fake_app_accepts_no_op_values_and_unknown_vendor_fields(fake_app):
     for extra in ({"tool_choice": "none"}, {"function_call": "none"}, {"tools": None, "tool_choice": None},
                   {"best_of": 1}, {"n": 2, "best_of": 2}, {"echo": False}, {"stream_options": None},
                   {"some_vendor_field": {"a": 1}}, {"min_tokens": 0}):
-        r = client.post("/v1/chat/completions", json=_chat(temperature=0, max_tokens=3, **extra))
+        r = client.post("/v1/chat/completions", json=chat_body(temperature=0, max_tokens=3, **extra))
         assert r.status_code == 200, (extra, r.text)
     r = client.post("/v1/completions", json={"model": "fake", "prompt": "a", "max_tokens": 2, "best_of": 1,
                                              "vendor_thing": 1})
     assert r.status_code == 200, r.text
     # stream_options with stream true is fine on both endpoints
-    assert _stream(client, _chat(max_tokens=2, stream_options={"include_usage": False}))[-1] == "[DONE]"
+    assert _stream(client, chat_body(max_tokens=2, stream_options={"include_usage": False}))[-1] == "[DONE]"
 
 
 def test_fake_app_min_tokens_masks_the_end_of_sequence(fake_app):
@@ -514,7 +417,7 @@ def test_fake_app_min_tokens_masks_the_end_of_sequence(fake_app):
     short = client.post("/v1/completions", json={"model": "fake", "prompt": "x", "max_tokens": 8,
                                                  "temperature": 0}).json()
     assert short["usage"]["completion_tokens"] < 8 and short["choices"][0]["finish_reason"] == "stop"
-    for endpoint, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", _chat())):
+    for endpoint, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", chat_body())):
         r = client.post(endpoint, json={**body, "model": "fake", "max_tokens": 8, "temperature": 0,
                                         "min_tokens": 6}).json()
         assert r["usage"]["completion_tokens"] >= 6, r
@@ -533,7 +436,7 @@ def test_fake_app_chat_template_kwargs_reach_the_template(fake_app, tokenizer):
                                            "chat_template_kwargs": {"greeting": "HELLO THERE"}}).json()
         assert r["count"] > plain["count"]
         assert tokenizer.decode(r["tokens"]).endswith("HELLO THERE")
-        chat = client.post("/v1/chat/completions", json=_chat(max_tokens=2, temperature=0,
+        chat = client.post("/v1/chat/completions", json=chat_body(max_tokens=2, temperature=0,
                                                               chat_template_kwargs={"greeting": "HELLO THERE"}))
         assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] > plain["count"] - 5
     finally:

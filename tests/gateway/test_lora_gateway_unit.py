@@ -9,9 +9,9 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.serving.session_pool import SessionPool
 from gateway.serving.sessions import SessionProvider
-from tests.gateway.test_gateway_unit import FakeModel as GatewayFakeModel
-from tests.gateway.test_gateway_unit import FakeSession as GatewayFakeSession
-from tests.gateway.test_session_pool_unit import FakeModel as PoolFakeModel
+from tests.fixtures.fake_model import FakeModel as GatewayFakeModel
+from tests.fixtures.fake_model import FakeSession as GatewayFakeSession
+from tests.fixtures.pool_doubles import FakeModel as PoolFakeModel
 
 
 class PoolModel(PoolFakeModel):

@@ -1,33 +1,18 @@
 """Every response of /v1/chat/completions, /v1/completions and /v1/models (streamed chunks included) and every
 error body validates against the OpenAI API's schemas (tests/fixtures/openai_schemas.py), over the in-process app and
-scripted fake model of tests/gateway/test_gateway_unit.py (issue 23)."""
+scripted fake model of tests/fixtures/fake_model.py (issue 23)."""
 from __future__ import annotations
 
 import json
-from typing import Any, List
+from typing import Any
 
 import pytest
-from jsonschema import Draft202012Validator, FormatChecker
+from jsonschema import Draft202012Validator
 
 from tests.fixtures import openai_schemas as oas
+from tests.fixtures.fake_model import chat_body, fake_app  # noqa: F401  (the in-process app over a fake model)
 from tests.fixtures.gateway_fixtures import one_torch_thread  # noqa: F401  (autouse: one torch thread in this module)
-from tests.gateway.test_gateway_unit import _chat, fake_app  # noqa: F401  (the in-process app over a fake model)
-
-
-def validate(schema: oas.Schema, instance: Any) -> None:
-    Draft202012Validator.check_schema(schema)
-    errors = sorted(Draft202012Validator(schema, format_checker=FormatChecker()).iter_errors(instance),
-                    key=lambda e: list(e.absolute_path))
-    assert not errors, "\n".join(f"{list(e.absolute_path)}: {e.message}" for e in errors) + f"\n{instance}"
-
-
-def sse(client, path: str, body: dict) -> List[dict]:
-    """The JSON events of a streamed response; checks the stream ends with [DONE]."""
-    with client.stream("POST", path, json={**body, "stream": True}) as r:
-        assert r.status_code == 200, r.read()
-        data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-    assert data and data[-1] == "[DONE]"
-    return [json.loads(d) for d in data[:-1]]
+from tests.fixtures.openai_checks import sse, validate
 
 
 def test_schemas_reject_what_the_spec_rejects():
@@ -58,7 +43,7 @@ def test_schemas_reject_what_the_spec_rejects():
 def test_chat_completion_validates(fake_app, extra):
     client, _ = fake_app()
     for n in (1, 2):
-        r = client.post("/v1/chat/completions", json=_chat(temperature=0, max_tokens=4, n=n, **extra))
+        r = client.post("/v1/chat/completions", json=chat_body(temperature=0, max_tokens=4, n=n, **extra))
         assert r.status_code == 200, r.text
         body = r.json()
         validate(oas.CHAT_COMPLETION, body)
@@ -73,7 +58,7 @@ def test_chat_completion_stream_validates(fake_app, extra):
     client, _ = fake_app()
     for n in (1, 2):
         for stop in ([], ["world"]):
-            chunks = sse(client, "/v1/chat/completions", _chat(
+            chunks = sse(client, "/v1/chat/completions", chat_body(
                 temperature=0, max_tokens=6, n=n, stop=stop, stream_options={"include_usage": True}, **extra))
             for chunk in chunks:
                 validate(oas.CHAT_COMPLETION_CHUNK, chunk)
@@ -84,7 +69,7 @@ def test_chat_completion_stream_validates(fake_app, extra):
             reasons = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in content
                        if c["choices"] and c["choices"][0]["finish_reason"] is not None}
             assert sorted(reasons) == list(range(n))
-    chunks = sse(client, "/v1/chat/completions", _chat(temperature=0, max_tokens=3))  # no usage chunk
+    chunks = sse(client, "/v1/chat/completions", chat_body(temperature=0, max_tokens=3))  # no usage chunk
     for chunk in chunks:
         validate(oas.CHAT_COMPLETION_CHUNK, chunk)
     assert all(chunk["choices"] for chunk in chunks)
@@ -160,11 +145,11 @@ def _assert_error(r, status: int, param: Any = ...) -> dict:
 def test_error_bodies_validate(fake_app):
     client, _ = fake_app(api_keys=["k"])
     auth = {"Authorization": "Bearer k"}
-    _assert_error(client.post("/v1/chat/completions", json=_chat()), 401)
+    _assert_error(client.post("/v1/chat/completions", json=chat_body()), 401)
     _assert_error(client.post("/v1/completions", json={"model": "fake", "prompt": "a"},
                               headers={"Authorization": "Bearer nope"}), 401)
     _assert_error(client.get("/v1/models"), 401)
-    for path, body in (("/v1/chat/completions", _chat()), ("/v1/completions", {"model": "fake", "prompt": "a"})):
+    for path, body in (("/v1/chat/completions", chat_body()), ("/v1/completions", {"model": "fake", "prompt": "a"})):
         _assert_error(client.post(path, json={**body, "temperature": -1}, headers=auth), 400, "temperature")
         _assert_error(client.post(path, json={**body, "n": "many"}, headers=auth), 400, "n")
         _assert_error(client.post(path, json={**body, "model": "other"}, headers=auth), 404, "model")
@@ -173,17 +158,17 @@ def test_error_bodies_validate(fake_app):
         _assert_error(client.post(path, content=b"{not json", headers={**auth, "Content-Type": "application/json"}),
                       400)
         _assert_error(client.post(path, json={**body, "max_tokens": 10_000}, headers=auth), 400)
-    _assert_error(client.post("/v1/chat/completions", json=_chat(functions=[]), headers=auth), 400, "functions")
+    _assert_error(client.post("/v1/chat/completions", json=chat_body(functions=[]), headers=auth), 400, "functions")
     _assert_error(client.get("/v1/no-such-route", headers=auth), 404)
     _assert_error(client.put("/v1/models", headers=auth), 405)
 
 
 def test_swarm_errors_validate(fake_app):
     client, _ = fake_app(covered=False)
-    _assert_error(client.post("/v1/chat/completions", json=_chat()), 503)
+    _assert_error(client.post("/v1/chat/completions", json=chat_body()), 503)
     client, _ = fake_app(fail_at=3)
     _assert_error(client.post("/v1/completions", json={"model": "fake", "prompt": "a", "max_tokens": 8}), 503)
-    events = sse(client, "/v1/chat/completions", _chat(temperature=0, max_tokens=8))
+    events = sse(client, "/v1/chat/completions", chat_body(temperature=0, max_tokens=8))
     *chunks, error = events
     for chunk in chunks:
         validate(oas.CHAT_COMPLETION_CHUNK, chunk)
@@ -197,13 +182,13 @@ def test_swarm_errors_validate(fake_app):
 ], ids=lambda v: str(v)[:40])
 def test_tool_call_responses_and_chunks_validate(tokenizer, extra):
     """Tool calls (message.tool_calls, delta.tool_calls) and structured output validate, whole and streamed."""
-    from tests.gateway.test_tools import _tool_body, tool_app
+    from tests.fixtures.tool_calls import tool_app, tool_body
 
     client = tool_app(tokenizer)
-    r = client.post("/v1/chat/completions", json=_tool_body(**extra))
+    r = client.post("/v1/chat/completions", json=tool_body(**extra))
     assert r.status_code == 200, r.text
     validate(oas.CHAT_COMPLETION, r.json())
-    chunks = sse(client, "/v1/chat/completions", _tool_body(**extra, stream_options={"include_usage": True}))
+    chunks = sse(client, "/v1/chat/completions", tool_body(**extra, stream_options={"include_usage": True}))
     for chunk in chunks:
         validate(oas.CHAT_COMPLETION_CHUNK, chunk)
     if extra.get("tool_choice", "auto") != "none" and "response_format" not in extra:

@@ -16,7 +16,7 @@ from jsonschema import Draft202012Validator
 
 from tests.fixtures import openai_responses_schemas as ors
 from tests.fixtures.gateway_fixtures import client, gateway, one_torch_thread, reference_text  # noqa: F401
-from tests.gateway.test_responses_unit import check, check_event
+from tests.fixtures.openai_checks import check, check_event
 
 INSTRUCTIONS = "You are a helpful assistant. Answer in one short sentence."
 QUESTION = "What is the capital of France?"

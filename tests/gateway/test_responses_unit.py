@@ -1,5 +1,5 @@
 """The Responses API (`gateway.responses`) in process, over the scripted fake model of
-tests/gateway/test_gateway_unit.py (no swarm): every Response object and stream event validates against OpenAI's schemas
+tests/fixtures/fake_model.py (no swarm): every Response object and stream event validates against OpenAI's schemas
 (tests/fixtures/openai_responses_schemas.py), streamed and whole responses agree, tools / text.format /
 previous_response_id / store behave, and bad requests are 400s naming the parameter. The real swarm, the `openai` SDK
 and the Agents SDK: tests/gateway/test_responses.py."""
@@ -9,13 +9,13 @@ import json
 from typing import Any, Dict, List, Tuple
 
 import pytest
-from jsonschema import Draft202012Validator, FormatChecker
+from jsonschema import Draft202012Validator
 
 from tests.fixtures import openai_responses_schemas as ors
 from tests.fixtures import openai_schemas as oas
+from tests.fixtures.fake_model import fake_app  # noqa: F401  (the in-process app over a fake model)
 from tests.fixtures.gateway_fixtures import one_torch_thread  # noqa: F401  (autouse: one torch thread in this module)
-from tests.gateway.test_gateway_unit import fake_app  # noqa: F401  (the in-process app over a fake model)
-from tests.gateway.test_openai_spec import validate
+from tests.fixtures.openai_checks import check, check_event, validate
 
 UNIT = {"type": "string", "enum": ["celsius", "fahrenheit"]}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city", "strict": True,
@@ -27,29 +27,11 @@ CAT = {"type": "object", "properties": {"name": {"type": "string"}}, "required":
        "additionalProperties": False}
 
 
-_VALIDATORS: Dict[int, Draft202012Validator] = {}
-
-
-def check(schema: Dict[str, Any], instance: Any) -> None:
-    """`tests.gateway.test_openai_spec.validate` with the validator built once per schema (checking a schema against the
-    meta-schema takes a second on a busy machine; test_schemas_reject_what_the_spec_rejects does it once)."""
-    validator = _VALIDATORS.get(id(schema))
-    if validator is None:
-        validator = _VALIDATORS[id(schema)] = Draft202012Validator(schema, format_checker=FormatChecker())
-    errors = sorted(validator.iter_errors(instance), key=lambda e: list(e.absolute_path))
-    assert not errors, "\n".join(f"{list(e.absolute_path)}: {e.message}" for e in errors) + f"\n{instance}"
-
-
-def check_event(event: Dict[str, Any]) -> None:
-    check(ors.STREAM_EVENTS[event["type"]], event)  # its own schema first: clearer errors than the union's
-    check(ors.STREAM_EVENT, event)
-
-
 @pytest.fixture(scope="module")
 def app(tokenizer):
-    from tests.gateway.test_tools import tool_app
+    from tests.fixtures.tool_calls import tool_app
 
-    with tool_app(tokenizer) as client:  # "Checking." then two <tool_call> blocks (tests/gateway/test_tools.py SCRIPT)
+    with tool_app(tokenizer) as client:  # "Checking." then two <tool_call> blocks (tests/fixtures/tool_calls.py SCRIPT)
         yield client
 
 
@@ -159,7 +141,7 @@ def test_responses_and_events_validate_and_agree(app, extra):
 
 
 def test_json_schema_output_is_forced(tokenizer):
-    from tests.gateway.test_tools import tool_app
+    from tests.fixtures.tool_calls import tool_app
 
     request = {"model": "fake", "input": "A cat", "max_output_tokens": 24,
                "text": {"format": {"type": "json_schema", "name": "cat", "schema": CAT, "strict": True}}}

@@ -5,7 +5,6 @@ does; then the whole app in-process over that stub (usage and metrics)."""
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,11 +16,10 @@ from gateway.serving.runs import GenerationJob
 from gateway.serving.session_pool import SessionPool, common_prefix
 from gateway.serving.sessions import Lease, SessionProvider, out_of_cache
 from gateway.serving.tokens import Tokens
-from swarm.client.api import Coverage
 from swarm.client.generation import SamplingParams
 from swarm.client.session import SessionError
 from swarm.wire.protocol import RemoteError
-from tests.fixtures.client_doubles import StubClientModel, StubSession
+from tests.fixtures.pool_doubles import FakeModel, FakeSession
 
 
 class Clock:
@@ -30,49 +28,6 @@ class Clock:
 
     def __call__(self):
         return self.now
-
-
-class FakeSession(StubSession):
-    """Holds token ids like `swarm.client.model.ModelSession`: feed() makes it hold exactly the ids it is given."""
-
-    def __init__(self, max_length: int, vocab: int = 50, fail_first=None, model=None):
-        self.max_length, self.vocab = max_length, vocab
-        self.pick = min(vocab, 997)  # the "model" only picks among the first ids
-        self.token_ids = None
-        self.closed = False
-        self.sent = 0  # tokens sent to the "servers"
-        self.fail_first = fail_first  # an exception raised by the first feed
-        self.model = model
-
-    def reusable_prefix(self, ids: torch.Tensor) -> int:
-        if self.token_ids is None:
-            return 0
-        n = min(self.token_ids.shape[1], ids.shape[1] - 1)
-        return common_prefix(self.token_ids[0, :n], ids[0, :n])
-
-    def feed(self, ids: torch.Tensor) -> torch.Tensor:
-        assert not self.closed
-        if self.fail_first is not None:
-            error, self.fail_first = self.fail_first, None
-            if self.model is not None:
-                self.model.bans.add("peer-A")  # what the swarm client does to a failed server
-            raise error
-        assert ids.shape[1] <= self.max_length
-        reuse = self.reusable_prefix(ids)
-        self.sent += ids.shape[1] - reuse
-        if self.model is not None:
-            self.model.sent += ids.shape[1] - reuse
-        self.token_ids = ids.clone()
-        logits = torch.full((ids.shape[0], self.vocab), -10.0)
-        logits[:, (int(ids[0, -1]) * 7 + 3) % self.pick] = 10.0  # a deterministic "model"
-        return logits
-
-    def feed_and_pick(self, ids: torch.Tensor, pick):
-        logits = self.feed(ids)
-        return logits, pick(logits)
-
-    def close(self):
-        self.closed = True
 
 
 def pooled(max_length: int, tokens) -> FakeSession:
@@ -236,34 +191,6 @@ def test_concurrent_checkouts_never_share_a_session():
 
 
 # ---- the provider ------------------------------------------------------------------------------------------------
-class FakeModel(StubClientModel):
-    """A stub of `swarm.client.api.ClientModel` over `FakeSession`s."""
-
-    def __init__(self, vocab: int = 50):
-        self.config = SimpleNamespace(vocab_size=vocab, max_position_embeddings=512, eos_token_id=2)
-        self.generation_config = SimpleNamespace(eos_token_id=2)
-        self.sessions = []
-        self.sent = 0
-        self.fail_next = []  # exceptions for the first feed of the next sessions opened
-        self.bans = set()
-
-    def check_route(self, cache_tokens=0):
-        pass
-
-    def coverage(self, force=False):
-        return Coverage([], 4, 1)
-
-    def banned_peers(self):
-        return sorted(self.bans)
-
-    def unban(self, peer_id):
-        self.bans.discard(peer_id)
-
-    def inference_session(self, max_length):
-        fail = self.fail_next.pop(0) if self.fail_next else None
-        s = FakeSession(max_length, fail_first=fail, model=self)
-        self.sessions.append(s)
-        return s
 
 
 def make_provider(**pool_kwargs):

@@ -23,12 +23,12 @@ from gateway.structured.tools import tool_grammar
 from swarm.client.generation import Sampler, SamplingParams
 from swarm.client.grammar import (
     GrammarConstraint,
-    GrammarTokenizer,
     check_grammar,
     closed_schema,
     json_schema_grammar,
 )
 from tests.fixtures.gateway_fixtures import client, gateway, one_torch_thread  # noqa: F401
+from tests.fixtures.tool_calls import grammar_tokenizer  # noqa: F401  (a fixture)
 
 MODEL = "smollm2-135m-instruct"
 
@@ -53,11 +53,6 @@ NESTED = {
     "$defs": {"person": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 99}},
                          "required": ["id"], "additionalProperties": False}},
 }
-
-
-@pytest.fixture(scope="module")
-def grammar_tokenizer(tokenizer):
-    return GrammarTokenizer(tokenizer, len(tokenizer), tokenizer.eos_token_id)
 
 
 def sample_document(tokenizer, grammar_tokenizer, schema, seed: int, greedy: bool = False, limit: int = 400,
@@ -179,7 +174,7 @@ GUIDED = [  # (request fields, a check of the output text)
 
 @pytest.fixture(scope="module")
 def scripted(tokenizer):
-    from tests.gateway.test_tools import tool_app
+    from tests.fixtures.tool_calls import tool_app
 
     with tool_app(tokenizer, 'Sure! {"name": "Tom", "age": 3} is a cat, yes.') as client:
         yield client
@@ -271,7 +266,7 @@ def test_unenforceable_schema_is_a_400(client):
 def test_strict_json_schema_has_every_property_and_no_other(client):
     """Issue 39: `response_format` `json_schema` with `strict` and a schema that requires nothing and leaves other
     keys open: the document has exactly the declared properties, streamed and whole alike."""
-    from tests.gateway.test_tools import FORECAST, both_ways
+    from tests.fixtures.tool_calls import FORECAST, both_ways
 
     schema = FORECAST["function"]["parameters"]
     got = both_ways(client, model=MODEL, messages=[{"role": "user", "content": "Forecast for Paris as JSON."}],

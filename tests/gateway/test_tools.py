@@ -25,23 +25,22 @@ from gateway.structured.tools import CALL_OPEN, call_text, render_messages, tool
 from swarm.client.grammar import GrammarConstraint, closed_schema, json_schema_grammar
 from tests.fixtures import openai_schemas as oas
 from tests.fixtures.gateway_fixtures import client, gateway, one_torch_thread  # noqa: F401
-from tests.gateway.test_openai_spec import sse, validate
-from tests.gateway.test_structured import grammar_tokenizer  # noqa: F401
+from tests.fixtures.openai_checks import sse, validate
+from tests.fixtures.tool_calls import (  # noqa: F401  (grammar_tokenizer: a fixture)
+    ASK,
+    FORECAST,
+    SCRIPT,
+    TIME,
+    TOOLS,
+    WEATHER,
+    both_ways,
+    grammar_tokenizer,
+    tool_app,
+    tool_body,
+)
 
 MODEL = "smollm2-135m-instruct"
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "maxLength": 30},
-        "unit": {"enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "The time in a timezone",
-    "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 30}},
-                   "required": ["timezone"], "additionalProperties": False}}}
-TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
 # ---- prompt side ----------------------------------------------------------------------------------------------------
@@ -193,30 +192,11 @@ def test_after_a_forced_call_only_the_end_or_the_opening_tag(tokenizer, grammar_
 
 
 # ---- the app over a scripted model ----------------------------------------------------------------------------------
-SCRIPT = ('Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
-          '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"timezone": "CET"}}\n</tool_call>')
-
-
-def _tool_body(**extra):
-    return {"model": "fake", "messages": ASK, "tools": TOOLS, "temperature": 0, "max_tokens": 80, **extra}
-
-
-def tool_app(tokenizer, text: str = SCRIPT):
-    """The in-process app over a model scripted to write `text` (test_gateway_unit's), with room for the tools."""
-    from starlette.testclient import TestClient
-
-    from gateway.app import create_app
-    from gateway.config import GatewayConfig
-    from tests.gateway.test_gateway_unit import FakeModel
-
-    model = FakeModel(tokenizer, text)
-    model.config.max_position_embeddings = 1024  # room for the tools' system prompt
-    return TestClient(create_app(GatewayConfig(model="fake"), model=model, tokenizer=tokenizer))
 
 
 def test_fake_app_tool_calls_whole_and_streamed(tokenizer):
     client = tool_app(tokenizer)
-    r = client.post("/v1/chat/completions", json=_tool_body())
+    r = client.post("/v1/chat/completions", json=tool_body())
     assert r.status_code == 200, r.text
     validate(oas.CHAT_COMPLETION, r.json())
     choice = r.json()["choices"][0]
@@ -225,7 +205,7 @@ def test_fake_app_tool_calls_whole_and_streamed(tokenizer):
     assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
     for call in calls:
         Draft202012Validator(SCHEMAS[call["function"]["name"]]).validate(json.loads(call["function"]["arguments"]))
-    chunks = sse(client, "/v1/chat/completions", _tool_body())
+    chunks = sse(client, "/v1/chat/completions", tool_body())
     got: dict = {}
     for chunk in chunks:
         validate(oas.CHAT_COMPLETION_CHUNK, chunk)
@@ -238,9 +218,9 @@ def test_fake_app_tool_calls_whole_and_streamed(tokenizer):
     assert [(g["name"], g["arguments"]) for _, g in sorted(got.items())] == \
            [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
-    one = client.post("/v1/chat/completions", json=_tool_body(parallel_tool_calls=False)).json()
+    one = client.post("/v1/chat/completions", json=tool_body(parallel_tool_calls=False)).json()
     assert len(one["choices"][0]["message"]["tool_calls"]) == 1
-    none = client.post("/v1/chat/completions", json=_tool_body(tool_choice="none")).json()["choices"][0]
+    none = client.post("/v1/chat/completions", json=tool_body(tool_choice="none")).json()["choices"][0]
     assert "tool_calls" not in none["message"] and CALL_OPEN in none["message"]["content"]
 
 
@@ -248,7 +228,7 @@ def test_fake_app_forced_call_cut_by_a_stop_string_or_the_limit(tokenizer):
     """A forced call cut short comes back as a partial call, streamed and whole alike: by `max_tokens` with
     `finish_reason: "length"`, by a stop string with `stop` (not `tool_calls`: the call is not whole)."""
     client = tool_app(tokenizer, SCRIPT[len("Checking. "):])
-    forced = _tool_body(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    forced = tool_body(tool_choice={"type": "function", "function": {"name": "get_weather"}})
     for extra, reason, arguments in (({"stop": ["Paris"]}, "stop", '{"city": "'),
                                      ({"max_tokens": 3}, "length", ""), ({}, "tool_calls", None)):
         whole = client.post("/v1/chat/completions", json={**forced, **extra}).json()["choices"][0]
@@ -270,7 +250,7 @@ def test_strict_schemas_that_cannot_be_strict_are_400s(tokenizer):
                        {"type": "object", "properties": {"a": {"description": "anything"}}}):
         tool = {"type": "function", "function": {"name": "f", "parameters": parameters, "strict": True}}
         for choice in ("auto", "required"):
-            r = client.post("/v1/chat/completions", json=_tool_body(tools=[TIME, tool], tool_choice=choice))
+            r = client.post("/v1/chat/completions", json=tool_body(tools=[TIME, tool], tool_choice=choice))
             assert r.status_code == 400 and r.json()["error"]["param"] == "tools.1.function.parameters", r.text
 
 
@@ -345,39 +325,6 @@ def test_history_with_tool_calls_and_results(client):
 PARIS = [{"role": "user", "content": "What is the weather in Paris?"}]
 NOW = {"type": "function", "function": {"name": "get_time_now", "description": "The current time",
                                         "parameters": {"type": "object", "properties": {}}}}
-FORECAST = {"type": "function", "function": {  # no `required`, no `additionalProperties`
-    "name": "get_forecast", "description": "Weather forecast for a city", "strict": True, "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                         "unit": {"enum": ["celsius", "fahrenheit"]},
-                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
-
-
-def both_ways(client, **kwargs):
-    """A chat request made whole and streamed: each answer's fields as one dict (calls without their random ids,
-    which are checked), for comparing field by field; and the whole answer."""
-    whole = client.chat.completions.create(**kwargs)
-    validate(oas.CHAT_COMPLETION, whole.model_dump(exclude_unset=True))
-    choice = whole.choices[0]
-    assert all(c.id.startswith("call_") and c.type == "function" for c in choice.message.tool_calls or [])
-    got = {"content": choice.message.content, "finish_reason": choice.finish_reason,
-           "tool_calls": [[c.function.name, c.function.arguments] for c in choice.message.tool_calls or []],
-           "completion_tokens": whole.usage.completion_tokens}
-    content, calls, finish, tokens = "", {}, None, None
-    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
-        validate(oas.CHAT_COMPLETION_CHUNK, chunk.model_dump(exclude_unset=True))
-        tokens = chunk.usage.completion_tokens if chunk.usage else tokens
-        for c in chunk.choices:
-            finish, content = c.finish_reason or finish, content + (c.delta.content or "")
-            for piece in c.delta.tool_calls or []:
-                if piece.id is not None:
-                    assert piece.index not in calls and piece.id.startswith("call_") and piece.type == "function"
-                    calls[piece.index] = ["", ""]
-                calls[piece.index][0] += piece.function.name or ""
-                calls[piece.index][1] += piece.function.arguments or ""
-    streamed = {"content": content or None, "finish_reason": finish, "tool_calls": [calls[i] for i in sorted(calls)],
-                "completion_tokens": tokens}
-    assert streamed == got
-    return got
 
 
 @pytest.mark.parametrize("choice", ["required", "named"])

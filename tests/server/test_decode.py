@@ -10,7 +10,7 @@ import torch
 from server.compute.blocks import BlockSpan
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.smallgemm import packing_available
-from tests.swarm.modeling.test_families import _configs
+from tests.fixtures.family_configs import llama_like_configs
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen2 packed"])
@@ -22,7 +22,7 @@ def span(request, tmp_path_factory):
     family, _, packed = request.param.partition(" ")
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp(f"decode-{family}")
-    AutoModelForCausalLM.from_config(_configs()[family]).save_pretrained(path)
+    AutoModelForCausalLM.from_config(llama_like_configs()[family]).save_pretrained(path)
     span = BlockSpan.load(Checkpoint(str(path)), 1, 4, "float32", packed_rows=(4, 8) if packed else ())
     if packed and packing_available():
         assert span.gemms is not None and span.gemms.pending  # packed as decode batches come

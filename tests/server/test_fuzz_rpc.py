@@ -4,49 +4,32 @@ Malformed, truncated, oversize and out-of-order messages go to the inference str
 RPCs of real server processes, while an honest session generates greedily through the same servers. The
 properties: every reply is a well-formed `StepResult` or an `ErrorReply` with a clear code (never `internal`),
 the server keeps answering, the honest session's tokens equal the local reference, and once the streams close
-no session or cache token is left held. The number of examples is bounded (see `EXAMPLES`).
+no session or cache token is left held. The number of examples is bounded (`EXAMPLES` in tests/fixtures/rpc_fuzzing.py).
 """
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import threading
-import time
 
-import pytest
 import torch
 from hivemind.proto import runtime_pb2
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from swarm import AutoDistributedModelForCausalLM
-from swarm.client.manager import ClientConfig, SwarmManager
+from swarm.client.manager import SwarmManager
 from swarm.runtime import aio
 from swarm.wire import protocol as P
+from tests.fixtures.rpc_fuzzing import (  # noqa: F401  (fuzz_env and honest_reference: fixtures)
+    CLEAR_CODES,
+    FUZZ,
+    HIDDEN,
+    HonestSessions,
+    fuzz_env,
+    honest_reference,
+    wait_idle,
+)
 
-SPANS = ("0:15", "15:30")
-HIDDEN = 576
-# per RPC: about a minute in all on a loaded 2-core machine (FUZZ_EXAMPLES=300 for a longer hunt)
-EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", 25))
 PROBE_ID = 10**9  # the step id of the last, always valid, step of a conversation (fuzzed ids stay below)
-CLEAR_CODES = {"bad_request", "over_limit", "out_of_cache", "timeout"}
-PROMPT = "A short list of colors:"
-NEW = 8
-
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=False,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
-@pytest.fixture(scope="module")
-def fuzz_env(swarms, model_path):
-    swarm = swarms.get(SPANS)
-    manager = SwarmManager(ClientConfig(initial_peers=swarm["initial_peers"]), swarm["prefix"], 30)
-    model = AutoDistributedModelForCausalLM.from_pretrained(model_path, initial_peers=swarm["initial_peers"],
-                                                            dht_prefix=swarm["prefix"])
-    yield manager, swarm, model
-    model.shutdown()
-    manager.shutdown()
 
 
 # ---- messages --------------------------------------------------------------------------------------------------
@@ -150,49 +133,6 @@ async def _talk(manager: SwarmManager, peer_id: str, requests: list) -> list:
     return replies
 
 
-def _wait_idle(manager: SwarmManager, peer_id: str, timeout: float = 60) -> P.ServerStats:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = manager.server_info(peer_id)
-        if (stats.sessions_open, stats.cache_tokens_used) == (0, 0) or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.2)
-
-
-class HonestSessions:
-    """Greedy generations through the same servers on a thread, for as long as the fuzzing runs."""
-
-    def __init__(self, model, ids: torch.Tensor):
-        self.model, self.ids = model, ids
-        self.outputs: list = []
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set() or not self.outputs:
-                out = self.model.generate(self.ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
-                self.outputs.append(out.tolist())
-        except BaseException as e:  # reported by stop()
-            self.error = e
-
-    def __enter__(self) -> "HonestSessions":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=300)
-        assert not self._thread.is_alive(), "the honest session hangs"
-
-
-@pytest.fixture(scope="module")
-def honest_reference(tokenizer, reference_model):
-    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
-    return ids, reference_model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False).tolist()
-
-
 def _check_replies(replies: list, requests: list, batch) -> None:
     assert len(replies) <= len(requests)
     for reply in replies:
@@ -227,7 +167,7 @@ def test_fuzzed_inference_streams(fuzz_env, honest_reference):
     assert honest.error is None, honest.error
     assert honest.outputs and all(out == expected for out in honest.outputs)
     for peer in peers:
-        stats = _wait_idle(manager, peer)
+        stats = wait_idle(manager, peer)
         assert (stats.sessions_open, stats.cache_tokens_used) == (0, 0), stats
 
 

@@ -21,14 +21,14 @@ from hypothesis import strategies as st
 from swarm.runtime import aio
 from swarm.wire import protocol as P
 from swarm.wire import streaming
-from tests.server.test_fuzz_rpc import (  # noqa: F401  (fuzz_env and honest_reference: fixtures)
+from tests.fixtures.rpc_fuzzing import (  # noqa: F401  (fuzz_env and honest_reference: fixtures)
     CLEAR_CODES,
     FUZZ,
     HIDDEN,
     HonestSessions,
-    _wait_idle,
     fuzz_env,
     honest_reference,
+    wait_idle,
 )
 
 CHUNK = 4096  # bytes per part: a [1, 4, 576] float32 tensor is already 3 parts
@@ -173,7 +173,7 @@ def test_fuzzed_training_streams(fuzz_env, honest_reference):
     assert honest.error is None, honest.error
     assert honest.outputs and all(out == expected for out in honest.outputs)
     assert torch.equal(_valid_forward(stub), before)  # the server computes as before
-    stats = _wait_idle(manager, peer)
+    stats = wait_idle(manager, peer)
     deadline = time.monotonic() + 30
     while stats.streams_open and time.monotonic() < deadline:  # every training call's stream slot came back
         time.sleep(0.2)

@@ -14,7 +14,8 @@ import torch
 from server.compute.blocks import BlockSpan
 from server.compute.graphs import StaticSteps
 from swarm.modeling.checkpoint import Checkpoint
-from tests.swarm.modeling.test_families import TINY, _configs
+from tests.fixtures.family_configs import LLAMA_TINY, llama_like_configs
+from tests.fixtures.span_checks import graph_sessions, run_graph_steps
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -30,13 +31,13 @@ def _save(config, path) -> Checkpoint:
 def _family_config(name: str):
     from transformers import MistralConfig
 
-    from tests.swarm.modeling.test_family_bloom_falcon import _config
+    from tests.fixtures.family_configs import bloom_falcon_config
 
     if name == "mistral-window":  # a window of 4: the ring (8 slots) wraps within the test's steps
-        return MistralConfig(**TINY, sliding_window=4)
+        return MistralConfig(**LLAMA_TINY, sliding_window=4)
     if name in ("bloom", "falcon-alibi", "falcon-alibi-new"):
-        return _config(name)
-    return _configs()[name]
+        return bloom_falcon_config(name)
+    return llama_like_configs()[name]
 
 
 FAMILIES = ["llama", "qwen2", "mistral-window", "bloom", "falcon-alibi-new"]
@@ -47,56 +48,14 @@ def checkpoint(request, tmp_path_factory):
     return _save(_family_config(request.param), tmp_path_factory.mktemp(f"graphs-{request.param}"))
 
 
-def _sessions(span, specs, max_length, first, last, device="cpu", seed=1):
-    """Two caches per spec (rows, prompt length, left padding or None), each filled with the same prompt: one for
-    the path under test, one for the reference."""
-    torch.manual_seed(seed)
-    pairs, positions = [], []
-    for rows, length, padding in specs:
-        prompt = torch.randn(rows, length, span.hidden_size, device=device, dtype=span.dtype)
-        pair = []
-        for _ in range(2):
-            kv = span.new_session_kv(rows, max_length, first, last)
-            if padding is not None:
-                kv.set_padding(padding)
-            span.forward(prompt, 0, kv, first, last)
-            pair.append(kv)
-        pairs.append(pair)
-        positions.append(length)
-    return pairs, positions
-
-
-def _close(got, expected, tol):
-    scale = max(expected.abs().max().item(), 1.0)
-    assert (got.float() - expected.float()).abs().max().item() <= tol * scale, (got - expected).abs().max()
-
-
-def _run_steps(span, static, pairs, positions, first, last, steps, tol, device="cpu"):
-    """`steps` decode steps of all sessions in one batch: the span with `static` as its graphs against the lean
-    eager path on the reference caches, with a rewind of the first session at step 3."""
-    for step in range(steps):
-        if step == 3:
-            positions[0] -= 2
-        xs = [torch.randn(kv.batch_size, 1, span.hidden_size, device=device, dtype=span.dtype) for kv, _ in pairs]
-        span.graphs = None
-        expected = span.forward_batch([(x, p, ref) for x, p, (_, ref) in zip(xs, positions, pairs)], first, last)
-        span.graphs = static
-        got = span.forward_batch([(x, p, kv) for x, p, (kv, _) in zip(xs, positions, pairs)], first, last)
-        span.graphs = None
-        for g, e in zip(got, expected):
-            _close(g, e, tol)
-        positions = [p + 1 for p in positions]
-    assert [kv.length for kv, _ in pairs] == [ref.length for _, ref in pairs] == positions
-
-
 def test_the_graphs_computation_equals_the_lean_path_on_cpu(checkpoint):
     span = BlockSpan.load(checkpoint, 1, 4, "float32")
     specs = [(1, 7, None), (2, 5, [2, 0]), (1, 3, None)]  # one session's two rows left-padded differently
     if span.alibi:
         specs[1] = (2, 5, None)  # left-padded batches are refused on ALiBi blocks (`BlockSpan.forward`)
-    pairs, positions = _sessions(span, specs, 32, 2, 4)
+    pairs, positions = graph_sessions(span, specs, 32, 2, 4)
     static = StaticSteps()
-    _run_steps(span, static, pairs, positions, 2, 4, steps=12, tol=1e-5)  # mistral-window: past its ring of 8
+    run_graph_steps(span, static, pairs, positions, 2, 4, steps=12, tol=1e-5)  # mistral-window: past its ring of 8
     assert static.replays == 12
 
 
@@ -104,14 +63,14 @@ def test_the_graphs_computation_with_adapters_rows_on_cpu(tmp_path):
     from swarm.modeling.lora import AdapterSource, open_adapter
     from tests.fixtures.lora_fixtures import make_adapter
 
-    checkpoint = _save(_configs()["llama"], tmp_path / "llama")
+    checkpoint = _save(llama_like_configs()["llama"], tmp_path / "llama")
     make_adapter(str(tmp_path / "llama"), tmp_path / "lora", seed=5)
     files = open_adapter(AdapterSource("lora", str(tmp_path / "lora")), checkpoint.load_config())
     span = BlockSpan.load(checkpoint, 0, 4, "float32", adapters=[files])
-    pairs, positions = _sessions(span, [(1, 6, None), (1, 4, None), (2, 3, None)], 32, 0, 4)
+    pairs, positions = graph_sessions(span, [(1, 6, None), (1, 4, None), (2, 3, None)], 32, 0, 4)
     for kv, ref in pairs[1:]:
         kv.adapter = ref.adapter = "lora"  # (their prompts ran on the base: only the steps matter here)
-    _run_steps(span, StaticSteps(), pairs, positions, 0, 4, steps=5, tol=1e-5)
+    run_graph_steps(span, StaticSteps(), pairs, positions, 0, 4, steps=5, tol=1e-5)
 
 
 def _cuda_span(checkpoint, dtype="float32", quant_type="none", start=0, end=4):
@@ -127,18 +86,18 @@ def test_graphed_steps_equal_the_lean_path_on_cuda(checkpoint, dtype):
     graphs = span.graphs
     tol = 1e-4 if dtype == "float32" else 3e-2
     specs = [(1, 7, None), (2, 3, None if span.alibi else [1, 0]), (1, 5, None)]
-    pairs, positions = _sessions(span, specs, 32, 0, 4, device="cuda")
-    _run_steps(span, graphs, pairs, positions, 0, 4, steps=6, tol=tol, device="cuda")
+    pairs, positions = graph_sessions(span, specs, 32, 0, 4, device="cuda")
+    run_graph_steps(span, graphs, pairs, positions, 0, 4, steps=6, tol=tol, device="cuda")
     # the set of three came 6 times: captured the second time, replayed after (the first ran eagerly)
     assert graphs.captures == 1 and graphs.replays == 5 and len(graphs) == 1
     # each session alone is captured at once; a session that closes takes its graphs with it
     for kv, ref in pairs:
-        _run_steps(span, graphs, [(kv, ref)], [kv.length], 0, 4, steps=2, tol=tol, device="cuda")
+        run_graph_steps(span, graphs, [(kv, ref)], [kv.length], 0, 4, steps=2, tol=tol, device="cuda")
     assert graphs.captures == 4 and len(graphs) == 4
     del pairs, kv, ref
     torch.cuda.synchronize()
-    pairs, positions = _sessions(span, [(1, 4, None)], 16, 0, 4, device="cuda", seed=2)
-    _run_steps(span, graphs, pairs, positions, 0, 4, steps=2, tol=tol, device="cuda")
+    pairs, positions = graph_sessions(span, [(1, 4, None)], 16, 0, 4, device="cuda", seed=2)
+    run_graph_steps(span, graphs, pairs, positions, 0, 4, steps=2, tol=tol, device="cuda")
     assert graphs.captures == 5 and len(graphs) == 1  # the closed sessions' graphs are gone; the pool still takes one
 
 
@@ -147,29 +106,31 @@ def test_sixteen_sessions_replay_one_graph_with_nf4_weights(tmp_path):
     """nf4 (the CUDA default) under graphs equals nf4 eager: 16 sessions in one batch, and one session alone."""
     from transformers import LlamaConfig
 
-    config = LlamaConfig(**{**TINY, "hidden_size": 128, "intermediate_size": 256}, tie_word_embeddings=False)
+    config = LlamaConfig(**{**LLAMA_TINY, "hidden_size": 128, "intermediate_size": 256}, tie_word_embeddings=False)
     span = _cuda_span(_save(config, tmp_path / "llama"), "float32", "nf4")
     graphs = span.graphs
     assert span.quant_type == "nf4"
-    pairs, positions = _sessions(span, [(1, 3 + i, None) for i in range(16)], 48, 0, 4, device="cuda")
-    _run_steps(span, graphs, pairs, positions, 0, 4, steps=4, tol=1e-5, device="cuda")
+    pairs, positions = graph_sessions(span, [(1, 3 + i, None) for i in range(16)], 48, 0, 4, device="cuda")
+    run_graph_steps(span, graphs, pairs, positions, 0, 4, steps=4, tol=1e-5, device="cuda")
     assert graphs.captures == 1 and graphs.replays == 3
     kv, ref = pairs[0]
-    _run_steps(span, graphs, [(kv, ref)], [kv.length], 0, 4, steps=3, tol=1e-5, device="cuda")
+    run_graph_steps(span, graphs, [(kv, ref)], [kv.length], 0, 4, steps=3, tol=1e-5, device="cuda")
     assert graphs.captures == 2
     # another set of several sessions within CAPTURE_SPACING steps of that capture runs eagerly
-    _run_steps(span, graphs, pairs[1:3], [kv.length for kv, _ in pairs[1:3]], 0, 4, steps=3, tol=1e-5, device="cuda")
+    run_graph_steps(span, graphs, pairs[1:3], [kv.length for kv, _ in pairs[1:3]], 0, 4, steps=3, tol=1e-5,
+                    device="cuda")
     assert graphs.captures == 2
 
 
 @cuda
 def test_int8_spans_decline_graphs_and_say_why(tmp_path):
-    span = BlockSpan.load(_save(_configs()["llama"], tmp_path / "llama"), 0, 2, "float16", "cuda", quant_type="int8")
+    span = BlockSpan.load(_save(llama_like_configs()["llama"], tmp_path / "llama"), 0, 2, "float16", "cuda",
+                          quant_type="int8")
     assert not span.enable_cuda_graphs() and span.graphs is None
     assert "int8" in (span.cuda_graphs_refusal() or "")
 
 
 def test_graphs_are_declined_on_the_cpu_with_a_reason(tmp_path):
-    span = BlockSpan.load(_save(_configs()["llama"], tmp_path / "llama"), 0, 2, "float32")
+    span = BlockSpan.load(_save(llama_like_configs()["llama"], tmp_path / "llama"), 0, 2, "float32")
     assert not span.enable_cuda_graphs() and span.graphs is None
     assert "not a CUDA device" in (span.cuda_graphs_refusal() or "")

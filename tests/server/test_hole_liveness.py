@@ -8,7 +8,7 @@ from server.placement import liveness
 from server.placement.liveness import HolderLiveness, sole_holders
 from server.placement.pings import UNREACHABLE
 from swarm.wire.records import ServerState
-from tests.swarm.client.test_quant_routing import span
+from tests.fixtures.synthetic_swarm import span
 
 
 def test_sole_holders_are_the_servers_a_hole_would_follow():

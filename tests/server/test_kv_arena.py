@@ -14,7 +14,7 @@ from server.compute.blocks import BlockSpan
 from server.compute.decode import arena_groups
 from server.compute.kv_arena import SLOTS
 from swarm.modeling.checkpoint import Checkpoint
-from tests.swarm.modeling.test_families import _configs
+from tests.fixtures.family_configs import llama_like_configs
 
 MAX_LENGTH = 96
 
@@ -25,7 +25,7 @@ def span(tmp_path_factory):
 
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("arena-llama")
-    AutoModelForCausalLM.from_config(_configs()["llama"]).save_pretrained(path)
+    AutoModelForCausalLM.from_config(llama_like_configs()["llama"]).save_pretrained(path)
     span = BlockSpan.load(Checkpoint(str(path)), 1, 4, "float32")
     assert span.enable_kv_arena(128)
     return span
@@ -118,7 +118,7 @@ def test_which_sessions_go_on_the_arena(span):
 def test_spans_without_the_arena(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    config = _configs()["mistral"]
+    config = llama_like_configs()["mistral"]
     config.sliding_window = 8
     path = tmp_path_factory.mktemp("arena-mistral")
     AutoModelForCausalLM.from_config(config).save_pretrained(path)

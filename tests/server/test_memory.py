@@ -10,13 +10,13 @@ from __future__ import annotations
 import gc
 import json
 import platform
-import subprocess
-import sys
 import threading
 import weakref
 
 import pytest
 import torch
+
+from tests.fixtures.fresh_python import run_python
 
 
 def test_safetensors_reads_equal_safe_open_and_own_their_memory(tmp_path):
@@ -76,12 +76,6 @@ def test_malloc_trim_works_on_glibc():
     assert results == [True]
 
 
-def _run(code: str) -> str:
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout.split("\n")[-2]
-
-
 def test_deferred_scipy_optimize_loads_on_first_use():
     code = (
         "import sys, swarm, hivemind\n"
@@ -89,7 +83,7 @@ def test_deferred_scipy_optimize_loads_on_first_use():
         "from hivemind.averaging.load_balancing import load_balance_peers\n"
         "print(placeholder, sum(load_balance_peers(100, [1.0, 3.0])), type(sys.modules['scipy.optimize']).__name__)\n"
     )
-    assert _run(code) == "_Placeholder 100 module"  # linprog (scipy.optimize) ran
+    assert run_python(code) == "_Placeholder 100 module"  # linprog (scipy.optimize) ran
 
 
 def test_transformers_model_classes_load_without_scipy_optimize():
@@ -107,7 +101,7 @@ def test_transformers_model_classes_load_without_scipy_optimize():
         "kind = type(sys.modules['scipy.optimize']).__name__\n"
         "print(loaded, rows.tolist(), cols.tolist(), linprog.__module__, kind)\n"
     )
-    assert _run(code) == "False [0, 1, 2] [1, 0, 2] scipy.optimize._linprog module"
+    assert run_python(code) == "False [0, 1, 2] [1, 0, 2] scipy.optimize._linprog module"
     submodule_first = (
         "import sys, swarm, hivemind\n"
         "import scipy.optimize._lsap as lsap\n"
@@ -115,7 +109,7 @@ def test_transformers_model_classes_load_without_scipy_optimize():
         "import scipy.optimize\n"
         "print(placeholder, scipy.optimize.linprog.__name__, scipy.optimize._lsap is lsap)\n"
     )
-    assert _run(submodule_first) == "_Placeholder linprog True"
+    assert run_python(submodule_first) == "_Placeholder linprog True"
 
 
 def test_the_gateway_and_client_model_load_without_transformers_generation_utils():
@@ -128,7 +122,7 @@ def test_the_gateway_and_client_model_load_without_transformers_generation_utils
         " 'swarm.client.beam') if m in sys.modules]\n"
         "print(heavy)\n"
     )
-    assert _run(code) == "[]"
+    assert run_python(code) == "[]"
 
 
 FAMILIES = ["qwen2", "mixtral", "qwen3_moe", "gemma3_text", "gpt_oss", "deepseek_v3"]
@@ -138,8 +132,8 @@ def test_a_block_server_needs_no_transformers_model_module(tmp_path):
     """Config, blocks (with a forward pass) and the client's norm come from swarm.modeling (llama, mixtral, qwen3
     and qwen3_moe, gemma, gpt_oss, deepseek_v3, layers, model_config), for each family in turn in one process (one
     interpreter start for all: what any family imports stays in sys.modules and is named after it)."""
+    from tests.fixtures.family_configs import DEEPSEEK
     from tests.fixtures.tiny_checkpoints import save_tiny
-    from tests.swarm.modeling.test_family_open_models import DEEPSEEK
 
     paths = {}
     for family in FAMILIES:
@@ -166,4 +160,4 @@ def test_a_block_server_needs_no_transformers_model_module(tmp_path):
         "('transformers.modeling_utils', 'torch._dynamo', 'scipy.optimize._optimize')]\n"
         "print(json.dumps(heavy))\n"
     )
-    assert json.loads(_run(code)) == {family: [] for family in FAMILIES}
+    assert json.loads(run_python(code)) == {family: [] for family in FAMILIES}

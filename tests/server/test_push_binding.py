@@ -15,7 +15,7 @@ import torch
 
 from swarm.runtime import aio
 from swarm.wire import protocol as P
-from tests.server.test_fuzz_rpc import HIDDEN, fuzz_env  # noqa: F401  (fuzz_env: a fixture)
+from tests.fixtures.rpc_fuzzing import HIDDEN, fuzz_env  # noqa: F401  (fuzz_env: a fixture)
 
 PROMPT = "A short list of colors:"
 

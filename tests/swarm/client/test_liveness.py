@@ -80,7 +80,7 @@ def test_a_frozen_server_mid_generation_is_failed_over_on_loopback(model_path, b
 
     from swarm import AutoDistributedModelForCausalLM
     from swarm.launch.topology import start_servers
-    from tests.e2e.test_failover import KillAfter
+    from tests.fixtures.swarm_checks import KillAfter
 
     prefix = "tfrozen"
     servers = start_servers(model_path, [bootstrap.maddr], ["0:30", "0:30"], prefix, ["--throughput", "100"],

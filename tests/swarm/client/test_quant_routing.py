@@ -5,13 +5,13 @@ from __future__ import annotations
 import random
 import time
 from types import SimpleNamespace
-from typing import Dict, List, Optional, Sequence
+from typing import List, Sequence
 
 import pytest
 from pydantic import ValidationError
 
 from swarm.client.api import Coverage, ServerView
-from swarm.client.manager import ClientConfig, SwarmManager
+from swarm.client.manager import ClientConfig
 from swarm.client.model import DistributedModelForCausalLM
 from swarm.client.routing import (
     QUANT_TYPES,
@@ -21,14 +21,8 @@ from swarm.client.routing import (
     find_inference_chain,
     normalize_quant_types,
 )
-from swarm.wire.records import ServerInfo, ServerSpan, ServerState
-
-
-def span(peer: str, start: int, end: int, quant: str = "none", *, throughput: float = 1.0,
-         state: ServerState = ServerState.ONLINE, pings: Optional[Dict[str, float]] = None) -> ServerSpan:
-    info = ServerInfo(state=state, start=start, end=end, throughput=throughput, cache_tokens_left=100_000,
-                      quant_type=quant, next_pings=pings or {})
-    return ServerSpan(peer, start, end, info)
+from swarm.wire.records import ServerSpan, ServerState
+from tests.fixtures.synthetic_swarm import fake_manager, span
 
 
 def quants_of(chain: Sequence[RouteHop], spans: Sequence[ServerSpan]) -> List[str]:
@@ -161,18 +155,6 @@ def test_from_pretrained_rejects_a_bad_format_before_loading(tmp_path):
 
 
 # ---- the manager's routes and the model's coverage, over a fixed swarm view ---------------------------------------
-def fake_manager(spans: List[ServerSpan], allowed: Optional[List[str]], num_blocks: int = 30) -> SwarmManager:
-    manager = SwarmManager.__new__(SwarmManager)  # no DHT: the swarm view is given
-    manager.config = ClientConfig(allowed_quant_types=allowed, measure_rtt=False)
-    manager.prefix, manager.num_blocks = "m", num_blocks
-    manager.spans, manager.rtts, manager._bans, manager.distrusted = list(spans), {}, {}, set()
-    manager._last_update = time.monotonic()
-    manager.on_route = None
-    import threading
-
-    manager._lock = threading.Lock()
-    manager.update = lambda force=False: manager.spans  # type: ignore[method-assign]
-    return manager
 
 
 def test_manager_routes_and_fails_over_among_allowed_servers_only():

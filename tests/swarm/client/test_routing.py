@@ -6,7 +6,7 @@ import math
 import random
 import time
 from types import SimpleNamespace
-from typing import Dict, List, Optional, Sequence
+from typing import List, Sequence
 
 import pytest
 import torch
@@ -20,22 +20,7 @@ from swarm.client.routing import (
     find_inference_chain,
 )
 from swarm.wire.records import ServerInfo, ServerSpan, ServerState
-
-
-def make_span(
-    peer: str,
-    start: int,
-    end: int,
-    *,
-    throughput: float = 1.0,
-    cache: int = 100_000,
-    state: ServerState = ServerState.ONLINE,
-    pings: Optional[Dict[str, float]] = None,
-) -> ServerSpan:
-    info = ServerInfo(
-        state=state, start=start, end=end, throughput=throughput, cache_tokens_left=cache, next_pings=pings or {}
-    )
-    return ServerSpan(peer, start, end, info)
+from tests.fixtures.synthetic_swarm import make_span
 
 
 def peers(chain: Sequence[RouteHop]) -> List[str]:

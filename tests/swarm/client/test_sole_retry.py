@@ -13,7 +13,7 @@ from swarm.client.manager import unreachable
 from swarm.client.routing import RouteHop, RoutingError
 from swarm.wire import protocol as P
 from swarm.wire.records import ServerInfo, ServerSpan, ServerState
-from tests.swarm.client.test_quant_routing import fake_manager, span
+from tests.fixtures.synthetic_swarm import fake_manager, span
 
 
 def relayed(peer: str, start: int, end: int, throughput: float = 1.0) -> ServerSpan:

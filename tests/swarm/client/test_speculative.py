@@ -242,7 +242,7 @@ def test_gateway_speculative_requests_match_plain_ones(tokenizer):
 
     from gateway.app import create_app
     from gateway.config import GatewayConfig
-    from tests.gateway.test_gateway_unit import FakeModel
+    from tests.fixtures.fake_model import FakeModel
 
     config = GatewayConfig(model="fake", speculative="ngram", num_draft_tokens=4)
     client = TestClient(create_app(config, model=FakeModel(tokenizer, SCRIPT), tokenizer=tokenizer))

@@ -14,7 +14,7 @@ from hivemind.utils.asyncio import as_aiter
 from swarm.client.routing import RoutingError, choose_training_chain
 from swarm.wire import protocol as P
 from swarm.wire import streaming
-from tests.swarm.client.test_routing import make_span
+from tests.fixtures.synthetic_swarm import make_span
 
 
 # ---- streaming --------------------------------------------------------------------------------------------------

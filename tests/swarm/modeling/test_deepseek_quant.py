@@ -32,16 +32,16 @@ from server.placement.memory import (
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.model_config import model_config
 from swarm.wire.quant import NF4
-from tests.e2e.test_family_swarms import PROMPTS
-from tests.fixtures.tiny_checkpoints import save_tiny
-from tests.swarm.modeling.quant_reference import (
+from tests.fixtures.family_configs import DEEPSEEK, VOCAB
+from tests.fixtures.quant_reference import (
     bnb_linear,
     check_nf4_split_swarm,
     compare_calls,
     max_diff,
     quantized_reference,
 )
-from tests.swarm.modeling.test_family_open_models import DEEPSEEK, VOCAB
+from tests.fixtures.swarm_checks import PROMPTS
+from tests.fixtures.tiny_checkpoints import save_tiny
 
 QUANT_DEEPSEEK = dict(DEEPSEEK, q_lora_rank=64, kv_lora_rank=24, moe_intermediate_size=64)
 TOLERANCE = 1e-5
@@ -144,7 +144,7 @@ def test_memory_planning_counts_kv_b_proj_in_float(tiny):
 def test_chunked_and_single_pass_prefill_agree(tiny):
     """nf4 quantizes weights only, so a prompt sent in chunks through the cache gives (to float rounding) the pass
     without a cache; the quantized span batches decode rows of several sessions like the float one."""
-    from tests.swarm.modeling.test_family_mixtral import check_batched_rows
+    from tests.fixtures.span_checks import check_batched_rows
 
     path, _ = tiny
     span = BlockSpan.load(Checkpoint(str(path)), 0, 4, "float32", "cpu", "nf4")

@@ -7,19 +7,7 @@ import torch
 
 from swarm import AutoDistributedModelForCausalLM
 from swarm.launch.topology import start_servers, terminate_all
-
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, eos_token_id=1, bos_token_id=0)
-
-
-def _configs():
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
-
-    return {
-        "llama": LlamaConfig(**TINY, tie_word_embeddings=False),
-        "mistral": MistralConfig(**TINY, sliding_window=None),
-        "qwen2": Qwen2Config(**TINY, tie_word_embeddings=True),
-    }
+from tests.fixtures.family_configs import llama_like_configs
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
@@ -27,7 +15,7 @@ def test_tiny_family_through_the_swarm(family, tmp_path, bootstrap):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = _configs()[family]
+    config = llama_like_configs()[family]
     reference = AutoModelForCausalLM.from_config(config).eval()
     path = tmp_path / f"tiny-{family}"
     reference.save_pretrained(path)

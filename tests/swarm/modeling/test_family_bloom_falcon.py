@@ -7,58 +7,14 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.fixtures.family_configs import bloom_falcon_config, build_bloom_falcon
+
 VOCAB = 49152  # the bundled SmolLM2 tokenizer's
-SIZES = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, bos_token_id=1, eos_token_id=2)
 PROMPTS = ["The history of the Roman Empire begins", "def fibonacci(n):\n    ", "Three things every gardener"]
-
-
-def _config(case: str):
-    from transformers import BloomConfig, FalconConfig
-
-    falcon = dict(SIZES, num_attention_heads=4, ffn_hidden_size=256)
-    return {
-        "bloom": lambda: BloomConfig(**SIZES, n_head=4),
-        "bloom-post-ln": lambda: BloomConfig(**{**SIZES, "num_hidden_layers": 2}, n_head=4,
-                                             apply_residual_connection_post_layernorm=True),
-        # Falcon-40B's layout: ln_attn + ln_mlp, grouped key/value heads, parallel attention, rotary
-        "falcon-new": lambda: FalconConfig(**{**falcon, "num_attention_heads": 8}, new_decoder_architecture=True,
-                                           num_kv_heads=2),
-        # Falcon-7B's: one key/value head, parallel attention with one LayerNorm, untied head here
-        "falcon-mq": lambda: FalconConfig(**falcon, multi_query=True, parallel_attn=True, tie_word_embeddings=False),
-        # the old layout's other branch: all heads, sequential attention then MLP, biases
-        "falcon-seq": lambda: FalconConfig(**falcon, multi_query=False, parallel_attn=False, bias=True),
-        # ALiBi instead of rotary (transformers 5 still has it), old layout, and with the new layout
-        "falcon-alibi": lambda: FalconConfig(**falcon, alibi=True, multi_query=False, parallel_attn=False, bias=True),
-        # 16 heads: slopes that are not powers of two, so Falcon's bfloat16 ALiBi differs from a float32 one
-        "falcon-alibi-new": lambda: FalconConfig(**{**falcon, "num_attention_heads": 16}, alibi=True,
-                                                 new_decoder_architecture=True, num_kv_heads=4),
-    }[case]()
-
-
-def _build(case: str, path: Path, tokenizer_path: str, chat_template: bool = True):
-    """A random `case` model saved sharded at `path` with the bundled tokenizer; returns the local reference."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(_config(case)).eval()
-    with torch.no_grad():  # weights large enough that tokens are not near-ties, biases and norms not trivial
-        for name, param in reference.named_parameters():
-            if "layernorm" in name or "ln_" in name:
-                param.normal_(1.0 if name.endswith("weight") else 0.0, 0.2)
-            else:
-                param.normal_(0.0, 0.3 if param.dim() > 1 else 0.1)
-    reference.save_pretrained(path, max_shard_size="1MB")
-    assert (path / "model.safetensors.index.json").is_file()
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    if not chat_template:
-        tokenizer.chat_template = None
-    tokenizer.save_pretrained(path)
-    return reference
 
 
 CASES = ["bloom", "bloom-post-ln", "falcon-new", "falcon-mq", "falcon-seq", "falcon-alibi", "falcon-alibi-new"]
@@ -70,7 +26,7 @@ def test_block_span_computes_what_transformers_computes(case, tmp_path, model_pa
     from server.compute.blocks import BlockSpan
     from swarm.modeling.checkpoint import Checkpoint
 
-    reference = _build(case, tmp_path, model_path)
+    reference = build_bloom_falcon(case, tmp_path, model_path)
     config = reference.config
     blocks = config.num_hidden_layers
     span = BlockSpan.load(Checkpoint(str(tmp_path)), 0, blocks)
@@ -107,7 +63,7 @@ def test_configs_map_to_the_common_sizes(tmp_path):
 
     expected = {"bloom": (4, 4, 256), "falcon-new": (8, 2, 256), "falcon-mq": (4, 1, 256), "falcon-seq": (4, 4, 256)}
     for case, (heads, kv_heads, intermediate) in expected.items():
-        _config(case).save_pretrained(tmp_path / case)
+        bloom_falcon_config(case).save_pretrained(tmp_path / case)
         shape = ModelShape.from_config(Checkpoint(str(tmp_path / case)).load_config())
         assert (shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.intermediate_size, shape.head_dim) == (
             4, heads, kv_heads, intermediate, 64 // heads), case
@@ -126,7 +82,7 @@ def test_quantized_span_stays_close(quant_type, tmp_path, model_path):
     from server.compute.blocks import BlockSpan
     from swarm.modeling.checkpoint import Checkpoint
 
-    _build("falcon-new", tmp_path, model_path)
+    build_bloom_falcon("falcon-new", tmp_path, model_path)
     checkpoint = Checkpoint(str(tmp_path))
     float_span = BlockSpan.load(checkpoint, 0, 4)
     span = BlockSpan.load(checkpoint, 0, 4, quant_type=quant_type)
@@ -155,7 +111,7 @@ def family_swarm(request, tmp_path_factory, model_path, bootstrap):
 
     case = request.param
     path = tmp_path_factory.mktemp(case)
-    reference = _build(case, path, model_path, chat_template=not case.startswith("bloom"))
+    reference = build_bloom_falcon(case, path, model_path, chat_template=not case.startswith("bloom"))
     prefix = f"tbf-{case}"
     # split mid-model, and a spare for the second half that `test_failover_replays_the_session` kills one of
     servers = start_servers(str(path), [bootstrap.maddr], ["0:2", "2:4", "2:4"], prefix, threads=1)
@@ -335,7 +291,7 @@ def test_quantized_servers_generate(case, quant_type, tmp_path, model_path, boot
     from swarm import AutoDistributedModelForCausalLM
     from swarm.launch.topology import start_servers, terminate_all
 
-    reference = _build(case, tmp_path, model_path)
+    reference = build_bloom_falcon(case, tmp_path, model_path)
     prefix = f"tbfq-{case}"
     servers = start_servers(str(tmp_path), [bootstrap.maddr], ["0:2", "2:4"], prefix,
                             ["--quant_type", quant_type], threads=1)
@@ -363,7 +319,7 @@ def test_base_model_checkpoint_loads(tmp_path, model_path):
     from server.compute.blocks import BlockSpan
     from swarm.modeling.checkpoint import Checkpoint
 
-    reference = _build("bloom", tmp_path / "full", model_path)
+    reference = build_bloom_falcon("bloom", tmp_path / "full", model_path)
     reference.transformer.save_pretrained(tmp_path / "base", max_shard_size="1MB")
     checkpoint = Checkpoint(str(tmp_path / "base"))
     assert not any(name.startswith("transformer.") for name in checkpoint.weight_map())
@@ -386,12 +342,12 @@ def test_a_server_of_the_family_imports_no_transformers_model_module(tmp_path, m
     """Blocks (prefill and a batched decode step), config and the client's norms come from swarm.modeling: no
     process pays for transformers' modeling modules (torch._dynamo, sympy, ...; README's memory paragraph). Each
     case in turn in one process (one interpreter start for all; what any case imports is named after it)."""
-    from tests.server.test_memory import _run
+    from tests.fixtures.fresh_python import run_python
 
     cases = ["bloom", "falcon-new", "falcon-alibi"]
     paths = {}
     for case in cases:
-        _build(case, tmp_path / case, model_path)
+        build_bloom_falcon(case, tmp_path / case, model_path)
         paths[case] = str(tmp_path / case)
     code = (
         "import json, sys, swarm, torch, server.server\n"
@@ -411,7 +367,7 @@ def test_a_server_of_the_family_imports_no_transformers_model_module(tmp_path, m
         "('transformers.modeling_utils', 'transformers.activations', 'torch._dynamo')]\n"
         "print(json.dumps(heavy))\n"
     )
-    assert json.loads(_run(code)) == {case: [] for case in cases}
+    assert json.loads(run_python(code)) == {case: [] for case in cases}
 
 
 @pytest.mark.parametrize("case", ["falcon-new", "falcon-mq"])
@@ -422,10 +378,10 @@ def test_cuda_graph_step_of_rotary_falcon_on_cpu(case, tmp_path, model_path):
     from server.compute.blocks import BlockSpan
     from server.compute.graphs import StaticSteps
     from swarm.modeling.checkpoint import Checkpoint
-    from tests.server.test_graphs import _run_steps, _sessions
+    from tests.fixtures.span_checks import graph_sessions, run_graph_steps
 
-    _build(case, tmp_path, model_path)
+    build_bloom_falcon(case, tmp_path, model_path)
     span = BlockSpan.load(Checkpoint(str(tmp_path)), 1, 4, "float32")
     assert not span.alibi
-    pairs, positions = _sessions(span, [(2, 5, None), (1, 3, None)], 24, 2, 4)
-    _run_steps(span, StaticSteps(), pairs, positions, 2, 4, steps=4, tol=1e-4)
+    pairs, positions = graph_sessions(span, [(2, 5, None), (1, 3, None)], 24, 2, 4)
+    run_graph_steps(span, StaticSteps(), pairs, positions, 2, 4, steps=4, tol=1e-4)

@@ -17,10 +17,10 @@ from server.compute.blocks import BlockSpan
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.model_config import model_config
 from swarm.modeling.shape import ModelShape
-from tests.e2e.test_family_swarms import check_failover, check_split_swarm
+from tests.fixtures.family_configs import DEEPSEEK, DEEPSEEK_YARN, VOCAB
+from tests.fixtures.span_checks import check_batched_rows
+from tests.fixtures.swarm_checks import check_failover, check_split_swarm
 from tests.fixtures.tiny_checkpoints import save_tiny
-from tests.swarm.modeling.test_family_mixtral import check_batched_rows
-from tests.swarm.modeling.test_family_open_models import DEEPSEEK, DEEPSEEK_YARN, VOCAB
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ the fused tensors of transformers 5's modules), a prompt and greedy decoding thr
 from __future__ import annotations
 
 import json
-from typing import List
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from server.compute.blocks import BlockSpan
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.mixtral import FusedMoeLayer
 from swarm.modeling.model_config import model_config
-from tests.fixtures.numerics import assert_close_at_scale
+from tests.fixtures.span_checks import check_batched_rows
 from tests.fixtures.tiny_checkpoints import save_tiny, tensor_names
 
 VOCAB = 512
@@ -76,26 +75,6 @@ def test_batched_rows_route_to_their_own_experts(mixtral):
     rows = layer.post_norm(torch.cat(xs).reshape(4, -1))
     chosen = torch.topk(layer.router(rows), layer.top_k, dim=-1).indices.sort(dim=-1).values
     assert len({tuple(row) for row in chosen.tolist()}) > 1  # the rows' experts differ
-
-
-def check_batched_rows(span) -> List[torch.Tensor]:
-    """Four sessions (prompts of 3, 6, 4, 8 random hidden states) on the 4-block `span`: their single-token steps
-    in one batched pass equal each session's step alone. Returns the steps' inputs, [1, 1, hidden] each."""
-    torch.manual_seed(2)
-    sessions = []
-    for length in (3, 6, 4, 8):
-        kv = span.new_session_kv(1, 16, 0, 4)
-        span.forward(torch.randn(1, length, span.hidden_size), 0, kv)
-        sessions.append((kv, length))
-    xs = [torch.randn(1, 1, span.hidden_size) for _ in sessions]
-    alone = []
-    for x, (kv, length) in zip(xs, sessions):
-        alone.append(span.forward_batch([(x, length, kv)], 0, 4)[0])
-        kv.begin_step(length)  # taken back: the batched pass below writes the same position again
-    together = span.forward_batch([(x, length, kv) for x, (kv, length) in zip(xs, sessions)], 0, 4)
-    for a, b in zip(alone, together):  # one row alone or in a batch may sum in another order (numerics.py)
-        assert_close_at_scale(b, a, 1e-5, "batched vs alone")
-    return xs
 
 
 def test_fused_experts_are_views_of_the_layer_modules(mixtral):

@@ -10,7 +10,7 @@ experts with and without `norm_topk_prob` and a dense layer among the sparse one
 soft-caps, Gemma 3's two rotary bases (linear scaling on the full layers), GPT-OSS's sinks, experts and YaRN,
 int8 / nf4 blocks, training gradients, LoRA adapters against peft (Qwen3, Phi-3), and the configs our
 `model_config` builds against transformers' config classes. Through real processes: two servers split mid-model
-(`test_family_swarms.check_split_swarm`: greedy tokens, logits, a 2-turn session, 4 concurrent sessions; Qwen3
+(`tests.fixtures.swarm_checks.check_split_swarm`: greedy tokens, logits, a 2-turn session, 4 concurrent sessions; Qwen3
 also through a gateway) and a session that fails over (`check_failover`).
 """
 from __future__ import annotations
@@ -23,34 +23,21 @@ import torch
 from server.compute.blocks import BlockSpan
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.model_config import model_config
-from tests.e2e.test_family_swarms import check_failover, check_split_swarm
+from tests.fixtures.family_configs import (
+    DEEPSEEK,
+    DEEPSEEK_YARN,
+    GEMMA2,
+    GEMMA3,
+    GPT_OSS,
+    LONGROPE,
+    MOE,
+    VOCAB,
+    WINDOW,
+)
+from tests.fixtures.span_checks import check_batched_rows, embed_ids, final_logits, greedy_steps
+from tests.fixtures.swarm_checks import check_failover, check_split_swarm
 from tests.fixtures.tiny_checkpoints import save_fused, save_tiny, tensor_names
-from tests.swarm.modeling.test_family_mixtral import check_batched_rows
 
-VOCAB = 512
-WINDOW = dict(use_sliding_window=True, sliding_window=4)
-LONGROPE = dict(original_max_position_embeddings=12, rope_parameters={
-    "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
-    "original_max_position_embeddings": 12,
-    "short_factor": [1.0 + i / 10 for i in range(8)], "long_factor": [2.0 + i for i in range(8)]})
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
-GEMMA = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=4)
-GEMMA2 = dict(GEMMA, attn_logit_softcapping=5.0, final_logit_softcapping=8.0)  # (caps the tiny logits reach)
-GEMMA3 = dict(GEMMA, layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
-              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                               "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}})
-# YaRN as GPT-OSS's own (a smaller original length), windows on alternate layers
-GPT_OSS = dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=4,
-               rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                                "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0})
-# MLA: 4 heads of 16 + 8 (rotary) query/key and 16 value channels over a latent of 32; 8 experts in 4 groups
-DEEPSEEK = dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
-                v_head_dim=16, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
-                moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=2.5)
-DEEPSEEK_YARN = dict(DEEPSEEK, q_lora_rank=None, rope_interleave=False, attention_bias=True, first_k_dense_replace=2,
-                     norm_topk_prob=False, rope_parameters={
-                         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
-                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0})
 CASES = {
     # windows on blocks 1.. (max_window_layers), a head_dim that is not hidden / heads
     "qwen3": ("qwen3", "hub", dict(WINDOW, max_window_layers=1, head_dim=32)),
@@ -94,41 +81,6 @@ def case(request, tmp_path_factory):
     return request.param, path, reference, BlockSpan.load(Checkpoint(str(path)), 0, 4, "float32")
 
 
-def _logits(reference, hidden: torch.Tensor) -> torch.Tensor:
-    """transformers' final norm and head (and Gemma 2's final soft-cap) on hidden states."""
-    with torch.no_grad():
-        logits = reference.lm_head(reference.model.norm(hidden))
-    cap = getattr(reference.config, "final_logit_softcapping", None)
-    return logits if not cap else torch.tanh(logits / cap) * cap
-
-
-def _embed(reference, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return reference.model.embed_tokens(ids)
-
-
-def _greedy_steps(reference, span, kv, ids: torch.Tensor, hidden: torch.Tensor, steps: int) -> torch.Tensor:
-    """ids [batch, prompt] extended by `steps` greedy tokens (never EOS, as generate's min_new_tokens), each a
-    decode step of `span` (batched where it can batch) on the session `kv`; hidden: the prompt's last hidden
-    states [batch, >=1, hidden]. Where the family computes a cached sequence again (Phi-3's LongRoPE crossing its
-    original length: `FamilySpec.recompute_cache`), the step sends every token from position 0, as the client
-    does."""
-    tokens = ids
-    recompute = span.family.recompute_cache
-    for position in range(ids.shape[1], ids.shape[1] + steps):
-        logits = _logits(reference, hidden[:, -1:])  # [batch, 1, vocab]
-        logits[..., reference.config.eos_token_id] = float("-inf")
-        next_token = logits.argmax(-1)  # [batch, 1]
-        tokens = torch.cat([tokens, next_token], dim=1)
-        if recompute is not None and recompute(span.config, position, position + 1):
-            hidden = span.forward(_embed(reference, tokens), 0, kv)
-        elif span.can_batch:
-            hidden = span.forward_batch([(_embed(reference, next_token), position, kv)], 0, 4)[0]
-        else:
-            hidden = span.forward(_embed(reference, next_token), position, kv)
-    return tokens
-
-
 def test_the_checkpoint_has_the_family_layout(case):
     name, path, reference, span = case
     names = set(tensor_names(path))
@@ -170,19 +122,19 @@ def test_prompt_chunks_and_greedy_decoding_match_transformers(case):
         expected_logits = reference(expected).logits
         prompt_logits = reference(ids).logits
     kv = span.new_session_kv(2, 32, 0, 4)
-    hidden = span.forward(_embed(reference, ids), 0, kv)
-    assert (_logits(reference, hidden) - prompt_logits).abs().max().item() < 1e-4
+    hidden = span.forward(embed_ids(reference, ids), 0, kv)
+    assert (final_logits(reference, hidden) - prompt_logits).abs().max().item() < 1e-4
     # the prompt again in two chunks (chunked prefill): the same last hidden states
     # (LongRoPE: a step's factors are its largest position's, so both chunks past the original 12 positions)
     split = 13 if name == "phi3-longrope" else 5
     chunked = span.new_session_kv(2, 32, 0, 4)
-    span.forward(_embed(reference, ids[:, :split]), 0, chunked)
-    last = span.forward(_embed(reference, ids[:, split:]), split, chunked)[:, -1]
+    span.forward(embed_ids(reference, ids[:, :split]), 0, chunked)
+    last = span.forward(embed_ids(reference, ids[:, split:]), split, chunked)[:, -1]
     assert (last - hidden[:, -1]).abs().max().item() < 1e-5 * max(1.0, hidden[:, -1].abs().max().item())
-    tokens = _greedy_steps(reference, span, kv, ids, hidden, 8)
+    tokens = greedy_steps(reference, span, kv, ids, hidden, 8)
     assert tokens.tolist() == expected.tolist()
     # the layer modules (a pass without a cache) compute the same
-    assert (_logits(reference, span.forward(_embed(reference, expected), 0, None))
+    assert (final_logits(reference, span.forward(embed_ids(reference, expected), 0, None))
             - expected_logits).abs().max().item() < 1e-4
 
 
@@ -218,9 +170,9 @@ def test_quantized_blocks(family, quant_type, min_cosine, tmp_path):
                                                                  compress_statistics=False)
                     module.weight.data = bnb_functional.dequantize_4bit(weight, state).reshape(module.weight.shape)
         expected = reference(ids).logits
-    embeds = _embed(reference, ids)
+    embeds = embed_ids(reference, ids)
     hidden = span.forward(embeds, 0, span.new_session_kv(2, 32, 0, 4))
-    got = _logits(reference, hidden)
+    got = final_logits(reference, hidden)
     assert torch.nn.functional.cosine_similarity(got.flatten(), expected.flatten(), dim=0).item() > min_cosine
     assert torch.allclose(span.forward(embeds, 0, None), hidden, atol=1e-5, rtol=1e-5)
     # memory planning counts what stays float (norms, Qwen3-MoE's router) at the dtype (block 0: a sparse block)
@@ -235,7 +187,7 @@ def test_gpt_oss_blocks_are_quantized(tmp_path, quant_type):
     """int8 / nf4 GPT-OSS blocks: each expert's gate_up and down give exactly what a bitsandbytes module of that
     expert's transposed weight and bias gives, the router stays float, and the span's output moves off the float
     span's (a layer left float fails) while staying close to it."""
-    from tests.swarm.modeling.quant_reference import bnb_linear
+    from tests.fixtures.quant_reference import bnb_linear
 
     save_tiny("gpt_oss", tmp_path, None, vocab_size=VOCAB, **GPT_OSS)
     ckpt = Checkpoint(str(tmp_path))
@@ -442,17 +394,17 @@ def test_lora_adapter_matches_peft(case, targets, extra, tmp_path):
         with reference.disable_adapter():
             base = reference(input_ids=ids).logits
     model = reference.base_model.model
-    embeds = _embed(model, ids)
+    embeds = embed_ids(model, ids)
     kvs = {name: span.new_session_kv(1, 32, 0, 4, adapter=name) for name in ("a", None)}
-    got = _logits(model, span.forward(embeds[:, :-1], 0, kvs["a"]))
+    got = final_logits(model, span.forward(embeds[:, :-1], 0, kvs["a"]))
     assert (got - expected[:, :-1]).abs().max().item() < 1e-4
     assert (expected - base).abs().max().item() > 1e-2  # the adapter matters
     span.forward(embeds[:, :-1], 0, kvs[None])
     steps = span.forward_batch([(embeds[:, -1:], 9, kvs["a"]), (embeds[:, -1:], 9, kvs[None])], 0, 4)
-    assert (_logits(model, steps[0]) - expected[:, -1:]).abs().max().item() < 1e-4
-    assert (_logits(model, steps[1]) - base[:, -1:]).abs().max().item() < 1e-4
+    assert (final_logits(model, steps[0]) - expected[:, -1:]).abs().max().item() < 1e-4
+    assert (final_logits(model, steps[1]) - base[:, -1:]).abs().max().item() < 1e-4
     # a pass without a cache (rpc_forward) with the adapter
-    assert (_logits(model, span.forward(embeds, 0, None, adapter="a")) - expected).abs().max().item() < 1e-4
+    assert (final_logits(model, span.forward(embeds, 0, None, adapter="a")) - expected).abs().max().item() < 1e-4
     # a training pass's input gradients through the adapter's (frozen) deltas
     check_training_gradients(reference, span, torch.randint(3, VOCAB, (2, 10)), lambda e: e,
                              lambda hidden: _logits_with_grad(model, hidden), adapter="a")
@@ -493,16 +445,16 @@ def test_deepseek_mlp_adapter_matches_merged_weights(tmp_path):
     ids = torch.randint(3, VOCAB, (1, 10))
     with torch.no_grad():
         expected = reference(input_ids=ids).logits
-    embeds = _embed(reference, ids)
+    embeds = embed_ids(reference, ids)
     kvs = {name: span.new_session_kv(1, 32, 0, 4, adapter=name) for name in ("a", None)}
-    got = _logits(reference, span.forward(embeds[:, :-1], 0, kvs["a"]))
+    got = final_logits(reference, span.forward(embeds[:, :-1], 0, kvs["a"]))
     assert (got - expected[:, :-1]).abs().max().item() < 1e-4
-    without = _logits(reference, base.forward(embeds, 0, base.new_session_kv(1, 32, 0, 4)))
+    without = final_logits(reference, base.forward(embeds, 0, base.new_session_kv(1, 32, 0, 4)))
     assert (without - expected).abs().max().item() > 1e-2  # the adapter matters
     span.forward(embeds[:, :-1], 0, kvs[None])
     steps = span.forward_batch([(embeds[:, -1:], 9, kvs["a"]), (embeds[:, -1:], 9, kvs[None])], 0, 4)
-    assert (_logits(reference, steps[0]) - expected[:, -1:]).abs().max().item() < 1e-4
-    assert (_logits(reference, steps[1]) - without[:, -1:]).abs().max().item() < 1e-4
+    assert (final_logits(reference, steps[0]) - expected[:, -1:]).abs().max().item() < 1e-4
+    assert (final_logits(reference, steps[1]) - without[:, -1:]).abs().max().item() < 1e-4
 
 
 def test_lora_adapters_that_cannot_be_served_are_clear_errors(tmp_path):
@@ -597,8 +549,8 @@ def test_left_padded_batch_matches_transformers(case):
                                       do_sample=False)
     kv = span.new_session_kv(2, 32, 0, 4)
     kv.set_padding([0, 4])
-    hidden = span.forward(_embed(reference, ids), 0, kv)
-    tokens = _greedy_steps(reference, span, kv, ids, hidden, 6)
+    hidden = span.forward(embed_ids(reference, ids), 0, kv)
+    tokens = greedy_steps(reference, span, kv, ids, hidden, 6)
     assert tokens.tolist() == expected.tolist()
 
 
@@ -606,13 +558,13 @@ def test_left_padded_batch_matches_transformers(case):
 def test_training_gradients_of_the_older_families(case, tmp_path, model_path):
     """BLOOM (its embeddings' LayerNorm on the client's side of the first block), Falcon's layouts (rotary and
     ALiBi) and Mixtral: a training step's input gradients through the server's blocks equal transformers'."""
-    from tests.swarm.modeling.test_family_bloom_falcon import _build
+    from tests.fixtures.family_configs import build_bloom_falcon
 
     if case == "mixtral":
         reference = save_tiny("mixtral", tmp_path, None, vocab_size=VOCAB)
         final_norm, embed_norm = reference.model.norm, torch.nn.Identity()
     else:
-        reference = _build(case, tmp_path, model_path)
+        reference = build_bloom_falcon(case, tmp_path, model_path)
         final_norm = reference.transformer.ln_f
         embed_norm = reference.transformer.word_embeddings_layernorm if case == "bloom" else torch.nn.Identity()
     span = BlockSpan.load(Checkpoint(str(tmp_path)), 0, reference.config.num_hidden_layers, "float32")
@@ -626,9 +578,9 @@ def test_left_padded_batch_on_alibi_blocks_matches_transformers(case, tmp_path, 
     """ALiBi blocks (BLOOM, Falcon with `alibi`) on a left-padded batch: the bias over key positions is
     shift-invariant per query, so with the padding keys hidden, prefill and batched decode steps give transformers'
     generate with the attention mask (which counts each row's positions from its first token)."""
-    from tests.swarm.modeling.test_family_bloom_falcon import _build
+    from tests.fixtures.family_configs import build_bloom_falcon
 
-    reference = _build(case, tmp_path, model_path)
+    reference = build_bloom_falcon(case, tmp_path, model_path)
     span = BlockSpan.load(Checkpoint(str(tmp_path)), 0, reference.config.num_hidden_layers, "float32")
     base = reference.transformer
     torch.manual_seed(8)
@@ -664,10 +616,10 @@ def test_lora_adapter_on_bloom_and_falcon_matches_peft(case, tmp_path, model_pat
     """A peft LoRA adapter on BLOOM's / Falcon's fused query_key_value, dense and MLP projections gives peft's
     logits: a prefill, and a decode step batched with a base session; and its input gradients in a training pass."""
     from swarm.modeling.lora import AdapterSource, open_adapter
+    from tests.fixtures.family_configs import build_bloom_falcon
     from tests.fixtures.lora_fixtures import make_adapter, peft_reference
-    from tests.swarm.modeling.test_family_bloom_falcon import _build
 
-    _build(case, tmp_path / "base", model_path)
+    build_bloom_falcon(case, tmp_path / "base", model_path)
     targets = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
     adapter = make_adapter(str(tmp_path / "base"), tmp_path / "lora", seed=1, targets=targets, r=4, alpha=8)
     config = Checkpoint(str(tmp_path / "base")).load_config()

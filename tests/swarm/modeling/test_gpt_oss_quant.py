@@ -1,6 +1,6 @@
 """GPT-OSS blocks served int8 / nf4 (`GptOssDecoderLayer.quantize`) against transformers' model quantized locally.
 
-The reference (`tests.swarm.modeling.quant_reference.quantized_reference`): transformers' `GptOssForCausalLM` in
+The reference (`tests.fixtures.quant_reference.quantized_reference`): transformers' `GptOssForCausalLM` in
 float32 from the same tiny checkpoint, its attention projections (q/k/v/o, with their biases) quantized by
 transformers' bitsandbytes integration (`BitsAndBytesConfig`, which takes GPT-OSS on the CPU: LLM.int8() with
 threshold 6, or nf4 with blocksize 64 and float32 compute), its router (`GptOssTopKRouter`, not an `nn.Linear`),
@@ -10,7 +10,7 @@ gate_up ([2 * intermediate, hidden], gate and up still interleaved) and down ([h
 bitsandbytes modules of the same settings, their biases inside the modules (as the integration quantizes a linear
 layer with a bias, e.g. q_proj here).
 
-The tiny config (test_family_open_models.GPT_OSS: hidden 64, 4 heads of 16 and 2 key/value heads, 4 experts of 64,
+The tiny config (tests.fixtures.family_configs.GPT_OSS: hidden 64, 4 heads of 16 and 2 key/value heads, 4 experts of 64,
 a sliding window of 4 that the 11 tokens outgrow) already suits nf4 on bitsandbytes' CPU backend: every input width
 (64) divisible by 64, every output width (32, 64, 128) by 32. The sinks and experts are perturbed (std 1 and 0.3, as
 the family test does) so that the sinks matter and the experts' clamp is reached.
@@ -30,10 +30,10 @@ from torch import nn
 
 from server.compute.blocks import BlockSpan
 from swarm.modeling.checkpoint import Checkpoint
-from tests.e2e.test_family_swarms import PROMPTS
+from tests.fixtures.family_configs import GPT_OSS, VOCAB
+from tests.fixtures.quant_reference import bnb_linear, check_nf4_split_swarm, compare_calls, quantized_reference
+from tests.fixtures.swarm_checks import PROMPTS
 from tests.fixtures.tiny_checkpoints import save_tiny
-from tests.swarm.modeling.quant_reference import bnb_linear, check_nf4_split_swarm, compare_calls, quantized_reference
-from tests.swarm.modeling.test_family_open_models import GPT_OSS, VOCAB
 
 TOLERANCE = 1e-5
 

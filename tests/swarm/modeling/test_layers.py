@@ -16,7 +16,7 @@ import torch
 import swarm.modeling.llama as llama
 from swarm.modeling.families import family_for
 from swarm.modeling.model_config import model_config
-from tests.swarm.modeling.test_families import TINY, _configs
+from tests.fixtures.family_configs import LLAMA_TINY, llama_like_configs
 
 CAMEL = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
 
@@ -24,12 +24,12 @@ CAMEL = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
 def _cases():
     from transformers import LlamaConfig
 
-    cases = dict(_configs())
+    cases = dict(llama_like_configs())
     cases["llama-biases-llama3"] = LlamaConfig(
-        **{**TINY, "num_key_value_heads": 4}, attention_bias=True, mlp_bias=True,
+        **{**LLAMA_TINY, "num_key_value_heads": 4}, attention_bias=True, mlp_bias=True,
         rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
-    cases["llama-dynamic"] = LlamaConfig(**TINY, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4,
+    cases["llama-dynamic"] = LlamaConfig(**LLAMA_TINY, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4,
                                                                    "factor": 2.0})
     return cases
 
@@ -61,14 +61,14 @@ def test_layers_compute_what_transformers_computes(name, dtype):
     rotary_ref = getattr(hf, f"{CAMEL[family]}RotaryEmbedding")(config=hf_config)
     assert spec.rotary is not None
     rotary = spec.rotary(ours_config)
-    norm_ref = getattr(hf, f"{CAMEL[family]}RMSNorm")(TINY["hidden_size"], eps=1e-5).to(dtype)
-    norm = spec.norm(TINY["hidden_size"], eps=1e-5).to(dtype)
+    norm_ref = getattr(hf, f"{CAMEL[family]}RMSNorm")(LLAMA_TINY["hidden_size"], eps=1e-5).to(dtype)
+    norm = spec.norm(LLAMA_TINY["hidden_size"], eps=1e-5).to(dtype)
     norm.load_state_dict(norm_ref.state_dict())
     kv_heads, head_dim = hf_config.num_key_value_heads, ours.self_attn.head_dim
     # (batch, positions before, new positions, with an explicit mask); position 200 > the llama3 original length
     for batch, start, seq, masked in [(2, 0, 7, False), (1, 0, 1, False), (2, 5, 3, True), (3, 8, 1, False),
                                       (2, 200, 40, True)]:
-        x = torch.randn(batch, seq, TINY["hidden_size"], dtype=dtype)
+        x = torch.randn(batch, seq, LLAMA_TINY["hidden_size"], dtype=dtype)
         positions = torch.arange(start, start + seq)[None].expand(batch, -1)
         cos, sin = rotary(x, positions)
         cos_ref, sin_ref = rotary_ref(x, positions)

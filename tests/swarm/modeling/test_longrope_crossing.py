@@ -21,8 +21,9 @@ import torch
 from server.compute.blocks import BlockSpan
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.phi3 import recomputes_cache
+from tests.fixtures.family_configs import LONGROPE, VOCAB
+from tests.fixtures.span_checks import embed_ids, final_logits, greedy_steps
 from tests.fixtures.tiny_checkpoints import save_tiny
-from tests.swarm.modeling.test_family_open_models import LONGROPE, VOCAB, _embed, _greedy_steps, _logits
 
 
 @pytest.fixture(scope="module")
@@ -53,22 +54,22 @@ def test_a_session_crossing_the_original_length_matches_transformers(longrope):
         out = reference.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, output_logits=True,
                                  return_dict_in_generate=True)
     kv = span.new_session_kv(2, 32, 0, 4)
-    tokens = _greedy_steps(reference, span, kv, ids, span.forward(_embed(reference, ids), 0, kv), 8)
+    tokens = greedy_steps(reference, span, kv, ids, span.forward(embed_ids(reference, ids), 0, kv), 8)
     assert tokens.tolist() == out.sequences.tolist()
     # the same steps, each step's logits against transformers' (the last position's after each step)
     kept = span.new_session_kv(2, 32, 0, 4)  # (the cache kept across the boundary: what transformers does not do)
     kv = span.new_session_kv(2, 32, 0, 4)
-    hidden, stale = span.forward(_embed(reference, ids), 0, kv), span.forward(_embed(reference, ids), 0, kept)
+    hidden, stale = span.forward(embed_ids(reference, ids), 0, kv), span.forward(embed_ids(reference, ids), 0, kept)
     differ = 0.0
     for step, position in enumerate(range(9, 17)):
-        assert (_logits(reference, hidden[:, -1]) - out.logits[step]).abs().max().item() < 1e-4
-        differ = max(differ, (_logits(reference, stale[:, -1]) - out.logits[step]).abs().max().item())
+        assert (final_logits(reference, hidden[:, -1]) - out.logits[step]).abs().max().item() < 1e-4
+        differ = max(differ, (final_logits(reference, stale[:, -1]) - out.logits[step]).abs().max().item())
         token = tokens[:, position:position + 1]
         if recomputes_cache(span.config, position, position + 1):
-            hidden = span.forward(_embed(reference, tokens[:, :position + 1]), 0, kv)
+            hidden = span.forward(embed_ids(reference, tokens[:, :position + 1]), 0, kv)
         else:
-            hidden = span.forward_batch([(_embed(reference, token), position, kv)], 0, 4)[0]
-        stale = span.forward_batch([(_embed(reference, token), position, kept)], 0, 4)[0]
+            hidden = span.forward_batch([(embed_ids(reference, token), position, kv)], 0, 4)[0]
+        stale = span.forward_batch([(embed_ids(reference, token), position, kept)], 0, 4)[0]
     assert differ > 1e-3
 
 
@@ -136,34 +137,34 @@ def test_a_step_in_chunks_across_the_boundary_has_the_whole_steps_factors(longro
     with torch.no_grad():
         expected = reference(ids[:, :20]).logits  # [2, 20, vocab]
     kv = span.new_session_kv(2, 32, 0, 4)
-    ours = _logits(reference, _chunked(span, kv, _embed(reference, ids[:, :20]), 0, 8, 20))
+    ours = final_logits(reference, _chunked(span, kv, embed_ids(reference, ids[:, :20]), 0, 8, 20))
     assert (ours - expected).abs().max().item() < 1e-4
-    per_pass = _logits(reference, _chunked(span, span.new_session_kv(2, 32, 0, 4), _embed(reference, ids[:, :20]), 0,
-                                           8, None))
+    per_pass = final_logits(reference, _chunked(span, span.new_session_kv(2, 32, 0, 4),
+                                                embed_ids(reference, ids[:, :20]), 0, 8, None))
     assert (per_pass - expected).abs().max().item() > 1e-3  # the first passes' short factors
     assert (per_pass[:, 16:] - expected[:, 16:]).abs().max().item() > 1e-3  # and every key the later ones read
 
     # a batched decode step: this session at position 20 (long factors) with a session at position 8 (short)
     short = span.new_session_kv(1, 32, 0, 4)
-    _chunked(span, short, _embed(reference, ids[:1, :8]), 0, 8, 8)
-    one, two = span.forward_batch([(_embed(reference, ids[:, 20:21]), 20, kv),
-                                   (_embed(reference, ids[:1, 8:9]), 8, short)], 0, 4)
+    _chunked(span, short, embed_ids(reference, ids[:1, :8]), 0, 8, 8)
+    one, two = span.forward_batch([(embed_ids(reference, ids[:, 20:21]), 20, kv),
+                                   (embed_ids(reference, ids[:1, 8:9]), 8, short)], 0, 4)
     with torch.no_grad():
-        assert (_logits(reference, one[:, -1]) - reference(ids).logits[:, -1]).abs().max().item() < 1e-4
-        assert (_logits(reference, two[:, -1]) - reference(ids[:1, :9]).logits[:, -1]).abs().max().item() < 1e-4
+        assert (final_logits(reference, one[:, -1]) - reference(ids).logits[:, -1]).abs().max().item() < 1e-4
+        assert (final_logits(reference, two[:, -1]) - reference(ids[:1, :9]).logits[:, -1]).abs().max().item() < 1e-4
 
     # a batched prefill pass: the first 8 positions of a 20-token step (long) with an 8-token step (short)
     first, second = span.new_session_kv(1, 32, 0, 4), span.new_session_kv(1, 32, 0, 4)
     first.rope_length, second.rope_length = 20, 8
-    embeds = _embed(reference, ids[:2, :8])
+    embeds = embed_ids(reference, ids[:2, :8])
     a, b = span.forward_prefill_batch([(embeds[:1], 0, first), (embeds[1:], 0, second)], 0, 4)
     assert torch.allclose(a, _chunked(span, span.new_session_kv(1, 32, 0, 4), embeds[:1], 0, 8, 20), atol=1e-5)
     with torch.no_grad():
-        assert (_logits(reference, b) - reference(ids[1:2, :8]).logits).abs().max().item() < 1e-4
+        assert (final_logits(reference, b) - reference(ids[1:2, :8]).logits).abs().max().item() < 1e-4
 
     # a spot-check's replay of the step's first 8 positions (`ForwardRequest.rope_length`: a pass without a cache)
-    replayed = span.forward(_embed(reference, ids[:, :8]), 0, None, rope_length=20)
-    assert torch.allclose(replayed, _chunked(span, span.new_session_kv(2, 32, 0, 4), _embed(reference, ids[:, :20]),
+    replayed = span.forward(embed_ids(reference, ids[:, :8]), 0, None, rope_length=20)
+    assert torch.allclose(replayed, _chunked(span, span.new_session_kv(2, 32, 0, 4), embed_ids(reference, ids[:, :20]),
                                              0, 8, 20)[:, :8], atol=1e-5)
 
 

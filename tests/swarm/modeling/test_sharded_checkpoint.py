@@ -8,25 +8,11 @@ import json
 import pytest
 import torch
 
-import swarm.modeling.checkpoint as checkpoint_module
 from server.compute.blocks import BlockSpan
 from swarm.modeling.checkpoint import Checkpoint
-from tests.fixtures.tiny_checkpoints import save_tiny, shard_files
+from tests.fixtures.tiny_checkpoints import OpenedFiles, save_tiny, shard_files
 
 FAMILIES = ["llama", "mistral", "qwen2", "mixtral"]
-
-
-class OpenedFiles:
-    """Wraps `open` in `swarm.modeling.checkpoint` (where tensors are read) and records the file names opened."""
-
-    def __init__(self, monkeypatch):
-        self.names: list = []
-
-        def counting_open(path, *args, **kwargs):
-            self.names.append(str(path).rsplit("/", 1)[-1])
-            return open(path, *args, **kwargs)
-
-        monkeypatch.setattr(checkpoint_module, "open", counting_open, raising=False)
 
 
 def _shards_of(path, prefixes) -> set:
