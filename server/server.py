@@ -63,6 +63,7 @@ from swarm.modeling.quantize import check_quant_support, resolve_quant_type
 from swarm.modeling.shape import ModelShape
 from swarm.modeling.tensor_parallel import TensorParallelError, check_splittable
 from swarm.runtime import lifecycle, malloc
+from swarm.runtime.config import parse_span
 from swarm.runtime.cpu_turns import CpuTurns, cpu_turns_enabled
 from swarm.runtime.dht_traffic import read_dht_traffic_async
 from swarm.runtime.swarm_key import proof_for
@@ -90,9 +91,21 @@ class Server:
     def __init__(self, config: ServerConfig):
         self.config = config
         self.checkpoint = Checkpoint(resolve_model(config.model), cache_dir=config.cache_dir,
-                                     max_disk_space=parse_size(config.max_disk_space))
+                                     max_disk_space=parse_size(config.max_disk_space), revision=config.revision,
+                                     token=config.token)
         self.model_config = self.checkpoint.load_config()
-        family_for(self.model_config)  # an unknown model type: one line naming the supported families
+        family = family_for(self.model_config)  # an unknown model type: one line naming the supported families
+        # a checkpoint published quantized (`swarm.modeling.checkpoint_quant`): an unknown format, or a pinned span's
+        # tensors not as its config says (from their headers), is one line naming the tensor, before the DHT starts
+        # (an unpinned span's are checked as `BlockSpan.load` begins, before any tensor data is read)
+        self.checkpoint.expect_prefix(family.base_prefix)
+        if config.block_indices is not None:
+            first, last = parse_span(config.block_indices)
+            prefixes = tuple(family.block_tensor_prefix(i)
+                             for i in range(first, min(last, self.model_config.num_hidden_layers)))
+            self.checkpoint.check_quantized(lambda name: name.startswith(prefixes))
+        else:
+            self.checkpoint.quantization()
         self.num_blocks_total = self.model_config.num_hidden_layers
         self.prefix = config.dht_prefix or dht_prefix_for(config.model)
         self.device = torch.device(config.span_device)
