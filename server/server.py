@@ -95,18 +95,14 @@ class Server:
                                      token=config.token)
         self.model_config = self.checkpoint.load_config()
         family = family_for(self.model_config)  # an unknown model type: one line naming the supported families
-        # a checkpoint published quantized (`swarm.modeling.checkpoint_quant`): an unknown format, or a pinned span's
-        # tensors not as its config says (from their headers), is one line naming the tensor, before the DHT starts
-        # (an unpinned span's are checked as `BlockSpan.load` begins, before any tensor data is read)
-        self.checkpoint.expect_prefix(family.base_prefix)
-        if config.block_indices is not None:
-            first, last = parse_span(config.block_indices)
-            prefixes = tuple(family.block_tensor_prefix(i)
-                             for i in range(first, min(last, self.model_config.num_hidden_layers)))
-            self.checkpoint.check_quantized(lambda name: name.startswith(prefixes))
-        else:
-            self.checkpoint.quantization()
         self.num_blocks_total = self.model_config.num_hidden_layers
+        # a checkpoint published quantized (`swarm.modeling.checkpoint_quant`): an unknown format, or tensors not as
+        # its config says, is one line naming the tensor before the DHT starts. Checked from the safetensors headers
+        # of a pinned span's blocks, else of every block that may be placed here (a hub repo's: fetched alone)
+        self.checkpoint.expect_prefix(family.base_prefix)
+        first, last = parse_span(config.block_indices) if config.block_indices else (0, self.num_blocks_total)
+        prefixes = tuple(family.block_tensor_prefix(i) for i in range(first, min(last, self.num_blocks_total)))
+        self.checkpoint.check_quantized(lambda name: name.startswith(prefixes))
         self.prefix = config.dht_prefix or dht_prefix_for(config.model)
         self.device = torch.device(config.span_device)
         self.dtype = resolve_dtype(config.torch_dtype, self.model_config, self.device)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -115,12 +116,13 @@ class Checkpoint:
         if fmt is None:
             return
         infos: Dict[str, Tuple[torch.dtype, Tuple[int, ...]]] = {}
-        for filename, names in self._by_file(select).items():
-            path = self.file(filename)
-            assert path is not None
-            if path.suffix != ".safetensors":
-                continue  # (checked as the tensors are read)
-            header = _read_header(path)
+        by_file = {f: names for f, names in self._by_file(select).items() if f.endswith(".safetensors")}
+        with ThreadPoolExecutor(8) as pool:  # (a hub repo's shards: one small request each)
+            headers = dict(zip(by_file, pool.map(self._header, by_file)))
+        for filename, names in by_file.items():
+            header = headers[filename]
+            if header is None:
+                continue  # (checked as its tensors are read)
             for name in names:
                 info = header[self._stored_names.get(name, name)]
                 infos[name] = (SAFETENSORS_DTYPES.get(info["dtype"], torch.uint8), tuple(info["shape"]))
@@ -156,6 +158,27 @@ class Checkpoint:
         self._stored_names = {new: old for old, new in renamed.items() if new != old}
         self._weight_map = {renamed[name]: filename for name, filename in names.items()}
 
+    def _header(self, filename: str) -> Optional[dict]:
+        """A safetensors file's header (tensor name -> {"dtype", "shape", ...}): read from the file where it is
+        here (a local directory, the hub cache), else fetched alone from the hub (an HTTP range request, not the
+        file); None where that fails (offline: the tensors are checked as they are read)."""
+        if self.local_dir is not None:
+            path = self.file(filename)
+            assert path is not None
+            return _read_header(path)
+        from huggingface_hub import HfApi, try_to_load_from_cache
+
+        cached = try_to_load_from_cache(self.name, filename, cache_dir=self.cache_dir, revision=self.revision)
+        if isinstance(cached, str):
+            return _read_header(Path(cached))
+        try:
+            metadata = HfApi().parse_safetensors_file_metadata(self.name, filename, revision=self.revision,
+                                                              token=self.token)
+        except Exception as e:  # offline, network, auth: the load itself reports what it cannot read
+            logger.debug(f"no header of {filename} from the hub ({e}): its tensors are checked as they are read")
+            return None
+        return {name: {"dtype": info.dtype, "shape": info.shape} for name, info in metadata.tensors.items()}
+
     # ---- tensors ----------------------------------------------------------------------------------------
     def load_tensors(
         self, select: Callable[[str], bool], dtype: Optional[torch.dtype] = None
@@ -163,22 +186,33 @@ class Checkpoint:
         """Read the tensors whose names `select` accepts, opening only the files that hold them (of a quantized
         checkpoint: the stored tensors of those names, dequantized into `dtype`, float32 if None)."""
         fmt = self.quantization()
+        by_file = self._by_file(select)
+        every = {name for names in by_file.values() for name in names}
         result: Dict[str, torch.Tensor] = {}
-        for filename, names in sorted(self._by_file(select).items()):
+        pending: Dict[str, torch.Tensor] = {}  # (quantized: stored tensors whose group is not all read yet)
+        for filename, names in sorted(by_file.items()):
             path = self.file(filename)
             assert path is not None  # required files raise instead
             stored = [self._stored_names.get(name, name) for name in names]
             for name, (_, tensor) in zip(names, _read_tensors(path, stored)):
-                if fmt is None and dtype is not None and tensor.is_floating_point():
-                    tensor = tensor.to(dtype)
-                result[name] = tensor
-        if fmt is None:
-            return result
+                if fmt is None:
+                    result[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+                    continue
+                pending[name] = tensor
+                group = fmt.group(name, every)
+                if all(n in pending for n in group):  # dequantized as soon as read: one pair's bytes at a time
+                    result.update(self._dequantize(fmt, {n: pending.pop(n) for n in group}, dtype))
+        if fmt is not None and pending:  # halves without their other half: `dequantize` names them
+            result.update(self._dequantize(fmt, pending, dtype))
+        return result
+
+    def _dequantize(self, fmt: QuantFormat, tensors: Dict[str, torch.Tensor], dtype: Optional[torch.dtype]
+                    ) -> Dict[str, torch.Tensor]:
         try:
-            result = fmt.dequantize(result, dtype or torch.float32)
+            done = fmt.dequantize(tensors, dtype or torch.float32)
         except QuantizationError as e:
             raise CheckpointError(f"{self.name}: {e}") from None
-        return {name: t.to(dtype) if dtype is not None and t.is_floating_point() else t for name, t in result.items()}
+        return {name: t.to(dtype) if dtype is not None and t.is_floating_point() else t for name, t in done.items()}
 
     def _by_file(self, select: Callable[[str], bool]) -> Dict[str, List[str]]:
         """file name -> the stored tensor names in it whose logical names `select` accepts."""

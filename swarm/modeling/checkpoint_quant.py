@@ -3,7 +3,8 @@
 A checkpoint's `config.json` names its format in `quantization_config.quant_method` (`quant_format`); the reader then
 selects tensors by their logical names (`logical_name`: what the model's modules are called), reads the stored
 tensors, checks them (`check_tensors`: before any data is read, from the safetensors headers too) and turns each
-quantized pair into one tensor of the serving dtype (`dequantize`). What is held after loading is then exactly what
+quantized pair into one tensor of the serving dtype (`dequantize`) as soon as both halves are read (`group`): a
+block's load holds its dequantized tensors and one pair's stored bytes. What is held after loading is then exactly what
 an unquantized checkpoint of the serving dtype gives (`server.placement.memory` plans by it), and `--quant_type`
 int8 / nf4 quantizes the dequantized block as usual.
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -92,9 +93,9 @@ class QuantFormat:
         if dtype != torch.uint8 or scales[0] != torch.uint8:
             raise QuantizationError(f"{name} / {base}_scales: MXFP4 blocks and scales are uint8, got {dtype} and "
                                     f"{scales[0]}")
-        if len(shape) < 2 or shape[-1] != MXFP4_GROUP // 2:
-            raise QuantizationError(f"{name} has shape {list(shape)}: MXFP4 blocks are [..., {MXFP4_GROUP // 2}] "
-                                    f"bytes ({MXFP4_GROUP} values per scale)")
+        if len(shape) < 3 or shape[-1] != MXFP4_GROUP // 2:
+            raise QuantizationError(f"{name} has shape {list(shape)}: MXFP4 blocks are [..., rows, groups, "
+                                    f"{MXFP4_GROUP // 2}] bytes ({MXFP4_GROUP} values per scale)")
         if tuple(scales[1]) != tuple(shape[:-1]):
             raise QuantizationError(f"{base}_scales has shape {list(scales[1])}, expected {list(shape[:-1])} (one "
                                     f"scale per {MXFP4_GROUP} values of {name} {list(shape)})")
@@ -128,6 +129,18 @@ class QuantFormat:
                 f"divide {name} {list(shape)} into that grid (expected {list(expected)})")
 
     # ---- dequantizing -----------------------------------------------------------------------------------
+    def group(self, stored: str, names: Set[str]) -> FrozenSet[str]:
+        """The stored tensors among `names` (what one read call reads) that make `stored`'s logical tensor: a
+        quantized pair, or the tensor alone."""
+        base = self.logical_name(stored)
+        if self.method == "mxfp4":
+            pair = frozenset((base + "_blocks", base + "_scales"))
+            return pair if stored in pair else frozenset((stored,))
+        if stored.endswith(ACTIVATION_SCALES):
+            return frozenset((stored,))
+        pair = frozenset((base, base + "_scale_inv"))
+        return pair if base + "_scale_inv" in names or stored != base else frozenset((stored,))
+
     def dequantize(self, tensors: Dict[str, torch.Tensor], dtype: torch.dtype) -> Dict[str, torch.Tensor]:
         """Stored tensors (one or more blocks' worth, popped from `tensors` as they are done) -> logical names,
         quantized pairs dequantized into `dtype`, other tensors as they are."""
@@ -150,31 +163,45 @@ class QuantFormat:
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """blocks uint8 [..., rows, groups, 16], scales uint8 [..., rows, groups] -> [..., groups * 32, rows] `dtype`."""
-    *prefix, groups, width = blocks.shape
-    rows_total = math.prod(prefix) * groups
-    lut = torch.tensor(FP4_VALUES, dtype=dtype)
-    packed = blocks.reshape(rows_total, width)
-    out = torch.empty(rows_total, width * 2, dtype=dtype)
-    out[:, 0::2] = lut[(packed & 0x0F).to(torch.int)]
-    out[:, 1::2] = lut[(packed >> 4).to(torch.int)]
-    torch.ldexp(out, scales.reshape(rows_total, 1).to(torch.int32) - E8M0_BIAS, out=out)
-    return out.view(*prefix, groups * width * 2).transpose(-1, -2).contiguous()
+    """blocks uint8 [..., rows, groups, 16], scales uint8 [..., rows, groups] -> [..., groups * 32, rows] `dtype`.
+
+    Each byte's two values from one 256-entry table (low nibble first), times 2 ** (scale - 127) per group
+    (`ldexp`): the numbers of transformers' `convert_moe_packed_tensors`, in one gather; one expert (leading index)
+    at a time, written transposed into the result, so that the temporaries are one expert's."""
+    *prefix, rows, groups, width = blocks.shape
+    values = torch.tensor(FP4_VALUES, dtype=dtype)
+    pairs = torch.stack([values.repeat(16), values.repeat_interleave(16)], dim=-1)  # [256, 2]: byte -> (lo, hi)
+    count = math.prod(prefix)
+    result = torch.empty(count, groups * width * 2, rows, dtype=dtype)
+    blocks, scales = blocks.reshape(count, rows * groups, width), scales.reshape(count, rows * groups, 1)
+    for i in range(count):
+        out = pairs[blocks[i].to(torch.int64)].view(rows * groups, width * 2)  # [rows * groups, 32]
+        torch.ldexp(out, scales[i].to(torch.int32) - E8M0_BIAS, out=out)  # times 2 ** (scale - 127)
+        result[i] = out.view(rows, groups * width * 2).t()
+    return result.view(*prefix, groups * width * 2, rows)
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block_size: Optional[Tuple[int, int]],
                    dtype: torch.dtype) -> torch.Tensor:
     """weight FP8 [..., rows, cols] times its scales (float32, or e8m0 bytes: 2 ** (byte - 127)) per block of
-    `block_size` (the last ones partial), computed in float32 -> `dtype`."""
+    `block_size` (the last ones partial), computed in float32 -> `dtype`, one band of block rows at a time (the
+    float32 temporaries: one band's)."""
     scale = (scale_inv.to(torch.float32) - E8M0_BIAS).exp2() if scale_inv.dtype == torch.uint8 \
         else scale_inv.to(torch.float32)
-    w = weight.to(torch.float32)
     if block_size is None:
-        return (w * scale.reshape(())).to(dtype)
-    rows, cols = w.shape[-2:]
+        return weight.to(torch.float32).mul_(scale.reshape(())).to(dtype)
+    rows, cols = weight.shape[-2:]
     bm, bn = block_size
-    full = scale.repeat_interleave(bm, dim=-2)[..., :rows, :].repeat_interleave(bn, dim=-1)[..., :cols]
-    return (w * full).to(dtype)
+    whole = cols // bn * bn
+    result = torch.empty(weight.shape, dtype=dtype)
+    for band, r0 in enumerate(range(0, rows, bm)):
+        w = weight[..., r0:r0 + bm, :].to(torch.float32)  # [..., <= bm, cols]
+        s = scale[..., band, None, :]  # [..., 1, col blocks]
+        w[..., :whole].unflatten(-1, (cols // bn, bn)).mul_(s[..., :cols // bn, None])
+        if whole < cols:  # the last, partial column block
+            w[..., whole:].mul_(s[..., cols // bn:])
+        result[..., r0:r0 + bm, :] = w
+    return result
 
 
 def quant_format(config: Optional[dict]) -> Optional[QuantFormat]:

@@ -61,11 +61,13 @@ def test_mxfp4_dequantizer_equals_transformers():
 
     torch.manual_seed(0)
     blocks = torch.randint(0, 256, (3, 40, 4, 16), dtype=torch.uint8)
-    scales = torch.randint(120, 134, (3, 40, 4), dtype=torch.uint8)
-    for dtype in (torch.float32, torch.bfloat16):
-        ours = dequantize_mxfp4(blocks, scales, dtype)
-        assert ours.shape == (3, 128, 40) and ours.dtype == dtype
-        assert torch.equal(ours, convert_moe_packed_tensors(blocks, scales, dtype=dtype))
+    for scales in (torch.randint(120, 134, (3, 40, 4), dtype=torch.uint8),  # (typical)
+                   torch.randint(0, 256, (3, 40, 4), dtype=torch.uint8)):  # every e8m0 byte, over- and underflows
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            ours = dequantize_mxfp4(blocks, scales, dtype)
+            assert ours.shape == (3, 128, 40) and ours.dtype == dtype
+            torch.testing.assert_close(ours, convert_moe_packed_tensors(blocks, scales, dtype=dtype), rtol=0, atol=0,
+                                       equal_nan=True)
     # the test's quantizer: values already on the grid come back as they were
     w = torch.tensor([0.5, -1.5, 6.0, -4.0] * 8).repeat(2, 1) * 2.0 ** -3  # [2, 32]
     b, s = quantize_mxfp4(w)
@@ -181,7 +183,7 @@ MALFORMED = {
     "wrong FP8 scale shape": ("deepseek_v3-fp8", lambda p: _edit_shard(
         p, Q_A, lambda t: t.update({Q_A + "_scale_inv": torch.ones(3, 2)})), f"{Q_A}_scale_inv has shape \\[3, 2\\]"),
     "block size not dividing": ("deepseek_v3-fp8", lambda p: _edit_config(p, weight_block_size=[64, 64]),
-                                "weight_block_size \\[64, 64\\] does not divide model.layers.0."),
+                                "weight_block_size \\[64, 64\\] does not divide model.layers.[01]."),
     "unknown quant_method": ("qwen3-fp8", lambda p: _edit_config(p, quant_method="awq"),
                              "quant_method 'awq' is not supported"),
     "missing MXFP4 scales": ("gpt_oss-mxfp4", lambda p: _edit_shard(
@@ -200,15 +202,16 @@ def test_a_malformed_checkpoint_fails_with_its_line(fault, tmp_path, monkeypatch
     with pytest.raises(CheckpointError, match=message):
         BlockSpan.load(Checkpoint(str(tmp_path)), 0, 4, "float32")
 
-    # a server started on it: the same line, exit 1, before its DHT starts
+    # a server started on it, pinned or placing itself: the same line, exit 1, before its DHT starts
     from server.server import main
 
     def run(self):
         raise AssertionError("the server started")
 
     monkeypatch.setattr("server.server.Server.run", run)
-    assert main([str(tmp_path), "--block_indices", "0:4", "--throughput", "1"]) == 1
-    assert re.search(message, capsys.readouterr().err)
+    for pinned in (["--block_indices", "1:3"], []):
+        assert main([str(tmp_path), "--throughput", "1", *pinned]) == 1
+        assert re.search(message, capsys.readouterr().err)
 
 
 def test_nf4_blocks_equal_nf4_of_the_dequantized_weights(quantized, tmp_path):
