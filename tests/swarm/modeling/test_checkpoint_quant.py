@@ -300,3 +300,20 @@ def test_hub_flags_pick_the_revision(tmp_path, monkeypatch, capsys):
     for config_cls in (ServerConfig, GatewayConfig):
         text = build_parser(config_cls, "swarmgate", "", positional="model").format_help()
         assert "--revision" in text and "--token" in text and "HF_TOKEN" in text
+
+
+def test_the_client_parts_load_dequantized(tmp_path):
+    """The client's tensors (`load_tensors` by name, as `DistributedModelForCausalLM.from_pretrained` reads the
+    embeddings, norm and head) come dequantized where the checkpoint quantized them: here an FP8 LM head with its
+    `weight_scale_inv`, whose scale is read with it though only `lm_head.weight` is asked for."""
+    write_quantized(tmp_path, "qwen3-fp8")
+    head = "lm_head.weight"
+    original = Checkpoint(str(tmp_path)).load_tensors(lambda name: name == head)[head]
+    weight, scale_inv = quantize_fp8(original)
+    _edit_shard(tmp_path, head, lambda t: t.update({head: weight, head + "_scale_inv": scale_inv}))
+    tensors = Checkpoint(str(tmp_path)).load_tensors(lambda name: name in (head, "model.norm.weight"),
+                                                     torch.float32)
+    assert sorted(tensors) == [head, "model.norm.weight"]
+    assert torch.equal(tensors[head], dequantize_fp8(weight, scale_inv, (128, 128), torch.float32))
+    reference = reference_of(tmp_path, "qwen3")
+    assert torch.equal(tensors[head], reference.lm_head.weight)
