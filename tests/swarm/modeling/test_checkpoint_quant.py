@@ -1,15 +1,18 @@
-"""Checkpoints as published quantized (`swarm.modeling.checkpoint_quant`): GPT-OSS with MXFP4 experts, DeepSeek-V3 and
-Qwen3 with block-scaled FP8 weights, in tiny checkpoints written in exactly the official layouts
-(`tests.fixtures.quant_checkpoints`), against transformers loading the same checkpoint and dequantizing on the CPU.
+"""Checkpoints as published quantized (`swarm.modeling.checkpoint_quant`): GPT-OSS with MXFP4 experts, DeepSeek-V3,
+Qwen3 and Qwen3-MoE (experts one by one) with block-scaled FP8 weights, in tiny checkpoints written in exactly the
+official layouts (`tests.fixtures.quant_checkpoints`), against transformers loading the same checkpoint and
+dequantizing on the CPU.
 
-In process: the dequantizers equal transformers' on their own (MXFP4 in float32 and bfloat16; FP8 of whole 128 x 128
-blocks, and of partial ones as DeepSeek's 576-row kv_a_proj_with_mqa needs them), the loaded blocks' tensors equal
-transformers' model's bit for bit, their hidden states and logits within 1e-4 (prefill and greedy decode steps),
-the memory plan equals the bytes held after loading, a span opens only its blocks' shards, DeepSeek's
-multi-token-prediction block is skipped with one log line, and each malformed checkpoint fails with its line before
-any tensor data is read (and a server started on one exits with it, before its DHT starts). Through real processes
-(extended tier: two servers split mid-model against transformers' greedy tokens, for MXFP4 and for FP8) in
-`test_split_swarm_*` below; make test covers the same loading path in process here.
+In process: the dequantizers equal transformers' on their own (MXFP4 in float32, bfloat16 and float16 over every
+e8m0 byte; FP8 of whole 128 x 128 blocks, and of partial ones as DeepSeek's 576-row kv_a_proj_with_mqa needs
+them), the loaded blocks' tensors equal transformers' model's bit for bit, their hidden states and logits within 1e-4
+(prefill and greedy decode steps), nf4 of them equal to nf4 of the dequantized weights, the memory plan equals the
+bytes held after loading, a span opens only its blocks' shards, DeepSeek's multi-token-prediction block is skipped
+with one log line, the client's parts load dequantized (an FP8 head), `--revision` / `--token` reach the hub reads,
+and each malformed checkpoint fails with its line from the headers (and a server started on one, pinned or not,
+exits with it before its DHT starts). Through real processes (extended tier: two servers split mid-model against
+transformers' greedy tokens and logits, for MXFP4 and for FP8) in `test_split_swarm_*` below; make test covers the
+same loading path in process here.
 """
 from __future__ import annotations
 
@@ -36,8 +39,9 @@ from tests.swarm.modeling.test_sharded_checkpoint import OpenedFiles
 DEEPSEEK_FP8 = dict(DEEPSEEK, hidden_size=256, intermediate_size=256, moe_intermediate_size=128, kv_lora_rank=120,
                     q_lora_rank=128)
 QWEN3_FP8 = dict(hidden_size=256, intermediate_size=384, head_dim=64)
+QWEN3_MOE_FP8 = dict(hidden_size=256, head_dim=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128)
 CASES = {"gpt_oss-mxfp4": ("gpt_oss", GPT_OSS, to_mxfp4), "deepseek_v3-fp8": ("deepseek_v3", DEEPSEEK_FP8, to_fp8),
-         "qwen3-fp8": ("qwen3", QWEN3_FP8, to_fp8)}
+         "qwen3-fp8": ("qwen3", QWEN3_FP8, to_fp8), "qwen3_moe-fp8": ("qwen3_moe", QWEN3_MOE_FP8, to_fp8)}
 
 
 def write_quantized(path: Path, case: str, tokenizer_dir=None, mtp: bool = True, **overrides) -> None:
@@ -96,6 +100,8 @@ def _their_state(family: str, reference, index: int) -> dict:
     state = dict(reference.model.layers[index].state_dict())
     if family == "deepseek_v3" and index >= 1:  # (transformers 5 fuses the experts: ours keeps them one by one)
         state = from_fused_layout(state, int(reference.config.n_routed_experts))
+    if family == "qwen3_moe":
+        state = from_fused_layout(state, int(reference.config.num_experts))
     return state
 
 
