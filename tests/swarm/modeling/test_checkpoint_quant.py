@@ -11,8 +11,8 @@ bytes held after loading, a span opens only its blocks' shards, DeepSeek's multi
 with one log line, the client's parts load dequantized (an FP8 head), `--revision` / `--token` reach the hub reads,
 and each malformed checkpoint fails with its line from the headers (and a server started on one, pinned or not,
 exits with it before its DHT starts). Through real processes (extended tier: two servers split mid-model against
-transformers' greedy tokens and logits, for MXFP4 and for FP8) in `test_split_swarm_*` below; make test covers the
-same loading path in process here.
+transformers' greedy tokens and logits, for MXFP4 and for FP8; two nf4 servers of MXFP4 against transformers' nf4
+of the dequantized weights) in `test_split_swarm_*` below; make test covers the same loading path in process here.
 """
 from __future__ import annotations
 
@@ -323,3 +323,20 @@ def test_the_client_parts_load_dequantized(tmp_path):
     assert torch.equal(tensors[head], dequantize_fp8(weight, scale_inv, (128, 128), torch.float32))
     reference = reference_of(tmp_path, "qwen3")
     assert torch.equal(tensors[head], reference.lm_head.weight)
+
+
+def test_split_swarm_nf4_of_the_mxfp4_checkpoint(tmp_path, bootstrap, model_path, tokenizer):
+    """Two `--quant_type nf4` servers of GPT-OSS's MXFP4 checkpoint: greedy tokens equal transformers' nf4 model
+    (its bitsandbytes integration) of the dequantized weights (`test_gpt_oss_quant.gpt_oss_reference`)."""
+    from tests.e2e.test_family_swarms import PROMPTS
+    from tests.swarm.modeling.quant_reference import check_nf4_split_swarm
+    from tests.swarm.modeling.test_gpt_oss_quant import gpt_oss_reference
+
+    path, plain = tmp_path / "mxfp4", tmp_path / "dequantized"
+    write_quantized(path, "gpt_oss-mxfp4", model_path, vocab_size=TINY_VOCAB)
+    plain.mkdir()
+    save_fused(reference_of(path, "gpt_oss"), plain)
+    config = json.loads((path / "config.json").read_text())
+    config.pop("quantization_config")
+    (plain / "config.json").write_text(json.dumps(config))
+    check_nf4_split_swarm(path, gpt_oss_reference(plain, "nf4"), bootstrap, tokenizer, "qgon", PROMPTS[:3])
