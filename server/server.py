@@ -99,10 +99,11 @@ class Server:
         # a checkpoint published quantized (`swarm.modeling.checkpoint_quant`): an unknown format, or tensors not as
         # its config says, is one line naming the tensor before the DHT starts. Checked from the safetensors headers
         # of a pinned span's blocks, else of every block that may be placed here (a hub repo's: fetched alone)
-        self.checkpoint.expect_prefix(family.base_prefix)
-        first, last = parse_span(config.block_indices) if config.block_indices else (0, self.num_blocks_total)
-        prefixes = tuple(family.block_tensor_prefix(i) for i in range(first, min(last, self.num_blocks_total)))
-        self.checkpoint.check_quantized(lambda name: name.startswith(prefixes))
+        if self.checkpoint.quantization() is not None:  # (config.json only: others read no weight map here)
+            self.checkpoint.expect_prefix(family.base_prefix)
+            first, last = parse_span(config.block_indices) if config.block_indices else (0, self.num_blocks_total)
+            prefixes = tuple(family.block_tensor_prefix(i) for i in range(first, min(last, self.num_blocks_total)))
+            self.checkpoint.check_quantized(lambda name: name.startswith(prefixes))
         self.prefix = config.dht_prefix or dht_prefix_for(config.model)
         self.device = torch.device(config.span_device)
         self.dtype = resolve_dtype(config.torch_dtype, self.model_config, self.device)
