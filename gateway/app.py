@@ -104,7 +104,8 @@ def load_model(config: GatewayConfig):
         torch_dtype=config.torch_dtype, step_timeout=config.step_timeout, request_timeout=config.rpc_timeout,
         allowed_quant_types=config.allowed_quant_types, swarm_key=config.swarm_key, compression=config.compression,
         swarm_key_file=config.swarm_key_file, verify=config.verify_rate > 0, verify_probability=config.verify_rate,
-        head_packed_rows=config.head_packed_rows)  # padded head rows: ~3 MB; each pack: the head's size again
+        head_packed_rows=config.head_packed_rows,  # padded head rows: ~3 MB; each pack: the head's size again
+        revision=config.revision, token=config.token)
 
 
 def load_tokenizer(config: GatewayConfig):
@@ -113,9 +114,10 @@ def load_tokenizer(config: GatewayConfig):
     from swarm.modeling.checkpoint import Checkpoint
     from swarm.modeling.prepare import resolve_model
 
-    checkpoint = Checkpoint(resolve_model(config.model))
+    checkpoint = Checkpoint(resolve_model(config.model), revision=config.revision, token=config.token)
     # with the model config given, AutoTokenizer does not load it through AutoConfig (swarm.modeling.model_config: why)
-    return AutoTokenizer.from_pretrained(checkpoint.config_dir, config=checkpoint.load_config())
+    return AutoTokenizer.from_pretrained(checkpoint.config_dir, config=checkpoint.load_config(),
+                                         revision=config.revision, token=config.token)
 
 
 def _eos_ids(model) -> list:

@@ -20,6 +20,9 @@ from swarm.wire.dtypes import QUANT_TYPES, parse_dtype
 
 class GatewayConfig(SwarmKeySettings):
     model: str = Field(description="model served by the swarm: bundled name, local checkpoint directory or hub id")
+    revision: Optional[str] = Field(default=None, description="a hub model's branch, tag or commit (default: main)")
+    token: Optional[str] = Field(default=None, description="a gated or private hub model's access token (default: "
+                                                           "huggingface_hub's own, HF_TOKEN or the stored login)")
     initial_peers: List[str] = Field(default_factory=list, description="multiaddrs of DHT peers of the swarm")
     dht_prefix: Optional[str] = Field(default=None, description="DHT key prefix (default: from the model name)")
     host: str = Field(default="127.0.0.1", description="address the HTTP server listens on")

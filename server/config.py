@@ -123,6 +123,11 @@ class ServerConfig(SwarmKeySettings, RelaySettings):
                                                                  "the server moves to other blocks")
     dht_prefix: Optional[str] = Field(default=None, description="DHT key prefix (default: from the model name)")
     cache_dir: Optional[str] = Field(default=None, description="download cache for hub checkpoints")
+    revision: Optional[str] = Field(default=None, description="hub checkpoints: the branch, tag or commit to serve "
+                                                              "(default: the repo's main branch)")
+    token: Optional[str] = Field(default=None, description="hub checkpoints: the access token for a gated or private "
+                                                           "repo (default: huggingface_hub's own, the HF_TOKEN "
+                                                           "environment variable or the stored `hf auth login`)")
     max_disk_space: Optional[str] = Field(default=None, description="size limit of the download cache (e.g. 50GB); "
                                                                      "least recently used files are evicted")
     num_threads: Optional[int] = Field(default=None, gt=0, description="torch intra-op threads")

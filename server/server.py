@@ -69,6 +69,7 @@ from swarm.modeling.quantize import check_quant_support, resolve_quant_type
 from swarm.modeling.shape import ModelShape
 from swarm.modeling.tensor_parallel import TensorParallelError, check_splittable
 from swarm.runtime import lifecycle, malloc
+from swarm.runtime.config import parse_span
 from swarm.runtime.cpu_turns import CpuTurns, cpu_turns_enabled
 from swarm.runtime.dht_traffic import read_dht_traffic_async
 from swarm.runtime.swarm_key import proof_for
@@ -96,10 +97,19 @@ class Server:
     def __init__(self, config: ServerConfig):
         self.config = config
         self.checkpoint = Checkpoint(resolve_model(config.model), cache_dir=config.cache_dir,
-                                     max_disk_space=parse_size(config.max_disk_space))
+                                     max_disk_space=parse_size(config.max_disk_space), revision=config.revision,
+                                     token=config.token)
         self.model_config = self.checkpoint.load_config()
-        family_for(self.model_config)  # an unknown model type: one line naming the supported families
+        family = family_for(self.model_config)  # an unknown model type: one line naming the supported families
         self.num_blocks_total = self.model_config.num_hidden_layers
+        # a checkpoint published quantized (`swarm.modeling.checkpoint_quant`): an unknown format, or tensors not as
+        # its config says, is one line naming the tensor before the DHT starts. Checked from the safetensors headers
+        # of a pinned span's blocks, else of every block that may be placed here (a hub repo's: fetched alone)
+        if self.checkpoint.quantization() is not None:  # (config.json only: others read no weight map here)
+            self.checkpoint.expect_prefix(family.base_prefix)
+            first, last = parse_span(config.block_indices) if config.block_indices else (0, self.num_blocks_total)
+            prefixes = tuple(family.block_tensor_prefix(i) for i in range(first, min(last, self.num_blocks_total)))
+            self.checkpoint.check_quantized(lambda name: name.startswith(prefixes))
         self.prefix = config.dht_prefix or dht_prefix_for(config.model)
         self.device = torch.device(config.span_device)
         self.dtype = resolve_dtype(config.torch_dtype, self.model_config, self.device)

@@ -2,7 +2,9 @@
 
 `BlockSpan.load` reads only the tensors of blocks [start, end) from the checkpoint (the other blocks are never
 materialized) into the family's decoder layers, built on the meta device and filled in place, one block at a time
-(with `quant_type` int8 / nf4 each block is quantized before the next is read: `swarm.modeling.quantize`).
+(with `quant_type` int8 / nf4 each block is quantized before the next is read: `swarm.modeling.quantize`). A
+checkpoint published quantized (MXFP4, block-scaled FP8) has the span's stored tensors checked from their headers
+first, then each block dequantized into the serving dtype as it is read (`swarm.modeling.checkpoint_quant`).
 `forward` runs `[batch, seq, hidden]` states through some or all of the span with explicit positions, either with a
 session's `SessionKV` (inference) or without a cache (a plain forward pass), optionally adding a session's deep
 prompts to each block's input at positions below pre_seq_len (`add_prompt`).
@@ -80,6 +82,18 @@ def packed_rows_for(packed_rows: Sequence[int], device: str, dtype: torch.dtype,
 
 def _starts_with(prefix: str) -> Callable[[str], bool]:
     return lambda name: name.startswith(prefix)
+
+
+def _note_extra_layers(checkpoint: Checkpoint, family: FamilySpec, num_layers: int) -> None:
+    """One log line (per `Checkpoint`: a server's whole life) for a checkpoint's blocks past `num_hidden_layers`
+    (DeepSeek-V3's multi-token-prediction layer, block 61 of the hub checkpoint), which are never read nor served."""
+    extra = family.block_tensor_prefix(num_layers)
+    if checkpoint.extra_layers_noted or \
+            not any(name.startswith(extra) for name in checkpoint.weight_map()):
+        return
+    checkpoint.extra_layers_noted = True
+    logger.info(f"{checkpoint.name}: skipping the tensors of block {num_layers} and beyond (past num_hidden_layers "
+                f"{num_layers}: a multi-token-prediction layer), not served")
 
 
 class BlockSpan(nn.Module):
@@ -196,6 +210,11 @@ class BlockSpan(nn.Module):
 
             quantize = quantize_layer
 
+        # a checkpoint published quantized (MXFP4 / FP8): the span's stored tensors checked from their headers before
+        # any is read (a bad one: one error naming it); each block is then dequantized as it is read
+        prefixes = tuple(family.block_tensor_prefix(index) for index in range(start, end))
+        checkpoint.check_quantized(lambda name: name.startswith(prefixes))
+        _note_extra_layers(checkpoint, family, config.num_hidden_layers)
         config._attn_implementation = "sdpa"
         layer_cls, fuse = family.layer, family.fuse
         layers = nn.ModuleList()

@@ -43,9 +43,10 @@ def free_memory_bytes(device: str) -> int:
 
 
 def block_parameter_counts(model_config) -> tuple[int, int]:
-    """(parameters in the linear weights int8 / nf4 quantize, other parameters: norms, routers, biases and the linear
-    weights a layer keeps in float, its `float_linears`: DeepSeek-V3's kv_b_proj, the routers) of the larger of the
-    first and the last block, by parameters (DeepSeek-V3's first blocks are dense MLPs, the later ones experts)."""
+    """(parameters in the linear weights int8 / nf4 quantize, other parameters: norms, routers, biases, float buffers
+    and the linear weights a layer keeps in float, its `float_linears`: DeepSeek-V3's kv_b_proj, the routers) of the
+    larger of the first and the last block, by parameters (DeepSeek-V3's first blocks are dense MLPs, the later ones
+    experts)."""
     linear, other, _modules = max(_block_counts(model_config), key=lambda counts: counts[0] + counts[1])
     return linear, other
 
@@ -82,6 +83,8 @@ def _parameter_counts(model_config, index: int) -> tuple[int, int, int]:
                 modules += 1
             else:
                 other += param.numel()
+        # float buffers are held at the dtype too (DeepSeek-V3's router's e_score_correction_bias)
+        other += sum(b.numel() for b in module.buffers(recurse=False) if b.is_floating_point())
     return linear, other, modules
 
 

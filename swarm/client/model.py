@@ -93,15 +93,19 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
                         pad_head_rows: bool = True, head_packed_rows: Sequence[int] = (),
                         active_adapter: Optional[str] = None,
                         tuning_mode: Optional[str] = None, pre_seq_len: int = 0,
+                        revision: Optional[str] = None, token: Optional[str] = None,
                         **client_kwargs) -> "DistributedModelForCausalLM":
         """`tuning_mode` "ptune" / "deep_ptune" with `pre_seq_len`: trainable soft prompts (`swarm.client.ptune`).
         `pad_head_rows`: with a float32 head on the CPU, run concurrent sessions' LM heads padded to the row count
         measured fastest (`swarm.modeling.smallgemm`: about 10% more aggregate tokens/s with 8 sessions here, for
         ~0.5 s at load and a few MB); `head_packed_rows`: row counts to pack the head's weight for there (MKL's packed
         GEMM: one more copy of the head each, faster than padding). `active_adapter`: the LoRA adapter (served by
-        the swarm) to generate with; None: the base model."""
+        the swarm) to generate with; None: the base model. `revision`, `token`: a hub model's branch / tag / commit
+        and access token (default: main, and huggingface_hub's own token: HF_TOKEN or the stored login). A checkpoint
+        published quantized (MXFP4, block-scaled FP8) loads its embeddings and head dequantized
+        (`swarm.modeling.checkpoint_quant`)."""
         client_config = ClientConfig(**client_kwargs)
-        checkpoint = Checkpoint(name_or_path, cache_dir=cache_dir)
+        checkpoint = Checkpoint(name_or_path, cache_dir=cache_dir, revision=revision, token=token)
         config = checkpoint.load_config()
         family = family_for(config)
         checkpoint.expect_prefix(family.base_prefix)
@@ -126,7 +130,8 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         if family.client_parts is not None:  # (Gemma's embedding scale and final soft-cap)
             embed, lm_head = family.client_parts(config, embed, lm_head)
         try:
-            generation_config = GenerationConfig.from_pretrained(checkpoint.config_dir, cache_dir=cache_dir)
+            generation_config = GenerationConfig.from_pretrained(checkpoint.config_dir, cache_dir=cache_dir,
+                                                                 revision=revision or "main", token=token)
         except (OSError, ValueError):
             generation_config = GenerationConfig.from_model_config(config)
         prefix = client_config.dht_prefix or dht_prefix_for(name_or_path)

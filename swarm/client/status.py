@@ -159,6 +159,10 @@ def main(argv=None) -> int:
         json_output: bool = Field(default=False, description="print the snapshot as JSON instead of a table")
         ping: bool = Field(default=True, description="measure each server's RTT from here")
         log_level: str = Field(default="WARNING", description="logging level")
+        revision: Optional[str] = Field(default=None, description="a hub model's branch, tag or commit (default: main)")
+        token: Optional[str] = Field(default=None, description="a gated or private hub model's access token "
+                                                               "(default: huggingface_hub's own, HF_TOKEN or the "
+                                                               "stored login)")
 
     config = config_from_argv(StatusConfig, argv, "swarmgate status", "Print the state of a model's swarm.",
                               positional="model", section="status")
@@ -168,7 +172,8 @@ def main(argv=None) -> int:
         return 2
     manager = None
     try:
-        num_blocks = Checkpoint(resolve_model(config.model)).load_config().num_hidden_layers
+        num_blocks = Checkpoint(resolve_model(config.model), revision=config.revision,
+                                token=config.token).load_config().num_hidden_layers
         prefix = config.dht_prefix or dht_prefix_for(config.model)
         client = ClientConfig(initial_peers=config.initial_peers, measure_rtt=False,
                               swarm_key_file=config.swarm_key_file, swarm_key=config.swarm_key)

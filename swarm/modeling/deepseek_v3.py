@@ -33,9 +33,11 @@ The layer is its own `BlockLayer` (`fuse_layer`). int8 / nf4 (`quantize`) swap e
 module but `kv_b_proj` (the absorbed attention reads its weight as a matrix) and the router, which stay in the
 serving dtype. Not CUDA-graph capturable (data-dependent routing; the graphs' static attention reads keys and values
 of one size), no tensor parallelism. The router weight is cast to the serving dtype like every weight (transformers
-keeps it in float32; the routing itself runs in float32). The multi-token-prediction layer of the hub checkpoint
-(block `num_hidden_layers`) is not served. Written here rather than imported from transformers' modeling_deepseek_v3
-(about 135 MB of resident imports per process, `swarm.modeling.layers`).
+keeps it in float32; the routing itself runs in float32). The hub's checkpoints are block-scaled FP8 (every
+projection float8_e4m3fn with a `weight_scale_inv` per 128 x 128 block), dequantized as they are read
+(`swarm.modeling.checkpoint_quant`). Their multi-token-prediction layer (block `num_hidden_layers`) is not served: a
+server logs one line and never reads it (`server.compute.blocks`). Written here rather than imported from
+transformers' modeling_deepseek_v3 (about 135 MB of resident imports per process, `swarm.modeling.layers`).
 
 LoRA adapters (`swarm.modeling.lora`): every projection goes through the layer's `project` (q_proj / q_a_proj /
 q_b_proj, kv_a_proj_with_mqa, o_proj, the dense MLP's and the shared experts' gate/up/down), where an adapter's rows

@@ -166,8 +166,9 @@ class DiskCache:
 
 
 def hub_download(repo_id: str, filename: str, *, cache_dir: Optional[str] = None, revision: Optional[str] = None,
-                 max_disk_space: Optional[int] = None) -> Path:
-    """`hf_hub_download` through a `DiskCache` on the hub cache directory (one download per file per machine)."""
+                 max_disk_space: Optional[int] = None, token: Optional[str] = None) -> Path:
+    """`hf_hub_download` through a `DiskCache` on the hub cache directory (one download per file per machine);
+    `token`: None for huggingface_hub's own (HF_TOKEN, or the stored login)."""
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_download, hf_hub_url, try_to_load_from_cache
 
     root = Path(cache_dir) if cache_dir else Path(constants.HF_HUB_CACHE)
@@ -180,9 +181,9 @@ def hub_download(repo_id: str, filename: str, *, cache_dir: Optional[str] = None
     def size() -> int:
         if max_disk_space is None or cached() is not None:
             return 0  # nothing to make room for (an up-to-date check may still replace the file in place)
-        return get_hf_file_metadata(hf_hub_url(repo_id, filename, revision=revision)).size or 0
+        return get_hf_file_metadata(hf_hub_url(repo_id, filename, revision=revision), token=token).size or 0
 
     def download() -> str:
-        return hf_hub_download(repo_id, filename, cache_dir=cache_dir, revision=revision)
+        return hf_hub_download(repo_id, filename, cache_dir=cache_dir, revision=revision, token=token)
 
     return cache.fetch(download, size)

@@ -17,8 +17,9 @@ arena attention), which compute it eagerly; the layer is its own `BlockLayer` (`
 projections through `quantize.quantize_linears`, each expert's gate_up and down as bitsandbytes modules of their own
 (weights transposed to [out, in], biases kept); router, sinks and norms in float (equal to transformers' model
 quantized locally: tests/swarm/modeling/test_gpt_oss_quant.py). Checkpoints in transformers'
-names (`mlp.experts.gate_up_proj` [experts, hidden, 2 * intermediate], ...) load; the hub's original MXFP4 blocks
-(`*_blocks`, `*_scales`) do not (a clear error names the tensors).
+names (`mlp.experts.gate_up_proj` [experts, hidden, 2 * intermediate], ...) load, and the hub's as published, with
+MXFP4 experts (`*_blocks`, `*_scales`; `quantization_config.quant_method` mxfp4): the checkpoint reader dequantizes
+them into these names (`swarm.modeling.checkpoint_quant`); MXFP4 tensors without that config are refused.
 Written here rather than imported from transformers' modeling_gpt_oss (about 135 MB of resident imports per
 process, `swarm.modeling.layers`).
 """
@@ -83,8 +84,8 @@ class GptOssDecoderLayer(DecoderLayer):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         mxfp4 = sorted(k for k in state_dict if k.endswith(("_blocks", "_scales")))
         if mxfp4:
-            raise ValueError(f"GPT-OSS experts in MXFP4 ({', '.join(mxfp4[:2])}, ...) are not supported: serve a "
-                             f"checkpoint with dequantized (bfloat16) experts")
+            raise ValueError(f"GPT-OSS experts in MXFP4 ({', '.join(mxfp4[:2])}, ...) but config.json has no "
+                             f"quantization_config with quant_method mxfp4")
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,

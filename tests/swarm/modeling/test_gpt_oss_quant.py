@@ -5,7 +5,8 @@ float32 from the same tiny checkpoint, its attention projections (q/k/v/o, with 
 transformers' bitsandbytes integration (`BitsAndBytesConfig`, which takes GPT-OSS on the CPU: LLM.int8() with
 threshold 6, or nf4 with blocksize 64 and float32 compute), its router (`GptOssTopKRouter`, not an `nn.Linear`),
 sinks and norms left in float by the integration; its experts, 3D tensors which the integration leaves in float,
-through `QuantizedGptOssExperts`: transformers' eager `GptOssExperts.forward` op for op with each expert's
+through `QuantizedGptOssExperts` (tests/fixtures/quant_reference.py):
+transformers' eager `GptOssExperts.forward` op for op with each expert's
 gate_up ([2 * intermediate, hidden], gate and up still interleaved) and down ([hidden, intermediate]) matrices as
 bitsandbytes modules of the same settings, their biases inside the modules (as the integration quantizes a linear
 layer with a bias, e.g. q_proj here).
@@ -31,45 +32,11 @@ from torch import nn
 from server.compute.blocks import BlockSpan
 from swarm.modeling.checkpoint import Checkpoint
 from tests.fixtures.family_configs import GPT_OSS, VOCAB
-from tests.fixtures.quant_reference import bnb_linear, check_nf4_split_swarm, compare_calls, quantized_reference
+from tests.fixtures.quant_reference import check_nf4_split_swarm, compare_calls, gpt_oss_reference
 from tests.fixtures.swarm_checks import PROMPTS
 from tests.fixtures.tiny_checkpoints import save_tiny
 
 TOLERANCE = 1e-5
-
-
-class QuantizedGptOssExperts(nn.Module):
-    """transformers' eager `GptOssExperts` (modeling_gpt_oss.py) with each expert's matmul + bias a bitsandbytes
-    module: interleaved gate/up columns, gate clamped above at the limit and up to +-limit,
-    `(up + 1) * gate * sigmoid(alpha * gate)`, down, weighted by the router's score, summed per token."""
-
-    def __init__(self, experts, quant_type: str):
-        super().__init__()
-        self.num_experts, self.alpha, self.limit = experts.num_experts, experts.alpha, experts.limit
-        self.gate_up = nn.ModuleList(bnb_linear(experts.gate_up_proj[e].t(), quant_type, experts.gate_up_proj_bias[e])
-                                     for e in range(self.num_experts))
-        self.down = nn.ModuleList(bnb_linear(experts.down_proj[e].t(), quant_type, experts.down_proj_bias[e])
-                                  for e in range(self.num_experts))
-
-    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-        gate = gate.clamp(min=None, max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        glu = gate * torch.sigmoid(gate * self.alpha)
-        return (up + 1) * glu
-
-    def forward(self, hidden_states, router_indices, routing_weights):
-        """hidden_states [tokens, hidden], router_indices / routing_weights [tokens, top_k] -> [tokens, hidden]"""
-        next_states = torch.zeros_like(hidden_states)
-        expert_mask = nn.functional.one_hot(router_indices, num_classes=self.num_experts).permute(2, 1, 0)
-        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-        for (expert_idx,) in expert_hit:
-            top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
-            gate_up = self.gate_up[expert_idx](hidden_states[token_idx])
-            out = self.down[expert_idx](self._apply_gate(gate_up))
-            weighted_output = out * routing_weights[token_idx, top_k_pos, None]
-            next_states.index_add_(0, token_idx, weighted_output.to(hidden_states.dtype))
-        return next_states
 
 
 def save_gpt_oss(path, tokenizer_dir=None, **overrides):
@@ -81,10 +48,6 @@ def save_gpt_oss(path, tokenizer_dir=None, **overrides):
                 param.normal_(0.0, 1.0 if "sinks" in name else 0.3)
     model.save_pretrained(path)
     return model
-
-
-def gpt_oss_reference(path, quant_type: str):
-    return quantized_reference(path, quant_type, [], QuantizedGptOssExperts)
 
 
 @pytest.fixture(scope="module")
