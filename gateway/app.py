@@ -9,7 +9,8 @@ status page `GET /status` / `/status.json` (`gateway.api.status`), and the chat 
 (`gateway.api.chat_page`; `GET /` sends a browser there). Every response carries `X-Request-Id` (echoed or created);
 CORS is on for the configured origins.
 
-`main(argv)` parses flags / YAML / environment into `GatewayConfig`, serves with uvicorn, and prints
+`main(argv)` parses flags / YAML / environment into `GatewayConfig`, opens the state store (`gateway.store`,
+`--database_url`: a store that cannot be used is one line on stderr and exit code 2), serves with uvicorn, and prints
 `SWARMGATE_READY {"url": "http://host:port"}` on stdout once it accepts connections.
 """
 from __future__ import annotations
@@ -49,6 +50,7 @@ from gateway.serving.engine import Engine
 from gateway.serving.session_pool import SessionPool
 from gateway.serving.sessions import SessionProvider
 from gateway.serving.tokens import Tokens
+from gateway.store import Store, StoreError, open_store
 from swarm.client.api import load_draft_model
 from swarm.runtime import malloc
 from swarm.runtime.taskpool import stop_client_pool
@@ -125,7 +127,10 @@ def _eos_ids(model) -> list:
     return [eos] if isinstance(eos, int) else list(eos or [])
 
 
-def create_app(config: GatewayConfig, model=None, tokenizer=None) -> FastAPI:
+def create_app(config: GatewayConfig, model=None, tokenizer=None, store: Optional[Store] = None) -> FastAPI:
+    """`store`: the state store (default: the one `config.database_url` names, opened here and closed at shutdown)."""
+    own_store = store is None
+    store = store if store is not None else open_store(config.database_url)
     model = model if model is not None else load_model(config)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
     tokens = Tokens(tokenizer, _eos_ids(model))
@@ -148,7 +153,7 @@ def create_app(config: GatewayConfig, model=None, tokenizer=None) -> FastAPI:
     engine = Engine(model, tokens, metrics, max_workers=config.max_concurrent, sessions=sessions,
                     verify_holdback=config.verify_holdback)
     state = GatewayState(config=config, model=model, tokens=tokens, engine=engine, admission=admission,
-                         metrics=metrics, limits=limits, created=int(time.time()))
+                         metrics=metrics, limits=limits, created=int(time.time()), store=store)
     metrics.coverage_source = state.coverage_numbers
     metrics.verify_source = model.verify_stats
     model.observe_routes(metrics.observe_route)
@@ -157,6 +162,8 @@ def create_app(config: GatewayConfig, model=None, tokenizer=None) -> FastAPI:
     async def lifespan(app: FastAPI):
         yield
         engine.shutdown()  # cancel running generations: their sessions close; so do pooled ones
+        if own_store:
+            store.close()
 
     app = FastAPI(title="swarmgate", version=_version(), docs_url="/docs", redoc_url=None, lifespan=lifespan)
     app.state.gateway = state
@@ -167,7 +174,7 @@ def create_app(config: GatewayConfig, model=None, tokenizer=None) -> FastAPI:
                            allow_credentials="*" not in config.cors_origins)
     app.add_middleware(RequestContext, metrics=metrics)
     app.include_router(completions_router)
-    install_responses(app, config)  # /v1/responses (gateway.responses) and its store
+    install_responses(app, config, store)  # /v1/responses (gateway.responses), its responses in the state store
     _add_routes(app, state)
     # `model` in /openapi.json: the served names (the base and its adapters)
     install_openapi(app, lambda: (config.model_name, config.model, *state.served_adapters()))
@@ -299,6 +306,11 @@ def main(argv=None) -> int:
         import torch
 
         torch.set_num_threads(config.num_threads)
+    try:  # first: a store that cannot be used is one line and exit 2, before minutes of loading
+        store = open_store(config.database_url)
+    except StoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     model: Optional[Any] = None
     code = 1
     try:
@@ -308,7 +320,7 @@ def main(argv=None) -> int:
         tokenizer = load_tokenizer(config)
         malloc.trim()
         model = load_model(config)
-        app = create_app(config, model=model, tokenizer=tokenizer)
+        app = create_app(config, model=model, tokenizer=tokenizer, store=store)
         malloc.trim()
         # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; with these handlers in place that only
         # returns here, so that the client model's DHT (a child process) is shut down instead of orphaned
@@ -323,6 +335,7 @@ def main(argv=None) -> int:
     finally:
         if model is not None:
             model.shutdown()
+        store.close()
         stop_client_pool()
     return code
 

@@ -1,4 +1,4 @@
-"""What one gateway process holds: config, the client model, tokenizer, engine, admission, metrics.
+"""What one gateway process holds: config, the client model, tokenizer, engine, admission, metrics, the state store.
 
 `GatewayState` is stored on `app.state.gateway`. `admit(jobs)` takes a generation slot (429 when the queue is
 full) and checks that the swarm can route a session of the needed size right now (503 otherwise), before
@@ -24,6 +24,7 @@ from gateway.serving.engine import Engine, RequestRun
 from gateway.serving.events import swarm_error
 from gateway.serving.runs import GenerationJob
 from gateway.serving.tokens import Tokens
+from gateway.store import Store
 from swarm.client.api import ClientModel, Coverage, SpeculativeConfig
 
 logger = logging.getLogger("swarmgate.gateway")
@@ -39,6 +40,7 @@ class GatewayState:
     metrics: Metrics
     limits: Limits
     created: int
+    store: Store  # the state store (gateway.store): stored responses, keys, usage, rate-limit windows
 
     def new_job(self, prompt_ids: List[int], params, n: int, request_id: str,
                 owner: Optional[str] = None, adapter: Optional[str] = None, stream: bool = False,

@@ -8,6 +8,8 @@ types; it raises `StoreError` when a store cannot be opened, `StoreUnavailable` 
 """
 from __future__ import annotations
 
+import os
+
 from gateway.store.base import (  # noqa: F401  (the package's names)
     Decision,
     KeyLimits,
@@ -22,8 +24,10 @@ from swarm.runtime.paths import cache_root
 
 
 def default_url() -> str:
-    """The embedded default: `sqlite:///<cache directory>/gateway.sqlite3`."""
-    return f"sqlite:///{cache_root() / 'gateway.sqlite3'}"
+    """The store of a config without `database_url`: `SWARMGATE_DATABASE_URL` when set (the variable the config reads
+    too, so that an app built in-process agrees with a process), else the embedded default,
+    `sqlite:///<cache directory>/gateway.sqlite3`."""
+    return os.environ.get("SWARMGATE_DATABASE_URL") or f"sqlite:///{cache_root() / 'gateway.sqlite3'}"
 
 
 def open_store(url: str | None = None) -> Store:
