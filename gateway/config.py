@@ -73,8 +73,8 @@ class GatewayConfig(SwarmKeySettings):
     responses_store_max: int = Field(
         default=1000, ge=0,
         description="most responses of the Responses API kept for previous_response_id and GET /v1/responses/{id} "
-                    "(`store: true`, the default) in the state store (--database_url), shared by the gateways that use it; "
-                    "the oldest is dropped first (0: nothing is stored)")
+                    "(`store: true`, the default) in the state store (--database_url), shared by the gateways that "
+                    "use it; the oldest is dropped first (0: nothing is stored)")
     responses_store_ttl: float = Field(
         default=3600.0, gt=0, description="seconds a stored response is kept (then previous_response_id naming it is "
                                           "a 400 and GET a 404)")
