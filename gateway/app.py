@@ -34,11 +34,12 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from gateway.api.admission import Admission
-from gateway.api.auth import require_api_key, require_probe_key
+from gateway.api.auth import Authenticator, require_api_key, require_probe_key
 from gateway.api.chat_page import add_chat_routes
 from gateway.api.completions import router as completions_router
 from gateway.api.openapi import install as install_openapi
 from gateway.api.params import Limits, check_messages
+from gateway.api.quota import Quota
 from gateway.api.responses.routes import install as install_responses
 from gateway.api.state import GatewayState, format_ranges, quant_note, quant_summary
 from gateway.api.status import add_status_routes
@@ -64,7 +65,8 @@ _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/m
 
 class RequestContext:
     """Pure ASGI middleware (it must not buffer SSE nor hide disconnects): sets `request.state.request_id`
-    from `X-Request-Id` or a new id, echoes it in the response, and counts responses by status."""
+    from `X-Request-Id` or a new id, echoes it in the response with the caller's `x-ratelimit-*` headers
+    (`gateway.api.quota`), and counts responses by status."""
 
     def __init__(self, app, metrics: Metrics):
         self.app, self.metrics = app, metrics
@@ -80,7 +82,9 @@ class RequestContext:
         async def send_with_id(message):
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                caller = scope["state"].get("caller")  # gateway.api.auth: its x-ratelimit-* once admitted
+                limits = [(k.encode(), v.encode()) for k, v in caller.headers.items()] if caller is not None else []
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode()), *limits]
             await send(message)
 
         try:
@@ -152,8 +156,10 @@ def create_app(config: GatewayConfig, model=None, tokenizer=None, store: Optiona
     sessions = SessionProvider(model, pool, metrics, headroom=config.pool_headroom, context=context)
     engine = Engine(model, tokens, metrics, max_workers=config.max_concurrent, sessions=sessions,
                     verify_holdback=config.verify_holdback)
+    # a stream's lease outlives any generation (its deadline) by a minute: a gateway killed mid-request frees it then
+    quota = Quota(store, metrics, lease_ttl=config.generation_timeout + 60, retry_after=config.retry_after)
     state = GatewayState(config=config, model=model, tokens=tokens, engine=engine, admission=admission,
-                         metrics=metrics, limits=limits, created=int(time.time()), store=store)
+                         metrics=metrics, limits=limits, created=int(time.time()), store=store, quota=quota)
     metrics.coverage_source = state.coverage_numbers
     metrics.verify_source = model.verify_stats
     model.observe_routes(metrics.observe_route)
@@ -162,11 +168,13 @@ def create_app(config: GatewayConfig, model=None, tokenizer=None, store: Optiona
     async def lifespan(app: FastAPI):
         yield
         engine.shutdown()  # cancel running generations: their sessions close; so do pooled ones
+        quota.shutdown()  # usage still to be written
         if own_store:
             store.close()
 
     app = FastAPI(title="swarmgate", version=_version(), docs_url="/docs", redoc_url=None, lifespan=lifespan)
     app.state.gateway = state
+    app.state.authenticator = Authenticator(config.accepted_api_keys, store)
     install_error_handlers(app)
     if config.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["*"],

@@ -22,7 +22,7 @@ from typing import AsyncIterator, Dict, List, Optional
 from fastapi import APIRouter, Depends, FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
-from gateway.api.auth import owner_of, require_api_key
+from gateway.api.auth import caller_of, owner_of, require_api_key
 from gateway.api.completions import Totals, collect, plan_chat, sse_response
 from gateway.api.responses.convert import check_request, output_messages, rename_param, to_chat, tool_dicts
 from gateway.api.responses.output import OutputBuilder, new_id
@@ -105,7 +105,8 @@ async def create_response(body: ResponsesRequest, request: Request):
     parser = plan.new_parser() if plan.new_parser is not None else None
     request_id = request.state.request_id
     run = await state.admit([state.new_job(plan.prompt, plan.params, 1, request_id, owner, plan.adapter,
-                                           stream=bool(body.stream), speculative=state.speculation(chat))])
+                                           stream=bool(body.stream), speculative=state.speculation(chat))],
+                            caller_of(request))
     pooled = state.config.session_pool and state.config.pool_max_sessions > 0
 
     def feed(text: str, last: bool) -> None:
