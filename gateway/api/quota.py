@@ -78,7 +78,7 @@ class Quota:
     def release(self, caller: Caller, lease: Optional[str]) -> None:
         """A lease whose request never ran (refused by the gateway's own admission)."""
         if lease is not None:
-            self.writer.submit(self._write, caller.name, lease, None, 0, 0, 0, False)
+            self._submit(caller.name, lease, None, 0, 0, 0, False)
 
     def finished(self, caller: Caller, lease: Optional[str], model: str, jobs: List[GenerationJob]) -> None:
         prompt = cached = completion = 0
@@ -91,7 +91,13 @@ class Quota:
         m.key_tokens.labels(key=caller.name, kind="prompt").inc(prompt)
         m.key_tokens.labels(key=caller.name, kind="cached").inc(cached)
         m.key_tokens.labels(key=caller.name, kind="completion").inc(completion)
-        self.writer.submit(self._write, caller.name, lease, model, prompt, cached, completion, True)
+        self._submit(caller.name, lease, model, prompt, cached, completion, True)
+
+    def _submit(self, *args) -> None:
+        try:
+            self.writer.submit(self._write, *args)
+        except RuntimeError:  # the gateway is stopping and its writes are done: the lease expires by itself
+            logger.warning(f"usage of key '{args[0]}' not recorded: the gateway is stopping")
 
     def _write(self, name: str, lease: Optional[str], model: Optional[str], prompt: int, cached: int,
                completion: int, record: bool) -> None:

@@ -61,6 +61,12 @@ redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[2])
 return 1
 """
+_CREATE = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX') == false then return 0 end
+redis.call('HSET', KEYS[2], unpack(ARGV, 2))
+redis.call('SADD', KEYS[3], ARGV[1])
+return 1
+"""
 _ADMIT = """
 local rpm, tpm, max_streams = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local tokens, now = tonumber(ARGV[4]), tonumber(ARGV[7])
@@ -93,6 +99,7 @@ class RedisStore:
             self.client.ping()
             self._put = self.client.register_script(_PUT)
             self._delete = self.client.register_script(_DELETE)
+            self._create = self.client.register_script(_CREATE)
             self._admit = self.client.register_script(_ADMIT)
             self._migrate()
         except (redis.RedisError, ValueError) as e:
@@ -144,20 +151,15 @@ class RedisStore:
         check_name(name)
         key, key_id, secret = new_key()
         salt = new_salt()
-        if not self._call(lambda: self.client.set(PREFIX + "keyname:" + name, key_id, nx=True)):
+        fields: Dict[str, str] = {"name": name, "salt": salt, "hash": hash_secret(salt, secret),
+                                  "created": repr(time.time() if now is None else now), "revoked": "0",
+                                  **{k: str(v) for k, v in (("rpm", limits.rpm), ("tpm", limits.tpm),
+                                                            ("max_streams", limits.max_streams)) if v is not None}}
+        flat = [item for pair in fields.items() for item in pair]
+        # the name, the key's hash and the index in one script: a writer killed half-way leaves nothing half-written
+        if not self._call(lambda: self._create(keys=[PREFIX + "keyname:" + name, PREFIX + "key:" + key_id,
+                                                     PREFIX + "keys"], args=[key_id, *flat])):
             raise ValueError(f"a key named {name!r} exists already")
-        fields: Dict[Any, Any] = {"name": name, "salt": salt, "hash": hash_secret(salt, secret),
-                  "created": repr(time.time() if now is None else now), "revoked": "0",
-                  **{k: str(v) for k, v in (("rpm", limits.rpm), ("tpm", limits.tpm),
-                                            ("max_streams", limits.max_streams)) if v is not None}}
-
-        def write() -> None:
-            with self.client.pipeline(transaction=True) as pipe:
-                pipe.hset(PREFIX + "key:" + key_id, mapping=fields)
-                pipe.sadd(PREFIX + "keys", key_id)
-                pipe.execute()
-
-        self._call(write)
         return key
 
     def authenticate(self, token: str, now: Optional[float] = None) -> Optional[KeyRecord]:

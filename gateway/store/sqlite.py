@@ -63,6 +63,10 @@ class SQLiteStore:
         self._local = threading.local()
         self._connections: List[sqlite3.Connection] = []
         self._lock = threading.Lock()
+        # one writer at a time within this process: its threads queue on this lock instead of polling SQLite's busy
+        # handler, whose sleeps gave 100 concurrent writers a p99 of a second (bench/bench_store.py); processes
+        # sharing the file still meet on SQLite's lock and its busy timeout
+        self._write_lock = threading.Lock()
         try:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._migrate()
@@ -86,16 +90,17 @@ class SQLiteStore:
     @contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
         conn = self._connection()
-        try:
-            conn.execute("BEGIN IMMEDIATE")
+        with self._write_lock:
             try:
-                yield conn
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
-        except sqlite3.Error as e:
-            raise StoreUnavailable(f"the SQLite database {self.path} failed: {_why(e)}") from None
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield conn
+                except BaseException:
+                    conn.execute("ROLLBACK")
+                    raise
+                conn.execute("COMMIT")
+            except sqlite3.Error as e:
+                raise StoreUnavailable(f"the SQLite database {self.path} failed: {_why(e)}") from None
 
     @contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
