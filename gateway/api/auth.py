@@ -14,7 +14,7 @@ in OpenAI's error shape (`gateway.errors.unauthorized`: type `authentication_err
 `--protect_probes`. `owner_of(request)` names the namespace of a request's pooled sessions and stored responses: a
 hash of its bearer key (never the key itself), or "anonymous". `caller_of(request)` is the `Caller` the check found:
 its name (for usage and metrics: a stored key's name, `config-<8 hex>` for a config key, `anonymous`), its limits
-and, once admitted, its `x-ratelimit-*` headers.
+and its `x-ratelimit-*` headers (a key with limits: its window as read here, then as its admission left it).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from gateway.errors import unauthorized
-from gateway.store import KeyLimits, Store
+from gateway.store import Decision, KeyLimits, Store
 from gateway.store.base import split_key
 
 RECHECK = 1.0  # seconds between looks at whether the store holds keys (while it holds none)
@@ -40,6 +40,23 @@ class Caller:
     name: str
     limits: KeyLimits = field(default_factory=KeyLimits)
     headers: Dict[str, str] = field(default_factory=dict)  # x-ratelimit-* of its admission (`gateway.api.quota`)
+
+
+def _duration(seconds: float) -> str:
+    return f"{max(0.0, round(seconds, 1)):g}s"
+
+
+def ratelimit_headers(limits: KeyLimits, decision: Decision) -> Dict[str, str]:
+    headers: Dict[str, str] = {}
+    if limits.rpm is not None:
+        headers.update({"x-ratelimit-limit-requests": str(limits.rpm),
+                        "x-ratelimit-remaining-requests": str(max(0, limits.rpm - decision.requests)),
+                        "x-ratelimit-reset-requests": _duration(decision.reset)})
+    if limits.tpm is not None:
+        headers.update({"x-ratelimit-limit-tokens": str(limits.tpm),
+                        "x-ratelimit-remaining-tokens": str(max(0, limits.tpm - decision.tokens)),
+                        "x-ratelimit-reset-tokens": _duration(decision.reset)})
+    return headers
 
 
 def key_matches(presented: str, keys) -> bool:
@@ -75,7 +92,8 @@ class Authenticator:
         if token and split_key(token) is not None:
             record = self.store.authenticate(token)
             if record is not None:
-                return Caller(record.name, record.limits)
+                headers = ratelimit_headers(record.limits, self.store.peek(record.name)) if record.limits.any else {}
+                return Caller(record.name, record.limits, headers)
         if self.required():
             raise unauthorized()
         return Caller("anonymous")

@@ -4,9 +4,10 @@
 NAME --rpm N --tpm N --max_streams N`) is counted in the state store's window for this minute, atomically with the
 check (`gateway.store.base`: with Redis the limits hold across every gateway); over a limit it gets 429 in OpenAI's
 shape (`rate_limit_exceeded`) with `Retry-After` (the window's end for requests and tokens, `--retry_after` for
-streams) and the `x-ratelimit-*` headers. An admitted request carries OpenAI's headers on its response
-(`x-ratelimit-limit-requests`, `-remaining-requests`, `-reset-requests` and the same for `-tokens`, for the limits
-the key has; `RequestContext` in `gateway.app` adds them), and a lease on one of the key's streams.
+streams) and the `x-ratelimit-*` headers. An admitted request's response carries OpenAI's headers as the admission
+left the window (`x-ratelimit-limit-requests`, `-remaining-requests`, `-reset-requests` and the same for `-tokens`, for
+the limits the key has; `RequestContext` in `gateway.app` adds them; every other response of the key carries them as
+`gateway.api.auth` read the window), and a lease on one of the key's streams.
 
 `Quota.finished(caller, lease, model, jobs)` runs when the request's slot is released: finished, cut, cancelled or
 failed, what its jobs prefilled and generated (`GenerationJob.usage`) is counted in `/metrics` by key name (never the
@@ -20,35 +21,18 @@ import logging
 import math
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 from starlette.concurrency import run_in_threadpool
 
-from gateway.api.auth import Caller
+from gateway.api.auth import Caller, ratelimit_headers
 from gateway.errors import APIError
 from gateway.metrics import Metrics
 from gateway.serving.runs import GenerationJob
-from gateway.store import Decision, KeyLimits, Store, StoreUnavailable
+from gateway.store import Store, StoreUnavailable
 
 logger = logging.getLogger("swarmgate.gateway")
 _LIMIT_NAMES = {"requests": "requests per minute", "tokens": "tokens per minute", "streams": "concurrent streams"}
-
-
-def _duration(seconds: float) -> str:
-    return f"{max(0.0, round(seconds, 1)):g}s"
-
-
-def ratelimit_headers(limits: KeyLimits, decision: Decision) -> Dict[str, str]:
-    headers: Dict[str, str] = {}
-    if limits.rpm is not None:
-        headers.update({"x-ratelimit-limit-requests": str(limits.rpm),
-                        "x-ratelimit-remaining-requests": str(max(0, limits.rpm - decision.requests)),
-                        "x-ratelimit-reset-requests": _duration(decision.reset)})
-    if limits.tpm is not None:
-        headers.update({"x-ratelimit-limit-tokens": str(limits.tpm),
-                        "x-ratelimit-remaining-tokens": str(max(0, limits.tpm - decision.tokens)),
-                        "x-ratelimit-reset-tokens": _duration(decision.reset)})
-    return headers
 
 
 class Quota:
@@ -68,6 +52,7 @@ class Quota:
         if decision.refused is None:
             caller.headers = headers
             return lease
+        caller.headers = {}  # the 429 carries them
         self.metrics.rate_limited.labels(key=caller.name, limit=decision.refused).inc()
         limit = {"requests": limits.rpm, "tokens": limits.tpm, "streams": limits.max_streams}[decision.refused]
         retry = self.retry_after if decision.refused == "streams" else max(1, math.ceil(decision.reset))

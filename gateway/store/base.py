@@ -8,8 +8,9 @@ A store holds four kinds of state, shared by every gateway process that opens th
   store keeps its id, a random salt and sha256(salt + secret), never the key; with its name, creation and last use
   times, limits and whether it is revoked;
 - usage counters (`record_usage`, `usage`): requests and tokens per key, model and UTC day;
-- rate-limit windows (`admit`, `finish`): per key and calendar minute, the requests and tokens counted, and the
-  key's running generations as leases that expire (a gateway killed mid-request does not hold a slot for ever).
+- rate-limit windows (`admit`, `finish`; `peek` reads one): per key and calendar minute, the requests and tokens
+  counted, and the key's running generations as leases that expire (a gateway killed mid-request does not hold a
+  slot for ever).
 
 `admit` checks a key's three limits and counts the request in one atomic step (an SQLite write transaction, a Redis
 Lua script), so that gateways sharing a store never let a key past its requests per minute nor its concurrent
@@ -170,6 +171,8 @@ class Store(Protocol):
               now: Optional[float] = None) -> Decision: ...
 
     def finish(self, key: str, tokens: int, lease: str, now: Optional[float] = None) -> None: ...
+
+    def peek(self, key: str, now: Optional[float] = None) -> Decision: ...
 
 
 def refusal(limits: KeyLimits, requests: int, tokens: int, streams: int) -> Optional[str]:

@@ -240,6 +240,19 @@ class RedisStore:
                   now, 2 * WINDOW, int(lease_ttl) + 1]))
         return Decision(refused or None, int(requests), int(used), int(streams), reset)
 
+    def peek(self, key: str, now: Optional[float] = None) -> Decision:
+        now = time.time() if now is None else now
+        window, reset = window_of(now)
+
+        def read() -> List[Any]:
+            with self.client.pipeline(transaction=False) as pipe:
+                pipe.hmget(f"{PREFIX}window:{key}:{window}", ["requests", "tokens"])
+                pipe.zcount(f"{PREFIX}streams:{key}", now, "+inf")
+                return pipe.execute()
+
+        (requests, used), streams = self._call(read)
+        return Decision(None, int(requests or 0), int(used or 0), int(streams), reset)
+
     def finish(self, key: str, tokens: int, lease: str, now: Optional[float] = None) -> None:
         window, _ = window_of(time.time() if now is None else now)
 

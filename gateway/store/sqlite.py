@@ -242,6 +242,17 @@ class SQLiteStore:
                 requests, used, streams = requests + 1, used + tokens, streams + 1
         return Decision(refused, requests, used, streams, reset)
 
+    def peek(self, key: str, now: Optional[float] = None) -> Decision:
+        now = time.time() if now is None else now
+        window, reset = window_of(now)
+        with self._read() as conn:
+            row = conn.execute("SELECT requests, tokens FROM windows WHERE key = ? AND window = ?",
+                               (key, window)).fetchone()
+            streams = conn.execute("SELECT COUNT(*) FROM streams WHERE key = ? AND expires >= ?",
+                                   (key, now)).fetchone()[0]
+        requests, used = row if row is not None else (0, 0)
+        return Decision(None, requests, used, streams, reset)
+
     def finish(self, key: str, tokens: int, lease: str, now: Optional[float] = None) -> None:
         window, _ = window_of(time.time() if now is None else now)
         with self._write() as conn:

@@ -98,6 +98,9 @@ def test_limits_give_429s_with_openai_headers(tokenizer, tmp_path):
     assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
     assert r.json()["error"]["type"] == "rate_limit_error" and "3 requests per minute" in r.json()["error"]["message"]
     assert 1 <= int(r.headers["retry-after"]) <= 60 and r.headers["x-ratelimit-remaining-requests"] == "0"
+    models = client.get("/v1/models", headers=_bearer(key))  # every response of the key: the window as it is
+    assert models.status_code == 200 and models.headers["x-ratelimit-remaining-requests"] == "0"
+    assert int(models.headers["x-ratelimit-remaining-tokens"]) < 10_000
     # tokens per minute: the first request passes (the window was empty), its tokens close the window
     tokens = store.create_key("tpm", KeyLimits(tpm=5))
     first = client.post("/v1/chat/completions", json=_chat(max_tokens=2), headers=_bearer(tokens))

@@ -113,6 +113,9 @@ def test_rate_limit_windows_requests_tokens_and_streams(store):
     limits = KeyLimits(rpm=3, tpm=100, max_streams=2)
     first = store.admit("k", limits, 10, "a", 60, now=NOW)
     assert (first.refused, first.requests, first.tokens, first.streams, first.reset) == (None, 1, 10, 1, 50)
+    peeked = store.peek("k", now=NOW + 1)
+    assert (peeked.refused, peeked.requests, peeked.tokens, peeked.streams, peeked.reset) == (None, 1, 10, 1, 49)
+    assert store.peek("k", now=NOW + 60).requests == 0 and store.peek("nobody", now=NOW).streams == 0
     assert store.admit("k", limits, 10, "b", 60, now=NOW).refused is None
     assert store.admit("k", limits, 10, "c", 60, now=NOW).refused == "streams"  # two running
     store.finish("k", 5, "a", now=NOW)
