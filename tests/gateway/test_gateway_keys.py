@@ -4,7 +4,7 @@ test_gateway_unit) over a real store: a real SQLite file and a real `redis-serve
 Keys created at runtime turn authentication on, a revoked key is refused at its next request, config keys keep
 working beside them; requests / tokens per minute and concurrent streams give 429 `rate_limit_exceeded` with
 `Retry-After` and OpenAI's `x-ratelimit-*` headers; usage is recorded for every request (plain, streamed, cut by
-max_tokens) in the store and in `/metrics` by key name; 32 concurrent requests on one key pass its limit exactly; the
+max_tokens, cancelled by a client that left) in the store and in `/metrics` by key name; 32 concurrent requests on one key pass its limit exactly; the
 `swarmgate keys` command. Real gateway processes sharing a store: tests/gateway/test_gateway_store.py."""
 from __future__ import annotations
 
@@ -247,3 +247,56 @@ def test_keys_command(tmp_path, capsys):
     assert "cannot use Redis" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         swarmgate(["keys", "create", "x", "--rpm", "0", *db])
+
+
+def test_a_cancelled_stream_counts_what_was_generated(tokenizer, tmp_path):
+    """A client that goes away mid-stream (a real disconnect: the app served by uvicorn on a thread, read with httpx):
+    the request's usage is recorded with the tokens generated before the cancel, fewer than the script's whole."""
+    import uvicorn
+
+    from tests.fixtures.redis_server import free_port
+
+    url = f"sqlite:///{tmp_path}/state.sqlite3"
+    app, model, store = _app(tokenizer, url, text="one two three four five six seven eight nine ten " * 4)
+    key = store.create_key("leaver", KeyLimits(max_streams=1))
+    gate = threading.Event()
+    feed = type(model).inference_session
+
+    def slow_session(self, max_length):
+        session = feed(self, max_length)
+        step, calls = session.feed, [0]
+
+        def gated(ids):
+            calls[0] += 1
+            if calls[0] > 4:  # four tokens out, then wait until the client has gone
+                assert gate.wait(60)
+            return step(ids)
+
+        session.feed = gated
+        return session
+
+    model.inference_session = slow_session.__get__(model)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        assert wait_until(lambda: server.started, timeout=30)
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
+                          headers=_bearer(key), json=_chat(stream=True, temperature=0, max_tokens=64)) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                    break  # text arrived: leave
+        engine = app.state.gateway.engine  # the disconnect seen: the job cancelled (waiting at the gate) or ended
+        assert wait_until(lambda: all(job.cancel.is_set() for job in list(engine._active.values())), 60)
+        gate.set()
+        assert wait_until(lambda: usage_totals(store.usage("leaver")).get("leaver", {}).get("requests") == 1, 60)
+        used = usage_totals(store.usage("leaver"))["leaver"]
+        assert len(model.script) > 30  # uncut, the reply would run to the script's end (its end of sequence)
+        assert 1 <= used["completion_tokens"] <= 5 and used["prompt_tokens"] > 0  # cut at the gate (step 5) or before
+        assert store.peek("leaver").streams == 0  # its stream's lease was returned
+    finally:
+        gate.set()
+        server.should_exit = True
+        thread.join(30)
