@@ -4,8 +4,9 @@ test_gateway_unit) over a real store: a real SQLite file and a real `redis-serve
 Keys created at runtime turn authentication on, a revoked key is refused at its next request, config keys keep
 working beside them; requests / tokens per minute and concurrent streams give 429 `rate_limit_exceeded` with
 `Retry-After` and OpenAI's `x-ratelimit-*` headers; usage is recorded for every request (plain, streamed, cut by
-max_tokens, cancelled by a client that left) in the store and in `/metrics` by key name; 32 concurrent requests on one key pass its limit exactly; the
-`swarmgate keys` command. Real gateway processes sharing a store: tests/gateway/test_gateway_store.py."""
+max_tokens, cancelled by a client that left) in the store and in `/metrics` by key name; 32 concurrent requests on
+one key pass its limit exactly; the `swarmgate keys` command. Real gateway processes sharing a store:
+tests/gateway/test_gateway_store.py."""
 from __future__ import annotations
 
 import asyncio
