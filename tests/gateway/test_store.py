@@ -150,9 +150,11 @@ def test_two_store_objects_share_one_database(url):
 
 def test_32_threads_on_one_key_count_exactly_and_never_pass_a_limit(url):
     """32 threads, each with its own store object (its own connection), admit and record 8 times each: exactly rpm
-    requests are admitted in the window, never more streams than the limit run at once, and usage adds up exactly."""
+    requests are admitted in the window, never more streams than the limit run at once, a tokens-per-minute window
+    ends over its limit by no more than the documented slack, and usage adds up exactly."""
     stores = [open_store(url) for _ in range(32)]
     limits = KeyLimits(rpm=100, max_streams=5)
+    tpm = KeyLimits(tpm=200, max_streams=5)
     admitted, running, peak, errors = [0], [0], [0], []
     lock = threading.Lock()
 
@@ -170,6 +172,9 @@ def test_32_threads_on_one_key_count_exactly_and_never_pass_a_limit(url):
                         running[0] -= 1
                     store.finish("busy", 2, lease, now=NOW)
                 store.record_usage("busy", "m", 3, 1, 2, now=NOW)
+                lease = uuid.uuid4().hex
+                if store.admit("tokens", tpm, 3, lease, 60, now=NOW).refused is None:
+                    store.finish("tokens", 2, lease, now=NOW)
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -180,6 +185,9 @@ def test_32_threads_on_one_key_count_exactly_and_never_pass_a_limit(url):
         t.join()
     assert not errors
     assert admitted[0] == 100 and peak[0] <= 5
+    # tokens per minute: admitted while the window is under the limit, so over it by at most the documented slack:
+    # the last admitted prompt (3) and what the streams running then generate (5 x 2)
+    assert 200 <= stores[0].peek("tokens", now=NOW).tokens < 200 + 3 + 5 * 2
     assert usage_totals(stores[0].usage("busy"))["busy"] == {"requests": 256, "prompt_tokens": 768,
                                                              "cached_tokens": 256, "completion_tokens": 512}
     for s in stores:
