@@ -25,12 +25,13 @@ run: $(STAMP)
 	$(BIN)/swarmgate up --config configs/local.yaml
 
 # lint (ruff: pyflakes, pycodestyle, import order) and types (mypy) first: seconds, before the minutes of tests;
-# then the real-browser tests' Chromium (Debian's `chromium` through apt-get when missing and run as root; otherwise
-# those tests are skipped with the reason)
+# then the real-browser tests' Chromium and the Redis store tests' redis-server (Debian's `chromium` and `redis-server`
+# through apt-get when missing and run as root; otherwise those tests are skipped with the reason)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python tests/fixtures/browser.py
+	$(BIN)/python tests/fixtures/redis_server.py
 	$(BIN)/python -m pytest -q --tb=short --durations=20 -m "not extended" tests
 
 # the extended tier (tests/conftest.py EXTENDED): long scenarios and extra variants, about 10 minutes

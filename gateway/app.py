@@ -9,7 +9,8 @@ status page `GET /status` / `/status.json` (`gateway.api.status`), and the chat 
 (`gateway.api.chat_page`; `GET /` sends a browser there). Every response carries `X-Request-Id` (echoed or created);
 CORS is on for the configured origins.
 
-`main(argv)` parses flags / YAML / environment into `GatewayConfig`, serves with uvicorn, and prints
+`main(argv)` parses flags / YAML / environment into `GatewayConfig`, opens the state store (`gateway.store`,
+`--database_url`: a store that cannot be used is one line on stderr and exit code 2), serves with uvicorn, and prints
 `SWARMGATE_READY {"url": "http://host:port"}` on stdout once it accepts connections.
 """
 from __future__ import annotations
@@ -33,11 +34,12 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from gateway.api.admission import Admission
-from gateway.api.auth import require_api_key, require_probe_key
+from gateway.api.auth import Authenticator, require_api_key, require_probe_key
 from gateway.api.chat_page import add_chat_routes
 from gateway.api.completions import router as completions_router
 from gateway.api.openapi import install as install_openapi
 from gateway.api.params import Limits, check_messages
+from gateway.api.quota import Quota
 from gateway.api.responses.routes import install as install_responses
 from gateway.api.state import GatewayState, format_ranges, quant_note, quant_summary
 from gateway.api.status import add_status_routes
@@ -49,6 +51,7 @@ from gateway.serving.engine import Engine
 from gateway.serving.session_pool import SessionPool
 from gateway.serving.sessions import SessionProvider
 from gateway.serving.tokens import Tokens
+from gateway.store import Store, StoreError, open_store
 from swarm.client.api import load_draft_model
 from swarm.runtime import malloc
 from swarm.runtime.taskpool import stop_client_pool
@@ -62,7 +65,8 @@ _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/m
 
 class RequestContext:
     """Pure ASGI middleware (it must not buffer SSE nor hide disconnects): sets `request.state.request_id`
-    from `X-Request-Id` or a new id, echoes it in the response, and counts responses by status."""
+    from `X-Request-Id` or a new id, echoes it in the response with the caller's `x-ratelimit-*` headers
+    (`gateway.api.quota`), and counts responses by status."""
 
     def __init__(self, app, metrics: Metrics):
         self.app, self.metrics = app, metrics
@@ -78,7 +82,9 @@ class RequestContext:
         async def send_with_id(message):
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                caller = scope["state"].get("caller")  # gateway.api.auth: its x-ratelimit-* once admitted
+                limits = [(k.encode(), v.encode()) for k, v in caller.headers.items()] if caller is not None else []
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode()), *limits]
             await send(message)
 
         try:
@@ -127,7 +133,10 @@ def _eos_ids(model) -> list:
     return [eos] if isinstance(eos, int) else list(eos or [])
 
 
-def create_app(config: GatewayConfig, model=None, tokenizer=None) -> FastAPI:
+def create_app(config: GatewayConfig, model=None, tokenizer=None, store: Optional[Store] = None) -> FastAPI:
+    """`store`: the state store (default: the one `config.database_url` names, opened here and closed at shutdown)."""
+    own_store = store is None
+    store = store if store is not None else open_store(config.database_url)
     model = model if model is not None else load_model(config)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
     tokens = Tokens(tokenizer, _eos_ids(model))
@@ -149,8 +158,10 @@ def create_app(config: GatewayConfig, model=None, tokenizer=None) -> FastAPI:
     sessions = SessionProvider(model, pool, metrics, headroom=config.pool_headroom, context=context)
     engine = Engine(model, tokens, metrics, max_workers=config.max_concurrent, sessions=sessions,
                     verify_holdback=config.verify_holdback)
+    # a stream's lease outlives any generation (its deadline) by a minute: a gateway killed mid-request frees it then
+    quota = Quota(store, metrics, lease_ttl=config.generation_timeout + 60, retry_after=config.retry_after)
     state = GatewayState(config=config, model=model, tokens=tokens, engine=engine, admission=admission,
-                         metrics=metrics, limits=limits, created=int(time.time()))
+                         metrics=metrics, limits=limits, created=int(time.time()), store=store, quota=quota)
     metrics.coverage_source = state.coverage_numbers
     metrics.verify_source = model.verify_stats
     model.observe_routes(metrics.observe_route)
@@ -159,9 +170,13 @@ def create_app(config: GatewayConfig, model=None, tokenizer=None) -> FastAPI:
     async def lifespan(app: FastAPI):
         yield
         engine.shutdown()  # cancel running generations: their sessions close; so do pooled ones
+        quota.shutdown()  # usage still to be written
+        if own_store:
+            store.close()
 
     app = FastAPI(title="swarmgate", version=_version(), docs_url="/docs", redoc_url=None, lifespan=lifespan)
     app.state.gateway = state
+    app.state.authenticator = Authenticator(config.accepted_api_keys, store)
     install_error_handlers(app)
     if config.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["*"],
@@ -169,7 +184,7 @@ def create_app(config: GatewayConfig, model=None, tokenizer=None) -> FastAPI:
                            allow_credentials="*" not in config.cors_origins)
     app.add_middleware(RequestContext, metrics=metrics)
     app.include_router(completions_router)
-    install_responses(app, config)  # /v1/responses (gateway.responses) and its store
+    install_responses(app, config, store)  # /v1/responses (gateway.responses), its responses in the state store
     _add_routes(app, state)
     # `model` in /openapi.json: the served names (the base and its adapters)
     install_openapi(app, lambda: (config.model_name, config.model, *state.served_adapters()))
@@ -301,6 +316,11 @@ def main(argv=None) -> int:
         import torch
 
         torch.set_num_threads(config.num_threads)
+    try:  # first: a store that cannot be used is one line and exit 2, before minutes of loading
+        store = open_store(config.database_url)
+    except StoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     model: Optional[Any] = None
     code = 1
     try:
@@ -310,7 +330,7 @@ def main(argv=None) -> int:
         tokenizer = load_tokenizer(config)
         malloc.trim()
         model = load_model(config)
-        app = create_app(config, model=model, tokenizer=tokenizer)
+        app = create_app(config, model=model, tokenizer=tokenizer, store=store)
         malloc.trim()
         # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; with these handlers in place that only
         # returns here, so that the client model's DHT (a child process) is shut down instead of orphaned
@@ -325,6 +345,7 @@ def main(argv=None) -> int:
     finally:
         if model is not None:
             model.shutdown()
+        store.close()
         stop_client_pool()
     return code
 

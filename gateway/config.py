@@ -35,6 +35,11 @@ class GatewayConfig(SwarmKeySettings):
     api_key_file: Optional[str] = Field(
         default=None, description="file of accepted bearer keys, one a line ('#' starts a comment), added to "
                                   "--api_keys (keeps keys off the command line)")
+    database_url: Optional[str] = Field(
+        default=None, description="the state store (stored responses, API keys of `swarmgate keys`, usage, rate-limit "
+                                  "windows): sqlite:///PATH (default: gateway.sqlite3 under the cache directory, "
+                                  "~/.cache/swarmgate; safe for several gateways of one machine) or "
+                                  "redis://HOST:PORT/DB (gateways on several machines)")
     protect_probes: bool = Field(
         default=False, description="require an API key for /health and /metrics too (default: they stay public, "
                                    "for load balancers and Prometheus)")
@@ -71,8 +76,8 @@ class GatewayConfig(SwarmKeySettings):
     responses_store_max: int = Field(
         default=1000, ge=0,
         description="most responses of the Responses API kept for previous_response_id and GET /v1/responses/{id} "
-                    "(`store: true`, the default): in this process's memory only, lost on restart; the oldest is "
-                    "dropped first (0: nothing is stored)")
+                    "(`store: true`, the default) in the state store (--database_url), shared by the gateways that "
+                    "use it; the oldest is dropped first (0: nothing is stored)")
     responses_store_ttl: float = Field(
         default=3600.0, gt=0, description="seconds a stored response is kept (then previous_response_id naming it is "
                                           "a 400 and GET a 404)")

@@ -2,7 +2,8 @@
 
 `APIError` (and its helpers `bad_request`, `not_found`, ...) is raised anywhere in the gateway; the handlers
 installed by `install_error_handlers` turn it, FastAPI's validation errors (400, never 422), Starlette's
-HTTP errors (unknown route, wrong method) and any unexpected exception (500, logged, no traceback sent)
+HTTP errors (unknown route, wrong method), a failing state store (503 `store_unavailable`, `gateway.store`) and any
+unexpected exception (500, logged, no traceback sent)
 into that envelope (an unknown field of a body that forbids them: "Unknown parameter: 'x'", as OpenAI says).
 `error_body` gives the same object for errors sent inside an SSE stream.
 """
@@ -15,6 +16,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.store.base import StoreUnavailable
 
 logger = logging.getLogger("swarmgate.gateway")
 
@@ -110,6 +113,11 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404:
             message = f"Unknown endpoint: {request.method} {request.url.path}"
         return APIError(exc.status_code, message, kind, headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store_unavailable(request: Request, exc: StoreUnavailable) -> JSONResponse:
+        logger.warning(f"{request.method} {request.url.path}: {exc}")
+        return unavailable(f"{exc}; this request needs it, retry later.", code="store_unavailable").response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

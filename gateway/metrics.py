@@ -3,8 +3,9 @@
 Requests by endpoint and status, time to first token and inter-token latency histograms, prompt and
 completion token counters, active sessions, queue length, the conversation session pool (hits, misses, prompt
 tokens reused, evictions by reason, pooled sessions and the cache they reserve), speculative decoding's drafted and
-accepted tokens, the time spent building each inference chain (`swarmgate_route_seconds` by part: `view` is reading
-the swarm's DHT records and pinging servers when the client's view was due for a refresh, `search` is
+accepted tokens, requests and tokens by API key name and requests refused by a key's limits (`gateway.api.quota`),
+the time spent building each inference chain (`swarmgate_route_seconds` by part: `view` is reading the swarm's DHT
+records and pinging servers when the client's view was due for a refresh, `search` is
 `find_inference_chain`, `total` both; a request builds one at admission and one per session it opens or fails
 over), and the swarm's coverage
 (blocks served by at least one online server, out of the model's blocks), refreshed from the client's cached
@@ -82,6 +83,14 @@ class Metrics:
                                        "seconds to build one inference chain, by part (view: the swarm's records read "
                                        "and servers pinged when due; search: find_inference_chain; total)",
                                        ["part"], buckets=_ROUTE_BUCKETS, registry=r)
+        self.key_requests = Counter("swarmgate_key_requests", "generation requests by API key name (`anonymous`, "
+                                    "`config-<hash>` for --api_keys keys)", ["key"], registry=r)
+        self.key_tokens = Counter("swarmgate_key_tokens", "tokens by API key name and kind (prompt, cached, "
+                                  "completion), cut and cancelled requests included", ["key", "kind"], registry=r)
+        self.rate_limited = Counter("swarmgate_rate_limited", "requests refused by a key's limit (requests, tokens, "
+                                                              "streams)", ["key", "limit"], registry=r)
+        self.store_errors = Counter("swarmgate_store_errors", "usage writes the state store failed (logged)",
+                                    registry=r)
         self.coverage_source = coverage  # () -> (blocks covered, blocks total, servers online)
         self.verify_source: Optional[Callable[[], Any]] = None  # () -> swarm.client.verify.VerifyStats or None (off)
         r.register(_VerifyCollector(self))

@@ -4,12 +4,19 @@ Processes are started by `swarm.launch.topology` with one intra-op thread each (
 cores with them."""
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
 
 from swarm.launch.topology import start_bootstrap, start_servers, terminate_all
 
 MODEL = "smollm2-135m-instruct"
+
+# Gateways started by the tests (processes and in-process apps) keep their state (gateway.store) in a file of this
+# test session, never in the user's cache directory (whose API keys would turn authentication on)
+os.environ["SWARMGATE_DATABASE_URL"] = f"sqlite:///{tempfile.mkdtemp(prefix='swarmgate-test-state-')}/gateway.sqlite3"
 
 # The servers under test run on the same two cores: one intra-op thread in the test process avoids
 # oversubscription (the reference model is about 10x slower with two threads under that load).

@@ -40,6 +40,7 @@ SUBLAYERS = {
     "server.rpc": {"server.placement"},
     "gateway.serving": {"gateway.api"},
     "gateway.structured": {"gateway.api"},
+    "gateway.store": {"gateway.api", "gateway.serving", "gateway.structured"},  # state below the HTTP side
 }
 
 # Import cycles known and being removed; each pair imports both ways (checked, so that a stale entry is noticed).

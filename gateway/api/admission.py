@@ -58,10 +58,11 @@ class Admission:
 
 
 class Slot:
-    """One admitted request's slot: released once the request is closed and none of its workers runs."""
+    """One admitted request's slot: released once the request is closed and none of its workers runs; then
+    `on_release` runs (on the event loop)."""
 
-    def __init__(self, admission: Admission):
-        self.admission = admission
+    def __init__(self, admission: Admission, on_release: Optional[Callable[[], None]] = None):
+        self.admission, self.on_release = admission, on_release
         self.workers = 0
         self.closed = False
         self.released = False
@@ -81,3 +82,5 @@ class Slot:
         if self.closed and self.workers == 0 and not self.released:
             self.released = True
             self.admission.release()
+            if self.on_release is not None:
+                self.on_release()

@@ -26,7 +26,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
-from gateway.api.auth import owner_of, require_api_key
+from gateway.api.auth import caller_of, owner_of, require_api_key
 from gateway.api.params import (
     chat_params,
     check_chat_request,
@@ -264,7 +264,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     created = int(time.time())
     run = await state.admit([state.new_job(plan.prompt, params, n, _request_id(request), owner_of(request),
                                            plan.adapter, stream=bool(body.stream),
-                                           speculative=state.speculation(body))])
+                                           speculative=state.speculation(body))], caller_of(request))
 
     if not body.stream:
         got = await collect(request, run, n)
@@ -342,7 +342,7 @@ async def completions(body: CompletionRequest, request: Request):
     completion_id = "cmpl-" + _request_id(request)
     created = int(time.time())
     echoes = _echo_texts(body, prompts, state) if body.echo else [""] * len(prompts)
-    run = await state.admit(jobs)
+    run = await state.admit(jobs, caller_of(request))
     scored: List[Optional[CompletionLogprobs]] = [None] * len(prompts)
     if body.echo and want_logprobs:
         try:

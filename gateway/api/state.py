@@ -1,8 +1,9 @@
-"""What one gateway process holds: config, the client model, tokenizer, engine, admission, metrics.
+"""What one gateway process holds: config, the client model, tokenizer, engine, admission, metrics, the state store.
 
-`GatewayState` is stored on `app.state.gateway`. `admit(jobs)` takes a generation slot (429 when the queue is
-full) and checks that the swarm can route a session of the needed size right now (503 otherwise), before
-any response starts, so that those errors reach the client as plain HTTP errors even for streaming requests.
+`GatewayState` is stored on `app.state.gateway`. `admit(jobs, caller)` checks the caller's key limits
+(`gateway.api.quota`), takes a generation slot (429 when the queue is full) and checks that the swarm can route a
+session of the needed size right now (503 otherwise), before any response starts, so that those errors reach the
+client as plain HTTP errors even for streaming requests.
 `coverage()` describes which blocks are served; `quant_summary` adds, for `/health`, the weight formats
 (`quant_type`) of the servers seen: counts, the formats covering each block range, and each server.
 """
@@ -16,7 +17,9 @@ from typing import Any, Dict, List, Optional, Tuple
 from starlette.concurrency import run_in_threadpool
 
 from gateway.api.admission import Admission, Slot
+from gateway.api.auth import Caller
 from gateway.api.params import Limits, check_model
+from gateway.api.quota import Quota
 from gateway.config import GatewayConfig
 from gateway.errors import bad_request, not_found
 from gateway.metrics import Metrics
@@ -24,6 +27,7 @@ from gateway.serving.engine import Engine, RequestRun
 from gateway.serving.events import swarm_error
 from gateway.serving.runs import GenerationJob
 from gateway.serving.tokens import Tokens
+from gateway.store import Store
 from swarm.client.api import ClientModel, Coverage, SpeculativeConfig
 
 logger = logging.getLogger("swarmgate.gateway")
@@ -39,6 +43,8 @@ class GatewayState:
     metrics: Metrics
     limits: Limits
     created: int
+    store: Store  # the state store (gateway.store): stored responses, keys, usage, rate-limit windows
+    quota: Quota  # per-key limits and usage (gateway.api.quota)
 
     def new_job(self, prompt_ids: List[int], params, n: int, request_id: str,
                 owner: Optional[str] = None, adapter: Optional[str] = None, stream: bool = False,
@@ -61,9 +67,18 @@ class GatewayState:
         return SpeculativeConfig(method=method, draft_model=self.config.draft_model,
                                  num_draft_tokens=body.num_draft_tokens or self.config.num_draft_tokens)
 
-    async def admit(self, jobs: List[GenerationJob]) -> RequestRun:
-        await self.admission.acquire()
-        slot = Slot(self.admission)
+    async def admit(self, jobs: List[GenerationJob], caller: Optional[Caller] = None) -> RequestRun:
+        """`caller`: who asks (`gateway.api.auth.caller_of`): its key's limits are checked first (429), and its usage
+        is recorded when the slot is released."""
+        caller = caller if caller is not None else Caller("anonymous")
+        lease = await self.quota.admit(caller, sum(len(job.prompt_ids) for job in jobs))
+        try:
+            await self.admission.acquire()
+        except BaseException:
+            self.quota.release(caller, lease)
+            raise
+        model = jobs[0].adapter or self.config.model_name
+        slot = Slot(self.admission, on_release=lambda: self.quota.finished(caller, lease, model, jobs))
         try:
             needed = max(job.n * (len(job.prompt_ids) + job.params.max_tokens) for job in jobs)
             await run_in_threadpool(self._route, needed, jobs[0].adapter)

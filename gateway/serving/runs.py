@@ -58,6 +58,7 @@ class GenerationJob:
     cancel: threading.Event = field(default_factory=threading.Event)
     stream: bool = False  # streamed to the client (with spot-checks, its text is held back at most a few tokens)
     speculative: Optional[SpeculativeConfig] = None  # drafting (n=1 without a grammar nor spot-checks; else plain)
+    usage: Optional[Tuple[int, int, int]] = None  # once run, finished or not: (prompt, cached, generated) tokens
 
 
 class GenerationRun:
@@ -106,6 +107,7 @@ class GenerationRun:
             for i in range(self.n):
                 self._finish(i, "", "length")
             metrics.prompt_tokens.inc(prompt_len)
+            job.usage = (prompt_len, 0, 0)
             self.emit(Done(prompt_len, 0, 0))
             return
         ids = torch.tensor([job.prompt_ids] * self.n, dtype=torch.long)
@@ -123,6 +125,7 @@ class GenerationRun:
             reusable = True
         finally:
             metrics.active_sessions.dec()
+            job.usage = (prompt_len, lease.cached_tokens, sum(self.generated))  # cut or cancelled: what was done
             try:
                 servers = lease.session.servers()  # who served it (after any failover), before the lease ends
             except Exception:  # noqa: BLE001 - only reported

@@ -18,6 +18,7 @@ COMMANDS = {
     "dht": "run a bootstrap DHT peer",
     "server": "serve a range of a model's blocks",
     "gateway": "serve the OpenAI-compatible HTTP API over the swarm",
+    "keys": "create, list and revoke the gateway's API keys, read their usage (its state store)",
     "status": "print a swarm's servers and block coverage (no gateway needed)",
     "up": "start a local swarm (bootstrap, servers, gateway) from a YAML file",
     "lab": "a local swarm over emulated wide-area links (needs root; README)",
@@ -34,6 +35,8 @@ def run_command(name: str, argv: List[str]) -> int:
         from server.server import main as entry
     elif name == "gateway":
         from gateway.app import main as entry
+    elif name == "keys":
+        from gateway.keys_cli import main as entry
     elif name == "status":
         from swarm.client.status import main as entry
     elif name == "up":

@@ -179,16 +179,22 @@ def test_previous_response_id_store_get_delete(fake_app):
         is False
 
 
-def test_store_is_bounded_and_expires():
+def test_store_is_bounded_and_expires(tmp_path):
+    """The Responses API's store over the state store (a real SQLite file; both backends: tests/gateway/test_store.py):
+    conversations come back as chat messages, bounded, per owner, expired after the TTL."""
     from gateway.api.responses.store import ResponseStore
+    from gateway.schemas import ChatMessage
+    from gateway.store import open_store
 
-    now = [0.0]
-    store = ResponseStore(max_entries=2, ttl=10, clock=lambda: now[0])
+    now = [1000.0]
+    store = ResponseStore(open_store(f"sqlite:///{tmp_path}/s.sqlite3"), max_entries=2, ttl=10, clock=lambda: now[0])
+    conversation = [ChatMessage(role="user", content="hi"), ChatMessage(role="assistant", content="hello")]
     for i in range(3):
-        store.put("o", {"id": f"r{i}"}, [])
-    assert store.get("o", "r0") is None and store.get("o", "r2") is not None and len(store) == 2
+        now[0] += 0.1
+        store.put("o", {"id": f"r{i}"}, conversation)
+    assert store.get("o", "r0") is None and store.get("o", "r2").conversation == conversation and len(store) == 2
     assert store.get("other", "r2") is None and not store.delete("other", "r2")
-    now[0] = 10.5
+    now[0] = 1010.5
     assert store.get("o", "r1") is None and len(store) == 0
 
 

@@ -9,17 +9,20 @@ slot (`GatewayState.admit`), its engine events collected or streamed (`gateway.a
 calls into output items and, streamed, into the typed events (`event:` and `data:` lines, no `[DONE]`). A later turn
 that names `previous_response_id` sends the whole conversation again, so the session pool finds the previous turn's
 session by its tokens and only the new tokens go to the servers (`usage.input_tokens_details.cached_tokens`). With
-`store` (default true) the finished response and its conversation go to the `ResponseStore` (`store.py`: process memory,
-bounded, with a TTL), which `GET` and `DELETE` read; another API key's responses are not found.
+`store` (default true) the finished response and its conversation go to the `ResponseStore` (`store.py`: the gateway's
+state store, bounded, with a TTL), which `GET` and `DELETE` read, on this gateway or any other sharing the store;
+another API key's responses are not found. A store that fails is a 503 (`store_unavailable`) for what needs it: a
+`previous_response_id`, `GET`, `DELETE`, and storing a non-streamed response (a streamed one's failure is logged).
 """
 from __future__ import annotations
 
+import logging
 from typing import AsyncIterator, Dict, List, Optional
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
-from gateway.api.auth import owner_of, require_api_key
+from gateway.api.auth import caller_of, owner_of, require_api_key
 from gateway.api.completions import Totals, collect, plan_chat, sse_response
 from gateway.api.responses.convert import check_request, output_messages, rename_param, to_chat, tool_dicts
 from gateway.api.responses.output import OutputBuilder, new_id
@@ -36,14 +39,16 @@ from gateway.config import GatewayConfig
 from gateway.errors import APIError, bad_request, not_found
 from gateway.schemas import ChatMessage
 from gateway.serving.events import ChoiceDelta, Done, GenerationFailed
+from gateway.store import Store, StoreUnavailable
 from gateway.structured.toolparse import Parsed
 
+logger = logging.getLogger("swarmgate.gateway")
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-def install(app: FastAPI, config: GatewayConfig) -> None:
-    """Serve the Responses API on `app`, with a store of `config.responses_store_max` responses."""
-    app.state.responses = ResponseStore(config.responses_store_max, config.responses_store_ttl)
+def install(app: FastAPI, config: GatewayConfig, store: Store) -> None:
+    """Serve the Responses API on `app`, keeping at most `config.responses_store_max` responses in `store`."""
+    app.state.responses = ResponseStore(store, config.responses_store_max, config.responses_store_ttl)
     app.include_router(router)
 
 
@@ -83,7 +88,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     check_request(body)
     history: List[ChatMessage] = []
     if body.previous_response_id is not None:
-        previous = store.get(owner, body.previous_response_id)
+        previous = await run_in_threadpool(store.get, owner, body.previous_response_id)
         if previous is None:
             raise bad_request(f"Previous response with id '{body.previous_response_id}' not found.",
                               param="previous_response_id", code="previous_response_not_found")
@@ -100,7 +105,8 @@ async def create_response(body: ResponsesRequest, request: Request):
     parser = plan.new_parser() if plan.new_parser is not None else None
     request_id = request.state.request_id
     run = await state.admit([state.new_job(plan.prompt, plan.params, 1, request_id, owner, plan.adapter,
-                                           stream=bool(body.stream), speculative=state.speculation(chat))])
+                                           stream=bool(body.stream), speculative=state.speculation(chat))],
+                            caller_of(request))
     pooled = state.config.session_pool and state.config.pool_max_sessions > 0
 
     def feed(text: str, last: bool) -> None:
@@ -113,13 +119,17 @@ async def create_response(body: ResponsesRequest, request: Request):
 
     def finish(reason: Optional[str], totals: Totals) -> None:
         builder.finish(reason == "length", _usage(totals, pooled))
+
+    async def keep() -> None:
         if stored:
-            store.put(owner, response.model_dump(mode="json"), conversation + output_messages(response.output))
+            await run_in_threadpool(store.put, owner, response.model_dump(mode="json"),
+                                    conversation + output_messages(response.output))
 
     if not body.stream:
         got = await collect(request, run, 1)
         feed(got.texts[0], True)
         finish(got.finish[0], got)
+        await keep()
         return response
 
     async def events() -> AsyncIterator[Dict[str, str]]:
@@ -138,6 +148,10 @@ async def create_response(body: ResponsesRequest, request: Request):
                 yield {"event": kind, "data": data}
         else:
             finish(reason, totals)
+            try:
+                await keep()
+            except StoreUnavailable as e:
+                logger.warning(f"response {response.id} was streamed but not stored: {e}")
         for kind, data in builder.take():
             yield {"event": kind, "data": data}
 
@@ -150,8 +164,8 @@ async def get_response(response_id: str, request: Request, stream: bool = False)
         raise bad_request("Streaming a stored response again is not supported.", param="stream")
     entry = await run_in_threadpool(_store(request).get, owner_of(request), response_id)
     if entry is None:
-        raise not_found(f"No response with id '{response_id}' found (responses are kept in the gateway's memory for "
-                        f"a limited time).", param="response_id")
+        raise not_found(f"No response with id '{response_id}' found (responses are kept for a limited time).",
+                        param="response_id")
     return entry.response
 
 
