@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from gateway.store import KeyLimits, open_store, usage_totals
+from tests.fixtures.fake_model import FakeModel, chat_body
 from tests.fixtures.gateway_fixtures import one_torch_thread, wait_until  # noqa: F401
 from tests.fixtures.redis_server import redis_server  # noqa: F401
-from tests.gateway.test_gateway_unit import FakeModel, _chat
 
 
 @pytest.fixture(params=["sqlite", "redis"])
@@ -57,18 +57,18 @@ def _bearer(key):
 def test_runtime_keys_turn_auth_on_and_revocation_is_immediate(tokenizer, url):
     app, _, store = _app(tokenizer, url, api_keys=["config-key"])
     client = _client(app)
-    assert client.post("/v1/chat/completions", json=_chat(max_tokens=2)).status_code == 401
+    assert client.post("/v1/chat/completions", json=chat_body(max_tokens=2)).status_code == 401
     key = store.create_key("alice", KeyLimits())
     for token in (key, "config-key"):
-        r = client.post("/v1/chat/completions", json=_chat(max_tokens=2), headers=_bearer(token))
+        r = client.post("/v1/chat/completions", json=chat_body(max_tokens=2), headers=_bearer(token))
         assert r.status_code == 200, r.text
         assert "x-ratelimit-limit-requests" not in r.headers  # no limits, no headers
     assert client.get("/v1/models", headers=_bearer(key)).status_code == 200
     assert store.list_keys()[0].last_used is not None
     store.revoke_key("alice")
-    r = client.post("/v1/chat/completions", json=_chat(max_tokens=2), headers=_bearer(key))
+    r = client.post("/v1/chat/completions", json=chat_body(max_tokens=2), headers=_bearer(key))
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    assert client.post("/v1/chat/completions", json=_chat(max_tokens=2),
+    assert client.post("/v1/chat/completions", json=chat_body(max_tokens=2),
                        headers=_bearer("config-key")).status_code == 200
     # a gateway without config keys: open until the store holds a key, then closed (looked at once a second)
     open_app, _, open_store_ = _app(tokenizer, url.replace("state.sqlite3", "other.sqlite3") if "sqlite" in url
@@ -76,10 +76,10 @@ def test_runtime_keys_turn_auth_on_and_revocation_is_immediate(tokenizer, url):
     open_client = _client(open_app)
     if url.startswith("redis"):
         open_store_.client.flushdb()
-    assert open_client.post("/v1/chat/completions", json=_chat(max_tokens=2)).status_code == 200
+    assert open_client.post("/v1/chat/completions", json=chat_body(max_tokens=2)).status_code == 200
     open_store_.create_key("first", KeyLimits())
     assert wait_until(lambda: open_client.post("/v1/chat/completions",
-                                               json=_chat(max_tokens=2)).status_code == 401, timeout=30)
+                                               json=chat_body(max_tokens=2)).status_code == 401, timeout=30)
 
 
 def test_limits_give_429s_with_openai_headers(tokenizer, tmp_path):
@@ -89,13 +89,13 @@ def test_limits_give_429s_with_openai_headers(tokenizer, tmp_path):
     key = store.create_key("rpm", KeyLimits(rpm=3, tpm=10_000))
     remaining = []
     for _ in range(3):
-        r = client.post("/v1/chat/completions", json=_chat(max_tokens=2), headers=_bearer(key))
+        r = client.post("/v1/chat/completions", json=chat_body(max_tokens=2), headers=_bearer(key))
         assert r.status_code == 200, r.text
         assert r.headers["x-ratelimit-limit-requests"] == "3" and r.headers["x-ratelimit-limit-tokens"] == "10000"
         assert r.headers["x-ratelimit-reset-requests"].endswith("s")
         remaining.append(int(r.headers["x-ratelimit-remaining-requests"]))
     assert remaining == [2, 1, 0]
-    r = client.post("/v1/chat/completions", json=_chat(max_tokens=2), headers=_bearer(key))
+    r = client.post("/v1/chat/completions", json=chat_body(max_tokens=2), headers=_bearer(key))
     assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
     assert r.json()["error"]["type"] == "rate_limit_error" and "3 requests per minute" in r.json()["error"]["message"]
     assert 1 <= int(r.headers["retry-after"]) <= 60 and r.headers["x-ratelimit-remaining-requests"] == "0"
@@ -104,7 +104,7 @@ def test_limits_give_429s_with_openai_headers(tokenizer, tmp_path):
     assert int(models.headers["x-ratelimit-remaining-tokens"]) < 10_000
     # tokens per minute: the first request passes (the window was empty), its tokens close the window
     tokens = store.create_key("tpm", KeyLimits(tpm=5))
-    first = client.post("/v1/chat/completions", json=_chat(max_tokens=2), headers=_bearer(tokens))
+    first = client.post("/v1/chat/completions", json=chat_body(max_tokens=2), headers=_bearer(tokens))
     assert first.status_code == 200 and first.headers["x-ratelimit-remaining-tokens"] == "0"
     r = client.post("/v1/responses", json={"model": "fake", "input": "hi", "max_output_tokens": 16},
                     headers=_bearer(tokens))
@@ -129,15 +129,15 @@ def test_limits_give_429s_with_openai_headers(tokenizer, tmp_path):
     model.inference_session = held_session.__get__(model)
     results = []
     holder = threading.Thread(target=lambda: results.append(client.post(
-        "/v1/chat/completions", json=_chat(max_tokens=2), headers=_bearer(streams))))
+        "/v1/chat/completions", json=chat_body(max_tokens=2), headers=_bearer(streams))))
     holder.start()
     assert entered.wait(60)
-    r = client.post("/v1/chat/completions", json=_chat(max_tokens=2), headers=_bearer(streams))
+    r = client.post("/v1/chat/completions", json=chat_body(max_tokens=2), headers=_bearer(streams))
     assert r.status_code == 429 and "1 concurrent streams" in r.json()["error"]["message"]
     gate.set()
     holder.join()
     assert results[0].status_code == 200
-    assert wait_until(lambda: client.post("/v1/chat/completions", json=_chat(max_tokens=2),
+    assert wait_until(lambda: client.post("/v1/chat/completions", json=chat_body(max_tokens=2),
                                           headers=_bearer(streams)).status_code == 200, timeout=30)
     metrics = client.get("/metrics").text
     assert 'swarmgate_rate_limited_total{key="rpm",limit="requests"} 1.0' in metrics
@@ -157,12 +157,12 @@ def test_usage_is_recorded_for_every_request(tokenizer, tmp_path):
         expected["cached_tokens"] += usage["prompt_tokens_details"]["cached_tokens"]
         expected["completion_tokens"] += usage["completion_tokens"]
 
-    add(client.post("/v1/chat/completions", json=_chat(temperature=0), headers=_bearer(key)).json()["usage"])
-    cut = client.post("/v1/chat/completions", json=_chat(max_tokens=2), headers=_bearer(key)).json()
+    add(client.post("/v1/chat/completions", json=chat_body(temperature=0), headers=_bearer(key)).json()["usage"])
+    cut = client.post("/v1/chat/completions", json=chat_body(max_tokens=2), headers=_bearer(key)).json()
     assert cut["choices"][0]["finish_reason"] == "length"
     add(cut["usage"])
     with client.stream("POST", "/v1/chat/completions", headers=_bearer(key),
-                       json=_chat(stream=True, stream_options={"include_usage": True})) as r:
+                       json=chat_body(stream=True, stream_options={"include_usage": True})) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     add(chunks[-1]["usage"])
     response = client.post("/v1/responses", headers=_bearer(key),
@@ -191,7 +191,7 @@ def test_32_concurrent_requests_on_one_key_pass_its_limit_exactly(tokenizer, url
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=120) as http:
             async def one():
-                return await http.post("/v1/chat/completions", json=_chat(max_tokens=2), headers=_bearer(key))
+                return await http.post("/v1/chat/completions", json=chat_body(max_tokens=2), headers=_bearer(key))
 
             replies = []
             for _ in range(3):
@@ -284,7 +284,7 @@ def test_a_cancelled_stream_counts_what_was_generated(tokenizer, tmp_path):
     try:
         assert wait_until(lambda: server.started, timeout=30)
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
-                          headers=_bearer(key), json=_chat(stream=True, temperature=0, max_tokens=64)) as r:
+                          headers=_bearer(key), json=chat_body(stream=True, temperature=0, max_tokens=64)) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
