@@ -128,18 +128,12 @@ TEXTS = ["The capital of France is Paris, and the capital", "A quick brown fox j
 def test_training_across_an_old_and_a_new_server(old_first, model_path, bootstrap, tokenizer, reference_model):
     """Forward and backward through an old server's blocks and a new server's: input gradients equal transformers'
     autograd."""
-    from tests.fixtures.training import loss_of, reference_grads  # the training tests' reference
+    from tests.fixtures.training import check_input_gradients  # the training tests' reference
 
     batch = torch.tensor([tokenizer(t)["input_ids"][:9] for t in TEXTS])  # [2, 9]
     model = client(model_path, bootstrap, old_first["prefix"])
     try:
-        embeds = model.embed_tokens(batch).detach().requires_grad_(True)
-        loss = loss_of(model(inputs_embeds=embeds).logits, batch)
-        loss.backward()
-        ref_loss, (ref_grad,) = reference_grads(reference_model, batch)
-        assert abs(loss.item() - ref_loss.item()) < 1e-4
-        assert embeds.grad is not None and embeds.grad.abs().max() > 1e-3
-        torch.testing.assert_close(embeds.grad, ref_grad, atol=1e-4, rtol=0)
+        check_input_gradients(model, reference_model, batch)
         stats = model.manager.server_info(old_first["old"].peer_id)
         assert stats.training_tokens_processed > 0  # the old server did train
     finally:

@@ -12,7 +12,7 @@ from swarm.client.session import InferenceSession, SessionError
 from swarm.runtime import aio
 from swarm.wire import protocol as P
 from swarm.wire import streaming
-from tests.fixtures.training import loss_of, reference_grads, reference_logits
+from tests.fixtures.training import check_input_gradients, loss_of, reference_grads, reference_logits
 
 SPANS = ("0:15", "15:30")
 TEXTS = ["The capital of France is Paris, and the capital", "A quick brown fox jumps over the lazy dog again",
@@ -40,13 +40,7 @@ def batch(tokenizer):
 def test_input_gradients_match_transformers(model_path, swarm, reference_model, batch):
     model = client(model_path, swarm, training_sub_batch_tokens=9)  # one row per sub-batch: 3 in parallel
     try:
-        embeds = model.embed_tokens(batch).detach().requires_grad_(True)
-        loss = loss_of(model(inputs_embeds=embeds).logits, batch)
-        loss.backward()
-        ref_loss, (ref_grad,) = reference_grads(reference_model, batch)
-        assert abs(loss.item() - ref_loss.item()) < 1e-4
-        assert embeds.grad is not None and embeds.grad.abs().max() > 1e-3
-        torch.testing.assert_close(embeds.grad, ref_grad, atol=1e-4, rtol=0)
+        check_input_gradients(model, reference_model, batch)
         assert model.remote_blocks is not None and model.remote_blocks.calls >= 3 * 2 * 2  # sub-batches x hops x passes
     finally:
         model.shutdown()
