@@ -46,8 +46,9 @@ from typing import Optional, Tuple, Type
 import hivemind
 import torch
 
-from server.compute.blocks import BlockSpan, resolve_dtype
+from server.compute.blocks import BlockSpan
 from server.compute.cache import CacheBudget
+from server.compute.loading import resolve_dtype
 from server.config import ServerConfig
 from server.placement import spans
 from server.placement.announce import Announcer, start_dht
