@@ -30,7 +30,8 @@ from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FamilySpec
 from swarm.modeling.int8_rows import row_groups
 from swarm.modeling.layers import cache_attention, causal_mask, key_bias, rope_lengths
-from swarm.modeling.lora import AdapterError, AdapterFiles, SpanAdapter, adapt_layers
+from swarm.modeling.lora import SpanAdapter, adapt_layers
+from swarm.modeling.lora_files import AdapterError, AdapterFiles
 from swarm.modeling.shape import ModelShape
 from swarm.modeling.smallgemm import GemmGroup
 from swarm.modeling.tensor_parallel import cache_layout

@@ -22,7 +22,8 @@ from torch import nn
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FAMILIES, FamilySpec, family_for
 from swarm.modeling.llama import FusedLayer, attach_small_gemms
-from swarm.modeling.lora import AdapterError, AdapterFiles, SpanAdapter, check_layers
+from swarm.modeling.lora import SpanAdapter, check_layers
+from swarm.modeling.lora_files import AdapterError, AdapterFiles
 from swarm.modeling.shape import ModelShape, config_dtype
 from swarm.modeling.smallgemm import GemmGroup, packing_available
 from swarm.modeling.tensor_parallel import check_splittable, parse_devices, split_layer
@@ -91,7 +92,7 @@ def load_blocks(checkpoint: Checkpoint, start: int, end: int, dtype_name: str = 
                 quant_type: str = "none", adapters: Sequence[AdapterFiles] = (), packed_rows: Sequence[int] = (),
                 tensor_parallel: Sequence[str] = ()) -> LoadedBlocks:
     """Blocks [start, end) of `checkpoint`, read, (quantized) and moved to `device` one block at a time; with
-    `adapters` (checked by `swarm.modeling.lora.open_adapter`), their tensors of these blocks too.
+    `adapters` (checked by `swarm.modeling.lora_files.open_adapter`), their tensors of these blocks too.
 
     quant_type "int8" / "nf4" (`swarm.modeling.quantize`): each block is fused and quantized before the next is
     read, and its float tensors are dropped, so the process never holds the span in full precision.
