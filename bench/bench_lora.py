@@ -72,7 +72,7 @@ def span_step_ms(path: str, adapters: dict) -> dict:
     """Milliseconds per batched decode step of 8 one-row sessions through blocks 0:15 (median of 50)."""
     from server.compute.blocks import BlockSpan
     from swarm.modeling.checkpoint import Checkpoint
-    from swarm.modeling.lora import AdapterSource, open_adapter
+    from swarm.modeling.lora_files import AdapterSource, open_adapter
 
     checkpoint = Checkpoint(path)
     files = [open_adapter(AdapterSource(name, location), checkpoint.load_config()) for name, location in

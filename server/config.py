@@ -13,7 +13,7 @@ from pydantic import Field, field_validator, model_validator
 from server.placement.throughput import parse_throughput_mode
 from swarm.modeling.disk_cache import parse_size
 from swarm.modeling.families import FAMILIES
-from swarm.modeling.lora import ADAPTERS_HELP, AdapterSource
+from swarm.modeling.lora_files import ADAPTERS_HELP, AdapterSource
 from swarm.modeling.quantize import QUANT_TYPE_HELP
 from swarm.modeling.smallgemm import valid_packed_rows
 from swarm.modeling.tensor_parallel import distinct_devices, parse_devices

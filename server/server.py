@@ -46,8 +46,9 @@ from typing import Optional, Tuple, Type
 import hivemind
 import torch
 
-from server.compute.blocks import BlockSpan, resolve_dtype
+from server.compute.blocks import BlockSpan
 from server.compute.cache import CacheBudget
+from server.compute.loading import resolve_dtype
 from server.config import ServerConfig
 from server.placement import spans
 from server.placement.announce import Announcer, start_dht
@@ -63,7 +64,7 @@ from swarm import __version__
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.disk_cache import parse_size
 from swarm.modeling.families import family_for
-from swarm.modeling.lora import AdapterSource, open_adapter
+from swarm.modeling.lora_files import AdapterSource, open_adapter
 from swarm.modeling.prepare import resolve_model
 from swarm.modeling.quantize import check_quant_support, resolve_quant_type
 from swarm.modeling.shape import ModelShape

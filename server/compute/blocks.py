@@ -1,13 +1,11 @@
-"""Loading a span of transformer blocks and running hidden states through it.
+"""Running hidden states through a span of transformer blocks: `BlockSpan`, its capabilities (batching, CUDA graphs,
+the KV arena, int8's sessions) and its passes.
 
-`BlockSpan.load` reads only the tensors of blocks [start, end) from the checkpoint (the other blocks are never
-materialized) into the family's decoder layers, built on the meta device and filled in place, one block at a time
-(with `quant_type` int8 / nf4 each block is quantized before the next is read: `swarm.modeling.quantize`). A
-checkpoint published quantized (MXFP4, block-scaled FP8) has the span's stored tensors checked from their headers
-first, then each block dequantized into the serving dtype as it is read (`swarm.modeling.checkpoint_quant`).
-`forward` runs `[batch, seq, hidden]` states through some or all of the span with explicit positions, either with a
-session's `SessionKV` (inference) or without a cache (a plain forward pass), optionally adding a session's deep
-prompts to each block's input at positions below pre_seq_len (`add_prompt`).
+`BlockSpan.load` makes one from the blocks `server.compute.loading.load_blocks` reads (only blocks [start, end),
+quantized or split across devices as asked). `forward` runs `[batch, seq, hidden]` states through some or all of the
+span with explicit positions, either with a session's `SessionKV` (inference) or without a cache (a plain forward
+pass), optionally adding a session's deep prompts to each block's input at positions below pre_seq_len
+(`add_prompt`).
 
 LoRA adapters (`--adapters`, `swarm.modeling.lora`): `load` also reads the span's tensors of each adapter into
 `adapters` (name -> `SpanAdapter`). A session's adapter is its `SessionKV.adapter`; a step runs the fused layers
@@ -19,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Dict, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -27,37 +25,23 @@ from torch import nn
 from server.compute.cache import SessionKV, cache_tokens, padded_key_mask
 from server.compute.decode import attention_backends, decode_step, prefill_step, ragged_prefill_step
 from server.compute.kv_arena import KVArena
+from server.compute.loading import load_blocks
 from swarm.modeling.checkpoint import Checkpoint
-from swarm.modeling.families import FAMILIES, FamilySpec, family_for
+from swarm.modeling.families import FamilySpec
 from swarm.modeling.int8_rows import row_groups
 from swarm.modeling.layers import cache_attention, causal_mask, key_bias, rope_lengths
-from swarm.modeling.llama import FusedLayer, attach_small_gemms
-from swarm.modeling.lora import AdapterError, AdapterFiles, SpanAdapter, adapt_layers, check_layers
-from swarm.modeling.shape import ModelShape, config_dtype
-from swarm.modeling.smallgemm import GemmGroup, packing_available
-from swarm.modeling.tensor_parallel import cache_layout, check_splittable, parse_devices, split_layer
-from swarm.runtime import malloc
-from swarm.wire.dtypes import DTYPES
+from swarm.modeling.lora import SpanAdapter, adapt_layers
+from swarm.modeling.lora_files import AdapterError, AdapterFiles
+from swarm.modeling.shape import ModelShape
+from swarm.modeling.smallgemm import GemmGroup
+from swarm.modeling.tensor_parallel import cache_layout
 from swarm.wire.quant import QuantFormat, quant_format
 
 if TYPE_CHECKING:
     from server.compute.graphs import SpanGraphs, StaticSteps
 
-LLAMA_MODULE = FusedLayer.__module__  # the family module whose fused layers take packed products
 PACK_BUDGET = 0.02  # seconds a decode batch of several rows spends packing weights until all are
 logger = logging.getLogger(__name__)
-
-
-def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
-    """The serving dtype: `name` (one of `swarm.wire.dtypes.DTYPES`), or for "auto" the checkpoint's own."""
-    if name == "auto":
-        configured = config_dtype(config)
-        if configured in (torch.float16, torch.bfloat16) and device.type == "cpu":
-            return torch.float32  # half-precision matmuls are slow on most CPUs
-        return configured if configured is not None and configured in DTYPES.values() else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"unknown torch_dtype {name!r}; choose one of auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
 
 
 def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor, start_position: int) -> torch.Tensor:
@@ -68,32 +52,6 @@ def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor, start_position: int) 
     if k <= 0:
         return hidden
     return torch.cat([hidden[:, :k] + prompt[:, start_position:start_position + k], hidden[:, k:]], dim=1)
-
-
-def packed_rows_for(packed_rows: Sequence[int], device: str, dtype: torch.dtype, quant_type: str,
-                    family: FamilySpec) -> tuple:
-    """The decode batch sizes a span packs its weights for (`swarm.modeling.smallgemm`): float32 Llama-family blocks
-    (their `FusedLayer`s) on the CPU of a torch with MKL's packed GEMM, not quantized; else none."""
-    if torch.device(device).type != "cpu" or dtype != torch.float32 or quant_type not in (None, "none") or \
-            family.layer.__module__ != LLAMA_MODULE or not packing_available():
-        return ()
-    return tuple(packed_rows)
-
-
-def _starts_with(prefix: str) -> Callable[[str], bool]:
-    return lambda name: name.startswith(prefix)
-
-
-def _note_extra_layers(checkpoint: Checkpoint, family: FamilySpec, num_layers: int) -> None:
-    """One log line (per `Checkpoint`: a server's whole life) for a checkpoint's blocks past `num_hidden_layers`
-    (DeepSeek-V3's multi-token-prediction layer, block 61 of the hub checkpoint), which are never read nor served."""
-    extra = family.block_tensor_prefix(num_layers)
-    if checkpoint.extra_layers_noted or \
-            not any(name.startswith(extra) for name in checkpoint.weight_map()):
-        return
-    checkpoint.extra_layers_noted = True
-    logger.info(f"{checkpoint.name}: skipping the tensors of block {num_layers} and beyond (past num_hidden_layers "
-                f"{num_layers}: a multi-token-prediction layer), not served")
 
 
 class BlockSpan(nn.Module):
@@ -175,108 +133,15 @@ class BlockSpan(nn.Module):
     def load(cls, checkpoint: Checkpoint, start: int, end: int, dtype_name: str = "auto",
              device: str = "cpu", quant_type: str = "none", adapters: Sequence[AdapterFiles] = (),
              packed_rows: Sequence[int] = (), tensor_parallel: Sequence[str] = ()) -> "BlockSpan":
-        """Blocks [start, end) of `checkpoint`, read, (quantized) and moved to `device` one block at a time; with
-        `adapters` (checked by `swarm.modeling.lora.open_adapter`), their tensors of these blocks too.
-
-        quant_type "int8" / "nf4" (`swarm.modeling.quantize`): each block is fused and quantized before the next is
-        read, and its float tensors are dropped, so the process never holds the span in full precision.
-        `packed_rows` (`packed_rows_for`): float32 CPU blocks' projections get small-batch products packed for these
-        decode batch sizes (`swarm.modeling.smallgemm`; one more copy of the weights each).
-        `tensor_parallel`: devices to split each block across (`swarm.modeling.tensor_parallel`; the span's inputs
-        and outputs on the first; `device` is then unused).
-        """
-        config = checkpoint.load_config()
-        family = family_for(config)
-        checkpoint.expect_prefix(family.base_prefix)
-        if not 0 <= start < end <= config.num_hidden_layers:
-            raise ValueError(f"blocks {start}:{end} are outside the model's 0:{config.num_hidden_layers}")
-        if adapters and not family.serves_adapters:
-            served = sorted(name for name, spec in FAMILIES.items() if spec.serves_adapters)
-            raise AdapterError(f"LoRA adapters are not served on {family.model_type} blocks (served on "
-                               f"{', '.join(served)})")
-        # (a GPU may repeat here, for tests and the benchmark; the server's config refuses that)
-        tp_devices = parse_devices(tensor_parallel, allow_repeat=True) if tensor_parallel else []
-        torch_device = tp_devices[0] if tp_devices else torch.device(device)
-        dtype = resolve_dtype(dtype_name, config, torch_device)
-        quant_type = quant_type or "none"
-        if tp_devices:
-            check_splittable(family, ModelShape.from_config(config), len(tp_devices), quant_type)
-            packed_rows = ()
-        quantize: Optional[Callable] = None
-        if quant_type != "none":
-            if family.fuse is None:
-                raise ValueError(f"quant_type {quant_type} needs a family with fused layers ({family.model_type})")
-            from swarm.modeling.quantize import quantize_layer
-
-            quantize = quantize_layer
-
-        # a checkpoint published quantized (MXFP4 / FP8): the span's stored tensors checked from their headers before
-        # any is read (a bad one: one error naming it); each block is then dequantized as it is read
-        prefixes = tuple(family.block_tensor_prefix(index) for index in range(start, end))
-        checkpoint.check_quantized(lambda name: name.startswith(prefixes))
-        _note_extra_layers(checkpoint, family, config.num_hidden_layers)
-        config._attn_implementation = "sdpa"
-        layer_cls, fuse = family.layer, family.fuse
-        layers = nn.ModuleList()
-        fused = []
-        for index in range(start, end):
-            with torch.device("meta"):
-                layer = layer_cls(config, index)
-            prefix = family.block_tensor_prefix(index)
-            # only this block's tensors are read: its float copies are gone before the next block's are read
-            state = {k[len(prefix):]: v for k, v in checkpoint.load_tensors(_starts_with(prefix), dtype).items()}
-            missing, unexpected = layer.load_state_dict(state, strict=False, assign=True)
-            if missing or unexpected:
-                raise ValueError(f"block {index}: missing tensors {missing}, unexpected {unexpected}")
-            for name, tensor in list(layer.named_parameters()) + list(layer.named_buffers()):
-                if tensor.is_meta:
-                    raise ValueError(f"block {index}: {name} was not loaded from the checkpoint")
-            layer.layer_idx = index - start  # index into this span's SessionKV
-            del state
-            if tp_devices and fuse is not None:  # fused on the CPU, each shard copied (and quantized) to its device
-                layers.append(split_layer(fuse(layer.to(dtype).eval().requires_grad_(False)), tp_devices,
-                                          ModelShape.from_config(config), quant_type, dtype))
-                fused.append(layers[-1])
-                del layer
-                malloc.trim()
-                continue
-            if quantize is not None and fuse is not None:
-                # fused on the CPU, then each fused weight quantized as it moves to the device; the float layer
-                # (and its fused tensors) is dropped here, the quantized layer serves every path
-                quantized = quantize(fuse(layer.to(dtype).eval().requires_grad_(False)), quant_type, dtype,
-                                     torch_device)
-                del layer
-                malloc.trim()  # the float block's pages go back now, not reused piecemeal (the peak stays ~1 block)
-                layers.append(quantized)
-                fused.append(quantized)
-                continue
-            layers.append(layer.to(torch_device, dtype).eval().requires_grad_(False))
-            if fuse is not None:
-                fused.append(fuse(layers[-1]))
-        rotary = None
-        if family.rotary is not None:
-            rotary = family.rotary(config=config).to(torch_device)
-        logger.info(f"loaded blocks {start}:{end} of {checkpoint.name} ({dtype}, {device}, quant_type {quant_type})")
-        span = cls(config, family, start, end, layers, rotary, dtype, torch_device)
-        span.fused = fused
-        span.tp_devices = tp_devices
-        packed_rows = packed_rows_for(packed_rows, device, dtype, quant_type, family)
-        if packed_rows and any(isinstance(layer, FusedLayer) for layer in fused):
-            # the span's products run on the server's one compute thread; packed as decode batches come (`_pack_some`)
-            span.gemms = GemmGroup(packed_rows, lazy=True)
-            for layer in fused:
-                if isinstance(layer, FusedLayer):
-                    attach_small_gemms(layer, span.gemms)
-            planned = sum(g.weight.numel() * g.weight.element_size() for g in span.gemms.members) * len(packed_rows)
-            logger.info(f"decode batches of {span.gemms.min_packed} to {max(packed_rows)} rows will use weights packed "
-                        f"for {', '.join(map(str, packed_rows))} rows ({planned / 2**20:.0f} MiB, packed during the "
-                        f"first such batches)")
-        span.quant_type = quant_type
-        for files in adapters:
-            span.adapters[files.name] = SpanAdapter.load(files, start, end, dtype, torch_device, span.shape)
-            check_layers(span.adapters[files.name], fused)
-            logger.info(f"loaded adapter {files.name} for blocks {start}:{end} "
-                        f"({span.adapters[files.name].nbytes() / 2**20:.1f} MiB)")
+        """Blocks [start, end) of `checkpoint`, read by `server.compute.loading.load_blocks` (quantized, split across
+        `tensor_parallel` devices, with `adapters`' tensors and weights packed for `packed_rows`: its doc says how)."""
+        loaded = load_blocks(checkpoint, start, end, dtype_name, device, quant_type, adapters, packed_rows,
+                             tensor_parallel)
+        span = cls(loaded.config, loaded.family, start, end, loaded.layers, loaded.rotary, loaded.dtype,
+                   loaded.device)
+        span.fused, span.tp_devices, span.gemms = loaded.fused, loaded.tp_devices, loaded.gemms
+        span.quant_type = loaded.quant_type
+        span.adapters.update(loaded.adapters)
         return span
 
     def windows(self, first: int, last: int) -> list:

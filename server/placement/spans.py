@@ -33,7 +33,7 @@ from typing import Any, Optional, Protocol, Tuple
 
 import torch
 
-from server.compute.blocks import packed_rows_for
+from server.compute.loading import packed_rows_for
 from server.config import ServerConfig
 from server.placement.announce import Announcer
 from server.placement.liveness import HolderLiveness

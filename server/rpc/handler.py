@@ -1,5 +1,6 @@
-"""The RPC handlers of a block server: inference streams, forward passes and the info call (the training passes
-are `server.rpc.training.TrainingHandler`'s, which this class extends).
+"""The RPC handlers of a block server: `BlockHandler`, its request checks, the push stream, forward passes and the
+info calls (the inference stream is `server.rpc.inference.InferenceHandler`'s, the training passes
+`server.rpc.training.TrainingHandler`'s: this class extends both).
 
 Every request is validated before any tensor work (message schema and version, block range, tensor dtype and
 shape, positions against the session's cache and `max_length`, finite values, beam parent ids and padding against
@@ -12,11 +13,7 @@ membership for the connection's peer id (`swarm.runtime.swarm_key`).
 """
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
-import uuid
-from dataclasses import dataclass
 from functools import partial
 from typing import AsyncIterator, Optional
 
@@ -25,45 +22,20 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
 from server.compute.blocks import BlockSpan
-from server.compute.cache import CacheBudget, OutOfCacheError
+from server.compute.cache import CacheBudget
+from server.rpc.inference import Counters, InferenceHandler
 from server.rpc.limits import LimitError, RpcLimits, StreamLimiter
 from server.rpc.push import PushRefused, PushRouter, PushSender
-from server.rpc.training import TrainingHandler, drain_refused
-from swarm.runtime import malloc
+from server.rpc.training import TrainingHandler
 from swarm.runtime.dht_traffic import DHTTraffic
 from swarm.runtime.swarm_key import NOT_A_MEMBER, SwarmKey, proof_for
-from swarm.runtime.taskpool import PRIORITY_DECODE, PRIORITY_FORWARD, PRIORITY_PREFILL, TaskPool
+from swarm.runtime.taskpool import PRIORITY_FORWARD, TaskPool
 from swarm.wire import protocol as P
 
 logger = logging.getLogger(__name__)
 
 
-
-@dataclass
-class Counters:
-    inference_tokens: int = 0
-    inference_steps: int = 0
-    forward_tokens: int = 0
-    compute_seconds: float = 0.0  # time spent in inference forward passes
-    steps_from_push: int = 0  # inference steps whose input came from the previous server
-    pushes_sent: int = 0
-    pushes_refused: int = 0  # pushes without the session part's push token
-
-
-async def _pump(requests: AsyncIterator, inputs: asyncio.Queue) -> None:
-    """Move the client's requests into the session's (bounded) input queue; None marks the client's end. A full
-    queue stops reading the stream (back-pressure on the client) instead of holding its messages in memory."""
-    try:
-        async for request in requests:
-            await inputs.put(("client", request))
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:
-        logger.debug(f"client stream ended: {e}")
-    await inputs.put(None)
-
-
-class BlockHandler(TrainingHandler):
+class BlockHandler(InferenceHandler, TrainingHandler):
     compression = "none"  # hidden states of sessions that do not ask (`--compression`, swarm.wire.compression)
 
     def __init__(self, span: BlockSpan, model_name: str, version: str, budget: CacheBudget, pool: TaskPool,
@@ -116,228 +88,6 @@ class BlockHandler(TrainingHandler):
         if not torch.isfinite(hidden).all():
             raise P.ProtocolError("hidden states contain NaN or infinite values")
         return hidden
-
-    # ---- inference --------------------------------------------------------------------------------------
-    async def rpc_inference(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        handle = registered = pump = kv = peer = None
-        try:
-            self.streams.enter_stream()
-        except LimitError as e:
-            yield P.error_response("over_limit", str(e))
-            await drain_refused(requests)  # closing at once may reset the stream before the caller reads the reply
-            return
-        try:
-            try:
-                first = await asyncio.wait_for(requests.__anext__(), timeout=self.step_timeout)
-            except StopAsyncIteration:
-                return
-            except asyncio.TimeoutError:
-                yield P.error_response("timeout", f"no request within {self.step_timeout:g}s of opening the stream "
-                                                  f"(the server's --step_timeout); stream closed")
-                return
-            if not self._admits(context, first.uid):
-                yield P.error_response("forbidden", NOT_A_MEMBER)
-                await drain_refused(requests)
-                return
-            try:
-                self.limits.check_message(first)
-                opened = P.decode(first.metadata, P.OpenSession)
-                self._check_range(opened.start, opened.end)
-                prompts = self._session_prompts(first, opened)  # deep prompts [blocks, batch | 1, pre, hidden]
-                if not self.accepting:
-                    raise OutOfCacheError("this server is shutting down and takes no new sessions")
-                if opened.max_length > self.max_length:
-                    raise P.ProtocolError(
-                        f"max_length {opened.max_length} exceeds this server's limit {self.max_length}")
-                self._check_adapter(opened.adapter)
-                self.streams.open_session(str(context.remote_id))
-                peer = str(context.remote_id)
-                handle = f"{context.remote_id}/{opened.session_id}/{uuid.uuid4().hex[:8]}"
-                await self.budget.reserve(handle, opened.batch_size * self.span.cache_tokens(
-                    opened.max_length, opened.start, opened.end), self.alloc_timeout)
-            except LimitError as e:
-                handle = None
-                yield P.error_response("over_limit", str(e))
-                await drain_refused(requests)
-                return
-            except OutOfCacheError as e:
-                handle = None
-                yield P.error_response("out_of_cache", str(e))
-                await drain_refused(requests)
-                return
-            except (P.ProtocolError, ValueError) as e:
-                handle = None
-                yield P.error_response("bad_request", str(e))
-                await drain_refused(requests)
-                return
-            kv = self.span.new_session_kv(opened.batch_size, opened.max_length, opened.start, opened.end,
-                                          adapter=opened.adapter)
-            key = P.stream_key(opened.session_id, opened.start)
-            # ("client" | "push", request), or None when the client left; bounded: a flood waits (client) or is
-            # dropped (push) instead of growing memory
-            inputs: asyncio.Queue = asyncio.Queue(maxsize=self.limits.max_queued_steps)
-            if not self.push_router.register(key, inputs, opened.push_token, owner=peer):
-                yield P.error_response("bad_request", f"session part {key} is already open here")
-                await drain_refused(requests)
-                return
-            registered = key
-            pump = asyncio.ensure_future(_pump(requests, inputs))
-            compression = opened.compression or self.compression  # of this session's replies and pushes
-            yield P.make_response(P.StepResult(position=0))  # the session is open
-            last_step_id = -1
-            last_reorder_id = 0  # the last `Step.reorder_id` applied to this session's cache rows
-            while True:
-                try:
-                    item = await asyncio.wait_for(inputs.get(), timeout=self.step_timeout)
-                except asyncio.TimeoutError:
-                    yield P.error_response("timeout", f"no step for {self.step_timeout:.0f}s; session closed")
-                    return
-                if item is None:
-                    return
-                source, request = item
-                try:
-                    if source == "push":
-                        pushed = P.decode(request.metadata, P.PushStep)
-                        step = P.Step(start_position=pushed.start_position, step_id=pushed.step_id,
-                                      push_chain=pushed.push_chain, **pushed.row_edits())
-                    else:
-                        step = P.decode(request.metadata, P.Step)
-                    self.limits.check_message(request)
-                    if step.step_id and step.step_id <= last_step_id:
-                        continue  # the other copy of a step already processed (push and client fallback)
-                    hidden = self._hidden_from(request)
-                    batch, seq = hidden.shape[:2]
-                    if batch != opened.batch_size:
-                        raise P.ProtocolError(f"batch size {batch} differs from the session's {opened.batch_size}")
-                    if step.start_position > kv.length:
-                        raise P.ProtocolError(
-                            f"start_position {step.start_position} is past the {kv.length} tokens this session holds"
-                        )
-                    if not kv.can_start_at(step.start_position):
-                        raise P.ProtocolError(f"start_position {step.start_position} is farther back than this "
-                                              f"session's sliding-window cache holds")
-                    if step.start_position + seq > opened.max_length:
-                        raise P.ProtocolError(
-                            f"positions up to {step.start_position + seq} exceed the session's max_length "
-                            f"{opened.max_length}"
-                        )
-                    P.check_row_edits(step, batch, opened.max_length, step.start_position + seq)
-                except (P.ProtocolError, LimitError) as e:
-                    if source == "push":
-                        logger.warning(f"dropping a malformed push for {key}: {e}")
-                        continue
-                    yield P.error_response("over_limit" if isinstance(e, LimitError) else "bad_request", str(e))
-                    continue
-                try:
-                    if step.hypo_ids is not None and (step.reorder_id == 0 or step.reorder_id != last_reorder_id):
-                        # beam search: the kept positions' rows follow their beams (once per reorder id: a step
-                        # retried after a failover may reach a server that already applied it)
-                        await self.pool.submit(PRIORITY_DECODE, kv.reorder, torch.tensor(step.hypo_ids),
-                                               step.start_position)
-                        last_reorder_id = step.reorder_id
-                    if step.start_position == 0:  # the rows start afresh: their padding is this step's
-                        kv.set_padding(step.left_padding)
-                    # the client's step this message is part of ends here (LongRoPE picks its factors by it)
-                    kv.rope_length = step.rope_length if step.rope_length is not None else step.start_position + seq
-                    output = await self._compute(hidden, step.start_position, kv, opened.start, opened.end,
-                                                  prompts)
-                except Exception as e:
-                    logger.exception("inference step failed")
-                    yield P.error_response("internal", f"step failed: {type(e).__name__}: {e}")
-                    continue
-                last_step_id = max(last_step_id, step.step_id)
-                self.counters.inference_tokens += batch * seq
-                self.counters.inference_steps += 1
-                self.counters.steps_from_push += source == "push"
-                # push first (the next server starts at once), then the copy the client keeps for failover
-                was_pushed = bool(step.push_chain) and self.pusher is not None and self.pusher.push(
-                    step.push_chain, step.start_position, step.step_id, output, step.row_edits(),
-                    compression=compression)
-                self.counters.pushes_sent += was_pushed
-                if was_pushed:
-                    # let the other sessions of this batch (resumed in the same loop turn) push theirs before any
-                    # client copy goes out: the next server waits for the whole batch
-                    await asyncio.sleep(0)
-                yield P.make_response(P.StepResult(position=kv.length, step_id=step.step_id, pushed=was_pushed),
-                                      [output], compression=compression)
-        finally:
-            self.streams.exit_stream()
-            if peer is not None:
-                self.streams.close_session(peer)
-            if kv is not None:
-                self.pool.gatherer.forget(id(kv))  # batches stop waiting for this session's steps
-            kv = None  # the session's cache buffers are freed here (an arena slot: cleared below)
-            if registered is not None:
-                self.push_router.unregister(registered, inputs)
-            if pump is not None:
-                pump.cancel()
-            if handle is not None:
-                await self.budget.release(handle)
-                if self.budget.num_sessions == 0:
-                    # the last open session closed: the caches' memory back to the OS (swarm.runtime.malloc)
-                    malloc.trim()
-            if self.span.kv_arena is not None:
-                try:
-                    self.span.kv_arena.collect()  # the slots of collected sessions, cleared for the next ones
-                except Exception:  # noqa: BLE001 - the next open collects again
-                    logger.exception("clearing KV arena slots failed")
-
-    async def _compute(self, hidden: torch.Tensor, start_position: int, kv, first: int, last: int,
-                       prompts: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """One step of a session: decode steps are batched with other sessions'; a long prefill runs in chunks
-        of `prefill_chunk` tokens at a lower priority, so that other sessions' decode steps go in between, and
-        chunks of several sessions queued together share a pass (`_prefill_batch`; concurrent requests' prompts)."""
-        seq = hidden.shape[1]
-        if seq == 1 and self.span.can_batch and (prompts is None or start_position >= prompts.shape[2]):
-            return await self.pool.submit_batchable(
-                PRIORITY_DECODE, (id(self), first, last), partial(self._decode_batch, first=first, last=last),
-                (hidden, start_position, kv), source=id(kv))
-        outputs = []
-        batchable = prompts is None and self.span.can_batch_prefill(kv)
-        for offset in range(0, seq, self.prefill_chunk):
-            chunk = hidden[:, offset:offset + self.prefill_chunk]
-            if batchable:  # no source: a batch takes the chunks queued with it and waits for none
-                out = await self.pool.submit_batchable(
-                    PRIORITY_PREFILL, ("prefill", id(self), first, last),
-                    partial(self._prefill_batch, first=first, last=last), (chunk, start_position + offset, kv))
-                if isinstance(out, BaseException):  # this session's own failure (`_prefill_batch`)
-                    raise out
-            else:
-                out = await self.pool.submit(PRIORITY_PREFILL, partial(self.span.forward, prompts=prompts), chunk,
-                                             start_position + offset, kv, first, last)
-            outputs.append(out)
-        return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
-
-    def _prefill_batch(self, items: list, first: int, last: int) -> list:
-        """Prefill chunks of several sessions, in passes of at most `prefill_chunk` tokens together; a pass that
-        fails runs its chunks one by one, so that each session gets its own outcome (an output or its error)."""
-        results: list = []
-        group: list = []
-        tokens = 0  # in `group`
-        for item in items + [None]:
-            if group and (item is None or tokens + item[0].shape[1] > self.prefill_chunk):
-                try:
-                    results += self.span.forward_prefill_batch(group, first, last)
-                except Exception:  # noqa: BLE001 - each chunk again alone: its own output or error
-                    for hidden, start, kv in group:
-                        try:
-                            results.append(self.span.forward(hidden, start, kv, first, last))
-                        except Exception as e:  # noqa: BLE001 - delivered to that session's step
-                            results.append(e)
-                group, tokens = [], 0
-            if item is not None:
-                group.append(item)
-                tokens += item[0].shape[1]
-        return results
-
-    def _decode_batch(self, items: list, first: int, last: int) -> list:
-        began = time.perf_counter()
-        try:
-            return self.span.forward_batch(items, first, last)
-        finally:
-            self.counters.compute_seconds += time.perf_counter() - began
 
     # ---- push ---------------------------------------------------------------------------------------------
     async def add_p2p_handlers(self, p2p, *args, **kwargs) -> None:

@@ -33,6 +33,7 @@ from hivemind.proto import runtime_pb2
 from server.compute.blocks import add_prompt
 from server.compute.decode import attention_backends
 from server.rpc.limits import LimitError, StreamLimiter
+from server.rpc.refusal import refuse
 from swarm.modeling.layers import cache_attention, causal_mask
 from swarm.modeling.lora import adapt_layers
 from swarm.runtime.swarm_key import NOT_A_MEMBER
@@ -102,16 +103,6 @@ def block_backward(span: "BlockSpan", index: int, hidden: torch.Tensor, prompt: 
                    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """`block_graph` then `graph_backward`: one block's gradients for its input and prompt."""
     return graph_backward(*block_graph(span, index, hidden, prompt, adapter), grad_output)
-
-
-async def drain_refused(requests: AsyncIterator, timeout: float = 2.0, max_messages: int = 64) -> None:
-    """Read (bounded) what a refused caller already sent: closing the stream early may reset it before the caller
-    has read the error reply."""
-    try:
-        for _ in range(max_messages):
-            await asyncio.wait_for(requests.__anext__(), timeout=timeout)
-    except (StopAsyncIteration, asyncio.TimeoutError, Exception):
-        return
 
 
 def _pieces(batch: int, seq: int, piece_tokens: int) -> List[slice]:
@@ -211,27 +202,6 @@ class TrainingHandler(P.BlockRPC):
         cast = [None if t is None else t.to(self.span.device, self.span.dtype) for t in (hidden, grad, prompts)]
         return message, cast[0], cast[1], cast[2]
 
-    def _session_prompts(self, request: runtime_pb2.ExpertRequest, opened: P.OpenSession) -> Optional[torch.Tensor]:
-        """An inference session's deep prompts (the OpenSession request's tensor when `prompts`), validated:
-        [end - start, batch_size | 1, pre_seq_len, hidden] in the span's dtype."""
-        count = 1 if opened.prompts else 0
-        if len(request.tensors) != count:
-            raise P.ProtocolError(f"OpenSession with prompts={opened.prompts} carries {count} tensor(s), "
-                                  f"got {len(request.tensors)}")
-        if not opened.prompts:
-            return None
-        blocks = opened.end - opened.start
-        prompts = P.deserialize_tensor(request.tensors[0], max_elements=blocks * self.max_batch_tokens *
-                                       self.span.hidden_size)
-        if (prompts.ndim != 4 or prompts.shape[0] != blocks or prompts.shape[1] not in (1, opened.batch_size)
-                or not 0 < prompts.shape[2] <= opened.max_length or prompts.shape[3] != self.span.hidden_size):
-            raise P.ProtocolError(
-                f"prompts must have shape [{blocks}, {opened.batch_size} or 1, 0 < pre_seq_len <= max_length, "
-                f"{self.span.hidden_size}], got {list(prompts.shape)}")
-        if not torch.isfinite(prompts).all():
-            raise P.ProtocolError("prompts contain NaN or infinite values")
-        return prompts.to(self.span.device, self.span.dtype)
-
     # ---- the passes, in pieces ----------------------------------------------------------------------------
     async def _forward_pieces(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor], start: int, end: int,
                               adapter: Optional[str] = None) -> torch.Tensor:
@@ -305,8 +275,8 @@ class TrainingHandler(P.BlockRPC):
         try:
             self.streams.enter_stream()
         except LimitError as e:
-            yield P.error_response("over_limit", str(e))
-            await drain_refused(requests)  # closing at once may reset the stream before the caller reads the reply
+            async for reply in refuse(requests, "over_limit", str(e)):
+                yield reply
             return
         try:
             async for response in self._train_call(requests, context, message_type, name, compute):
@@ -328,8 +298,8 @@ class TrainingHandler(P.BlockRPC):
                                               f"(the server's --step_timeout)")
             return
         except (P.ProtocolError, ValueError) as e:
-            yield P.error_response("bad_request", str(e))
-            await drain_refused(requests)  # what the caller still sends, so that closing does not lose the reply
+            async for reply in refuse(requests, "bad_request", str(e)):  # what the caller still sends is read
+                yield reply
             return
         if read_call is None:
             yield P.error_response("forbidden", NOT_A_MEMBER)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, List, Optional
 
 from swarm.client.manager import SwarmManager
-from swarm.modeling.lora import check_adapter_name
+from swarm.modeling.lora_files import check_adapter_name
 
 
 class _Active:

@@ -3,7 +3,7 @@
 With `ClientConfig.verify`, at each step `Verifier.plan` picks the spans of the chain to check: always a server
 not checked yet, else each span with probability `verify_probability`. The step itself is not slowed: it keeps
 push (every server also returns its span's output to the client, which records it as the next boundary's history,
-`session._History`), and once it is done the session starts the checks in the background on the client's loop
+`BoundaryHistory`), and once it is done the session starts the checks in the background on the client's loop
 (`BackgroundChecks`, one per session) with copies of each checked span's whole input history `[batch, n, hidden]`
 and of its recorded outputs for the same positions. A referee re-runs those inputs as one forward pass
 (`rpc_forward`, no cache) through other servers covering the same blocks with the same dtype and weight format

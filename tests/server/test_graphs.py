@@ -60,7 +60,7 @@ def test_the_graphs_computation_equals_the_lean_path_on_cpu(checkpoint):
 
 
 def test_the_graphs_computation_with_adapters_rows_on_cpu(tmp_path):
-    from swarm.modeling.lora import AdapterSource, open_adapter
+    from swarm.modeling.lora_files import AdapterSource, open_adapter
     from tests.fixtures.lora_fixtures import make_adapter
 
     checkpoint = _save(llama_like_configs()["llama"], tmp_path / "llama")

@@ -14,7 +14,7 @@ import torch
 
 from server.compute.blocks import BlockSpan
 from swarm.modeling.checkpoint import Checkpoint
-from swarm.modeling.lora import AdapterError, AdapterSource, open_adapter
+from swarm.modeling.lora_files import AdapterError, AdapterSource, open_adapter
 from tests.fixtures.lora_fixtures import make_adapter, peft_reference
 
 END = 6  # the span: blocks 0:END

@@ -300,10 +300,10 @@ def test_one_token_selection_path_matches_transformers_processors():
 
 
 def test_a_sessions_input_history_grows_with_what_was_sent_and_keeps_it():
-    """`_History` (what failover replays) holds the positions written, not the session's whole max_length."""
-    from swarm.client.session import _History
+    """`BoundaryHistory` (what failover replays) holds the positions written, not the session's whole max_length."""
+    from swarm.client.session_chain import BoundaryHistory
 
-    history = _History(2, 10_000, 8, torch.float32)
+    history = BoundaryHistory(2, 10_000, 8, torch.float32)
     sent = torch.randn(2, 300, 8)
     for start, end in [(0, 40), (40, 41), (41, 100), (100, 170), (170, 171)]:  # a prompt, decode steps, chunks
         history.write(start, sent[:, start:end])
@@ -315,7 +315,7 @@ def test_a_sessions_input_history_grows_with_what_was_sent_and_keeps_it():
     assert torch.equal(history.read(270), torch.cat([sent[:, :150], sent[:, 0:120]], dim=1))
     history.reorder([1, 1], 270)
     assert torch.equal(history.read(270)[0], history.read(270)[1])
-    small = _History(1, 20, 8, torch.float32)  # never past max_length
+    small = BoundaryHistory(1, 20, 8, torch.float32)  # never past max_length
     small.write(0, sent[:1, :15])
     small.write(15, sent[:1, 15:20])
     assert small.buffer.shape[1] == 20 and torch.equal(small.read(20), sent[:1, :20])

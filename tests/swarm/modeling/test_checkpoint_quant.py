@@ -150,7 +150,7 @@ def test_a_span_reads_only_its_shards_and_skips_the_mtp_block(quantized, monkeyp
     checkpoint = Checkpoint(str(path))  # (one for the server's life: it may load blocks more than once)
     for start, end in [(0, 2), (3, 4)]:
         opened = OpenedFiles(monkeypatch)
-        with caplog.at_level(logging.INFO, logger="server.compute.blocks"):
+        with caplog.at_level(logging.INFO, logger="server.compute.loading"):
             BlockSpan.load(checkpoint, start, end, "float32")
         wanted = {f for n, f in weight_map.items() if n.startswith(tuple(f"model.layers.{i}." for i in
                                                                           range(start, end)))}

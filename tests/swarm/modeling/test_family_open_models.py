@@ -375,7 +375,7 @@ def test_lora_adapter_matches_peft(case, targets, extra, tmp_path):
     delta; GPT-OSS's interleaved gate/up with biases, clamps and sinks); DeepSeek-V3's latent attention with
     kv_b_proj's delta absorbed, its MLPs and experts) gives peft's logits, in a prefill and in a decode step batched
     with a base session; a training pass's input gradients equal peft's."""
-    from swarm.modeling.lora import AdapterSource, open_adapter
+    from swarm.modeling.lora_files import AdapterSource, open_adapter
     from tests.fixtures.lora_fixtures import make_adapter, peft_reference
 
     family, layout, overrides = CASES.get(case, (case, "hub", {}))
@@ -418,7 +418,7 @@ def test_deepseek_mlp_adapter_matches_merged_weights(tmp_path):
     step batched with a base session."""
     from safetensors.torch import save_file
 
-    from swarm.modeling.lora import AdapterSource, open_adapter
+    from swarm.modeling.lora_files import AdapterSource, open_adapter
 
     reference = save_tiny("deepseek_v3", tmp_path / "base", None, vocab_size=VOCAB, **DEEPSEEK)
     names = ("gate_proj", "up_proj", "down_proj")
@@ -464,7 +464,7 @@ def test_lora_adapters_that_cannot_be_served_are_clear_errors(tmp_path):
     adapter adds its deltas (`check_int8_adapter`)."""
     from safetensors.torch import load_file, save_file
 
-    from swarm.modeling.lora import AdapterError, AdapterSource, open_adapter
+    from swarm.modeling.lora_files import AdapterError, AdapterSource, open_adapter
     from tests.fixtures.lora_fixtures import make_adapter
     from tests.fixtures.tiny_checkpoints import tiny_config
 
@@ -511,7 +511,7 @@ def check_int8_adapter(path, files) -> None:
 def test_deepseek_adapter_on_int8_blocks(tmp_path):
     """DeepSeek-V3 int8 blocks (bitsandbytes projections, kv_b_proj in float) take an adapter on every attention
     projection (kv_b_proj's delta absorbed) and the routed experts (`check_int8_adapter`)."""
-    from swarm.modeling.lora import AdapterSource, open_adapter
+    from swarm.modeling.lora_files import AdapterSource, open_adapter
     from tests.fixtures.lora_fixtures import make_adapter
 
     save_tiny("deepseek_v3", tmp_path / "base", None, vocab_size=VOCAB, **DEEPSEEK)
@@ -524,7 +524,7 @@ def test_deepseek_adapter_on_int8_blocks(tmp_path):
 def test_gpt_oss_adapter_on_int8_blocks(tmp_path):
     """GPT-OSS int8 blocks (per-expert bitsandbytes modules) take an adapter on q/k/v/o and the experts' stacked
     parameters: the deltas add on top of the quantized experts' outputs (`check_int8_adapter`)."""
-    from swarm.modeling.lora import AdapterSource, open_adapter
+    from swarm.modeling.lora_files import AdapterSource, open_adapter
     from tests.fixtures.lora_fixtures import make_adapter
 
     save_tiny("gpt_oss", tmp_path / "base", None, vocab_size=VOCAB, **GPT_OSS)
@@ -616,7 +616,7 @@ def test_left_padded_batch_on_alibi_blocks_matches_transformers(case, tmp_path, 
 def test_lora_adapter_on_bloom_and_falcon_matches_peft(case, tmp_path, model_path):
     """A peft LoRA adapter on BLOOM's / Falcon's fused query_key_value, dense and MLP projections gives peft's
     logits: a prefill, and a decode step batched with a base session; and its input gradients in a training pass."""
-    from swarm.modeling.lora import AdapterSource, open_adapter
+    from swarm.modeling.lora_files import AdapterSource, open_adapter
     from tests.fixtures.family_configs import build_bloom_falcon
     from tests.fixtures.lora_fixtures import make_adapter, peft_reference
 

@@ -137,7 +137,7 @@ def test_quantized_shards(quant_path, quant_type, tol):
     ("mixtral", ("q_proj", "k_proj", "v_proj", "o_proj"),
      dict(target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))], indirect=["family_path"])
 def test_adapter_deltas_are_split_like_their_projections(family_path, targets, extra, tmp_path_factory):
-    from swarm.modeling.lora import AdapterSource, open_adapter
+    from swarm.modeling.lora_files import AdapterSource, open_adapter
     from tests.fixtures.lora_fixtures import make_adapter
 
     _, path = family_path
