@@ -38,7 +38,7 @@ from gateway.api.admission import Admission
 from gateway.api.auth import Authenticator, require_api_key, require_probe_key
 from gateway.api.chat_page import add_chat_routes
 from gateway.api.completions import router as completions_router
-from gateway.api.models import ServedModels
+from gateway.api.models import ServedModels, discover
 from gateway.api.models import install as install_models
 from gateway.api.openapi import install as install_openapi
 from gateway.api.params import Limits, check_messages
@@ -341,6 +341,8 @@ def main(argv=None) -> int:
     code = 1
     try:
         sock = _listen(config.host, config.port)
+        if config.discover:  # --model all: the models the swarm's servers announce now
+            config = discover(config)
         for path in config.model:
             # the tokenizer first: what parsing it takes and frees (tens of MB) goes back to the OS before the
             # weights come, so that the two never add up in the peak

@@ -22,7 +22,8 @@ class GatewayConfig(SwarmKeySettings):
     model: List[str] = Field(
         description="model(s) served by the swarm: bundled name, local checkpoint directory or hub id; several "
                     "(MODEL --model OTHER --model ..., a YAML list, SWARMGATE_MODEL=a,b) make one gateway serve each, "
-                    "requests choosing by their `model` field")
+                    "requests choosing by their `model` field; `all`: every model the swarm's servers announce, "
+                    "found at start")
     revision: Optional[str] = Field(default=None, description="a hub model's branch, tag or commit (default: main)")
     token: Optional[str] = Field(default=None, description="a gated or private hub model's access token (default: "
                                                            "huggingface_hub's own, HF_TOKEN or the stored login)")
@@ -132,8 +133,8 @@ class GatewayConfig(SwarmKeySettings):
     def _valid_models(cls, value: List[str]) -> List[str]:
         if not value or any(not m.strip() for m in value):
             raise ValueError("give at least one model, none of them empty")
-        if "all" in value:
-            raise ValueError("'all' (every model the swarm serves) is not supported yet: name each model")
+        if "all" in value and len(value) > 1:
+            raise ValueError("'all' (every model the swarm serves) stands alone, not beside named models")
         names = [_name_of(m) for m in value]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
@@ -143,7 +144,7 @@ class GatewayConfig(SwarmKeySettings):
     @model_validator(mode="after")
     def _one_model_settings(self):
         for name in ("served_model_name", "dht_prefix"):
-            if len(self.model) > 1 and getattr(self, name) is not None:
+            if (len(self.model) > 1 or self.discover) and getattr(self, name) is not None:
                 raise ValueError(f"{name} names one model's id or prefix: it cannot be used with several models")
         return self
 
@@ -201,6 +202,11 @@ class GatewayConfig(SwarmKeySettings):
     def accepted_api_keys(self) -> Tuple[str, ...]:
         """Every key that authenticates a request: `api_keys` and those of `api_key_file` (empty: no auth)."""
         return (*self.api_keys, *self._file_keys)
+
+    @property
+    def discover(self) -> bool:
+        """`--model all`: the models are the ones the swarm's servers announce (`gateway.api.models.discover`)."""
+        return self.model == ["all"]
 
     @property
     def model_path(self) -> str:

@@ -9,10 +9,13 @@ path, or a LoRA adapter that the swarm of one of them serves (the adapters are r
 `model_not_found`, naming what is served). `install(app, models)` adds `GET /v1/models` (each model with its swarm
 coverage, then its adapters) and `GET /v1/models/{id}`. `render_metrics()` is `/metrics`: with one model the
 Prometheus text as before; with several, each model's series carry a `model` label (`gateway.metrics.render_models`).
+`discover(config)` is `--model all`: the settings for every model the swarm's servers announce (`ModelRecord`s under
+`swarm.wire.records.MODELS_KEY`), read once at start.
 """
 from __future__ import annotations
 
 import logging
+import time
 from typing import List, Optional, Sequence
 
 from fastapi import Depends, FastAPI
@@ -21,6 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from gateway.api.auth import require_api_key
 from gateway.api.params import check_model
 from gateway.api.state import GatewayState, format_ranges
+from gateway.config import GatewayConfig
 from gateway.errors import not_found
 from gateway.metrics import render_models
 from gateway.schemas import ModelCard, ModelCoverage, ModelList
@@ -125,3 +129,42 @@ def install(app: FastAPI, models: ServedModels) -> None:
     @app.get("/v1/models/{model_id:path}", dependencies=[Depends(require_api_key)])
     async def get_model(model_id: str) -> ModelCard:
         return await run_in_threadpool(one, model_id)
+
+
+def discover(config: GatewayConfig) -> GatewayConfig:
+    """`--model all`: `config` with `model` = every model the swarm's online servers announce (at least one of its
+    blocks served by an online server now; waiting up to
+    `rpc_timeout` seconds for the first), each found under the DHT prefix derived from its name; a RuntimeError when
+    none is. A model announced under another prefix (a server's own `--dht_prefix`) is skipped with a warning: name
+    it with `--dht_prefix` on a gateway of its own."""
+    from swarm.runtime.swarm_key import join_dht
+    from swarm.wire.records import dht_prefix_for, fetch_block_records, fetch_models, online_spans
+
+    dht = join_dht(config.load_swarm_key(), initial_peers=config.initial_peers, client_mode=True)
+
+    def served_now() -> list:  # a record outlives its server by its expiration: keep models with an online server
+        return [r for r in fetch_models(dht) if online_spans(fetch_block_records(dht, r.prefix, r.num_blocks))]
+
+    try:
+        deadline = time.monotonic() + config.rpc_timeout
+        records = served_now()
+        while not records and time.monotonic() < deadline:
+            time.sleep(1.0)
+            records = served_now()
+    finally:
+        dht.shutdown()
+    models: dict = {}
+    for record in records:
+        name = record.model.rstrip("/").split("/")[-1] or record.model
+        if record.prefix != dht_prefix_for(record.model):
+            logger.warning(f"skipping {record.model}: its servers announce it under the DHT prefix {record.prefix!r}, "
+                           f"not the one derived from its name (serve it with --dht_prefix on a gateway of its own)")
+        elif name in models:
+            logger.warning(f"skipping {record.model}: its id {name!r} is {models[name]}'s too")
+        else:
+            models[name] = record.model
+    if not models:
+        raise RuntimeError("--model all: no server of the swarm announces a model (servers of release 0.2.0 and "
+                           "older do not: name their models)")
+    logger.info(f"--model all: serving {', '.join(models.values())}")
+    return config.model_copy(update={"model": list(models.values())})

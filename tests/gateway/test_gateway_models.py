@@ -1,8 +1,9 @@
 """Several models on one gateway over a real swarm (issue 48): the session's bootstrap, one server per model covering
 all its blocks (the bundled SmolLM2 and a tiny random Llama), and one gateway started with `--model` twice. It lists
 both with their coverage (the chat page, in Chromium, offers both), answers each greedily as transformers does for
-that model, and 404s an unknown model. The in-process cases (config parsing, routing, metrics, usage per model) are
-test_gateway_models_unit.py."""
+that model, and 404s an unknown model; `--model all` finds both models in the DHT (its discovery in this process; a
+second gateway started with it: EXTENDED).
+The in-process cases (config parsing, routing, metrics, usage per model) are test_gateway_models_unit.py."""
 from __future__ import annotations
 
 import os
@@ -92,3 +93,28 @@ def test_an_unknown_model_is_a_404_model_not_found(two_model_gateway):
     assert error["message"] == ("The model 'no-such-model' does not exist; this gateway serves 'smollm2-multi', "
                                 "'tiny-llama-multi'.")
 
+
+
+def test_discover_finds_every_model_the_swarm_announces(bootstrap, two_model_gateway):
+    """`--model all`'s discovery, in this process: the servers' model records read back from the DHT."""
+    from gateway.api.models import discover
+    from gateway.config import GatewayConfig
+
+    found = discover(GatewayConfig(model="all", initial_peers=[bootstrap.maddr]))
+    assert {str(two_model_gateway["smol"]), str(two_model_gateway["tiny"])} <= set(found.model)
+    assert not found.discover and {"smollm2-multi", "tiny-llama-multi"} <= set(found.model_names)
+
+
+def test_model_all_serves_every_model_the_swarm_announces(bootstrap, two_model_gateway, tokenizer):
+    gateway = topology.start_gateway("all", [bootstrap.maddr], None, [], name="gateway-models-all", threads=1)
+    try:
+        assert {"smollm2-multi", "tiny-llama-multi"} <= set(gateway.ready["models"])
+        listing = httpx.get(gateway.ready["url"] + "/v1/models", timeout=60).json()["data"]
+        coverage = {card["id"]: card["coverage"]["blocks_served"] for card in listing}
+        assert coverage["smollm2-multi"] == 30 and coverage["tiny-llama-multi"] == 4
+        response = chat(gateway.ready["url"], "tiny-llama-multi")
+        assert response.status_code == 200
+        assert response.json()["choices"][0]["message"]["content"] == \
+            reference_text(tokenizer, two_model_gateway["tiny_reference"], MESSAGES, MAX_TOKENS)
+    finally:
+        gateway.terminate()

@@ -36,12 +36,14 @@ def test_model_flag_repeats_and_joins_the_positional_one(tmp_path):
     yaml_file.write_text("model: one\n")
     assert parse([], yaml_path=str(yaml_file)).model == ["one"]
     assert GatewayConfig(model="m").model == ["m"] and GatewayConfig(model="m").model_name == "m"
+    assert parse(["all"]).discover and not parse(["a"]).discover
 
 
 @pytest.mark.parametrize("argv, message", [
     ([], "model: Field required"),
     (["a", "--model", "dir/a"], "models named twice: a"),
-    (["all"], "'all' (every model the swarm serves) is not supported yet"),
+    (["all", "--model", "b"], "'all' (every model the swarm serves) stands alone"),
+    (["all", "--served_model_name", "x"], "served_model_name names one model's id"),
     (["a", "b", "--served_model_name", "x"], "served_model_name names one model's id"),
     (["a", "b", "--dht_prefix", "p"], "dht_prefix names one model's id or prefix"),
 ])
@@ -49,6 +51,19 @@ def test_bad_model_settings_are_named(argv, message):
     with pytest.raises(ConfigError, match="invalid GatewayConfig") as e:
         parse(argv)
     assert message in str(e.value)
+
+
+def test_model_records_reject_what_they_do_not_expect():
+    from pydantic import ValidationError
+
+    from swarm.wire.records import ModelRecord
+
+    record = ModelRecord.model_validate({"model": "org/m", "prefix": "m", "num_blocks": 4, "future_field": 1})
+    assert record == ModelRecord(model="org/m", prefix="m", num_blocks=4)  # newer fields ignored
+    for bad in ({"model": "", "prefix": "m", "num_blocks": 4}, {"model": "m", "prefix": "m", "num_blocks": 0},
+                {"model": "m", "prefix": "m"}, {"model": "m" * 600, "prefix": "m", "num_blocks": 4}):
+        with pytest.raises(ValidationError):
+            ModelRecord.model_validate(bad)
 
 
 def test_for_model_keeps_every_other_setting():
