@@ -64,7 +64,7 @@ def build_parser(
         default = field.get_default(call_default_factory=True)
         if name == positional and _is_list(field.annotation):  # MODEL [MODEL ...] and/or --model M, repeatable
             parser.add_argument(name, nargs="*", default=argparse.SUPPRESS, help=help_text)
-            parser.add_argument(f"--{name}", dest=name + _AS_FLAG, action="extend", nargs="+",
+            parser.add_argument(f"--{name}", dest=name + _AS_FLAG, action="extend", nargs="+", metavar=name.upper(),
                                 default=argparse.SUPPRESS, help="the same as a flag, which may be given several times "
                                                                 "(after the positional ones)")
             continue
