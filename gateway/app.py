@@ -1,17 +1,18 @@
 """The gateway process: FastAPI app factory and the `swarmgate gateway MODEL ...` entry point.
 
-`create_app(config, model=None, tokenizer=None)` builds the app around one client model (loaded here when not
-given: embeddings, final norm and LM head; the blocks run on the swarm) and its tokenizer. Routes: the OpenAI
-endpoints (`gateway.api.completions`; the Responses API, `gateway.responses`), `GET /v1/models`, `POST /tokenize`,
-`POST /detokenize` (all behind the API keys when configured), `GET /health` (200 when every block is served, else
-503 naming the missing ones) and `GET /metrics` (Prometheus), public unless `--protect_probes`, and the public swarm
-status page `GET /status` / `/status.json` (`gateway.api.status`), and the chat page `GET /chat`
-(`gateway.api.chat_page`; `GET /` sends a browser there). Every response carries `X-Request-Id` (echoed or created);
-CORS is on for the configured origins.
+`create_app(config, model=None, tokenizer=None, models=None)` builds the app around one client model per `--model`
+(loaded here when not given: embeddings, final norm and LM head; the blocks run on the swarm) and its tokenizer, each
+model's state its own (`gateway.api.models`: requests choose by `model`). Routes: the OpenAI endpoints
+(`gateway.api.completions`; the Responses API, `gateway.responses`), `GET /v1/models` (`gateway.api.models`),
+`POST /tokenize`, `POST /detokenize` (all behind the API keys when configured), `GET /health` (200 when every block of
+every model is served, else 503 naming the missing ones) and `GET /metrics` (Prometheus), public unless
+`--protect_probes`, and the public swarm status page `GET /status` / `/status.json` (`gateway.api.status`; the first
+model's swarm), and the chat page `GET /chat` (`gateway.api.chat_page`; `GET /` sends a browser there). Every
+response carries `X-Request-Id` (echoed or created); CORS is on for the configured origins.
 
 `main(argv)` parses flags / YAML / environment into `GatewayConfig`, opens the state store (`gateway.store`,
 `--database_url`: a store that cannot be used is one line on stderr and exit code 2), serves with uvicorn, and prints
-`SWARMGATE_READY {"url": "http://host:port"}` on stdout once it accepts connections.
+`SWARMGATE_READY {"url": "http://host:port", "model": ..., "models": [...]}` on stdout once it accepts connections.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any, Optional
+from typing import Any, List, Optional, Sequence, Tuple
 
 from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
@@ -37,6 +38,8 @@ from gateway.api.admission import Admission
 from gateway.api.auth import Authenticator, require_api_key, require_probe_key
 from gateway.api.chat_page import add_chat_routes
 from gateway.api.completions import router as completions_router
+from gateway.api.models import ServedModels, discover
+from gateway.api.models import install as install_models
 from gateway.api.openapi import install as install_openapi
 from gateway.api.params import Limits, check_messages
 from gateway.api.quota import Quota
@@ -46,7 +49,7 @@ from gateway.api.status import add_status_routes
 from gateway.config import GatewayConfig
 from gateway.errors import bad_request, install_error_handlers
 from gateway.metrics import CONTENT_TYPE_LATEST, Metrics
-from gateway.schemas import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
+from gateway.schemas import DetokenizeRequest, TokenizeRequest
 from gateway.serving.engine import Engine
 from gateway.serving.session_pool import SessionPool
 from gateway.serving.sessions import SessionProvider
@@ -105,8 +108,8 @@ def load_model(config: GatewayConfig):
         raise ValueError("initial_peers is required: the multiaddr(s) of a peer of the swarm")
     # a bundled name opens its prepared directory; the DHT prefix stays the one servers derive from the name
     return AutoDistributedModelForCausalLM.from_pretrained(
-        resolve_model(config.model), initial_peers=config.initial_peers,
-        dht_prefix=config.dht_prefix or dht_prefix_for(config.model),
+        resolve_model(config.model_path), initial_peers=config.initial_peers,
+        dht_prefix=config.dht_prefix or dht_prefix_for(config.model_path),
         torch_dtype=config.torch_dtype, step_timeout=config.step_timeout, request_timeout=config.rpc_timeout,
         allowed_quant_types=config.allowed_quant_types, swarm_key=config.swarm_key, compression=config.compression,
         swarm_key_file=config.swarm_key_file, verify=config.verify_rate > 0, verify_probability=config.verify_rate,
@@ -120,7 +123,7 @@ def load_tokenizer(config: GatewayConfig):
     from swarm.modeling.checkpoint import Checkpoint
     from swarm.modeling.prepare import resolve_model
 
-    checkpoint = Checkpoint(resolve_model(config.model), revision=config.revision, token=config.token)
+    checkpoint = Checkpoint(resolve_model(config.model_path), revision=config.revision, token=config.token)
     # with the model config given, AutoTokenizer does not load it through AutoConfig (swarm.modeling.model_config: why)
     return AutoTokenizer.from_pretrained(checkpoint.config_dir, config=checkpoint.load_config(),
                                          revision=config.revision, token=config.token)
@@ -133,49 +136,38 @@ def _eos_ids(model) -> list:
     return [eos] if isinstance(eos, int) else list(eos or [])
 
 
-def create_app(config: GatewayConfig, model=None, tokenizer=None, store: Optional[Store] = None) -> FastAPI:
-    """`store`: the state store (default: the one `config.database_url` names, opened here and closed at shutdown)."""
+def create_app(config: GatewayConfig, model=None, tokenizer=None, store: Optional[Store] = None,
+               models: Optional[Sequence[Tuple[Any, Any]]] = None) -> FastAPI:
+    """`store`: the state store (default: the one `config.database_url` names, opened here and closed at shutdown).
+    `models`: the (client model, tokenizer) of each of `config.model`, in order; `model` and `tokenizer` stand for the
+    first's; what is not given is loaded here."""
     own_store = store is None
     store = store if store is not None else open_store(config.database_url)
-    model = model if model is not None else load_model(config)
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
-    tokens = Tokens(tokenizer, _eos_ids(model))
+    loaded = list(models) if models is not None else [(model, tokenizer)]
+    loaded += [(None, None)] * (len(config.model) - len(loaded))
     if config.draft_model:  # loaded once, at start: a bad path fails here, not in the first request
         load_draft_model(config.draft_model)
-    threading.Thread(target=lambda: tokens.token_bytes, name="token-table", daemon=True).start()  # warm it
-    context = config.max_context or int(getattr(model.config, "max_position_embeddings", 2048))
-    limits = Limits(context=context, default_max_tokens=config.default_max_tokens, max_n=config.max_n,
-                    vocab_size=min(int(model.config.vocab_size), tokens.vocab_size),
-                    eos_token_ids=tuple(tokens.eos_token_ids))
-    metrics = Metrics()
+    metrics = Metrics()  # the gateway-wide metrics, and the first model's
     admission = Admission(config.max_concurrent, config.max_queue, config.queue_timeout, config.retry_after,
                           on_change=metrics.observe_admission)
-    pool: Optional[SessionPool] = None
-    if config.session_pool and config.pool_max_sessions > 0:
-        pool = SessionPool(config.pool_max_sessions, config.pool_max_tokens, config.pool_ttl,
-                           on_evict=metrics.count_eviction)
-        metrics.pool = pool
-    sessions = SessionProvider(model, pool, metrics, headroom=config.pool_headroom, context=context)
-    engine = Engine(model, tokens, metrics, max_workers=config.max_concurrent, sessions=sessions,
-                    verify_holdback=config.verify_holdback)
     # a stream's lease outlives any generation (its deadline) by a minute: a gateway killed mid-request frees it then
     quota = Quota(store, metrics, lease_ttl=config.generation_timeout + 60, retry_after=config.retry_after)
-    state = GatewayState(config=config, model=model, tokens=tokens, engine=engine, admission=admission,
-                         metrics=metrics, limits=limits, created=int(time.time()), store=store, quota=quota)
-    metrics.coverage_source = state.coverage_numbers
-    metrics.verify_source = model.verify_stats
-    model.observe_routes(metrics.observe_route)
+    served = ServedModels([_model_state(config.for_model(path), model, tokenizer, metrics if i == 0 else Metrics(),
+                                        admission=admission, store=store, quota=quota)
+                           for i, (path, (model, tokenizer)) in enumerate(zip(config.model, loaded))])
+    state = served.default
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        engine.shutdown()  # cancel running generations: their sessions close; so do pooled ones
+        served.shutdown()  # cancel running generations: their sessions close; so do pooled ones
         quota.shutdown()  # usage still to be written
         if own_store:
             store.close()
 
     app = FastAPI(title="swarmgate", version=_version(), docs_url="/docs", redoc_url=None, lifespan=lifespan)
-    app.state.gateway = state
+    app.state.gateway = state  # the first model's (and the gateway-wide settings, admission, metrics, store)
+    app.state.models = served
     app.state.authenticator = Authenticator(config.accepted_api_keys, store)
     install_error_handlers(app)
     if config.cors_origins:
@@ -185,11 +177,40 @@ def create_app(config: GatewayConfig, model=None, tokenizer=None, store: Optiona
     app.add_middleware(RequestContext, metrics=metrics)
     app.include_router(completions_router)
     install_responses(app, config, store)  # /v1/responses (gateway.responses), its responses in the state store
-    _add_routes(app, state)
-    # `model` in /openapi.json: the served names (the base and its adapters)
-    install_openapi(app, lambda: (config.model_name, config.model, *state.served_adapters()))
+    install_models(app, served)  # /v1/models
+    _add_routes(app, served)
+    # `model` in /openapi.json: the served names (each model, its path and its adapters)
+    install_openapi(app, served.served_ids)
     add_status_routes(app, state)
     return app
+
+
+def _model_state(config: GatewayConfig, model, tokenizer, metrics: Metrics, *, admission: Admission, store: Store,
+                 quota: Quota) -> GatewayState:
+    """One served model's state (`config`: the gateway's settings for that model alone): its client model and
+    tokenizer (loaded when None), limits, engine and session pool, sharing admission, store and quota."""
+    model = model if model is not None else load_model(config)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
+    tokens = Tokens(tokenizer, _eos_ids(model))
+    threading.Thread(target=lambda: tokens.token_bytes, name="token-table", daemon=True).start()  # warm it
+    context = config.max_context or int(getattr(model.config, "max_position_embeddings", 2048))
+    limits = Limits(context=context, default_max_tokens=config.default_max_tokens, max_n=config.max_n,
+                    vocab_size=min(int(model.config.vocab_size), tokens.vocab_size),
+                    eos_token_ids=tuple(tokens.eos_token_ids))
+    pool: Optional[SessionPool] = None
+    if config.session_pool and config.pool_max_sessions > 0:
+        pool = SessionPool(config.pool_max_sessions, config.pool_max_tokens, config.pool_ttl,
+                           on_evict=metrics.count_eviction)
+        metrics.pool = pool
+    sessions = SessionProvider(model, pool, metrics, headroom=config.pool_headroom, context=context)
+    engine = Engine(model, tokens, metrics, max_workers=config.max_concurrent, sessions=sessions,
+                    verify_holdback=config.verify_holdback)
+    state = GatewayState(config=config, model=model, tokens=tokens, engine=engine, admission=admission,
+                         metrics=metrics, limits=limits, created=int(time.time()), store=store, quota=quota)
+    metrics.coverage_source = state.coverage_numbers
+    metrics.verify_source = model.verify_stats
+    model.observe_routes(metrics.observe_route)
+    return state
 
 
 def _version() -> str:
@@ -198,28 +219,11 @@ def _version() -> str:
     return __version__
 
 
-def _add_routes(app: FastAPI, state: GatewayState) -> None:
-    config, tokens = state.config, state.tokens
-
-    def card(adapter: Optional[str] = None) -> ModelCard:
-        """The base model's card, or a LoRA adapter's: its own id, the base model as `parent` (as vLLM lists LoRA
-        modules)."""
-        return ModelCard(id=adapter or config.model_name, created=state.created, context_length=state.limits.context,
-                         max_model_len=state.limits.context, parent=config.model_name if adapter else None)
-
-    @app.get("/v1/models", dependencies=[Depends(require_api_key)])
-    async def list_models() -> ModelList:
-        adapters = await run_in_threadpool(state.served_adapters)
-        return ModelList(data=[card()] + [card(adapter) for adapter in adapters])
-
-    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(require_api_key)])
-    async def get_model(model_id: str) -> ModelCard:
-        _, adapter = await run_in_threadpool(state.resolve_model, model_id)
-        return card(adapter)
-
+def _add_routes(app: FastAPI, served: ServedModels) -> None:
     @app.post("/tokenize", dependencies=[Depends(require_api_key)])
     async def tokenize(body: TokenizeRequest):
-        await run_in_threadpool(state.resolve_model, body.model)  # the base model or a served LoRA adapter
+        state = await served.route(body.model)  # a served model or LoRA adapter; none: the first model
+        tokens = state.tokens
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("Give exactly one of 'prompt' or 'messages'.", param="prompt")
         if body.messages is not None:
@@ -232,36 +236,47 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
 
     @app.post("/detokenize", dependencies=[Depends(require_api_key)])
     async def detokenize(body: DetokenizeRequest):
-        await run_in_threadpool(state.resolve_model, body.model)  # the base model or a served LoRA adapter
-        tokens.check_ids(body.tokens, "tokens")
-        return {"prompt": await run_in_threadpool(tokens.decode, body.tokens)}
+        state = await served.route(body.model)
+        state.tokens.check_ids(body.tokens, "tokens")
+        return {"prompt": await run_in_threadpool(state.tokens.decode, body.tokens)}
 
     @app.get("/health", dependencies=[Depends(require_probe_key)])
     async def health():
-        try:
-            coverage = await run_in_threadpool(state.coverage, True)
-        except Exception as e:
-            return JSONResponse({"status": "unavailable", "message": f"cannot read the swarm's state: {e}",
-                                 "missing_blocks": None}, status_code=503)
-        missing, total, servers = coverage.missing, coverage.num_blocks, coverage.servers
-        if missing:
-            what = "online server" if coverage.allowed_quant_types is None else "online server of an allowed quant type"
-            return JSONResponse({"status": "unavailable", "blocks": total, "servers": servers,
-                                 "missing_blocks": missing,
-                                 "message": f"blocks {format_ranges(missing)} are not served by any {what}"
-                                            f"{quant_note(coverage)}",
-                                 **quant_summary(coverage)},
-                                status_code=503)
-        return {"status": "ok", "blocks": total, "servers": servers, "model": config.model_name,
-                **quant_summary(coverage)}
+        """200 when every block of every model is served; else 503 naming the first model with missing blocks."""
+        answers = []
+        for state in served.states:
+            try:
+                coverage = await run_in_threadpool(state.coverage, True)
+            except Exception as e:
+                return JSONResponse({"status": "unavailable", "model": state.config.model_name,
+                                     "message": f"cannot read the swarm's state: {e}", "missing_blocks": None},
+                                    status_code=503)
+            answers.append((state, coverage))
+        for state, coverage in answers:
+            missing, total, servers = coverage.missing, coverage.num_blocks, coverage.servers
+            if missing:
+                what = ("online server" if coverage.allowed_quant_types is None
+                        else "online server of an allowed quant type")
+                of = f" of {state.config.model_name}" if len(answers) > 1 else ""
+                return JSONResponse({"status": "unavailable", "model": state.config.model_name, "blocks": total,
+                                     "servers": servers, "missing_blocks": missing,
+                                     "message": f"blocks {format_ranges(missing)}{of} are not served by any {what}"
+                                                f"{quant_note(coverage)}",
+                                     **quant_summary(coverage)},
+                                    status_code=503)
+        state, coverage = answers[0]
+        extra = ({"models": {s.config.model_name: {"blocks": c.num_blocks, "servers": c.servers}
+                             for s, c in answers}} if len(answers) > 1 else {})
+        return {"status": "ok", "blocks": coverage.num_blocks, "servers": coverage.servers,
+                "model": state.config.model_name, **extra, **quant_summary(coverage)}
 
     @app.get("/metrics", dependencies=[Depends(require_probe_key)])
     async def prometheus_metrics():
-        return Response(await run_in_threadpool(state.metrics.render), media_type=CONTENT_TYPE_LATEST)
+        return Response(await run_in_threadpool(served.render_metrics), media_type=CONTENT_TYPE_LATEST)
 
     # `/`: the chat page for a browser, this JSON for anything else
-    add_chat_routes(app, lambda: JSONResponse({"service": "swarmgate", "model": config.model_name, "api": "/v1",
-                                               "chat": "/chat"}))
+    add_chat_routes(app, lambda: JSONResponse({"service": "swarmgate", "model": served.names[0],
+                                               "models": served.names, "api": "/v1", "chat": "/chat"}))
 
 
 # ---- the process ----------------------------------------------------------------------------------------------------
@@ -294,8 +309,9 @@ async def _serve(app: FastAPI, config: GatewayConfig, sock: socket.socket) -> No
         host, port = sock.getsockname()[:2]
         host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
         url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-        print("SWARMGATE_READY " + json.dumps({"url": url, "model": config.model_name}), flush=True)
-        logger.info(f"serving {config.model_name} at {url}/v1")
+        print("SWARMGATE_READY " + json.dumps({"url": url, "model": config.model_name,
+                                                "models": config.model_names}), flush=True)
+        logger.info(f"serving {', '.join(config.model_names)} at {url}/v1")
     await task
 
 
@@ -321,16 +337,19 @@ def main(argv=None) -> int:
     except StoreError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    model: Optional[Any] = None
+    loaded: List[Tuple[Any, Any]] = []
     code = 1
     try:
         sock = _listen(config.host, config.port)
-        # the tokenizer first: what parsing it takes and frees (tens of MB) goes back to the OS before the weights
-        # come, so that the two never add up in the peak
-        tokenizer = load_tokenizer(config)
-        malloc.trim()
-        model = load_model(config)
-        app = create_app(config, model=model, tokenizer=tokenizer, store=store)
+        if config.discover:  # --model all: the models the swarm's servers announce now
+            config = discover(config)
+        for path in config.model:
+            # the tokenizer first: what parsing it takes and frees (tens of MB) goes back to the OS before the
+            # weights come, so that the two never add up in the peak
+            tokenizer = load_tokenizer(config.for_model(path))
+            malloc.trim()
+            loaded.append((load_model(config.for_model(path)), tokenizer))
+        app = create_app(config, store=store, models=loaded)
         malloc.trim()
         # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; with these handlers in place that only
         # returns here, so that the client model's DHT (a child process) is shut down instead of orphaned
@@ -343,7 +362,7 @@ def main(argv=None) -> int:
         logger.error(f"gateway failed: {e}")
         print(f"error: {e}", file=sys.stderr)
     finally:
-        if model is not None:
+        for model, _ in loaded:
             model.shutdown()
         store.close()
         stop_client_pool()

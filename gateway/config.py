@@ -19,16 +19,22 @@ from swarm.wire.dtypes import QUANT_TYPES, parse_dtype
 
 
 class GatewayConfig(SwarmKeySettings):
-    model: str = Field(description="model served by the swarm: bundled name, local checkpoint directory or hub id")
+    model: List[str] = Field(
+        description="model(s) served by the swarm: bundled name, local checkpoint directory or hub id; several "
+                    "(MODEL --model OTHER --model ..., a YAML list, SWARMGATE_MODEL=a,b) make one gateway serve each, "
+                    "requests choosing by their `model` field; `all`: every model the swarm's servers announce, "
+                    "found at start")
     revision: Optional[str] = Field(default=None, description="a hub model's branch, tag or commit (default: main)")
     token: Optional[str] = Field(default=None, description="a gated or private hub model's access token (default: "
                                                            "huggingface_hub's own, HF_TOKEN or the stored login)")
     initial_peers: List[str] = Field(default_factory=list, description="multiaddrs of DHT peers of the swarm")
-    dht_prefix: Optional[str] = Field(default=None, description="DHT key prefix (default: from the model name)")
+    dht_prefix: Optional[str] = Field(default=None, description="DHT key prefix (default: from the model name; one "
+                                                                "model only)")
     host: str = Field(default="127.0.0.1", description="address the HTTP server listens on")
     port: int = Field(default=8000, ge=0, le=65535, description="HTTP port (0: any free port)")
     served_model_name: Optional[str] = Field(
-        default=None, description="model id clients send and /v1/models lists (default: the model's name)")
+        default=None, description="model id clients send and /v1/models lists (default: the model's name; one model "
+                                  "only)")
     api_keys: List[str] = Field(default_factory=list,
                                 description="accepted bearer keys (any of them; empty, with no --api_key_file: no "
                                             "authentication)")
@@ -117,6 +123,31 @@ class GatewayConfig(SwarmKeySettings):
     num_threads: Optional[int] = Field(default=None, gt=0, description="torch intra-op threads")
     log_level: str = Field(default="INFO", description="logging level")
 
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value  # one model, as YAML `model: NAME` or a single argument
+
+    @field_validator("model")
+    @classmethod
+    def _valid_models(cls, value: List[str]) -> List[str]:
+        if not value or any(not m.strip() for m in value):
+            raise ValueError("give at least one model, none of them empty")
+        if "all" in value and len(value) > 1:
+            raise ValueError("'all' (every model the swarm serves) stands alone, not beside named models")
+        names = [_name_of(m) for m in value]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"models named twice: {', '.join(twice)} (each model id must be distinct)")
+        return value
+
+    @model_validator(mode="after")
+    def _one_model_settings(self):
+        for name in ("served_model_name", "dht_prefix"):
+            if (len(self.model) > 1 or self.discover) and getattr(self, name) is not None:
+                raise ValueError(f"{name} names one model's id or prefix: it cannot be used with several models")
+        return self
+
     @field_validator("speculative", mode="before")
     @classmethod
     def _yaml_off(cls, value: Any) -> Any:
@@ -173,8 +204,32 @@ class GatewayConfig(SwarmKeySettings):
         return (*self.api_keys, *self._file_keys)
 
     @property
+    def discover(self) -> bool:
+        """`--model all`: the models are the ones the swarm's servers announce (`gateway.api.models.discover`)."""
+        return self.model == ["all"]
+
+    @property
+    def model_path(self) -> str:
+        """The first (with one model: the) model's bundled name, directory or hub id."""
+        return self.model[0]
+
+    @property
     def model_name(self) -> str:
-        """The id clients use: `served_model_name`, else the last part of the model path or repo id."""
-        if self.served_model_name:
-            return self.served_model_name
-        return self.model.rstrip("/").split("/")[-1] or self.model
+        """The id clients use for the first model: `served_model_name`, else the last part of its path or repo id."""
+        return self.served_model_name or _name_of(self.model[0])
+
+    @property
+    def model_names(self) -> List[str]:
+        """Every served model's id, in the order given."""
+        return [self.model_name, *(_name_of(m) for m in self.model[1:])]
+
+    def for_model(self, path: str) -> "GatewayConfig":
+        """These settings for one of the models (`model` = [path]): what that model's own state is built from."""
+        if path not in self.model:
+            raise ValueError(f"{path!r} is not one of this gateway's models")
+        return self.model_copy(update={"model": [path]})
+
+
+def _name_of(path: str) -> str:
+    """A model's default id: the last part of its path or repo id."""
+    return path.rstrip("/").split("/")[-1] or path

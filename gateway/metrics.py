@@ -13,10 +13,14 @@ view at each scrape, and with `--verify_rate` the spot-checks of servers' output
 each scrape): checks done and passed, servers outvoted (`mismatches`, each then distrusted), checks impossible
 because one server alone covers a span (`unverifiable`), disagreements without a majority, the distrusted servers
 by peer id, and the tokens the gateway picked again after a retraction.
+
+A gateway serving several models (`gateway.api.models`) has one `Metrics` per model: the first model's also counts
+what is gateway-wide (`GATEWAY_WIDE`: requests, admission, API keys, the store), and `render_models` writes each model's
+own series with a `model` label (with one model, the text is `render()`'s, without that label).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,  # noqa: F401  (re-exported for the /metrics route)
@@ -27,8 +31,13 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 _ROUTE_BUCKETS = (0.0001, 0.0003, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)
+# families counted once per gateway (on the first model's Metrics), not per model
+GATEWAY_WIDE = frozenset({"swarmgate_requests", "swarmgate_running_requests", "swarmgate_queue_length",
+                          "swarmgate_key_requests", "swarmgate_key_tokens", "swarmgate_rate_limited",
+                          "swarmgate_store_errors"})
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 60)
 
 
@@ -114,6 +123,11 @@ class Metrics:
         self.queue_length.set(admission.waiting)
 
     def render(self) -> bytes:
+        self.refresh()
+        return generate_latest(self.registry)
+
+    def refresh(self) -> None:
+        """Read the gauges kept elsewhere (the pool, the swarm's coverage) before a scrape."""
         if self.pool is not None:
             self.pool_sessions.set(len(self.pool))
             self.pool_cache_tokens.set(self.pool.reserved_tokens)
@@ -126,7 +140,40 @@ class Metrics:
                 self.servers_online.set(servers)
             except Exception:  # the swarm view is best effort here; /health reports failures
                 pass
-        return generate_latest(self.registry)
+
+
+def render_models(models: Sequence[Tuple[str, Metrics]]) -> bytes:
+    """The Prometheus text of a gateway's models [(model id, its Metrics)], the first also holding the gateway-wide
+    families: one model: its `render()`; several: each per-model sample labelled `model="<id>"`."""
+    if len(models) == 1:
+        return models[0][1].render()
+    for _, metrics in models:
+        metrics.refresh()
+    registry = CollectorRegistry()
+    registry.register(_ByModel(models))
+    return generate_latest(registry)
+
+
+class _ByModel:
+    """Collects several models' registries as one: their families merged by name, each model's samples labelled."""
+
+    def __init__(self, models: Sequence[Tuple[str, Metrics]]):
+        self.models = models
+
+    def collect(self) -> Iterator[Any]:
+        families: Dict[str, Any] = {}
+        for index, (name, metrics) in enumerate(self.models):
+            for family in metrics.registry.collect():
+                if family.name in GATEWAY_WIDE:
+                    if index == 0:
+                        families[family.name] = family
+                    continue
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = families[family.name] = Metric(family.name, family.documentation, family.type,
+                                                            family.unit)
+                merged.samples += [s._replace(labels={"model": name, **s.labels}) for s in family.samples]
+        yield from families.values()
 
 
 _VERIFY_COUNTERS = (

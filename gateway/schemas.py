@@ -394,6 +394,16 @@ class Completion(BaseModel):
         return out
 
 
+class ModelCoverage(BaseModel):
+    """A base model's swarm as `/v1/models` shows it (swarmgate's extension): its blocks, how many an online server
+    serves, the usable online servers, and the missing blocks as half-open ranges ('' when none)."""
+
+    blocks: int
+    blocks_served: int
+    servers: int
+    missing_blocks: str
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -402,6 +412,7 @@ class ModelCard(BaseModel):
     context_length: int
     max_model_len: int
     parent: Optional[str] = None  # a LoRA adapter's base model (None: a base model)
+    coverage: Optional[ModelCoverage] = None  # a base model's swarm (None: an adapter, or the swarm unreadable now)
 
 
 class ModelList(BaseModel):

@@ -76,7 +76,7 @@ from swarm.runtime.dht_traffic import read_dht_traffic_async
 from swarm.runtime.swarm_key import proof_for
 from swarm.runtime.taskpool import PRIORITY_FORWARD, TaskPool
 from swarm.runtime.threads import serial_torch_here
-from swarm.wire.records import ServerState, dht_prefix_for
+from swarm.wire.records import ModelRecord, ServerState, dht_prefix_for
 
 __all__ = ["Server", "ServerConfig", "main"]
 
@@ -137,6 +137,7 @@ class Server:
         self.record = Announcer(self.prefix, config.expiration or 2 * config.update_period, self.num_blocks_total,
                                 self.dtype, self._free_cache_tokens, quant_type=self.quant_type,
                                 adapters=[files.name for files in self.adapters])
+        self.record.model = ModelRecord(model=config.model, prefix=self.prefix, num_blocks=self.num_blocks_total)
         # observable counters (tests, logs)
         self.moves = self.restarts = 0
         self._stop = asyncio.Event()

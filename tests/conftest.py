@@ -208,6 +208,10 @@ EXTENDED = (
     # steps, nf4 of them, the memory plan, the shards read and the malformed checkpoints: the rest of
     # test_checkpoint_quant.py)
     "tests/swarm/modeling/test_checkpoint_quant.py::test_split_swarm_",
+    # a gateway started with `--model all` over two models' servers (about 15 s; make test: the same discovery read
+    # from the same servers' records in process, and a gateway started with `--model` twice over them, in
+    # test_gateway_models.py)
+    "tests/gateway/test_gateway_models.py::test_model_all_serves_every_model_the_swarm_announces",
 )
 
 

@@ -1,7 +1,8 @@
 """The gateway's chat page: `GET /chat` (and `GET /` for a browser, which is sent there), one self-contained HTML page
 to talk to the swarm through the gateway's own OpenAI API.
 
-The page lists `/v1/models` (the base model and its served LoRA adapters) to choose from, and keeps the conversation
+The page lists `/v1/models` (each model the gateway serves, marked when its swarm lacks blocks, and their served LoRA
+adapters) to choose from, and keeps the conversation
 in the browser: each turn sends the whole message history to `POST /v1/chat/completions` with `stream: true` and
 `stream_options.include_usage`, as OpenAI clients do, and the gateway's session pool finds the session that already
 holds the conversation's prefix, so only the new tokens travel (the reply shows the prompt tokens served from the
@@ -106,7 +107,10 @@ async function loadModels() {
     const select = $("model"), keep = select.value;
     select.replaceChildren();
     for (const m of data.data) {
-      const option = el("option", m.parent ? m.id + " (adapter of " + m.parent + ")" : m.id);
+      const c = m.coverage, partial = c && c.blocks_served < c.blocks;  // a model whose swarm lacks blocks
+      const label = m.parent ? m.id + " (adapter of " + m.parent + ")"
+                  : partial ? m.id + " (" + c.blocks_served + "/" + c.blocks + " blocks served)" : m.id;
+      const option = el("option", label);
       option.value = m.id; select.appendChild(option);
     }
     if (keep) select.value = keep;

@@ -65,8 +65,9 @@ from swarm.client.api import SamplingParams, TokenChoice
 router = APIRouter(dependencies=[Depends(require_api_key)])
 
 
-def _state(request: Request) -> GatewayState:
-    return request.app.state.gateway
+async def _state(request: Request, requested: Optional[str]) -> GatewayState:
+    """The state of the model a request names (`gateway.api.models.ServedModels.route`: a 404 for an unknown one)."""
+    return await request.app.state.models.route(requested)
 
 
 def _request_id(request: Request) -> str:
@@ -256,7 +257,7 @@ async def plan_chat(state: GatewayState, body: ChatCompletionRequest) -> ChatPla
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
-    state = _state(request)
+    state = await _state(request, body.model)
     plan = await plan_chat(state, body)
     model_name, params, new_parser = plan.model_name, plan.params, plan.new_parser
     n = body.n or 1
@@ -325,7 +326,7 @@ def _echo_texts(body: CompletionRequest, prompts: List[List[int]], state: Gatewa
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
-    state = _state(request)
+    state = await _state(request, body.model)
     model_name, adapter = await run_in_threadpool(state.resolve_model, body.model, True)
     check_completion_request(body)
     prompts = await run_in_threadpool(completion_prompts, body, state.tokens)

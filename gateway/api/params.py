@@ -39,7 +39,7 @@ class Limits:
 def check_model(requested: Optional[str], config: GatewayConfig, required: bool = False) -> str:
     if required and not requested:
         raise bad_request("You must provide a model parameter.", param="model")
-    if requested and requested not in (config.model_name, config.model):
+    if requested and requested not in (config.model_name, config.model_path):
         raise not_found(f"The model '{requested}' does not exist; this gateway serves '{config.model_name}'.",
                         param="model", code="model_not_found")
     return config.model_name

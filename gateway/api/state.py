@@ -1,9 +1,10 @@
-"""What one gateway process holds: config, the client model, tokenizer, engine, admission, metrics, the state store.
+"""What one served model holds: its config, client model, tokenizer, limits, engine (with its session pool) and
+metrics, and what it shares with the gateway's other models (`gateway.api.models`): admission, the state store, quota.
 
-`GatewayState` is stored on `app.state.gateway`. `admit(jobs, caller)` checks the caller's key limits
-(`gateway.api.quota`), takes a generation slot (429 when the queue is full) and checks that the swarm can route a
-session of the needed size right now (503 otherwise), before any response starts, so that those errors reach the
-client as plain HTTP errors even for streaming requests.
+`GatewayState` is one per model (`app.state.models`); the first model's is also `app.state.gateway`.
+`admit(jobs, caller)` checks the caller's key limits (`gateway.api.quota`), takes a generation slot (429 when the
+queue is full) and checks that the swarm can route a session of the needed size right now (503 otherwise), before any
+response starts, so that those errors reach the client as plain HTTP errors even for streaming requests.
 `coverage()` describes which blocks are served; `quant_summary` adds, for `/health`, the weight formats
 (`quant_type`) of the servers seen: counts, the formats covering each block range, and each server.
 """
@@ -109,7 +110,7 @@ class GatewayState:
     def resolve_model(self, requested: Optional[str], required: bool = False) -> Tuple[str, Optional[str]]:
         """A request's `model` -> (the model id to answer with, the LoRA adapter to use or None). The base model's
         names, or an adapter the swarm serves (the view refreshed once before a 404). Runs on a worker thread."""
-        if not requested or requested in (self.config.model_name, self.config.model):
+        if not requested or requested in (self.config.model_name, self.config.model_path):
             return check_model(requested, self.config, required), None
         if requested in self.served_adapters() or requested in self.served_adapters(force=True):
             return requested, requested

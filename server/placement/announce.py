@@ -8,7 +8,8 @@ supervisor refreshes the record every `--update_period`, or sooner when the free
 budget; moving the span announces the blocks left behind as offline. A full read that finds servers of a newer
 release logs one line, once. Reading the swarm back: `spans` (every block's key; the last result kept as `view`),
 `unserved` (a few blocks' keys: the hole watch between full reads), and the next servers' RTTs read block `end`'s
-key alone.
+key alone. While online, the server's model (`ModelRecord`) is also announced under the one `MODELS_KEY`, where a
+gateway started with `--model all` finds every model of the swarm.
 """
 from __future__ import annotations
 
@@ -30,11 +31,13 @@ from swarm.runtime.swarm_key import SwarmKey, join_dht, proof_for
 from swarm.wire.capabilities import MIN_PROTOCOL_VERSION, OWN_CAPABILITIES, PROTOCOL_VERSION, parse_release
 from swarm.wire.reachability import Reachable
 from swarm.wire.records import (
+    ModelRecord,
     ServerInfo,
     ServerLimits,
     ServerSpan,
     ServerState,
     declare_blocks,
+    declare_model,
     fetch_block_records,
     fetch_spans_at,
     online_spans,
@@ -83,6 +86,7 @@ class Announcer:
         self.swarm_key: Optional[SwarmKey] = None  # a private swarm's key (set by the server): pings prove membership
         self.next_pings: Dict[str, float] = {}  # peer id -> RTT (s) to servers that can run block `end`
         self.limits: Optional[ServerLimits] = None  # the RPC limits this server enforces (set by the server)
+        self.model: Optional[ModelRecord] = None  # announced under MODELS_KEY while online (set by the server)
         self.reachable: Reachable = "direct"  # or "relayed": behind a NAT, served through a relay
         # (server.placement.reachable)
         self.view: Optional[Tuple[float, List[ServerSpan]]] = None  # (monotonic time, spans) of the last full read
@@ -114,6 +118,10 @@ class Announcer:
         """Store this server's record (state, span, throughput, free cache) under each of its blocks."""
         info = self.info(state)
         await self.declare(range(self.start, self.end), info)
+        if state == ServerState.ONLINE and self.model is not None:  # for gateways started with `--model all`
+            record, when = self.model, get_dht_time() + self.expiration
+            await asyncio.get_running_loop().run_in_executor(
+                None, lambda: declare_model(self.dht, record, when))
         self.state = state
         self.announcements += 1
         self.announced_free = info.cache_tokens_left

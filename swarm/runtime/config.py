@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 ENV_PREFIX = "SWARMGATE_"
+_AS_FLAG = "__as_flag"  # dest suffix of `--NAME` for a list-valued positional NAME (both are joined)
 C = TypeVar("C", bound="ProcessConfig")
 
 
@@ -61,6 +62,12 @@ def build_parser(
     for name, field in config_cls.model_fields.items():
         help_text = (field.description or "").replace("%", "%%")
         default = field.get_default(call_default_factory=True)
+        if name == positional and _is_list(field.annotation):  # MODEL [MODEL ...] and/or --model M, repeatable
+            parser.add_argument(name, nargs="*", default=argparse.SUPPRESS, help=help_text)
+            parser.add_argument(f"--{name}", dest=name + _AS_FLAG, action="extend", nargs="+", metavar=name.upper(),
+                                default=argparse.SUPPRESS, help="the same as a flag, which may be given several times "
+                                                                "(after the positional ones)")
+            continue
         if name == positional:
             parser.add_argument(name, nargs="?", default=argparse.SUPPRESS, help=help_text)
             continue
@@ -104,6 +111,9 @@ def load_config(
     environ = os.environ if environ is None else environ
     merged: dict = _from_env(config_cls, environ)
     cli_values = {k: v for k, v in vars(cli).items() if k != "config"} if cli is not None else {}
+    for key in [k for k in cli_values if k.endswith(_AS_FLAG)]:  # a list positional given as flags too: one list
+        name = key[:-len(_AS_FLAG)]
+        cli_values[name] = [*cli_values.get(name, []), *cli_values.pop(key)]
     yaml_path = yaml_path or (vars(cli).get("config") if cli is not None else None)
     if yaml_path:
         path = Path(yaml_path)

@@ -142,6 +142,48 @@ def block_key(prefix: str, index: int) -> str:
     return f"{prefix}.{index}"
 
 
+# One key for the whole DHT, one sub-key per server: the model each online server serves (`ModelRecord`), so that a
+# gateway started with `--model all` finds every model of the swarm. Added in 0.2.x (issue 48): older servers do
+# not announce it (their models are not found that way; naming them still works).
+MODELS_KEY = "_swarmgate.models"
+
+
+class ModelRecord(BaseModel):
+    """What a server announces under `MODELS_KEY`: the model it was started with (a bundled name, hub id or
+    directory), the DHT prefix its blocks are announced under, and the model's number of blocks."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    model: str = Field(min_length=1, max_length=512)
+    prefix: str = Field(min_length=1, max_length=256)
+    num_blocks: int = Field(gt=0, le=1 << 16)
+
+
+def declare_model(dht: DHT, record: ModelRecord, expiration_time: float, wait: bool = True):
+    """Store this server's `record` under `MODELS_KEY` (its peer id as sub-key)."""
+    coro = partial(_store_records, keys=[MODELS_KEY], subkey=dht.peer_id.to_base58(),
+                   values=[record.model_dump(mode="json")], expiration_time=expiration_time)
+    return dht.run_coroutine(coro, return_future=not wait)
+
+
+def fetch_models(dht: DHT) -> List[ModelRecord]:
+    """The models online servers announce (valid, unexpired records; one per DHT prefix, sorted by model)."""
+    found = dht.run_coroutine(partial(_get_records, keys=[MODELS_KEY])).get(MODELS_KEY)
+    now = get_dht_time()
+    models: Dict[str, ModelRecord] = {}
+    if found is not None and isinstance(found.value, dict):
+        for subkey, item in found.value.items():
+            if item.expiration_time < now:
+                continue
+            try:
+                record = ModelRecord.model_validate(item.value)
+            except (ValidationError, ValueError, TypeError):
+                _note_once(str(subkey), "model", f"ignoring the model record of {subkey}: it does not parse")
+                continue
+            models.setdefault(record.prefix, record)
+    return sorted(models.values(), key=lambda r: (r.model, r.prefix))
+
+
 async def _store_records(dht: DHT, node, *, keys, subkey, values, expiration_time):
     return await node.store_many(keys=keys, values=values, expiration_time=expiration_time,
                                  subkeys=[subkey] * len(keys), beam_size=DHT_BEAM)

@@ -83,7 +83,6 @@ def _usage(totals: Totals, pooled: bool) -> ResponseUsage:
 
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request):
-    state: GatewayState = request.app.state.gateway
     store, owner = _store(request), owner_of(request)
     check_request(body)
     history: List[ChatMessage] = []
@@ -95,6 +94,8 @@ async def create_response(body: ResponsesRequest, request: Request):
         history = list(previous.conversation)
     try:
         chat = to_chat(body, history)
+        # the model the request names (a turn may change it: the conversation is text)
+        state: GatewayState = await request.app.state.models.route(chat.model)
         plan = await plan_chat(state, chat)
     except APIError as e:
         raise rename_param(e) from None
