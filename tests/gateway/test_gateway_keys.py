@@ -10,6 +10,7 @@ tests/gateway/test_gateway_store.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 
@@ -44,19 +45,24 @@ def _app(tokenizer, url, text="Hello there, world! STOP after", **config):
     return app, model, store
 
 
-def _client(app):
+@pytest.fixture
+def clients():
+    """`clients(app)`: a TestClient entered as a context (one event loop for all its requests, so that what a
+    request leaves to run after its response, releasing its slot and recording its usage, runs), closed after the
+    test."""
     from starlette.testclient import TestClient
 
-    return TestClient(app, raise_server_exceptions=False)
+    with contextlib.ExitStack() as stack:
+        yield lambda app: stack.enter_context(TestClient(app, raise_server_exceptions=False))
 
 
 def _bearer(key):
     return {"Authorization": f"Bearer {key}"}
 
 
-def test_runtime_keys_turn_auth_on_and_revocation_is_immediate(tokenizer, url):
+def test_runtime_keys_turn_auth_on_and_revocation_is_immediate(tokenizer, url, clients):
     app, _, store = _app(tokenizer, url, api_keys=["config-key"])
-    client = _client(app)
+    client = clients(app)
     assert client.post("/v1/chat/completions", json=chat_body(max_tokens=2)).status_code == 401
     key = store.create_key("alice", KeyLimits())
     for token in (key, "config-key"):
@@ -73,7 +79,7 @@ def test_runtime_keys_turn_auth_on_and_revocation_is_immediate(tokenizer, url):
     # a gateway without config keys: open until the store holds a key, then closed (looked at once a second)
     open_app, _, open_store_ = _app(tokenizer, url.replace("state.sqlite3", "other.sqlite3") if "sqlite" in url
                                     else url[:-1] + "4")
-    open_client = _client(open_app)
+    open_client = clients(open_app)
     if url.startswith("redis"):
         open_store_.client.flushdb()
     assert open_client.post("/v1/chat/completions", json=chat_body(max_tokens=2)).status_code == 200
@@ -82,10 +88,10 @@ def test_runtime_keys_turn_auth_on_and_revocation_is_immediate(tokenizer, url):
                                                json=chat_body(max_tokens=2)).status_code == 401, timeout=30)
 
 
-def test_limits_give_429s_with_openai_headers(tokenizer, tmp_path):
+def test_limits_give_429s_with_openai_headers(tokenizer, tmp_path, clients):
     url = f"sqlite:///{tmp_path}/state.sqlite3"
     app, model, store = _app(tokenizer, url)
-    client = _client(app)
+    client = clients(app)
     key = store.create_key("rpm", KeyLimits(rpm=3, tpm=10_000))
     remaining = []
     for _ in range(3):
@@ -144,10 +150,10 @@ def test_limits_give_429s_with_openai_headers(tokenizer, tmp_path):
     assert 'swarmgate_rate_limited_total{key="streams",limit="streams"} 1.0' in metrics
 
 
-def test_usage_is_recorded_for_every_request(tokenizer, tmp_path):
+def test_usage_is_recorded_for_every_request(tokenizer, tmp_path, clients):
     url = f"sqlite:///{tmp_path}/state.sqlite3"
     app, _, store = _app(tokenizer, url)
-    client = _client(app)
+    client = clients(app)
     key = store.create_key("user", KeyLimits())
     expected = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0}
 
