@@ -36,7 +36,7 @@ from swarm.client.adapters import ACTIVE_ADAPTER, AdapterChoice
 from swarm.client.api import Coverage, PromptLogprob, ServerView
 from swarm.client.head import ClientHead
 from swarm.client.hf_decoding import generate as hf_generate
-from swarm.client.manager import ClientConfig, SwarmManager
+from swarm.client.manager import ClientConfig, SwarmManager, needs_for
 from swarm.client.model_session import ModelSession
 from swarm.client.remote_autograd import RemoteBlocks
 from swarm.client.routing import RoutingError, quant_allowed
@@ -275,7 +275,8 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         last_error: Optional[BaseException] = None
         for _ in range(self.manager.config.max_retries + 1):
             hops = await asyncio.get_running_loop().run_in_executor(
-                None, functools.partial(self.manager.make_forward_chain, adapter=adapter))
+                None, functools.partial(self.manager.make_forward_chain, adapter=adapter,
+                                        needs=needs_for(left_padding=padding is not None)))
             x = hidden
             try:
                 for hop in hops:
