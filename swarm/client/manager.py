@@ -6,7 +6,9 @@ are banned with exponential back-off so that routing avoids them for a while; bu
 is banned and the failed ones are relayed servers that could not be reached (a server behind a NAT whose relay
 restarted: it renews its slot), they may be tried again after a short back-off (1, 2, 4, ... s, up to
 `ban_timeout`), so that a session waits for them for up to `sole_retry_patience` seconds instead of failing
-(`sole_retry_wait`, `swarm.client.session`). With
+(`sole_retry_wait`, `swarm.client.session`). A server that a call fails on and whose record, read again at once,
+is no longer online left the swarm (a graceful stop announces `offline`): it drops out of the view without a ban
+(`departed`), so a view read before it stopped costs no failed try. With
 `allowed_quant_types`, servers announcing another weight format (`quant_type`) are never routed to (nor pinged);
 `spans` keeps every server seen, `allowed_spans()` those a route may use. `on_route`, when set, is called after
 each inference chain is built with its `RouteTiming`: the seconds spent getting the swarm view (reading the DHT
@@ -254,6 +256,16 @@ class SwarmManager:
         retry_at = [at for at in self._sole_banned(self.spans, start, self.num_blocks if end is None else end).values()
                     if at < math.inf]
         return max(0.0, min(retry_at) - time.monotonic()) if retry_at else None
+
+    def departed(self, peer_ids: Collection[str]) -> Set[str]:
+        """Of `peer_ids` (servers a call just failed on), those that left: the view, refreshed now rather than at
+        its next `update_period`, no longer lists them ONLINE (a graceful stop announces `offline` first). So a
+        client whose view was read before a server stopped drops it at its first failed call, and the caller
+        neither bans it nor counts a failed try (`InferenceSession._open_span`)."""
+        if not peer_ids:
+            return set()
+        online = {span.peer_id for span in self.update(force=True)}
+        return {peer for peer in peer_ids if peer not in online}
 
     def mark_ok(self, peer_id: str) -> None:
         self._bans.pop(peer_id, None)

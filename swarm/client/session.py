@@ -212,13 +212,22 @@ class InferenceSession:
             failed = [(s, r) for s, r in zip(streams, results) if isinstance(r, BaseException)]
             if not failed:
                 return streams
-            tries += 1
             await asyncio.gather(*(s.close() for s in streams), return_exceptions=True)
+            # servers that left since the view was read (their records say offline now): dropped from the view by
+            # that refresh, neither banned nor a failed try (no phantom first try after a graceful stop)
+            left = await asyncio.get_running_loop().run_in_executor(
+                None, self.manager.departed, [stream.hop.peer_id for stream, _ in failed])
             for stream, error in failed:
+                if stream.hop.peer_id in left:
+                    logger.info(f"server {stream.hop.peer_id} left the swarm (its record is no longer online); "
+                                f"routing around it")
+                    continue
                 logger.warning(f"cannot open a session on {stream.hop.peer_id}: {error}")
                 self.manager.ban(stream.hop.peer_id, error)
                 server_errors.append(str(error))
                 last_error = error
+            if len(left) < len(failed):
+                tries += 1
         reasons = "; ".join(dict.fromkeys(server_errors + ([str(last_error)] if last_error else [])))
         raise SessionError(f"cannot serve blocks {start}:{end} after {tries} tries: {reasons}") from last_error
 
