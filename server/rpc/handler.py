@@ -137,8 +137,11 @@ class BlockHandler(TrainingHandler):
                 yield P.error_response("timeout", f"no request within {self.step_timeout:g}s of opening the stream "
                                                   f"(the server's --step_timeout); stream closed")
                 return
+            # every reply of this stream is in the version of its first request (the client's OpenSession)
+            version = P.request_version(first.metadata)
+            error = partial(P.error_response, version=version)
             if not self._admits(context, first.uid):
-                yield P.error_response("forbidden", NOT_A_MEMBER)
+                yield error("forbidden", NOT_A_MEMBER)
                 await drain_refused(requests)
                 return
             try:
@@ -159,17 +162,17 @@ class BlockHandler(TrainingHandler):
                     opened.max_length, opened.start, opened.end), self.alloc_timeout)
             except LimitError as e:
                 handle = None
-                yield P.error_response("over_limit", str(e))
+                yield error("over_limit", str(e))
                 await drain_refused(requests)
                 return
             except OutOfCacheError as e:
                 handle = None
-                yield P.error_response("out_of_cache", str(e))
+                yield error("out_of_cache", str(e))
                 await drain_refused(requests)
                 return
             except (P.ProtocolError, ValueError) as e:
                 handle = None
-                yield P.error_response("bad_request", str(e))
+                yield error("bad_request", str(e))
                 await drain_refused(requests)
                 return
             kv = self.span.new_session_kv(opened.batch_size, opened.max_length, opened.start, opened.end,
@@ -179,20 +182,20 @@ class BlockHandler(TrainingHandler):
             # dropped (push) instead of growing memory
             inputs: asyncio.Queue = asyncio.Queue(maxsize=self.limits.max_queued_steps)
             if not self.push_router.register(key, inputs, opened.push_token, owner=peer):
-                yield P.error_response("bad_request", f"session part {key} is already open here")
+                yield error("bad_request", f"session part {key} is already open here")
                 await drain_refused(requests)
                 return
             registered = key
             pump = asyncio.ensure_future(_pump(requests, inputs))
             compression = opened.compression or self.compression  # of this session's replies and pushes
-            yield P.make_response(P.StepResult(position=0))  # the session is open
+            yield P.make_response(P.StepResult(position=0), version=version)  # the session is open
             last_step_id = -1
             last_reorder_id = 0  # the last `Step.reorder_id` applied to this session's cache rows
             while True:
                 try:
                     item = await asyncio.wait_for(inputs.get(), timeout=self.step_timeout)
                 except asyncio.TimeoutError:
-                    yield P.error_response("timeout", f"no step for {self.step_timeout:.0f}s; session closed")
+                    yield error("timeout", f"no step for {self.step_timeout:.0f}s; session closed")
                     return
                 if item is None:
                     return
@@ -228,7 +231,7 @@ class BlockHandler(TrainingHandler):
                     if source == "push":
                         logger.warning(f"dropping a malformed push for {key}: {e}")
                         continue
-                    yield P.error_response("over_limit" if isinstance(e, LimitError) else "bad_request", str(e))
+                    yield error("over_limit" if isinstance(e, LimitError) else "bad_request", str(e))
                     continue
                 try:
                     if step.hypo_ids is not None and (step.reorder_id == 0 or step.reorder_id != last_reorder_id):
@@ -245,7 +248,7 @@ class BlockHandler(TrainingHandler):
                                                   prompts)
                 except Exception as e:
                     logger.exception("inference step failed")
-                    yield P.error_response("internal", f"step failed: {type(e).__name__}: {e}")
+                    yield error("internal", f"step failed: {type(e).__name__}: {e}")
                     continue
                 last_step_id = max(last_step_id, step.step_id)
                 self.counters.inference_tokens += batch * seq
@@ -261,7 +264,7 @@ class BlockHandler(TrainingHandler):
                     # client copy goes out: the next server waits for the whole batch
                     await asyncio.sleep(0)
                 yield P.make_response(P.StepResult(position=kv.length, step_id=step.step_id, pushed=was_pushed),
-                                      [output], compression=compression)
+                                      [output], compression=compression, version=version)
         finally:
             self.streams.exit_stream()
             if peer is not None:
@@ -375,12 +378,14 @@ class BlockHandler(TrainingHandler):
             except PushRefused as e:
                 logger.warning(f"refused a push from {context.remote_id}: {e}")
                 self.counters.pushes_refused += 1
-                yield P.error_response("forbidden", str(e))
+                yield P.error_response("forbidden", str(e), P.request_version(request.metadata))
 
     # ---- forward (no cache) -----------------------------------------------------------------------------
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        version = P.request_version(request.metadata)  # the reply's (`swarm.wire.protocol.encode`)
+        error = partial(P.error_response, version=version)
         if not self._admits(context, request.uid):
-            return P.error_response("forbidden", NOT_A_MEMBER)
+            return error("forbidden", NOT_A_MEMBER)
         try:
             self.limits.check_message(request)
             message = P.decode(request.metadata, P.ForwardRequest)
@@ -397,9 +402,9 @@ class BlockHandler(TrainingHandler):
                 raise P.ProtocolError(f"rope_length {message.rope_length} is outside [{hidden.shape[1]}, "
                                       f"{self.max_length}]: at least the sequence, at most this server's limit")
         except LimitError as e:
-            return P.error_response("over_limit", str(e))
+            return error("over_limit", str(e))
         except P.ProtocolError as e:
-            return P.error_response("bad_request", str(e))
+            return error("bad_request", str(e))
         try:
             output = await self.pool.submit(
                 PRIORITY_FORWARD, partial(self.span.forward, rope_length=message.rope_length), hidden, 0, None,
@@ -407,9 +412,9 @@ class BlockHandler(TrainingHandler):
             )
         except Exception as e:
             logger.exception("forward failed")
-            return P.error_response("internal", f"forward failed: {type(e).__name__}: {e}")
+            return error("internal", f"forward failed: {type(e).__name__}: {e}")
         self.counters.forward_tokens += hidden.shape[0] * hidden.shape[1]
-        return P.make_response(P.ForwardResult(), [output])
+        return P.make_response(P.ForwardResult(), [output], version=version)
 
     # ---- info -------------------------------------------------------------------------------------------
     def stats(self) -> P.ServerStats:
