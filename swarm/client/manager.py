@@ -135,7 +135,7 @@ def needs_for(adapter: Optional[str] = None, training: bool = False, prompts: bo
               left_padding: bool = False, rope_length: bool = False, beam: bool = False) -> FrozenSet[str]:
     """The capabilities (`swarm.wire.capabilities`) a request needs from every server of its chain: a LoRA
     `adapter`, `training` passes, deep `prompts`, a left-padded batch, LongRoPE's `rope_length`, `beam` search's
-    cache reorders (the fields each one sets: `swarm.wire.protocol.FIELD_CAPABILITIES`)."""
+    cache reorders (the fields each one sets: `swarm.wire.capabilities.FIELD_CAPABILITIES`)."""
     needs = {"training"} if training else set()
     if adapter is not None:
         needs.add("train_adapters" if training else "adapters")

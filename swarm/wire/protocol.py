@@ -31,8 +31,8 @@ Versions. Every message rejects unknown fields, so a reader parses exactly the f
 added to a message later is optional and never reaches a reader from before it: in a request it is left out
 while unset (`OpenSession.compression`: a server from before takes every session that does not ask for
 compression), and a client sets it only for a server whose record announces the capability that names it
-(`FIELD_CAPABILITIES`, checked before each request goes: `check_capabilities`; routing avoids servers without what a
-session needs); a reply (`ServerStats`) keeps
+(`swarm.wire.capabilities.FIELD_CAPABILITIES`, checked before each request goes: `check_capabilities`; routing
+avoids servers without what a session needs); a reply (`ServerStats`) keeps
 the fields it had, and what a server reports later gets an RPC of its own (`rpc_dht_traffic`), which a server from
 before answers with the transport's "no such handler" error. A peer accepts messages of the protocol versions
 `MIN_PROTOCOL_VERSION..PROTOCOL_VERSION` (so far only 1) and a server answers in the version it was sent. The rule
@@ -50,10 +50,8 @@ from typing import (
     Annotated,
     AsyncIterator,
     Collection,
-    FrozenSet,
     List,
     Literal,
-    Mapping,
     Optional,
     Sequence,
     Tuple,
@@ -69,7 +67,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from swarm.runtime.dht_traffic import DHTTraffic
 from swarm.wire import compression as wire_compression
-from swarm.wire.capabilities import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
+from swarm.wire.capabilities import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, needed_capabilities
 from swarm.wire.dtypes import DTYPES, WIRE_DTYPES, dtype_name
 from swarm.wire.records import ServerLimits
 
@@ -329,53 +327,7 @@ class DHTTrafficReport(Message):
                                                                     "announcement with blocks loaded)")
 
 
-# every request field that belongs to a feature named in `swarm.wire.capabilities.CAPABILITIES`: a client sets it
-# (to anything but its default) only for a server that announces that name (`needed_capabilities`); the fields of a
-# request not listed here are the first message set's, which every server reads (`CORE_FIELDS`; test_capabilities
-# checks that each request field is in one of the two)
-FIELD_CAPABILITIES: Mapping[str, str] = {
-    "OpenSession.adapter": "adapters",
-    "OpenSession.prompts": "deep_prompts",
-    "OpenSession.push_token": "push",
-    "OpenSession.compression": "compression",
-    "Step.hypo_ids": "beam_reorder",
-    "Step.reorder_id": "beam_reorder",
-    "Step.left_padding": "left_padding",
-    "Step.rope_length": "rope_length",
-    "Step.push_chain": "push",
-    "PushStep.hypo_ids": "beam_reorder",
-    "PushStep.reorder_id": "beam_reorder",
-    "PushStep.left_padding": "left_padding",
-    "PushStep.rope_length": "rope_length",
-    "ForwardRequest.adapter": "adapters",
-    "ForwardRequest.left_padding": "left_padding",
-    "ForwardRequest.rope_length": "rope_length",
-    "TrainForward.prompts": "deep_prompts",
-    "TrainForward.adapter": "train_adapters",
-    "TrainBackward.prompts": "deep_prompts",
-    "TrainBackward.adapter": "train_adapters",
-}
-# what a request of each type needs whatever its fields (its RPC): a server without it has no such handler
-MESSAGE_CAPABILITIES: Mapping[str, str] = {"PushStep": "push", "TrainForward": "training", "TrainBackward": "training"}
-CORE_FIELDS: FrozenSet[str] = frozenset({
-    "OpenSession.session_id", "OpenSession.start", "OpenSession.end", "OpenSession.max_length",
-    "OpenSession.batch_size", "Step.start_position", "Step.step_id", "PushStep.stream_key", "PushStep.push_token",
-    "PushStep.start_position", "PushStep.step_id", "PushStep.push_chain", "ForwardRequest.start",
-    "ForwardRequest.end", "TrainForward.start", "TrainForward.end", "TrainBackward.start", "TrainBackward.end",
-})
 REQUEST_TYPES: Tuple[Type["Message"], ...] = (OpenSession, Step, PushStep, ForwardRequest, TrainForward, TrainBackward)
-
-
-def needed_capabilities(message: "Message") -> FrozenSet[str]:
-    """The capabilities a server needs to take `message`: its RPC's, and those of its fields that are set (to
-    anything but their defaults; `FIELD_CAPABILITIES`)."""
-    kind = type(message).__name__
-    needed = {MESSAGE_CAPABILITIES[kind]} if kind in MESSAGE_CAPABILITIES else set()
-    for name, field in type(message).model_fields.items():
-        capability = FIELD_CAPABILITIES.get(f"{kind}.{name}")
-        if capability is not None and getattr(message, name) != field.get_default(call_default_factory=True):
-            needed.add(capability)
-    return frozenset(needed)
 
 
 def check_capabilities(message: "Message", capabilities: Collection[str], peer_id: Optional[str] = None) -> None:
