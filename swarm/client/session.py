@@ -115,6 +115,7 @@ class InferenceSession:
         self._history: dict[int, _History] = {}  # block index where a span starts -> inputs sent there
         self._closed = False
         self.failovers = 0
+        self.moves = 0  # spans moved off servers without a capability a later step needed (`_require`)
         self._step_id = 0  # one id per chunk step (and per replayed chunk), shared by every server of the chain
         self._verifier = verifier_for(manager)  # spot-checks of servers' outputs (None: off)
         self._checks = BackgroundChecks(self._verifier) if self._verifier else None  # this session's, in flight
@@ -215,8 +216,12 @@ class InferenceSession:
             await asyncio.gather(*(s.close() for s in streams), return_exceptions=True)
             # servers that left since the view was read (their records say offline now): dropped from the view by
             # that refresh, neither banned nor a failed try (no phantom first try after a graceful stop)
-            left = await asyncio.get_running_loop().run_in_executor(
-                None, self.manager.departed, [stream.hop.peer_id for stream, _ in failed])
+            try:
+                left = await asyncio.get_running_loop().run_in_executor(
+                    None, self.manager.departed, [stream.hop.peer_id for stream, _ in failed])
+            except Exception as e:  # the records could not be read again: every failure counts, as before
+                logger.info(f"could not read the swarm's records again: {e}")
+                left = set()
             for stream, error in failed:
                 if stream.hop.peer_id in left:
                     logger.info(f"server {stream.hop.peer_id} left the swarm (its record is no longer online); "
@@ -270,7 +275,8 @@ class InferenceSession:
                     await asyncio.gather(*(s.close() for s in replacement), return_exceptions=True)
                     raise
         self._streams[index:index + 1] = replacement
-        self.failovers += 1
+        self.failovers += ban  # a move to a server with a capability the session now needs is no failure
+        self.moves += not ban
         logger.info(f"blocks {failed.hop.start}:{failed.hop.end} re-routed to {[s.hop.peer_id for s in replacement]} "
                     f"and {self.position} positions replayed in {time.monotonic() - began:.1f}s")
 
