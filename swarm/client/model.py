@@ -184,10 +184,12 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
     def check_route(self, cache_tokens: int = 0, adapter: Any = ACTIVE_ADAPTER) -> None:
         """Raise `RoutingError` unless a chain over every block with cache for `cache_tokens` can be routed now, or
         soon: when blocks whose only servers could not be reached wait for them to be tried again, a session waits
-        for them (`SwarmManager.sole_retry_wait`), so this passes."""
+        for them (`SwarmManager.sole_retry_wait`), so this passes. Only servers with what this model's sessions need
+        count (LongRoPE's `rope_length`: `InferenceSession.needs`)."""
         try:
             self.manager.make_inference_chain(0, None, cache_tokens_needed=cache_tokens,
-                                              adapter=self._adapter(adapter))
+                                              adapter=self._adapter(adapter),
+                                              needs=needs_for(rope_length=picks_by_length(self.config)))
         except RoutingError:
             if self.manager.sole_retry_wait() is None:
                 raise
