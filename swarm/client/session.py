@@ -275,8 +275,8 @@ class InferenceSession:
                     await asyncio.gather(*(s.close() for s in replacement), return_exceptions=True)
                     raise
         self._streams[index:index + 1] = replacement
-        self.failovers += ban  # a move to a server with a capability the session now needs is no failure
-        self.moves += not ban
+        self.failovers += int(ban)  # a move to a server with a capability the session now needs is no failure
+        self.moves += int(not ban)
         logger.info(f"blocks {failed.hop.start}:{failed.hop.end} re-routed to {[s.hop.peer_id for s in replacement]} "
                     f"and {self.position} positions replayed in {time.monotonic() - began:.1f}s")
 

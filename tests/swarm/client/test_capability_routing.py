@@ -129,3 +129,12 @@ def test_a_server_without_push_gets_no_push_token_and_no_optional_field_it_does_
     with pytest.raises(P.ProtocolError, match="needs push"):
         stream.send(torch.zeros(2, 1, 4), 0, 3, push_chain=[P.PushTarget(peer_id="b", stream_key="s:0")])
     assert stream._queue.empty()  # nothing it does not know went out
+
+
+def test_a_server_whose_fresh_record_is_gone_or_offline_departed_without_a_ban():
+    spans = [_span("a", 0, 30, ALL), _span("b", 0, 30, ALL)]
+    manager = fake_manager(spans, None)
+    assert manager.departed(["a", "b"]) == set()  # both still online: their failures are failures
+    manager.spans = spans[:1]  # b announced offline (online_spans keeps ONLINE records only)
+    assert manager.departed(["a", "b"]) == {"b"} and manager.departed([]) == set()
+    assert manager.banned() == []
