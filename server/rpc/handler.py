@@ -125,12 +125,14 @@ class BlockHandler(InferenceHandler, TrainingHandler):
             except PushRefused as e:
                 logger.warning(f"refused a push from {context.remote_id}: {e}")
                 self.counters.pushes_refused += 1
-                yield P.error_response("forbidden", str(e))
+                yield P.error_response("forbidden", str(e), P.request_version(request.metadata))
 
     # ---- forward (no cache) -----------------------------------------------------------------------------
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        version = P.request_version(request.metadata)  # the reply's (`swarm.wire.protocol.encode`)
+        error = partial(P.error_response, version=version)
         if not self._admits(context, request.uid):
-            return P.error_response("forbidden", NOT_A_MEMBER)
+            return error("forbidden", NOT_A_MEMBER)
         try:
             self.limits.check_message(request)
             message = P.decode(request.metadata, P.ForwardRequest)
@@ -147,9 +149,9 @@ class BlockHandler(InferenceHandler, TrainingHandler):
                 raise P.ProtocolError(f"rope_length {message.rope_length} is outside [{hidden.shape[1]}, "
                                       f"{self.max_length}]: at least the sequence, at most this server's limit")
         except LimitError as e:
-            return P.error_response("over_limit", str(e))
+            return error("over_limit", str(e))
         except P.ProtocolError as e:
-            return P.error_response("bad_request", str(e))
+            return error("bad_request", str(e))
         try:
             output = await self.pool.submit(
                 PRIORITY_FORWARD, partial(self.span.forward, rope_length=message.rope_length), hidden, 0, None,
@@ -157,9 +159,9 @@ class BlockHandler(InferenceHandler, TrainingHandler):
             )
         except Exception as e:
             logger.exception("forward failed")
-            return P.error_response("internal", f"forward failed: {type(e).__name__}: {e}")
+            return error("internal", f"forward failed: {type(e).__name__}: {e}")
         self.counters.forward_tokens += hidden.shape[0] * hidden.shape[1]
-        return P.make_response(P.ForwardResult(), [output])
+        return P.make_response(P.ForwardResult(), [output], version=version)
 
     # ---- info -------------------------------------------------------------------------------------------
     def stats(self) -> P.ServerStats:

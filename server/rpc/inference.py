@@ -64,6 +64,8 @@ class _Stream:
     compression: str = "none"  # of this session's replies and pushes
     last_step_id: int = -1
     last_reorder_id: int = 0  # the last `Step.reorder_id` applied to this session's cache rows
+    # every reply of the stream is in the protocol version of its first request (the client's OpenSession)
+    version: Optional[int] = None
 
 
 async def _pump(requests: AsyncIterator, inputs: asyncio.Queue) -> None:
@@ -154,19 +156,21 @@ class InferenceHandler(P.BlockRPC):
                 yield P.error_response("timeout", f"no request within {self.step_timeout:g}s of opening the stream "
                                                   f"(the server's --step_timeout); stream closed")
                 return
+            stream.version = P.request_version(first.metadata)
             try:
                 await self._open_stream(stream, first, requests, context)
             except Refused as e:
-                async for reply in refuse(requests, e.code, str(e)):
+                async for reply in refuse(requests, e.code, str(e), stream.version):
                     yield reply
                 return
-            yield P.make_response(P.StepResult(position=0))  # the session is open
+            yield P.make_response(P.StepResult(position=0), version=stream.version)  # the session is open
             assert stream.inputs is not None
             while True:
                 try:
                     item = await asyncio.wait_for(stream.inputs.get(), timeout=self.step_timeout)
                 except asyncio.TimeoutError:
-                    yield P.error_response("timeout", f"no step for {self.step_timeout:.0f}s; session closed")
+                    yield P.error_response("timeout", f"no step for {self.step_timeout:.0f}s; session closed",
+                                           stream.version)
                     return
                 if item is None:
                     return
@@ -259,7 +263,8 @@ class InferenceHandler(P.BlockRPC):
             if source == "push":
                 logger.warning(f"dropping a malformed push for {key}: {e}")
                 return None
-            return P.error_response("over_limit" if isinstance(e, LimitError) else "bad_request", str(e))
+            return P.error_response("over_limit" if isinstance(e, LimitError) else "bad_request", str(e),
+                                    stream.version)
         try:
             if step.hypo_ids is not None and (step.reorder_id == 0 or step.reorder_id != stream.last_reorder_id):
                 # beam search: the kept positions' rows follow their beams (once per reorder id: a step
@@ -275,7 +280,7 @@ class InferenceHandler(P.BlockRPC):
                                          stream.prompts)
         except Exception as e:
             logger.exception("inference step failed")
-            return P.error_response("internal", f"step failed: {type(e).__name__}: {e}")
+            return P.error_response("internal", f"step failed: {type(e).__name__}: {e}", stream.version)
         stream.last_step_id = max(stream.last_step_id, step.step_id)
         self.counters.inference_tokens += batch * seq
         self.counters.inference_steps += 1
@@ -290,7 +295,7 @@ class InferenceHandler(P.BlockRPC):
             # client copy goes out: the next server waits for the whole batch
             await asyncio.sleep(0)
         return P.make_response(P.StepResult(position=kv.length, step_id=step.step_id, pushed=was_pushed),
-                               [output], compression=stream.compression)
+                               [output], compression=stream.compression, version=stream.version)
 
     async def _close_stream(self, stream: _Stream) -> None:
         """Teardown, however the stream ended: what `_open_stream` took is given back (the stream and session

@@ -7,7 +7,7 @@ over-limit refusal of a stream past `--max_streams`, and the refusals of a strea
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
 from hivemind.proto import runtime_pb2
 
@@ -32,7 +32,9 @@ async def drain_refused(requests: AsyncIterator, timeout: float = 2.0, max_messa
         return
 
 
-async def refuse(requests: AsyncIterator, code: str, message: str) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-    """The refusal of a stream: its one `ErrorReply` (`code`, `message`), then the caller's requests drained."""
-    yield P.error_response(code, message)
+async def refuse(requests: AsyncIterator, code: str, message: str, version: Optional[int] = None
+                 ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    """The refusal of a stream: its one `ErrorReply` (`code`, `message`; in the caller's protocol `version` where
+    known), then the caller's requests drained."""
+    yield P.error_response(code, message, version)
     await drain_refused(requests)

@@ -309,8 +309,9 @@ class TrainingHandler(P.BlockRPC):
             tensors = await compute(message, hidden, grad, prompts)
         except Exception as e:
             logger.exception(f"training {name} failed")
-            yield P.error_response("internal", f"training {name} failed: {type(e).__name__}: {e}")
+            yield P.error_response("internal", f"training {name} failed: {type(e).__name__}: {e}", message.v)
             return
         self.training_tokens += hidden.shape[0] * hidden.shape[1]
-        for response in streaming.pack(runtime_pb2.ExpertResponse, P.TrainResult(), tensors):
+        # in the request's protocol version (a call that could not be read is answered in this server's newest)
+        for response in streaming.pack(runtime_pb2.ExpertResponse, P.TrainResult(v=message.v), tensors):
             yield response

@@ -6,7 +6,9 @@ are banned with exponential back-off so that routing avoids them for a while; bu
 is banned and the failed ones are relayed servers that could not be reached (a server behind a NAT whose relay
 restarted: it renews its slot), they may be tried again after a short back-off (1, 2, 4, ... s, up to
 `ban_timeout`), so that a session waits for them for up to `sole_retry_patience` seconds instead of failing
-(`sole_retry_wait`, `swarm.client.session`). With
+(`sole_retry_wait`, `swarm.client.session`). A server that a call fails on and whose record, read again at once,
+is no longer online left the swarm (a graceful stop announces `offline`): it drops out of the view without a ban
+(`departed`), so a view read before it stopped costs no failed try. With
 `allowed_quant_types`, servers announcing another weight format (`quant_type`) are never routed to (nor pinged);
 `spans` keeps every server seen, `allowed_spans()` those a route may use. `on_route`, when set, is called after
 each inference chain is built with its `RouteTiming`: the seconds spent getting the swarm view (reading the DHT
@@ -21,7 +23,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Collection, Dict, FrozenSet, List, Optional, Set, Tuple
 
 import hivemind
 from hivemind.p2p import P2P, PeerID
@@ -129,11 +131,18 @@ class ClientConfig(BaseModel):
         return None if self.swarm_key is None else SwarmKey(self.swarm_key.get_secret_value())
 
 
-def needs_for(adapter: Optional[str] = None, training: bool = False) -> FrozenSet[str]:
-    """The capabilities (`swarm.wire.capabilities`) a request needs from every server of its chain."""
+def needs_for(adapter: Optional[str] = None, training: bool = False, prompts: bool = False,
+              left_padding: bool = False, rope_length: bool = False, beam: bool = False) -> FrozenSet[str]:
+    """The capabilities (`swarm.wire.capabilities`) a request needs from every server of its chain: a LoRA
+    `adapter`, `training` passes, deep `prompts`, a left-padded batch, LongRoPE's `rope_length`, `beam` search's
+    cache reorders (the fields each one sets: `swarm.wire.capabilities.FIELD_CAPABILITIES`)."""
     needs = {"training"} if training else set()
     if adapter is not None:
         needs.add("train_adapters" if training else "adapters")
+    for wanted, name in ((prompts, "deep_prompts"), (left_padding, "left_padding"), (rope_length, "rope_length"),
+                         (beam, "beam_reorder")):
+        if wanted:
+            needs.add(name)
     return frozenset(needs)
 
 
@@ -248,6 +257,16 @@ class SwarmManager:
                     if at < math.inf]
         return max(0.0, min(retry_at) - time.monotonic()) if retry_at else None
 
+    def departed(self, peer_ids: Collection[str]) -> Set[str]:
+        """Of `peer_ids` (servers a call just failed on), those that left: the view, refreshed now rather than at
+        its next `update_period`, no longer lists them ONLINE (a graceful stop announces `offline` first). So a
+        client whose view was read before a server stopped drops it at its first failed call, and the caller
+        neither bans it nor counts a failed try (`InferenceSession._open_span`)."""
+        if not peer_ids:
+            return set()
+        online = {span.peer_id for span in self.update(force=True)}
+        return {peer for peer in peer_ids if peer not in online}
+
     def mark_ok(self, peer_id: str) -> None:
         self._bans.pop(peer_id, None)
 
@@ -294,18 +313,21 @@ class SwarmManager:
             spent[1] += time.perf_counter() - viewed
 
     def make_inference_chain(self, start: int = 0, end: Optional[int] = None, cache_tokens_needed: int = 0,
-                             adapter: Optional[str] = None, session_length: int = 0) -> List[RouteHop]:
+                             adapter: Optional[str] = None, session_length: int = 0,
+                             needs: Collection[str] = ()) -> List[RouteHop]:
         """`adapter`: only through servers that hold this LoRA adapter (None: any server); `session_length`: only
-        through servers whose announced limits take a session that long."""
+        through servers whose announced limits take a session that long; `needs`: only through servers that
+        announce these capabilities too (`needs_for`)."""
         end = self.num_blocks if end is None else end
         return self._route(find_inference_chain, start, end, cache_tokens_needed=cache_tokens_needed,
                            client_rtts=dict(self.rtts), adapter=adapter, session_length=session_length,
-                           needs=needs_for(adapter=adapter))
+                           needs=needs_for(adapter=adapter) | frozenset(needs))
 
-    def make_forward_chain(self, start: int = 0, end: Optional[int] = None, adapter: Optional[str] = None
-                           ) -> List[RouteHop]:
+    def make_forward_chain(self, start: int = 0, end: Optional[int] = None, adapter: Optional[str] = None,
+                           needs: Collection[str] = ()) -> List[RouteHop]:
         end = self.num_blocks if end is None else end
-        return self._route(choose_forward_chain, start, end, adapter=adapter, needs=needs_for(adapter=adapter))
+        return self._route(choose_forward_chain, start, end, adapter=adapter,
+                           needs=needs_for(adapter=adapter) | frozenset(needs))
 
     def served_adapters(self, force: bool = False) -> List[str]:
         """The LoRA adapters that servers of an allowed quant type serve over every block."""
@@ -313,11 +335,11 @@ class SwarmManager:
                                self.config.allowed_quant_types)
 
     def make_training_chain(self, start: int, end: int, load: Optional[Dict[str, int]] = None,
-                            adapter: Optional[str] = None) -> List[RouteHop]:
+                            adapter: Optional[str] = None, prompts: bool = False) -> List[RouteHop]:
         """A chain for one training sub-batch over blocks [start, end), spread by `load` (requests in flight);
-        `adapter`: only through servers that hold this LoRA adapter."""
+        `adapter`: only through servers that hold this LoRA adapter; `prompts`: the calls carry deep prompts."""
         return self._route(choose_training_chain, start, end, load=dict(load or {}), adapter=adapter,
-                           needs=needs_for(adapter=adapter, training=True))
+                           needs=needs_for(adapter=adapter, training=True, prompts=prompts))
 
     # ---- RPC ----------------------------------------------------------------------------------------------
     def stub(self, peer_id: str):
@@ -342,8 +364,10 @@ class SwarmManager:
                       left_padding: Optional[List[int]] = None, rope_length: Optional[int] = None) -> "torch.Tensor":
         """hidden [batch, seq, hidden] through the hop's blocks (no cache), with LoRA `adapter`; `left_padding`:
         keys never attended; `rope_length`: `ForwardRequest.rope_length` (None: left out)."""
-        request = P.make_request(P.ForwardRequest(start=hop.start, end=hop.end, adapter=adapter,
-                                                  left_padding=left_padding, rope_length=rope_length), [hidden])
+        message = P.ForwardRequest(start=hop.start, end=hop.end, adapter=adapter, left_padding=left_padding,
+                                   rope_length=rope_length)
+        P.check_capabilities(message, hop.capabilities, hop.peer_id)  # never an optional field it does not know
+        request = P.make_request(message, [hidden])
         response = await self.stub(hop.peer_id).rpc_forward(request, timeout=self.config.request_timeout)
         _, tensors = P.unpack_reply(response, hop.peer_id, forward=True)
         return tensors[0]

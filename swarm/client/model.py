@@ -36,7 +36,7 @@ from swarm.client.adapters import ACTIVE_ADAPTER, AdapterChoice
 from swarm.client.api import Coverage, PromptLogprob, ServerView
 from swarm.client.head import ClientHead
 from swarm.client.hf_decoding import generate as hf_generate
-from swarm.client.manager import ClientConfig, SwarmManager
+from swarm.client.manager import ClientConfig, SwarmManager, needs_for
 from swarm.client.model_session import ModelSession
 from swarm.client.remote_autograd import RemoteBlocks
 from swarm.client.routing import RoutingError, quant_allowed
@@ -184,10 +184,12 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
     def check_route(self, cache_tokens: int = 0, adapter: Any = ACTIVE_ADAPTER) -> None:
         """Raise `RoutingError` unless a chain over every block with cache for `cache_tokens` can be routed now, or
         soon: when blocks whose only servers could not be reached wait for them to be tried again, a session waits
-        for them (`SwarmManager.sole_retry_wait`), so this passes."""
+        for them (`SwarmManager.sole_retry_wait`), so this passes. Only servers with what this model's sessions need
+        count (LongRoPE's `rope_length`: `InferenceSession.needs`)."""
         try:
             self.manager.make_inference_chain(0, None, cache_tokens_needed=cache_tokens,
-                                              adapter=self._adapter(adapter))
+                                              adapter=self._adapter(adapter),
+                                              needs=needs_for(rope_length=picks_by_length(self.config)))
         except RoutingError:
             if self.manager.sole_retry_wait() is None:
                 raise
@@ -275,7 +277,8 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         last_error: Optional[BaseException] = None
         for _ in range(self.manager.config.max_retries + 1):
             hops = await asyncio.get_running_loop().run_in_executor(
-                None, functools.partial(self.manager.make_forward_chain, adapter=adapter))
+                None, functools.partial(self.manager.make_forward_chain, adapter=adapter,
+                                        needs=needs_for(left_padding=padding is not None)))
             x = hidden
             try:
                 for hop in hops:

@@ -77,6 +77,7 @@ class RemoteBlocks:
     async def _call(self, hop: RouteHop, message: P.Message, tensors: List[torch.Tensor]) -> List[torch.Tensor]:
         config = self.manager.config
         rpc = "rpc_train_backward" if isinstance(message, P.TrainBackward) else "rpc_train_forward"
+        P.check_capabilities(message, hop.capabilities, hop.peer_id)  # routing kept to servers that take it
         requests = streaming.pack(runtime_pb2.ExpertRequest, message, tensors, config.max_chunk_bytes)
         self.load[hop.peer_id] = self.load.get(hop.peer_id, 0) + 1
         try:
@@ -122,8 +123,8 @@ class RemoteBlocks:
         out = await self._call(hop, message, tensors)
         return out[0], (out[1] if prompts is not None else None)
 
-    def _route(self, start: int, end: int, adapter: Optional[str]) -> List[RouteHop]:
-        return self.manager.make_training_chain(start, end, load=self.load, adapter=adapter)
+    def _route(self, start: int, end: int, adapter: Optional[str], prompts: bool = False) -> List[RouteHop]:
+        return self.manager.make_training_chain(start, end, load=self.load, adapter=adapter, prompts=prompts)
 
     def _failed(self, hop: RouteHop, error: BaseException, tries: int) -> None:
         logger.warning(f"training call to {hop.peer_id} (blocks {hop.start}:{hop.end}) failed: {error}")
@@ -141,7 +142,8 @@ class RemoteBlocks:
         position, tries = 0, 0
         while position < self.manager.num_blocks:
             hops = await asyncio.get_running_loop().run_in_executor(None, self._route, position,
-                                                                    self.manager.num_blocks, adapter)
+                                                                    self.manager.num_blocks, adapter,
+                                                                    prompts is not None)
             for hop in hops:
                 try:
                     y = await self._forward_hop(hop, x, prompts, adapter)
@@ -159,7 +161,8 @@ class RemoteBlocks:
         """Gradients through blocks [start, end) of one sub-batch whose input there was `x`."""
         tries = 0
         while True:
-            hops = await asyncio.get_running_loop().run_in_executor(None, self._route, start, end, adapter)
+            hops = await asyncio.get_running_loop().run_in_executor(None, self._route, start, end, adapter,
+                                                                    prompts is not None)
             hop = hops[0]
             try:
                 inputs = [x]

@@ -17,11 +17,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import List, Optional, Sequence
+from typing import Collection, FrozenSet, List, Optional, Sequence
 
 import torch
 
-from swarm.client.manager import SwarmManager
+from swarm.client.manager import SwarmManager, needs_for
 from swarm.client.routing import RouteHop
 from swarm.client.session_chain import BoundaryHistory, SessionChain
 from swarm.client.span_stream import SessionError
@@ -49,12 +49,16 @@ class InferenceSession(SessionChain):
     """
 
     def __init__(self, manager: SwarmManager, max_length: int, start: int = 0, end: Optional[int] = None,
-                 adapter: Optional[str] = None, prompts: Optional[torch.Tensor] = None, rope_lengths: bool = False):
+                 adapter: Optional[str] = None, prompts: Optional[torch.Tensor] = None, rope_lengths: bool = False,
+                 needs: Collection[str] = ()):
         """`prompts`: deep prompts [num_blocks, 1, pre_seq_len, hidden] (`swarm.client.ptune`), sent to each server
         with its blocks' part when its stream opens. `rope_lengths`: the model's rotary picks its factors by the
         sequence's length (LongRoPE: `swarm.modeling.layers.picks_by_length`), so each message of a step cut into
         several (and of a replay, and a spot-check's replay) names where the whole step ends (`Step.rope_length`;
-        left out where that is the message's own end, so other models' steps reach servers from before it)."""
+        left out where that is the message's own end, so other models' steps reach servers from before it).
+        `needs`: capabilities (`swarm.wire.capabilities`) every server of the chain must announce besides those the
+        session's own settings need (`needs_for`); a step that needs more (beam parents, left padding) adds them and
+        first moves the spans whose servers lack them (`_require`)."""
         if max_length <= 0:
             raise ValueError("max_length must be positive")
         self.manager, self.max_length = manager, max_length
@@ -63,6 +67,7 @@ class InferenceSession(SessionChain):
         self.session_id = uuid.uuid4().hex
         self.prompts = prompts
         self.rope_lengths = rope_lengths
+        self.needs = needs_for(adapter=adapter, prompts=prompts is not None, rope_length=rope_lengths) | set(needs)
         self._step_end = None  # where the step in flight ends (`_rope_length`), None between steps
         self.position = 0
         self.batch_size = None
@@ -70,6 +75,7 @@ class InferenceSession(SessionChain):
         self._history = {}  # block index where a span starts -> inputs sent there
         self._closed = False
         self.failovers = 0
+        self.moves = 0  # spans moved off servers without a capability a later step needed (`_require`)
         self._step_id = 0  # one id per chunk step (and per replayed chunk), shared by every server of the chain
         self._verifier = verifier_for(manager)  # spot-checks of servers' outputs (None: off)
         self._checks = BackgroundChecks(self._verifier) if self._verifier else None  # this session's, in flight
@@ -154,11 +160,7 @@ class InferenceSession(SessionChain):
             raise SessionError(
                 f"this step would hold {self.position + seq} tokens, past the session's max_length {self.max_length}"
             )
-        if self.batch_size is None:
-            # the first step follows the OpenSession messages at once: no round trip before it (a failed open
-            # fails that step, which replaces the server like any step failure)
-            await self._open(batch, wait=False)
-        elif batch != self.batch_size:
+        if self.batch_size is not None and batch != self.batch_size:
             raise ValueError(f"batch size {batch} differs from the session's {self.batch_size}")
         hypo = _check_rows("hypo_ids", hypo_ids, batch, batch)
         padding = _check_rows("left_padding", left_padding, batch, self.max_length)
@@ -166,6 +168,14 @@ class InferenceSession(SessionChain):
             raise ValueError("left_padding is only accepted on a step at position 0")
         if hypo is not None and (hypo == list(range(batch)) or self.position == 0):
             hypo = None  # the identity, or nothing held: nothing to reorder
+        step_needs = needs_for(left_padding=padding is not None, beam=hypo is not None)
+        if self.batch_size is None:
+            # the first step follows the OpenSession messages at once: no round trip before it (a failed open
+            # fails that step, which replaces the server like any step failure)
+            self.needs |= step_needs
+            await self._open(batch, wait=False)
+        else:
+            await self._require(step_needs)
         await self._apply_checks()  # a check finished since found a server wrong: OutputsRetracted
         outputs = []
         chunk = self._chunk_len(hidden)
@@ -238,7 +248,7 @@ class InferenceSession(SessionChain):
                              for s in rest]
                     # push decode steps (prefill goes through the client), once the next servers have opened
                     use_push = (config.use_push and seq <= PUSH_MAX_TOKENS and not checks
-                                and not any(s.open_pending for s in rest))
+                                and not any(s.open_pending for s in rest) and all(s.pushes for s in [stream, *rest]))
                     stream.send(x, self.position, step_id, chain if use_push else (), edits)
                     out, pushed = await stream.receive(self.position, seq)
                 else:
@@ -273,6 +283,21 @@ class InferenceSession(SessionChain):
             self._boundary(self.end, x).write(self.position, x)
             self._start_checks(sorted(planned - checks), end=self.position + seq, rope_length=rope_length)
         return x
+
+    async def _require(self, needs: FrozenSet[str]) -> None:
+        """Add `needs` to the capabilities every server of this session must announce; a span on a server without
+        them moves first (re-routed, its history replayed; the server is not banned), so that no message carries a
+        field its server does not know. Where no server has them: `SessionError` with routing's reason."""
+        if needs <= self.needs:
+            return
+        self.needs |= needs
+        while True:
+            lacking = [s for s in self._streams if not self.needs <= s.hop.capabilities]
+            if not lacking:
+                return
+            missing = ", ".join(sorted(self.needs - lacking[0].hop.capabilities))
+            await self._replace(self._streams.index(lacking[0]), SessionError(f"its server does not announce "
+                                                                              f"{missing}"), ban=False)
 
     def _checkable(self, hypo_ids) -> bool:
         """Whether this step's spans can be checked: not a step that reorders beams (the recorded rows follow only

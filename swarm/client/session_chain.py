@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, FrozenSet, List, Optional, Sequence
 
 import torch
 
@@ -78,6 +78,8 @@ class SessionChain:
     position: int
     batch_size: Optional[int]
     failovers: int
+    moves: int
+    needs: FrozenSet[str]  # capabilities every server of the chain must announce (`InferenceSession.needs`)
     _streams: List[SpanStream]
     _history: Dict[int, BoundaryHistory]  # block index where a span starts -> inputs sent there
     _step_end: Optional[int]
@@ -97,7 +99,8 @@ class SessionChain:
                 hops = await asyncio.get_running_loop().run_in_executor(
                     None, lambda: self.manager.make_inference_chain(start, end, batch_size * self.max_length,
                                                                     adapter=self.adapter,
-                                                                    session_length=self.max_length))
+                                                                    session_length=self.max_length,
+                                                                    needs=self.needs))
             except RoutingError as e:
                 last_error = e
                 turn = self.manager.sole_retry_wait(start, end)
@@ -113,13 +116,26 @@ class SessionChain:
             failed = [(s, r) for s, r in zip(streams, results) if isinstance(r, BaseException)]
             if not failed:
                 return streams
-            tries += 1
             await asyncio.gather(*(s.close() for s in streams), return_exceptions=True)
+            # servers that left since the view was read (their records say offline now): dropped from the view by
+            # that refresh, neither banned nor a failed try (no phantom first try after a graceful stop)
+            try:
+                left = await asyncio.get_running_loop().run_in_executor(
+                    None, self.manager.departed, [stream.hop.peer_id for stream, _ in failed])
+            except Exception as e:  # the records could not be read again: every failure counts, as before
+                logger.info(f"could not read the swarm's records again: {e}")
+                left = set()
             for stream, error in failed:
+                if stream.hop.peer_id in left:
+                    logger.info(f"server {stream.hop.peer_id} left the swarm (its record is no longer online); "
+                                f"routing around it")
+                    continue
                 logger.warning(f"cannot open a session on {stream.hop.peer_id}: {error}")
                 self.manager.ban(stream.hop.peer_id, error)
                 server_errors.append(str(error))
                 last_error = error
+            if len(left) < len(failed):
+                tries += 1
         reasons = "; ".join(dict.fromkeys(server_errors + ([str(last_error)] if last_error else [])))
         raise SessionError(f"cannot serve blocks {start}:{end} after {tries} tries: {reasons}") from last_error
 
@@ -129,13 +145,15 @@ class SessionChain:
         wait = self.manager.sole_retry_wait(start, end)
         return wait is not None and time.monotonic() + wait < patience_ends
 
-    async def _replace(self, index: int, error: BaseException) -> None:
-        """Replace failed stream `index` by a fresh route over its span, replaying that span's history."""
+    async def _replace(self, index: int, error: BaseException, ban: bool = True) -> None:
+        """Replace failed stream `index` by a fresh route over its span, replaying that span's history (`ban`:
+        the server failed; else it only lacks a capability the session now needs, `_require`)."""
         failed = self._streams[index]
         assert self.batch_size is not None, "the session is not open"
-        logger.warning(f"server {failed.hop.peer_id} failed on blocks {failed.hop.start}:{failed.hop.end}: "
-                       f"{type(error).__name__}: {error}; re-routing that span")
-        self.manager.ban(failed.hop.peer_id, error)
+        logger.warning(f"server {failed.hop.peer_id} {'failed' if ban else 'cannot go on'} on blocks "
+                       f"{failed.hop.start}:{failed.hop.end}: {type(error).__name__}: {error}; re-routing that span")
+        if ban:
+            self.manager.ban(failed.hop.peer_id, error)
         asyncio.ensure_future(failed.close())
         began = time.monotonic()
         replacement = await self._open_span(failed.hop.start, failed.hop.end, self.batch_size, reasons=[str(error)])
@@ -154,7 +172,8 @@ class SessionChain:
                     await asyncio.gather(*(s.close() for s in replacement), return_exceptions=True)
                     raise
         self._streams[index:index + 1] = replacement
-        self.failovers += 1
+        self.failovers += int(ban)  # a move to a server with a capability the session now needs is no failure
+        self.moves += int(not ban)
         logger.info(f"blocks {failed.hop.start}:{failed.hop.end} re-routed to {[s.hop.peer_id for s in replacement]} "
                     f"and {self.position} positions replayed in {time.monotonic() - began:.1f}s")
 

@@ -110,13 +110,20 @@ class SpanStream:
         self._responses = await stub.rpc_inference(aio.iterate_queue(self._queue))
         opened = P.OpenSession(session_id=self.session_id, start=self.hop.start, end=self.hop.end,
                                max_length=self.max_length, batch_size=self.batch_size, adapter=self.adapter,
-                               prompts=self.prompts is not None, push_token=self.push_token,
+                               prompts=self.prompts is not None, push_token=self.push_token if self.pushes else None,
                                compression=self.compression)
+        P.check_capabilities(opened, self.hop.capabilities, self.hop.peer_id)  # routing chose a server that takes it
         self._queue.put_nowait(P.make_request(opened, [] if self.prompts is None else [self.prompts]))
         if wait:
             await self._next_reply()
         else:
             self.open_pending = True
+
+    @property
+    def pushes(self) -> bool:
+        """Whether the server takes part in server-to-server push (it announces `push`): only then does its session
+        get a push token and its steps a push chain, and only then is it a push's target."""
+        return "push" in self.hop.capabilities
 
     @property
     def compression(self):
@@ -134,6 +141,7 @@ class SpanStream:
         """Queue a step: hidden [batch, seq, hidden] for positions start_position.. (returns at once); `edits`:
         the step's `P.RowEdits` fields (beam parents, padding)."""
         step = P.Step(start_position=start_position, step_id=step_id, push_chain=list(push_chain), **(edits or {}))
+        P.check_capabilities(step, self.hop.capabilities, self.hop.peer_id)  # the session keeps to servers with it
         if self.wire_dtype is not None and hidden.is_floating_point():
             hidden = hidden.to(self.wire_dtype)
         self._queue.put_nowait(P.make_request(step, [hidden], compression=self.compression or "none"))

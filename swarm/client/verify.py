@@ -37,11 +37,11 @@ import logging
 import random
 import weakref
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Set
+from typing import FrozenSet, List, Optional, Sequence, Set
 
 import torch
 
-from swarm.client.manager import SwarmManager
+from swarm.client.manager import SwarmManager, needs_for
 from swarm.client.routing import RouteHop, RoutingError, choose_forward_chain
 from swarm.wire.quant import QUANT_FORMATS, UNKNOWN_TOLERANCE
 
@@ -132,7 +132,8 @@ class Verifier:
         return {i for i, hop in enumerate(hops)
                 if hop.peer_id not in self.checked or self.rng.random() < self.config.verify_probability}
 
-    def _referee_chain(self, hop: RouteHop, exclude: Set[str], adapter: Optional[str]) -> List[RouteHop]:
+    def _referee_chain(self, hop: RouteHop, exclude: Set[str], adapter: Optional[str],
+                       needs: FrozenSet[str] = frozenset()) -> List[RouteHop]:
         spans = self.manager.allowed_spans()
         audited = next((s for s in spans if s.peer_id == hop.peer_id), None)
         dtype = audited.info.dtype if audited else None
@@ -140,7 +141,7 @@ class Verifier:
         same = [s for s in spans if s.peer_id not in exclude and (audited is None or (
             s.info.dtype == dtype and s.info.quant_type == quant))]
         return choose_forward_chain(same, hop.start, hop.end, banned=self.manager.banned(), rng=self.rng,
-                                    adapter=adapter)
+                                    adapter=adapter, needs=needs_for(adapter=adapter) | needs)
 
     async def _referee(self, hop: RouteHop, inputs: torch.Tensor, seq: int, exclude: Set[str],
                        adapter: Optional[str], left_padding: Optional[List[int]] = None,
@@ -148,9 +149,10 @@ class Verifier:
         """(peers, output [batch, seq, hidden]) of an independent chain over hop's blocks (its last seq positions),
         or None if none is left."""
         loop = asyncio.get_running_loop()
+        needs = needs_for(left_padding=left_padding is not None, rope_length=rope_length is not None)
         while True:
             try:
-                chain = await loop.run_in_executor(None, self._referee_chain, hop, exclude, adapter)
+                chain = await loop.run_in_executor(None, self._referee_chain, hop, exclude, adapter, needs)
             except RoutingError:
                 return None
             peers = [h.peer_id for h in chain]

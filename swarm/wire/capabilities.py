@@ -4,8 +4,9 @@ A volunteer swarm runs several releases at once. Every server's DHT record (`swa
 which release it runs (`version`, this package's version from `pyproject.toml`), the protocol versions it speaks
 (`min_protocol`..`protocol`) and the named capabilities it supports (`capabilities`): each feature added to the
 wire after the first release gets a name here, so that a client sends a field only to a server that announces it
-and routing avoids servers that lack what a request needs (`swarm.client.coverage`). `docs/compatibility.md` has
-the rule for adding a field.
+and routing avoids servers that lack what a request needs (`swarm.client.coverage`). Which request field belongs
+to which capability: `FIELD_CAPABILITIES` (`needed_capabilities`: what one message needs). `docs/compatibility.md`
+has the rule for adding a field.
 
 A record without `capabilities` comes from the first release (0.1.0, `compat/previous_release`), which announced no
 capabilities but supports every one named in `FIRST_RELEASE_CAPABILITIES`. Names this release does not know (a
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Final, FrozenSet, Mapping, Optional, Tuple
 
 from packaging.version import InvalidVersion, Version
+from pydantic import BaseModel
 
 PROTOCOL_VERSION: Final = 1  # the newest message version this release speaks (`swarm.wire.protocol.Message.v`)
 MIN_PROTOCOL_VERSION: Final = 1  # the oldest one it still speaks (and answers in)
@@ -104,3 +106,52 @@ def protocol_problem(min_protocol: int, protocol: int) -> Optional[str]:
     if protocol < MIN_PROTOCOL_VERSION:
         return f"speaks protocol versions up to {protocol}; this peer needs {MIN_PROTOCOL_VERSION} or later"
     return None
+
+
+# every request field of `swarm.wire.protocol` that belongs to a feature named in `CAPABILITIES`, by message type
+# and field name: a client sets it (to anything but its default) only for a server that announces that name
+# (`needed_capabilities`, `swarm.wire.protocol.check_capabilities`); the fields of a request not listed here are
+# the first message set's, which every server reads (`CORE_FIELDS`; tests/swarm/client/test_capability_routing.py
+# checks that each request field is in one of the two)
+FIELD_CAPABILITIES: Mapping[str, str] = {
+    "OpenSession.adapter": "adapters",
+    "OpenSession.prompts": "deep_prompts",
+    "OpenSession.push_token": "push",
+    "OpenSession.compression": "compression",
+    "Step.hypo_ids": "beam_reorder",
+    "Step.reorder_id": "beam_reorder",
+    "Step.left_padding": "left_padding",
+    "Step.rope_length": "rope_length",
+    "Step.push_chain": "push",
+    "PushStep.hypo_ids": "beam_reorder",
+    "PushStep.reorder_id": "beam_reorder",
+    "PushStep.left_padding": "left_padding",
+    "PushStep.rope_length": "rope_length",
+    "ForwardRequest.adapter": "adapters",
+    "ForwardRequest.left_padding": "left_padding",
+    "ForwardRequest.rope_length": "rope_length",
+    "TrainForward.prompts": "deep_prompts",
+    "TrainForward.adapter": "train_adapters",
+    "TrainBackward.prompts": "deep_prompts",
+    "TrainBackward.adapter": "train_adapters",
+}
+# what a request of each type needs whatever its fields (its RPC): a server without it has no such handler
+MESSAGE_CAPABILITIES: Mapping[str, str] = {"PushStep": "push", "TrainForward": "training", "TrainBackward": "training"}
+CORE_FIELDS: FrozenSet[str] = frozenset({
+    "OpenSession.session_id", "OpenSession.start", "OpenSession.end", "OpenSession.max_length",
+    "OpenSession.batch_size", "Step.start_position", "Step.step_id", "PushStep.stream_key", "PushStep.push_token",
+    "PushStep.start_position", "PushStep.step_id", "PushStep.push_chain", "ForwardRequest.start",
+    "ForwardRequest.end", "TrainForward.start", "TrainForward.end", "TrainBackward.start", "TrainBackward.end",
+})
+
+
+def needed_capabilities(message: BaseModel) -> FrozenSet[str]:
+    """The capabilities a server needs to take `message`: its RPC's, and those of its fields that are set (to
+    anything but their defaults; `FIELD_CAPABILITIES`)."""
+    kind = type(message).__name__
+    needed = {MESSAGE_CAPABILITIES[kind]} if kind in MESSAGE_CAPABILITIES else set()
+    for name, field in type(message).model_fields.items():
+        capability = FIELD_CAPABILITIES.get(f"{kind}.{name}")
+        if capability is not None and getattr(message, name) != field.get_default(call_default_factory=True):
+            needed.add(capability)
+    return frozenset(needed)

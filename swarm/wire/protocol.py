@@ -31,7 +31,8 @@ Versions. Every message rejects unknown fields, so a reader parses exactly the f
 added to a message later is optional and never reaches a reader from before it: in a request it is left out
 while unset (`OpenSession.compression`: a server from before takes every session that does not ask for
 compression), and a client sets it only for a server whose record announces the capability that names it
-(`swarm.wire.capabilities`; routing avoids servers without what a session needs); a reply (`ServerStats`) keeps
+(`swarm.wire.capabilities.FIELD_CAPABILITIES`, checked before each request goes: `check_capabilities`; routing
+avoids servers without what a session needs); a reply (`ServerStats`) keeps
 the fields it had, and what a server reports later gets an RPC of its own (`rpc_dht_traffic`), which a server from
 before answers with the transport's "no such handler" error. A peer accepts messages of the protocol versions
 `MIN_PROTOCOL_VERSION..PROTOCOL_VERSION` (so far only 1) and a server answers in the version it was sent. The rule
@@ -45,16 +46,28 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, AsyncIterator, List, Literal, Optional, Sequence, Tuple, Type, TypeVar, Union
+from typing import (
+    Annotated,
+    AsyncIterator,
+    Collection,
+    List,
+    Literal,
+    Optional,
+    Sequence,
+    Tuple,
+    Type,
+    TypeVar,
+    Union,
+)
 
 import torch
 from hivemind.p2p import P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from swarm.runtime.dht_traffic import DHTTraffic
 from swarm.wire import compression as wire_compression
-from swarm.wire.capabilities import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
+from swarm.wire.capabilities import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, needed_capabilities
 from swarm.wire.dtypes import DTYPES, WIRE_DTYPES, dtype_name
 from swarm.wire.records import ServerLimits
 
@@ -80,9 +93,28 @@ class RemoteError(RuntimeError):
         self.code, self.message, self.peer_id = code, message, peer_id
 
 
+# the message versions this peer reads and writes (`decode`, `encode`): a module value so that tests can run the
+# mechanism over a range of versions with test-only message types, while the wire speaks only version 1
+SPOKEN: Tuple[int, int] = (MIN_PROTOCOL_VERSION, PROTOCOL_VERSION)
+
+
 class Message(BaseModel):
+    """One message. Its fields are always this release's; `v` is the protocol version it is written in: a decoded
+    request keeps the version it came in, and a reply built with that `v` (or encoded with `version=`) goes out in
+    it (`encode` writes older versions through `downgrade`; `decode` reads them through `upgrade`)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
-    v: Literal[1] = PROTOCOL_VERSION
+    v: int = Field(default=PROTOCOL_VERSION, ge=1)
+
+    @classmethod
+    def upgrade(cls, raw: dict, version: int) -> dict:
+        """A message of this type as written in an older spoken `version`, rewritten in this release's fields (a
+        message that changed in a later version overrides this; none has yet)."""
+        return raw
+
+    def downgrade(self, data: dict, version: int) -> dict:
+        """This message's fields (`data`, JSON) rewritten for an older spoken `version`: the inverse of `upgrade`."""
+        return data
 
 
 class OpenSession(Message):
@@ -295,28 +327,64 @@ class DHTTrafficReport(Message):
                                                                     "announcement with blocks loaded)")
 
 
+REQUEST_TYPES: Tuple[Type["Message"], ...] = (OpenSession, Step, PushStep, ForwardRequest, TrainForward, TrainBackward)
+
+
+def check_capabilities(message: "Message", capabilities: Collection[str], peer_id: Optional[str] = None) -> None:
+    """ProtocolError unless a server announcing `capabilities` takes `message` (a client never sends it then:
+    routing keeps to servers with what a request needs, so this only fires on a bug)."""
+    lacking = needed_capabilities(message) - set(capabilities)
+    if lacking:
+        raise ProtocolError(f"not sent: {type(message).__name__} needs {', '.join(sorted(lacking))}, which server "
+                            f"{peer_id or '?'} does not announce")
+
+
 ReplyMessage = Union[StepResult, ErrorReply]
-_reply_adapter = TypeAdapter(ReplyMessage)
-_forward_reply_adapter = TypeAdapter(Union[ForwardResult, ErrorReply])
 
 
-def encode(message: Message) -> bytes:
-    return message.model_dump_json().encode()
+def _check_version(version: object) -> int:
+    low, high = SPOKEN
+    if isinstance(version, bool) or not isinstance(version, int) or not low <= version <= high:
+        raise ProtocolError(f"unsupported protocol version {version!r}; this peer speaks {low}..{high}")
+    return version
 
 
-def decode(data: bytes, message_type: Type[M]) -> M:
-    """Parse bytes into `message_type`, raising ProtocolError with a readable reason otherwise."""
+def encode(message: Message, version: Optional[int] = None) -> bytes:
+    """`message` as JSON in protocol `version` (None: the message's own `v`): a server answers each request in the
+    version it came in. Versions older than this release's newest go through the message's `downgrade`."""
+    version = _check_version(message.v if version is None else version)
+    if version == message.v == SPOKEN[1]:  # this release's own form: the hot path
+        return message.model_dump_json().encode()
+    data = json.loads(message.model_dump_json())
+    data["v"] = version
+    if version < SPOKEN[1]:
+        data = message.downgrade(data, version)
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
+def request_version(data: bytes) -> int:
+    """The protocol version a request is written in, for its reply: its `v` if this peer speaks it, else this
+    peer's newest (the error that follows names the versions it speaks)."""
+    try:
+        return _check_version(json.loads(data).get("v"))
+    except (ValueError, UnicodeDecodeError, AttributeError, ProtocolError):
+        return SPOKEN[1]
+
+
+def _parse(data: bytes) -> dict:
     try:
         raw = json.loads(data)
     except (ValueError, UnicodeDecodeError):
         raise ProtocolError("metadata is not valid JSON") from None
     if not isinstance(raw, dict):
         raise ProtocolError("metadata must be a JSON object")
-    version = raw.get("v")
-    if isinstance(version, bool) or not isinstance(version, int) \
-            or not MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {version!r}; this peer speaks "
-                            f"{MIN_PROTOCOL_VERSION}..{PROTOCOL_VERSION}")
+    return raw
+
+
+def _validate(raw: dict, message_type: Type[M]) -> M:
+    version = _check_version(raw.get("v"))
+    if version < SPOKEN[1]:
+        raw = message_type.upgrade(dict(raw), version)
     try:
         return message_type.model_validate(raw)
     except ValidationError as e:
@@ -324,11 +392,20 @@ def decode(data: bytes, message_type: Type[M]) -> M:
         raise ProtocolError(f"invalid {message_type.__name__}: {reasons}") from None
 
 
+def decode(data: bytes, message_type: Type[M]) -> M:
+    """Parse bytes into `message_type` (of a spoken version, read through its `upgrade`; the message keeps its `v`),
+    raising ProtocolError with a readable reason otherwise."""
+    return _validate(_parse(data), message_type)
+
+
 def decode_reply(data: bytes, forward: bool = False) -> Union[StepResult, ForwardResult, ErrorReply]:
+    """A server's reply to a step (`forward`: to a forward pass): its result or an error reply."""
+    raw = _parse(data)
+    kind: Type[Message] = ErrorReply if raw.get("type") == "error" else ForwardResult if forward else StepResult
     try:
-        return (_forward_reply_adapter if forward else _reply_adapter).validate_json(data)
-    except ValidationError as e:
-        raise ProtocolError(f"invalid reply from server: {e.errors()[0]['msg']}") from None
+        return _validate(raw, kind)  # type: ignore[return-value]
+    except ProtocolError as e:
+        raise ProtocolError(f"invalid reply from server: {e}") from None
 
 
 def serialize_tensor(tensor: torch.Tensor, compression: str = "none") -> runtime_pb2.Tensor:
@@ -384,14 +461,15 @@ def make_request(message: Message, tensors: Sequence[torch.Tensor] = (), uid: st
                                      tensors=[serialize_tensor(t, compression) for t in tensors])
 
 
-def make_response(message: Message, tensors: Sequence[torch.Tensor] = (),
-                  compression: str = "none") -> runtime_pb2.ExpertResponse:
-    return runtime_pb2.ExpertResponse(metadata=encode(message),
+def make_response(message: Message, tensors: Sequence[torch.Tensor] = (), compression: str = "none",
+                  version: Optional[int] = None) -> runtime_pb2.ExpertResponse:
+    """A reply; `version`: the request's (`encode`)."""
+    return runtime_pb2.ExpertResponse(metadata=encode(message, version),
                                       tensors=[serialize_tensor(t, compression) for t in tensors])
 
 
-def error_response(code: str, message: str) -> runtime_pb2.ExpertResponse:
-    return make_response(ErrorReply(code=code, message=message))
+def error_response(code: str, message: str, version: Optional[int] = None) -> runtime_pb2.ExpertResponse:
+    return make_response(ErrorReply(code=code, message=message), version=version)
 
 
 def unpack_reply(

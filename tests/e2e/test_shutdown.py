@@ -340,25 +340,44 @@ def offline_swarm(model_path, bootstrap):
 
 
 @pytest.mark.parametrize("sig", [INT, TERM], ids=lambda sig: sig.name)
-def test_a_group_stop_announces_offline_before_the_dht_child_goes(model_path, bootstrap, offline_swarm, sig):
+def test_a_group_stop_announces_offline_before_the_dht_child_goes(model_path, bootstrap, offline_swarm, sig,
+                                                                  reference_model):
     """Ctrl-C (SIGINT to the whole process group) or SIGTERM to the group: the DHT child and p2pd no longer get the
     signal (a process group of their own), so the server announces `offline` through them before it stops them.
-    Read from another DHT peer right after the exit (no waiting: the record must already say so), and a client's next
-    session never tries the stopped server (no phantom first try, no failover)."""
+    Read from another DHT peer right after the exit (no waiting: the record must already say so). A client that was
+    generating on the stopped server, whose swarm view (read before the stop) still lists it and prefers it, then
+    generates again: its failed connect refreshes the view, which drops the server without a ban, a failed try or a
+    failover (no phantom first try), and the tokens are transformers'."""
     from swarm.wire.records import ServerState, fetch_block_records
+    from tests.fixtures.swarm_checks import greedy_reference
 
     prefix, stays, model = offline_swarm
     leaving = _server(model_path, bootstrap, prefix)
     manager = model.manager
-    seen = {span.peer_id for span in manager.allowed_spans(force=True)}
-    assert leaving.peer_id in seen and stays.peer_id in seen, seen
-    log = stop_and_check(leaving, sig, group=True)
-    assert "announced offline" in log and "could not announce offline" not in log, log[-3000:]
-    records = fetch_block_records(manager.dht, prefix, 30)
-    states = {records[i][leaving.peer_id].state for i in range(30) if leaving.peer_id in records[i]}
-    assert states == {ServerState.OFFLINE}, states  # every block's record, read at once from another peer
-    assert leaving.peer_id not in {span.peer_id for span in manager.allowed_spans(force=True)}
-    with model.inference_session(max_length=16) as session:
-        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, session=session)
-        assert session.session.failovers == 0
-        assert [hop.peer_id for hop in session.session.chain] == [stays.peer_id]
+    ids = torch.tensor([[1, 2, 3]])
+    expected = greedy_reference(reference_model, ids, 3)
+    period = manager.config.update_period
+    try:
+        seen = {span.peer_id for span in manager.allowed_spans(force=True)}  # the view, warm from here on
+        assert leaving.peer_id in seen and stays.peer_id in seen, seen
+        manager.config.update_period = 3600  # no periodic refresh during the test, however slow the machine
+        manager.rtts.update({leaving.peer_id: 1e-4, stays.peer_id: 1.0})  # routing prefers the server that leaves
+        with model.inference_session(max_length=16) as session:
+            out = model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, session=session)
+            assert [hop.peer_id for hop in session.session.chain] == [leaving.peer_id]
+        assert torch.equal(out, expected)
+        log = stop_and_check(leaving, sig, group=True)
+        assert "announced offline" in log and "could not announce offline" not in log, log[-3000:]
+        records = fetch_block_records(manager.dht, prefix, 30)
+        states = {records[i][leaving.peer_id].state for i in range(30) if leaving.peer_id in records[i]}
+        assert states == {ServerState.OFFLINE}, states  # every block's record, read at once from another peer
+        assert leaving.peer_id in {span.peer_id for span in manager.spans}  # the client's view is still stale
+        with model.inference_session(max_length=16) as session:
+            out = model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, session=session)
+            assert session.session.failovers == 0
+            assert [hop.peer_id for hop in session.session.chain] == [stays.peer_id]
+        assert torch.equal(out, expected)
+        assert manager.banned() == [], "the server that left was banned: a phantom first try"
+        assert leaving.peer_id not in {span.peer_id for span in manager.spans}
+    finally:
+        manager.config.update_period = period
