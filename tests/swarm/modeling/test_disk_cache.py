@@ -169,11 +169,13 @@ def test_checkpoint_hub_downloads_go_through_the_cache(tmp_path, monkeypatch):
         def __init__(self, size):
             self.size = size
 
-    def fake_metadata(url):
+    def fake_metadata(url, token=None):
+        assert token is None  # huggingface_hub's own (HF_TOKEN, the stored login) when none is given
         calls.append(("metadata", url))
         return Meta(sizes[url.rsplit("/", 1)[1]])
 
-    def fake_download(repo_id, filename, cache_dir=None, revision=None):
+    def fake_download(repo_id, filename, cache_dir=None, revision=None, token=None):
+        assert token is None
         calls.append(("download", filename))
         path = Path(cache_dir) / "blobs" / filename
         path.parent.mkdir(parents=True, exist_ok=True)
