@@ -89,7 +89,7 @@ def test_token_rate_over_a_window():
 
 def test_browser_tests_say_why_they_skip_without_chromium(monkeypatch):
     """Without a browser the set-up installs Debian's chromium as root; otherwise the skip names the reason."""
-    from tests.fixtures import browser
+    from tests.fixtures import apt, browser
 
     monkeypatch.setattr(browser, "find_chromium", lambda: None)
     monkeypatch.setattr(browser, "_install", {})
@@ -109,7 +109,7 @@ def test_browser_tests_say_why_they_skip_without_chromium(monkeypatch):
         calls.append(args)
         raise RuntimeError("`apt-get update` exited with 100: E: Could not resolve host")
 
-    monkeypatch.setattr(browser, "_apt", failing_apt)
+    monkeypatch.setattr(apt, "apt", failing_apt)
     for _ in range(2):  # tried once per session
         with pytest.raises(pytest.skip.Exception, match="apt-get failed: .*Could not resolve"):
             browser.ensure_chromium()
