@@ -36,6 +36,7 @@ from swarm.wire.records import (
     ServerLimits,
     ServerSpan,
     ServerState,
+    block_key,
     declare_blocks,
     declare_model,
     fetch_block_records,
@@ -44,6 +45,8 @@ from swarm.wire.records import (
 )
 
 logger = logging.getLogger("swarmgate.server")
+
+OFFLINE_RETRIES = 3  # stores again of an offline record under the blocks whose store failed
 
 
 def start_dht(config: ServerConfig, relayed: bool = False, identity_path: Optional[str] = None) -> hivemind.DHT:
@@ -105,19 +108,32 @@ class Announcer:
                           adapters=self.adapters, next_pings=dict(self.next_pings), limits=self.limits,
                           tensor_parallel=self.tensor_parallel, reachable=self.reachable)
 
-    async def declare(self, blocks: Sequence[int], info: ServerInfo) -> None:
+    async def declare(self, blocks: Sequence[int], info: ServerInfo) -> List[int]:
+        """Store `info` under each of `blocks`; returns the blocks whose store no DHT node took."""
         if not blocks:
-            return
+            return []
+        assert self.dht is not None, "announcing needs the DHT peer"
         # always now + the full lifetime: the DHT keeps whichever value of a key expires later
         when = get_dht_time() + self.expiration
-        await asyncio.get_running_loop().run_in_executor(
+        stored = await asyncio.get_running_loop().run_in_executor(
             None, lambda: declare_blocks(self.dht, self.prefix, list(blocks), info, when)
         )
+        # hivemind answers per (key, sub-key): False or missing where no node took the value
+        subkey = self.dht.peer_id.to_base58()
+        return [block for block in blocks if not (stored or {}).get((block_key(self.prefix, block), subkey))]
 
     async def announce(self, state: ServerState) -> None:
         """Store this server's record (state, span, throughput, free cache) under each of its blocks."""
         info = self.info(state)
-        await self.declare(range(self.start, self.end), info)
+        failed = await self.declare(range(self.start, self.end), info)
+        # a stop must leave no block announcing this server online until its record expires: the blocks whose
+        # store failed are stored again (bounded by the caller's time-out); an online record is refreshed anyway
+        for attempt in range(OFFLINE_RETRIES if state == ServerState.OFFLINE else 0):
+            if not failed:
+                break
+            logger.info(f"announcing {state.value} again under blocks {failed} (no DHT node took the store)")
+            await asyncio.sleep(0.1 * (attempt + 1))
+            failed = await self.declare(failed, info)
         if state == ServerState.ONLINE and self.model is not None:  # for gateways started with `--model all`
             record, when = self.model, get_dht_time() + self.expiration
             await asyncio.get_running_loop().run_in_executor(
