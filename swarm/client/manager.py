@@ -8,7 +8,8 @@ restarted: it renews its slot), they may be tried again after a short back-off (
 `ban_timeout`), so that a session waits for them for up to `sole_retry_patience` seconds instead of failing
 (`sole_retry_wait`, `swarm.client.session`). A server that a call fails on and whose record, read again at once,
 is no longer online left the swarm (a graceful stop announces `offline`): it drops out of the view without a ban
-(`departed`), so a view read before it stopped costs no failed try. With
+(`departed`), so a view read before it stopped costs no failed try. `settle_failures` applies that rule for
+every caller (inference sessions, forward passes, training calls). With
 `allowed_quant_types`, servers announcing another weight format (`quant_type`) are never routed to (nor pinged);
 `spans` keeps every server seen, `allowed_spans()` those a route may use. `on_route`, when set, is called after
 each inference chain is built with its `RouteTiming`: the seconds spent getting the swarm view (reading the DHT
@@ -23,7 +24,19 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Collection, Dict, FrozenSet, List, Optional, Set, Tuple
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Collection,
+    Dict,
+    FrozenSet,
+    List,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+)
 
 import hivemind
 from hivemind.p2p import P2P, PeerID
@@ -261,11 +274,30 @@ class SwarmManager:
         """Of `peer_ids` (servers a call just failed on), those that left: the view, refreshed now rather than at
         its next `update_period`, no longer lists them ONLINE (a graceful stop announces `offline` first). So a
         client whose view was read before a server stopped drops it at its first failed call, and the caller
-        neither bans it nor counts a failed try (`InferenceSession._open_span`)."""
+        neither bans it nor counts a failed try (`settle_failures`)."""
         if not peer_ids:
             return set()
         online = {span.peer_id for span in self.update(force=True)}
         return {peer for peer in peer_ids if peer not in online}
+
+    def settle_failures(self, failures: Sequence[Tuple[str, Optional[BaseException]]]) -> Set[str]:
+        """The one rule for servers that calls just failed on (`(peer id, error)` pairs; an error of None bans with
+        no short back-off for a block's only servers): those that left (`departed`) are dropped from the view and
+        neither banned nor to be counted as a failed try; the others are banned (`ban`). Returns those that left;
+        the caller counts a try only when some failure is not among them. Blocks on a DHT read: call it from an
+        executor in async code. If the records cannot be read again, every failure counts, as before the rule."""
+        peers = list(dict.fromkeys(peer for peer, _ in failures))
+        try:
+            left = self.departed(peers)
+        except Exception as e:
+            logger.info(f"could not read the swarm's records again: {e}")
+            left = set()
+        for peer, error in failures:
+            if peer in left:
+                logger.info(f"server {peer} left the swarm (its record is no longer online); routing around it")
+            else:
+                self.ban(peer, error)
+        return left
 
     def mark_ok(self, peer_id: str) -> None:
         self._bans.pop(peer_id, None)

@@ -275,8 +275,9 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
         import asyncio
 
         last_error: Optional[BaseException] = None
-        for _ in range(self.manager.config.max_retries + 1):
-            hops = await asyncio.get_running_loop().run_in_executor(
+        loop, tries = asyncio.get_running_loop(), 0
+        while tries <= self.manager.config.max_retries:
+            hops = await loop.run_in_executor(
                 None, functools.partial(self.manager.make_forward_chain, adapter=adapter,
                                         needs=needs_for(left_padding=padding is not None)))
             x = hidden
@@ -284,10 +285,12 @@ class DistributedModelForCausalLM(AdapterChoice, SwarmStatusView, nn.Module):
                 for hop in hops:
                     x = await self.manager.forward(hop, x, adapter, padding)
                 return x
-            except Exception as e:  # a failed server: ban it and route again
-                last_error = e
-                self.manager.ban(hop.peer_id)
-        raise SessionError(f"forward pass failed after {self.manager.config.max_retries + 1} tries: {last_error}")
+            except Exception as e:  # a failed server is banned and the pass routed again; one that left is not
+                last_error = e  # banned and costs no try (`SwarmManager.settle_failures`)
+                if hop.peer_id not in await loop.run_in_executor(None, self.manager.settle_failures,
+                                                                 [(hop.peer_id, None)]):
+                    tries += 1
+        raise SessionError(f"forward pass failed after {tries} tries: {last_error}")
 
     # ---- generation ---------------------------------------------------------------------------------------
     def generate(self, input_ids: torch.Tensor, *, session: Optional[ModelSession] = None,

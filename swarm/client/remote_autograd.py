@@ -11,9 +11,11 @@ adapter, only servers that hold it are used, and each call names it (`TrainForwa
 - Routing for throughput: each sub-batch's chain is chosen by `routing.choose_training_chain` with this client's
   requests in flight per server as the load, so concurrent sub-batches spread over every server of a span.
 - Failover: a failed call bans its server (`SwarmManager.ban`, back-off) and the rest of the pass is routed again
-  from that span's first block, at most `max_retries` times per sub-batch and pass. A call that ended without any
-  reply (its stream or connection dropped: no answer, not an error from the server) is first sent once more to the
-  same server: a span's only server is not banned for a transport hiccup. In backward, a span whose
+  from that span's first block, at most `max_retries` times per sub-batch and pass; a server that left the swarm
+  (its record, read again at once, is no longer online) is dropped from the view instead, without a ban or a try
+  (`SwarmManager.settle_failures`, the rule inference sessions and forward passes follow too). A call that ended
+  without any reply (its stream or connection dropped: no answer, not an error from the server) is first sent once
+  more to the same server: a span's only server is not banned for a transport hiccup. In backward, a span whose
   server left is rerouted over whatever chain now covers it; the new chain's inner inputs are recomputed by
   training forwards before the gradients go back through it.
 """
@@ -126,14 +128,21 @@ class RemoteBlocks:
     def _route(self, start: int, end: int, adapter: Optional[str], prompts: bool = False) -> List[RouteHop]:
         return self.manager.make_training_chain(start, end, load=self.load, adapter=adapter, prompts=prompts)
 
-    def _failed(self, hop: RouteHop, error: BaseException, tries: int) -> None:
+    async def _failed(self, hop: RouteHop, error: BaseException, tries: int) -> int:
+        """The tries of a pass after its call to `hop` failed with `error`: a server that left the swarm (its record
+        is no longer online) is dropped without a ban and costs no try; any other is banned and counted
+        (`SwarmManager.settle_failures`). Raises when the request itself is wrong or the tries run out."""
         logger.warning(f"training call to {hop.peer_id} (blocks {hop.start}:{hop.end}) failed: {error}")
         if isinstance(error, P.RemoteError) and error.code == "bad_request" and "not served here" not in error.message:
             raise error  # the request itself is wrong: another server would refuse it too
-        self.manager.ban(hop.peer_id)
+        left = await asyncio.get_running_loop().run_in_executor(None, self.manager.settle_failures,
+                                                                [(hop.peer_id, None)])
+        if hop.peer_id in left:
+            return tries
         self.failed.append(hop.peer_id)
-        if tries > self.manager.config.max_retries:
-            raise TrainingError(f"training pass failed after {tries} tries: {error}") from error
+        if tries + 1 > self.manager.config.max_retries:
+            raise TrainingError(f"training pass failed after {tries + 1} tries: {error}") from error
+        return tries + 1
 
     # ---- a sub-batch's passes -----------------------------------------------------------------------------
     async def _forward_rows(self, x: torch.Tensor, prompts: Optional[torch.Tensor], adapter: Optional[str]
@@ -148,8 +157,7 @@ class RemoteBlocks:
                 try:
                     y = await self._forward_hop(hop, x, prompts, adapter)
                 except Exception as e:
-                    tries += 1
-                    self._failed(hop, e, tries)
+                    tries = await self._failed(hop, e, tries)
                     break  # route the rest again from this hop's first block
                 records.append((hop.start, hop.end, x))
                 x, position = y, hop.end
@@ -176,8 +184,7 @@ class RemoteBlocks:
                 grad_prompts = torch.cat(grads_p[::-1]) if prompts is not None else None
                 return g, grad_prompts
             except Exception as e:
-                tries += 1
-                self._failed(hop, e, tries)
+                tries = await self._failed(hop, e, tries)
 
     async def _backward_rows(self, records: List[Record], grad: torch.Tensor, prompts: Optional[torch.Tensor],
                              adapter: Optional[str]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -119,22 +119,14 @@ class SessionChain:
             await asyncio.gather(*(s.close() for s in streams), return_exceptions=True)
             # servers that left since the view was read (their records say offline now): dropped from the view by
             # that refresh, neither banned nor a failed try (no phantom first try after a graceful stop)
-            try:
-                left = await asyncio.get_running_loop().run_in_executor(
-                    None, self.manager.departed, [stream.hop.peer_id for stream, _ in failed])
-            except Exception as e:  # the records could not be read again: every failure counts, as before
-                logger.info(f"could not read the swarm's records again: {e}")
-                left = set()
+            left = await asyncio.get_running_loop().run_in_executor(
+                None, self.manager.settle_failures, [(stream.hop.peer_id, error) for stream, error in failed])
             for stream, error in failed:
-                if stream.hop.peer_id in left:
-                    logger.info(f"server {stream.hop.peer_id} left the swarm (its record is no longer online); "
-                                f"routing around it")
-                    continue
-                logger.warning(f"cannot open a session on {stream.hop.peer_id}: {error}")
-                self.manager.ban(stream.hop.peer_id, error)
-                server_errors.append(str(error))
-                last_error = error
-            if len(left) < len(failed):
+                if stream.hop.peer_id not in left:
+                    logger.warning(f"cannot open a session on {stream.hop.peer_id}: {error}")
+                    server_errors.append(str(error))
+                    last_error = error
+            if any(stream.hop.peer_id not in left for stream, _ in failed):
                 tries += 1
         reasons = "; ".join(dict.fromkeys(server_errors + ([str(last_error)] if last_error else [])))
         raise SessionError(f"cannot serve blocks {start}:{end} after {tries} tries: {reasons}") from last_error

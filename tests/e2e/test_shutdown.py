@@ -347,7 +347,8 @@ def test_a_group_stop_announces_offline_before_the_dht_child_goes(model_path, bo
     Read from another DHT peer right after the exit (no waiting: the record must already say so). A client that was
     generating on the stopped server, whose swarm view (read before the stop) still lists it and prefers it, then
     generates again: its failed connect refreshes the view, which drops the server without a ban, a failed try or a
-    failover (no phantom first try), and the tokens are transformers'."""
+    failover (no phantom first try), and the tokens are transformers'. A forward pass on that stale view, routed to
+    the stopped server, drops it the same way (`SwarmManager.settle_failures`)."""
     from swarm.wire.records import ServerState, fetch_block_records
     from tests.fixtures.swarm_checks import greedy_reference
 
@@ -371,13 +372,23 @@ def test_a_group_stop_announces_offline_before_the_dht_child_goes(model_path, bo
         records = fetch_block_records(manager.dht, prefix, 30)
         states = {records[i][leaving.peer_id].state for i in range(30) if leaving.peer_id in records[i]}
         assert states == {ServerState.OFFLINE}, states  # every block's record, read at once from another peer
-        assert leaving.peer_id in {span.peer_id for span in manager.spans}  # the client's view is still stale
+        stale = list(manager.spans)
+        assert leaving.peer_id in {span.peer_id for span in stale}  # the client's view is still stale
         with model.inference_session(max_length=16) as session:
             out = model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, session=session)
             assert session.session.failovers == 0
             assert [hop.peer_id for hop in session.session.chain] == [stays.peer_id]
         assert torch.equal(out, expected)
         assert manager.banned() == [], "the server that left was banned: a phantom first try"
+        assert leaving.peer_id not in {span.peer_id for span in manager.spans}
+        # a forward pass follows the same rule: the stale view again, with the server that left as the (all but
+        # certain) pick of the throughput-weighted forward route; it fails there, then goes on with no ban
+        manager.spans = [span if span.peer_id != leaving.peer_id else
+                         type(span)(span.peer_id, span.start, span.end,
+                                    span.info.model_copy(update={"throughput": 1e12})) for span in stale]
+        logits = model(ids).logits  # [1, 3, vocab]
+        assert torch.equal(logits.argmax(-1), reference_model(ids).logits.argmax(-1))
+        assert manager.banned() == [], "the server that left was banned by a forward pass"
         assert leaving.peer_id not in {span.peer_id for span in manager.spans}
     finally:
         manager.config.update_period = period
