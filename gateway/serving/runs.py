@@ -85,7 +85,7 @@ class GenerationRun:
         # matcher's state stay on this request's thread instead of holding up every other session's head.
         self.pick_in_head = grammar is None
         self.texts = [TextStream(tokens.decode, params.stop, tokens.decode_stream()) for _ in range(n)]
-        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokens.eos_token_ids))
+        self.stop_ids = set(params.end_token_ids(tokens.eos_token_ids))
         self.pad = tokens.eos_token_ids[0] if tokens.eos_token_ids else 0
         self.pending: List[List[TokenChoice]] = [[] for _ in range(n)]
         self.finished = [False] * n
