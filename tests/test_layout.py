@@ -7,8 +7,9 @@ model); `server` and `gateway`, which never import each other (and `server` neve
 top: the `swarmgate` command imports each subcommand's entry point (`server.server`, `gateway.app`,
 `swarm.client.status`, ...), and its topology starts processes by module name. Inside `server` and `gateway`, the
 sub-packages have an order too (`SUBLAYERS`): a server's `compute` (running blocks) imports neither its `rpc` nor its
-`placement`, `rpc` not `placement`; the gateway's `serving` and `structured` never import its HTTP side, `api`. Under
-`tests/`, no module imports a test module (a file named test_*.py): shared helpers live in `tests/fixtures/`.
+`placement`, `rpc` not `placement`; the gateway's `serving` and `structured` never import its HTTP side, `api`, and
+`structured` (grammars, the tool format) not `serving` (which renders tools into prompts through it). Under `tests/`,
+no module imports a test module (a file named test_*.py): shared helpers live in `tests/fixtures/`.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ SUBLAYERS = {
     "server.compute": {"server.rpc", "server.placement"},
     "server.rpc": {"server.placement"},
     "gateway.serving": {"gateway.api"},
-    "gateway.structured": {"gateway.api"},
+    "gateway.structured": {"gateway.api", "gateway.serving"},  # serving renders tools (structured.tools) in prompts
     "gateway.store": {"gateway.api", "gateway.serving", "gateway.structured"},  # state below the HTTP side
 }
 

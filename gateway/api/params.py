@@ -125,8 +125,7 @@ def _common(body: _SamplingFields, limits: Limits, max_tokens: int) -> SamplingP
     min_tokens = body.min_tokens or 0
     if min_tokens > max_tokens:
         raise bad_request(f"min_tokens ({min_tokens}) must be at most max_tokens ({max_tokens}).", param="min_tokens")
-    ends = sorted(set(stop_ids) | (set() if body.ignore_eos else set(limits.eos_token_ids)))
-    return SamplingParams(
+    params = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
@@ -140,9 +139,11 @@ def _common(body: _SamplingFields, limits: Limits, max_tokens: int) -> SamplingP
         stop=[s for s in stops if s],
         stop_token_ids=stop_ids,
         ignore_eos=bool(body.ignore_eos),
-        min_new_tokens=min_tokens if ends else 0,
-        eos_token_id=ends if min_tokens and ends else None,
     )
+    ends = params.end_token_ids(limits.eos_token_ids)
+    params.min_new_tokens = min_tokens if ends else 0
+    params.eos_token_id = ends if min_tokens and ends else None
+    return params
 
 
 def chat_params(body: ChatCompletionRequest, prompt_len: int, limits: Limits, grammar: Optional[str] = None

@@ -85,7 +85,7 @@ class GenerationRun:
         # matcher's state stay on this request's thread instead of holding up every other session's head.
         self.pick_in_head = grammar is None
         self.texts = [TextStream(tokens.decode, params.stop, tokens.decode_stream()) for _ in range(n)]
-        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(tokens.eos_token_ids))
+        self.stop_ids = set(params.end_token_ids(tokens.eos_token_ids))
         self.pad = tokens.eos_token_ids[0] if tokens.eos_token_ids else 0
         self.pending: List[List[TokenChoice]] = [[] for _ in range(n)]
         self.finished = [False] * n
@@ -193,6 +193,12 @@ class GenerationRun:
         return self.verification.unsettled  # (one more step checks what was picked)
 
     # ---- helpers ----------------------------------------------------------------------------------------------------
+    def left(self, i: int) -> int:
+        """The tokens choice i may still generate: the run's one `max_tokens` rule (a choice with none left ends with
+        `length`; `RunVerification` checks the step that leaves every choice none). The loop's own bound,
+        `DecodeLoop.max_new`, is the same number: it stops stepping there for every front end."""
+        return self.params.max_tokens - self.generated[i]
+
     def _take(self, i: int, choice: TokenChoice) -> None:
         """Choice i's next token: count it, emit its text, finish the choice where it ends."""
         self.generated[i] += 1
@@ -207,7 +213,7 @@ class GenerationRun:
             self._finish(i, delta, "stop")
         elif constraint is not None and constraint.complete:
             self._finish(i, delta + text.flush(), "stop")  # the structured output is complete
-        elif self.generated[i] >= self.params.max_tokens:
+        elif self.left(i) <= 0:
             self._finish(i, delta + text.flush(), "length")
         elif delta:
             self.emit(ChoiceDelta(i, delta, self.pending[i]))

@@ -102,7 +102,7 @@ class RunVerification:
             self.snapshots[self.picked] = self._snapshot()
         ahead = self.picked - self.released
         run = self.run  # its last step (every choice reaches max_tokens with it) is checked: no step after it
-        last = all(done or count + 1 >= run.params.max_tokens for done, count in zip(run.finished, run.generated))
+        last = all(done or run.left(i) <= 1 for i, done in enumerate(run.finished))
         due = all_finished or last or (self.holdback is not None and ahead >= self.holdback)
         if (ahead > 0 or last) and due and not self.full_check:
             if session.check_next_step():

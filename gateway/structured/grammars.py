@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 from gateway.errors import bad_request
 from gateway.schemas import ResponseFormat
-from gateway.serving.tokens import Tokens
 from gateway.structured.tools import tool_grammar
 from swarm.client.api import (
+    GrammarTokenizer,
     check_grammar,
     choice_grammar,
     closed_schema,
@@ -148,7 +148,15 @@ def request_grammar(body: Any, tool_choice: str = "none") -> Tuple[Optional[str]
     return grammar, param
 
 
-def check(tokens: Tokens, grammar: str, param: str) -> None:
+class GrammarTokens(Protocol):
+    """What `check` needs of the gateway's tokenizer (`gateway.serving.tokens.Tokens`, which sits above this package):
+    llguidance's view of it, built on first use (so on `check`'s worker thread, not the event loop)."""
+
+    @property
+    def grammar_tokenizer(self) -> GrammarTokenizer: ...
+
+
+def check(tokens: GrammarTokens, grammar: str, param: str) -> None:
     """A 400 naming `param` when llguidance cannot use `grammar` with this tokenizer."""
     why = check_grammar(tokens.grammar_tokenizer, grammar)
     if why:

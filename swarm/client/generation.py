@@ -114,6 +114,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def end_token_ids(self, eos_token_ids: Sequence[int]) -> List[int]:
+        """The ids that end a choice (sorted): `stop_token_ids`, and the model's end-of-sequence ids unless
+        `ignore_eos`. The gateway's one rule for them: what `min_tokens` masks and what finishes a choice."""
+        return sorted(set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids)))
+
     @classmethod
     def from_generation_config(cls, config, max_new_tokens: int) -> "SamplingParams":
         """The sampling of a Hugging Face `GenerationConfig` (what `transformers`' generate would apply). A setting

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from swarm.modeling.layers import DenseProjectionLayer, alibi_slopes, cache_attention
+from swarm.modeling.layers import DenseProjectionLayer, alibi_slopes, step_forward
 
 
 class BloomGelu(nn.Module):
@@ -88,12 +88,7 @@ class BloomDecoderLayer(DenseProjectionLayer):
         residual = normed if self.residual_post_norm else x
         return residual + self.project("down", mlp.gelu_impl(self.project("up", normed)))
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,
-                position_embeddings=None, **kwargs) -> torch.Tensor:
-        """hidden_states: [batch, seq, hidden]; attention_mask: the additive causal mask or None; a cache with
-        transformers' `update` (`server.compute.cache.SessionKV`) or None. Returns [batch, seq, hidden]."""
-        return self.step(hidden_states, None, None, cache_attention(past_key_values, attention_mask))
+    forward = step_forward  # transformers' layer call, through `step` (`layers.step_forward`)
 
 
 def fuse_layer(layer: BloomDecoderLayer) -> BloomDecoderLayer:

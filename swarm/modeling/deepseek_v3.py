@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm.modeling.layers import AttentionIndexedLayer, RMSNorm, cache_attention
+from swarm.modeling.layers import AttentionIndexedLayer, RMSNorm, step_forward
 from swarm.modeling.llama import MLP, Attend
 from swarm.modeling.qwen3_moe import from_fused_layout
 from swarm.modeling.shape import ModelShape
@@ -224,12 +224,7 @@ class DeepseekV3DecoderLayer(AttentionIndexedLayer):
         self.input_layernorm = RMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,
-                position_embeddings=None, **kwargs) -> torch.Tensor:
-        """hidden_states: [batch, seq, hidden]; position_embeddings: (cos, sin) [batch, seq, rope]."""
-        cos, sin = position_embeddings
-        return deepseek_block_step(self, hidden_states, cos, sin, cache_attention(past_key_values, attention_mask))
+    forward = step_forward  # transformers' layer call, through `step` (`layers.step_forward`)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Either layout of the experts' tensors (`qwen3_moe.from_fused_layout`)."""

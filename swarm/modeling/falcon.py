@@ -32,7 +32,7 @@ from swarm.modeling.layers import (
     activation,
     alibi_slopes,
     apply_rotary,
-    cache_attention,
+    step_forward,
 )
 
 
@@ -142,14 +142,7 @@ class FalconDecoderLayer(DenseProjectionLayer):
             out = out + attention
         return residual + out
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,
-                position_embeddings=None, **kwargs) -> torch.Tensor:
-        """hidden_states: [batch, seq, hidden]; position_embeddings: (cos, sin) [batch, seq, head_dim] (or None with
-        ALiBi); a cache with transformers' `update` (`server.compute.cache.SessionKV`) or None. Returns [batch, seq,
-        hidden]."""
-        cos, sin = position_embeddings if position_embeddings is not None else (None, None)
-        return self.step(hidden_states, cos, sin, cache_attention(past_key_values, attention_mask))
+    forward = step_forward  # transformers' layer call, through `step` (`layers.step_forward`)
 
 
 def fuse_layer(layer: FalconDecoderLayer) -> FalconDecoderLayer:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm.modeling.layers import AttentionIndexedLayer, RotaryEmbedding, activation, apply_rotary, cache_attention
+from swarm.modeling.layers import AttentionIndexedLayer, RotaryEmbedding, activation, apply_rotary, step_forward
 from swarm.modeling.shape import ModelShape
 
 
@@ -148,12 +148,7 @@ class GemmaDecoderLayer(AttentionIndexedLayer):
             return torch.cat([mlp.gate_proj(h), mlp.up_proj(h)], dim=-1).to(h.dtype)
         return (attn.o_proj if group == "o" else mlp.down_proj)(h).to(h.dtype)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,
-                position_embeddings=None, **kwargs) -> torch.Tensor:
-        """hidden_states: [batch, seq, hidden]; position_embeddings: (cos, sin) [batch, seq, head_dim (x2)]."""
-        cos, sin = position_embeddings
-        return gemma_block_step(self, hidden_states, cos, sin, cache_attention(past_key_values, attention_mask))
+    forward = step_forward  # transformers' layer call, through `step` (`layers.step_forward`)
 
 
 class Gemma2DecoderLayer(GemmaDecoderLayer):

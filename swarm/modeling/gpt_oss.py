@@ -25,13 +25,12 @@ process, `swarm.modeling.layers`).
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, cast
+from typing import Tuple, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm.modeling.layers import cache_attention
 from swarm.modeling.llama import DecoderLayer
 from swarm.modeling.mixtral import moe_block_step
 
@@ -87,13 +86,6 @@ class GptOssDecoderLayer(DecoderLayer):
             raise ValueError(f"GPT-OSS experts in MXFP4 ({', '.join(mxfp4[:2])}, ...) but config.json has no "
                              f"quantization_config with quant_method mxfp4")
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
-
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,
-                position_embeddings=None, **kwargs) -> torch.Tensor:
-        """hidden_states: [batch, seq, hidden]; position_embeddings: (cos, sin) [batch, seq, head_dim]."""
-        cos, sin = position_embeddings
-        return moe_block_step(self, hidden_states, cos, sin, cache_attention(past_key_values, attention_mask))
 
     # what `mixtral.sparse_moe` reads
 

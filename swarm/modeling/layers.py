@@ -1,6 +1,7 @@
 """Pieces that model families share, in plain torch: RMSNorm, rotary embeddings, ALiBi, SDPA attention with
-causal and sliding-window masks, activations, a layer's cache index (`AttentionIndexedLayer`), and the
-projections of BLOOM's and Falcon's layers (`DenseProjectionLayer`).
+causal and sliding-window masks, activations, a layer's cache index (`AttentionIndexedLayer`), the
+projections of BLOOM's and Falcon's layers (`DenseProjectionLayer`), and every family's layer `forward`
+(`step_forward`: transformers' layer call run as the layer's own `step`).
 
 They compute what transformers' modeling code computes with SDPA attention, op for op, so a family module built
 from them (`swarm.modeling.llama`) gives equal outputs. Why not transformers' classes: in transformers 5
@@ -353,6 +354,18 @@ def cache_attention(cache, mask: Optional[torch.Tensor], window_mask: Optional[t
         return out.flatten(-2)
 
     return attend
+
+
+def step_forward(layer, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                 position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,
+                 position_embeddings=None, **kwargs) -> torch.Tensor:
+    """Every family's layer module's `forward` (`forward = step_forward`): transformers' decoder-layer call run as the
+    layer's own `step(x, cos, sin, attend)` through `cache_attention`. hidden_states: [batch, seq, hidden];
+    attention_mask: the additive causal mask or None; position_embeddings: (cos, sin) [batch, seq, head_dim] (None
+    without rotary embeddings: ALiBi); a cache with transformers' `update` (`server.compute.cache.SessionKV`) or
+    None. Returns [batch, seq, hidden]."""
+    cos, sin = position_embeddings if position_embeddings is not None else (None, None)
+    return layer.step(hidden_states, cos, sin, cache_attention(past_key_values, attention_mask))
 
 
 def activation(name: str) -> nn.Module:

@@ -33,8 +33,8 @@ from swarm.modeling.layers import (
     RMSNorm,
     activation,
     apply_rotary,
-    cache_attention,
     sliding_window_of,
+    step_forward,
 )
 from swarm.modeling.shape import ModelShape
 from swarm.modeling.smallgemm import GemmGroup, SmallGemm
@@ -114,13 +114,7 @@ class DecoderLayer(AttentionIndexedLayer):
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
         self.sliding_window = sliding_window_of(config, layer_idx)  # None: full causal attention
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,
-                position_embeddings=None, **kwargs) -> torch.Tensor:
-        """hidden_states: [batch, seq, hidden]; position_embeddings: (cos, sin) [batch, seq, head_dim]; a cache
-        with transformers' `update` (`server.compute.cache.SessionKV`) or None. Returns [batch, seq, hidden]."""
-        cos, sin = position_embeddings
-        return block_step(self, hidden_states, cos, sin, cache_attention(past_key_values, attention_mask))
+    forward = step_forward  # transformers' layer call, through `step` (`layers.step_forward`)
 
     # what block_step reads: the unfused projections, in transformers' order of operations
 

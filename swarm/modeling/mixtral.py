@@ -40,8 +40,8 @@ from swarm.modeling.layers import (
     AttentionIndexedLayer,
     RMSNorm,
     activation,
-    cache_attention,
     sliding_window_of,
+    step_forward,
 )
 from swarm.modeling.llama import Attend, Attention, DecoderLayer, FusedLayer, _share, attention_residual
 from swarm.modeling.shape import ModelShape
@@ -158,12 +158,7 @@ class MixtralDecoderLayer(AttentionIndexedLayer):
         return super().load_state_dict(from_fused_layout(dict(state_dict), self.num_experts), strict=strict,
                                        assign=assign)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,
-                position_embeddings=None, **kwargs) -> torch.Tensor:
-        """hidden_states: [batch, seq, hidden]; position_embeddings: (cos, sin) [batch, seq, head_dim]."""
-        cos, sin = position_embeddings
-        return moe_block_step(self, hidden_states, cos, sin, cache_attention(past_key_values, attention_mask))
+    forward = step_forward  # transformers' layer call, through `step` (`layers.step_forward`)
 
     # what the block step reads: the attention as Llama's layer module, the experts one by one
     input_norm = DecoderLayer.input_norm

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarm.modeling import int8_rows
-from swarm.modeling.layers import cache_attention
+from swarm.modeling.layers import step_forward
 from swarm.modeling.llama import FusedLayer, block_step
 from swarm.modeling.mixtral import FusedMoeLayer, moe_block_step
 from swarm.modeling.qwen3 import FusedQkNormLayer, normed_qk
@@ -172,12 +172,7 @@ class QuantizedLayer(nn.Module):
         self.act = fused.act
         self.eval()
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,
-                position_embeddings=None, **kwargs) -> torch.Tensor:
-        """`DecoderLayer.forward`'s call: [batch, seq, hidden] -> [batch, seq, hidden]."""
-        cos, sin = position_embeddings
-        return block_step(self, hidden_states, cos, sin, cache_attention(past_key_values, attention_mask))
+    forward = step_forward  # transformers' layer call, through `step` (`layers.step_forward`)
 
     # what block_step reads
 
@@ -321,12 +316,7 @@ class QuantizedMoeLayer(nn.Module):
         self.act = fused.act
         self.eval()
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,
-                position_embeddings=None, **kwargs) -> torch.Tensor:
-        """`MixtralDecoderLayer.forward`'s call: [batch, seq, hidden] -> [batch, seq, hidden]."""
-        cos, sin = position_embeddings
-        return moe_block_step(self, hidden_states, cos, sin, cache_attention(past_key_values, attention_mask))
+    forward = step_forward  # transformers' layer call, through `step` (`layers.step_forward`)
 
     input_norm = QuantizedLayer.input_norm
     post_norm = QuantizedLayer.post_norm

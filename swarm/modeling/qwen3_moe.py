@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm.modeling.layers import cache_attention
 from swarm.modeling.llama import MLP, Attend, _share, block_step
 from swarm.modeling.mixtral import FusedMoeLayer, _stack_experts, moe_block_step
 from swarm.modeling.qwen3 import Qwen3DecoderLayer, fused_qk_norm
@@ -94,13 +93,6 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
 
     def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
         return (moe_block_step if self.sparse else block_step)(self, x, cos, sin, attend)
-
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,
-                position_embeddings=None, **kwargs) -> torch.Tensor:
-        """hidden_states: [batch, seq, hidden]; position_embeddings: (cos, sin) [batch, seq, head_dim]."""
-        cos, sin = position_embeddings
-        return self.step(hidden_states, cos, sin, cache_attention(past_key_values, attention_mask))
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Either layout of the experts' tensors (`from_fused_layout`)."""

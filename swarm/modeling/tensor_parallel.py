@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from swarm.modeling.families import FAMILIES, FamilySpec
-from swarm.modeling.layers import cache_attention
+from swarm.modeling.layers import step_forward
 from swarm.modeling.llama import attention_output
 from swarm.modeling.lora import AdaptedLayer, LayerLora, ProjectionLora
 from swarm.modeling.lora_experts import ExpertLora
@@ -222,12 +222,7 @@ class SplitLayer(nn.Module):
         self.scaling, self.layer_idx, self.sliding_window = shape.scaling, layer_idx, sliding_window
         self._loras: Dict[int, Tuple[LayerLora, List[LayerLora]]] = {}  # id(block's lora) -> it and its shards
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None, past_key_values=None, use_cache: bool = False,
-                position_embeddings=None, **kwargs) -> torch.Tensor:
-        """`DecoderLayer.forward`'s call: [batch, seq, hidden] -> [batch, seq, hidden]."""
-        cos, sin = position_embeddings
-        return self.step(hidden_states, cos, sin, cache_attention(past_key_values, attention_mask))
+    forward = step_forward  # transformers' layer call, through `step` (`layers.step_forward`)
 
     def step(self, x: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
              attend: Callable) -> torch.Tensor:

@@ -74,6 +74,14 @@ def test_defaults_change_nothing_for_the_gateway():
     assert len(build_processors(SamplingParams(max_tokens=4))) == 0  # no field added since applies by default
 
 
+def test_end_token_ids_are_the_stop_ids_and_the_eos_ids_unless_ignored():
+    params = SamplingParams(max_tokens=4, stop_token_ids=[7, 2])
+    assert params.end_token_ids([2, 0]) == [0, 2, 7]
+    params.ignore_eos = True
+    assert params.end_token_ids([2, 0]) == [2, 7]
+    assert SamplingParams(max_tokens=4, ignore_eos=True).end_token_ids([0]) == []
+
+
 def test_custom_processors_merge_as_in_transformers():
     custom = lp.NoRepeatNGramLogitsProcessor(3)
     extra = lp.SuppressTokensLogitsProcessor([1])
