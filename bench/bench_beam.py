@@ -23,7 +23,7 @@ BEAMS, NEW = 4, 24
 
 def timed_feeds(model, run) -> list:
     """Seconds of each `ModelSession.feed` / `feed_and_pick` made while `run()` goes (the first is the prefill)."""
-    from swarm.client.model import ModelSession
+    from swarm.client.model.causal_lm import ModelSession
 
     times: list = []
     original = ModelSession._feed

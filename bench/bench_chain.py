@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.harness import Clock  # noqa: E402
-from swarm.launch.topology import Topology  # noqa: E402
+from launch.topology import Topology  # noqa: E402
 from swarm.modeling.prepare import prepare_model  # noqa: E402
 
 TOPOLOGIES = {"2_servers": ["0:15", "15:30"], "3_servers": ["0:10", "10:20", "20:30"]}

@@ -23,7 +23,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from swarm.client.model import DistributedModelForCausalLM  # noqa: E402
+from swarm.client.model.causal_lm import DistributedModelForCausalLM  # noqa: E402
 
 try:  # the layout of issue 32
     from gateway.metrics import Metrics
@@ -35,7 +35,7 @@ except ImportError:  # before it
     from gateway.runs import GenerationJob, GenerationRun  # type: ignore[no-redef]
     from gateway.sessions import SessionProvider  # type: ignore[no-redef]
     from gateway.tokens import Tokens  # type: ignore[no-redef]
-from swarm.client.generation import SamplingParams  # noqa: E402
+from swarm.client.decoding.sampling import SamplingParams  # noqa: E402
 
 VOCAB = 49152
 

@@ -27,9 +27,9 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.bench_swarm_scale import BLOCKS, SIZES, read_traffic, traffic_rates  # noqa: E402
-from swarm.client.manager import ClientConfig, SwarmManager  # noqa: E402
-from swarm.launch import topology  # noqa: E402
-from swarm.launch.topology import start_server, terminate_all, wait_all  # noqa: E402
+from launch import topology  # noqa: E402
+from launch.topology import start_server, terminate_all, wait_all  # noqa: E402
+from swarm.client.transport.manager import ClientConfig, SwarmManager  # noqa: E402
 from swarm.modeling.prepare import prepare_model  # noqa: E402
 from swarm.runtime.dht_traffic import read_dht_traffic  # noqa: E402
 from swarm.runtime.swarm_key import join_dht  # noqa: E402

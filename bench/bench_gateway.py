@@ -1,6 +1,6 @@
 """Gateway benchmark: streamed tokens/s and time to first token through the gateway vs the direct client.
 
-Starts its own bootstrap peer, two block servers (0:15, 15:30) and a gateway as processes (`swarm.launch.topology`
+Starts its own bootstrap peer, two block servers (0:15, 15:30) and a gateway as processes (`launch.topology`
 via `bench/harness.py`), then, alternating between the two paths so that background load hits both alike:
 - gateway: the official `openai` SDK streams a chat completion (temperature 0, `max_tokens` new tokens, EOS
   ignored so that every run has the same length) of a ~100-token chat-templated prompt;

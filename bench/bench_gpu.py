@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from bench_swarm import measure  # noqa: E402  (bench/ is on the path when run as a script)
 from bench_throughput import concurrent_rate  # noqa: E402
 
-from swarm.launch.topology import Topology  # noqa: E402
+from launch.topology import Topology  # noqa: E402
 
 SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
              vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-5,

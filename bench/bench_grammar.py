@@ -24,8 +24,8 @@ import torch  # noqa: E402
 
 from gateway.schemas import ToolDefinition  # noqa: E402
 from gateway.structured.tools import tool_grammar  # noqa: E402
-from swarm.client.generation import Sampler, SamplingParams  # noqa: E402
-from swarm.client.grammar import GrammarConstraint, GrammarTokenizer, json_schema_grammar  # noqa: E402
+from swarm.client.decoding.grammar import GrammarConstraint, GrammarTokenizer, json_schema_grammar  # noqa: E402
+from swarm.client.decoding.sampling import Sampler, SamplingParams  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0, "maximum": 99},

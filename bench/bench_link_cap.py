@@ -1,8 +1,8 @@
 """Prefill over a capped link: the time of a 1,000-token prompt through a two-server swarm whose every link is
 capped at 50 Mbit/s per direction, with activation compression none / float16 / blockwise8 (`swarm.wire.compression`).
 
-The cap is the latency lab's (`swarm.launch.latency_lab`, needs root): each peer sits in its own network namespace
-behind a TCP relay (`swarm.launch.relay`) that releases each chunk after the bytes before it have left at the link's
+The cap is the latency lab's (`launch.latency_lab`, needs root): each peer sits in its own network namespace
+behind a TCP relay (`launch.relay`) that releases each chunk after the bytes before it have left at the link's
 rate (`LinkTable.bandwidth`, bytes/s, each direction of each connection), so client -> s0, s0 -> client,
 client -> s1, s1 -> client (a prefill is not pushed between servers) all run at the cap. Only the relays shape the
 traffic: the p2p daemons' own framing and the processes' CPU are real. Each compression is measured in turn with
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from swarm.launch.latency_lab import LatencyLab  # noqa: E402
+from launch.latency_lab import LatencyLab  # noqa: E402
 from swarm.wire.compression import COMPRESSIONS  # noqa: E402
 
 PROMPT_TOKENS = 1000

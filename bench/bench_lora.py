@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from swarm.launch.topology import Topology  # noqa: E402
+from launch.topology import Topology  # noqa: E402
 from swarm.modeling.prepare import prepare_model  # noqa: E402
 
 DECODE_STEPS = 32

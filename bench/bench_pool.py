@@ -1,7 +1,7 @@
 """Session pool benchmark: time to first token of a chat turn with ~1000 tokens of history, pooled vs cold.
 
 Starts its own bootstrap peer, two block servers (0:15, 15:30) and a gateway (session pool on, default
-settings) as processes (`swarm.launch.topology` via `bench/harness.py`). Each run:
+settings) as processes (`launch.topology` via `bench/harness.py`). Each run:
 1. builds a conversation of about `--history_tokens` tokens (a system prompt and canned exchanges, different
    in every run so that nothing is shared between runs) and sends it once under a fresh API key, so that the
    gateway pools its session (not measured);

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_throughput, al
 import torch  # noqa: E402
 from bench_throughput import concurrent_rate, peak_rss_mb, ttft  # noqa: E402
 
-from swarm.launch.topology import Topology  # noqa: E402
+from launch.topology import Topology  # noqa: E402
 from swarm.modeling.prepare import prepare_model  # noqa: E402
 
 QUALITY_PROMPTS = [

@@ -7,7 +7,7 @@ nobody can connect to (`NetLab.refuse_inbound`), which serves through the relay.
 namespace (it reaches every host over the bridge; no added latency). Prints one JSON object: decode tokens/s of
 each chain (after a warm-up run), the reachability each 15:30 server announced, and whether the texts agreed.
 
-With `--lab`, the same two chains run in the latency lab (`swarm.launch.latency_lab`, public-looking addresses)
+With `--lab`, the same two chains run in the latency lab (`launch.latency_lab`, public-looking addresses)
 at each of `--latencies` (one-way ms on every link, default 5 and 25): the 15:30 server is first a lab server behind
 its own delaying relay (direct), then a `home` server (`LatencyLab.add_server(home=True)`) that announces no
 address and serves through the bootstrap peer's libp2p relay, so each of its messages crosses two delayed links
@@ -26,8 +26,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from swarm.launch.netns import NetLab  # noqa: E402
-from swarm.launch.topology import start_bootstrap, start_server, wait_all  # noqa: E402
+from launch.netns import NetLab  # noqa: E402
+from launch.topology import start_bootstrap, start_server, wait_all  # noqa: E402
 
 PREFIX = "bench-relay"
 
@@ -41,8 +41,8 @@ def tokens_per_second(model, ids, tokens: int):
 
 def lab_rates(model_path: str, ids, tokens: int, latencies) -> dict:
     """tok/s of the direct and the relayed chain in the latency lab, at 0 ms and at each latency."""
+    from launch.latency_lab import LatencyLab
     from swarm import AutoDistributedModelForCausalLM
-    from swarm.launch.latency_lab import LatencyLab
 
     result: dict = {"tokens": tokens, "latencies_ms": list(latencies)}
     texts = {}

@@ -19,7 +19,7 @@ from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from swarm.client.routing import choose_forward_chain, find_inference_chain  # noqa: E402
+from swarm.client.transport.routing import choose_forward_chain, find_inference_chain  # noqa: E402
 from swarm.wire.records import ServerInfo, ServerSpan, ServerState  # noqa: E402
 
 

@@ -2,7 +2,7 @@
 whole process group, idle and (server, gateway) with a streamed generation running.
 
 Starts its own bootstrap peer and a block server (0:30) that the gateways use, then for each case a fresh process
-(`swarm.launch.topology`, one intra-op thread each): a bootstrap peer, a server under its own DHT prefix (with a
+(`launch.topology`, one intra-op thread each): a bootstrap peer, a server under its own DHT prefix (with a
 gateway streaming from it for the loaded case), a gateway. The time is measured from the signal to the process's
 exit (its DHT process and p2pd stopped, descendants reaped). Prints one JSON object: the median per case and
 the slowest exit seen.
@@ -22,8 +22,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from swarm.launch import topology  # noqa: E402
-from swarm.launch.topology import ManagedProcess  # noqa: E402
+from launch import topology  # noqa: E402
+from launch.topology import ManagedProcess  # noqa: E402
 
 
 def _stream(url: str, started: threading.Event) -> None:

@@ -162,7 +162,7 @@ def main() -> int:
 
     from harness import BenchSwarm
 
-    from swarm.client.manager import ClientConfig, SwarmManager
+    from swarm.client.transport.manager import ClientConfig, SwarmManager
 
     began = time.monotonic()
     with BenchSwarm("bench-soak", SPANS) as swarm:
@@ -227,7 +227,7 @@ def main() -> int:
             "tokens_streamed": chats.tokens,
             "tokens_per_s": round(chats.tokens / load_s, 2),
             "kills": kills,
-            # sessions the gateway moved to another server mid-request (its log: swarm.client.session)
+            # sessions the gateway moved to another server mid-request (its log: swarm.client.transport.session)
             "gateway_failovers": gateway.log_path.read_text(errors="replace").count(" re-routed to "),
             "rss_mb_start": rss_start,
             "rss_mb_end": rss_end,

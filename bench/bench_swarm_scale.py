@@ -45,9 +45,9 @@ import psutil  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from bench.load_client import Stream, stream_chat, wave_stats  # noqa: E402
-from swarm.client.manager import ClientConfig, SwarmManager  # noqa: E402
-from swarm.launch import topology  # noqa: E402
-from swarm.launch.topology import ManagedProcess, start_gateway, start_server, terminate_all, wait_all  # noqa: E402
+from launch import topology  # noqa: E402
+from launch.topology import ManagedProcess, start_gateway, start_server, terminate_all, wait_all  # noqa: E402
+from swarm.client.transport.manager import ClientConfig, SwarmManager  # noqa: E402
 from swarm.modeling.prepare import prepare_model  # noqa: E402
 from swarm.runtime import aio  # noqa: E402
 from swarm.runtime.dht_traffic import DHTTraffic  # noqa: E402

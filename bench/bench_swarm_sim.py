@@ -1,5 +1,5 @@
 """A discrete-event simulation of a volunteer swarm of 100 to 10,000 servers, driving the project's own placement,
-rebalancing, hole-filling and routing code (`server.placement.policy`, `swarm.client.routing`; no copies).
+rebalancing, hole-filling and routing code (`server.placement.policy`, `swarm.client.transport.routing`; no copies).
 
 The model (one run, `simulate`):
 - Servers join as a Poisson process and stay for a heavy-tailed time (Pareto, shape `--uptime_shape`, mean
@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from server.placement.policy import choose_best_span, hole_fill_turn, move_target, uncovered_blocks  # noqa: E402
 from server.placement.spans import HOLE_FULL_READ_SWARM, hole_check_interval, hole_fill_delay  # noqa: E402
-from swarm.client.routing import RoutingError, find_inference_chain  # noqa: E402
+from swarm.client.transport.routing import RoutingError, find_inference_chain  # noqa: E402
 from swarm.wire.records import ServerInfo, ServerSpan, ServerState  # noqa: E402
 
 LOAD_BASE_S, LOAD_PER_BLOCK_S = 10.0, 2.0  # a volunteer's load time: start-up plus reading each block's weights

@@ -32,7 +32,7 @@ from torch import nn  # noqa: E402
 
 from server.compute.cache import SessionKV  # noqa: E402
 from server.compute.decode import decode_step, prefill_step  # noqa: E402
-from swarm.modeling.llama import FusedLayer  # noqa: E402
+from swarm.modeling.families.llama import FusedLayer  # noqa: E402
 from swarm.modeling.shape import ModelShape  # noqa: E402
 from swarm.modeling.tensor_parallel import cache_layout, parse_devices, split_layer  # noqa: E402
 

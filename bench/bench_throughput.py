@@ -23,7 +23,7 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from bench.harness import Clock  # noqa: E402
-from swarm.launch.topology import Topology  # noqa: E402
+from launch.topology import Topology  # noqa: E402
 from swarm.modeling.prepare import prepare_model  # noqa: E402
 
 DECODE_STEPS = 32

@@ -1,5 +1,5 @@
-"""The cost of spot-checking servers' outputs (`swarm.client.verify`): decode tokens/s with checks at 0%, 5% and
-100% of steps, and how many steps a corrupting server survives.
+"""The cost of spot-checking servers' outputs (`swarm.client.transport.verify`): decode tokens/s with checks at 0%, 5%
+and 100% of steps, and how many steps a corrupting server survives.
 
 Starts its own bootstrap peer and two honest servers over all blocks (each can referee the other), generates
 `--new` greedy tokens after a short prompt with `verify=False` and with `verify=True` at each check probability
@@ -35,7 +35,7 @@ def run(swarm: BenchSwarm, probability, new: int, runs: int) -> dict:
     from transformers import AutoTokenizer
 
     from swarm import AutoDistributedModelForCausalLM
-    from swarm.client.verify import verifier_for
+    from swarm.client.transport.verify import verifier_for
 
     kwargs = {} if probability is None else dict(verify=True, verify_probability=probability)
     model = AutoDistributedModelForCausalLM.from_pretrained(swarm.path, initial_peers=swarm.initial_peers,
@@ -92,9 +92,9 @@ def detection(swarm: BenchSwarm, probability: float, trials: int, max_steps: int
     """Steps from the liar's first wrong output to its detection, over `trials` fresh clients."""
     from transformers import AutoTokenizer
 
+    from launch.topology import start_server
     from swarm import AutoDistributedModelForCausalLM
-    from swarm.client.verify import OutputsRetracted, verifier_for
-    from swarm.launch.topology import start_server
+    from swarm.client.transport.verify import OutputsRetracted, verifier_for
 
     liar = start_server(swarm.path, swarm.initial_peers, "0:30", swarm.prefix,
                         ["--throughput", "1000", "--perturb_after_steps", str(LIE_AFTER)], name="bench-liar",

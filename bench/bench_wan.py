@@ -1,4 +1,4 @@
-"""Decode speed over wide-area links (the latency lab, `swarm.launch.latency_lab`): tokens/s and time to first
+"""Decode speed over wide-area links (the latency lab, `launch.latency_lab`): tokens/s and time to first
 token for 1 and 8 concurrent sessions, 2 and 3 servers, one-way latencies of 5, 25 and 50 ms (every link), with
 and without server-to-server push; and the routing choice when two chains of different latency serve the same
 blocks. Needs root (network namespaces). Prints one JSON object.
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.harness import Clock  # noqa: E402
-from swarm.launch.latency_lab import CLIENT, LatencyLab  # noqa: E402
+from launch.latency_lab import CLIENT, LatencyLab  # noqa: E402
 from swarm.modeling.prepare import prepare_model  # noqa: E402
 
 TOPOLOGIES = {2: ["0:15", "15:30"], 3: ["0:10", "10:20", "20:30"]}
@@ -228,7 +228,7 @@ def main(argv=None) -> int:
 
 def markdown(result: dict) -> List[str]:
     """docs/benchmarks.md's section: every row next to its estimate, and the routing case."""
-    lines = ["", f"The latency lab (`swarm/launch/latency_lab.py`): every link the same one-way latency, "
+    lines = ["", f"The latency lab (`launch/latency_lab.py`): every link the same one-way latency, "
                  f"{result['tokens_per_generation']} new tokens per generation, greedy. Estimate: one-way trips per "
                  "token x latency + the same chain's compute at 0 ms (measured just before); with push a token "
                  "makes k + 1 one-way trips over k servers, without push 2k.", "",

@@ -1,4 +1,4 @@
-"""The private swarm a benchmark runs on: a `swarm.launch.topology.Topology` (bootstrap peer, block servers,
+"""The private swarm a benchmark runs on: a `launch.topology.Topology` (bootstrap peer, block servers,
 optionally a gateway, one intra-op thread each) and a direct client model, stopped (client first, then the
 processes, last started first) on exit.
 
@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from swarm.launch.topology import ManagedProcess, Topology  # noqa: E402
+from launch.topology import ManagedProcess, Topology  # noqa: E402
 
 
 class Clock:

@@ -101,7 +101,8 @@ class GatewayConfig(SwarmKeySettings):
                     "that was timed faster")
     verify_rate: float = Field(
         default=0.0, ge=0, le=1,
-        description="spot-check servers' outputs (swarm.client.verify): the chance, per decode step and per span, that "
+        description="spot-check servers' outputs (swarm.client.transport.verify): the chance, per decode step and "
+                    "per span, that "
                     "a span's outputs are re-run on an independent server and compared; every server is also checked "
                     "the first time it is used, and a server outvoted by two others is distrusted for the gateway's "
                     "life (0: off, no checks at all)")

@@ -9,8 +9,8 @@ records and pinging servers when the client's view was due for a refresh, `searc
 `find_inference_chain`, `total` both; a request builds one at admission and one per session it opens or fails
 over), and the swarm's coverage
 (blocks served by at least one online server, out of the model's blocks), refreshed from the client's cached
-view at each scrape, and with `--verify_rate` the spot-checks of servers' outputs (`swarm.client.verify`, read at
-each scrape): checks done and passed, servers outvoted (`mismatches`, each then distrusted), checks impossible
+view at each scrape, and with `--verify_rate` the spot-checks of servers' outputs (`swarm.client.transport.verify`, read
+at each scrape): checks done and passed, servers outvoted (`mismatches`, each then distrusted), checks impossible
 because one server alone covers a span (`unverifiable`), disagreements without a majority, the distrusted servers
 by peer id, and the tokens the gateway picked again after a retraction.
 
@@ -101,7 +101,8 @@ class Metrics:
         self.store_errors = Counter("swarmgate_store_errors", "usage writes the state store failed (logged)",
                                     registry=r)
         self.coverage_source = coverage  # () -> (blocks covered, blocks total, servers online)
-        self.verify_source: Optional[Callable[[], Any]] = None  # () -> swarm.client.verify.VerifyStats or None (off)
+        # () -> swarm.client.transport.verify.VerifyStats or None (off)
+        self.verify_source: Optional[Callable[[], Any]] = None
         r.register(_VerifyCollector(self))
         self.pool: Optional[Any] = None  # the SessionPool, read at each scrape
 
@@ -113,7 +114,7 @@ class Metrics:
         self.accepted_draft_tokens.inc(accepted)
 
     def observe_route(self, timing) -> None:
-        """One inference chain built (`swarm.client.manager.RouteTiming`; the manager's `on_route`)."""
+        """One inference chain built (`swarm.client.transport.manager.RouteTiming`; the manager's `on_route`)."""
         self.route_seconds.labels(part="view").observe(timing.view_s)
         self.route_seconds.labels(part="search").observe(timing.search_s)
         self.route_seconds.labels(part="total").observe(timing.total_s)

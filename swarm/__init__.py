@@ -21,11 +21,11 @@ __all__ = ["AutoDistributedModelForCausalLM", "DistributedModelForCausalLM",
 
 def __getattr__(name):
     if name in ("AutoDistributedModelForCausalLM", "DistributedModelForCausalLM"):
-        from swarm.client import model
+        from swarm.client.model import causal_lm as model
 
         return getattr(model, name)
     if name == "AutoDistributedModelForSequenceClassification":
-        from swarm.client import classification
+        from swarm.client.model import classification
 
         return classification.AutoDistributedModelForSequenceClassification
     raise AttributeError(name)

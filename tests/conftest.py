@@ -1,6 +1,6 @@
 """Shared fixtures: the bundled model checkpoint, a bootstrap peer, swarms of real server processes.
 
-Processes are started by `swarm.launch.topology` with one intra-op thread each (`threads=1`): the tests share two
+Processes are started by `launch.topology` with one intra-op thread each (`threads=1`): the tests share two
 cores with them."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import tempfile
 import pytest
 import torch
 
-from swarm.launch.topology import start_bootstrap, start_servers, terminate_all
+from launch.topology import start_bootstrap, start_servers, terminate_all
 
 MODEL = "smollm2-135m-instruct"
 
@@ -107,7 +107,7 @@ EXTENDED = (
         "test_gateway_completions_and_chat", "test_failover_replays_the_session")),
     # generation through the latency lab's delayed links (make test: the lab's links measure their latency, a
     # hivemind ping through it; greedy equality on loopback swarms)
-    "tests/swarm/launch/test_latency_lab.py::test_greedy_generation_through_delayed_links_matches_transformers",
+    "tests/launch/test_latency_lab.py::test_greedy_generation_through_delayed_links_matches_transformers",
     # one server per span through a gateway with spot-checks (make test: tests/e2e/test_verify.py counts unverifiable
     # spans through the client; the gateway's counters in test_a_lying_server_is_caught_through_the_gateway)
     "tests/gateway/test_gateway_verify.py::test_one_server_per_span_is_counted_unverifiable",

@@ -34,7 +34,7 @@ def _config_class(subcommand: str):
 
         return GatewayConfig, "model"
     if subcommand == "dht":
-        from swarm.launch.bootstrap import BootstrapConfig
+        from launch.bootstrap import BootstrapConfig
 
         return BootstrapConfig, None
     raise AssertionError(f"unexpected subcommand {subcommand}")
@@ -152,7 +152,7 @@ def test_dockerfile_pins_torch_before_the_project():
 
 
 def test_local_yaml_matches_compose_topology():
-    from swarm.launch.local_swarm import UpConfig
+    from launch.local_swarm import UpConfig
 
     config = load_config(UpConfig, yaml_path=str(ROOT / "configs" / "local.yaml"), environ={})
     covered = sorted(b for entry in config.servers for b in range(*parse_span(entry.block_indices)))

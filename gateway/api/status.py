@@ -1,6 +1,6 @@
 """The gateway's swarm status page: `GET /status` (HTML) and `GET /status.json` (the same data). The data is the
-swarm's snapshot (`swarm.client.status.SwarmStatus`: a coverage entry per block, a row per server with its RTT from
-this gateway) read through the client model (`ClientModel.swarm_status`), plus this gateway's own figures: sessions
+swarm's snapshot (`swarm.client.transport.status.SwarmStatus`: a coverage entry per block, a row per server with its RTT
+from this gateway) read through the client model (`ClientModel.swarm_status`), plus this gateway's own figures: sessions
 pooled, requests running and queued, and generated tokens per second over the last minute, and with `--verify_rate`
 the spot-checks' counters (`verification`; null when off), each server marked `distrusted` when the checks outvoted
 it (the page shows its state as "distrusted"). Snapshots are cached for `CACHE_SECONDS` so that many open pages cost

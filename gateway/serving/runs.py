@@ -63,7 +63,7 @@ class GenerationJob:
 
 class GenerationRun:
     """Runs `job` to its end on the calling (worker) thread, handing events to `emit`; the decode loop's policy
-    (`swarm.client.decoding.DecodePolicy`) for the gateway."""
+    (`swarm.client.decoding.loop.DecodePolicy`) for the gateway."""
 
     def __init__(self, job: GenerationJob, emit: Callable[[Any], None], sessions: SessionProvider, tokens: Tokens,
                  metrics: Metrics, vocab_size: int, verify_holdback: int = 8):
@@ -142,7 +142,8 @@ class GenerationRun:
                         f"already held by a pooled session")
         self.emit(Done(prompt_len, completion, lease.cached_tokens, servers))
 
-    # ---- the decode loop's policy (`swarm.client.decoding.DecodePolicy`) --------------------------------------------
+    # ---- the decode loop's policy (`swarm.client.decoding.loop.DecodePolicy`)
+    # --------------------------------------------
     def picker(self, ids: torch.Tensor, remaining: List[Optional[int]]
                ) -> Callable[[torch.Tensor], List[Optional[TokenChoice]]]:
         return self.samplers.picker(ids, remaining)

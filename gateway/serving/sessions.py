@@ -36,7 +36,7 @@ class Lease:
     reused: bool = False
     adapter: Optional[str] = None  # the session's LoRA adapter (None: the base model)
 
-    # the session as the decode loop sees it (`swarm.client.decoding.DecodeSession`): `prefill` may replace it
+    # the session as the decode loop sees it (`swarm.client.decoding.loop.DecodeSession`): `prefill` may replace it
     @property
     def max_length(self) -> int:
         return self.session.max_length

@@ -147,7 +147,7 @@ class Tokens:
 
     @property
     def grammar_tokenizer(self) -> GrammarTokenizer:
-        """llguidance's tokenizer (for `swarm.client.grammar` constraints), built on first use."""
+        """llguidance's tokenizer (for `swarm.client.decoding.grammar` constraints), built on first use."""
         with self._lock:
             if self._grammar_tokenizer is None:
                 eos = self.tokenizer.eos_token_id

@@ -1,8 +1,8 @@
 """Spot-checks in the gateway's decode loop: text is sent only once checked, and picks a liar caused are redone.
 
-With `--verify_rate` the client checks servers' outputs (`swarm.client.verify`). A check may find that a server
-lied from an earlier position on: the session then raises `OutputsRetracted(position)`, and every token picked from
-the outputs at that position or later is wrong. Text already sent to an HTTP client cannot be unsent, so
+With `--verify_rate` the client checks servers' outputs (`swarm.client.transport.verify`). A check may find that a
+server lied from an earlier position on: the session then raises `OutputsRetracted(position)`, and every token picked
+from the outputs at that position or later is wrong. Text already sent to an HTTP client cannot be unsent, so
 `RunVerification` (one per `gateway.serving.runs.GenerationRun`) holds a run's text events back until every output they
 came from was checked:
 

@@ -4,15 +4,15 @@ One of these may constrain the output (two are a 400 naming the second): `respon
 object) or `json_schema` (its schema); a forced tool call (`tool_choice` `required` or a named function:
 `gateway.structured.tools.tool_grammar`); vLLM's `guided_json` (a schema), `guided_regex`, `guided_choice`,
 `guided_grammar` (Lark or GBNF) and their newer form `structured_outputs` (`json`, `regex`, `choice`, `grammar`,
-`json_object`). llguidance compiles them (`swarm.client.grammar`). A grammar llguidance cannot use (a JSON Schema
-keyword it does not implement, a `$ref` it cannot resolve, a regex or grammar that does not parse) is a 400 naming the
-parameter that carried it: `check` runs llguidance's validation against the model's tokenizer, on a worker thread (the
-first call builds llguidance's tokenizer, ~0.4 s).
+`json_object`). llguidance compiles them (`swarm.client.decoding.grammar`). A grammar llguidance cannot use (a JSON
+Schema keyword it does not implement, a `$ref` it cannot resolve, a regex or grammar that does not parse) is a 400
+naming the parameter that carried it: `check` runs llguidance's validation against the model's tokenizer, on a worker
+thread (the first call builds llguidance's tokenizer, ~0.4 s).
 
 JSON Schemas of OpenAI's parameters (`response_format` `json_schema`, a forced call's arguments) are closed
-(`swarm.client.grammar.closed_schema`): an object that declares its properties gets no other key unless the schema
-allows others explicitly; with `strict: true` every declared property is also required. vLLM's `guided_json` keeps
-JSON Schema's own meaning (other keys allowed where `additionalProperties` is absent), as vLLM does, unless
+(`swarm.client.decoding.grammar.closed_schema`): an object that declares its properties gets no other key unless the
+schema allows others explicitly; with `strict: true` every declared property is also required. vLLM's `guided_json`
+keeps JSON Schema's own meaning (other keys allowed where `additionalProperties` is absent), as vLLM does, unless
 `structured_outputs.disable_additional_properties` is true.
 """
 from __future__ import annotations

@@ -8,7 +8,8 @@ shape (assistant `tool_calls` with parsed arguments, `tool` messages). Otherwise
 assistant calls as `<tool_call>` blocks after their content, and each run of `tool` messages as one user message of
 `<tool_response>` blocks. `gateway.structured.toolparse` reads calls of this format back out of the generated text.
 
-`tool_grammar(tools, choice, parallel)` is the llguidance grammar (`swarm.client.grammar`) that forces a call with
+`tool_grammar(tools, choice, parallel)` is the llguidance grammar (`swarm.client.decoding.grammar`) that forces a call
+with
 `tool_choice` `required` (one of the tools) or a named function: the output is always `<tool_call>` blocks whose
 arguments validate against the function's JSON Schema, closed (`closed_schema`: no undeclared key; with the
 function's `strict`, every property too). A named function and `parallel_tool_calls: false` allow exactly one call.

@@ -1,6 +1,6 @@
 """The server's steps through a span's fused layers: batched single-token decode and one session's prefill.
 
-The block math is the family's (`BlockLayer.step`, e.g. `swarm.modeling.llama.block_step` on its fused weights:
+The block math is the family's (`BlockLayer.step`, e.g. `swarm.modeling.families.llama.block_step` on its fused weights:
 torch's fused RMSNorm, one projection for q/k/v together, rotary on q and k in one go, the output and down
 projections added to the residual in one `addmm` each, one projection for gate/up together). This module owns
 what surrounds it: which rows go through together, and the attention each step passes in.

@@ -21,7 +21,7 @@ from torch import nn
 
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.families import FAMILIES, FamilySpec, family_for
-from swarm.modeling.llama import FusedLayer, attach_small_gemms
+from swarm.modeling.families.llama import FusedLayer, attach_small_gemms
 from swarm.modeling.lora import SpanAdapter, check_layers
 from swarm.modeling.lora_files import AdapterError, AdapterFiles
 from swarm.modeling.shape import ModelShape, config_dtype

@@ -14,7 +14,7 @@ serving loop every `--relay_check_period` seconds, looks at the peer's own addre
   A renewal that gets no slot, or whose DHT peer fails to start, is tried again after 2, 4, 8, ... check periods
   (at most `MAX_BACKOFF` s); a server left without a DHT peer exits at its next record refresh (`Server._heal`),
   for its supervisor to start it again.
-Clients meanwhile retry a span's only server with a short back-off (`swarm.client.manager`).
+Clients meanwhile retry a span's only server with a short back-off (`swarm.client.transport.manager`).
 """
 from __future__ import annotations
 

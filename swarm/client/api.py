@@ -1,15 +1,15 @@
 """The client's one door for a serving front end (the gateway): the client model as `typing.Protocol`s, the
 decode loop, and the value types and errors a front end handles.
 
-`ClientModel` is implemented by `swarm.client.model.DistributedModelForCausalLM`: its config, a route check
+`ClientModel` is implemented by `swarm.client.model.causal_lm.DistributedModelForCausalLM`: its config, a route check
 (`check_route`: can a session of this size be served right now), which blocks the swarm serves and by which servers
 and weight formats (`coverage`), the servers that the client banned after failures (`banned_peers` / `unban`), the
 spot-checks' counters and distrusted servers (`verify_stats`), and `inference_session`, which opens a
-`GenerationSession` (`swarm.client.model_session.ModelSession`): `feed` (make the servers hold exactly these ids,
+`GenerationSession` (`swarm.client.model.model_session.ModelSession`): `feed` (make the servers hold exactly these ids,
 get the last position's logits), `feed_and_pick` (the same, with the next tokens chosen in the batched LM-head task;
 several positions' logits for speculative decoding), `rewind`, `close`, and the spot-checks' `check_next_step`,
 `check_pending`, `settle` and `servers`. `prompt_logprobs` scores a prompt's tokens (the completions API's `echo`
-with `logprobs`). Generations run `DecodeLoop` (`swarm.client.decoding`) with a policy of the front end's own.
+with `logprobs`). Generations run `DecodeLoop` (`swarm.client.decoding.loop`) with a policy of the front end's own.
 The gateway imports the client from here only (tests/test_layout.py), never its routing internals, so tests may
 stand in a small stub that implements these protocols.
 """
@@ -19,10 +19,8 @@ from typing import TYPE_CHECKING, Any, Callable, List, NamedTuple, Optional, Pro
 
 import torch
 
-from swarm.client.decoding import DecodeLoop, DecodePolicy
-from swarm.client.drafting import MAX_DRAFT_TOKENS, SpeculativeConfig, load_draft_model
-from swarm.client.generation import RowSamplers, Sampler, SamplingParams, TokenChoice
-from swarm.client.grammar import (
+from swarm.client.decoding.drafting import MAX_DRAFT_TOKENS, SpeculativeConfig, load_draft_model
+from swarm.client.decoding.grammar import (
     GrammarConstraint,
     GrammarTokenizer,
     check_grammar,
@@ -33,14 +31,16 @@ from swarm.client.grammar import (
     regex_grammar,
     styled_schema,
 )
-from swarm.client.routing import RoutingError, normalize_quant_types
-from swarm.client.session import SessionError
-from swarm.client.speculative import Speculator
-from swarm.client.verify import OutputsRetracted, VerifyStats
+from swarm.client.decoding.loop import DecodeLoop, DecodePolicy
+from swarm.client.decoding.sampling import RowSamplers, Sampler, SamplingParams, TokenChoice
+from swarm.client.decoding.speculative import Speculator
+from swarm.client.transport.routing import RoutingError, normalize_quant_types
+from swarm.client.transport.session import SessionError
+from swarm.client.transport.verify import OutputsRetracted, VerifyStats
 from swarm.wire.protocol import RemoteError
 
 if TYPE_CHECKING:
-    from swarm.client.status import SwarmStatus
+    from swarm.client.transport.status import SwarmStatus
 
 # what front ends use of the client besides the protocols below: the decode loop and its pieces, the value types and
 # the errors (`gateway/` imports the client only from here: tests/test_layout.py)
@@ -82,7 +82,7 @@ class PromptLogprob(NamedTuple):
 
 
 class GenerationSession(Protocol):
-    """An inference session as a front end drives it (`swarm.client.model_session.ModelSession`)."""
+    """An inference session as a front end drives it (`swarm.client.model.model_session.ModelSession`)."""
 
     token_ids: Optional[torch.Tensor]  # [batch, n] the ids whose states the servers hold (None before a feed)
 
@@ -106,7 +106,7 @@ class GenerationSession(Protocol):
 
     def close(self) -> None: ...
 
-    # spot-checks (`swarm.client.verify`): a session of a client that checks nothing answers False / returns
+    # spot-checks (`swarm.client.transport.verify`): a session of a client that checks nothing answers False / returns
     def check_next_step(self) -> bool:
         """Ask that the next feed check every span's outputs; False when this session cannot be checked."""
         ...
@@ -145,7 +145,7 @@ class ClientModel(Protocol):
         ...
 
     def check_route(self, cache_tokens: int = 0, adapter: Optional[str] = None) -> None:
-        """Raise `swarm.client.routing.RoutingError` unless a chain over every block, with cache for
+        """Raise `swarm.client.transport.routing.RoutingError` unless a chain over every block, with cache for
         `cache_tokens` tokens (and servers that hold LoRA `adapter`), can be routed now."""
         ...
 
@@ -154,8 +154,8 @@ class ClientModel(Protocol):
         ...
 
     def swarm_status(self, model_name: str) -> "SwarmStatus":
-        """A fresh snapshot of the swarm for status pages (`swarm.client.status`): every server with its RTT from
-        here, and the coverage of each block."""
+        """A fresh snapshot of the swarm for status pages (`swarm.client.transport.status`): every server with its RTT
+        from here, and the coverage of each block."""
         ...
 
     def banned_peers(self) -> List[str]: ...
@@ -163,11 +163,13 @@ class ClientModel(Protocol):
     def unban(self, peer_id: str) -> None: ...
 
     def observe_routes(self, observer: Callable[[Any], None]) -> None:
-        """Call `observer(timing)` with each inference chain's routing time (`swarm.client.manager.RouteTiming`)."""
+        """Call `observer(timing)` with each inference chain's routing time
+        (`swarm.client.transport.manager.RouteTiming`)."""
         ...
 
     def verify_stats(self) -> Optional[VerifyStats]:
-        """Spot-checks of servers' outputs (`swarm.client.verify`): counters and distrusted servers; None: off."""
+        """Spot-checks of servers' outputs (`swarm.client.transport.verify`): counters and distrusted servers; None:
+        off."""
         ...
 
     def shutdown(self) -> None: ...

@@ -4,7 +4,7 @@ projections of BLOOM's and Falcon's layers (`DenseProjectionLayer`), and every f
 (`step_forward`: transformers' layer call run as the layer's own `step`).
 
 They compute what transformers' modeling code computes with SDPA attention, op for op, so a family module built
-from them (`swarm.modeling.llama`) gives equal outputs. Why not transformers' classes: in transformers 5
+from them (`swarm.modeling.families.llama`) gives equal outputs. Why not transformers' classes: in transformers 5
 importing a model module imports torch._dynamo, torch.distributed, sympy and scipy, about 140 MB of resident
 memory in every block server and client. RoPE variants come from `transformers.modeling_rope_utils`, which
 imports none of that.

@@ -7,7 +7,7 @@ concatenated (q/k/v: the input-normed hidden state; gate/up: the post-normed one
 their scalings) form one block-diagonal matrix over the fused output's columns, so each projection of a row group
 takes two small matmuls, the second added in place into the base output's rows.
 
-`AdaptedLayer` wraps a server block (`swarm.modeling.llama.FusedLayer` or `swarm.modeling.quantize.
+`AdaptedLayer` wraps a server block (`swarm.modeling.families.llama.FusedLayer` or `swarm.modeling.quantize.
 QuantizedLayer`, a mixture of experts' fused layer, a layer that projects by groups, `project`: BLOOM, Falcon,
 Gemma) for one step whose rows [rows, ...] (flattened leading dims) come in groups, each with its own adapter or
 none: the base projections run once on all rows, and each group adds its own delta to its rows only. The wrapped
@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from swarm.modeling.llama import block_step
+from swarm.modeling.families.llama import block_step
 from swarm.modeling.lora_experts import ExpertLora, adapted_expert, load_expert_loras
 from swarm.modeling.lora_files import AdapterError, AdapterFiles
 from swarm.modeling.lora_targets import FUSED_PROJECTIONS, PROJECTIONS, columns

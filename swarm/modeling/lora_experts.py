@@ -52,7 +52,7 @@ def expert_sizes(model_config, block: int) -> Optional[Tuple[int, int]]:
     if model_type in ("mixtral", "gpt_oss"):
         return int(model_config.num_local_experts), int(model_config.intermediate_size)
     if model_type == "qwen3_moe":
-        from swarm.modeling.qwen3_moe import is_sparse
+        from swarm.modeling.families.qwen3_moe import is_sparse
 
         sparse = is_sparse(model_config, block)
         return (int(model_config.num_local_experts), int(model_config.moe_intermediate_size)) if sparse else None

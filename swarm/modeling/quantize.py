@@ -1,6 +1,6 @@
 """Quantized block weights (int8, nf4) through bitsandbytes: what a server's `--quant_type` does to its blocks.
 
-A block is quantized after it is fused (`swarm.modeling.llama.fuse_layer`): its fused float weights (q;k;v rows
+A block is quantized after it is fused (`swarm.modeling.families.llama.fuse_layer`): its fused float weights (q;k;v rows
 concatenated, gate;up rows concatenated, o, down) each become one bitsandbytes linear module, so the server's
 steps still run four projections per block. Quantizing the concatenated rows gives the same values as
 quantizing each projection on its own (what transformers' `BitsAndBytesConfig` does to the checkpoint's
@@ -45,11 +45,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarm.modeling import int8_rows
+from swarm.modeling.families.llama import FusedLayer, block_step
+from swarm.modeling.families.mixtral import FusedMoeLayer, moe_block_step
+from swarm.modeling.families.qwen3 import FusedQkNormLayer, normed_qk
+from swarm.modeling.families.qwen3_moe import FusedQkNormMoeLayer
 from swarm.modeling.layers import step_forward
-from swarm.modeling.llama import FusedLayer, block_step
-from swarm.modeling.mixtral import FusedMoeLayer, moe_block_step
-from swarm.modeling.qwen3 import FusedQkNormLayer, normed_qk
-from swarm.modeling.qwen3_moe import FusedQkNormMoeLayer
 from swarm.wire.quant import parse_quant_type
 
 INT8_THRESHOLD = 6.0  # LLM.int8()'s outlier threshold (transformers' `llm_int8_threshold` default)
@@ -228,9 +228,9 @@ def quantize_linears(layer: nn.Module, quant_type: str, dtype: torch.dtype, devi
     """`layer` with each `nn.Linear` (subclasses included) replaced by a bitsandbytes module of its weight, and
     its other tensors (norms, routers, the linear modules named in `keep`) moved to `device` (parameters at `dtype`):
     for layers that call their projections as modules and cast their outputs to the input's dtype
-    (`swarm.modeling.bloom`, `swarm.modeling.falcon`, `swarm.modeling.gemma`, `swarm.modeling.deepseek_v3`, which
-    keeps its `kv_b_proj` in float). A fused q/k/v projection is one module already, quantized row by row as
-    transformers' `BitsAndBytesConfig` would."""
+    (`swarm.modeling.families.bloom`, `swarm.modeling.families.falcon`, `swarm.modeling.families.gemma`,
+    `swarm.modeling.families.deepseek_v3`, which keeps its `kv_b_proj` in float). A fused q/k/v projection is one module
+    already, quantized row by row as transformers' `BitsAndBytesConfig` would."""
     unknown = set(keep) - {name for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
     if unknown:
         raise ValueError(f"no linear modules {sorted(unknown)} to keep in float")

@@ -4,7 +4,8 @@ Every size the code needs of a block comes from here: the hidden size, query and
 the MLP width, the norm's epsilon, the RoPE type and the checkpoint's own dtype. `head_dim_of` is the one place
 that derives `head_dim` as the transformers config classes do (`hidden_size // num_attention_heads` unless the
 config names one). `CacheLayout` is what one block caches per token: key and value heads (Llama-like attention), or
-DeepSeek's multi-head latent attention's compressed latent and shared rotary key (`swarm.modeling.deepseek_v3`).
+DeepSeek's multi-head latent attention's compressed latent and shared rotary key
+(`swarm.modeling.families.deepseek_v3`).
 """
 from __future__ import annotations
 

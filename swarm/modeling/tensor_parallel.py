@@ -1,9 +1,9 @@
 """Tensor parallelism: each block of a span split across several devices (`swarmgate server
 --tensor_parallel_devices`).
 
-A Llama-family block (`swarm.modeling.llama`: llama, mistral, qwen2) or a Mixtral block (`swarm.modeling.mixtral`)
-is cut into one shard per device, each an ordinary fused (or int8 / nf4 quantized) layer over its part of the
-weights:
+A Llama-family block (`swarm.modeling.families.llama`: llama, mistral, qwen2) or a Mixtral block
+(`swarm.modeling.families.mixtral`) is cut into one shard per device, each an ordinary fused (or int8 / nf4 quantized)
+layer over its part of the weights:
 - attention by heads: shard i holds query heads [i * H/n, (i+1) * H/n) and the key/value heads they read,
   [i * K/n, (i+1) * K/n) (a query head h reads kv head h // (H/K), so each group stays whole), its rows of the
   fused q/k/v weight (and bias) column-split; the output projection row-split (its input columns of those heads);
@@ -36,11 +36,11 @@ import torch
 from torch import nn
 
 from swarm.modeling.families import FAMILIES, FamilySpec
+from swarm.modeling.families.llama import attention_output
+from swarm.modeling.families.mixtral import FusedMoeLayer, sparse_moe
 from swarm.modeling.layers import step_forward
-from swarm.modeling.llama import attention_output
 from swarm.modeling.lora import AdaptedLayer, LayerLora, ProjectionLora
 from swarm.modeling.lora_experts import ExpertLora
-from swarm.modeling.mixtral import FusedMoeLayer, sparse_moe
 from swarm.modeling.shape import ModelShape
 
 NF4_BLOCK = 64  # bitsandbytes' nf4 block size (`swarm.modeling.quantize.NF4_BLOCKSIZE`)

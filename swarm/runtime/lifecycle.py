@@ -11,7 +11,7 @@ still be gone first (killed on their own, by an OOM killer or a supervisor that 
   wait for them (no zombies). Each process's `main` calls it last.
 - `quiet_lost_connections(loop)`: once stopping, a connection lost in a background task (p2pd killed by the same
   signal) is logged at debug level instead of as an error with a traceback.
-- `finish(code, timeout)`: the end of a `swarmgate` process (`swarm.launch.cli`), once its subcommand returned:
+- `finish(code, timeout)`: the end of a `swarmgate` process (`launch.cli`), once its subcommand returned:
   reaps the descendants, gives other non-daemon threads up to `timeout` s (worker threads stuck on a dead peer
   must not hold the exit), flushes logs and stdio and exits with `code` without the interpreter's finalization
   (freeing a loaded model and C++ destructors took ~4 s on a busy machine, after everything had stopped).

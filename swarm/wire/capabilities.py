@@ -4,9 +4,9 @@ A volunteer swarm runs several releases at once. Every server's DHT record (`swa
 which release it runs (`version`, this package's version from `pyproject.toml`), the protocol versions it speaks
 (`min_protocol`..`protocol`) and the named capabilities it supports (`capabilities`): each feature added to the
 wire after the first release gets a name here, so that a client sends a field only to a server that announces it
-and routing avoids servers that lack what a request needs (`swarm.client.coverage`). Which request field belongs
-to which capability: `FIELD_CAPABILITIES` (`needed_capabilities`: what one message needs). `docs/compatibility.md`
-has the rule for adding a field.
+and routing avoids servers that lack what a request needs (`swarm.client.transport.coverage`). Which request field
+belongs to which capability: `FIELD_CAPABILITIES` (`needed_capabilities`: what one message needs).
+`docs/compatibility.md` has the rule for adding a field.
 
 A record without `capabilities` comes from the first release (0.1.0, `compat/previous_release`), which announced no
 capabilities but supports every one named in `FIRST_RELEASE_CAPABILITIES`. Names this release does not know (a

@@ -3,8 +3,8 @@
 A format's name travels in a server's DHT record (`ServerInfo.quant_type`) and clients choose among them
 (`allowed_quant_types`); what the rest of the code needs to know of a format is here, and nowhere else: what its
 weights cost in memory (`server.placement.memory`), how far an honest server's outputs may drift under it
-(`swarm.client.verify`), whether the rows of several sessions may share one call of its layers and whether CUDA
-graphs can capture it (`server.compute.blocks`). `parse_quant_type` is the one validation of a name.
+(`swarm.client.transport.verify`), whether the rows of several sessions may share one call of its layers and whether
+CUDA graphs can capture it (`server.compute.blocks`). `parse_quant_type` is the one validation of a name.
 """
 from __future__ import annotations
 

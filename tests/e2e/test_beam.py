@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 
+from launch.topology import start_servers
 from swarm import AutoDistributedModelForCausalLM
-from swarm.client.manager import ClientConfig, SwarmManager
-from swarm.client.model import DistributedModelForCausalLM
-from swarm.client.rows import held_prefix
-from swarm.launch.topology import start_servers
+from swarm.client.decoding.rows import held_prefix
+from swarm.client.model.causal_lm import DistributedModelForCausalLM
+from swarm.client.transport.manager import ClientConfig, SwarmManager
 from swarm.runtime import aio
 from swarm.wire import protocol as P
 from tests.fixtures.client_doubles import StubSession

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from launch.topology import start_server, terminate_all, wait_all
 from swarm import AutoDistributedModelForCausalLM
-from swarm.launch.topology import start_server, terminate_all, wait_all
 from swarm.wire.capabilities import release
 
 LACKS = "beam_reorder,left_padding"
@@ -64,7 +64,7 @@ def test_sessions_keep_to_servers_with_what_they_need(lacking_swarm, tokenizer, 
 
 
 def test_where_only_a_server_without_it_serves_the_error_names_it(lacking_swarm):
-    from swarm.client.routing import RoutingError
+    from swarm.client.transport.routing import RoutingError
 
     model, lacking, full = lacking_swarm
     manager = model.manager

@@ -26,8 +26,8 @@ import httpx
 import pytest
 import torch
 
+from launch.topology import REPO, ManagedProcess, start_gateway, start_server, terminate_all, wait_all
 from swarm import AutoDistributedModelForCausalLM
-from swarm.launch.topology import REPO, ManagedProcess, start_gateway, start_server, terminate_all, wait_all
 from swarm.wire import capabilities as C
 from swarm.wire.records import ServerState, fetch_block_records
 from tests.fixtures.gateway_fixtures import reference_text

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from launch.topology import start_servers, terminate_all
 from swarm import AutoDistributedModelForCausalLM
-from swarm.client.session import SessionError
-from swarm.launch.topology import start_servers, terminate_all
+from swarm.client.transport.session import SessionError
 from tests.fixtures.faulty_server import start_with_honest
 from tests.fixtures.swarm_checks import KillAfter
 

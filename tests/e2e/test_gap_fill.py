@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from swarm.launch.topology import start_server, terminate_all, wait_all
+from launch.topology import start_server, terminate_all, wait_all
 from swarm.wire.records import fetch_block_records, online_spans
 from tests.fixtures.swarm_watch import NUM_BLOCKS, online_cover, reader, wait_for  # noqa: F401 (reader: fixture)
 

@@ -17,8 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from launch.topology import start_servers, terminate_all
 from swarm import AutoDistributedModelForCausalLM
-from swarm.launch.topology import start_servers, terminate_all
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -19,8 +19,8 @@ import openai
 import pytest
 import torch
 
-from swarm.client.session import SessionError
-from swarm.launch.topology import REPO, start_servers
+from launch.topology import REPO, start_servers
+from swarm.client.transport.session import SessionError
 from swarm.wire.records import fetch_block_records
 from tests.fixtures.gateway_fixtures import start_gateway
 from tests.fixtures.lora_fixtures import make_adapter, peft_reference, reference_generate
@@ -191,7 +191,7 @@ def test_bad_adapters_stop_the_server_at_start(model_path, lora_dirs, tmp_path):
         ((str(tmp_path / "broken"),), 1, "cannot read adapter_config.json"),
         ((f"same={lora_dirs['alpha']}", f"same={lora_dirs['beta']}"), None, "must differ"),
     ]
-    procs = [subprocess.Popen([sys.executable, "-m", "swarm.launch.cli", "server", model_path, "--new_swarm",
+    procs = [subprocess.Popen([sys.executable, "-m", "launch.cli", "server", model_path, "--new_swarm",
                                "--block_indices", "0:2", "--adapters", *adapters], cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for adapters, _, _ in cases]
     try:
@@ -209,8 +209,8 @@ def test_expert_adapter_through_a_split_swarm(tmp_path, bootstrap, model_path, t
     served by two servers split mid-model (0:2, 2:4): greedy tokens with the adapter and without it, in concurrent
     sessions on the same servers, equal local peft's; a forward pass's logits within 1e-4; a training pass's input
     gradients equal peft's."""
+    from launch.topology import terminate_all
     from swarm import AutoDistributedModelForCausalLM
-    from swarm.launch.topology import terminate_all
     from tests.fixtures.tiny_checkpoints import save_tiny
 
     path = tmp_path / "tiny-mixtral"

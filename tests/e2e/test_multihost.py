@@ -1,5 +1,5 @@
 """Several hosts: the bootstrap peer, two servers and the gateway each in a network namespace of its own, with its
-own address on a bridge (`swarm/launch/netns.py`), every process listening and announcing on that address only.
+own address on a bridge (`launch/netns.py`), every process listening and announcing on that address only.
 
 A chat request through the gateway works; then, mid-stream, the link of the server holding the session is cut
 (`ip link set ... down` on its veth: no RST, the peer just goes silent). The gateway's session, with its default
@@ -17,9 +17,9 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from swarm.client.manager import ClientConfig, SwarmManager
-from swarm.launch.netns import NetLab
-from swarm.launch.topology import start_bootstrap, start_gateway, start_server, wait_all
+from launch.netns import NetLab
+from launch.topology import start_bootstrap, start_gateway, start_server, wait_all
+from swarm.client.transport.manager import ClientConfig, SwarmManager
 
 pytestmark = pytest.mark.slow
 

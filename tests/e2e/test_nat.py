@@ -1,4 +1,4 @@
-"""A volunteer behind a NAT, in network namespaces (`swarm/launch/netns.py`, public-looking addresses: libp2p relays
+"""A volunteer behind a NAT, in network namespaces (`launch/netns.py`, public-looking addresses: libp2p relays
 only for public ones): a `public` host (the bootstrap peer and a server of blocks 0:15), a `home` host whose
 server (blocks 15:30) can connect out but that nobody can connect to (`NetLab.refuse_inbound`: incoming SYNs are
 dropped, like a home router), and a `client` host with the gateway, which reaches the public host only.
@@ -31,9 +31,9 @@ import hivemind
 import httpx
 import pytest
 
-from swarm.client.manager import ClientConfig, SwarmManager
-from swarm.launch.netns import NetLab
-from swarm.launch.topology import start_bootstrap, start_gateway, start_server, wait_all
+from launch.netns import NetLab
+from launch.topology import start_bootstrap, start_gateway, start_server, wait_all
+from swarm.client.transport.manager import ClientConfig, SwarmManager
 from swarm.wire.records import ServerState, fetch_block_records
 from tests.fixtures.gateway_fixtures import reference_text
 from tests.fixtures.late_addrs_server import INJECTED

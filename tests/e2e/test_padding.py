@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from swarm import AutoDistributedModelForCausalLM
-from swarm.client.rows import held_prefix, left_padding
+from swarm.client.decoding.rows import held_prefix, left_padding
 
 SPANS = ("0:15", "15:30")
 PROMPTS = [

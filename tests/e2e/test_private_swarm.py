@@ -16,8 +16,8 @@ import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
+from launch.topology import Topology, start_gateway, start_server
 from swarm import AutoDistributedModelForCausalLM
-from swarm.launch.topology import Topology, start_gateway, start_server
 from swarm.runtime.swarm_key import SwarmKey
 from swarm.wire import protocol as P
 

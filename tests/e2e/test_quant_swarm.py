@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from launch.topology import start_server, terminate_all, wait_all
 from swarm import AutoDistributedModelForCausalLM
-from swarm.launch.topology import start_server, terminate_all, wait_all
 from swarm.wire.records import fetch_block_records
 
 SPANS = ("0:15", "15:30")

@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import List
 
-from swarm.launch.topology import ManagedProcess, start_servers, terminate_all
+from launch.topology import ManagedProcess, start_servers, terminate_all
 from swarm.wire.records import ServerState, fetch_block_records
 from tests.fixtures.swarm_watch import NUM_BLOCKS, online_cover, reader, wait_for  # noqa: F401  (reader: a fixture)
 
@@ -141,7 +141,7 @@ def test_a_moving_server_lets_running_sessions_finish(model_path, bootstrap, rea
     import torch
 
     from swarm import AutoDistributedModelForCausalLM
-    from swarm.client.session import InferenceSession
+    from swarm.client.transport.session import InferenceSession
 
     prefix = f"drain-{uuid.uuid4().hex[:8]}"
     mover = start_placed_servers(model_path, bootstrap, prefix, 1, tmp_path,

@@ -21,8 +21,8 @@ import psutil
 import pytest
 import torch
 
-from swarm.launch import topology
-from swarm.launch.topology import ManagedProcess
+from launch import topology
+from launch.topology import ManagedProcess
 
 EXIT_DEADLINE = 10.0  # seconds from the signal to the exit, as issue 18 requires (a bound, not a benchmark)
 NOISE = ("Task was destroyed but it is pending", "Traceback (most recent call last)", "server failed",

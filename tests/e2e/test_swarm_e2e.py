@@ -9,7 +9,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from swarm import AutoDistributedModelForCausalLM
-from swarm.client.session import SessionError
+from swarm.client.transport.session import SessionError
 from swarm.runtime import aio
 
 TOPOLOGIES = [("0:15", "15:30"), ("0:20", "10:30"), ("0:10", "10:20", "20:30")]

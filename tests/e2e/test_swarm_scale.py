@@ -12,8 +12,8 @@ from typing import Dict, Optional, Tuple
 import hivemind
 import torch
 
+from launch.topology import start_server, terminate_all, wait_all
 from swarm import AutoDistributedModelForCausalLM
-from swarm.launch.topology import start_server, terminate_all, wait_all
 from swarm.wire.records import fetch_block_records, online_spans
 from tests.fixtures.swarm_watch import wait_for
 from tests.fixtures.tiny_checkpoints import save_tiny

@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
+from launch.topology import REPO, start_server, terminate_all, wait_all
 from swarm import AutoDistributedModelForCausalLM
-from swarm.launch.topology import REPO, start_server, terminate_all, wait_all
 from tests.fixtures.swarm_checks import lockstep_sessions
 from tests.fixtures.tiny_checkpoints import save_tiny
 from tests.fixtures.training import loss_of, reference_grads
@@ -115,7 +115,7 @@ def test_bad_tensor_parallel_devices_exit_2_before_the_dht(tiny, model_path, cap
     assert ServerConfig(model="m", tensor_parallel_devices=["cpu", "cpu"]).devices == ["cpu"]
     assert not started
 
-    r = subprocess.run([sys.executable, "-m", "swarm.launch.cli", "server", model_path, "--new_swarm",
+    r = subprocess.run([sys.executable, "-m", "launch.cli", "server", model_path, "--new_swarm",
                         "--tensor_parallel_devices", "cpu", "cpu"], cwd=REPO, capture_output=True, text=True,
                        timeout=120)
     lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]

@@ -8,7 +8,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.asyncio import as_aiter
 
 from swarm import AutoDistributedModelForCausalLM
-from swarm.client.session import InferenceSession, SessionError
+from swarm.client.transport.session import InferenceSession, SessionError
 from swarm.runtime import aio
 from swarm.wire import protocol as P
 from swarm.wire import streaming

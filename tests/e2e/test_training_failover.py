@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from launch.topology import start_servers
 from swarm import AutoDistributedModelForCausalLM
-from swarm.launch.topology import start_servers
 from tests.fixtures.training import TASK, example, loss_of, reference_grads  # noqa: F401  (example: a module fixture)
 
 
@@ -78,7 +78,7 @@ def test_a_call_that_got_no_reply_is_sent_again_not_failed_over(model_path, boot
     does (`tests/fixtures/faulty_server.py --drop_training_replies 2`): each such call is sent once more to the same
     server, nothing is banned (banning a span's only server left no route at all), and the gradients equal
     transformers'."""
-    from swarm.launch.topology import start_server
+    from launch.topology import start_server
 
     prefix = "ttrainresend"
     server = start_server(model_path, [bootstrap.maddr], "0:30", prefix, ["--drop_training_replies", "2"],

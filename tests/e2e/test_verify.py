@@ -1,4 +1,4 @@
-"""Spot-checks of servers' outputs (`swarm.client.verify`) on real processes.
+"""Spot-checks of servers' outputs (`swarm.client.transport.verify`) on real processes.
 
 A test-only lying server (`tests/fixtures/faulty_server.py --perturb_after_steps`) serves the whole model faster than
 two honest ones, so routing picks it: a session through it is caught within a bounded number of steps, the liar is
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from launch.topology import start_servers, terminate_all
 from swarm import AutoDistributedModelForCausalLM
-from swarm.client.verify import VerifyStats, divergence, tolerance, verifier_for
-from swarm.launch.topology import start_servers, terminate_all
+from swarm.client.transport.verify import VerifyStats, divergence, tolerance, verifier_for
 from tests.fixtures.faulty_server import start_with_honest
 
 PROMPT = "The three most important inventions of the twentieth century were"

@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
-from swarm.client.manager import ClientConfig, SwarmManager
-from swarm.launch.topology import start_servers, terminate_all
+from launch.topology import start_servers, terminate_all
+from swarm.client.transport.manager import ClientConfig, SwarmManager
 from tests.fixtures.gateway_fixtures import start_gateway
 
 MESSAGES = [{"role": "user", "content": "List five animals that live in the ocean."}]

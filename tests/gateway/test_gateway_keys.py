@@ -232,7 +232,7 @@ def test_keys_command(tmp_path, capsys):
         return main(argv[1:])
 
     db = ["--database_url", f"sqlite:///{tmp_path}/keys.sqlite3"]
-    done = subprocess.run([sys.executable, "-m", "swarm.launch.cli", "keys", "create", "ci", "--rpm", "10", "--tpm",
+    done = subprocess.run([sys.executable, "-m", "launch.cli", "keys", "create", "ci", "--rpm", "10", "--tpm",
                            "1000", "--max_streams", "2", *db], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     key = done.stdout.strip().splitlines()[-1]

@@ -11,8 +11,8 @@ import os
 import httpx
 import pytest
 
-from swarm.launch import topology
-from swarm.launch.topology import terminate_all, wait_all
+from launch import topology
+from launch.topology import terminate_all, wait_all
 from tests.fixtures.browser import Page
 from tests.fixtures.gateway_fixtures import one_torch_thread, reference_text  # noqa: F401  (autouse fixture)
 from tests.fixtures.tiny_checkpoints import save_tiny

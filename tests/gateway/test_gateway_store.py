@@ -129,7 +129,7 @@ def test_two_gateways_on_one_redis_share_responses_limits_and_revocations(setup,
     for gateway in (a, b):
         assert httpx.get(gateway.base_url + "/models", headers={"Authorization": f"Bearer {keys['victim']}"}
                          ).status_code == 200
-    done = subprocess.run([sys.executable, "-m", "swarm.launch.cli", "keys", "revoke", "victim", "--database_url",
+    done = subprocess.run([sys.executable, "-m", "launch.cli", "keys", "revoke", "victim", "--database_url",
                            setup["redis"].url()], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     for gateway in (a, b):
@@ -164,7 +164,7 @@ def test_a_store_that_cannot_be_opened_is_one_line_and_exit_2(kind, tmp_path, mo
         url, expected = f"sqlite:///{path}", "corrupt"
     else:
         url, expected = f"redis://127.0.0.1:{free_port()}/0", "cannot use Redis"
-    done = subprocess.run([sys.executable, "-m", "swarm.launch.cli", "gateway", model_path, "--initial_peers",
+    done = subprocess.run([sys.executable, "-m", "launch.cli", "gateway", model_path, "--initial_peers",
                            "/ip4/127.0.0.1/tcp/9/p2p/QmUnused", "--database_url", url],
                           capture_output=True, text=True, timeout=120)
     lines = done.stderr.strip().splitlines()

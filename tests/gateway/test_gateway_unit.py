@@ -13,7 +13,7 @@ from gateway.api.state import format_ranges
 from gateway.config import GatewayConfig
 from gateway.serving.textstream import StopMatcher, TextStream
 from swarm.client.api import Coverage
-from swarm.client.generation import Sampler, SamplingParams
+from swarm.client.decoding.sampling import Sampler, SamplingParams
 from tests.fixtures.fake_model import chat_body, fake_app  # noqa: F401  (fake_app: a fixture)
 from tests.fixtures.gateway_fixtures import one_torch_thread  # noqa: F401  (autouse: one torch thread in this module)
 
@@ -123,7 +123,7 @@ def test_sampler_greedy_seeded_bias_and_penalties():
 def test_seeded_draws_follow_the_distribution_exactly():
     """`generation.draw` (the gateway's per-request seeded sampling): frequencies over 40000 draws within 4 standard
     deviations of each probability, never a token of probability zero (also at the ends), unnormalized input."""
-    from swarm.client.generation import draw
+    from swarm.client.decoding.sampling import draw
     probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.15, 0.05, 0.0]) * 3.0  # not normalized
     generator = torch.Generator().manual_seed(123)
     n = 40000

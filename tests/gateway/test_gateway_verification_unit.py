@@ -1,8 +1,8 @@
 """The gateway's side of spot-checks (`gateway.serving.verification`) without a swarm: the real `Engine.run` over a
-stand-in session that lies for a few steps and then retracts them (what `swarm.client.model_session.ModelSession` raises
-when a check outvotes a server): the response is the honest text, text is never emitted before a full check covers it,
-streams wait at most `holdback` tokens, and a pooled session through a distrusted server is not reused. The whole
-path on real processes is in `tests/gateway/test_gateway_verify.py`."""
+stand-in session that lies for a few steps and then retracts them (what `swarm.client.model.model_session.ModelSession`
+raises when a check outvotes a server): the response is the honest text, text is never emitted before a full check
+covers it, streams wait at most `holdback` tokens, and a pooled session through a distrusted server is not reused. The
+whole path on real processes is in `tests/gateway/test_gateway_verify.py`."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -18,8 +18,8 @@ from gateway.serving.runs import GenerationJob
 from gateway.serving.session_pool import SessionPool
 from gateway.serving.sessions import SessionProvider
 from gateway.serving.tokens import Tokens
-from swarm.client.generation import SamplingParams
-from swarm.client.verify import OutputsRetracted, VerifyStats
+from swarm.client.decoding.sampling import SamplingParams
+from swarm.client.transport.verify import OutputsRetracted, VerifyStats
 from tests.fixtures.client_doubles import StubClientModel, StubSession
 
 PICK = 50  # the stand-in "model" picks among PICK ids

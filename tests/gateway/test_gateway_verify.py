@@ -11,9 +11,9 @@ import httpx
 import pytest
 import torch
 
+from launch.topology import terminate_all
 from swarm import AutoDistributedModelForCausalLM
-from swarm.client.verify import OutputsRetracted, verifier_for
-from swarm.launch.topology import terminate_all
+from swarm.client.transport.verify import OutputsRetracted, verifier_for
 from tests.fixtures.faulty_server import start_with_honest
 from tests.fixtures.gateway_fixtures import SPANS, one_torch_thread, reference_text, start_gateway  # noqa: F401
 

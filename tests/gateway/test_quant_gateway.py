@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from swarm.client.routing import RoutingError
+from swarm.client.transport.routing import RoutingError
 from tests.fixtures.gateway_fixtures import SPANS, one_torch_thread, start_gateway  # noqa: F401
 
 MODEL = "smollm2-135m-instruct"

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from swarm.launch.topology import terminate_all
+from launch.topology import terminate_all
 from tests.fixtures.gateway_fixtures import (  # noqa: F401
     SPANS,
     one_torch_thread,
@@ -227,8 +227,8 @@ TIGHT_CACHE = 400  # tokens: three pooled sessions of this test fill the server
 def tight(model_path, bootstrap):
     """One server (all blocks) with a 400-token cache that refuses sessions after 1 s, and a gateway over it whose
     pooled sessions reserve 16-token prompts' worth of headroom (the pool's own limits never bind here)."""
+    from launch.topology import start_server
     from swarm import AutoDistributedModelForCausalLM
-    from swarm.launch.topology import start_server
 
     prefix = "tpool-tight"
     server = start_server(model_path, [bootstrap.maddr], "0:30", prefix,

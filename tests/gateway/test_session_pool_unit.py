@@ -16,8 +16,8 @@ from gateway.serving.runs import GenerationJob
 from gateway.serving.session_pool import SessionPool, common_prefix
 from gateway.serving.sessions import Lease, SessionProvider, out_of_cache
 from gateway.serving.tokens import Tokens
-from swarm.client.generation import SamplingParams
-from swarm.client.session import SessionError
+from swarm.client.decoding.sampling import SamplingParams
+from swarm.client.transport.session import SessionError
 from swarm.wire.protocol import RemoteError
 from tests.fixtures.pool_doubles import FakeModel, FakeSession
 

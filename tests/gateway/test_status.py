@@ -1,5 +1,5 @@
-"""The swarm status page: the snapshot (`swarm.client.status`), `/status.json` and `/status` of a real gateway over
-a real swarm, the `swarmgate status` command, and the page rendered by headless Chromium (coverage, servers, an
+"""The swarm status page: the snapshot (`swarm.client.transport.status`), `/status.json` and `/status` of a real gateway
+over a real swarm, the `swarmgate status` command, and the page rendered by headless Chromium (coverage, servers, an
 HTML-injection peer name shown as text, a stopped server gone from the page)."""
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import httpx
 import pytest
 
 from gateway.api.status import PAGE, TokenRate
-from swarm.client.status import build_status, coverage_bar, format_table
-from swarm.launch import topology
-from swarm.launch.topology import REPO
+from launch import topology
+from launch.topology import REPO
+from swarm.client.transport.status import build_status, coverage_bar, format_table
 from swarm.wire.records import ServerInfo, ServerState
 from tests.fixtures.browser import render
 
@@ -179,7 +179,7 @@ def test_status_json_and_cli_and_browser(status_swarm, model_path, tmp_path):
     assert EVIL_NAME not in page.text  # the page is static: record text only arrives as JSON
 
     # the same snapshot in a terminal, without the gateway
-    cli = subprocess.run([sys.executable, "-m", "swarm.launch.cli", "status", model_path, "--initial_peers",
+    cli = subprocess.run([sys.executable, "-m", "launch.cli", "status", model_path, "--initial_peers",
                           *status_swarm["initial_peers"], "--dht_prefix", prefix], capture_output=True, text=True,
                          timeout=120, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert cli.returncode == 0, cli.stderr

@@ -1,5 +1,5 @@
 """Structured output (issue 23): `response_format` `json_object` / `json_schema` enforced while decoding through
-llguidance (`swarm.client.grammar`, applied by `swarm.client.generation.Sampler`).
+llguidance (`swarm.client.decoding.grammar`, applied by `swarm.client.decoding.sampling.Sampler`).
 
 Without a swarm: a sampler drawing from random logits under a schema's grammar always ends with a document that
 parses and validates; schemas llguidance cannot enforce are refused. End to end: a real gateway over the test swarm
@@ -20,13 +20,13 @@ from jsonschema import Draft202012Validator
 from gateway.schemas import ToolDefinition
 from gateway.structured.toolparse import parse_all
 from gateway.structured.tools import tool_grammar
-from swarm.client.generation import Sampler, SamplingParams
-from swarm.client.grammar import (
+from swarm.client.decoding.grammar import (
     GrammarConstraint,
     check_grammar,
     closed_schema,
     json_schema_grammar,
 )
+from swarm.client.decoding.sampling import Sampler, SamplingParams
 from tests.fixtures.gateway_fixtures import client, gateway, one_torch_thread  # noqa: F401
 from tests.fixtures.tool_calls import grammar_tokenizer  # noqa: F401  (a fixture)
 

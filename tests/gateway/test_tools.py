@@ -22,7 +22,7 @@ from jsonschema import Draft202012Validator
 from gateway.schemas import ChatMessage, ToolDefinition
 from gateway.structured.toolparse import ToolCallParser, parse_all
 from gateway.structured.tools import CALL_OPEN, call_text, render_messages, tool_grammar
-from swarm.client.grammar import GrammarConstraint, closed_schema, json_schema_grammar
+from swarm.client.decoding.grammar import GrammarConstraint, closed_schema, json_schema_grammar
 from tests.fixtures import openai_schemas as oas
 from tests.fixtures.gateway_fixtures import client, gateway, one_torch_thread  # noqa: F401
 from tests.fixtures.openai_checks import sse, validate

@@ -9,8 +9,8 @@ import pytest
 import torch
 from hivemind.proto import runtime_pb2
 
-from swarm.client.manager import ClientConfig, SwarmManager
-from swarm.launch.topology import start_servers
+from launch.topology import start_servers
+from swarm.client.transport.manager import ClientConfig, SwarmManager
 from swarm.runtime import aio
 from swarm.wire import protocol as P
 from swarm.wire.records import ServerState, fetch_block_records, server_states
@@ -215,7 +215,7 @@ def test_cli_rejects_bad_flags(model_path, bootstrap):
     import subprocess
     import sys
 
-    from swarm.launch.topology import REPO
+    from launch.topology import REPO
 
     cases = [  # (arguments, expected exit status (None: not 0), text in stderr); the processes run together
         (("server", model_path, "--new_swarm", "--block_indices", "20:10"), None, "start < end"),
@@ -225,7 +225,7 @@ def test_cli_rejects_bad_flags(model_path, bootstrap):
         (("server", model_path), 1, "initial_peers"),  # neither --new_swarm nor --initial_peers
         (("nonsense",), 2, "unknown command"),
     ]
-    procs = [subprocess.Popen([sys.executable, "-m", "swarm.launch.cli", *args], cwd=REPO, stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, "-m", "launch.cli", *args], cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for args, _, _ in cases]
     try:
         results = [proc.communicate(timeout=180) for proc in procs]

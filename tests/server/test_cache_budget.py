@@ -15,9 +15,9 @@ import hivemind
 import pytest
 import torch
 
+from launch.topology import start_server
 from server.compute.cache import CacheBudget, OutOfCacheError
-from swarm.client.session import SessionError
-from swarm.launch.topology import start_server
+from swarm.client.transport.session import SessionError
 from swarm.runtime.taskpool import PRIORITY_FORWARD, PRIORITY_INFERENCE, TaskPool
 from swarm.wire.records import fetch_block_records
 

@@ -1,4 +1,4 @@
-"""The lean inference path (`server.compute.decode`) against the layer modules (`swarm.modeling.llama`, which
+"""The lean inference path (`server.compute.decode`) against the layer modules (`swarm.modeling.families.llama`, which
 tests/swarm/modeling/test_layers.py checks against transformers'), per family, on tiny random checkpoints: batched
 decode steps of one session and of several sessions of different batch sizes and lengths in one pass, and multi-token
 steps (prompts, later turns, single tokens) through `BlockSpan.forward`."""
@@ -32,7 +32,7 @@ def span(request, tmp_path_factory):
 
 
 def module_forward(span: BlockSpan, *args) -> torch.Tensor:
-    """`span.forward` through the layer modules (`swarm.modeling.llama`) instead of the fused kernels."""
+    """`span.forward` through the layer modules (`swarm.modeling.families.llama`) instead of the fused kernels."""
     fused, span.fused = span.fused, []
     try:
         return span.forward(*args)

@@ -16,7 +16,7 @@ from hivemind.proto import runtime_pb2
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swarm.client.manager import SwarmManager
+from swarm.client.transport.manager import SwarmManager
 from swarm.runtime import aio
 from swarm.wire import protocol as P
 from tests.fixtures.rpc_fuzzing import (  # noqa: F401  (fuzz_env and honest_reference: fixtures)

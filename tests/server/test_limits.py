@@ -10,9 +10,9 @@ import pytest
 import torch
 from hivemind.proto import runtime_pb2
 
+from launch.topology import start_servers, terminate_all
 from server.config import ServerConfig
-from swarm.client.manager import ClientConfig, SwarmManager
-from swarm.launch.topology import start_servers, terminate_all
+from swarm.client.transport.manager import ClientConfig, SwarmManager
 from swarm.runtime import aio
 from swarm.wire import protocol as P
 
@@ -234,7 +234,7 @@ def test_training_calls_time_out_and_count_as_streams(limited, backward):
 
 
 def test_routing_skips_servers_whose_announced_limits_take_no_such_session():
-    from swarm.client.routing import RoutingError, find_inference_chain
+    from swarm.client.transport.routing import RoutingError, find_inference_chain
     from swarm.wire.records import ServerInfo, ServerLimits, ServerSpan, ServerState
 
     def span(peer: str, max_length: int) -> ServerSpan:
@@ -255,7 +255,7 @@ def test_limits_are_announced_and_the_client_fits_its_steps_to_them(limited, swa
     takes 64 tokens per step in chunks (it got `over_limit` before), and a session longer than any server takes
     gets a clear error before anything is sent."""
     from swarm import AutoDistributedModelForCausalLM
-    from swarm.client.session import SessionError
+    from swarm.client.transport.session import SessionError
 
     m, server = limited
     stats = m.server_info(server.peer_id)

@@ -117,9 +117,9 @@ def test_the_gateway_and_client_model_load_without_transformers_generation_utils
     torch.distributed's tensor and FSDP modules, torch._dynamo and sympy: about 80 MB that a gateway serving chat
     never uses. The client model imports them when `generate` asks for a dict or for beams."""
     code = (
-        "import sys, swarm, gateway.app, swarm.client.model\n"
+        "import sys, swarm, gateway.app, swarm.client.model.causal_lm\n"
         "heavy = [m for m in ('transformers.generation.utils', 'torch._dynamo', 'sympy', 'torch.distributed.tensor',"
-        " 'swarm.client.beam') if m in sys.modules]\n"
+        " 'swarm.client.decoding.beam') if m in sys.modules]\n"
         "print(heavy)\n"
     )
     assert run_python(code) == "[]"

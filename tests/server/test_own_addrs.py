@@ -11,7 +11,7 @@ import time
 
 import hivemind
 
-from swarm.launch.topology import start_server
+from launch.topology import start_server
 from swarm.wire.records import ServerState, fetch_block_records
 from tests.fixtures.late_addrs_server import INJECTED, INJECTED_STORE
 

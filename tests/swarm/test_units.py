@@ -230,7 +230,7 @@ def test_a_server_asks_for_huge_pages_before_torch_loads_and_a_user_setting_wins
 def test_min_new_tokens_processor_matches_transformers(eos):
     from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
 
-    from swarm.client.generation import MinNewTokensProcessor
+    from swarm.client.decoding.sampling import MinNewTokensProcessor
 
     torch.manual_seed(0)
     ours, theirs = MinNewTokensProcessor(5, 3, eos), MinNewTokensLengthLogitsProcessor(5, 3, eos)
@@ -273,7 +273,7 @@ def test_one_token_selection_path_matches_transformers_processors():
         TopPLogitsWarper,
     )
 
-    from swarm.client.generation import SamplingParams, build_processors, draw, pick_tokens
+    from swarm.client.decoding.sampling import SamplingParams, build_processors, draw, pick_tokens
 
     torch.manual_seed(0)
     ids, scores = torch.randint(0, 50, (2, 7)), torch.randn(2, 50)
@@ -301,7 +301,7 @@ def test_one_token_selection_path_matches_transformers_processors():
 
 def test_a_sessions_input_history_grows_with_what_was_sent_and_keeps_it():
     """`BoundaryHistory` (what failover replays) holds the positions written, not the session's whole max_length."""
-    from swarm.client.session_chain import BoundaryHistory
+    from swarm.client.transport.session_chain import BoundaryHistory
 
     history = BoundaryHistory(2, 10_000, 8, torch.float32)
     sent = torch.randn(2, 300, 8)
@@ -329,7 +329,7 @@ def test_only_a_call_that_got_no_reply_at_all_is_sent_again():
     from hivemind.p2p import P2PHandlerError
     from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
-    from swarm.client.remote_autograd import no_reply
+    from swarm.client.transport.remote_autograd import no_reply
     from swarm.wire import protocol as P
     from swarm.wire import streaming
 

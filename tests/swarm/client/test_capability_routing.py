@@ -9,16 +9,16 @@ from typing import Optional, Tuple
 import pytest
 import torch
 
-from swarm.client.manager import needs_for
-from swarm.client.routing import (
+from swarm.client.transport.manager import needs_for
+from swarm.client.transport.routing import (
     RouteHop,
     RoutingError,
     choose_forward_chain,
     choose_training_chain,
     find_inference_chain,
 )
-from swarm.client.session import InferenceSession
-from swarm.client.span_stream import SpanStream
+from swarm.client.transport.session import InferenceSession
+from swarm.client.transport.span_stream import SpanStream
 from swarm.wire import capabilities as C
 from swarm.wire import protocol as P
 from swarm.wire.records import ServerInfo, ServerSpan, ServerState

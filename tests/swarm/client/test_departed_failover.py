@@ -13,11 +13,11 @@ from typing import List, Optional
 import pytest
 import torch
 
-from swarm.client.manager import SwarmManager
-from swarm.client.model import DistributedModelForCausalLM
-from swarm.client.remote_autograd import RemoteBlocks, TrainingError
-from swarm.client.routing import RouteHop
-from swarm.client.session import SessionError
+from swarm.client.model.causal_lm import DistributedModelForCausalLM
+from swarm.client.transport.manager import SwarmManager
+from swarm.client.transport.remote_autograd import RemoteBlocks, TrainingError
+from swarm.client.transport.routing import RouteHop
+from swarm.client.transport.session import SessionError
 from swarm.wire.records import ServerSpan
 from tests.fixtures.synthetic_swarm import fake_manager, make_span
 

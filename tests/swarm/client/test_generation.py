@@ -11,8 +11,8 @@ from torch import nn
 from transformers import GenerationConfig
 from transformers.generation import logits_process as lp
 
-from swarm.client.generation import UNSUPPORTED_GENERATION_SETTINGS, SamplingParams, build_processors
-from swarm.client.model import DistributedModelForCausalLM
+from swarm.client.decoding.sampling import UNSUPPORTED_GENERATION_SETTINGS, SamplingParams, build_processors
+from swarm.client.model.causal_lm import DistributedModelForCausalLM
 from tests.fixtures.client_doubles import StubSession
 
 EOS = 2

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from swarm.client.manager import ClientConfig
-from swarm.client.routing import RouteHop
-from swarm.client.span_stream import SpanStream
+from swarm.client.transport.manager import ClientConfig
+from swarm.client.transport.routing import RouteHop
+from swarm.client.transport.span_stream import SpanStream
 from swarm.wire import protocol as P
 
 PEER = "12D3KooWQcDwdERqzANxK8BBxoXHhs5q31JtseSoksHmMw3bHuap"
@@ -78,8 +78,8 @@ def test_a_frozen_server_mid_generation_is_failed_over_on_loopback(model_path, b
     import os
     import signal
 
+    from launch.topology import start_servers
     from swarm import AutoDistributedModelForCausalLM
-    from swarm.launch.topology import start_servers
     from tests.fixtures.swarm_checks import KillAfter
 
     prefix = "tfrozen"

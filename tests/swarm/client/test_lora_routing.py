@@ -10,7 +10,13 @@ import pytest
 from pydantic import ValidationError
 
 from server.config import ServerConfig
-from swarm.client.routing import RouteHop, RoutingError, choose_forward_chain, find_inference_chain, served_adapters
+from swarm.client.transport.routing import (
+    RouteHop,
+    RoutingError,
+    choose_forward_chain,
+    find_inference_chain,
+    served_adapters,
+)
 from swarm.wire import protocol as P
 from swarm.wire.records import ServerInfo, ServerSpan, ServerState
 

@@ -11,9 +11,9 @@ import pytest
 from pydantic import ValidationError
 
 from swarm.client.api import Coverage, ServerView
-from swarm.client.manager import ClientConfig
-from swarm.client.model import DistributedModelForCausalLM
-from swarm.client.routing import (
+from swarm.client.model.causal_lm import DistributedModelForCausalLM
+from swarm.client.transport.manager import ClientConfig
+from swarm.client.transport.routing import (
     QUANT_TYPES,
     RouteHop,
     RoutingError,

@@ -1,4 +1,4 @@
-"""Tests for swarm.client.routing on synthetic swarms (no network)."""
+"""Tests for swarm.client.transport.routing on synthetic swarms (no network)."""
 from __future__ import annotations
 
 import collections
@@ -11,7 +11,7 @@ from typing import List, Sequence
 import pytest
 import torch
 
-from swarm.client.routing import (
+from swarm.client.transport.routing import (
     RouteHop,
     RoutingCosts,
     RoutingError,
@@ -326,7 +326,7 @@ def test_forward_chain_is_reproducible_with_seeded_rng():
 def test_a_chain_carries_each_servers_dtype_and_the_client_sends_in_it():
     """Hidden states go out in the server's serving dtype (`SpanStream.send`): a float32 client's bfloat16 server
     gets bfloat16 (half the bytes), a float32 one float32; ids and other integer tensors are left as they are."""
-    from swarm.client.span_stream import SpanStream
+    from swarm.client.transport.span_stream import SpanStream
     from swarm.wire import protocol as P
 
     spans = [ServerSpan("a", 0, 15, ServerInfo(state=ServerState.ONLINE, start=0, end=15, dtype="bfloat16")),
@@ -344,7 +344,7 @@ def test_a_chain_carries_each_servers_dtype_and_the_client_sends_in_it():
 
 
 def test_large_swarms_search_only_the_cheapest_servers_of_each_block(monkeypatch):
-    import swarm.client.routing as routing
+    import swarm.client.transport.routing as routing
 
     rng = random.Random(5)
     spans = []

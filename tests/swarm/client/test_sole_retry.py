@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from swarm.client.manager import unreachable
-from swarm.client.routing import RouteHop, RoutingError
+from swarm.client.transport.manager import unreachable
+from swarm.client.transport.routing import RouteHop, RoutingError
 from swarm.wire import protocol as P
 from swarm.wire.records import ServerInfo, ServerSpan, ServerState
 from tests.fixtures.synthetic_swarm import fake_manager, span

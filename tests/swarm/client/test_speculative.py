@@ -1,4 +1,4 @@
-"""Speculative decoding (swarm/client/speculative.py, drafting.py): exactness and distribution.
+"""Speculative decoding (swarm/client/decoding/speculative.py, drafting.py): exactness and distribution.
 
 In process (fast): `generate(speculative=...)` over a stand-in session that runs the local transformers model, so the
 loop, the acceptance rule and the rewinds are checked against transformers' greedy output token for token (n-gram
@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from swarm.client.drafting import DraftLength, NgramDrafter, SpeculativeConfig
-from swarm.client.generation import Sampler, SamplingParams
-from swarm.client.model import DistributedModelForCausalLM
-from swarm.client.speculative import Speculator, accept_drafts
+from swarm.client.decoding.drafting import DraftLength, NgramDrafter, SpeculativeConfig
+from swarm.client.decoding.sampling import Sampler, SamplingParams
+from swarm.client.decoding.speculative import Speculator, accept_drafts
+from swarm.client.model.causal_lm import DistributedModelForCausalLM
 from tests.fixtures.client_doubles import StubSession
 
 REPEAT = ("Repeat this paragraph exactly.\n\nThe quick brown fox jumps over the lazy dog. The dog sleeps in the "

@@ -11,7 +11,7 @@ import torch
 from hivemind.proto import runtime_pb2
 from hivemind.utils.asyncio import as_aiter
 
-from swarm.client.routing import RoutingError, choose_training_chain
+from swarm.client.transport.routing import RoutingError, choose_training_chain
 from swarm.wire import protocol as P
 from swarm.wire import streaming
 from tests.fixtures.synthetic_swarm import make_span

@@ -27,7 +27,7 @@ import torch
 from server.compute.blocks import BlockSpan
 from swarm.modeling.checkpoint import Checkpoint, CheckpointError
 from swarm.modeling.checkpoint_quant import dequantize_fp8, dequantize_mxfp4
-from swarm.modeling.qwen3_moe import from_fused_layout
+from swarm.modeling.families.qwen3_moe import from_fused_layout
 from tests.fixtures.family_configs import DEEPSEEK, GPT_OSS, VOCAB
 from tests.fixtures.quant_checkpoints import quantize_fp8, quantize_mxfp4, reference_of, to_fp8, to_mxfp4
 from tests.fixtures.swarm_checks import check_split_swarm

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from launch.topology import start_servers, terminate_all
 from swarm import AutoDistributedModelForCausalLM
-from swarm.launch.topology import start_servers, terminate_all
 from tests.fixtures.family_configs import llama_like_configs
 
 

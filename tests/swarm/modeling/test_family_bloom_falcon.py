@@ -106,8 +106,8 @@ def family_swarm(request, tmp_path_factory, model_path, bootstrap):
     """A tiny checkpoint of the case, two servers split mid-model, a client model, the local reference."""
     from transformers import AutoTokenizer
 
+    from launch.topology import start_servers, terminate_all
     from swarm import AutoDistributedModelForCausalLM
-    from swarm.launch.topology import start_servers, terminate_all
 
     case = request.param
     path = tmp_path_factory.mktemp(case)
@@ -236,7 +236,7 @@ def test_gateway_completions_and_chat(family_swarm):
     (Falcon's here), else a 400 that says so (BLOOM's)."""
     import openai
 
-    from swarm.launch.topology import start_gateway
+    from launch.topology import start_gateway
 
     case, tokenizer = family_swarm["case"], family_swarm["tokenizer"]
     if case not in ("bloom", "falcon-new"):
@@ -288,8 +288,8 @@ def test_quantized_servers_generate(case, quant_type, tmp_path, model_path, boot
     pytest.importorskip("bitsandbytes")
     from transformers import AutoTokenizer
 
+    from launch.topology import start_servers, terminate_all
     from swarm import AutoDistributedModelForCausalLM
-    from swarm.launch.topology import start_servers, terminate_all
 
     reference = build_bloom_falcon(case, tmp_path, model_path)
     prefix = f"tbfq-{case}"

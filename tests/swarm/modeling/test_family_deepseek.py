@@ -1,8 +1,8 @@
-"""DeepSeek-V3 (`swarm.modeling.deepseek_v3`) beyond the in-process comparisons it shares with the other open models
-(tests/swarm/modeling/test_family_open_models.py: logits, chunked prefill, greedy decoding, batched rows, a left-padded
-batch and training gradients against transformers, with and without q_lora_rank, YaRN and both rotary layouts): its
-latent cache (bytes per token, values as views of the keys, the shared CPU arena's sessions equal to their own
-buffers'), its config against transformers' `DeepseekV3Config`, what it refuses with a clear error (adapters, CUDA
+"""DeepSeek-V3 (`swarm.modeling.families.deepseek_v3`) beyond the in-process comparisons it shares with the other open
+models (tests/swarm/modeling/test_family_open_models.py: logits, chunked prefill, greedy decoding, batched rows, a
+left-padded batch and training gradients against transformers, with and without q_lora_rank, YaRN and both rotary
+layouts): its latent cache (bytes per token, values as views of the keys, the shared CPU arena's sessions equal to their
+own buffers'), its config against transformers' `DeepseekV3Config`, what it refuses with a clear error (adapters, CUDA
 graphs, nf4 on widths it cannot quantize; its int8 / nf4 blocks: test_deepseek_quant.py), and two servers split
 mid-model against transformers (`check_split_swarm`; a session failing over in the extended tier).
 """

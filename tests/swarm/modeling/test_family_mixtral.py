@@ -1,4 +1,4 @@
-"""The Mixtral family (`swarm.modeling.mixtral`) against transformers' MixtralForCausalLM on tiny random
+"""The Mixtral family (`swarm.modeling.families.mixtral`) against transformers' MixtralForCausalLM on tiny random
 checkpoints: both layouts of the experts' tensors (the hub's per-expert names that `save_pretrained` writes, and
 the fused tensors of transformers 5's modules), a prompt and greedy decoding through a `BlockSpan` (logits within
 1e-4 in float32, tokens equal), and a batched decode step whose rows (sessions) go to different experts."""
@@ -11,7 +11,7 @@ import torch
 
 from server.compute.blocks import BlockSpan
 from swarm.modeling.checkpoint import Checkpoint
-from swarm.modeling.mixtral import FusedMoeLayer
+from swarm.modeling.families.mixtral import FusedMoeLayer
 from swarm.modeling.model_config import model_config
 from tests.fixtures.span_checks import check_batched_rows
 from tests.fixtures.tiny_checkpoints import save_tiny, tensor_names
@@ -88,7 +88,7 @@ def test_fused_experts_are_views_of_the_layer_modules(mixtral):
 
 
 def test_a_fused_layout_with_wrong_shapes_is_a_clear_error():
-    from swarm.modeling.mixtral import from_fused_layout
+    from swarm.modeling.families.mixtral import from_fused_layout
 
     bad = {"mlp.gate.weight": torch.zeros(4, 8), "mlp.experts.gate_up_proj": torch.zeros(4, 8, 8),
            "mlp.experts.down_proj": torch.zeros(4, 8, 6)}

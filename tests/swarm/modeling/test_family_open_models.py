@@ -1,7 +1,7 @@
-"""Qwen3 (`swarm.modeling.qwen3`), Qwen3-MoE (`swarm.modeling.qwen3_moe`), Phi-3 (`swarm.modeling.phi3`), Gemma 2
-and Gemma 3 text (`swarm.modeling.gemma`) and GPT-OSS (`swarm.modeling.gpt_oss`) against transformers on tiny
-random checkpoints the tests build (4 blocks, hidden 64, the bundled SmolLM2 tokenizer; sliding windows of 4 that
-the prompts outgrow).
+"""Qwen3 (`swarm.modeling.families.qwen3`), Qwen3-MoE (`swarm.modeling.families.qwen3_moe`), Phi-3
+(`swarm.modeling.families.phi3`), Gemma 2 and Gemma 3 text (`swarm.modeling.families.gemma`) and GPT-OSS
+(`swarm.modeling.families.gpt_oss`) against transformers on tiny random checkpoints the tests build (4 blocks, hidden
+64, the bundled SmolLM2 tokenizer; sliding windows of 4 that the prompts outgrow).
 
 In process: the server's `BlockSpan` inside transformers' embeddings and head (prefill logits within 1e-4 in
 float32, prefill in two chunks, greedy decoding through batched decode steps, the layer modules' pass without a
@@ -336,7 +336,7 @@ def check_training_gradients(reference, span, ids: torch.Tensor, embed_norm, hea
 
 def test_mxfp4_gpt_oss_experts_without_their_config_are_a_clear_error():
     """(with `quantization_config` mxfp4 the reader dequantizes them: test_checkpoint_quant.py)"""
-    from swarm.modeling.gpt_oss import GptOssDecoderLayer
+    from swarm.modeling.families.gpt_oss import GptOssDecoderLayer
     from tests.fixtures.tiny_checkpoints import tiny_config
 
     with torch.device("meta"):

@@ -1,5 +1,5 @@
-"""`swarm.modeling.llama` (the Llama family's layers) and `swarm.modeling.model_config` against the transformers
-classes they stand in for, per family.
+"""`swarm.modeling.families.llama` (the Llama family's layers) and `swarm.modeling.model_config` against the
+transformers classes they stand in for, per family.
 
 The layers must compute exactly what transformers' modeling code computes (same ops, so equal outputs: prefill,
 a step after a cache with and without a mask, single-token decode, float32 and bfloat16, biases, RoPE scaling
@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-import swarm.modeling.llama as llama
+import swarm.modeling.families.llama as llama
 from swarm.modeling.families import family_for
 from swarm.modeling.model_config import model_config
 from tests.fixtures.family_configs import LLAMA_TINY, llama_like_configs

@@ -6,7 +6,7 @@ long ones past it; and `generate` drops its cache at the first step whose sequen
 the cache holds no more than it, computing the whole sequence again (so every key then has the long factors). Its
 greedy tokens and logits are therefore those of a pass without a cache over the whole sequence at every step. The
 swarm matches that: the client sends the whole sequence again from position 0 at that step
-(`phi3.recomputes_cache`, `swarm.client.model_session`), in process and through a server; keeping the cache
+(`phi3.recomputes_cache`, `swarm.client.model.model_session`), in process and through a server; keeping the cache
 instead (the earlier keys with the short factors) gives other logits, which this test also shows.
 
 A step computed in parts (passes of a few positions on a server, messages of a few tokens from the client) has the
@@ -20,7 +20,7 @@ import torch
 
 from server.compute.blocks import BlockSpan
 from swarm.modeling.checkpoint import Checkpoint
-from swarm.modeling.phi3 import recomputes_cache
+from swarm.modeling.families.phi3 import recomputes_cache
 from tests.fixtures.family_configs import LONGROPE, VOCAB
 from tests.fixtures.span_checks import embed_ids, final_logits, greedy_steps
 from tests.fixtures.tiny_checkpoints import save_tiny
@@ -93,8 +93,8 @@ LONG_PROMPT = ("The history of the Roman Empire begins with the founding of the 
 def test_a_swarm_session_crossing_the_original_length(tmp_path, bootstrap, model_path, tokenizer):
     """Through two servers (0:2, 2:4) and the client's `generate`: a 9-token prompt and 8 new tokens cross the
     boundary, the tokens and the last logits equal transformers'."""
+    from launch.topology import start_servers, terminate_all
     from swarm import AutoDistributedModelForCausalLM
-    from swarm.launch.topology import start_servers, terminate_all
 
     reference = _sharp_checkpoint(tmp_path, model_path)
     servers = start_servers(str(tmp_path), [bootstrap.maddr], ["0:2", "2:4"], "tlr", threads=1)
@@ -175,8 +175,8 @@ def test_a_swarm_step_in_messages_across_the_boundary(tmp_path, bootstrap, model
     transformers' (float32; its later messages pushed server to server), and a 9-token prompt's 8 greedy tokens,
     whose step past the boundary sends the whole sequence again in 5-token messages (`phi3.recomputes_cache`), equal
     transformers' generate."""
+    from launch.topology import start_servers, terminate_all
     from swarm import AutoDistributedModelForCausalLM
-    from swarm.launch.topology import start_servers, terminate_all
 
     reference = _sharp_checkpoint(tmp_path, model_path)
     servers = start_servers(str(tmp_path), [bootstrap.maddr], ["0:2", "2:4"], "tlrm", ["--max_step_tokens", "5"],
@@ -209,8 +209,8 @@ def test_a_failover_in_the_middle_of_a_step_replays_with_its_factors(tmp_path, b
     """Servers 0:2, 2:4, 2:4 taking 5 tokens a message; the session's 2:4 server is killed once 2 messages of a
     20-token step are through: the replacement replays positions 0..10 with the step's factors (the long ones, its
     `rope_length` 20, not the replay's own 10), and the step's logits equal transformers' within 1e-4."""
+    from launch.topology import start_servers
     from swarm import AutoDistributedModelForCausalLM
-    from swarm.launch.topology import start_servers
 
     reference = _sharp_checkpoint(tmp_path, model_path)
     servers = {s.peer_id: s for s in start_servers(str(tmp_path), [bootstrap.maddr], ["0:2", "2:4", "2:4"], "tlrf",

@@ -10,7 +10,7 @@ from hivemind.proto import dht_pb2
 from hivemind.utils import get_dht_time
 
 from gateway.metrics import Metrics
-from swarm.client.manager import RouteTiming
+from swarm.client.transport.manager import RouteTiming
 from swarm.runtime.dht_process import DHTProcess
 from swarm.runtime.dht_traffic import DHTTraffic, TrafficCounter, read_dht_traffic
 from swarm.runtime.swarm_key import join_dht

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from swarm.client.manager import needs_for
-from swarm.client.routing import RouteHop, RoutingError, choose_training_chain, find_inference_chain
-from swarm.client.span_stream import SpanStream
+from swarm.client.transport.manager import needs_for
+from swarm.client.transport.routing import RouteHop, RoutingError, choose_training_chain, find_inference_chain
+from swarm.client.transport.span_stream import SpanStream
 from swarm.wire import capabilities as C
 from swarm.wire.records import ServerInfo, ServerSpan, ServerState
 
@@ -63,7 +63,7 @@ def test_the_release_is_pyprojects_version():
     import tomllib
 
     assert C.release() == tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
-    out = subprocess.run([sys.executable, "-m", "swarm.launch.cli", "--version"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "--version"], capture_output=True, text=True,
                          cwd=REPO, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith(f"swarmgate {C.release()} "), out
 
@@ -166,7 +166,7 @@ def test_unknown_records_are_skipped_with_one_log_line_per_peer(caplog):
 
 
 def test_status_shows_each_servers_release_and_protocol():
-    from swarm.client.status import build_status, format_table
+    from swarm.client.transport.status import build_status, format_table
 
     records = [{"peer-old": _info(version="0.1.0", end=2), "peer-new": _info(version=C.release(), end=2,
                                                                              capabilities=C.OWN_CAPABILITIES)}] * 2

@@ -48,7 +48,7 @@ def test_malformed_compressed_tensors_are_refused():
 
 def test_bad_compression_values_are_usage_errors(model_path, capsys):
     from server.server import main
-    from swarm.client.manager import ClientConfig
+    from swarm.client.transport.manager import ClientConfig
 
     with pytest.raises(SystemExit) as exit_info:
         main([model_path, "--new_swarm", "--compression", "int4"])

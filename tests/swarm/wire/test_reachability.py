@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from server.config import ServerConfig
-from swarm.client.routing import chain_cost, find_inference_chain
+from swarm.client.transport.routing import chain_cost, find_inference_chain
 from swarm.runtime.config import ConfigError, load_config
 from swarm.runtime.relays import RelaySettings, relay_dht_kwargs
 from swarm.wire.reachability import DialBack, check_reachability, checker_peers, dialable_maddrs

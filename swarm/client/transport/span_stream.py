@@ -1,0 +1,174 @@
+"""One server's part of a client inference session: `SpanStream` holds blocks [start, end) of the session on one
+server over one bidirectional stream (open, queue steps, read replies in order, the server's liveness while a
+reply is late, close); `SessionError` is what a session raises when it cannot go on.
+
+`swarm.client.transport.session.InferenceSession` chains one `SpanStream` per server and replaces a failed one.
+"""
+from __future__ import annotations
+
+import asyncio
+import secrets
+from typing import AsyncGenerator, Optional
+
+import torch
+from hivemind.p2p import P2PHandlerError
+
+from swarm.client.transport.manager import SwarmManager
+from swarm.client.transport.routing import RouteHop
+from swarm.runtime import aio
+from swarm.wire import protocol as P
+from swarm.wire.dtypes import DTYPES
+
+
+class SessionError(RuntimeError):
+    """The session cannot go on (bad use, or the swarm failed past the retry bound)."""
+
+
+class SpanStream:
+    """The part of a session held by one server: blocks [hop.start, hop.end) over one bidirectional stream."""
+
+    def __init__(self, manager: SwarmManager, hop: RouteHop, session_id: str, max_length: int, batch_size: int,
+                 adapter: Optional[str] = None, prompts: Optional[torch.Tensor] = None):
+        self.manager, self.hop = manager, hop
+        self.prompts = prompts  # deep prompts of this hop's blocks [hop.length, 1, pre_seq_len, hidden], or None
+        self.session_id, self.max_length, self.batch_size = session_id, max_length, batch_size
+        self.adapter = adapter
+        self.position = 0  # tokens the server holds for this session
+        self._queue: "asyncio.Queue[Optional[object]]" = asyncio.Queue()
+        self._responses: Optional[AsyncGenerator] = None
+        self._pending: Optional[asyncio.Future] = None  # the next reply, possibly awaited across time-outs
+        self.open_pending = False  # OpenSession sent, its reply not read yet (read before the first step's)
+        self.push_token = secrets.token_urlsafe(24)  # only the previous server of the chain learns it
+        # hidden states go out in the server's dtype (what it computes in anyway): a bfloat16 server gets half the
+        # bytes of the client's float32; None where the server announced none the wire knows (sent as they are)
+        self.wire_dtype = DTYPES.get(hop.dtype) if hop.dtype else None
+
+    async def _next_reply(self, timeout: Optional[float] = None):
+        if self._pending is None:
+            assert self._responses is not None, "the stream is not open"
+            self._pending = asyncio.ensure_future(self._responses.__anext__())
+        try:
+            if timeout is None:
+                response = await self._wait_while_alive(self._pending)
+            else:
+                # shield: a short wait (for a push) that times out must not lose the reply still on its way
+                response = await asyncio.wait_for(asyncio.shield(self._pending), timeout=timeout)
+            self._pending = None
+        except asyncio.TimeoutError:
+            if timeout is None:
+                self._abandon_pending()
+            raise
+        except StopAsyncIteration:
+            self._pending = None
+            raise P.RemoteError("closed", "the server closed the session", self.hop.peer_id) from None
+        except Exception:
+            self._abandon_pending()
+            raise
+        return P.unpack_reply(response, self.hop.peer_id)
+
+    def _abandon_pending(self) -> None:
+        """Give up on the reply still awaited from a failed server (cancelled: it would end, unread, in an
+        exception that asyncio reports as never retrieved)."""
+        if self._pending is not None and not self._pending.done():
+            self._pending.cancel()
+        self._pending = None
+
+    async def _wait_while_alive(self, pending: asyncio.Future):
+        """The reply, waited for up to `step_timeout`. While it is late, the server is pinged (an info call on a new
+        stream) every `liveness_interval` seconds: a ping unanswered within `liveness_timeout` means the server is
+        unreachable (a cut link, a frozen host: no connection error ever comes), so the session fails over after
+        about interval + timeout seconds instead of the whole step time-out."""
+        config = self.manager.config
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + config.step_timeout
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise asyncio.TimeoutError(f"no reply within step_timeout={config.step_timeout:g}s")
+            interval = config.liveness_interval
+            await asyncio.wait({pending}, timeout=left if interval is None else min(left, interval))
+            if pending.done():
+                return pending.result()
+            if interval is not None and not await self._answers_ping() and not pending.done():
+                raise P.RemoteError("unreachable", f"no reply for {interval:g}s and no answer to a ping within "
+                                                   f"{config.liveness_timeout:g}s", self.hop.peer_id)
+
+    async def _answers_ping(self) -> bool:
+        try:
+            await asyncio.wait_for(self.manager.info(self.hop.peer_id), self.manager.config.liveness_timeout)
+        except P2PHandlerError:
+            return True  # the server answered, if with an error: it is reachable
+        except Exception:
+            return False
+        return True
+
+    async def open(self, wait: bool = True) -> None:
+        """Open the stream and the server's session. With `wait=False` the OpenSession reply is read before the
+        first step's reply instead (the step goes out without waiting a round trip); its error, if any, then
+        surfaces as that step's failure."""
+        stub = self.manager.stub(self.hop.peer_id)
+        self._responses = await stub.rpc_inference(aio.iterate_queue(self._queue))
+        opened = P.OpenSession(session_id=self.session_id, start=self.hop.start, end=self.hop.end,
+                               max_length=self.max_length, batch_size=self.batch_size, adapter=self.adapter,
+                               prompts=self.prompts is not None, push_token=self.push_token if self.pushes else None,
+                               compression=self.compression)
+        P.check_capabilities(opened, self.hop.capabilities, self.hop.peer_id)  # routing chose a server that takes it
+        self._queue.put_nowait(P.make_request(opened, [] if self.prompts is None else [self.prompts]))
+        if wait:
+            await self._next_reply()
+        else:
+            self.open_pending = True
+
+    @property
+    def pushes(self) -> bool:
+        """Whether the server takes part in server-to-server push (it announces `push`): only then does its session
+        get a push token and its steps a push chain, and only then is it a push's target."""
+        return "push" in self.hop.capabilities
+
+    @property
+    def compression(self):
+        """The client's compression, for a server that announces the capability (None otherwise: the field is
+        left out of OpenSession and the tensors travel raw, as a server from before it expects)."""
+        wanted = self.manager.config.compression
+        return wanted if wanted is not None and "compression" in self.hop.capabilities else None
+
+    @property
+    def key(self) -> str:
+        return P.stream_key(self.session_id, self.hop.start)
+
+    def send(self, hidden: torch.Tensor, start_position: int, step_id: int, push_chain=(),
+             edits: Optional[dict] = None) -> None:
+        """Queue a step: hidden [batch, seq, hidden] for positions start_position.. (returns at once); `edits`:
+        the step's `P.RowEdits` fields (beam parents, padding)."""
+        step = P.Step(start_position=start_position, step_id=step_id, push_chain=list(push_chain), **(edits or {}))
+        P.check_capabilities(step, self.hop.capabilities, self.hop.peer_id)  # the session keeps to servers with it
+        if self.wire_dtype is not None and hidden.is_floating_point():
+            hidden = hidden.to(self.wire_dtype)
+        self._queue.put_nowait(P.make_request(step, [hidden], compression=self.compression or "none"))
+
+    async def receive(self, start_position: int, seq: int, timeout: Optional[float] = None):
+        """The reply to the step at start_position: (output [batch, seq, hidden], pushed)."""
+        if self.open_pending:
+            await self._next_reply(timeout)  # the OpenSession reply (an error reply raises here)
+            self.open_pending = False
+        reply, tensors = await self._next_reply(timeout)
+        if reply.position != start_position + seq or len(tensors) != 1:
+            raise P.RemoteError("bad_reply", f"server reported position {reply.position}", self.hop.peer_id)
+        self.position = reply.position
+        return tensors[0], reply.pushed
+
+    async def step(self, hidden: torch.Tensor, start_position: int, step_id: int,
+                   edits: Optional[dict] = None) -> torch.Tensor:
+        self.send(hidden, start_position, step_id, edits=edits)
+        output, _ = await self.receive(start_position, hidden.shape[1])
+        return output
+
+    async def close(self) -> None:
+        self._queue.put_nowait(None)
+        if self._pending is not None:
+            self._pending.cancel()
+        if self._responses is not None:
+            try:
+                await asyncio.wait_for(self._responses.aclose(), timeout=5)
+            except Exception:  # the stream may already be gone
+                pass

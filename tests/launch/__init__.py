@@ -1,0 +1,1 @@
+"""Tests of `launch`: the topology launcher and the latency lab."""

@@ -1,1 +1,0 @@
-"""Tests of `swarm.launch`: the topology launcher and the latency lab."""
