@@ -148,10 +148,16 @@ CORE_FIELDS: FrozenSet[str] = frozenset({
 def needed_capabilities(message: BaseModel) -> FrozenSet[str]:
     """The capabilities a server needs to take `message`: its RPC's, and those of its fields that are set (to
     anything but their defaults; `FIELD_CAPABILITIES`)."""
-    kind = type(message).__name__
-    needed = {MESSAGE_CAPABILITIES[kind]} if kind in MESSAGE_CAPABILITIES else set()
-    for name, field in type(message).model_fields.items():
-        capability = FIELD_CAPABILITIES.get(f"{kind}.{name}")
-        if capability is not None and getattr(message, name) != field.get_default(call_default_factory=True):
-            needed.add(capability)
-    return frozenset(needed)
+    always, fields = _capability_fields(type(message))
+    return always.union(capability for name, capability, default in fields if getattr(message, name) != default)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_fields(cls: "type[BaseModel]") -> Tuple[FrozenSet[str], Tuple[Tuple[str, str, object], ...]]:
+    """A message type's capabilities whatever its fields, and (field, capability, default) of its fields that need
+    one: read once per type (a step is checked before every send, on the decode path)."""
+    kind = cls.__name__
+    always = frozenset({MESSAGE_CAPABILITIES[kind]} if kind in MESSAGE_CAPABILITIES else ())
+    fields = tuple((name, FIELD_CAPABILITIES[f"{kind}.{name}"], field.get_default(call_default_factory=True))
+                   for name, field in cls.model_fields.items() if f"{kind}.{name}" in FIELD_CAPABILITIES)
+    return always, fields
