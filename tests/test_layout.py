@@ -239,3 +239,14 @@ def test_an_imported_test_module_is_seen(tmp_path):
                       "    from tests.a.helpers import z\n")
     assert sorted(set(imported_test_modules(source, tmp_path))) == ["tests.a.test_b"]
     assert len(list(imported_test_modules(source, tmp_path))) == 5
+
+
+def test_unit_files_name_their_real_process_sibling():
+    """Test file names follow one rule: `test_X_unit.py` holds the in-process tests (no server or gateway process) of
+    what `test_X.py`, somewhere under tests/, checks with real processes; a file with no such sibling has no suffix
+    (and no `_units`, `_unit_tests` variants)."""
+    names = {path.name for path in (REPO / "tests").rglob("test_*.py")}
+    orphans = sorted(name for name in names
+                     if name.endswith("_unit.py") and name.replace("_unit.py", ".py") not in names)
+    variants = sorted(name for name in names if name.endswith(("_units.py", "_unit_tests.py")))
+    assert orphans == [] and variants == []

@@ -13,7 +13,7 @@ the compute thread at `PRIORITY_TRAINING`, below decode steps, prefill chunks an
 training pass yields to live sessions' decode steps between pieces.
 
 Quantized spans (`--quant_type int8 / nf4`) run the same path: bitsandbytes' `Linear8bitLt` / `Linear4bit` pass
-gradients to their inputs on the CPU (tests/swarm/client/test_training_units.py), approximately: int8's gradient is
+gradients to their inputs on the CPU (tests/swarm/client/test_training_unit.py), approximately: int8's gradient is
 within ~4% (relative norm) of the float block's, nf4's within ~6% of a finite difference of its own forward; exact
 (1e-4) gradients need float servers.
 
