@@ -1,9 +1,9 @@
 """A block server process: the supervisor that wires the server's parts together and keeps them running.
 
 Lifecycle (each step's module in brackets):
-1. Start a DHT peer, bootstrapping from `--initial_peers` or as a new swarm (`server.placement.announce`); ask peers to
-   dial it back: behind a NAT, restart it as a relayed DHT client, or exit 1 when relays are off
-   (`server.placement.reachable`).
+1. Start a DHT peer, bootstrapping from `--initial_peers` or as a new swarm; ask peers to dial it back: behind a NAT,
+   restart it as a relayed DHT client, or exit 1 when relays are off (`server.network`: the server's network identity,
+   one `ServerNetwork`).
 2. Size: how many blocks fit, and the KV cache budget (`server.placement.spans.plan`).
 3. Throughput: `--throughput auto|eval|<number>` (`server.placement.throughput`: measured once on one block, cached on
    disk).
@@ -11,7 +11,7 @@ Lifecycle (each step's module in brackets):
    (`server.placement.spans.place`).
 5. Load only those blocks, register the RPC handlers (`server.rpc.handler`) on the DHT's P2P daemon, announce
    `online`, print `SWARMGATE_READY {json}` (supervisors and tests wait for it) with the addresses p2pd tells now
-   (`server.placement.reachable.own_maddrs`, waited for: a relay reservation may come late). A DHT step of the
+   (`server.network.reachable.own_maddrs`, waited for: a relay reservation may come late). A DHT step of the
    start (placing, announcing) that fails is tried again with back-off (`server.retry`, one line): only errors the
    volunteer can fix, or the DHT process dying, end a server.
 6. Serve, supervised: refresh the record every `--update_period`, sooner when the free cache changed a lot
@@ -19,7 +19,8 @@ Lifecycle (each step's module in brackets):
    (`server.placement.spans.maybe_rebalance`); every few seconds (`--hole_check_period`) look for blocks nobody serves
    and, when this server's turn comes, move into them (`server.placement.spans.check_holes`, `fill_hole`). If the
    serving loop dies (an exception while announcing, rebalancing or loading), it is restarted with back-off: blocks that
-   are missing are reloaded, a dead compute thread is replaced, and the record is announced again.
+   are missing are reloaded, a dead compute thread is replaced, and the record is announced again. A relayed server
+   checks its relay slot every `--relay_check_period` and renews a lost one (`server.network.relay_watch`).
 7. On SIGINT/SIGTERM (to the process or its whole group: the DHT process and p2pd are in a group of their own and
    do not get a group's signal, `swarm.runtime.dht_process`): stop taking sessions, announce `offline` (before the
    DHT peer stops: clients stop routing to the server at once), stop the compute thread, the DHT process and
@@ -35,27 +36,25 @@ import asyncio
 import gc
 import json
 import logging
-import os
 import random
-import shutil
 import sys
 import threading
 import time
-from typing import Optional, Tuple, Type
+from typing import Any, Optional, Tuple, Type
 
-import hivemind
 import torch
+from hivemind.p2p import P2P
 
 from server.compute.blocks import BlockSpan
 from server.compute.cache import CacheBudget
 from server.compute.loading import resolve_dtype
 from server.config import ServerConfig
+from server.network.identity import ServerNetwork
+from server.network.reachable import Unreachable
 from server.placement import spans
-from server.placement.announce import Announcer, start_dht
+from server.placement.announce import Announcer
 from server.placement.liveness import HolderLiveness
 from server.placement.memory import Capacity
-from server.placement.reachable import RELAY_WAIT, RELAYED, Unreachable, own_maddrs, settle_reachability
-from server.placement.relay_watch import RelayWatch
 from server.placement.throughput import get_throughput
 from server.retry import backoff, until_done
 from server.rpc.handler import BlockHandler
@@ -90,8 +89,9 @@ POOL_STOP_TIMEOUT = 2.0  # seconds the compute thread gets to finish its queued 
 
 
 class Server:
-    """The server process: owns the DHT peer, the record (`Announcer`), the loaded span and its RPC handler, and
-    the compute thread; implements `server.placement.spans.SpanHost`."""
+    """The server process: owns its network identity (`ServerNetwork`: the DHT peer, p2pd, reachability, relay), the
+    record (`Announcer`), the loaded span and its RPC handler, and the compute thread; implements
+    `server.placement.spans.SpanHost` and, for the relay watch, `server.network.relay_watch.Rehost`."""
 
     handler_class: Type[BlockHandler] = BlockHandler  # a test subclass may swap in a fault-injecting handler
 
@@ -125,18 +125,14 @@ class Server:
                                       max_disk_space=parse_size(config.max_disk_space)) for text in config.adapters]
         self.pinned = config.block_indices is not None
         self.rng = random.Random()
-        self.dht: Optional[hivemind.DHT] = None
-        self.p2p = None
-        self.dial_back = None  # the dial-back checks this server offers others (when directly reachable)
-        self.relay_identity: Optional[str] = None  # a relayed peer's key file (its peer id survives p2pd restarts)
-        self.relay_watch: Optional[RelayWatch] = None  # a relayed server's check of its relay slot
+        self.network = ServerNetwork(config)  # the DHT peer, p2pd, reachability, relay: replaced only by it
         self.handler: Optional[BlockHandler] = None
         # the one thread that does this process's tensor work (swarm.runtime.threads)
         self.pool: Optional[TaskPool] = None
         self.capacity: Optional[Capacity] = None
         self.record = Announcer(self.prefix, config.expiration or 2 * config.update_period, self.num_blocks_total,
                                 self.dtype, self._free_cache_tokens, quant_type=self.quant_type,
-                                adapters=[files.name for files in self.adapters])
+                                adapters=[files.name for files in self.adapters], peer=self.network)
         self.record.model = ModelRecord(model=config.model, prefix=self.prefix, num_blocks=self.num_blocks_total)
         # observable counters (tests, logs)
         self.moves = self.restarts = 0
@@ -148,13 +144,13 @@ class Server:
         self.record.tensor_parallel = max(1, len(config.tensor_parallel_devices))
 
     @property
-    def started_dht(self) -> hivemind.DHT:
-        assert self.dht is not None, "run() starts the DHT peer first"
-        return self.dht
+    def peer_id(self) -> str:
+        return self.network.peer_id
 
     @property
-    def peer_id(self) -> str:
-        return self.started_dht.peer_id.to_base58()
+    def p2p(self) -> Any:
+        """The p2pd handle now (`ServerNetwork.p2p`), for placement's pings."""
+        return self.network.p2p
 
     def request_stop(self) -> None:
         """Ask a running server to shut down (thread-safe)."""
@@ -181,9 +177,10 @@ class Server:
         """Store the record under each block of the span (every announcement goes through here), then note the DHT
         peer's traffic counters for the info RPC."""
         await self.record.announce(state)
-        if self.handler is not None and self.dht is not None:
+        dht = self.network.dht
+        if self.handler is not None and dht is not None:
             try:
-                self.handler.dht_traffic = await read_dht_traffic_async(self.dht)
+                self.handler.dht_traffic = await read_dht_traffic_async(dht)
             except Exception as e:  # the counters are informative only
                 logger.debug(f"reading the DHT traffic failed: {e}")
 
@@ -212,9 +209,7 @@ class Server:
                                      swarm_key=self.record.swarm_key,
                                      limits=limits)
         handler.compression = self.config.compression
-        if self.p2p is None:
-            self.p2p = await self.started_dht.replicate_p2p()
-        await handler.add_p2p_handlers(self.p2p)
+        await handler.add_p2p_handlers(await self.network.handle())
         self.handler = handler
         logger.info(f"loaded and serving blocks {start}:{end} in {time.monotonic() - began:.1f}s")
 
@@ -232,7 +227,7 @@ class Server:
             return
         handler.accepting = False
         try:
-            await handler.remove_p2p_handlers(self.p2p)
+            await handler.remove_p2p_handlers(self.network.p2p)
         finally:
             del handler
             gc.collect()
@@ -251,8 +246,20 @@ class Server:
             logger.warning("the compute thread died: starting a new one")
             self.handler.pool = self._compute_pool()
 
+    # ---- the relay watch's renewal (`server.network.relay_watch.Rehost`) ---------------------------------
+    async def detach_handlers(self, p2p: P2P) -> None:
+        if self.handler is not None:
+            await self.handler.remove_p2p_handlers(p2p)
+
+    async def attach_handlers(self, p2p: P2P) -> None:
+        if self.handler is not None:
+            await self.handler.add_p2p_handlers(p2p)
+
+    async def reannounce(self) -> None:
+        await self.announce(ServerState.ONLINE)
+
     def _check_dht_alive(self) -> None:
-        if self.dht is not None and not self.dht.is_alive():
+        if self.network.dht_died():
             raise SystemExit("the DHT peer process died; exiting so that a supervisor restarts the server")
 
     # ---- the supervised serving loop ----------------------------------------------------------------------
@@ -277,8 +284,7 @@ class Server:
                 delay, num_servers = await spans.check_holes(self)
                 fill_at = never if delay is None else time.monotonic() + delay
                 next_hole_check = time.monotonic() + spans.hole_check_interval(hole_period, num_servers, self.rng)
-            if self.relay_watch is not None and self.relay_watch.due():
-                await self.relay_watch.check(self)
+            await self.network.watch_relay(self)
             if now >= next_balance:
                 await spans.maybe_rebalance(self)
                 next_balance = time.monotonic() + spans.jittered(self.config.balance_period, self.rng)
@@ -301,7 +307,7 @@ class Server:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                if self.dht is not None and not self.dht.is_alive():
+                if self.network.dht_died():
                     # a stop signal sent to the whole group reaches the DHT process too, maybe first
                     if await self.sleep(DHT_DEATH_GRACE):
                         return
@@ -326,12 +332,10 @@ class Server:
             lifecycle.on_stop_signals(self.request_stop)
         self.capacity = await loop.run_in_executor(None, spans.plan, self.config, self.model_config, self.dtype,
                                                    self.num_blocks_total, self.quant_type)
-        self.dht = self.record.dht = await loop.run_in_executor(None, start_dht, self.config)
+        await self.network.start()
         try:
             # before placing or loading blocks: behind a NAT, a relay (or exit 1 with one line: Unreachable)
-            self.record.reachable = await settle_reachability(self)
-            if self.record.reachable == "relayed":
-                self.relay_watch = RelayWatch(self.config.relay_check_period)
+            await self.network.settle()
             self.record.throughput, source = await self._compute_pool().submit(
                 PRIORITY_FORWARD, lambda: get_throughput(self.config.throughput, self.checkpoint, self.config.device,
                                                          self.dtype, self.config.torch_dtype,
@@ -351,8 +355,7 @@ class Server:
                 await self._leave()
                 return 0
             start, end = self.record.start, self.record.end
-            relayed = self.record.reachable == RELAYED
-            maddrs = await own_maddrs(self.p2p, relayed=relayed, **({"timeout": RELAY_WAIT} if relayed else {}))
+            maddrs = await self.network.own_maddrs()
             if not maddrs:  # serving anyway: the relay watch renews a lost slot; clients find a server by its id
                 logger.warning("p2pd tells no address of this server yet: serving anyway")
             ready = {"peer_id": self.peer_id, "start": start, "end": end, "maddrs": maddrs, "prefix": self.prefix,
@@ -375,7 +378,7 @@ class Server:
         lifecycle.quiet_lost_connections(asyncio.get_running_loop())
         if self.handler is not None:
             self.handler.accepting = False
-        if self.dht is not None and self.dht.is_alive():
+        if self.network.dht_running():
             try:
                 # same lifetime as the online record: the DHT keeps whichever value expires later
                 await asyncio.wait_for(self.announce(ServerState.OFFLINE), OFFLINE_TIMEOUT)
@@ -390,23 +393,10 @@ class Server:
             logger.info(f"stopped serving without unregistering the handlers ({type(e).__name__}: {e})")
 
     async def _close(self) -> None:
-        """Stop the compute thread, the P2P handle and the DHT process (killed if it does not stop in time)."""
+        """Stop the compute thread, then the network (the P2P handle, the DHT process: `ServerNetwork.close`)."""
         if self.pool is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.pool.shutdown, POOL_STOP_TIMEOUT)
-        if self.dial_back is not None:
-            try:  # the probe p2pd of the dial-back checks it answered
-                await asyncio.wait_for(self.dial_back.close(), UNLOAD_TIMEOUT)
-            except Exception:
-                pass
-        if self.p2p is not None:
-            try:  # our handle on p2pd: its reader tasks end instead of being destroyed pending at exit
-                await asyncio.wait_for(self.p2p.shutdown(), UNLOAD_TIMEOUT)
-            except Exception:
-                pass
-        if self.dht is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self.dht.shutdown)
-        if self.relay_identity is not None and self.relay_identity != self.config.identity_path:
-            shutil.rmtree(os.path.dirname(self.relay_identity), ignore_errors=True)  # our own key file
+        await self.network.close()
 
 
 def main(argv=None, server_class: Type[Server] = Server) -> int:

@@ -7,10 +7,11 @@ model); `server` and `gateway`, which never import each other (and `server` neve
 top: the `swarmgate` command imports each subcommand's entry point (`server.server`, `gateway.app`,
 `swarm.client.transport.status`, ...), and its topology starts processes by module name. Inside `server` and `gateway`,
 the sub-packages have an order too (`SUBLAYERS`): a server's `compute` (running blocks) imports neither its `rpc` nor
-its
-`placement`, `rpc` not `placement`; the gateway's `serving` and `structured` never import its HTTP side, `api`, and
-`structured` (grammars, the tool format) not `serving` (which renders tools into prompts through it). Under `tests/`,
-no module imports a test module (a file named test_*.py): shared helpers live in `tests/fixtures/`.
+its `placement`, `rpc` not `placement`, and its `network` (the DHT peer, p2pd, reachability and relay: one
+`ServerNetwork`) neither imports nor is imported by the other three, only by the supervisor; the gateway's
+`serving` and `structured` never import its HTTP side, `api`, and `structured` (grammars, the tool format) not
+`serving` (which renders tools into prompts through it). Under `tests/`, no module imports a test module (a file
+named test_*.py): shared helpers live in `tests/fixtures/`.
 """
 from __future__ import annotations
 
@@ -38,8 +39,12 @@ ALLOWED = {
 
 # sub-package -> the sub-packages of the same process it must not import
 SUBLAYERS = {
-    "server.compute": {"server.rpc", "server.placement"},
-    "server.rpc": {"server.placement"},
+    # the server: compute < rpc < placement; its network identity (DHT peer, p2pd, reachability, relay) stands apart,
+    # seen only by the supervisor (`server.server`): placement and the handlers get a DHT handle or a p2pd from it
+    "server.compute": {"server.rpc", "server.placement", "server.network"},
+    "server.rpc": {"server.placement", "server.network"},
+    "server.placement": {"server.network"},
+    "server.network": {"server.compute", "server.rpc", "server.placement"},
     "gateway.serving": {"gateway.api"},
     "gateway.structured": {"gateway.api", "gateway.serving"},  # serving renders tools (structured.tools) in prompts
     "gateway.store": {"gateway.api", "gateway.serving", "gateway.structured"},  # state below the HTTP side

@@ -1,4 +1,4 @@
-"""This server's record in the DHT: starting the DHT peer, and what the server announces and when.
+"""This server's record in the DHT: what the server announces and when, and reading the swarm back.
 
 A record (`swarm.wire.records.ServerInfo`: state, span, throughput, dtype, quant_type, LoRA adapters, free cache,
 RTTs to the next servers, the release, protocol versions and capabilities: `swarm.wire.capabilities`) is stored
@@ -9,7 +9,8 @@ budget; moving the span announces the blocks left behind as offline. A full read
 release logs one line, once. Reading the swarm back: `spans` (every block's key; the last result kept as `view`),
 `unserved` (a few blocks' keys: the hole watch between full reads), and the next servers' RTTs read block `end`'s
 key alone. While online, the server's model (`ModelRecord`) is also announced under the one `MODELS_KEY`, where a
-gateway started with `--model all` finds every model of the swarm.
+gateway started with `--model all` finds every model of the swarm. The record reads the DHT peer, and how the server
+is reached, from the server's network (`DHTPeer`: `server.network.identity.ServerNetwork`, which alone replaces them).
 """
 from __future__ import annotations
 
@@ -17,17 +18,15 @@ import asyncio
 import logging
 import time
 from functools import partial
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
-from server.config import ServerConfig
 from server.placement.pings import measure_next_pings
 from swarm import __version__
-from swarm.runtime.relays import relay_dht_kwargs
-from swarm.runtime.swarm_key import SwarmKey, join_dht, proof_for
+from swarm.runtime.swarm_key import SwarmKey, proof_for
 from swarm.wire.capabilities import MIN_PROTOCOL_VERSION, OWN_CAPABILITIES, PROTOCOL_VERSION, parse_release
 from swarm.wire.reachability import Reachable
 from swarm.wire.records import (
@@ -49,21 +48,14 @@ logger = logging.getLogger("swarmgate.server")
 OFFLINE_RETRIES = 3  # stores again of an offline record under the blocks whose store failed
 
 
-def start_dht(config: ServerConfig, relayed: bool = False, identity_path: Optional[str] = None) -> hivemind.DHT:
-    """The server's DHT peer: joins `--initial_peers`, or starts a new swarm with `--new_swarm`. Directly
-    reachable (`relayed=False`): a full DHT peer that offers relay service (`swarm.runtime.relays`); `relayed`: a
-    DHT client that reserves a slot on a relay (its initial peers) and is dialed through it. `identity_path`: the
-    private key file (default `--identity_path`)."""
-    if not config.new_swarm and not config.initial_peers:
-        raise ValueError("give --initial_peers to join a swarm, or --new_swarm to start one")
-    return join_dht(
-        config.load_swarm_key(), initial_peers=[] if config.new_swarm else config.initial_peers,
-        host_maddrs=config.listen_maddrs(), announce_maddrs=config.announced_maddrs() or None,
-        identity_path=identity_path or config.identity_path, client_mode=relayed,
-        # a relayed restart reuses the identity of the peer it replaces, which other peers may still know
-        **({"check_if_identity_free": False} if relayed else {}),
-        **relay_dht_kwargs(config, offer=not relayed, reserve=relayed, relays=config.initial_peers),
-    )
+class DHTPeer(Protocol):
+    """What the record needs of the server's network: the DHT peer now, and how the server is reached."""
+
+    @property
+    def dht(self) -> Optional[hivemind.DHT]: ...
+
+    @property
+    def reachable(self) -> Reachable: ...
 
 
 def swarm_spans(dht: hivemind.DHT, prefix: str, num_blocks: int) -> List[ServerSpan]:
@@ -75,8 +67,9 @@ class Announcer:
     """What this server says about itself in the DHT (span `start:end`, state, throughput, next pings)."""
 
     def __init__(self, prefix: str, expiration: float, num_blocks_total: int, dtype: torch.dtype,
-                 free_cache_tokens: Callable[[], int], quant_type: str = "none", adapters: Sequence[str] = ()):
-        self.dht: Optional[hivemind.DHT] = None  # set once the peer has started
+                 free_cache_tokens: Callable[[], int], quant_type: str = "none", adapters: Sequence[str] = (),
+                 peer: Optional[DHTPeer] = None):
+        self.peer = peer  # the server's network (None: a record that is only built, never stored)
         self.prefix, self.expiration, self.num_blocks_total = prefix, expiration, num_blocks_total
         self.dtype, self.quant_type = dtype, quant_type
         self.adapters = tuple(adapters)  # the LoRA adapters this server holds for its blocks
@@ -90,14 +83,21 @@ class Announcer:
         self.next_pings: Dict[str, float] = {}  # peer id -> RTT (s) to servers that can run block `end`
         self.limits: Optional[ServerLimits] = None  # the RPC limits this server enforces (set by the server)
         self.model: Optional[ModelRecord] = None  # announced under MODELS_KEY while online (set by the server)
-        self.reachable: Reachable = "direct"  # or "relayed": behind a NAT, served through a relay
-        # (server.placement.reachable)
         self.view: Optional[Tuple[float, List[ServerSpan]]] = None  # (monotonic time, spans) of the last full read
         self.newer_release_noted = False  # a newer release was seen in the swarm and logged (once)
         # observable counters (tests, logs) and what the last announcement said
         self.announcements = 0
         self.announced_free: Optional[int] = None
         self.last_announce = 0.0
+
+    @property
+    def dht(self) -> Optional[hivemind.DHT]:
+        return self.peer.dht if self.peer is not None else None
+
+    @property
+    def reachable(self) -> Reachable:
+        """`direct`, or `relayed`: behind a NAT, served through a relay (`server.network.reachable`)."""
+        return self.peer.reachable if self.peer is not None else "direct"
 
     def info(self, state: ServerState, start: Optional[int] = None, end: Optional[int] = None) -> ServerInfo:
         return ServerInfo(state=state, public_name=self.public_name, start=self.start if start is None else start,

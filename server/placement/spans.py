@@ -77,7 +77,10 @@ class SpanHost(Protocol):
     handler: Optional[BlockHandler]
     moves: int
     liveness: HolderLiveness
-    p2p: Any
+
+    @property
+    def p2p(self) -> Any:
+        """The p2pd handle now, for pinging the servers that alone serve some block (None: none yet)."""
 
     @property
     def peer_id(self) -> str: ...

@@ -14,7 +14,7 @@ A home server whose relay reservation comes late (`tests.fixtures.late_addrs_ser
 answers "No multiaddrs found for peer <own id>", as p2pd does until the reservation is in place) waits for it and
 serves: its record appears, `relayed`, and it stays up (issue 52: it exited 1).
 Last, the relay (the bootstrap peer, at a fixed port with a fixed identity) is SIGKILLed and started again: the
-home server renews its slot (`server.placement.relay_watch`) and a chat sent at once, which the gateway holds while it
+home server renews its slot (`server.network.relay_watch`) and a chat sent at once, which the gateway holds while it
 retries the span's only server (`SwarmManager.sole_retry_wait`), equals transformers.
 Skips, saying why, where network namespaces are not permitted.
 """
@@ -188,7 +188,7 @@ def test_a_home_server_whose_reservation_is_late_serves_once_it_is_in_place(nat_
 def test_a_relayed_chain_survives_the_relays_restart(nat_lab, tokenizer, reference_model):
     """Last in the module: the bootstrap peer (the home server's relay) is killed and started again at the same
     address with the same identity; the home server notices its lost slot and renews it
-    (`server.placement.relay_watch`), and a chat sent at once waits for it (the gateway retries a span's only server)
+    (`server.network.relay_watch`), and a chat sent at once waits for it (the gateway retries a span's only server)
     and equals transformers."""
     expected = reference_text(tokenizer, reference_model, MESSAGES, MAX_TOKENS)
     home = nat_lab.servers["home"]

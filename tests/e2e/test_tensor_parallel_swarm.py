@@ -89,12 +89,13 @@ def test_split_server_training_gradients_equal_transformers(tiny, split_swarm, t
 def test_bad_tensor_parallel_devices_exit_2_before_the_dht(tiny, model_path, capsys, monkeypatch):
     """Each: one `error:` line naming the reason, exit 2, before the DHT starts (in process: `start_dht` never
     called); once through the real command line."""
+    import server.network.identity as network_module
     import server.server as server_module
     from server.config import ServerConfig
 
     path, _ = tiny
     started: list = []
-    monkeypatch.setattr(server_module, "start_dht", lambda config: started.append(config))
+    monkeypatch.setattr(network_module, "start_dht", lambda config: started.append(config))
 
     def errors() -> list:
         return [line for line in capsys.readouterr().err.splitlines() if "error:" in line]

@@ -278,6 +278,7 @@ def test_bad_quant_type_is_a_config_error(model_path, capsys, monkeypatch):
 
 
 def test_unusable_bitsandbytes_exits_before_the_dht(model_path, capsys, monkeypatch):
+    import server.network.identity as network_module
     import server.server as server_module
 
     def fail(quant_type, device, dtype=None):
@@ -285,7 +286,7 @@ def test_unusable_bitsandbytes_exits_before_the_dht(model_path, capsys, monkeypa
 
     started = []
     monkeypatch.setattr(server_module, "check_quant_support", fail)
-    monkeypatch.setattr(server_module, "start_dht", lambda config: started.append(config))
+    monkeypatch.setattr(network_module, "start_dht", lambda config: started.append(config))
     assert server_module.main([model_path, "--new_swarm", "--quant_type", "nf4"]) == 1
     assert "cannot run on cpu" in capsys.readouterr().err
     assert not started

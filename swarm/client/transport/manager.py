@@ -252,7 +252,7 @@ class SwarmManager:
     def _sole_banned(self, spans: List[ServerSpan], start: int, end: int) -> Dict[str, float]:
         """Banned (not distrusted) ONLINE relayed servers of blocks in [start, end) that no unbanned ONLINE server
         covers: peer id -> when it may be tried again (monotonic seconds). Only servers behind a NAT (`reachable:
-        relayed`): one that cannot be reached may be renewing its relay slot (`server.placement.relay_watch`), while a
+        relayed`): one that cannot be reached may be renewing its relay slot (`server.network.relay_watch`), while a
         directly reachable server that cannot be reached is most likely gone (and a session should fail fast)."""
         banned = set(self.banned())
         covered: Set[int] = set()

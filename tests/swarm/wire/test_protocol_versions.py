@@ -1,6 +1,6 @@
 """A peer answers each request in the message version it came in (issue 45, `docs/compatibility.md`).
 
-The wire speaks only version 1 so far, so the mechanism runs here over a parametrized range, `protocol.SPOKEN` =
+The wire speaks only version 1 so far, so the mechanism runs here over a parametrized range, `codec.SPOKEN` =
 (1, 2), with a test-only message type whose field changed its name in version 2: `encode` writes older versions
 through the message's `downgrade`, `decode` reads them through its `upgrade`, and the server's real handler
 (`server.rpc.handler.BlockHandler`, in this process) answers a request of either version in that version."""
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from server.rpc.handler import BlockHandler
+from swarm.wire import codec
 from swarm.wire import protocol as P
 
 
@@ -38,7 +39,7 @@ class Greeting(P.Message):
 
 @pytest.fixture
 def two_versions(monkeypatch):
-    monkeypatch.setattr(P, "SPOKEN", (1, 2))
+    monkeypatch.setattr(codec, "SPOKEN", (1, 2))  # the machinery reads it there
 
 
 def test_a_message_is_written_and_read_in_each_spoken_version(two_versions):

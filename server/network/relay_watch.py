@@ -1,16 +1,17 @@
 """A relayed server keeps its relay: it notices a lost reservation and makes a new one.
 
-A server behind a NAT (`server.placement.reachable`: `reachable: relayed`) can only be dialed through the relay that
+A server behind a NAT (`server.network.reachable`: `reachable: relayed`) can only be dialed through the relay that
 holds its slot. When that relay restarts (or its connection drops), the slot is gone, and hivemind 1.1.12's p2pd does
 not reserve it again: go-libp2p 0.32's autorelay puts every relay it reserved with on an hour's back-off, so even a
 static relay that is back is skipped (measured: no new slot within 140 s). So `RelayWatch.check`, called by the
 serving loop every `--relay_check_period` seconds, looks at the peer's own addresses:
 - relay circuit addresses present: all is well;
 - none: the slot is lost; once one of the relays (the initial peers) accepts a connection again, the DHT peer and
-  its p2pd are restarted as a relayed DHT client with the same peer id (`server.placement.reachable.restart_relayed`),
-  the block handlers are registered on the new p2pd and the record is announced again (an announcement that fails
-  is left to the serving loop's next refresh), so clients reach the server through the new slot. While no relay
-  answers, nothing is restarted (a DHT client cannot join without one).
+  its p2pd are restarted as a relayed DHT client with the same peer id (`RelayedPeer.restart_relayed`: the server's
+  `server.network.identity.ServerNetwork`), the block handlers are moved to the new p2pd and the record is announced
+  again (`Rehost`: the server process; an announcement that fails is left to the serving loop's next refresh), so
+  clients reach the server through the new slot. While no relay answers, nothing is restarted (a DHT client cannot
+  join without one).
   A renewal that gets no slot, or whose DHT peer fails to start, is tried again after 2, 4, 8, ... check periods
   (at most `MAX_BACKOFF` s); a server left without a DHT peer exits at its next record refresh (`Server._heal`),
   for its supervisor to start it again.
@@ -21,13 +22,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import List, Optional, Sequence
+from typing import List, Optional, Protocol, Sequence
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-from server.placement.reachable import circuit_maddrs, relay_ids, restart_relayed
-from swarm.wire.records import ServerState
+from server.network.reachable import circuit_maddrs, relay_ids
 
 logger = logging.getLogger("swarmgate.server")
 
@@ -49,11 +49,37 @@ async def relay_answers(p2p: P2P, relays: Sequence[str], timeout: float = CONNEC
     return False
 
 
-class RelayWatch:
-    """Checks a relayed server's reservation and renews it (see the module docstring)."""
+class RelayedPeer(Protocol):
+    """What the watch needs of the server's network: its p2pd handle now, and a restart behind a relay."""
 
-    def __init__(self, period: float):
+    @property
+    def p2p(self) -> Optional[P2P]: ...
+
+    async def restart_relayed(self) -> List[str]:
+        """A new DHT peer and p2pd with the same peer id, reserving a relay slot; its circuit addresses."""
+        ...
+
+
+class Rehost(Protocol):
+    """What a renewal needs of the serving side (the server process)."""
+
+    async def detach_handlers(self, p2p: P2P) -> None:
+        """Unregister the RPC handlers from the p2pd that goes."""
+
+    async def attach_handlers(self, p2p: P2P) -> None:
+        """Register the RPC handlers (if blocks are served) on the new p2pd."""
+
+    async def reannounce(self) -> None:
+        """Announce the record online again (through the new DHT peer)."""
+
+
+class RelayWatch:
+    """Checks a relayed server's reservation and renews it (see the module docstring); `relays`: the multiaddrs of
+    the relays it may use (the server's initial peers)."""
+
+    def __init__(self, period: float, relays: Sequence[str]):
         self.period = period
+        self.relays = tuple(relays)
         self.next_check = time.monotonic() + period
         self.lost_since: Optional[float] = None
         self.renewals = 0  # reservations made again (logs, tests)
@@ -62,12 +88,15 @@ class RelayWatch:
     def due(self) -> bool:
         return self.period > 0 and time.monotonic() >= self.next_check
 
-    async def check(self, server) -> bool:
+    async def check(self, peer: RelayedPeer, rehost: Rehost) -> bool:
         """One check; True if the reservation was renewed now."""
         self.next_check = time.monotonic() + self.period
         circuits: List[str] = []
         try:
-            circuits = circuit_maddrs(await server.p2p.get_visible_maddrs(latest=True))
+            p2p = peer.p2p
+            if p2p is None:
+                raise RuntimeError("no p2pd handle")
+            circuits = circuit_maddrs(await p2p.get_visible_maddrs(latest=True))
         except Exception as e:  # p2pd gone: treated as a lost slot (the DHT process check stops the server)
             logger.debug(f"reading this peer's addresses failed: {type(e).__name__}: {e}")
         if circuits:
@@ -78,37 +107,37 @@ class RelayWatch:
             logger.warning("relay: this server has no relay slot any more (the relay restarted or dropped the "
                            "connection); renewing it once a relay answers")
         # (no p2p: an earlier renewal failed half-way; its DHT peer is gone, so try again without asking)
-        if server.p2p is not None and not await relay_answers(server.p2p, server.config.initial_peers):
+        if peer.p2p is not None and not await relay_answers(peer.p2p, self.relays):
             return False
-        return await self.renew(server)
+        return await self.renew(peer, rehost)
 
     def _back_off(self, what: str) -> None:
         self.failures += 1
         self.next_check = time.monotonic() + min(MAX_BACKOFF, self.period * 2 ** self.failures)
         logger.warning(f"relay: {what}; trying again in {self.next_check - time.monotonic():.0f}s")
 
-    async def renew(self, server) -> bool:
+    async def renew(self, peer: RelayedPeer, rehost: Rehost) -> bool:
         began = time.monotonic()
-        handler = server.handler
-        if handler is not None:
+        old = peer.p2p
+        if old is not None:
             try:
-                await asyncio.wait_for(handler.remove_p2p_handlers(server.p2p), CONNECT_TIMEOUT)
+                await asyncio.wait_for(rehost.detach_handlers(old), CONNECT_TIMEOUT)
             except Exception:  # the old p2pd is going anyway
                 pass
         try:
-            circuits = await restart_relayed(server)
+            circuits = await peer.restart_relayed()  # (failing, it leaves the peer without a p2pd handle)
         except Exception as e:  # e.g. the relay went away again while the DHT peer joined through it
-            server.p2p = None
             self._back_off(f"could not restart the DHT peer ({type(e).__name__}: {e})")
             return False
-        if handler is not None:
-            await handler.add_p2p_handlers(server.p2p)
+        new = peer.p2p
+        if new is not None:
+            await rehost.attach_handlers(new)
         if not circuits:
             self._back_off("restarted the DHT peer but got no relay slot")
             return False
         self.failures = 0
         try:
-            await server.announce(ServerState.ONLINE)
+            await rehost.reannounce()
         except Exception as e:  # the DHT peer is new and may be busy: the serving loop's next refresh announces
             logger.warning(f"relay: announcing after the renewal failed ({type(e).__name__}: {e}); the next record "
                            "refresh announces again")
