@@ -45,8 +45,12 @@ CAPABILITIES: Mapping[str, str] = {
     "training": "training passes (rpc_train_forward, rpc_train_backward)",
 }
 OWN_CAPABILITIES: Tuple[str, ...] = tuple(sorted(CAPABILITIES))  # what this release's servers announce
-# the first release (0.1.0) announced no capabilities and supports all of these: a record without the field
-FIRST_RELEASE_CAPABILITIES: FrozenSet[str] = frozenset(CAPABILITIES)
+# the first release (0.1.0) announced no capabilities and supports all of these: a record without the field (named
+# one by one: a capability added since, such as "rounds", is never one of them)
+FIRST_RELEASE_CAPABILITIES: FrozenSet[str] = frozenset({
+    "adapters", "beam_reorder", "compression", "deep_prompts", "dht_traffic", "left_padding", "limits", "push",
+    "relay", "rope_length", "tensor_parallel", "train_adapters", "training",
+})
 CAPABILITY_PATTERN = r"^[a-z][a-z0-9_]{0,31}$"
 _NAME = re.compile(CAPABILITY_PATTERN)
 
