@@ -141,6 +141,8 @@ class RoundHandler(InferenceHandler):
             if isinstance(output, BaseException):
                 logger.error(f"round step of {row.stream_key} failed: {type(output).__name__}: {output}")
                 errors[i] = ("internal", f"step failed: {type(output).__name__}: {output}")
+            elif i not in errors and attached[row.stream_key].kv is None:  # its stream ended during the step
+                errors[i] = ("closed", f"session part {row.stream_key} closed during the step")
             if i in errors:
                 code, text = errors[i]
                 results.append(R.RoundRowResult(stream_key=row.stream_key, step_id=row.step_id, code=code,
@@ -154,6 +156,9 @@ class RoundHandler(InferenceHandler):
                                             position=stream.kv.length))
             tensors.append(output)
         self.counters.round_row_errors += len(errors)
+        if len(attached) > 2 * len(self.open_parts) + 64:  # parts closed since they were attached: let them go
+            for key in [key for key, stream in attached.items() if stream.kv is None]:
+                del attached[key]
         self.counters.inference_steps += len(tensors)
         self.counters.inference_tokens += sum(t.shape[0] * t.shape[1] for t in tensors)
         reply = R.RoundResult(round_id=message.round_id, rows=results)

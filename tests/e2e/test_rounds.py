@@ -196,3 +196,32 @@ def test_round_items_with_options_or_errors_do_not_fail_the_others(model, prompt
     finally:
         for s in sessions:
             s.close()
+
+
+def test_a_row_that_fails_in_the_round_is_stepped_again_alone(model, prompts):
+    """A session whose part on the second server refuses the round (its attach token is wrong here, as after a
+    mix-up): its first hop ran in the round, the second failed, so the whole step goes again through `astep`, the
+    first server overwriting the same position; its output is its twin's, its position advances once, the other
+    session of the round is not touched."""
+    sessions, twins = _sessions(model, 2), _sessions(model, 2)
+    try:
+        head = sessions[0].head
+        for s in sessions + twins:
+            s.session.step(head.embed(prompts[2]))
+        victim = sessions[1].session._streams[1]
+        peer = victim.hop.peer_id
+        token, victim.push_token = victim.push_token, "w" * 32
+        before = aio.run(rounds.round_stats(model.manager, peer))
+        x = head.embed(torch.tensor([[11]]))
+        position = sessions[1].session.position
+        outs = rounds.step_round([(s.session, x, None) for s in sessions])
+        after = aio.run(rounds.round_stats(model.manager, peer))
+        assert after.row_errors - before.row_errors == 1
+        assert sessions[1].session.position == position + 1 and sessions[1].session.failovers == 0
+        for out, twin in zip(outs, twins):
+            assert isinstance(out, torch.Tensor), out
+            assert_close_at_scale(out, twin.session.step(x))
+        victim.push_token = token
+    finally:
+        for s in sessions + twins:
+            s.close()

@@ -180,7 +180,13 @@ async def astep_round(items: Sequence[RoundItem]) -> List[Outcome]:
     item raised (its session's `SessionError`, a `ValueError` for bad inputs, ...); an exception in one item never
     fails the others. Each session's position advances as with `astep`. A session appears at most once per round
     (a second appearance gets a ValueError). Items that share a server at a hop travel in one message to it (see
-    the module's docstring for those that go through `astep` instead)."""
+    the module's docstring for those that go through `astep` instead).
+
+    Contract for callers (the gateway's engine): await it on the client loop (`swarm.runtime.aio`; `step_round`
+    from any other thread); a session must not be stepped elsewhere (its own `astep`, a rewind) while a round that
+    holds it runs; inputs are what `astep` takes (embeddings, or the previous stage's hidden states), outputs are
+    the last block's hidden states, before the final norm and LM head (the caller's). Rounds from several callers
+    may run at once: they take turns per server. Items of different models (managers) may share a round."""
     outcomes: List[Optional[Outcome]] = [None] * len(items)
     seen: set = set()
     flights: List[_Flight] = []
