@@ -144,31 +144,38 @@ def test_a_bad_row_errors_only_its_session(model, prompts):
 
 
 def test_a_server_without_the_capability_is_served_through_the_fallback(model, prompts):
-    """A session whose view of its servers lacks `rounds` (an older release's record) steps on its own streams
-    inside the round; the others still share one message per server; every output is its lone twin's."""
-    sessions, twins = _sessions(model, 3), _sessions(model, 3)
+    """Sessions whose view of a server lacks `rounds` (an older release's record): one with both servers so steps on
+    its own streams (`astep`) inside the round; one with only its first server so takes that hop on its own stream
+    and the second in the round message; the others share one message per server; every output is its lone
+    twin's."""
+    sessions, twins = _sessions(model, 4), _sessions(model, 4)
     try:
         head = sessions[0].head
         for s, t in zip(sessions, twins):
             s.session.step(head.embed(prompts[1]))
             t.session.step(head.embed(prompts[1]))
-        old = sessions[2].session
-        for stream in old._streams:  # the record of an older release: no "rounds"
+        old, mixed = sessions[2].session, sessions[3].session
+        for stream in old._streams + mixed._streams[:1]:  # the record of an older release: no "rounds"
             stream.hop = dataclasses.replace(stream.hop, capabilities=stream.hop.capabilities - {"rounds"})
-        assert not rounds.round_ready(old, head.embed(torch.tensor([[7]])), None)
-        peers = sorted({peer for s in sessions for peer in _chain_peers(s)})
-        before = {peer: aio.run(rounds.round_stats(model.manager, peer)) for peer in peers}
+        x = head.embed(torch.tensor([[7]]))
+        assert not rounds.round_ready(old, x, None) and rounds.round_ready(mixed, x, None)
+        first, second = _chain_peers(sessions[0])
+        before = {peer: aio.run(rounds.round_stats(model.manager, peer)) for peer in (first, second)}
         for token in (7, 8):
             x = head.embed(torch.tensor([[token]]))
             outs = rounds.step_round([(s.session, x, None) for s in sessions])
             for out, t in zip(outs, twins):
                 assert isinstance(out, torch.Tensor), out
                 assert_close_at_scale(out, t.session.step(x))
-        after = {peer: aio.run(rounds.round_stats(model.manager, peer)) for peer in peers}
-        for peer in peers:
-            assert after[peer].messages - before[peer].messages == 2
-            assert after[peer].rows - before[peer].rows == 2 * 2  # the two sessions with the capability
-            assert after[peer].session_steps - before[peer].session_steps == 2 + 3 * 2  # the old one's + twins'
+        after = {peer: aio.run(rounds.round_stats(model.manager, peer)) for peer in (first, second)}
+        delta = {peer: {field: getattr(after[peer], field) - getattr(before[peer], field)
+                        for field in ("messages", "rows", "session_steps", "row_errors")} for peer in after}
+        # per round: one round message per server; the first server's rows: the two sessions with the capability
+        # there, its own-stream steps: the old one's, the mixed one's and the 4 twins'; the second server's rows:
+        # three sessions, its own-stream steps: the old one's and the twins'
+        assert delta[first] == {"messages": 2, "rows": 2 * 2, "session_steps": 2 * 6, "row_errors": 0}, delta
+        assert delta[second] == {"messages": 2, "rows": 2 * 3, "session_steps": 2 * 5, "row_errors": 0}, delta
+        assert old.failovers == mixed.failovers == 0
     finally:
         for s in sessions + twins:
             s.close()

@@ -11,10 +11,12 @@ caches, limits and failures on the servers): a round stream is attached to a par
 Correctness first: an item steps on its session's own streams (`InferenceSession.astep`) where the round cannot
 carry it (`round_ready`): a session not open yet (its first step opens it), closed, with spot-check verification,
 with row edits (beam parents, left padding) or a step longer than one message, with compressed hidden states, or
-with a server of its chain that lacks the `rounds` or `push` capability (an older release; the part's secret is
-its push token). An item whose row fails in the round (an error reply for that row, a broken round stream) is
-stepped again whole through `astep`, with the session's failover: the servers that already took the step overwrite
-the same positions. Rewinds need nothing special: a row starts at the session's position, whatever it is.
+whose chain has no server with the `rounds` capability. In a chain that mixes releases (a rolling upgrade), the hops
+on servers without `rounds` (or without `push`: a round stream attaches to a part with its push token) take the
+item's step on the session's own stream to that server, in the same wave as the others' round messages. An item
+whose row fails (an error reply for that row, a broken round stream, a failed step on an older server) is stepped
+again whole through `astep`, with the session's failover: the servers that already took the step overwrite the
+same positions. Rewinds need nothing special: a row starts at the session's position, whatever it is.
 """
 from __future__ import annotations
 
@@ -153,8 +155,13 @@ def round_ready(session: InferenceSession, hidden: torch.Tensor, options: Option
         return False
     if session.position + hidden.shape[1] > session.max_length or hidden.shape[1] > session._chunk_len(hidden):
         return False
-    return all("rounds" in s.hop.capabilities and s.pushes and s.compression is None and not s.open_pending
-               for s in session._streams)
+    return (all(s.compression is None and not s.open_pending for s in session._streams)
+            and any(in_rounds(s) for s in session._streams))
+
+
+def in_rounds(stream: SpanStream) -> bool:
+    """Whether this session part's server takes its steps in round messages (else on the part's own stream)."""
+    return "rounds" in stream.hop.capabilities and stream.pushes
 
 
 @dataclass
@@ -204,11 +211,13 @@ async def astep_round(items: Sequence[RoundItem]) -> List[Outcome]:
     retry: List[_Flight] = []
     try:
         while flights:
-            groups: Dict[Tuple[SwarmManager, str], List[_Flight]] = defaultdict(list)
+            # (manager, server, whether the part takes round messages) -> the flights whose current hop is there
+            groups: Dict[Tuple[SwarmManager, str, bool], List[_Flight]] = defaultdict(list)
             for flight in flights:
-                groups[(flight.session.manager, flight.session._streams[flight.hop].hop.peer_id)].append(flight)
+                stream = flight.session._streams[flight.hop]
+                groups[(flight.session.manager, stream.hop.peer_id, in_rounds(stream))].append(flight)
             results = await asyncio.gather(*(_send_group(manager, peer, group)
-                                             for (manager, peer), group in groups.items()))
+                                             for (manager, peer, _), group in groups.items()))
             flights = []
             for group, outputs in zip(groups.values(), results):
                 for flight, output in zip(group, outputs):
@@ -236,9 +245,9 @@ async def astep_round(items: Sequence[RoundItem]) -> List[Outcome]:
 
 
 async def _send_group(manager: SwarmManager, peer_id: str, group: List[_Flight]) -> List[Outcome]:
-    """The rows of `group` (their current hops are all on `peer_id`) in as few messages as the server's limits
-    allow (one, unless the round is larger than a message); each boundary's history records the inputs, as
-    `InferenceSession._step_chunk` does."""
+    """The rows of `group` (their current hops are all on `peer_id`, all in rounds or none) in as few messages as
+    the server's limits allow (one, unless the round is larger than a message), or each on its part's own stream;
+    each boundary's history records the inputs, as `InferenceSession._step_chunk` does."""
     rows: List[Row] = []
     for flight in group:
         session, stream = flight.session, flight.session._streams[flight.hop]
@@ -251,8 +260,14 @@ async def _send_group(manager: SwarmManager, peer_id: str, group: List[_Flight])
             history.padding = None
         history.write(session.position, flight.x)
         rows.append((stream, flight.x, session.position, flight.step_id))
+    if not in_rounds(rows[0][0]):  # an older server: each session's step on its own stream, one message each
+        outcomes = await asyncio.gather(*(stream.step(x, start, step_id) for stream, x, start, step_id in rows),
+                                        return_exceptions=True)
+        if not any(isinstance(outcome, BaseException) for outcome in outcomes):
+            manager.mark_ok(peer_id)
+        return list(outcomes)
     limits = group[0].session._streams[group[0].hop].hop.limits
-    outcomes: List[Outcome] = []
+    outcomes = []
     for part in _messages(rows, limits, manager.config.max_chunk_bytes):
         try:
             outcomes += await round_stream(manager, peer_id).step(part)
