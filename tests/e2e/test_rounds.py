@@ -232,3 +232,32 @@ def test_a_row_that_fails_in_the_round_is_stepped_again_alone(model, prompts):
     finally:
         for s in sessions + twins:
             s.close()
+
+
+def test_another_client_cannot_step_a_session_even_with_its_token(model, prompts, swarms):
+    """A round stream from another peer that names a session part and even carries its secret is refused (the part
+    was not opened by that peer); the session steps on, unchanged, for its own client."""
+    from swarm.client.transport.manager import ClientConfig, SwarmManager
+
+    swarm = swarms.get(SPANS)
+    other = SwarmManager(ClientConfig(initial_peers=swarm["initial_peers"], measure_rtt=False), swarm["prefix"],
+                         model.manager.num_blocks)
+    session, twin = _sessions(model, 2)
+    try:
+        head = session.head
+        for s in (session, twin):
+            s.session.step(head.embed(prompts[4]))
+        part = session.session._streams[0]
+        stolen = SpanStream(other, part.hop, session.session.session_id, 48, 1)
+        stolen.push_token = part.push_token
+        x = head.embed(torch.tensor([[3]]))
+        [outcome] = aio.run(rounds.round_stream(other, part.hop.peer_id).step(
+            [(stolen, x, session.session.position, 10 ** 6)]))
+        assert isinstance(outcome, P.RemoteError) and "no session part" in outcome.message, outcome
+        [out, lone] = rounds.step_round([(session.session, x, None)]) + [twin.session.step(x)]
+        assert isinstance(out, torch.Tensor), out
+        assert_close_at_scale(out, lone)
+    finally:
+        session.close()
+        twin.close()
+        other.shutdown()

@@ -412,6 +412,9 @@ class SwarmManager:
         if self._closed:
             return
         self._closed = True
+        from swarm.client.transport.rounds import close_round_streams  # (it imports this module)
+
+        close_round_streams(self)  # the round streams to servers (`step_round`), if any
         try:  # close our handle on the daemon so that its reader tasks end instead of dying pending at exit
             if threading.current_thread().name == "swarm-client-loop":
                 aio.get_loop().create_task(self.p2p.shutdown())

@@ -59,6 +59,7 @@ class RoundStream:
         self._attached: Dict[str, str] = {}  # stream key -> the token it was attached with
         self._round_id = 0
         self.closed = False
+        self._loop: Optional[asyncio.AbstractEventLoop] = None  # the client loop, once the stream opens there
 
     async def step(self, rows: Sequence[Row]) -> List[Outcome]:
         """One message with `rows` (all session parts on this server): per row its output [batch, seq, hidden] or
@@ -75,6 +76,7 @@ class RoundStream:
         if self.closed:
             raise P.RemoteError("closed", "the round stream is closed", self.peer_id)
         if self._responses is None:
+            self._loop = asyncio.get_running_loop()
             self._responses = await self.manager.stub(self.peer_id).rpc_round(aio.iterate_queue(self._queue))
         self._round_id += 1
         attach = [R.RoundAttach(stream_key=s.key, token=s.push_token) for s, _, _, _ in rows
@@ -116,9 +118,18 @@ class RoundStream:
         return outcomes
 
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
+        """End the stream (the server lets go of its attachments); from any thread."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            here = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            here = False
+        if here or self._loop is None:  # (never opened: nobody waits on the queue)
             self._queue.put_nowait(None)
+        elif not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, None)
 
 
 _STREAMS: "weakref.WeakKeyDictionary[SwarmManager, Dict[str, RoundStream]]" = weakref.WeakKeyDictionary()
@@ -141,6 +152,7 @@ async def round_stats(manager: SwarmManager, peer_id: str) -> R.RoundStats:
 
 
 def close_round_streams(manager: SwarmManager) -> None:
+    """End the manager's round streams (`SwarmManager.shutdown` does); from any thread."""
     for stream in _STREAMS.pop(manager, {}).values():
         stream.close()
 
