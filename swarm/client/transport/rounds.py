@@ -137,7 +137,10 @@ _STREAMS: "weakref.WeakKeyDictionary[SwarmManager, Dict[str, RoundStream]]" = we
 
 def round_stream(manager: SwarmManager, peer_id: str) -> RoundStream:
     """The manager's round stream to `peer_id` (a new one if there is none or it was closed)."""
-    streams = _STREAMS.setdefault(manager, {})
+    streams = _STREAMS.get(manager)
+    if streams is None:
+        streams = _STREAMS[manager] = {}
+        manager.on_shutdown.append(lambda: close_round_streams(manager))
     stream = streams.get(peer_id)
     if stream is None or stream.closed:
         stream = streams[peer_id] = RoundStream(manager, peer_id)
