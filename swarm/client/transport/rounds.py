@@ -168,6 +168,9 @@ def round_ready(session: InferenceSession, hidden: torch.Tensor, options: Option
         return False  # beam parents, left padding: on the session's own streams
     if hidden.ndim != 3 or hidden.shape[0] != session.batch_size or not session._streams:
         return False
+    sent = session._history.get(session._streams[0].hop.start)
+    if sent is not None and sent.buffer.shape[-1] != hidden.shape[-1]:
+        return False  # not this model's hidden size: astep says so
     if session.position + hidden.shape[1] > session.max_length or hidden.shape[1] > session._chunk_len(hidden):
         return False
     return (all(s.compression is None and not s.open_pending for s in session._streams)
@@ -264,24 +267,36 @@ async def _send_group(manager: SwarmManager, peer_id: str, group: List[_Flight])
     the server's limits allow (one, unless the round is larger than a message), or each on its part's own stream;
     each boundary's history records the inputs, as `InferenceSession._step_chunk` does."""
     rows: List[Row] = []
-    for flight in group:
+    failed: Dict[int, BaseException] = {}  # index in group -> what went wrong before anything was sent
+    for n, flight in enumerate(group):
         session, stream = flight.session, flight.session._streams[flight.hop]
-        assert session.batch_size is not None
-        history = session._history.get(stream.hop.start)
-        if history is None:
-            history = session._history[stream.hop.start] = BoundaryHistory(
-                session.batch_size, session.max_length, flight.x.shape[-1], flight.x.dtype)
-        if session.position == 0:
-            history.padding = None
-        history.write(session.position, flight.x)
+        try:
+            assert session.batch_size is not None
+            history = session._history.get(stream.hop.start)
+            if history is None:
+                history = session._history[stream.hop.start] = BoundaryHistory(
+                    session.batch_size, session.max_length, flight.x.shape[-1], flight.x.dtype)
+            if session.position == 0:
+                history.padding = None
+            history.write(session.position, flight.x)
+        except Exception as e:  # noqa: BLE001 - this item's own error (astep gives it again, or its own)
+            failed[n] = e
+            continue
         rows.append((stream, flight.x, session.position, flight.step_id))
+    if failed:
+        sent = iter(await _send_rows(manager, peer_id, rows) if rows else [])
+        return [failed[n] if n in failed else next(sent) for n in range(len(group))]
+    return await _send_rows(manager, peer_id, rows)
+
+
+async def _send_rows(manager: SwarmManager, peer_id: str, rows: List[Row]) -> List[Outcome]:
     if not in_rounds(rows[0][0]):  # an older server: each session's step on its own stream, one message each
         outcomes = await asyncio.gather(*(stream.step(x, start, step_id) for stream, x, start, step_id in rows),
                                         return_exceptions=True)
         if not any(isinstance(outcome, BaseException) for outcome in outcomes):
             manager.mark_ok(peer_id)
         return list(outcomes)
-    limits = group[0].session._streams[group[0].hop].hop.limits
+    limits = rows[0][0].hop.limits
     outcomes = []
     for part in _messages(rows, limits, manager.config.max_chunk_bytes):
         try:
