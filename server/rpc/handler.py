@@ -1,6 +1,7 @@
 """The RPC handlers of a block server: `BlockHandler`, its request checks, the push stream, forward passes and the
-info calls (the inference stream is `server.rpc.inference.InferenceHandler`'s, the training passes
-`server.rpc.training.TrainingHandler`'s: this class extends both).
+info calls (the inference stream is `server.rpc.inference.InferenceHandler`'s, the round stream that steps many of its
+sessions in one message `server.rpc.rounds.RoundHandler`'s, the training passes `server.rpc.training.TrainingHandler`'s:
+this class extends them).
 
 Every request is validated before any tensor work (message schema and version, block range, tensor dtype and
 shape, positions against the session's cache and `max_length`, finite values, beam parent ids and padding against
@@ -23,9 +24,10 @@ from hivemind.proto import runtime_pb2
 
 from server.compute.blocks import BlockSpan
 from server.compute.cache import CacheBudget
-from server.rpc.inference import Counters, InferenceHandler
+from server.rpc.inference import Counters
 from server.rpc.limits import LimitError, RpcLimits, StreamLimiter
 from server.rpc.push import PushRefused, PushRouter, PushSender
+from server.rpc.rounds import RoundHandler
 from server.rpc.training import TrainingHandler
 from swarm.runtime.dht_traffic import DHTTraffic
 from swarm.runtime.swarm_key import NOT_A_MEMBER, SwarmKey, proof_for
@@ -35,7 +37,7 @@ from swarm.wire import protocol as P
 logger = logging.getLogger(__name__)
 
 
-class BlockHandler(InferenceHandler, TrainingHandler):
+class BlockHandler(RoundHandler, TrainingHandler):
     compression = "none"  # hidden states of sessions that do not ask (`--compression`, swarm.wire.compression)
 
     def __init__(self, span: BlockSpan, model_name: str, version: str, budget: CacheBudget, pool: TaskPool,
@@ -53,6 +55,7 @@ class BlockHandler(InferenceHandler, TrainingHandler):
         self.dht_traffic: Optional[DHTTraffic] = None  # the server's DHT traffic at its last announcement
         self.accepting = True
         self.push_router = PushRouter()
+        self.open_parts = {}  # stream key -> open session part (`server.rpc.rounds` attaches to them)
         self.pusher: Optional[PushSender] = None
 
     # ---- validation -------------------------------------------------------------------------------------

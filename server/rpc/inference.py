@@ -18,7 +18,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Dict, Optional
 
 import torch
 from hivemind.p2p import P2PContext
@@ -47,6 +47,11 @@ class Counters:
     steps_from_push: int = 0  # inference steps whose input came from the previous server
     pushes_sent: int = 0
     pushes_refused: int = 0  # pushes without the session part's push token
+    session_steps: int = 0  # steps that came on sessions' own streams (from the client or pushed)
+    round_messages: int = 0  # round messages (`server.rpc.rounds`)
+    round_rows: int = 0  # session steps in them
+    round_row_errors: int = 0
+    round_streams: int = 0  # open now
 
 
 @dataclass
@@ -66,6 +71,8 @@ class _Stream:
     last_reorder_id: int = 0  # the last `Step.reorder_id` applied to this session's cache rows
     # every reply of the stream is in the protocol version of its first request (the client's OpenSession)
     version: Optional[int] = None
+    busy: bool = False  # a step of this session is being computed (from its stream or a round)
+    last_active: float = 0.0  # monotonic time of its last step from a round (`server.rpc.rounds`)
 
 
 async def _pump(requests: AsyncIterator, inputs: asyncio.Queue) -> None:
@@ -100,6 +107,7 @@ class InferenceHandler(P.BlockRPC):
     prefill_chunk: int
     accepting: bool
     compression: str
+    open_parts: Dict[str, _Stream]  # stream key -> the open session part (rounds attach to it by key)
 
     def _admits(self, context: P2PContext, proof: str) -> bool:
         raise NotImplementedError
@@ -169,6 +177,8 @@ class InferenceHandler(P.BlockRPC):
                 try:
                     item = await asyncio.wait_for(stream.inputs.get(), timeout=self.step_timeout)
                 except asyncio.TimeoutError:
+                    if time.monotonic() - stream.last_active < self.step_timeout:
+                        continue  # the session steps in rounds (`server.rpc.rounds`): it is not idle
                     yield P.error_response("timeout", f"no step for {self.step_timeout:.0f}s; session closed",
                                            stream.version)
                     return
@@ -222,6 +232,7 @@ class InferenceHandler(P.BlockRPC):
         if not self.push_router.register(key, stream.inputs, opened.push_token, owner=stream.peer):
             raise Refused("bad_request", f"session part {key} is already open here")
         stream.key = key
+        self.open_parts[key] = stream
         stream.pump = asyncio.ensure_future(_pump(requests, stream.inputs))
         stream.compression = opened.compression or self.compression
 
@@ -265,6 +276,9 @@ class InferenceHandler(P.BlockRPC):
                 return None
             return P.error_response("over_limit" if isinstance(e, LimitError) else "bad_request", str(e),
                                     stream.version)
+        if stream.busy:  # a round is computing a step of this session (a client that mixes the two at once)
+            return P.error_response("bad_request", "this session is in the middle of another step", stream.version)
+        stream.busy = True
         try:
             if step.hypo_ids is not None and (step.reorder_id == 0 or step.reorder_id != stream.last_reorder_id):
                 # beam search: the kept positions' rows follow their beams (once per reorder id: a step
@@ -281,9 +295,12 @@ class InferenceHandler(P.BlockRPC):
         except Exception as e:
             logger.exception("inference step failed")
             return P.error_response("internal", f"step failed: {type(e).__name__}: {e}", stream.version)
+        finally:
+            stream.busy = False
         stream.last_step_id = max(stream.last_step_id, step.step_id)
         self.counters.inference_tokens += batch * seq
         self.counters.inference_steps += 1
+        self.counters.session_steps += 1
         self.counters.steps_from_push += source == "push"
         # push first (the next server starts at once), then the copy the client keeps for failover
         was_pushed = bool(step.push_chain) and self.pusher is not None and self.pusher.push(
@@ -309,6 +326,8 @@ class InferenceHandler(P.BlockRPC):
         stream.kv = None  # the session's cache buffers are freed here (an arena slot: cleared below)
         if stream.key is not None:
             self.push_router.unregister(stream.key, stream.inputs)
+            if self.open_parts.get(stream.key) is stream:
+                del self.open_parts[stream.key]
         if stream.pump is not None:
             stream.pump.cancel()
         if stream.handle is not None:

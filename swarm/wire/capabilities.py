@@ -39,13 +39,18 @@ CAPABILITIES: Mapping[str, str] = {
     "push": "server-to-server push (rpc_push, Step.push_chain, OpenSession.push_token)",
     "relay": "servers behind a NAT served through a relay (ServerInfo.reachable) and the dial-back check",
     "rope_length": "a step's rope length (RowEdits.rope_length, ForwardRequest.rope_length)",
+    "rounds": "many sessions' steps in one message per server (rpc_round: RoundStep, RoundResult; rpc_round_stats)",
     "tensor_parallel": "blocks split across devices (ServerInfo.tensor_parallel)",
     "train_adapters": "training through a LoRA adapter (TrainForward/TrainBackward.adapter)",
     "training": "training passes (rpc_train_forward, rpc_train_backward)",
 }
 OWN_CAPABILITIES: Tuple[str, ...] = tuple(sorted(CAPABILITIES))  # what this release's servers announce
-# the first release (0.1.0) announced no capabilities and supports all of these: a record without the field
-FIRST_RELEASE_CAPABILITIES: FrozenSet[str] = frozenset(CAPABILITIES)
+# the first release (0.1.0) announced no capabilities and supports all of these: a record without the field (named
+# one by one: a capability added since, such as "rounds", is never one of them)
+FIRST_RELEASE_CAPABILITIES: FrozenSet[str] = frozenset({
+    "adapters", "beam_reorder", "compression", "deep_prompts", "dht_traffic", "left_padding", "limits", "push",
+    "relay", "rope_length", "tensor_parallel", "train_adapters", "training",
+})
 CAPABILITY_PATTERN = r"^[a-z][a-z0-9_]{0,31}$"
 _NAME = re.compile(CAPABILITY_PATTERN)
 
@@ -136,12 +141,14 @@ FIELD_CAPABILITIES: Mapping[str, str] = {
     "TrainBackward.adapter": "train_adapters",
 }
 # what a request of each type needs whatever its fields (its RPC): a server without it has no such handler
-MESSAGE_CAPABILITIES: Mapping[str, str] = {"PushStep": "push", "TrainForward": "training", "TrainBackward": "training"}
+MESSAGE_CAPABILITIES: Mapping[str, str] = {"PushStep": "push", "TrainForward": "training", "TrainBackward": "training",
+                                           "RoundStep": "rounds"}
 CORE_FIELDS: FrozenSet[str] = frozenset({
     "OpenSession.session_id", "OpenSession.start", "OpenSession.end", "OpenSession.max_length",
     "OpenSession.batch_size", "Step.start_position", "Step.step_id", "PushStep.stream_key", "PushStep.push_token",
     "PushStep.start_position", "PushStep.step_id", "PushStep.push_chain", "ForwardRequest.start",
     "ForwardRequest.end", "TrainForward.start", "TrainForward.end", "TrainBackward.start", "TrainBackward.end",
+    "RoundStep.round_id", "RoundStep.attach", "RoundStep.rows",
 })
 
 

@@ -29,6 +29,9 @@ RPCs (see `BlockRPC`):
   pre_seq_len, hidden]`, added to the first pre_seq_len positions of each block's input) -> `TrainResult` + the
   output; `TrainBackward` + hidden, grad_output (+ prompts) -> `TrainResult` + grad_input (+ grad_prompts). The
   server keeps nothing between the two calls: backward recomputes the span's forward from the inputs it is sent.
+- `rpc_round`: a long-lived stream per (client, server) carrying `RoundStep`s: the steps of many sessions opened on
+  `rpc_inference` streams, one message per round, each row tagged with its session part (`swarm.wire.rounds`);
+  `rpc_round_stats`: `RoundStats`, the server's round counters.
 - `rpc_info`: `ServerStats`.
 - `rpc_dht_traffic`: `DHTTrafficReport`, the server's DHT peer's traffic counters (`swarm.runtime.dht_traffic`).
 
@@ -187,6 +190,15 @@ class BlockRPC(ServicerBase):
         raise NotImplementedError
         yield  # pragma: no cover
 
+    async def rpc_round(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError
+        yield  # pragma: no cover
+
+    async def rpc_round_stats(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        raise NotImplementedError
+
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         raise NotImplementedError
 
@@ -226,6 +238,12 @@ class ProvedStub:
 
     async def rpc_push(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], **kwargs):
         return await self._stub.rpc_push(self._first_proved(requests), **kwargs)
+
+    async def rpc_round(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], **kwargs):
+        return await self._stub.rpc_round(self._first_proved(requests), **kwargs)
+
+    async def rpc_round_stats(self, request: runtime_pb2.ExpertUID, **kwargs):
+        return await self._stub.rpc_round_stats(self._proved(request), **kwargs)
 
     async def rpc_train_forward(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], **kwargs):
         return await self._stub.rpc_train_forward(self._first_proved(requests), **kwargs)

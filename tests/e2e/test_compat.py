@@ -4,6 +4,8 @@ beside the current code, in one swarm of real processes.
 
 - an old server 0:15 + a new server 15:30 under a new gateway: greedy chats equal transformers, the old server
   pushes decode steps to the new one, and the status shows both releases (make test: the one representative);
+- the same two servers under `step_round` (issue 46): the old server's hops on the sessions' own streams, the new
+  server's in round messages; greedy tokens equal transformers (make test: the only real old server under rounds);
 - a new server 0:15 + an old server 15:30 under an old client: greedy `generate` equals transformers (extended);
 - failover from an old server to a new one mid-generation (extended);
 - training (gradients equal transformers' autograd) across an old and a new server (extended);
@@ -120,6 +122,42 @@ def test_an_old_server_and_a_new_one_under_a_new_gateway(old_first, model_path, 
     finally:
         gateway.terminate()
         model.close()
+
+
+def test_rounds_across_an_old_server_and_a_new_one(old_first, model_path, bootstrap, tokenizer, reference_model):
+    """`step_round` (issue 46) over a chain of an old server (no `rounds`, no `rpc_round`) and a new one: each
+    session's hop on the old server goes on its own stream, the new server's hop in one round message; greedy tokens
+    equal transformers."""
+    from swarm.client.transport import rounds
+    from swarm.runtime import aio
+
+    prefix, new = old_first["prefix"], old_first["new"]
+    model = client(model_path, bootstrap, prefix)
+    sessions = [model.inference_session(max_length=32) for _ in range(3)]
+    prompts = [tokenizer(text, return_tensors="pt")["input_ids"] for text in ("Rivers of Europe:", "2 + 2 =", "Hi")]
+    try:
+        head, ids, steps = sessions[0].head, [p.clone() for p in prompts], 5
+        inputs = [head.embed(p) for p in ids]
+        before = None
+        for step in range(steps):
+            outs = rounds.step_round([(s.session, x, None) for s, x in zip(sessions, inputs)])
+            assert all(isinstance(out, torch.Tensor) for out in outs), outs
+            if step == 0:  # the sessions are open now (the first step opened them)
+                before = aio.run(rounds.round_stats(model.manager, new.peer_id))
+            tokens = [head.head(out[:, -1]).argmax(-1, keepdim=True) for out in outs]  # [1, 1] each
+            ids = [torch.cat([i, t], dim=1) for i, t in zip(ids, tokens)]
+            inputs = [head.embed(t) for t in tokens]
+        after = aio.run(rounds.round_stats(model.manager, new.peer_id))
+        assert before is not None and after.messages - before.messages == steps - 1
+        assert after.rows - before.rows == 3 * (steps - 1) and after.session_steps == before.session_steps
+    finally:
+        for s in sessions:
+            s.close()
+        rounds.close_round_streams(model.manager)
+        model.close()
+    for prompt, ours in zip(prompts, ids):
+        ref = reference_model.generate(prompt, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+        assert ours.tolist() == ref.tolist()
 
 
 TEXTS = ["The capital of France is Paris, and the capital", "A quick brown fox jumps over the lazy dog again"]

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from swarm.client.transport.manager import SwarmManager
 from swarm.runtime import aio
 from swarm.wire import protocol as P
+from swarm.wire import rounds as R
 from tests.fixtures.rpc_fuzzing import (  # noqa: F401  (fuzz_env and honest_reference: fixtures)
     CLEAR_CODES,
     FUZZ,
@@ -225,6 +226,58 @@ def test_fuzzed_push_streams(fuzz_env, honest_reference):
             return [r async for r in await manager.stub(peer).rpc_push(gen())]
 
         assert aio.run(asyncio.wait_for(push(), 60)) == []  # the receiver never answers a push
+
+    with HonestSessions(model, ids) as honest:
+        fuzz()
+    assert honest.error is None, honest.error
+    assert all(out == expected for out in honest.outputs)
+    assert manager.server_info(peer).start == 15
+
+
+@st.composite
+def round_message(draw) -> runtime_pb2.ExpertRequest:
+    """A round (`swarm.wire.rounds`): rows of session parts that do not exist or are not attached, attach entries
+    with guessed tokens, tensors that fit the rows or not."""
+    rows = draw(st.lists(st.tuples(st.text(min_size=1, max_size=12), st.integers(0, 40), st.integers(1, 3),
+                                   st.integers(1, 4)), min_size=1, max_size=5, unique_by=lambda row: row[0]))
+    attach = [R.RoundAttach(stream_key=key, token=draw(st.text(min_size=16, max_size=20)))
+              for key, *_ in rows if draw(st.booleans())]
+    message = R.RoundStep(round_id=draw(st.integers(0, 9)), attach=attach, rows=[
+        R.RoundRow(stream_key=key, start_position=start, batch=batch, seq=seq) for key, start, batch, seq in rows])
+    tokens = message.tokens + draw(st.sampled_from([0, 0, 1, -1]))
+    request = P.make_request(message, [torch.randn(max(tokens, 0), HIDDEN)])
+    if draw(st.booleans()):
+        request.tensors.append(_tensor(draw))
+    return request
+
+
+def test_fuzzed_round_streams(fuzz_env, honest_reference):
+    """Round streams (`server.rpc.rounds`) fed garbage and rounds of parts nobody opened: each message gets one
+    reply, a `RoundResult` whose rows carry clear errors or an `ErrorReply` with a clear code; the server serves on."""
+    manager, swarm, model = fuzz_env
+    peer = swarm["servers"][1].peer_id
+    ids, expected = honest_reference
+
+    @FUZZ
+    @given(st.lists(st.one_of(garbage_message(), round_message(), round_message()), min_size=1, max_size=6))
+    def fuzz(requests):
+        async def rounds():
+            async def gen():
+                for request in requests:
+                    yield request
+
+            return [r async for r in await manager.stub(peer).rpc_round(gen())]
+
+        replies = aio.run(asyncio.wait_for(rounds(), 60))
+        assert len(replies) == len(requests)
+        for response in replies:
+            if json.loads(response.metadata)["type"] == "error":
+                error = P.decode(response.metadata, P.ErrorReply)
+                assert error.code in CLEAR_CODES and len(error.message) > 5, error
+            else:
+                result = P.decode(response.metadata, R.RoundResult)
+                assert all(row.code in CLEAR_CODES | {"forbidden"} for row in result.rows), result
+                assert not response.tensors  # no row ran
 
     with HonestSessions(model, ids) as honest:
         fuzz()

@@ -278,3 +278,35 @@ def test_limits_are_announced_and_the_client_fits_its_steps_to_them(limited, swa
                 model.generate(ids, max_new_tokens=1, session=session)
     finally:
         model.shutdown()
+
+
+def test_rounds_fit_the_step_tokens_and_keep_their_sessions_past_the_step_timeout(limited):
+    """Rounds (issue 46) on the limited server: two sessions of 40 rows each (80 tokens a round, the server takes
+    64 a message) go in two round messages, each session's rows whole; and sessions that step only in rounds for
+    longer than --step_timeout (10 s) are not closed as idle (their own streams carry no step meanwhile)."""
+    from swarm.client.transport import rounds
+    from swarm.client.transport.session import InferenceSession
+
+    m, server = limited
+    sessions = [InferenceSession(m, max_length=16) for _ in range(2)]
+    try:
+        first = rounds.step_round([(s, torch.randn(40, 1, HIDDEN), None) for s in sessions])  # opens them (astep)
+        assert all(isinstance(out, torch.Tensor) for out in first), first
+        before = aio.run(rounds.round_stats(m, server.peer_id))
+        began, steps = time.monotonic(), 0
+        while time.monotonic() - began < 12 or steps < 2:  # past the server's --step_timeout 10
+            outs = rounds.step_round([(s, torch.randn(40, 1, HIDDEN), None) for s in sessions])
+            assert all(isinstance(out, torch.Tensor) and out.shape == (40, 1, HIDDEN) for out in outs), outs
+            steps += 1
+            time.sleep(2)
+        after = aio.run(rounds.round_stats(m, server.peer_id))
+        assert after.messages - before.messages == 2 * steps  # cut under max_step_tokens: two messages a round
+        assert after.rows - before.rows == 2 * steps and after.row_errors == before.row_errors
+        assert after.session_steps == before.session_steps  # nothing on the sessions' own streams meanwhile
+        for s in sessions:  # their own streams are still open: a step on them works, no failover
+            s.step(torch.randn(40, 1, HIDDEN))
+            assert s.failovers == 0 and s.position == 2 + steps
+    finally:
+        for s in sessions:
+            s.close()
+        rounds.close_round_streams(m)

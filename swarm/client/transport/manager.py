@@ -181,6 +181,8 @@ class SwarmManager:
         self.dht = dht or join_dht(key, initial_peers=config.initial_peers, client_mode=True)
         self._own_dht = dht is None
         self._closed = False  # shutdown() ran
+        # what `shutdown` ends first, e.g. `swarm.client.transport.rounds`' round streams (registered by their module)
+        self.on_shutdown: List[Callable[[], None]] = []
         self.p2p: P2P = aio.run(self.dht.replicate_p2p(), timeout=60)
         self.member_proof = proof_for(key, self.p2p.peer_id)  # sent with every block RPC (private swarms)
         self.spans: List[ServerSpan] = []
@@ -412,6 +414,11 @@ class SwarmManager:
         if self._closed:
             return
         self._closed = True
+        for close in self.on_shutdown:
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - the rest of the shutdown goes on
+                logger.exception("a shutdown hook failed")
         try:  # close our handle on the daemon so that its reader tasks end instead of dying pending at exit
             if threading.current_thread().name == "swarm-client-loop":
                 aio.get_loop().create_task(self.p2p.shutdown())

@@ -21,6 +21,7 @@ from swarm.client.transport.session import InferenceSession
 from swarm.client.transport.span_stream import SpanStream
 from swarm.wire import capabilities as C
 from swarm.wire import protocol as P
+from swarm.wire import rounds as R
 from swarm.wire.records import ServerInfo, ServerSpan, ServerState
 from tests.fixtures.synthetic_swarm import fake_manager
 
@@ -39,8 +40,8 @@ def _without(*names: str) -> Tuple[str, ...]:
 
 
 def test_every_request_field_is_core_or_names_its_capability():
-    fields = {f"{kind.__name__}.{name}" for kind in P.REQUEST_TYPES for name in kind.model_fields
-              if name not in ("v", "type")}
+    fields = {f"{kind.__name__}.{name}" for kind in P.REQUEST_TYPES + R.ROUND_REQUEST_TYPES
+              for name in kind.model_fields if name not in ("v", "type")}
     assert fields == set(C.FIELD_CAPABILITIES) | C.CORE_FIELDS, "a request field with no capability and not core"
     assert not set(C.FIELD_CAPABILITIES) & C.CORE_FIELDS
     assert set(C.FIELD_CAPABILITIES.values()) | set(C.MESSAGE_CAPABILITIES.values()) <= set(C.CAPABILITIES)

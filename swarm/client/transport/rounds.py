@@ -1,0 +1,330 @@
+"""Stepping many inference sessions in one round: `step_round` / `astep_round`, one message per server per round.
+
+Each `InferenceSession` steps on its own streams (`session.py`); a client that steps many sessions together (the
+gateway's engine, one round for every generation) calls `step_round(items)` instead: the sessions whose current hop
+is the same server travel in ONE `swarm.wire.rounds.RoundStep` on ONE round stream per (client, server) pair
+(`RoundStream`, opened on first use and kept), each row tagged with its session part; the server runs the rows
+through its batched step and answers once. Hop by hop the round's items advance through their chains, and the
+items whose next hop is the same server are grouped again. The session parts stay the sessions' own (their own
+caches, limits and failures on the servers): a round stream is attached to a part with the part's secret.
+
+Correctness first: an item steps on its session's own streams (`InferenceSession.astep`) where the round cannot
+carry it (`round_ready`): a session not open yet (its first step opens it), closed, with spot-check verification,
+with row edits (beam parents, left padding) or a step longer than one message, with compressed hidden states, or
+whose chain has no server with the `rounds` capability. In a chain that mixes releases (a rolling upgrade), the hops
+on servers without `rounds` (or without `push`: a round stream attaches to a part with its push token) take the
+item's step on the session's own stream to that server, in the same wave as the others' round messages. An item
+whose row fails (an error reply for that row, a broken round stream, a failed step on an older server) is stepped
+again whole through `astep`, with the session's failover: the servers that already took the step overwrite the
+same positions. Rewinds need nothing special: a row starts at the session's position, whatever it is.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from hivemind.proto import runtime_pb2
+
+from swarm.client.transport.manager import SwarmManager
+from swarm.client.transport.session import InferenceSession
+from swarm.client.transport.session_chain import METADATA_ROOM, BoundaryHistory
+from swarm.client.transport.span_stream import SpanStream
+from swarm.runtime import aio
+from swarm.wire import protocol as P
+from swarm.wire import rounds as R
+
+logger = logging.getLogger(__name__)
+
+# (session, inputs [batch, seq, hidden], options: `InferenceSession.astep`'s keyword arguments, or None)
+RoundItem = Tuple[InferenceSession, torch.Tensor, Optional[Mapping[str, Any]]]
+Outcome = Union[torch.Tensor, BaseException]
+# a row of one server's round: (session part, hidden [batch, seq, hidden], start position, step id)
+Row = Tuple[SpanStream, torch.Tensor, int, int]
+
+
+class RoundStream:
+    """One client's round stream to one server: rounds go one at a time (a lock), each answered in order."""
+
+    def __init__(self, manager: SwarmManager, peer_id: str):
+        self.manager, self.peer_id = manager, peer_id
+        self._queue: "asyncio.Queue[Optional[object]]" = asyncio.Queue()
+        self._responses: Any = None
+        self._lock = asyncio.Lock()
+        self._attached: Dict[str, str] = {}  # stream key -> the token it was attached with
+        self._round_id = 0
+        self.closed = False
+        self._loop: Optional[asyncio.AbstractEventLoop] = None  # the client loop, once the stream opens there
+
+    async def step(self, rows: Sequence[Row]) -> List[Outcome]:
+        """One message with `rows` (all session parts on this server): per row its output [batch, seq, hidden] or
+        the `RemoteError` the server answered for that row. A failure of the whole message (the stream broke, no
+        reply within `step_timeout`, an error reply) raises, and the stream is closed (the next round reopens it)."""
+        async with self._lock:
+            try:
+                return await self._step(rows)
+            except BaseException:
+                self.close()
+                raise
+
+    async def _step(self, rows: Sequence[Row]) -> List[Outcome]:
+        if self.closed:
+            raise P.RemoteError("closed", "the round stream is closed", self.peer_id)
+        if self._responses is None:
+            self._loop = asyncio.get_running_loop()
+            self._responses = await self.manager.stub(self.peer_id).rpc_round(aio.iterate_queue(self._queue))
+        self._round_id += 1
+        attach = [R.RoundAttach(stream_key=s.key, token=s.push_token) for s, _, _, _ in rows
+                  if self._attached.get(s.key) != s.push_token]
+        message = R.RoundStep(round_id=self._round_id, attach=attach, rows=[
+            R.RoundRow(stream_key=s.key, start_position=start, step_id=step_id, batch=x.shape[0], seq=x.shape[1])
+            for s, x, start, step_id in rows])
+        wire_dtype = rows[0][0].wire_dtype  # the server's dtype (one server: one dtype)
+        flat = R.join_rows([x.to(wire_dtype) if wire_dtype is not None and x.is_floating_point() else x
+                            for _, x, _, _ in rows])  # [sum(batch_i * seq_i), hidden]
+        self._queue.put_nowait(P.make_request(message, [flat]))
+        response = await asyncio.wait_for(self._responses.__anext__(), timeout=self.manager.config.step_timeout)
+        kind = json.loads(response.metadata).get("type") if response.metadata else None
+        if kind == "error":
+            error = P.decode(response.metadata, P.ErrorReply)
+            raise P.RemoteError(error.code, error.message, self.peer_id)
+        result = P.decode(response.metadata, R.RoundResult)
+        if result.round_id != message.round_id or [r.stream_key for r in result.rows] != [r.stream_key for r in
+                                                                                            message.rows]:
+            raise P.RemoteError("bad_reply", "the round's reply does not answer its rows", self.peer_id)
+        for entry in attach:
+            self._attached[entry.stream_key] = entry.token
+        done = [(row, (s, x, start, _)) for row, (s, x, start, _) in zip(result.rows, rows) if row.code is None]
+        if done:
+            if len(response.tensors) != 1:
+                raise P.RemoteError("bad_reply", "the round's reply carries no outputs", self.peer_id)
+            flat_out = P.deserialize_tensor(response.tensors[0], max_elements=1 << 31)
+            outputs = iter(R.split_rows(flat_out, [(x.shape[0], x.shape[1]) for _, (_, x, _, _) in done]))
+        outcomes: List[Outcome] = []
+        for row, (stream, x, start, _) in zip(result.rows, rows):
+            if row.code is not None:
+                self._attached.pop(stream.key, None)  # attached again next time (a closed part, a new token)
+                outcomes.append(P.RemoteError(row.code, row.message or "", self.peer_id))
+            elif row.position != start + x.shape[1]:
+                outcomes.append(P.RemoteError("bad_reply", f"server reported position {row.position}", self.peer_id))
+            else:
+                stream.position = row.position
+                outcomes.append(next(outputs))
+        return outcomes
+
+    def close(self) -> None:
+        """End the stream (the server lets go of its attachments); from any thread."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            here = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            here = False
+        if here or self._loop is None:  # (never opened: nobody waits on the queue)
+            self._queue.put_nowait(None)
+        elif not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, None)
+
+
+_STREAMS: "weakref.WeakKeyDictionary[SwarmManager, Dict[str, RoundStream]]" = weakref.WeakKeyDictionary()
+
+
+def round_stream(manager: SwarmManager, peer_id: str) -> RoundStream:
+    """The manager's round stream to `peer_id` (a new one if there is none or it was closed)."""
+    streams = _STREAMS.get(manager)
+    if streams is None:
+        streams = _STREAMS[manager] = {}
+        manager.on_shutdown.append(lambda: close_round_streams(manager))
+    stream = streams.get(peer_id)
+    if stream is None or stream.closed:
+        stream = streams[peer_id] = RoundStream(manager, peer_id)
+    return stream
+
+
+async def round_stats(manager: SwarmManager, peer_id: str) -> R.RoundStats:
+    """A server's round counters (`rpc_round_stats`; a server without `rounds` has no such handler)."""
+    response = await manager.stub(peer_id).rpc_round_stats(runtime_pb2.ExpertUID(uid=""),
+                                                           timeout=manager.config.request_timeout)
+    return P.decode(response.serialized_info, R.RoundStats)
+
+
+def close_round_streams(manager: SwarmManager) -> None:
+    """End the manager's round streams (`SwarmManager.shutdown` does); from any thread."""
+    for stream in _STREAMS.pop(manager, {}).values():
+        stream.close()
+
+
+def round_ready(session: InferenceSession, hidden: torch.Tensor, options: Optional[Mapping[str, Any]]) -> bool:
+    """Whether `step_round` can carry this step in round messages (else it goes through `astep`)."""
+    if session._closed or session.batch_size is None or session._verifier is not None or session.check_all_next:
+        return False
+    if any(value is not None for value in (options or {}).values()):
+        return False  # beam parents, left padding: on the session's own streams
+    if hidden.ndim != 3 or hidden.shape[0] != session.batch_size or not session._streams:
+        return False
+    sent = session._history.get(session._streams[0].hop.start)
+    if sent is not None and sent.buffer.shape[-1] != hidden.shape[-1]:
+        return False  # not this model's hidden size: astep says so
+    if session.position + hidden.shape[1] > session.max_length or hidden.shape[1] > session._chunk_len(hidden):
+        return False
+    return (all(s.compression is None and not s.open_pending for s in session._streams)
+            and any(in_rounds(s) for s in session._streams))
+
+
+def in_rounds(stream: SpanStream) -> bool:
+    """Whether this session part's server takes its steps in round messages (else on the part's own stream)."""
+    return "rounds" in stream.hop.capabilities and stream.pushes
+
+
+@dataclass
+class _Flight:
+    """One item on its way through its chain in the round."""
+    index: int  # in the round's items
+    session: InferenceSession
+    inputs: torch.Tensor  # [batch, seq, hidden], as given (what a fallback sends again)
+    x: torch.Tensor  # the current hop's input
+    step_id: int
+    hop: int = 0
+
+
+def step_round(items: Sequence[RoundItem]) -> List[Outcome]:
+    """`astep_round` from plain code (the engine's thread)."""
+    return aio.run(astep_round(items))
+
+
+async def astep_round(items: Sequence[RoundItem]) -> List[Outcome]:
+    """Step every item's session once: items are (session, inputs [batch, seq, hidden] for positions
+    session.position.., options: `astep`'s keyword arguments or None). Returns, per item in order, what
+    `session.astep(inputs, **options)` would: the last block's output [batch, seq, hidden], or the exception that
+    item raised (its session's `SessionError`, a `ValueError` for bad inputs, ...); an exception in one item never
+    fails the others. Each session's position advances as with `astep`. A session appears at most once per round
+    (a second appearance gets a ValueError). Items that share a server at a hop travel in one message to it (see
+    the module's docstring for those that go through `astep` instead).
+
+    Contract for callers (the gateway's engine): await it on the client loop (`swarm.runtime.aio`; `step_round`
+    from any other thread); a session must not be stepped elsewhere (its own `astep`, a rewind) while a round that
+    holds it runs; inputs are what `astep` takes (embeddings, or the previous stage's hidden states), outputs are
+    the last block's hidden states, before the final norm and LM head (the caller's). Rounds from several callers
+    may run at once: they take turns per server. Items of different models (managers) may share a round."""
+    outcomes: List[Optional[Outcome]] = [None] * len(items)
+    seen: set = set()
+    flights: List[_Flight] = []
+    alone: List[Tuple[int, Any]] = []  # (index, astep coroutine)
+    for index, (session, hidden, options) in enumerate(items):
+        if id(session) in seen:
+            outcomes[index] = ValueError("a session appears twice in one round")
+            continue
+        seen.add(id(session))
+        if round_ready(session, hidden, options):
+            flights.append(_Flight(index, session, hidden, hidden, session._next_step_id()))
+        else:
+            alone.append((index, session.astep(hidden, **dict(options or {}))))
+    alone_task = asyncio.gather(*(coroutine for _, coroutine in alone), return_exceptions=True)
+    retry: List[_Flight] = []
+    try:
+        while flights:
+            # (manager, server, whether the part takes round messages) -> the flights whose current hop is there
+            groups: Dict[Tuple[SwarmManager, str, bool], List[_Flight]] = defaultdict(list)
+            for flight in flights:
+                stream = flight.session._streams[flight.hop]
+                groups[(flight.session.manager, stream.hop.peer_id, in_rounds(stream))].append(flight)
+            results = await asyncio.gather(*(_send_group(manager, peer, group)
+                                             for (manager, peer, _), group in groups.items()))
+            flights = []
+            for group, outputs in zip(groups.values(), results):
+                for flight, output in zip(group, outputs):
+                    if isinstance(output, BaseException):
+                        logger.debug(f"round step of session {flight.session.session_id} failed ({output}); "
+                                     f"stepping it on its own streams")
+                        retry.append(flight)
+                        continue
+                    flight.x, flight.hop = output, flight.hop + 1
+                    if flight.hop < len(flight.session._streams):
+                        flights.append(flight)
+                    else:
+                        flight.session.position += flight.inputs.shape[1]
+                        outcomes[flight.index] = output
+    finally:
+        done = await alone_task
+    for (index, _), outcome in zip(alone, done):
+        outcomes[index] = outcome
+    if retry:  # the whole step again, with failover: servers that took it overwrite the same positions
+        again = await asyncio.gather(*(flight.session.astep(flight.inputs) for flight in retry),
+                                     return_exceptions=True)
+        for flight, outcome in zip(retry, again):
+            outcomes[flight.index] = outcome
+    return [outcome if outcome is not None else RuntimeError("no outcome") for outcome in outcomes]
+
+
+async def _send_group(manager: SwarmManager, peer_id: str, group: List[_Flight]) -> List[Outcome]:
+    """The rows of `group` (their current hops are all on `peer_id`, all in rounds or none) in as few messages as
+    the server's limits allow (one, unless the round is larger than a message), or each on its part's own stream;
+    each boundary's history records the inputs, as `InferenceSession._step_chunk` does."""
+    rows: List[Row] = []
+    failed: Dict[int, BaseException] = {}  # index in group -> what went wrong before anything was sent
+    for n, flight in enumerate(group):
+        session, stream = flight.session, flight.session._streams[flight.hop]
+        try:
+            assert session.batch_size is not None
+            history = session._history.get(stream.hop.start)
+            if history is None:
+                history = session._history[stream.hop.start] = BoundaryHistory(
+                    session.batch_size, session.max_length, flight.x.shape[-1], flight.x.dtype)
+            if session.position == 0:
+                history.padding = None
+            history.write(session.position, flight.x)
+        except Exception as e:  # noqa: BLE001 - this item's own error (astep gives it again, or its own)
+            failed[n] = e
+            continue
+        rows.append((stream, flight.x, session.position, flight.step_id))
+    if failed:
+        sent = iter(await _send_rows(manager, peer_id, rows) if rows else [])
+        return [failed[n] if n in failed else next(sent) for n in range(len(group))]
+    return await _send_rows(manager, peer_id, rows)
+
+
+async def _send_rows(manager: SwarmManager, peer_id: str, rows: List[Row]) -> List[Outcome]:
+    if not in_rounds(rows[0][0]):  # an older server: each session's step on its own stream, one message each
+        outcomes = await asyncio.gather(*(stream.step(x, start, step_id) for stream, x, start, step_id in rows),
+                                        return_exceptions=True)
+        if not any(isinstance(outcome, BaseException) for outcome in outcomes):
+            manager.mark_ok(peer_id)
+        return list(outcomes)
+    limits = rows[0][0].hop.limits
+    outcomes = []
+    for part in _messages(rows, limits, manager.config.max_chunk_bytes):
+        try:
+            outcomes += await round_stream(manager, peer_id).step(part)
+        except Exception as e:  # noqa: BLE001 - the whole message failed (the stream closed): each item alone
+            outcomes += [e] * len(part)
+    if not any(isinstance(outcome, BaseException) for outcome in outcomes):
+        manager.mark_ok(peer_id)
+    return outcomes
+
+
+def _messages(rows: List[Row], limits, max_bytes: int) -> List[List[Row]]:
+    """`rows` cut into messages under the server's announced `max_step_tokens` and `max_message_bytes` and the
+    client's `max_chunk_bytes` (a round of decode steps is one message)."""
+    max_tokens = limits.max_step_tokens if limits is not None else None
+    if limits is not None:
+        max_bytes = min(max_bytes, limits.max_message_bytes - METADATA_ROOM)
+    parts: List[List[Row]] = [[]]
+    tokens = size = 0
+    for row in rows:
+        x = row[1]
+        row_tokens = x.shape[0] * x.shape[1]
+        row_bytes = x.numel() * x.element_size()
+        over_tokens = max_tokens is not None and tokens + row_tokens > max_tokens
+        if parts[-1] and (over_tokens or size + row_bytes > max_bytes):
+            parts.append([])
+            tokens = size = 0
+        parts[-1].append(row)
+        tokens += row_tokens
+        size += row_bytes
+    return parts
