@@ -30,6 +30,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from swarm.modeling.families import family_for
+
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 EXPERT_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.mlp\.experts\.((?:base_layer\.)*)"
                         r"lora_([AB])\.weight$")
@@ -46,8 +48,6 @@ def unsupported_parameters(target_parameters: Sequence[str]) -> List[str]:
 def expert_sizes(model_config, block: int) -> Optional[Tuple[int, int]]:
     """(experts, intermediate size of one expert) of block `block`, or None where the block has no routed experts
     (a dense layer, or a family without experts): the family's `LoraLayout.experts`."""
-    from swarm.modeling.families import family_for  # (the family modules are loaded by then)
-
     sizes = family_for(model_config).lora.experts
     return None if sizes is None else sizes(model_config, block)
 
@@ -68,8 +68,6 @@ def expert_targets(model_config, config, header_pairs: Dict[Tuple[int, str], Dic
                    rank_alpha) -> Dict[Tuple[int, str], ExpertTarget]:
     """The adapted experts of an adapter: `header_pairs` maps (block, nesting) to {"A": (key, shape), "B": ...};
     `rank_alpha(module_key)` gives peft's (rank, alpha) for a parameter's key. ValueError says what is wrong."""
-    from swarm.modeling.families import family_for
-
     if family_for(model_config).lora.experts is None:
         raise ValueError(f"tensors on experts, but {model_config.model_type} has no routed experts")
     hidden = int(model_config.hidden_size)
