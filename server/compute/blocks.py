@@ -84,9 +84,9 @@ class BlockSpan(nn.Module):
         """Replay decode steps of up to 16 sessions as CUDA graphs (`server.compute.graphs`: CUDA devices, families with
         fused layers; float or nf4 weights, adapters, left-padded rows, ALiBi and sliding windows); True if on.
 
-        Not for layers with data-dependent control flow (`capturable` False: Mixtral's routed experts, a host sync
-        per block), nor for int8 spans: bitsandbytes' LLM.int8() picks outlier columns from each input (a host sync
-        and data-dependent shapes), which capture refuses (docs/benchmarks-gpu.md has the error).
+        Not for families whose layers cannot be captured (`FamilySpec.graph_refusal`: Mixtral's routed experts, a
+        host sync per block), nor for int8 spans: bitsandbytes' LLM.int8() picks outlier columns from each input (a
+        host sync and data-dependent shapes), which capture refuses (docs/benchmarks-gpu.md has the error).
         """
         reason = self.cuda_graphs_refusal()
         if reason is not None:
@@ -108,8 +108,8 @@ class BlockSpan(nn.Module):
         if self.cache_layout.values_in_keys:
             return ("the blocks cache a latent (multi-head latent attention): the graphs' static attention reads "
                     "keys and values of one head size")
-        if not all(getattr(layer, "capturable", True) for layer in self.fused):  # e.g. Mixtral's routing
-            return "the layers route tokens by their values (a host sync per block)"
+        if self.family.graph_refusal:  # e.g. Mixtral's routing
+            return self.family.graph_refusal
         if self.tp_devices:
             return "the blocks are split across devices (--tensor_parallel_devices): their steps run eagerly"
         return None

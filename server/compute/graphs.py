@@ -27,7 +27,7 @@ used go first); a graph is dropped as soon as one of its sessions is collected (
 step drops it: never inside a capture). All graphs of a span share one memory pool, as replays never overlap (the
 server runs tensor work on one thread) and each replay's output is copied out at once.
 
-What is not captured: Mixtral's routed experts (`capturable` False: a host sync per block to count each expert's
+What is not captured: Mixtral's routed experts (`FamilySpec.graph_refusal`: a host sync per block to count each expert's
 tokens), int8 weights (LLM.int8() picks its outlier columns from each input: a host sync and data-dependent
 shapes, which capture refuses: `BlockSpan.enable_cuda_graphs`).
 """

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from swarm.modeling.checkpoint import Checkpoint
-from swarm.modeling.families import FAMILIES, FamilySpec, family_for
+from swarm.modeling.families import FAMILIES, FamilySpec, QuantSplit, family_for
 from swarm.modeling.families.llama import FusedLayer, attach_small_gemms
 from swarm.modeling.lora import SpanAdapter, check_layers
 from swarm.modeling.lora_files import AdapterError, AdapterFiles
@@ -30,7 +30,6 @@ from swarm.modeling.tensor_parallel import check_splittable, parse_devices, spli
 from swarm.runtime import malloc
 from swarm.wire.dtypes import DTYPES
 
-LLAMA_MODULE = FusedLayer.__module__  # the family module whose fused layers take packed products
 logger = logging.getLogger(__name__)
 
 
@@ -64,10 +63,11 @@ def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
 
 def packed_rows_for(packed_rows: Sequence[int], device: str, dtype: torch.dtype, quant_type: str,
                     family: FamilySpec) -> tuple:
-    """The decode batch sizes a span packs its weights for (`swarm.modeling.smallgemm`): float32 Llama-family blocks
-    (their `FusedLayer`s) on the CPU of a torch with MKL's packed GEMM, not quantized; else none."""
+    """The decode batch sizes a span packs its weights for (`swarm.modeling.smallgemm`): float32 blocks of a family
+    with `packed_gemms` (Llama's `FusedLayer`s) on the CPU of a torch with MKL's packed GEMM, not quantized; else
+    none."""
     if torch.device(device).type != "cpu" or dtype != torch.float32 or quant_type not in (None, "none") or \
-            family.layer.__module__ != LLAMA_MODULE or not packing_available():
+            not family.packed_gemms or not packing_available():
         return ()
     return tuple(packed_rows)
 
@@ -86,6 +86,22 @@ def _note_extra_layers(checkpoint: Checkpoint, family: FamilySpec, num_layers: i
     checkpoint.extra_layers_noted = True
     logger.info(f"{checkpoint.name}: skipping the tensors of block {num_layers} and beyond (past num_hidden_layers "
                 f"{num_layers}: a multi-token-prediction layer), not served")
+
+
+def check_split(quantized: nn.Module, split: QuantSplit, family: FamilySpec, index: int) -> None:
+    """RuntimeError unless the quantized block holds bitsandbytes modules of exactly the weight shapes its family's
+    `Quantization.split` names and as many float values as it keeps (what memory planning counts)."""
+    import bitsandbytes as bnb
+
+    held = sorted((m.out_features, m.in_features) for m in quantized.modules()
+                  if isinstance(m, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit)))
+    if held != sorted(split.modules):
+        raise RuntimeError(f"block {index}: the {family.model_type} family's quantization split names modules "
+                           f"{sorted(split.modules)}, its build made {held}")
+    floats = sum(t.numel() for t in list(quantized.parameters()) + list(quantized.buffers()) if t.is_floating_point())
+    if floats != split.other:
+        raise RuntimeError(f"block {index}: the {family.model_type} family's quantization split keeps {split.other} "
+                           f"values in float, its quantized block holds {floats}")
 
 
 def load_blocks(checkpoint: Checkpoint, start: int, end: int, dtype_name: str = "auto", device: str = "cpu",
@@ -118,13 +134,8 @@ def load_blocks(checkpoint: Checkpoint, start: int, end: int, dtype_name: str = 
     if tp_devices:
         check_splittable(family, ModelShape.from_config(config), len(tp_devices), quant_type)
         packed_rows = ()
-    quantize: Optional[Callable] = None
-    if quant_type != "none":
-        if family.fuse is None:
-            raise ValueError(f"quant_type {quant_type} needs a family with fused layers ({family.model_type})")
-        from swarm.modeling.quantize import quantize_layer
-
-        quantize = quantize_layer
+    if quant_type != "none" and family.fuse is None:
+        raise ValueError(f"quant_type {quant_type} needs a family with fused layers ({family.model_type})")
 
     # a checkpoint published quantized (MXFP4 / FP8): the span's stored tensors checked from their headers before
     # any is read (a bad one: one error naming it); each block is then dequantized as it is read
@@ -151,16 +162,18 @@ def load_blocks(checkpoint: Checkpoint, start: int, end: int, dtype_name: str = 
         del state
         if tp_devices and fuse is not None:  # fused on the CPU, each shard copied (and quantized) to its device
             layers.append(split_layer(fuse(layer.to(dtype).eval().requires_grad_(False)), tp_devices,
-                                      ModelShape.from_config(config), quant_type, dtype))
+                                      ModelShape.from_config(config), quant_type, dtype, family.quant))
             fused.append(layers[-1])
             del layer
             malloc.trim()
             continue
-        if quantize is not None and fuse is not None:
+        if quant_type != "none" and fuse is not None:
             # fused on the CPU, then each fused weight quantized as it moves to the device; the float layer
             # (and its fused tensors) is dropped here, the quantized layer serves every path
-            quantized = quantize(fuse(layer.to(dtype).eval().requires_grad_(False)), quant_type, dtype,
-                                 torch_device)
+            split = family.quant.split(layer)  # what memory planning counted of this block
+            quantized = family.quant.quantize(fuse(layer.to(dtype).eval().requires_grad_(False)), quant_type, dtype,
+                                              torch_device)
+            check_split(quantized, split, family, index)
             del layer
             malloc.trim()  # the float block's pages go back now, not reused piecemeal (the peak stays ~1 block)
             layers.append(quantized)

@@ -285,18 +285,16 @@ def biased_mask(bias: torch.Tensor, mask: Optional[torch.Tensor], q_length: int)
     return out.masked_fill(~allowed, torch.finfo(bias.dtype).min)
 
 
-QWEN_WINDOWS = ("qwen2", "qwen3")  # windows on some layers: `layer_types`, else `max_window_layers`
-
-
-def sliding_window_of(config, layer_idx: int) -> Optional[int]:
+def sliding_window_of(config, layer_idx: int, window_layers: bool = False) -> Optional[int]:
     """The sliding window of block `layer_idx` as transformers applies it: a query at position p sees the keys at
-    positions p - window + 1 .. p. Mistral, Mixtral, Qwen3-MoE: `sliding_window` on every layer; Qwen2, Qwen3: on the
-    layers their `layer_types` name "sliding_attention" (by default those from `max_window_layers` on, when
-    `use_sliding_window`). None: full causal attention."""
+    positions p - window + 1 .. p. Mistral, Mixtral, Qwen3-MoE: `sliding_window` on every layer; Qwen2, Qwen3
+    (`window_layers`, their layers' class attribute): on the layers their `layer_types` name "sliding_attention" (by
+    default those from `max_window_layers` on, when `use_sliding_window`). None: full causal attention."""
     window = getattr(config, "sliding_window", None)
     if not window:
         return None
-    if getattr(config, "model_type", None) in QWEN_WINDOWS:
+    if window_layers:  # windows on some layers (the layer class says: Qwen2's, Qwen3's): `layer_types`, else
+        # `max_window_layers`
         layer_types = getattr(config, "layer_types", None)
         if layer_types:
             return window if layer_types[layer_idx] == "sliding_attention" else None

@@ -30,9 +30,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from swarm.modeling.families import family_for
+
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
-# the families whose layers give their experts in parts (`expert_gate_up`, `expert_act`, `expert_down`)
-EXPERT_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3")
 EXPERT_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.mlp\.experts\.((?:base_layer\.)*)"
                         r"lora_([AB])\.weight$")
 
@@ -47,20 +47,9 @@ def unsupported_parameters(target_parameters: Sequence[str]) -> List[str]:
 
 def expert_sizes(model_config, block: int) -> Optional[Tuple[int, int]]:
     """(experts, intermediate size of one expert) of block `block`, or None where the block has no routed experts
-    (a dense layer, or a family without experts)."""
-    model_type = getattr(model_config, "model_type", None)
-    if model_type in ("mixtral", "gpt_oss"):
-        return int(model_config.num_local_experts), int(model_config.intermediate_size)
-    if model_type == "qwen3_moe":
-        from swarm.modeling.families.qwen3_moe import is_sparse
-
-        sparse = is_sparse(model_config, block)
-        return (int(model_config.num_local_experts), int(model_config.moe_intermediate_size)) if sparse else None
-    if model_type == "deepseek_v3":
-        if block < int(model_config.first_k_dense_replace or 0) or not int(model_config.n_routed_experts or 0):
-            return None
-        return int(model_config.n_routed_experts), int(model_config.moe_intermediate_size)
-    return None
+    (a dense layer, or a family without experts): the family's `LoraLayout.experts`."""
+    sizes = family_for(model_config).lora.experts
+    return None if sizes is None else sizes(model_config, block)
 
 
 @dataclass(frozen=True)
@@ -79,7 +68,7 @@ def expert_targets(model_config, config, header_pairs: Dict[Tuple[int, str], Dic
                    rank_alpha) -> Dict[Tuple[int, str], ExpertTarget]:
     """The adapted experts of an adapter: `header_pairs` maps (block, nesting) to {"A": (key, shape), "B": ...};
     `rank_alpha(module_key)` gives peft's (rank, alpha) for a parameter's key. ValueError says what is wrong."""
-    if model_config.model_type not in EXPERT_FAMILIES:
+    if family_for(model_config).lora.experts is None:
         raise ValueError(f"tensors on experts, but {model_config.model_type} has no routed experts")
     hidden = int(model_config.hidden_size)
     targets: Dict[Tuple[int, str], ExpertTarget] = {}

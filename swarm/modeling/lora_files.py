@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from swarm.modeling.families import family_for
 from swarm.modeling.lora_experts import EXPERT_KEY, ExpertTarget, expert_targets, unsupported_parameters
-from swarm.modeling.lora_targets import blocks_prefix, deepseek_shapes, modules_of, target_shapes
+from swarm.modeling.lora_targets import target_shapes
 from swarm.modeling.shape import ModelShape
 
 logger = logging.getLogger(__name__)
@@ -194,7 +195,8 @@ def open_adapter(source: AdapterSource, model_config, cache_dir: Optional[str] =
     header = _safetensors_header(weights_path, where)
     from peft.tuners.tuners_utils import check_target_module_exists
 
-    modules = modules_of(model_config)
+    family = family_for(model_config)
+    modules, per_block = family.lora.modules, family.lora.shapes  # (per_block: DeepSeek-V3's blocks differ)
     pairs: Dict[Tuple[int, str], Dict[str, Tuple[str, List[int]]]] = {}
     expert_pairs: Dict[Tuple[int, str], Dict[str, Tuple[str, List[int]]]] = {}
     for key, info in header.items():
@@ -218,8 +220,7 @@ def open_adapter(source: AdapterSource, model_config, cache_dir: Optional[str] =
         pairs.setdefault((block, target), {})[which] = (key, list(info.get("shape", [])))
     if not pairs and not expert_pairs:
         raise AdapterError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
-    deepseek = model_config.model_type == "deepseek_v3"
-    result = AdapterFiles(source.name, config, weights_path, model_config=model_config, grouped=not deepseek)
+    result = AdapterFiles(source.name, config, weights_path, model_config=model_config, grouped=per_block is None)
     if expert_pairs or config.target_parameters:
         try:
             result.experts = expert_targets(model_config, config, expert_pairs, lambda key: (
@@ -230,13 +231,13 @@ def open_adapter(source: AdapterSource, model_config, cache_dir: Optional[str] =
     for (block, target), found in sorted(pairs.items()):
         if set(found) != {"A", "B"}:
             raise AdapterError(f"{where}: block {block} {target} has lora_{''.join(found)} without its pair")
-        module_key = f"{blocks_prefix(model_config)}{block}.{modules[target]}.{target}"
+        module_key = f"{family.blocks_prefix}{block}.{modules[target]}.{target}"
         if not check_target_module_exists(config, module_key):
             raise AdapterError(f"{where}: weights for {module_key}, which the config's target_modules "
                                f"{sorted(config.target_modules or [])} do not target")
         rank = int(_pattern_value(config.rank_pattern, module_key, config.r))
         alpha = float(_pattern_value(config.alpha_pattern, module_key, config.lora_alpha))
-        block_shapes = deepseek_shapes(model_config, block) if deepseek else shapes
+        block_shapes = shapes if per_block is None else per_block(model_config, block)
         if target not in block_shapes:
             raise AdapterError(f"{where}: weights for {module_key}, which block {block} does not have")
         out_features, in_features = block_shapes[target]
@@ -249,13 +250,12 @@ def open_adapter(source: AdapterSource, model_config, cache_dir: Optional[str] =
         scaling = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
         result.targets[(block, target)] = TargetSpec(block, target, a_key, b_key, rank, scaling, modules[target])
     wanted = {t for t in modules
-              if check_target_module_exists(config, f"{blocks_prefix(model_config)}0.{modules[t]}.{t}")}
+              if check_target_module_exists(config, f"{family.blocks_prefix}0.{modules[t]}.{t}")}
     present = {t for _, target in result.targets for t in (target, target.rpartition(".")[2])}
     if isinstance(config.target_modules, (set, list, tuple)):
         named = set(config.target_modules) & set(modules)
-        if deepseek:  # (only the projections its blocks have: q_proj or q_a_proj / q_b_proj, ...)
-            named &= {t for block in range(model_config.num_hidden_layers)
-                      for t in deepseek_shapes(model_config, block)}
+        if per_block is not None:  # (only the projections its blocks have: q_proj or q_a_proj / q_b_proj, ...)
+            named &= {t for block in range(model_config.num_hidden_layers) for t in per_block(model_config, block)}
         if named - present:
             raise AdapterError(f"{where}: the config targets {sorted(named - present)} but the weights hold none")
     elif wanted and not present:

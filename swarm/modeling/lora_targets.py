@@ -1,16 +1,15 @@
-"""Which projections a LoRA adapter may target on each family, and their shapes (`swarm.modeling.lora`'s tables).
+"""The projections a LoRA adapter may target, and their shapes (`swarm.modeling.lora`'s tables).
 
-Per family: the adaptable projections (target -> its parent module, `modules_of`), how they group by the input they
-share (`PROJECTIONS`, `FUSED_PROJECTIONS`: one low-rank product per group at a step), each target's (out, in) shape
-on the base model (`target_shapes`; DeepSeek-V3's per block, `deepseek_shapes`: q_proj or q_a_proj / q_b_proj, a
-dense MLP or shared experts) and its columns in its group's fused output (`columns`). The experts' stacked
-parameters are `swarm.modeling.lora_experts`'.
+The tables of adaptable projections (target -> its parent module), which a family's spec names as its own
+(`FamilySpec.lora`, `swarm.modeling.families`); how they group by the input they share (`PROJECTIONS`,
+`FUSED_PROJECTIONS`: one low-rank product per group at a step), each target's (out, in) shape on the base model
+(`target_shapes`; where a family's blocks differ, its own `LoraLayout.shapes`: DeepSeek-V3's) and its columns in its
+group's fused output (`columns`). The experts' stacked parameters are `swarm.modeling.lora_experts`'.
 """
 from __future__ import annotations
 
 from typing import Dict, Tuple
 
-from swarm.modeling.lora_experts import expert_sizes
 from swarm.modeling.shape import ModelShape
 
 # the projections of a Llama-family block, grouped by the input they share: (group, targets)
@@ -32,30 +31,12 @@ PHI3_MODULES = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": 
 # mixtures of experts: the attention's projections as modules; their experts' stacked 3-d parameters
 # (`mlp.experts.gate_up_proj` [experts, ...]) through peft's `target_parameters` (`swarm.modeling.lora_experts`)
 ATTENTION_MODULES = {target: module for target, module in MODULES.items() if module == "self_attn"}
-MIXTURES = ("mixtral", "qwen3_moe", "gpt_oss")
 # DeepSeek-V3: its latent attention's projections, the dense blocks' MLP and the sparse blocks' shared experts, each
 # a group of its own (named "module.target", e.g. "self_attn.q_a_proj"; the layer's `project` and `absorbed`)
 DEEPSEEK_MODULES = {**{t: "self_attn" for t in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
                                                "o_proj")},
                     **{f"{shared}{t}": "mlp" for shared in ("", "shared_experts.")
                        for t in ("gate_proj", "up_proj", "down_proj")}}
-
-
-def blocks_prefix(model_config) -> str:
-    """How the model's modules name its blocks (what an adapter config's target patterns match)."""
-    return "transformer.h." if getattr(model_config, "model_type", None) in ("bloom", "falcon") else "model.layers."
-
-
-def modules_of(model_config) -> Dict[str, str]:
-    """The adaptable projections (target -> its parent module's name) of the model whose config is `model_config`."""
-    model_type = getattr(model_config, "model_type", None)
-    if model_type == "phi3":
-        return PHI3_MODULES
-    if model_type in ("bloom", "falcon"):
-        return LAYER_NORM_MODULES
-    if model_type == "deepseek_v3":
-        return DEEPSEEK_MODULES
-    return ATTENTION_MODULES if model_type in MIXTURES else MODULES
 
 
 def target_shapes(shape: ModelShape) -> Dict[str, Tuple[int, int]]:
@@ -67,27 +48,6 @@ def target_shapes(shape: ModelShape) -> Dict[str, Tuple[int, int]]:
             "qkv_proj": (q + 2 * kv, hidden), "gate_up_proj": (2 * inter, hidden),
             "query_key_value": (q + 2 * kv, hidden), "dense": (hidden, q), "dense_h_to_4h": (inter, hidden),
             "dense_4h_to_h": (hidden, inter)}
-
-
-def deepseek_shapes(config, block: int) -> Dict[str, Tuple[int, int]]:
-    """DeepSeek-V3's target -> (out_features, in_features) of the projections block `block` has."""
-    hidden, heads = int(config.hidden_size), int(config.num_attention_heads)
-    rope, nope, v_dim = int(config.qk_rope_head_dim), int(config.qk_nope_head_dim), int(config.v_head_dim)
-    rank = int(config.kv_lora_rank)
-    shapes = {"kv_a_proj_with_mqa": (rank + rope, hidden), "kv_b_proj": (heads * (nope + v_dim), rank),
-              "o_proj": (hidden, heads * v_dim)}
-    if config.q_lora_rank is None:
-        shapes["q_proj"] = (heads * (nope + rope), hidden)
-    else:
-        shapes.update(q_a_proj=(int(config.q_lora_rank), hidden), q_b_proj=(heads * (nope + rope),
-                                                                             int(config.q_lora_rank)))
-    if expert_sizes(config, block) is None:
-        prefix, inter = "", int(config.intermediate_size)
-    else:
-        prefix, inter = "shared_experts.", int(config.moe_intermediate_size) * int(config.n_shared_experts)
-    shapes.update({f"{prefix}gate_proj": (inter, hidden), f"{prefix}up_proj": (inter, hidden),
-                   f"{prefix}down_proj": (hidden, inter)})
-    return shapes
 
 
 def columns(shape: ModelShape) -> Dict[str, Tuple[int, int, int]]:

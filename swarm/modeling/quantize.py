@@ -9,13 +9,13 @@ modules):
   are picked from the input, which q/k/v (and gate/up) share;
 - nf4 (`Linear4bit`, blocksize 64, no double quantization, as `BitsAndBytesConfig`'s defaults): one absmax per
   64 consecutive values of the row-major weight; with in_features % 64 == 0 no block straddles two rows, so
-  none straddles two projections (`quantize_layer` checks it).
+  none straddles two projections (`QuantizedLayer` checks it).
 Quantization happens when the parameters move `.to(device)`; the float tensors are dropped right after, block by
 block (`server.compute.blocks.BlockSpan.load`). Norms (and the client's embeddings and LM head) stay in float.
 
 A family whose layer is its own `BlockLayer` (BLOOM, Falcon: q/k/v fused in the checkpoint; Gemma; DeepSeek-V3, whose
-`kv_b_proj` stays in float: `deepseek_v3.DeepseekV3DecoderLayer.quantize`) keeps its layer and gets its `nn.Linear`s
-swapped for bitsandbytes modules (`quantize_linears`).
+`kv_b_proj` stays in float: `deepseek_v3.QUANT_KEEP`) keeps its layer and gets its `nn.Linear`s swapped for
+bitsandbytes modules (`quantize_linears`).
 
 `QuantizedLayer` has `FusedLayer`'s methods (`block_step` reads it: batched decode, chunked prefill) and
 `DecoderLayer`'s `forward` (passes without a cache), so one set of quantized weights serves every path and no
@@ -31,9 +31,10 @@ kernel, and for several rows its dequantization and a float matmul, are plain ke
 capture refuses, so int8 spans run their decode steps eagerly (`BlockSpan.enable_cuda_graphs` declines; the
 capture error is in docs/benchmarks-gpu.md).
 
-The families' own quantized blocks live here too (`QUANTIZED`, by the fused class they quantize): Mixtral's experts
-(`QuantizedMoeLayer`, one module per expert's gate/up and down), Qwen3's q/k norms (`QuantizedQkNormLayer`) and
-Qwen3-MoE's both (`QuantizedQkNormMoeLayer`).
+The families' own quantized blocks live here too: Mixtral's experts (`QuantizedMoeLayer`, one module per expert's
+gate/up and down), Qwen3's q/k norms (`QuantizedQkNormLayer`) and Qwen3-MoE's both (`QuantizedQkNormMoeLayer`). Which
+one a family's blocks become, and what each keeps in float, is the family's `FamilySpec.quant`
+(`swarm.modeling.families.Quantization`), which memory planning counts and loading checks.
 """
 from __future__ import annotations
 
@@ -209,20 +210,6 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * h.to(x.dtype)
 
 
-def quantize_layer(fused, quant_type: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """The quantized block on `device` from a fused float block (which the caller then drops): the quantized class of
-    its fused class (`QUANTIZED`: the Llama family's `QuantizedLayer`, Mixtral's experts, Qwen3's q/k norms), a layer's
-    own `quantize` where it has one (DeepSeek-V3: `quantize_linears` with its `float_linears` kept; GPT-OSS: its
-    attention so and each expert's matrices as bitsandbytes modules), else the family's layer (its own `BlockLayer`:
-    BLOOM, Falcon, Gemma) with its linear modules quantized (`quantize_linears`)."""
-    quantized = QUANTIZED.get(type(fused))
-    if quantized is not None:
-        return quantized(fused, quant_type, dtype, device)
-    if hasattr(fused, "quantize"):
-        return fused.quantize(quant_type, dtype, device)
-    return quantize_linears(fused, quant_type, dtype, device)
-
-
 def quantize_linears(layer: nn.Module, quant_type: str, dtype: torch.dtype, device: torch.device,
                      keep: Collection[str] = ()) -> nn.Module:
     """`layer` with each `nn.Linear` (subclasses included) replaced by a bitsandbytes module of its weight, and
@@ -292,7 +279,6 @@ class QuantizedMoeLayer(nn.Module):
     methods for `moe_block_step`, `MixtralDecoderLayer`'s `forward`."""
 
     step = moe_block_step
-    capturable = False
 
     def __init__(self, fused: FusedMoeLayer, quant_type: str, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -381,8 +367,3 @@ class QuantizedQkNormMoeLayer(QuantizedMoeLayer):
 
     def qkv(self, h: torch.Tensor) -> torch.Tensor:
         return self.qk_norm(self.qkv_projection(h))
-
-
-# a fused float block's class -> its quantized class (`quantize_layer`)
-QUANTIZED = {FusedLayer: QuantizedLayer, FusedMoeLayer: QuantizedMoeLayer, FusedQkNormLayer: QuantizedQkNormLayer,
-             FusedQkNormMoeLayer: QuantizedQkNormMoeLayer}

@@ -35,7 +35,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from swarm.modeling.families import FAMILIES, FamilySpec
+from swarm.modeling.families import FAMILIES, FamilySpec, Quantization
 from swarm.modeling.families.llama import attention_output
 from swarm.modeling.families.mixtral import FusedMoeLayer, sparse_moe
 from swarm.modeling.layers import step_forward
@@ -294,14 +294,12 @@ def cache_layout(devices: Sequence[torch.device], windows: Sequence[Optional[int
 
 
 def split_layer(fused, devices: Sequence[torch.device], shape: ModelShape, quant_type: str = "none",
-                dtype: Optional[torch.dtype] = None) -> SplitLayer:
+                dtype: Optional[torch.dtype] = None, quant: Optional[Quantization] = None) -> SplitLayer:
     """A loaded block's fused float layer (`llama.fuse_layer` or `mixtral.fuse_layer`, on the CPU) as a
-    `SplitLayer` over `devices`, each
-    shard quantized to `quant_type` on its device (`swarm.modeling.quantize`) unless "none"."""
+    `SplitLayer` over `devices`, each shard quantized to `quant_type` on its device by its family's `quant` unless
+    "none"."""
     shards = split_fused(fused, devices if quant_type == "none" else [torch.device("cpu")] * len(devices))
     if quant_type != "none":
-        from swarm.modeling.quantize import quantize_layer
-
-        assert dtype is not None
-        shards = [quantize_layer(shard, quant_type, dtype, device) for shard, device in zip(shards, devices)]
+        assert dtype is not None and quant is not None
+        shards = [quant.quantize(shard, quant_type, dtype, device) for shard, device in zip(shards, devices)]
     return SplitLayer(shards, devices, shape, fused.layer_idx, fused.sliding_window)

@@ -15,9 +15,9 @@ from typing import Dict, Optional, Tuple
 @dataclass(frozen=True)
 class QuantFormat:
     name: str
-    # bytes a quantized linear weight's parameter takes with its statistics (0: the format quantizes nothing, its
-    # weights count at the serving dtype). int8: a byte, and a float32 scale per row (<= 4 / 64 bytes per weight
-    # from 64 columns on); nf4: half a byte, and a float32 absmax per 64 weights (no double quantization)
+    # bytes a quantized linear weight's parameter takes with its per-parameter statistics (0: the format quantizes
+    # nothing, its weights count at the serving dtype). int8: a byte; nf4: half a byte, and a float32 absmax per 64
+    # weights (no double quantization)
     bytes_per_param: float
     # bytes every quantized module holds whatever its size: nf4's code table, 16 float32 values
     bytes_per_module: int
@@ -28,18 +28,28 @@ class QuantFormat:
     # why CUDA graphs cannot capture its layers (None: they can)
     graph_refusal: Optional[str]
 
+    # bytes a quantized module holds per row (output feature) of its weight: int8's float32 scale (SCB)
+    bytes_per_row: int = 0
+
     @property
     def quantized(self) -> bool:
         return self.name != "none"
 
+    def module_bytes(self, out_features: int, in_features: int) -> int:
+        """Bytes of one quantized module of an [out_features, in_features] weight with its statistics and tables, as
+        bitsandbytes holds them once loaded (nf4: in_features a multiple of 64, as loading requires)."""
+        return int(out_features * in_features * self.bytes_per_param) + out_features * self.bytes_per_row + \
+            self.bytes_per_module
+
 
 NONE = QuantFormat("none", 0.0, 0, 0.0, None, None)
 INT8 = QuantFormat(
-    "int8", 1.0 + 1 / 16, 0, 0.3,
+    "int8", 1.0, 0, 0.3,
     sessions_alone=("LLM.int8() picks its outlier columns (kept in float) from all rows of a call, so other "
                     "sessions' rows change a session's numbers, unless each session's rows are quantized on their "
                     "own (`swarm.modeling.int8_rows`, where a span can: `BlockSpan.groups_int8_rows`)"),
-    graph_refusal="int8 weights: LLM.int8() picks outlier columns per input (a host sync), which capture refuses")
+    graph_refusal="int8 weights: LLM.int8() picks outlier columns per input (a host sync), which capture refuses",
+    bytes_per_row=4)
 NF4 = QuantFormat("nf4", 0.5 + 4 / 64, 16 * 4, 0.3, None, None)
 
 QUANT_FORMATS: Dict[str, QuantFormat] = {f.name: f for f in (NONE, INT8, NF4)}

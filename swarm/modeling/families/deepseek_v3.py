@@ -29,11 +29,12 @@ n_shared_experts) run on every token and add.
 Checkpoints load in the hub's per-expert names (`mlp.experts.{e}.gate_proj`, ...) and in transformers 5's fused
 layout (`mlp.experts.gate_up_proj` [experts, 2 * moe_intermediate, hidden]: `qwen3_moe.from_fused_layout`).
 
-The layer is its own `BlockLayer` (`fuse_layer`). int8 / nf4 (`quantize`) swap every projection for a bitsandbytes
-module but `kv_b_proj` (the absorbed attention reads its weight as a matrix) and the router, which stay in the
-serving dtype. Not CUDA-graph capturable (data-dependent routing; the graphs' static attention reads keys and values
-of one size), no tensor parallelism. The router weight is cast to the serving dtype like every weight (transformers
-keeps it in float32; the routing itself runs in float32). The hub's checkpoints are block-scaled FP8 (every
+The layer is its own `BlockLayer` (`fuse_layer`). int8 / nf4 (`FamilySpec.quant`) swap every projection for a
+bitsandbytes module but `kv_b_proj` (the absorbed attention reads its weight as a matrix: `QUANT_KEEP`) and the
+router, which stay in the serving dtype. Not captured in CUDA graphs (`FamilySpec.graph_refusal`: data-dependent
+routing; the graphs' static attention reads keys and values of one size), no tensor parallelism. The router weight
+is cast to the serving dtype like every weight (transformers keeps it in float32; the routing itself runs in
+float32). The hub's checkpoints are block-scaled FP8 (every
 projection float8_e4m3fn with a `weight_scale_inv` per 128 x 128 block), dequantized as they are read
 (`swarm.modeling.checkpoint_quant`). Their multi-token-prediction layer (block `num_hidden_layers`) is not served: a
 server logs one line and never reads it (`server.compute.blocks`). Written here rather than imported from
@@ -51,7 +52,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Optional, Tuple, cast
+from typing import Dict, Optional, Tuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -195,7 +196,6 @@ class DeepseekV3DecoderLayer(AttentionIndexedLayer):
     latent key), `scaling`, `step`."""
 
     step = deepseek_block_step
-    capturable = False
     sliding_window = None
 
     def __init__(self, config, layer_idx: int):
@@ -272,28 +272,52 @@ class DeepseekV3DecoderLayer(AttentionIndexedLayer):
         [..., out] (what a LoRA adapter's `lora.AdaptedLayer.project` adds its deltas to)."""
         return self.get_submodule(name)(h)
 
-    # linear modules int8 / nf4 leave in the serving dtype (`quantize`; counted as such by `server.placement.memory`)
-    float_linears = ("self_attn.kv_b_proj",)
 
-    def quantize(self, quant_type: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
-        """This layer with int8 / nf4 projections (`swarm.modeling.quantize.quantize_layer`, `quantize_linears`):
-        q_proj (or q_a_proj and q_b_proj), kv_a_proj_with_mqa, o_proj, the dense MLP or every routed expert's and
-        the shared experts' gate/up/down become bitsandbytes modules, called as modules by the same step.
+# int8 / nf4 (`FamilySpec.quant`, `swarm.modeling.quantize.quantize_linears`):
+# q_proj (or q_a_proj and q_b_proj), kv_a_proj_with_mqa, o_proj, the dense MLP or every routed expert's and
+# the shared experts' gate/up/down become bitsandbytes modules, called as modules by the same step.
+#
+# Kept in the serving dtype: the norms, the router (`mlp.gate`, a tiny [experts, hidden] matrix whose top-k
+# choice quantization noise should not flip, as Mixtral's and Qwen3-MoE's quantized blocks keep theirs), and
+# `kv_b_proj` (`QUANT_KEEP`). The absorbed attention never calls kv_b_proj on an input: it reads its weight
+# as per-head matrices, W_uk multiplied into the query and W_uv applied to the attention's output over the
+# latent (`mla_attention`). bitsandbytes' packed int8 / nf4 weight is only usable inside its own matmul, so a
+# quantized kv_b_proj would be dequantized into a float temporary every step (the same numbers as keeping
+# the dequantized matrix), or the cached latent expanded back through it into every head's keys and values
+# every step (what the latent cache exists to avoid). At DeepSeek-V3's sizes kv_b_proj is [128 * (128 +
+# 128), 512] = 16.8M parameters, 32 MiB in bfloat16: 0.15% of an expert block's 11.5G parameters (0.52% of
+# its 6199 MiB in nf4, 0.27% of 11677 MiB in int8), 2.9% of a dense first block's 584M (9.5% of its 336 MiB
+# in nf4); quantized to nf4 it would take 9 MiB, 23 MiB less per block.
+QUANT_KEEP = ("self_attn.kv_b_proj",)
 
-        Kept in the serving dtype: the norms, the router (`mlp.gate`, a tiny [experts, hidden] matrix whose top-k
-        choice quantization noise should not flip, as Mixtral's and Qwen3-MoE's quantized blocks keep theirs), and
-        `kv_b_proj` (`float_linears`). The absorbed attention never calls kv_b_proj on an input: it reads its weight
-        as per-head matrices, W_uk multiplied into the query and W_uv applied to the attention's output over the
-        latent (`mla_attention`). bitsandbytes' packed int8 / nf4 weight is only usable inside its own matmul, so a
-        quantized kv_b_proj would be dequantized into a float temporary every step (the same numbers as keeping
-        the dequantized matrix), or the cached latent expanded back through it into every head's keys and values
-        every step (what the latent cache exists to avoid). At DeepSeek-V3's sizes kv_b_proj is [128 * (128 +
-        128), 512] = 16.8M parameters, 32 MiB in bfloat16: 0.15% of an expert block's 11.5G parameters (0.52% of
-        its 6199 MiB in nf4, 0.27% of 11677 MiB in int8), 2.9% of a dense first block's 584M (9.5% of its 336 MiB
-        in nf4); quantized to nf4 it would take 9 MiB, 23 MiB less per block."""
-        from swarm.modeling.quantize import quantize_linears
 
-        return quantize_linears(self, quant_type, dtype, device, keep=self.float_linears)
+def expert_sizes(config, block: int) -> Optional[Tuple[int, int]]:
+    """(routed experts, one expert's intermediate size) of a block, None for a dense one (`FamilySpec.lora`)."""
+    if block < int(config.first_k_dense_replace or 0) or not int(config.n_routed_experts or 0):
+        return None
+    return int(config.n_routed_experts), int(config.moe_intermediate_size)
+
+
+def lora_shapes(config, block: int) -> Dict[str, Tuple[int, int]]:
+    """The LoRA targets of block `block` -> (out_features, in_features) of their projections (`FamilySpec.lora`):
+    q_proj or q_a_proj / q_b_proj, the latent attention's, a dense MLP or the shared experts."""
+    hidden, heads = int(config.hidden_size), int(config.num_attention_heads)
+    rope, nope, v_dim = int(config.qk_rope_head_dim), int(config.qk_nope_head_dim), int(config.v_head_dim)
+    rank = int(config.kv_lora_rank)
+    shapes = {"kv_a_proj_with_mqa": (rank + rope, hidden), "kv_b_proj": (heads * (nope + v_dim), rank),
+              "o_proj": (hidden, heads * v_dim)}
+    if config.q_lora_rank is None:
+        shapes["q_proj"] = (heads * (nope + rope), hidden)
+    else:
+        shapes.update(q_a_proj=(int(config.q_lora_rank), hidden), q_b_proj=(heads * (nope + rope),
+                                                                             int(config.q_lora_rank)))
+    if expert_sizes(config, block) is None:
+        prefix, inter = "", int(config.intermediate_size)
+    else:
+        prefix, inter = "shared_experts.", int(config.moe_intermediate_size) * int(config.n_shared_experts)
+    shapes.update({f"{prefix}gate_proj": (inter, hidden), f"{prefix}up_proj": (inter, hidden),
+                   f"{prefix}down_proj": (hidden, inter)})
+    return shapes
 
 
 def fuse_layer(layer: DeepseekV3DecoderLayer) -> DeepseekV3DecoderLayer:

@@ -9,12 +9,12 @@ then a full one, `sliding_window_pattern`).
 - Gemma 2's attention soft-caps its logits (`attn_logit_softcapping`: tanh(logits / cap) * cap before the
   softmax), which SDPA cannot do: its layers carry `logit_softcap`, for which `layers.cache_attention` (prefill,
   passes without a cache) and `layers.layer_sdpa` (the server's batched decode and arena attention) compute the
-  attention eagerly. Not CUDA-graph `capturable` (the captured attention is SDPA).
+  attention eagerly. Not captured in CUDA graphs (`FamilySpec.graph_refusal`: the captured attention is SDPA).
 - Gemma 3's sliding and full layers rotate with different bases (`rope_parameters["sliding_attention"]`, 10000;
   `["full_attention"]`, 1e6, possibly with linear scaling): `Gemma3RotaryEmbedding` returns both angle sets
   side by side, cos/sin [..., 2 * head_dim] (full, then sliding), and each layer takes its half (`rope_part`).
   The server passes cos/sin through by rows only, so every path (batched decode, prefill, chunked prefill) works;
-  not CUDA-graph `capturable` (the graphs' static cos buffers are head_dim wide).
+  not captured in CUDA graphs (the graphs' static cos buffers are head_dim wide).
 Both layers are their own `BlockLayer` (as BLOOM's, `fuse_layer`), quantized by swapping their linear modules
 (`quantize.quantize_linears`).
 The client (`client_parts`): embeddings scaled by sqrt(hidden) in their dtype (`ScaledEmbedding`), and Gemma 2's
@@ -115,7 +115,6 @@ class GemmaDecoderLayer(AttentionIndexedLayer):
     also its own `BlockLayer` (`step`)."""
 
     step = gemma_block_step
-    capturable = False  # (Gemma 3's cos/sin are 2 * head_dim wide; Gemma 2's soft-capped attention is not SDPA)
     qk_norm = False
     dual_rope = False  # Gemma 3: cos/sin of both rotary bases side by side
 

@@ -13,7 +13,7 @@ This is transformers' `GptOssDecoderLayer` with eager attention and eager expert
 The sinks make the attention something SDPA cannot compute: the layer's `attention_sinks` are read by
 `layers.cache_attention` (prefill, passes without a cache) and `layers.layer_sdpa` (the server's batched decode and
 arena attention), which compute it eagerly; the layer is its own `BlockLayer` (`fuse_layer`), not CUDA-graph
-`capturable` (the captured attention is SDPA). int8 / nf4 (`GptOssDecoderLayer.quantize`): the attention's
+captured (`FamilySpec.graph_refusal`: the captured attention is SDPA). int8 / nf4 (`quantize_layer`): the attention's
 projections through `quantize.quantize_linears`, each expert's gate_up and down as bitsandbytes modules of their own
 (weights transposed to [out, in], biases kept); router, sinks and norms in float (equal to transformers' model
 quantized locally: tests/swarm/modeling/test_gpt_oss_quant.py). Checkpoints in transformers'
@@ -59,7 +59,6 @@ class GptOssDecoderLayer(DecoderLayer):
     """`layer(hidden, attention_mask, position_ids, past_key_values, use_cache, position_embeddings)` -> hidden."""
 
     step = moe_block_step  # layer.step(x, cos, sin, attend)
-    capturable = False
 
     def __init__(self, config, layer_idx: int):
         bias = bool(getattr(config, "attention_bias", True))
@@ -102,7 +101,7 @@ class GptOssDecoderLayer(DecoderLayer):
     # the expert in parts, where a LoRA adapter adds its deltas (`swarm.modeling.lora_experts`)
     def expert_gate_up(self, e: int, h: torch.Tensor) -> torch.Tensor:
         experts = self.moe.experts
-        if hasattr(experts, "gate_up_q"):  # quantized (`quantize`)
+        if hasattr(experts, "gate_up_q"):  # quantized (`quantize_layer`)
             return experts.gate_up_q[e](h).to(h.dtype)
         return h @ experts.gate_up_proj[e] + experts.gate_up_proj_bias[e]  # [n, 2 * intermediate], interleaved
 
@@ -115,33 +114,36 @@ class GptOssDecoderLayer(DecoderLayer):
 
     def expert_down(self, e: int, a: torch.Tensor) -> torch.Tensor:
         experts = self.moe.experts
-        if hasattr(experts, "down_q"):  # quantized (`quantize`)
+        if hasattr(experts, "down_q"):  # quantized (`quantize_layer`)
             return experts.down_q[e](a).to(a.dtype)
         return a @ experts.down_proj[e] + experts.down_proj_bias[e]  # [n, hidden]
 
-    # what int8 / nf4 keep in float and what they quantize beyond the linear modules (`server.placement.memory`)
-    float_linears = ("mlp.router",)
-    quantized_parameters = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
-    def quantize(self, quant_type: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
-        """This layer with int8 / nf4 projections (`swarm.modeling.quantize.quantize_layer`): q/k/v/o through
-        `quantize_linears`, and each expert's gate_up ([hidden, 2 * inter] stored, [2 * inter, hidden] quantized, its
-        gate/up columns still interleaved) and down as bitsandbytes modules of their own, with their biases. Kept in
-        the serving dtype: the norms, the sinks and the router (`mlp.router`, whose top-k choice quantization noise
-        should not flip, as Mixtral's and Qwen3-MoE's quantized blocks keep theirs)."""
-        from swarm.modeling.quantize import quantize_linears, quantized_linear
+# what int8 / nf4 keep in float and what they quantize beyond the linear modules (`FamilySpec.quant`)
+QUANT_KEEP = ("mlp.router",)
+QUANT_STACKED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
-        experts = self.moe.experts
-        stacked = {k: experts._parameters.pop(k) for k in ("gate_up_proj", "gate_up_proj_bias", "down_proj",
-                                                          "down_proj_bias")}
-        quantize_linears(self, quant_type, dtype, device, keep=self.float_linears)
-        gate_up, gate_up_bias = cast(torch.Tensor, stacked["gate_up_proj"]), stacked["gate_up_proj_bias"]
-        down, down_bias = cast(torch.Tensor, stacked["down_proj"]), stacked["down_proj_bias"]
-        experts.gate_up_q = nn.ModuleList(quantized_linear(gate_up[e].t(), gate_up_bias[e], quant_type, dtype, device)
-                                          for e in range(self.num_experts))
-        experts.down_q = nn.ModuleList(quantized_linear(down[e].t(), down_bias[e], quant_type, dtype, device)
-                                       for e in range(self.num_experts))
-        return self.eval().requires_grad_(False)
+
+def quantize_layer(quant, layer: GptOssDecoderLayer, quant_type: str, dtype: torch.dtype, device: torch.device
+                   ) -> nn.Module:
+    """The layer with int8 / nf4 projections (`FamilySpec.quant`): q/k/v/o through `quantize.quantize_linears`, and
+    each expert's gate_up ([hidden, 2 * inter] stored, [2 * inter, hidden] quantized, its gate/up columns still
+    interleaved) and down as bitsandbytes modules of their own, with their biases. Kept in the serving dtype: the
+    norms, the sinks and the router (`QUANT_KEEP`, whose top-k choice quantization noise should not flip, as
+    Mixtral's and Qwen3-MoE's quantized blocks keep theirs)."""
+    from swarm.modeling.quantize import quantize_linears, quantized_linear
+
+    experts = layer.moe.experts
+    stacked = {k: experts._parameters.pop(k) for k in ("gate_up_proj", "gate_up_proj_bias", "down_proj",
+                                                      "down_proj_bias")}
+    quantize_linears(layer, quant_type, dtype, device, keep=quant.keep)
+    gate_up, gate_up_bias = cast(torch.Tensor, stacked["gate_up_proj"]), stacked["gate_up_proj_bias"]
+    down, down_bias = cast(torch.Tensor, stacked["down_proj"]), stacked["down_proj_bias"]
+    experts.gate_up_q = nn.ModuleList(quantized_linear(gate_up[e].t(), gate_up_bias[e], quant_type, dtype, device)
+                                      for e in range(layer.num_experts))
+    experts.down_q = nn.ModuleList(quantized_linear(down[e].t(), down_bias[e], quant_type, dtype, device)
+                                   for e in range(layer.num_experts))
+    return layer.eval().requires_grad_(False)
 
 
 def fuse_layer(layer: GptOssDecoderLayer) -> GptOssDecoderLayer:

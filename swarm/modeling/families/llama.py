@@ -102,6 +102,8 @@ class DecoderLayer(AttentionIndexedLayer):
     """`layer(hidden, attention_mask, position_ids, past_key_values, use_cache, position_embeddings)` -> hidden."""
 
     step = block_step  # layer.step(x, cos, sin, attend)
+    # the config's sliding window on some layers only (`layers.sliding_window_of`: Qwen2's, Qwen3's), else on all
+    window_layers = False
 
     def __init__(self, config, layer_idx: int, qkv_bias: bool = False, o_bias: bool = False, mlp_bias: bool = False):
         super().__init__()
@@ -113,7 +115,7 @@ class DecoderLayer(AttentionIndexedLayer):
         self.mlp = MLP(shape, mlp_bias)
         self.input_layernorm = RMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, eps=shape.rms_norm_eps)
-        self.sliding_window = sliding_window_of(config, layer_idx)  # None: full causal attention
+        self.sliding_window = sliding_window_of(config, layer_idx, self.window_layers)  # None: full causal attention
 
     forward = step_forward  # transformers' layer call, through `step` (`layers.step_forward`)
 
@@ -156,6 +158,8 @@ class MistralDecoderLayer(DecoderLayer):
 
 
 class Qwen2DecoderLayer(DecoderLayer):
+    window_layers = True
+
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx, qkv_bias=True)
 

@@ -20,7 +20,8 @@ Two kinds of layer object, as in `swarm.modeling.families.llama`:
   gate/up stacked in one [experts, 2 * intermediate, hidden] tensor and down in one [experts, hidden,
   intermediate]; the module's parameters become views into them. The server's prefill and batched decode
   (`server.compute.decode`) run it. Routing is data-dependent (a host sync per block to count each expert's tokens), so
-  it is not `capturable` in a CUDA graph (`server.compute.blocks.BlockSpan.enable_cuda_graphs` declines).
+  it is not captured in a CUDA graph (`FamilySpec.graph_refusal`, which
+  `server.compute.blocks.BlockSpan.enable_cuda_graphs` reads).
 - `--quant_type int8 / nf4`: `swarm.modeling.quantize.QuantizedMoeLayer`, the fused layer's projections as
   bitsandbytes modules, one per expert for gate/up and one for down; router and norms in float.
 Written here in plain torch rather than imported from transformers' modeling_mixtral, which would cost every
@@ -30,7 +31,7 @@ module), while this module adds none measurable (`swarm.modeling.layers`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, cast
+from typing import Dict, Optional, Tuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +84,11 @@ def sparse_moe(layer, h: torch.Tensor) -> torch.Tensor:
         y = y * flat_weights[assignments, None]  # [count, hidden]
         out.index_add_(0, tokens, y.to(out.dtype))
     return out.view(h.shape)
+
+
+# the router, which int8 / nf4 keep float (`FamilySpec.quant`: its top-k choice is what quantization noise should not
+# flip)
+QUANT_KEEP = ("block_sparse_moe.gate",)
 
 
 def moe_block_step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
@@ -138,7 +144,6 @@ class MixtralDecoderLayer(AttentionIndexedLayer):
     """`layer(hidden, attention_mask, position_ids, past_key_values, use_cache, position_embeddings)` -> hidden."""
 
     step = moe_block_step  # layer.step(x, cos, sin, attend)
-    float_linears = ("block_sparse_moe.gate",)  # the router: int8 / nf4 keep it float (`QuantizedMoeLayer`)
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -200,7 +205,6 @@ class FusedMoeLayer:
     gemms: Optional[dict] = None  # (`FusedLayer.qkv` reads it: Mixtral's projections stay plain)
 
     step = moe_block_step  # layer.step(x, cos, sin, attend)
-    capturable = False  # data-dependent routing: no CUDA graphs
 
     input_norm = FusedLayer.input_norm
     post_norm = FusedLayer.post_norm
@@ -238,6 +242,11 @@ def _stack_experts(experts: nn.ModuleList, names: tuple) -> torch.Tensor:
             linear.weight = nn.Parameter(stacked[e, row:row + rows], requires_grad=False)
             row += rows
     return stacked
+
+
+def expert_sizes(config, block: int) -> Tuple[int, int]:
+    """(experts, one expert's intermediate size) of a block (`FamilySpec.lora`): every block routes (and GPT-OSS's)."""
+    return int(config.num_local_experts), int(config.intermediate_size)
 
 
 def fuse_layer(layer: MixtralDecoderLayer) -> FusedMoeLayer:

@@ -58,6 +58,8 @@ class QkNormAttention(Attention):
 class Qwen3DecoderLayer(DecoderLayer):
     """`llama.DecoderLayer` with `self_attn.q_norm` and `self_attn.k_norm` (RMSNorm over head_dim)."""
 
+    window_layers = True  # (as Qwen2's)
+
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
         self.self_attn = QkNormAttention(ModelShape.from_config(config), layer_idx,

@@ -19,7 +19,7 @@ This is transformers' `Qwen3MoeDecoderLayer` with its eager experts, op for op (
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Dict, Optional, cast
+from typing import Dict, Optional, Tuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +77,7 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
 
     num_experts = top_k = 0  # (sparse layers': moe_block_step reads them)
     norm_topk_prob = False
-    float_linears = ("mlp.gate",)  # a sparse layer's router: int8 / nf4 keep it float (`QuantizedMoeLayer`)
+    window_layers = False  # the config's window on every layer (transformers' Qwen3-MoE)
 
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -124,6 +124,14 @@ class FusedQkNormMoeLayer(FusedMoeLayer):
     def qkv(self, h: torch.Tensor) -> torch.Tensor:
         return self.qk_norm(self.qkv_projection(h))
 
+
+
+QUANT_KEEP = ("mlp.gate",)  # a sparse layer's router: int8 / nf4 keep it float (`FamilySpec.quant`)
+
+
+def expert_sizes(config, block: int) -> Optional[Tuple[int, int]]:
+    """(experts, one expert's intermediate size) of a sparse block, None for a dense one (`FamilySpec.lora`)."""
+    return (int(config.num_local_experts), int(config.moe_intermediate_size)) if is_sparse(config, block) else None
 
 
 def fuse_layer(layer: Qwen3MoeDecoderLayer):

@@ -23,12 +23,7 @@ import torch
 from torch import nn
 
 from server.compute.blocks import BlockSpan
-from server.placement.memory import (
-    block_parameter_counts,
-    bytes_per_block,
-    quantized_bytes,
-    quantized_module_count,
-)
+from server.placement.memory import block_parameter_counts, block_split, bytes_per_block, quantized_bytes
 from swarm.modeling.checkpoint import Checkpoint
 from swarm.modeling.model_config import model_config
 from swarm.wire.quant import NF4
@@ -117,7 +112,7 @@ def test_memory_planning_counts_kv_b_proj_in_float(tiny):
 
     path, _ = tiny
     config = Checkpoint(str(path)).load_config()
-    linear, other = block_parameter_counts(config)
+    split = block_split(config, 3)  # an expert block
     for quant_type in ("int8", "nf4"):
         span = BlockSpan.load(Checkpoint(str(path)), 0, 4, "float32", "cpu", quant_type)
         sizes = []
@@ -128,19 +123,21 @@ def test_memory_planning_counts_kv_b_proj_in_float(tiny):
         expert = span.layers[3]
         # kv_b_proj among them, and the router's correction bias (a buffer)
         assert sum(t.numel() for t in list(expert.parameters()) + list(expert.buffers())
-                   if t.is_floating_point()) == other
+                   if t.is_floating_point()) == split.other
         # (each nf4 module also holds its 16-value float32 code table, 64 bytes, which the plan counts)
         modules = sum(isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)) for m in expert.modules())
-        assert modules == quantized_module_count(config)
-        assert linear * (1.0 if quant_type == "int8" else 0.5) < quantized_weight_bytes(expert) \
-            <= quantized_bytes(linear, modules, quant_type)
-        assert max(sizes) <= bytes_per_block(config, torch.float32, quant_type) < 1.1 * max(sizes)
+        assert modules == len(split.modules)
+        assert split.quantized * (1.0 if quant_type == "int8" else 0.5) < quantized_weight_bytes(expert) \
+            == quantized_bytes(split.modules, quant_type)
+        assert max(sizes) == bytes_per_block(config, torch.float32, quant_type)
     real = model_config({"model_type": "deepseek_v3"})
     linear, other = block_parameter_counts(real)
     kv_b = 128 * (128 + 128) * 512
     assert other >= kv_b and linear + other > 11e9  # the expert block's parameters
+    expert_split = block_split(real, real.num_hidden_layers - 1)
+    assert (linear, other) == (expert_split.quantized, expert_split.other)
     assert bytes_per_block(real, torch.bfloat16, "nf4") == \
-        int(linear * NF4.bytes_per_param) + 64 * quantized_module_count(real) + other * 2
+        int(linear * NF4.bytes_per_param) + 64 * len(expert_split.modules) + other * 2
     assert kv_b * 2 / 2**20 == 32
 
 
