@@ -11,8 +11,10 @@ one intra-op thread each). For each N (`--streams`, default 1,16,64,256):
 - local: transformers `generate` on the same checkpoint, a batch of N copies of the same prompt ids, greedy,
   `min_new_tokens` = `max_new_tokens` (EOS never ends a row), one thread (`--threads`), timed end to end;
 - the ratio gateway / local, and CPU milliseconds per generated token of the gateway process and of each server
-  process (each with its children: DHT process, p2pd; psutil `cpu_times` before and after the wave).
-One warm-up stream runs before the waves. Prints one JSON object.
+  process (each with its children: DHT process, p2pd; psutil `cpu_times` before and after the wave), and of the
+  gateway's Python process alone (`gateway_python`: the rest of `gateway` is its p2pd and DHT child).
+One warm-up stream runs before the waves. Prints one JSON object. `--profile PATH`: py-spy records the gateway
+during each wave (collapsed stacks in PATH.<streams>.txt); `--no_engine_round`: the gateway without engine rounds.
 
 Usage (from the repository root): .venv/bin/python bench/bench_overhead.py [--streams 16,64] [--new_tokens 32]
 """
@@ -22,6 +24,8 @@ import argparse
 import asyncio
 import json
 import os
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,11 +47,11 @@ MODEL = "tiny-llama"  # the checkpoint directory's name: what the gateway serves
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def cpu_seconds(proc: ManagedProcess) -> float:
-    """User + system CPU seconds of a process and its descendants (the DHT child, p2pd)."""
+def cpu_seconds(proc: ManagedProcess, children: bool = True) -> float:
+    """User + system CPU seconds of a process and (`children`) its descendants (the DHT child, p2pd)."""
     try:
         root = psutil.Process(proc.proc.pid)
-        members = [root, *root.children(recursive=True)]
+        members = [root, *root.children(recursive=True)] if children else [root]
     except psutil.NoSuchProcess:
         return 0.0
     total = 0.0
@@ -58,6 +62,12 @@ def cpu_seconds(proc: ManagedProcess) -> float:
         except psutil.NoSuchProcess:
             pass
     return total
+
+
+def cpu_now(gateway: ManagedProcess, servers: List[ManagedProcess]) -> Dict[str, float]:
+    """CPU seconds so far: each process with its children, and the gateway's Python process alone."""
+    return {"gateway": cpu_seconds(gateway), "gateway_python": cpu_seconds(gateway, children=False),
+            **{f"server{i}": cpu_seconds(s) for i, s in enumerate(servers)}}
 
 
 def body(new_tokens: int) -> dict:
@@ -98,6 +108,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of local transformers and of "
                                                                "each swarm process")
     parser.add_argument("--skip_local", action="store_true", help="only the gateway side")
+    parser.add_argument("--profile", default=None, help="py-spy the gateway during each wave: collapsed stacks "
+                                                       "written to PROFILE.<streams>.txt")
+    parser.add_argument("--no_engine_round", action="store_true", help="run the gateway with --no-engine_round "
+                                                                      "(every request on its own worker thread)")
     args = parser.parse_args()
     counts = [int(c) for c in args.streams.split(",") if c]
     torch.set_num_threads(args.threads)
@@ -118,18 +132,24 @@ def main() -> None:
         with Topology(str(path), ["0:2", "2:4"], f"overhead-{os.getpid()}", server_args, name="bench-overhead",
                       threads=args.threads) as swarm:
             gateway = swarm.add_gateway(extra=["--max_concurrent", str(max(32, top)),
-                                               "--max_queue", str(max(64, top))])
+                                               "--max_queue", str(max(64, top)),
+                                               *(["--no-engine_round"] if args.no_engine_round else [])])
             assert gateway.ready is not None
             url = gateway.ready["url"]
             warm = asyncio.run(wave(url, 1, 4))  # warm-up: routes, streams, the head
             if warm["errors"]:
                 raise RuntimeError(f"the warm-up stream failed: {warm['first_error']}")
             for n in counts:
-                before = {"gateway": cpu_seconds(gateway), **{f"server{i}": cpu_seconds(s)
-                                                              for i, s in enumerate(swarm.servers)}}
+                before = cpu_now(gateway, swarm.servers)
+                spy = None if args.profile is None else subprocess.Popen(
+                    [os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "--format", "raw", "--gil",
+                     "--rate", "200", "--nonblocking", "-p", str(gateway.proc.pid),
+                     "-o", f"{args.profile}.{n}.txt"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 got = asyncio.run(wave(url, n, args.new_tokens))
-                after = {"gateway": cpu_seconds(gateway), **{f"server{i}": cpu_seconds(s)
-                                                             for i, s in enumerate(swarm.servers)}}
+                if spy is not None:
+                    spy.send_signal(signal.SIGINT)
+                    spy.wait(60)
+                after = cpu_now(gateway, swarm.servers)
                 tokens = max(got["tokens"], 1)
                 row: Dict[str, Any] = {
                     "streams": n, "gateway_tokens": got["tokens"], "errors": got["errors"],
