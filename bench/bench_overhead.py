@@ -13,8 +13,10 @@ one intra-op thread each). For each N (`--streams`, default 1,16,64,256):
 - the ratio gateway / local, and CPU milliseconds per generated token of the gateway process and of each server
   process (each with its children: DHT process, p2pd; psutil `cpu_times` before and after the wave), and of the
   gateway's Python process alone (`gateway_python`: the rest of `gateway` is its p2pd and DHT child).
-One warm-up stream runs before the waves. Prints one JSON object. `--profile PATH`: py-spy records the gateway
-during each wave (collapsed stacks in PATH.<streams>.txt); `--no_engine_round`: the gateway without engine rounds.
+Warm-up before the waves: one stream, then as many 2-token streams as the largest wave (a gateway that has
+served that many at once keeps their worker threads). Prints one JSON object. `--profile PATH`: py-spy records the
+gateway during each wave (collapsed stacks in PATH.<mode>.<streams>.txt); `--modes round,thread`: a gateway with engine
+rounds and one without (`--no-engine_round`), waves alternating between them, the same local figure for both.
 
 Usage (from the repository root): .venv/bin/python bench/bench_overhead.py [--streams 16,64] [--new_tokens 32]
 """
@@ -101,6 +103,26 @@ def local_rate(reference, prompt_ids: List[int], n: int, new_tokens: int) -> Dic
     return {"seconds": elapsed, "tokens": tokens, "tokens_per_s": tokens / elapsed}
 
 
+def measure(gateway: ManagedProcess, servers: List[ManagedProcess], n: int, args, mode: str) -> Dict[str, Any]:
+    """One wave of n streams through `gateway`: its rate and the CPU it and the servers spent per token."""
+    assert gateway.ready is not None
+    before = cpu_now(gateway, servers)
+    spy = None if args.profile is None else subprocess.Popen(
+        [os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "--format", "raw", "--gil",
+         "--rate", "200", "--nonblocking", "-p", str(gateway.proc.pid), "-o", f"{args.profile}.{mode}.{n}.txt"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    got = asyncio.run(wave(gateway.ready["url"], n, args.new_tokens))
+    if spy is not None:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(60)
+    after = cpu_now(gateway, servers)
+    tokens = max(got["tokens"], 1)
+    return {"streams": n, "mode": mode, "gateway_tokens": got["tokens"], "errors": got["errors"],
+            "first_error": got["first_error"], "short_streams": got["short_streams"],
+            "gateway_tokens_per_s": round(got["tokens"] / got["seconds"], 1),
+            "cpu_ms_per_token": {k: round(1000 * (after[k] - before[k]) / tokens, 3) for k in before}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", default="1,16,64,256", help="comma-separated concurrent stream counts")
@@ -109,11 +131,15 @@ def main() -> None:
                                                                "each swarm process")
     parser.add_argument("--skip_local", action="store_true", help="only the gateway side")
     parser.add_argument("--profile", default=None, help="py-spy the gateway during each wave: collapsed stacks "
-                                                       "written to PROFILE.<streams>.txt")
-    parser.add_argument("--no_engine_round", action="store_true", help="run the gateway with --no-engine_round "
-                                                                      "(every request on its own worker thread)")
+                                                       "written to PROFILE.<mode>.<streams>.txt")
+    parser.add_argument("--modes", default="round", help="comma-separated gateways to compare, one process each: "
+                                                         "round (engine rounds), thread (--no-engine_round: every "
+                                                         "request on its own worker thread)")
     args = parser.parse_args()
     counts = [int(c) for c in args.streams.split(",") if c]
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - {"round", "thread"}:
+        parser.error("--modes takes round and/or thread")
     torch.set_num_threads(args.threads)
     waves: List[Dict[str, Any]] = []
     result: Dict[str, Any] = {"bench": "overhead", "model": "tiny llama (hidden 64, 4 blocks)",
@@ -131,37 +157,25 @@ def main() -> None:
         server_args = ["--max_sessions_per_peer", str(max(128, 2 * top))]
         with Topology(str(path), ["0:2", "2:4"], f"overhead-{os.getpid()}", server_args, name="bench-overhead",
                       threads=args.threads) as swarm:
-            gateway = swarm.add_gateway(extra=["--max_concurrent", str(max(32, top)),
-                                               "--max_queue", str(max(64, top)),
-                                               *(["--no-engine_round"] if args.no_engine_round else [])])
-            assert gateway.ready is not None
-            url = gateway.ready["url"]
-            warm = asyncio.run(wave(url, 1, 4))  # warm-up: routes, streams, the head
-            if warm["errors"]:
-                raise RuntimeError(f"the warm-up stream failed: {warm['first_error']}")
+            gateways = {mode: swarm.add_gateway(extra=["--max_concurrent", str(max(32, top)),
+                                                       "--max_queue", str(max(64, top)),
+                                                       *(["--no-engine_round"] if mode == "thread" else [])])
+                        for mode in modes}
+            for gateway in gateways.values():
+                assert gateway.ready is not None
+                for count in (1, top):  # warm-up: routes, streams, the head; as many worker threads as streams
+                    warm = asyncio.run(wave(gateway.ready["url"], count, 2))
+                    if warm["errors"]:
+                        raise RuntimeError(f"a warm-up stream failed: {warm['first_error']}")
             for n in counts:
-                before = cpu_now(gateway, swarm.servers)
-                spy = None if args.profile is None else subprocess.Popen(
-                    [os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "--format", "raw", "--gil",
-                     "--rate", "200", "--nonblocking", "-p", str(gateway.proc.pid),
-                     "-o", f"{args.profile}.{n}.txt"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                got = asyncio.run(wave(url, n, args.new_tokens))
-                if spy is not None:
-                    spy.send_signal(signal.SIGINT)
-                    spy.wait(60)
-                after = cpu_now(gateway, swarm.servers)
-                tokens = max(got["tokens"], 1)
-                row: Dict[str, Any] = {
-                    "streams": n, "gateway_tokens": got["tokens"], "errors": got["errors"],
-                    "first_error": got["first_error"], "short_streams": got["short_streams"],
-                    "gateway_tokens_per_s": round(got["tokens"] / got["seconds"], 1),
-                    "cpu_ms_per_token": {k: round(1000 * (after[k] - before[k]) / tokens, 3) for k in before}}
-                if not args.skip_local:
-                    local = local_rate(reference, prompt_ids, n, args.new_tokens)
-                    row["local_tokens_per_s"] = round(local["tokens_per_s"], 1)
-                    row["ratio"] = round(got["tokens"] / got["seconds"] / local["tokens_per_s"], 3)
-                waves.append(row)
-                print(json.dumps(row), file=sys.stderr, flush=True)
+                local = None if args.skip_local else local_rate(reference, prompt_ids, n, args.new_tokens)
+                for mode, gateway in gateways.items():
+                    row = measure(gateway, swarm.servers, n, args, mode)
+                    if local is not None:
+                        row["local_tokens_per_s"] = round(local["tokens_per_s"], 1)
+                        row["ratio"] = round(row["gateway_tokens_per_s"] / local["tokens_per_s"], 3)
+                    waves.append(row)
+                    print(json.dumps(row), file=sys.stderr, flush=True)
     print(json.dumps(result))
 
 

@@ -6,9 +6,11 @@ end. Generations join and leave between rounds. Each round:
 1. every member's policy says whether it goes on (`DecodeLoop.ended`; `before_step`: a cancelled or late generation
    leaves with its error), and its next input is embedded (`RoundSession.round_input`);
 2. `send_round`: every member's step is sent, concurrently on the client's loop (today each session's own
-   `round_step`, gathered; issue 46 part 2 gives one call for the whole round: this is the one place to swap);
-   a member whose step raised (failover exhausted, a server error) leaves with its error alone, a retraction
-   (`OutputsRetracted`) cuts its ids back and it goes on next round;
+   `round_step`, as tasks; issue 46 part 2 gives one call for the whole round: this is the one place to swap);
+   the round waits for its steps but not for stragglers (`EngineRounds._wait`): a step still in flight (a failover
+   replaying history onto a new server) lands in a later round, so it never stalls the others longer than their
+   own steps; a member whose step raised (failover exhausted, a server error) leaves with its error alone, a
+   retraction (`OutputsRetracted`) cuts its ids back and it goes on next round;
 3. ONE LM-head matmul over the last states of every row of every member (per client head: one model, one head);
 4. ONE pick over all those rows (`swarm.client.decoding.round_pick.pick_round`: one argmax over greedy rows, one
    softmax over sampled ones with each row's own generator, grammar-masked rows row by row in the same round);
@@ -23,10 +25,13 @@ sessions that cannot step in a round (`swarm.client.api.round_capable`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -37,6 +42,8 @@ from swarm.runtime.taskpool import PRIORITY_DECODE, client_pool
 from swarm.runtime.threads import serial_torch_here
 
 logger = logging.getLogger("swarmgate.gateway")
+
+STRAGGLER_MIN_S = 0.05  # the least a round waits for its last steps once half of them landed (`EngineRounds._wait`)
 
 
 @dataclass
@@ -51,18 +58,32 @@ class Member:
     error: Optional[BaseException] = None
     remaining: List[Optional[int]] = field(default_factory=list)
     hidden: Optional[torch.Tensor] = None  # this round's input [n, new, hidden]
+    step: Optional["Future[torch.Tensor]"] = None  # its step in flight (it may land in a later round)
 
 
-def send_round(steps: Sequence[Tuple[RoundSession, torch.Tensor, torch.Tensor]]
-               ) -> List[Union[torch.Tensor, BaseException]]:
-    """Send every (session, ids [n, seq], hidden [n, new, hidden]) step of a round; each one's last states
-    [n, hidden], or the exception its step raised. The one place a round's steps are sent."""
+def send_round(steps: Sequence[Tuple[RoundSession, torch.Tensor, torch.Tensor]]) -> List["Future[torch.Tensor]"]:
+    """Send every (session, ids [n, seq], hidden [n, new, hidden]) step of a round, concurrently on the client's
+    loop (one hand-over for the round); each step's future gives its last states [n, hidden] or raises its error.
+    The one place a round's steps are sent."""
+    futures: List["Future[torch.Tensor]"] = [Future() for _ in steps]
 
-    async def gathered():
-        return await asyncio.gather(*(session.round_step(ids, hidden) for session, ids, hidden in steps),
-                                    return_exceptions=True)
+    def start() -> None:
+        for (session, ids, hidden), future in zip(steps, futures):
+            task = asyncio.ensure_future(session.round_step(ids, hidden))
+            task.add_done_callback(functools.partial(_settle, future))
 
-    return list(aio.run(gathered())) if steps else []
+    if steps:
+        aio.get_loop().call_soon_threadsafe(start)
+    return futures
+
+
+def _settle(future: "Future[torch.Tensor]", task: "asyncio.Future[torch.Tensor]") -> None:
+    if task.cancelled():
+        future.set_exception(asyncio.CancelledError("the step was cancelled"))
+    elif task.exception() is not None:
+        future.set_exception(cast(BaseException, task.exception()))
+    else:
+        future.set_result(task.result())
 
 
 class EngineRounds:
@@ -129,6 +150,8 @@ class EngineRounds:
         """One round over `active`; returns the members that go on."""
         stepping: List[Member] = []
         for m in active:
+            if m.step is not None:
+                continue  # its step from an earlier round is still in flight
             try:
                 if m.loop.ended(m.ids):
                     self._leave(m)
@@ -139,21 +162,40 @@ class EngineRounds:
                 stepping.append(m)
             except BaseException as e:  # noqa: BLE001 - this member's own end (cancelled, deadline, ...)
                 self._leave(m, e)
-        staying = [m for m in active if not m.done.is_set()]
-        outs = send_round([(m.lease.session, m.ids, cast(torch.Tensor, m.hidden)) for m in stepping])
+        sent = send_round([(m.lease.session, m.ids, cast(torch.Tensor, m.hidden)) for m in stepping])
+        for m, future in zip(stepping, sent):
+            m.hidden, m.step = None, future
+        self._wait(sent, [cast(Future, m.step) for m in active if m.step is not None and m not in stepping])
         stepped: List[Tuple[Member, torch.Tensor]] = []
-        for m, out in zip(stepping, outs):
-            m.hidden = None
-            if isinstance(out, OutputsRetracted):  # a lying server caught: pick again from its position next round
-                m.ids = m.run.retract(out, m.ids)
-            elif isinstance(out, BaseException):
-                self._leave(m, out)
-            else:
-                stepped.append((m, out))
+        for m in active:
+            if m.step is None or not m.step.done():
+                continue
+            future, m.step = m.step, None
+            try:
+                stepped.append((m, future.result()))
+            except OutputsRetracted as retracted:  # a lying server caught: pick again from its position next round
+                m.ids = m.run.retract(retracted, m.ids)
+            except BaseException as e:  # noqa: BLE001 - this member's step failed (failover exhausted, ...)
+                self._leave(m, e)
         if stepped:
             self._pick_and_take(stepped)
         self.rounds += 1
-        return [m for m in staying if not m.done.is_set()]
+        return [m for m in active if not m.done.is_set()]
+
+    def _wait(self, sent: List["Future[torch.Tensor]"], earlier: List["Future[torch.Tensor]"]) -> None:
+        """Wait for this round's steps, but not for stragglers: once half of them landed, the rest get twice the
+        time that took (at least `STRAGGLER_MIN_S`); a step still in flight then (a failover replaying a server's
+        history, a slow server) lands in a later round, and never holds up the others' round longer than their
+        own steps. With nothing sent this round, wait for any earlier step to land (or a new member)."""
+        if not sent:
+            if earlier:
+                wait(earlier, timeout=STRAGGLER_MIN_S, return_when=FIRST_COMPLETED)
+            return
+        start, pending = time.monotonic(), set(sent)
+        while len(pending) > len(sent) // 2:
+            _, pending = wait(pending, return_when=FIRST_COMPLETED)
+        if pending:
+            wait(pending, timeout=max(STRAGGLER_MIN_S, 2 * (time.monotonic() - start)))
 
     def _pick_and_take(self, stepped: List[Tuple[Member, torch.Tensor]]) -> None:
         """One LM head per client head over every row, one pick over the rows still generating, then each member's
