@@ -31,7 +31,7 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 import torch
 
@@ -46,7 +46,7 @@ logger = logging.getLogger("swarmgate.gateway")
 STRAGGLER_MIN_S = 0.05  # the least a round waits for its last steps once half of them landed (`EngineRounds._wait`)
 
 
-@dataclass
+@dataclass(eq=False)
 class Member:
     """One generation in the rounds: its policy (`GenerationRun`), lease, loop and ids [n, seq] so far."""
 
@@ -70,6 +70,7 @@ def send_round(steps: Sequence[Tuple[RoundSession, torch.Tensor, torch.Tensor]])
     def start() -> None:
         for (session, ids, hidden), future in zip(steps, futures):
             task = asyncio.ensure_future(session.round_step(ids, hidden))
+            _running.add(task)  # (the loop holds tasks weakly: one nobody holds may vanish mid-step)
             task.add_done_callback(functools.partial(_settle, future))
 
     if steps:
@@ -77,7 +78,11 @@ def send_round(steps: Sequence[Tuple[RoundSession, torch.Tensor, torch.Tensor]])
     return futures
 
 
+_running: Set["asyncio.Future[torch.Tensor]"] = set()  # the steps in flight (touched on the client's loop only)
+
+
 def _settle(future: "Future[torch.Tensor]", task: "asyncio.Future[torch.Tensor]") -> None:
+    _running.discard(task)
     if task.cancelled():
         future.set_exception(asyncio.CancelledError("the step was cancelled"))
     elif task.exception() is not None:

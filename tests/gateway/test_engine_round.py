@@ -76,7 +76,7 @@ async def stream(http: httpx.AsyncClient, url: str, model: str, body: dict, canc
 def run_all(url: str, model: str, bodies: List[dict], **kwargs) -> List[dict]:
     async def go():
         limits = httpx.Limits(max_connections=len(bodies) + 4, max_keepalive_connections=len(bodies) + 4)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(240.0), limits=limits) as http:
             return await asyncio.gather(*(stream(http, url, model, b, **kwargs.get(str(i), {}))
                                           for i, b in enumerate(bodies)))
     return asyncio.run(go())
@@ -104,7 +104,7 @@ def tiny_swarm(bootstrap, model_path, tmp_path_factory):
     gateway = None
     try:
         gateway = start_gateway(str(path), swarm, "--max_concurrent", "256", "--max_queue", "64")
-        yield {"url": gateway.url, "model": path.name, "reference": reference, "servers": servers,
+        yield {"url": gateway.url, "model": path.name, "reference": reference, "servers": servers, "gateway": gateway,
                "tokenizer": AutoTokenizer.from_pretrained(path), "bootstrap": bootstrap}
     finally:
         terminate_all(([gateway.proc] if gateway is not None else []) + servers)
@@ -191,6 +191,7 @@ def test_a_failover_in_one_generation_leaves_every_text_unchanged(tiny_swarm, al
         got = run_all(url, model, bodies, **{"0": {"on_chunk": kill_once}})
     finally:
         manager.shutdown()
+    log = tiny_swarm["gateway"].proc.log_tail(60)
     assert killed, "the streams ended before the server could be killed"
-    assert [g["errors"] for g in got] == [[]] * len(bodies)
-    assert [g["texts"] for g in got] == undisturbed
+    assert [g["errors"] for g in got] == [[]] * len(bodies), log
+    assert [g["texts"] for g in got] == undisturbed, log
