@@ -204,7 +204,7 @@ def _model_state(config: GatewayConfig, model, tokenizer, metrics: Metrics, *, a
         metrics.pool = pool
     sessions = SessionProvider(model, pool, metrics, headroom=config.pool_headroom, context=context)
     engine = Engine(model, tokens, metrics, max_workers=config.max_concurrent, sessions=sessions,
-                    verify_holdback=config.verify_holdback)
+                    verify_holdback=config.verify_holdback, engine_round=config.engine_round)
     state = GatewayState(config=config, model=model, tokens=tokens, engine=engine, admission=admission,
                          metrics=metrics, limits=limits, created=int(time.time()), store=store, quota=quota)
     metrics.coverage_source = state.coverage_numbers

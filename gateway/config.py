@@ -64,6 +64,10 @@ class GatewayConfig(SwarmKeySettings):
     max_n: int = Field(default=8, gt=0, description="largest n (choices per request)")
     sse_keepalive: float = Field(default=5.0, gt=0, description="seconds between SSE keep-alive comments")
     cors_origins: List[str] = Field(default_factory=list, description="origins allowed by CORS ('*' for any)")
+    engine_round: bool = Field(
+        default=True, description="decode every generation's steps together in one engine round (one LM head, one "
+                                  "pick, one hand-over of events per round; gateway.serving.rounds); "
+                                  "--no-engine_round: each request decodes on its own worker thread")
     session_pool: bool = Field(
         default=True, description="keep each conversation's inference session open between requests, so that a new "
                                   "turn sends only its new tokens (n=1 requests; --no-session_pool: a fresh session "

@@ -53,6 +53,9 @@ class Metrics:
         self.inter_token_latency = Histogram("swarmgate_inter_token_latency_seconds",
                                              "time between consecutive decode steps of a generation",
                                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.round_rows = Histogram("swarmgate_round_rows", "rows (choices of every generation) picked together in "
+                                    "one engine round (gateway.serving.rounds)",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
         self.prompt_tokens = Counter("swarmgate_prompt_tokens", "prompt tokens of admitted requests", registry=r)
         self.completion_tokens = Counter("swarmgate_completion_tokens", "generated tokens", registry=r)
         self.active_sessions = Gauge("swarmgate_active_sessions",

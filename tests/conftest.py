@@ -32,6 +32,8 @@ PROCESS_FIXTURES = {"bootstrap"}
 # that `make test` already covers once, so that `make test` stays well under 15 minutes on 2 cores. Each entry is a
 # node id prefix, with what still covers its ground in `make test`.
 EXTENDED = (
+    # 256 concurrent gateway streams in engine rounds (make test: 64 of them, the same test with a smaller crowd)
+    "tests/gateway/test_engine_round.py::test_256_concurrent_streams_complete",
     # 500 honest steps each (about 2.5 min); the lying-server test checks honest sessions pass too
     # the previous release beside this one, more variants (make test: an old server + a new one under a new gateway,
     # tests/e2e/test_compat.py's first test; the records' and messages' compatibility in tests/swarm/wire)

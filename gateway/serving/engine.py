@@ -1,4 +1,5 @@
-"""The engine: runs requests' generations over the swarm on worker threads, as async streams of events.
+"""The engine: runs requests' generations over the swarm on worker threads, as async streams of events; their decode
+steps run together in engine rounds (`gateway.serving.rounds`) unless `engine_round` is off.
 
 `Engine.start(job)` submits a generation (`gateway.serving.runs.GenerationRun`, one request's n choices as one batched
 session) to the engine's thread pool and returns a `Generation`, an async iterator of `gateway.serving.events` events.
@@ -15,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional
 
 from gateway.metrics import Metrics
-from gateway.serving.events import Cancelled, GenerationFailed, swarm_error
+from gateway.serving.events import Cancelled, GenerationFailed, post, swarm_error
+from gateway.serving.rounds import EngineRounds
 from gateway.serving.runs import GenerationJob, GenerationRun
 from gateway.serving.sessions import SessionProvider
 from gateway.serving.tokens import Tokens
@@ -27,7 +29,7 @@ logger = logging.getLogger("swarmgate.gateway")
 
 class Engine:
     def __init__(self, model: ClientModel, tokens: Tokens, metrics: Metrics, max_workers: int,
-                 sessions: Optional[SessionProvider] = None, verify_holdback: int = 8):
+                 sessions: Optional[SessionProvider] = None, verify_holdback: int = 8, engine_round: bool = True):
         self.model, self.tokens, self.metrics = model, tokens, metrics
         self.verify_holdback = verify_holdback  # with spot-checks: tokens a stream's text may wait for its check
         self.sessions = sessions or SessionProvider(model)
@@ -36,6 +38,8 @@ class Engine:
                                            initializer=serial_torch_here)
         self.vocab_size = min(int(model.config.vocab_size), tokens.vocab_size)
         self._active: Dict[int, GenerationJob] = {}
+        # decode steps of every generation together (`gateway.serving.rounds`); None: each on its worker thread
+        self.rounds = EngineRounds(self.vocab_size, metrics.round_rows.observe) if engine_round else None
 
     def start(self, job: GenerationJob, on_finish: Optional[Callable[[], None]] = None) -> "Generation":
         """Start the generation now; `on_finish` runs on the event loop once the worker is done."""
@@ -45,6 +49,8 @@ class Engine:
         """Cancel every running generation (their sessions close), stop taking work, close pooled sessions."""
         for job in list(self._active.values()):
             job.cancel.set()
+        if self.rounds is not None:
+            self.rounds.shutdown()
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.sessions.shutdown()
 
@@ -53,7 +59,7 @@ class Engine:
         self._active[id(job)] = job  # what `shutdown` cancels
         try:
             GenerationRun(job, emit, self.sessions, self.tokens, self.metrics, self.vocab_size,
-                          self.verify_holdback).run()
+                          self.verify_holdback, self.rounds).run()
         finally:
             self._active.pop(id(job), None)
 
@@ -69,11 +75,8 @@ class Generation:
         self.job = job
         self._queue: "asyncio.Queue[Any]" = asyncio.Queue()
 
-        def emit(event: Any) -> None:
-            try:
-                loop.call_soon_threadsafe(self._queue.put_nowait, event)
-            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
-                job.cancel.set()
+        def emit(event: Any) -> None:  # (with the other generations' of an engine round, together)
+            post(loop, self._queue.put_nowait, event, job.cancel.set)  # loop gone (shutdown): nobody listens
 
         def work() -> None:
             try:

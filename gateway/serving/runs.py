@@ -1,4 +1,5 @@
-"""One generation: a request's n choices, run as one batched session ([n, len] per step) on a worker thread.
+"""One generation: a request's n choices, run as one batched session ([n, len] per step) on a worker thread; its
+decode steps after the prompt run in the engine rounds (`gateway.serving.rounds`) when it can.
 
 `GenerationJob` describes the work (prompt, `SamplingParams`, n, deadline, pool owner, cancel flag);
 `GenerationRun(job, emit, sessions, tokens, metrics, vocab_size).run()` leases a session
@@ -26,6 +27,7 @@ import torch
 from gateway.errors import APIError
 from gateway.metrics import Metrics
 from gateway.serving.events import Cancelled, ChoiceDelta, Done
+from gateway.serving.rounds import EngineRounds, Member
 from gateway.serving.sessions import Lease, SessionProvider
 from gateway.serving.textstream import TextStream
 from gateway.serving.tokens import Tokens
@@ -40,6 +42,7 @@ from swarm.client.api import (
     SpeculativeConfig,
     Speculator,
     TokenChoice,
+    round_capable,
 )
 
 logger = logging.getLogger("swarmgate.gateway")
@@ -66,8 +69,9 @@ class GenerationRun:
     (`swarm.client.decoding.loop.DecodePolicy`) for the gateway."""
 
     def __init__(self, job: GenerationJob, emit: Callable[[Any], None], sessions: SessionProvider, tokens: Tokens,
-                 metrics: Metrics, vocab_size: int, verify_holdback: int = 8):
-        self.sessions, self.metrics = sessions, metrics
+                 metrics: Metrics, vocab_size: int, verify_holdback: int = 8,
+                 rounds: Optional[EngineRounds] = None):
+        self.sessions, self.metrics, self.rounds = sessions, metrics, rounds
         # spot-checks: text events wait until checked; picks made from retracted outputs are redone
         self.verification = RunVerification(self, emit, verification_on(sessions.model),
                                             verify_holdback if job.stream else None, len(job.prompt_ids),
@@ -121,7 +125,15 @@ class GenerationRun:
             return (sessions.prefill if first else sessions.step)(lease, ids, pick, num_logits)
 
         try:
-            DecodeLoop(lease, feed, self, prompt_len, params.max_tokens, self.pad, self.speculator).run(ids)
+            loop = DecodeLoop(lease, feed, self, prompt_len, params.max_tokens, self.pad, self.speculator)
+            if self.in_rounds(lease):
+                if not loop.ended(ids):
+                    ids = loop.step(ids)  # the prompt, on this thread (the session pool's fallbacks are here)
+                if self.in_rounds(lease):  # (prefill may have opened another session)
+                    ids = self.rounds.run(Member(self, lease, loop, ids))  # type: ignore[union-attr]
+                lease.settle()
+            else:
+                loop.run(ids)
             reusable = True
         finally:
             metrics.active_sessions.dec()
@@ -141,6 +153,12 @@ class GenerationRun:
             logger.info(f"request {job.request_id}: {lease.cached_tokens} of {prompt_len} prompt tokens were "
                         f"already held by a pooled session")
         self.emit(Done(prompt_len, completion, lease.cached_tokens, servers))
+
+    def in_rounds(self, lease: Lease) -> bool:
+        """Whether this run's decode steps go to the engine rounds (`gateway.serving.rounds`: not speculative
+        decoding nor spot-checked runs, which keep their own loop on this thread)."""
+        return self.rounds is not None and self.speculator is None and not self.verification.enabled and \
+            round_capable(lease.session)
 
     # ---- the decode loop's policy (`swarm.client.decoding.loop.DecodePolicy`)
     # --------------------------------------------

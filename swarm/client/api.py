@@ -32,6 +32,7 @@ from swarm.client.decoding.grammar import (
     styled_schema,
 )
 from swarm.client.decoding.loop import DecodeLoop, DecodePolicy
+from swarm.client.decoding.round_pick import pick_round
 from swarm.client.decoding.sampling import RowSamplers, Sampler, SamplingParams, TokenChoice
 from swarm.client.decoding.speculative import Speculator
 from swarm.client.transport.routing import RoutingError, normalize_quant_types
@@ -49,7 +50,8 @@ __all__ = [
     "GrammarConstraint", "GrammarTokenizer", "OutputsRetracted", "PromptLogprob", "RemoteError", "RoutingError",
     "RowSamplers", "Sampler", "SamplingParams", "ServerView", "SessionError", "SpeculativeConfig", "Speculator",
     "TokenChoice", "VerifyStats", "check_grammar", "choice_grammar", "closed_schema", "json_schema_grammar",
-    "lark_grammar", "load_draft_model", "normalize_quant_types", "regex_grammar", "styled_schema",
+    "lark_grammar", "load_draft_model", "normalize_quant_types", "pick_round", "regex_grammar", "round_capable",
+    "styled_schema", "RoundSession",
 ]
 
 T = TypeVar("T")
@@ -123,6 +125,24 @@ class GenerationSession(Protocol):
     def servers(self) -> List[str]:
         """Peer ids of the servers holding this session's states."""
         ...
+
+
+class RoundSession(GenerationSession, Protocol):
+    """A session that can step in an engine round (`gateway.serving.rounds`): the caller embeds (`round_input`),
+    sends many sessions' steps together on the client's loop (`round_step`: the last states [batch, hidden]) and runs
+    one LM head (`head.head`) over every session's rows."""
+
+    head: Any  # `swarm.client.model.head.ClientHead`: `head(states [rows, hidden]) -> logits [rows, vocab]`
+
+    def round_input(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+
+    async def round_step(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+def round_capable(session: Any) -> bool:
+    """Whether `session` can step in an engine round (a `RoundSession`; a test's stub may not)."""
+    return callable(getattr(session, "round_step", None)) and callable(getattr(session, "round_input", None)) \
+        and hasattr(session, "head")
 
 
 class ClientModel(Protocol):

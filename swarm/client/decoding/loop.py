@@ -119,29 +119,42 @@ class DecodeLoop(Generic[P]):
         """ids [rows, prompt] -> [rows, prompt + new]: every row's tokens (finished rows padded to the longest)."""
         policy, session = self.policy, self.session
         while True:
-            generated = ids.shape[1] - self.prompt_len
-            if (all(policy.finished) or generated >= self.max_new) and not policy.unsettled:
+            if self.ended(ids):
                 try:  # every spot-check in flight settled before the output is final
                     session.settle()
                     return ids
                 except OutputsRetracted as retracted:
                     ids = policy.retract(retracted, ids)
                     continue
-            policy.before_step()
-            remaining = [None if done else self.max_new - generated for done in policy.finished]
-            try:
-                # (the step's logits live in `_step` only: a view of the head batch's whole logits, held into the
-                # next step, would keep that round's batch alive: 6 MB at 32 streams)
-                ids = self._step(ids, remaining)
-            except OutputsRetracted as retracted:  # a lying server was caught: pick from its position again
-                ids = policy.retract(retracted, ids)
+            ids = self.step(ids)
 
-    def _step(self, ids: torch.Tensor, remaining: List[Optional[int]]) -> torch.Tensor:
-        """One step through the swarm and its tokens taken: ids [rows, seq] -> [rows, seq + 1 or more]."""
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        """One turn of the loop once `ended` said a step is left: ids [rows, seq] -> [rows, seq + 1 or more] (or
+        cut back, after a retraction)."""
+        self.policy.before_step()
+        remaining = self.remaining(ids)
+        try:
+            # (the step's logits live in `_step` only: a view of the head batch's whole logits, held into the
+            # next step, would keep that round's batch alive: 6 MB at 32 streams)
+            return self._step(ids, remaining)
+        except OutputsRetracted as retracted:  # a lying server was caught: pick from its position again
+            return self.policy.retract(retracted, ids)
+
+    # ---- the pieces an engine round (`gateway.serving.rounds`) drives one step of this loop with
+    def ended(self, ids: torch.Tensor) -> bool:
+        """Whether no step is left: every row finished or at `max_new`, and nothing held back waits for a check."""
+        generated = ids.shape[1] - self.prompt_len
+        return (all(self.policy.finished) or generated >= self.max_new) and not self.policy.unsettled
+
+    def remaining(self, ids: torch.Tensor) -> List[Optional[int]]:
+        """The tokens each row may still generate, this step's included (None: the row finished)."""
+        generated = ids.shape[1] - self.prompt_len
+        return [None if done else self.max_new - generated for done in self.policy.finished]
+
+    def take(self, ids: torch.Tensor, blocks: List[Tuple[P, torch.Tensor]]) -> torch.Tensor:
+        """A step's picks taken (each block: the picks of one position, its logits [rows, vocab]): ids [rows, seq]
+        -> [rows, seq + len(blocks)] at most (a speculative step's tokens one by one, as plain steps would)."""
         policy = self.policy
-        blocks = self._speculative_step(ids, remaining[0]) if self.speculator is not None else None
-        if blocks is None:
-            blocks = [self._plain_step(ids, remaining)]
         self.steps += 1
         for picks, logits in blocks:  # a speculative step's tokens one by one, as plain steps would take them
             column = [self.pad if token is None or done else token
@@ -152,6 +165,13 @@ class DecodeLoop(Generic[P]):
                 break
         policy.after_step(ids, len(blocks))
         return ids
+
+    def _step(self, ids: torch.Tensor, remaining: List[Optional[int]]) -> torch.Tensor:
+        """One step through the swarm and its tokens taken: ids [rows, seq] -> [rows, seq + 1 or more]."""
+        blocks = self._speculative_step(ids, remaining[0]) if self.speculator is not None else None
+        if blocks is None:
+            blocks = [self._plain_step(ids, remaining)]
+        return self.take(ids, blocks)
 
     def _plain_step(self, ids: torch.Tensor, remaining: List[Optional[int]]) -> Tuple[P, torch.Tensor]:
         """One token per row: (the picks, logits [rows, vocab])."""

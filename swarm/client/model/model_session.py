@@ -155,10 +155,32 @@ class ModelSession:
         self.session.rewind(length + self.offset)
         self.token_ids = self.token_ids[:, :length].clone()
 
-    def _feed(self, input_ids: torch.Tensor, pick, hypo_ids: Optional[List[int]],
-              left_padding: Optional[List[int]], num_logits: int = 1) -> Tuple[torch.Tensor, Any]:
+    # ---- a step of an engine round (`gateway.serving.rounds`): the caller runs the LM head over many sessions' rows
+    def round_input(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first half of `feed` without beams or padding: the servers are rewound to what `input_ids` [batch, n]
+        shares with what they hold; returns the hidden states to send [batch, new, hidden] (`round_step`)."""
+        return self._prepare(input_ids.cpu(), None, None)[0]
+
+    async def round_step(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The second half, on the client's loop: `hidden` (from `round_input(input_ids)`) through the servers
+        (failover inside); returns the last position's states [batch, hidden] for the caller's LM head."""
+        input_ids = input_ids.cpu()
+        try:
+            out = await self.session.astep(hidden)
+        except OutputsRetracted as e:
+            if not self.offset:
+                raise
+            raise self._in_tokens(e, self.offset) from e
+        finally:
+            self.token_ids = input_ids[:, :max(self.session.position - self.offset, 0)].clone()
+            self.left_padding = None
+        return out[:, -1]
+
+    def _prepare(self, input_ids: torch.Tensor, hypo_ids: Optional[List[int]], left_padding: Optional[List[int]]
+                 ) -> Tuple[torch.Tensor, int, Optional[List[int]]]:
+        """(hidden states to send [batch, new, hidden], tokens reused, beam parents): the servers rewound to what
+        `input_ids` shares with what they hold."""
         offset = self.offset  # shallow prompts (`swarm.client.model.ptune`) hold the first positions
-        input_ids = input_ids.cpu()  # the held ids live on the host (a GPU client's callers may pass theirs)
         if offset and left_padding:
             raise ValueError("left-padded batches cannot be combined with shallow prompt tuning (ptune)")
         reuse, hypo_ids = self.reusable_prefix(input_ids, hypo_ids, left_padding)
@@ -167,15 +189,23 @@ class ModelSession:
         if reuse + offset < self.session.position:
             self.session.rewind(reuse + offset)
         new_ids = input_ids[:, reuse:]
-        pool = client_pool()
         if new_ids.numel() * self.head.hidden_size < SMALL_EMBED_ELEMENTS:
             hidden = self.head.embed(new_ids)  # [batch, n, hidden]: serial kernels, no OpenMP team here
         else:
-            hidden = pool.call(PRIORITY_DECODE, self.head.embed, new_ids)
+            hidden = client_pool().call(PRIORITY_DECODE, self.head.embed, new_ids)
         if offset and self.session.position == 0:
             assert self.ptune is not None
             with torch.no_grad():  # the prompts [batch, pre_seq_len, hidden] in front of hidden [batch, n, hidden]
                 hidden = torch.cat([self.ptune.input_prompts(hidden.shape[0]).to(hidden.dtype), hidden], dim=1)
+        return hidden, reuse, hypo_ids
+
+    def _feed(self, input_ids: torch.Tensor, pick, hypo_ids: Optional[List[int]],
+              left_padding: Optional[List[int]], num_logits: int = 1) -> Tuple[torch.Tensor, Any]:
+        offset = self.offset
+        input_ids = input_ids.cpu()  # the held ids live on the host (a GPU client's callers may pass theirs)
+        hidden, reuse, hypo_ids = self._prepare(input_ids, hypo_ids, left_padding)
+        new_ids = input_ids[:, reuse:]
+        pool = client_pool()
         # A decode step's head (one token, or a speculative step's few, after held ones) is expected by concurrent
         # sessions' heads, which wait for it (`TaskPool` docstring); a prompt's head (the first token) waits for no
         # one: it is not held up by a round it is not part of yet

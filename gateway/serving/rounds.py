@@ -1,0 +1,252 @@
+"""The engine round (issue 46): one thread that steps every active generation together, as continuous batching.
+
+A generation (`gateway.serving.runs.GenerationRun`) sends its prompt on its own worker thread (the session pool's
+fallbacks stay there), then `EngineRounds.run(member)` hands its decode steps to the round thread and waits for its
+end. Generations join and leave between rounds. Each round:
+1. every member's policy says whether it goes on (`DecodeLoop.ended`; `before_step`: a cancelled or late generation
+   leaves with its error), and its next input is embedded (`RoundSession.round_input`);
+2. `send_round`: every member's step is sent, concurrently on the client's loop (today each session's own
+   `round_step`, as tasks; issue 46 part 2 gives one call for the whole round: this is the one place to swap);
+   the round waits for its steps but not for stragglers (`EngineRounds._wait`): a step still in flight (a failover
+   replaying history onto a new server) lands in a later round, so it never stalls the others longer than their
+   own steps; a member whose step raised (failover exhausted, a server error) leaves with its error alone, a
+   retraction (`OutputsRetracted`) cuts its ids back and it goes on next round;
+3. ONE LM-head matmul over the last states of every row of every member (per client head: one model, one head);
+4. ONE pick over all those rows (`swarm.client.decoding.round_pick.pick_round`: one argmax over greedy rows, one
+   softmax over sampled ones with each row's own generator, grammar-masked rows row by row in the same round);
+5. each member's picks taken by its policy (`DecodeLoop.take`: text, stop strings, events), the events of all
+   members handed to their event loops together (`gateway.serving.events.batched_events`).
+A member's own failure anywhere (its processors, its text, its events) ends that member only.
+
+What does not run in the round keeps the per-thread `DecodeLoop` (`GenerationRun.run` decides): speculative decoding
+(drafts and rewinds per session), spot-check verification (text held back, retractions resumed after `settle`),
+sessions that cannot step in a round (`swarm.client.api.round_capable`).
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
+
+import torch
+
+from gateway.serving.events import batched_events
+from swarm.client.api import DecodeLoop, OutputsRetracted, RoundSession, Sampler, TokenChoice, pick_round
+from swarm.runtime import aio
+from swarm.runtime.taskpool import PRIORITY_DECODE, client_pool
+from swarm.runtime.threads import serial_torch_here
+
+logger = logging.getLogger("swarmgate.gateway")
+
+STRAGGLER_MIN_S = 0.05  # the least a round waits for its last steps once half of them landed (`EngineRounds._wait`)
+
+
+@dataclass(eq=False)
+class Member:
+    """One generation in the rounds: its policy (`GenerationRun`), lease, loop and ids [n, seq] so far."""
+
+    run: Any  # gateway.serving.runs.GenerationRun (its samplers, its DecodePolicy side)
+    lease: Any  # gateway.serving.sessions.Lease: `.session` is a RoundSession
+    loop: DecodeLoop
+    ids: torch.Tensor
+    done: threading.Event = field(default_factory=threading.Event)
+    error: Optional[BaseException] = None
+    remaining: List[Optional[int]] = field(default_factory=list)
+    hidden: Optional[torch.Tensor] = None  # this round's input [n, new, hidden]
+    step: Optional["Future[torch.Tensor]"] = None  # its step in flight (it may land in a later round)
+
+
+def send_round(steps: Sequence[Tuple[RoundSession, torch.Tensor, torch.Tensor]]) -> List["Future[torch.Tensor]"]:
+    """Send every (session, ids [n, seq], hidden [n, new, hidden]) step of a round, concurrently on the client's
+    loop (one hand-over for the round); each step's future gives its last states [n, hidden] or raises its error.
+    The one place a round's steps are sent."""
+    futures: List["Future[torch.Tensor]"] = [Future() for _ in steps]
+
+    def start() -> None:
+        for (session, ids, hidden), future in zip(steps, futures):
+            task = asyncio.ensure_future(session.round_step(ids, hidden))
+            _running.add(task)  # (the loop holds tasks weakly: one nobody holds may vanish mid-step)
+            task.add_done_callback(functools.partial(_settle, future))
+
+    if steps:
+        aio.get_loop().call_soon_threadsafe(start)
+    return futures
+
+
+_running: Set["asyncio.Future[torch.Tensor]"] = set()  # the steps in flight (touched on the client's loop only)
+
+
+def _settle(future: "Future[torch.Tensor]", task: "asyncio.Future[torch.Tensor]") -> None:
+    _running.discard(task)
+    if task.cancelled():
+        future.set_exception(asyncio.CancelledError("the step was cancelled"))
+    elif task.exception() is not None:
+        future.set_exception(cast(BaseException, task.exception()))
+    else:
+        future.set_result(task.result())
+
+
+class EngineRounds:
+    """The round thread (module docstring). `rounds`: rounds run so far; `largest`: the most rows one round had."""
+
+    def __init__(self, vocab_size: int, on_rows: Optional[Callable[[int], None]] = None):
+        """`on_rows(rows)`: told how many rows each LM head of a round picked (the gateway's `round_rows`)."""
+        self.vocab_size, self.on_rows = vocab_size, on_rows
+        self._joining: List[Member] = []
+        self._wake = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+        self._stopped = False
+        self.rounds = 0
+        self.largest = 0
+
+    def run(self, member: Member) -> torch.Tensor:
+        """Step `member` in the rounds until it ends (called on its worker thread, which waits): its final ids
+        [n, seq]; raises its own error (cancelled, timed out, a failed step)."""
+        with self._wake:
+            if self._stopped:
+                raise RuntimeError("the engine is shutting down")
+            self._joining.append(member)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="engine-round", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+        member.done.wait()
+        if member.error is not None:
+            raise member.error
+        return member.ids
+
+    def shutdown(self) -> None:
+        """Stop after the round in flight; members still waiting end with an error (their sessions are closed by
+        their runs)."""
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+
+    # ---- the round thread ---------------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        serial_torch_here()
+        active: List[Member] = []
+        while True:
+            with self._wake:
+                while not self._joining and not active and not self._stopped:
+                    self._wake.wait()
+                if self._stopped:
+                    for m in active + self._joining:
+                        self._leave(m, RuntimeError("the engine is shutting down"))
+                    self._joining.clear()
+                    return
+                active += self._joining
+                self._joining.clear()
+            try:
+                with batched_events():
+                    active = self._round(active)
+            except BaseException as e:  # noqa: BLE001 - a bug in the round itself: fail its members, keep serving
+                logger.exception("an engine round failed")
+                for m in active:
+                    self._leave(m, e)
+                active = []
+
+    def _round(self, active: List[Member]) -> List[Member]:
+        """One round over `active`; returns the members that go on."""
+        stepping: List[Member] = []
+        for m in active:
+            if m.step is not None:
+                continue  # its step from an earlier round is still in flight
+            try:
+                if m.loop.ended(m.ids):
+                    self._leave(m)
+                    continue
+                m.run.before_step()
+                m.remaining = m.loop.remaining(m.ids)
+                m.hidden = m.lease.session.round_input(m.ids)
+                stepping.append(m)
+            except BaseException as e:  # noqa: BLE001 - this member's own end (cancelled, deadline, ...)
+                self._leave(m, e)
+        sent = send_round([(m.lease.session, m.ids, cast(torch.Tensor, m.hidden)) for m in stepping])
+        for m, future in zip(stepping, sent):
+            m.hidden, m.step = None, future
+        self._wait(sent, [cast(Future, m.step) for m in active if m.step is not None and m not in stepping])
+        stepped: List[Tuple[Member, torch.Tensor]] = []
+        for m in active:
+            if m.step is None or not m.step.done():
+                continue
+            future, m.step = m.step, None
+            try:
+                stepped.append((m, future.result()))
+            except OutputsRetracted as retracted:  # a lying server caught: pick again from its position next round
+                m.ids = m.run.retract(retracted, m.ids)
+            except BaseException as e:  # noqa: BLE001 - this member's step failed (failover exhausted, ...)
+                self._leave(m, e)
+        if stepped:
+            self._pick_and_take(stepped)
+        self.rounds += 1
+        return [m for m in active if not m.done.is_set()]
+
+    def _wait(self, sent: List["Future[torch.Tensor]"], earlier: List["Future[torch.Tensor]"]) -> None:
+        """Wait for this round's steps, but not for stragglers: once half of them landed, the rest get twice the
+        time that took (at least `STRAGGLER_MIN_S`); a step still in flight then (a failover replaying a server's
+        history, a slow server) lands in a later round, and never holds up the others' round longer than their
+        own steps. With nothing sent this round, wait for any earlier step to land (or a new member)."""
+        if not sent:
+            if earlier:
+                wait(earlier, timeout=STRAGGLER_MIN_S, return_when=FIRST_COMPLETED)
+            return
+        start, pending = time.monotonic(), set(sent)
+        while len(pending) > len(sent) // 2:
+            _, pending = wait(pending, return_when=FIRST_COMPLETED)
+        if pending:
+            wait(pending, timeout=max(STRAGGLER_MIN_S, 2 * (time.monotonic() - start)))
+
+    def _pick_and_take(self, stepped: List[Tuple[Member, torch.Tensor]]) -> None:
+        """One LM head per client head over every row, one pick over the rows still generating, then each member's
+        policy takes its rows' tokens."""
+        by_head: Dict[int, List[Tuple[Member, torch.Tensor]]] = {}
+        for m, out in stepped:
+            by_head.setdefault(id(m.lease.session.head), []).append((m, out))
+        for group in by_head.values():
+            head = group[0][0].lease.session.head
+            states = torch.cat([out for _, out in group]) if len(group) > 1 else group[0][1]  # [rows, hidden]
+            # the client's compute thread, as every LM head of the process [rows, vocab] float32
+            logits = client_pool().call(PRIORITY_DECODE, head.head, states)[:, :self.vocab_size]
+            self.largest = max(self.largest, logits.shape[0])
+            if self.on_rows is not None:
+                self.on_rows(logits.shape[0])
+            rows: List[Tuple[Sampler, torch.Tensor]] = []
+            where: List[Tuple[int, int, int]] = []  # (member in group, row in member, row in logits)
+            start = 0
+            for k, (m, out) in enumerate(group):
+                samplers = m.run.samplers.samplers
+                for i, left in enumerate(m.remaining):
+                    if left is not None:
+                        rows.append((samplers[i], m.ids[i]))
+                        where.append((k, i, start + i))
+                start += out.shape[0]
+            picked = pick_round(rows, logits[[r for _, _, r in where]]) if rows else []
+            picks: List[List[Optional[TokenChoice]]] = [[None] * out.shape[0] for _, out in group]
+            failed: Dict[int, BaseException] = {}
+            for (k, i, _), choice in zip(where, picked):
+                if isinstance(choice, BaseException):
+                    failed.setdefault(k, choice)
+                else:
+                    picks[k][i] = choice
+            start = 0
+            for k, (m, out) in enumerate(group):
+                part = logits[start:start + out.shape[0]]
+                start += out.shape[0]
+                if k in failed:
+                    self._leave(m, failed[k])
+                    continue
+                try:
+                    m.ids = m.loop.take(m.ids, [(picks[k], part)])
+                except BaseException as e:  # noqa: BLE001 - this member's own failure (its text, its events)
+                    self._leave(m, e)
+
+    @staticmethod
+    def _leave(m: Member, error: Optional[BaseException] = None) -> None:
+        m.error = error
+        m.done.set()
