@@ -5,8 +5,8 @@ fallbacks stay there), then `EngineRounds.run(member)` hands its decode steps to
 end. Generations join and leave between rounds. Each round:
 1. every member's policy says whether it goes on (`DecodeLoop.ended`; `before_step`: a cancelled or late generation
    leaves with its error), and its next input is embedded (`RoundSession.round_input`);
-2. `send_round`: every member's step is sent, concurrently on the client's loop (today each session's own
-   `round_step`, as tasks; issue 46 part 2 gives one call for the whole round: this is the one place to swap);
+2. `send_round`: every member's step is sent on the client's loop, the steps that share a server in one message
+   to it (`swarm.client.api.astep_sessions`, over `swarm.client.transport.rounds`);
    the round waits for its steps but not for stragglers (`EngineRounds._wait`): a step still in flight (a failover
    replaying history onto a new server) lands in a later round, so it never stalls the others longer than their
    own steps; a member whose step raised (failover exhausted, a server error) leaves with its error alone, a
@@ -36,7 +36,15 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, ca
 import torch
 
 from gateway.serving.events import batched_events
-from swarm.client.api import DecodeLoop, OutputsRetracted, RoundSession, Sampler, TokenChoice, pick_round
+from swarm.client.api import (
+    DecodeLoop,
+    OutputsRetracted,
+    RoundSession,
+    Sampler,
+    TokenChoice,
+    astep_sessions,
+    pick_round,
+)
 from swarm.runtime import aio
 from swarm.runtime.taskpool import PRIORITY_DECODE, client_pool
 from swarm.runtime.threads import serial_torch_here
@@ -62,23 +70,48 @@ class Member:
 
 
 def send_round(steps: Sequence[Tuple[RoundSession, torch.Tensor, torch.Tensor]]) -> List["Future[torch.Tensor]"]:
-    """Send every (session, ids [n, seq], hidden [n, new, hidden]) step of a round, concurrently on the client's
-    loop (one hand-over for the round); each step's future gives its last states [n, hidden] or raises its error.
-    The one place a round's steps are sent."""
+    """Send every (session, ids [n, seq], hidden [n, new, hidden]) step of a round on the client's loop (one
+    hand-over for the round); each step's future gives its last states [n, hidden] or raises its error, as soon as
+    that step ends. The client's sessions go together (`swarm.client.api.astep_sessions`: the steps that share a
+    server travel in one message to it, issue 46's one message per server per round); a session of another kind
+    (`round_step` only) steps on its own. The one place a round's steps are sent."""
     futures: List["Future[torch.Tensor]"] = [Future() for _ in steps]
+    together = [n for n, (session, _, _) in enumerate(steps) if callable(getattr(session, "round_finish", None))]
+    alone = sorted(set(range(len(steps))) - set(together))
+
+    def done(index: int, outcome: Any) -> None:
+        future = futures[together[index]]
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
 
     def start() -> None:
-        for (session, ids, hidden), future in zip(steps, futures):
+        if together:
+            round_task = asyncio.ensure_future(astep_sessions([cast(Any, steps[n]) for n in together], done))
+            _running.add(round_task)  # (the loop holds tasks weakly: one nobody holds may vanish mid-step)
+            round_task.add_done_callback(functools.partial(_round_ended, [futures[n] for n in together]))
+        for n in alone:
+            session, ids, hidden = steps[n]
             task = asyncio.ensure_future(session.round_step(ids, hidden))
-            _running.add(task)  # (the loop holds tasks weakly: one nobody holds may vanish mid-step)
-            task.add_done_callback(functools.partial(_settle, future))
+            _running.add(task)
+            task.add_done_callback(functools.partial(_settle, futures[n]))
 
     if steps:
         aio.get_loop().call_soon_threadsafe(start)
     return futures
 
 
-_running: Set["asyncio.Future[torch.Tensor]"] = set()  # the steps in flight (touched on the client's loop only)
+def _round_ended(futures: List["Future[torch.Tensor]"], task: "asyncio.Future[Any]") -> None:
+    """A round of the client's sessions ended: every step has its outcome (`done`), unless the round itself broke."""
+    _running.discard(task)
+    broken = (asyncio.CancelledError("the round was cancelled") if task.cancelled() else task.exception())
+    for future in futures:
+        if not future.done():
+            future.set_exception(broken or RuntimeError("the round ended without this step's outcome"))
+
+
+_running: Set["asyncio.Future[Any]"] = set()  # the steps in flight (touched on the client's loop only)
 
 
 def _settle(future: "Future[torch.Tensor]", task: "asyncio.Future[torch.Tensor]") -> None:

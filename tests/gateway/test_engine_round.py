@@ -16,7 +16,9 @@ import httpx
 import pytest
 
 from launch.topology import start_servers, terminate_all
+from swarm.client.transport import rounds
 from swarm.client.transport.manager import ClientConfig, SwarmManager
+from swarm.runtime import aio
 from tests.fixtures.gateway_fixtures import one_torch_thread, reference_text, start_gateway  # noqa: F401
 from tests.fixtures.tiny_checkpoints import save_tiny
 
@@ -147,11 +149,22 @@ def test_a_cancelled_stream_and_a_bad_request_leave_the_others_unchanged(tiny_sw
     assert after["texts"] == alone[0]["texts"]
 
 
+def round_counters(tiny_swarm) -> dict:
+    """Each server's round counters (`rpc_round_stats`): messages and rows received in round messages."""
+    manager = SwarmManager(ClientConfig(initial_peers=[tiny_swarm["bootstrap"].maddr]), "tround46", 30)
+    try:
+        return {s.peer_id: aio.run(rounds.round_stats(manager, s.peer_id))
+                for s in tiny_swarm["servers"] if s.proc.poll() is None}
+    finally:
+        manager.shutdown()
+
+
 def concurrent_streams_complete(tiny_swarm, count: int) -> None:
     url, model = tiny_swarm["url"], tiny_swarm["model"]
     bodies = [chat(PROMPTS[i % len(PROMPTS)], max_tokens=8, ignore_eos=True,
                    stream_options={"include_usage": True}) for i in range(count)]
     before = rounds_with_rows_above(url, 8)
+    counters = round_counters(tiny_swarm)
     got = run_all(url, model, bodies)
     assert [g["errors"] for g in got] == [[]] * count
     assert all(g["status"] == 200 and g["finish"] == {0: "length"} for g in got)
@@ -160,6 +173,12 @@ def concurrent_streams_complete(tiny_swarm, count: int) -> None:
         by_prompt.setdefault(body["messages"][0]["content"], set()).add(g["texts"][0])
     assert all(len(texts) == 1 for texts in by_prompt.values())
     assert rounds_with_rows_above(url, 8) > before  # many rows per round
+    # ... which reached the servers as round messages, many sessions' rows in each (issue 46: one message per
+    # server per round): every decode step after the prompt's is a row; far fewer messages than rows
+    after = round_counters(tiny_swarm)
+    rows = sum(after[peer].rows - counters[peer].rows for peer in after)
+    messages = sum(after[peer].messages - counters[peer].messages for peer in after)
+    assert rows >= count * 7 and messages * 4 <= rows, (rows, messages)
 
 
 def test_64_concurrent_streams_complete(tiny_swarm):

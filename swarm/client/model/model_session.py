@@ -6,7 +6,7 @@ swarm manager and the prompts it was opened with, not the model."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
 
 import torch
 
@@ -14,6 +14,7 @@ from swarm.client.decoding.rows import held_prefix
 from swarm.client.model.head import ClientHead
 from swarm.client.model.ptune import PromptTuning
 from swarm.client.transport.manager import SwarmManager
+from swarm.client.transport.rounds import astep_round
 from swarm.client.transport.session import PUSH_MAX_TOKENS, InferenceSession
 from swarm.client.transport.verify import OutputsRetracted
 from swarm.runtime.taskpool import PRIORITY_DECODE, client_pool
@@ -163,18 +164,24 @@ class ModelSession:
 
     async def round_step(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """The second half, on the client's loop: `hidden` (from `round_input(input_ids)`) through the servers
-        (failover inside); returns the last position's states [batch, hidden] for the caller's LM head."""
-        input_ids = input_ids.cpu()
+        (failover inside); returns the last position's states [batch, hidden] for the caller's LM head. Many
+        sessions' steps at once, one message per server: `astep_sessions`."""
         try:
-            out = await self.session.astep(hidden)
-        except OutputsRetracted as e:
-            if not self.offset:
-                raise
-            raise self._in_tokens(e, self.offset) from e
-        finally:
-            self.token_ids = input_ids[:, :max(self.session.position - self.offset, 0)].clone()
-            self.left_padding = None
-        return out[:, -1]
+            outcome: Union[torch.Tensor, BaseException] = await self.session.astep(hidden)
+        except BaseException as e:  # noqa: BLE001 - settled (and raised again) by round_finish
+            outcome = e
+        return self.round_finish(input_ids, outcome)
+
+    def round_finish(self, input_ids: torch.Tensor, outcome: Union[torch.Tensor, BaseException]) -> torch.Tensor:
+        """A round step's end: the held ids follow the servers' position; the last states [batch, hidden], or the
+        step's error (a retraction in token positions)."""
+        self.token_ids = input_ids.cpu()[:, :max(self.session.position - self.offset, 0)].clone()
+        self.left_padding = None
+        if isinstance(outcome, OutputsRetracted) and self.offset:
+            raise self._in_tokens(outcome, self.offset) from outcome
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome[:, -1]
 
     def _prepare(self, input_ids: torch.Tensor, hypo_ids: Optional[List[int]], left_padding: Optional[List[int]]
                  ) -> Tuple[torch.Tensor, int, Optional[List[int]]]:
@@ -252,3 +259,23 @@ class ModelSession:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+RoundOutcome = Union[torch.Tensor, BaseException]
+
+
+async def astep_sessions(steps: Sequence[Tuple[ModelSession, torch.Tensor, torch.Tensor]],
+                         done: Callable[[int, RoundOutcome], None]) -> None:
+    """Many model sessions' round steps at once, on the client's loop: (session, input_ids [batch, n], hidden from
+    `round_input`) each; the sessions that share a server travel in one message to it
+    (`swarm.client.transport.rounds.astep_round`). `done(index, outcome)` is called as soon as each step ends, with
+    its last states [batch, hidden] (`round_step`'s) or its error: a slow step (a failover) holds up no other."""
+    def finished(index: int, outcome: RoundOutcome) -> None:
+        session, input_ids, _ = steps[index]
+        try:
+            result: RoundOutcome = session.round_finish(input_ids, outcome)
+        except BaseException as e:  # noqa: BLE001 - the step's own error, handed to its owner
+            result = e
+        done(index, result)
+
+    await astep_round([(session.session, hidden, None) for session, _, hidden in steps], on_outcome=finished)

@@ -26,7 +26,7 @@ import logging
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Awaitable, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from hivemind.proto import runtime_pb2
@@ -198,7 +198,10 @@ def step_round(items: Sequence[RoundItem]) -> List[Outcome]:
     return aio.run(astep_round(items))
 
 
-async def astep_round(items: Sequence[RoundItem]) -> List[Outcome]:
+OnOutcome = Callable[[int, Outcome], None]
+
+
+async def astep_round(items: Sequence[RoundItem], on_outcome: Optional[OnOutcome] = None) -> List[Outcome]:
     """Step every item's session once: items are (session, inputs [batch, seq, hidden] for positions
     session.position.., options: `astep`'s keyword arguments or None). Returns, per item in order, what
     `session.astep(inputs, **options)` would: the last block's output [batch, seq, hidden], or the exception that
@@ -211,22 +214,42 @@ async def astep_round(items: Sequence[RoundItem]) -> List[Outcome]:
     from any other thread); a session must not be stepped elsewhere (its own `astep`, a rewind) while a round that
     holds it runs; inputs are what `astep` takes (embeddings, or the previous stage's hidden states), outputs are
     the last block's hidden states, before the final norm and LM head (the caller's). Rounds from several callers
-    may run at once: they take turns per server. Items of different models (managers) may share a round."""
+    may run at once: they take turns per server. Items of different models (managers) may share a round.
+
+    `on_outcome(index, outcome)`, if given, is called on the loop as soon as each item's outcome is known (the
+    items that rode round messages when their last hop answered; a fallback or a retried item when its own `astep`
+    ends), so that a caller need not wait for the slowest item (a failover replay) to use the others'."""
     outcomes: List[Optional[Outcome]] = [None] * len(items)
+
+    def settle(index: int, outcome: Outcome) -> None:
+        outcomes[index] = outcome
+        if on_outcome is not None:
+            try:
+                on_outcome(index, outcome)
+            except Exception:  # noqa: BLE001 - the caller's callback must not break the round
+                logger.exception("a round's outcome callback failed")
+
+    async def alone_step(index: int, step: Awaitable[torch.Tensor]) -> None:
+        try:
+            outcome: Outcome = await step
+        except BaseException as e:  # noqa: BLE001 - the item's own error (CancelledError included), as gather's
+            outcome = e
+        settle(index, outcome)
+
     seen: set = set()
     flights: List[_Flight] = []
-    alone: List[Tuple[int, Any]] = []  # (index, astep coroutine)
+    alone: List[Any] = []  # the astep coroutines of items that go on their sessions' own streams
     for index, (session, hidden, options) in enumerate(items):
         if id(session) in seen:
-            outcomes[index] = ValueError("a session appears twice in one round")
+            settle(index, ValueError("a session appears twice in one round"))
             continue
         seen.add(id(session))
         if round_ready(session, hidden, options):
             flights.append(_Flight(index, session, hidden, hidden, session._next_step_id()))
         else:
-            alone.append((index, session.astep(hidden, **dict(options or {}))))
-    alone_task = asyncio.gather(*(coroutine for _, coroutine in alone), return_exceptions=True)
-    retry: List[_Flight] = []
+            alone.append(alone_step(index, session.astep(hidden, **dict(options or {}))))
+    alone_task = asyncio.gather(*alone)
+    retried: List["asyncio.Future[None]"] = []  # failed rows stepped again whole, with failover, at once
     try:
         while flights:
             # (manager, server, whether the part takes round messages) -> the flights whose current hop is there
@@ -242,23 +265,18 @@ async def astep_round(items: Sequence[RoundItem]) -> List[Outcome]:
                     if isinstance(output, BaseException):
                         logger.debug(f"round step of session {flight.session.session_id} failed ({output}); "
                                      f"stepping it on its own streams")
-                        retry.append(flight)
+                        # servers that took the step overwrite the same positions
+                        retried.append(asyncio.ensure_future(
+                            alone_step(flight.index, flight.session.astep(flight.inputs))))
                         continue
                     flight.x, flight.hop = output, flight.hop + 1
                     if flight.hop < len(flight.session._streams):
                         flights.append(flight)
                     else:
                         flight.session.position += flight.inputs.shape[1]
-                        outcomes[flight.index] = output
+                        settle(flight.index, output)
     finally:
-        done = await alone_task
-    for (index, _), outcome in zip(alone, done):
-        outcomes[index] = outcome
-    if retry:  # the whole step again, with failover: servers that took it overwrite the same positions
-        again = await asyncio.gather(*(flight.session.astep(flight.inputs) for flight in retry),
-                                     return_exceptions=True)
-        for flight, outcome in zip(retry, again):
-            outcomes[flight.index] = outcome
+        await asyncio.gather(alone_task, *retried)
     return [outcome if outcome is not None else RuntimeError("no outcome") for outcome in outcomes]
 
 
