@@ -49,6 +49,7 @@ import torch
 from server.compute.blocks import BlockSpan
 from server.compute.cache import CacheBudget
 from server.compute.loading import resolve_dtype
+from server.compute.prefix_cache import PrefixCache
 from server.config import ServerConfig
 from server.placement import spans
 from server.placement.announce import Announcer, start_dht
@@ -173,8 +174,9 @@ class Server:
         return self._stop.is_set()
 
     def _free_cache_tokens(self) -> int:
-        if self.handler is not None:
-            return self.handler.budget.free_tokens
+        if self.handler is not None:  # kept prefix pages are evicted for a session that needs their room
+            cache = self.handler.prefix_cache
+            return self.handler.budget.free_tokens + (cache.tokens if cache is not None else 0)
         return self.capacity.attn_cache_tokens if self.capacity is not None else 0
 
     async def announce(self, state: ServerState) -> None:
@@ -212,6 +214,8 @@ class Server:
                                      swarm_key=self.record.swarm_key,
                                      limits=limits)
         handler.compression = self.config.compression
+        if self.config.prefix_cache == "on":
+            handler.prefix_cache = PrefixCache(handler.budget, self.config.prefix_page_tokens)
         if self.p2p is None:
             self.p2p = await self.started_dht.replicate_p2p()
         await handler.add_p2p_handlers(self.p2p)

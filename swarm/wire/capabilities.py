@@ -36,6 +36,7 @@ CAPABILITIES: Mapping[str, str] = {
     "dht_traffic": "the rpc_dht_traffic report",
     "left_padding": "left-padded batches (RowEdits.left_padding, ForwardRequest.left_padding)",
     "limits": "announced RPC limits (ServerInfo.limits, ServerStats.limits)",
+    "prefix_cache": "prompt prefixes kept and adopted (OpenSession.prefix, rpc_prefix_cache)",
     "push": "server-to-server push (rpc_push, Step.push_chain, OpenSession.push_token)",
     "relay": "servers behind a NAT served through a relay (ServerInfo.reachable) and the dial-back check",
     "rope_length": "a step's rope length (RowEdits.rope_length, ForwardRequest.rope_length)",
@@ -45,7 +46,7 @@ CAPABILITIES: Mapping[str, str] = {
 }
 OWN_CAPABILITIES: Tuple[str, ...] = tuple(sorted(CAPABILITIES))  # what this release's servers announce
 # the first release (0.1.0) announced no capabilities and supports all of these: a record without the field
-FIRST_RELEASE_CAPABILITIES: FrozenSet[str] = frozenset(CAPABILITIES)
+FIRST_RELEASE_CAPABILITIES: FrozenSet[str] = frozenset(CAPABILITIES) - {"prefix_cache"}
 CAPABILITY_PATTERN = r"^[a-z][a-z0-9_]{0,31}$"
 _NAME = re.compile(CAPABILITY_PATTERN)
 
@@ -118,6 +119,7 @@ FIELD_CAPABILITIES: Mapping[str, str] = {
     "OpenSession.prompts": "deep_prompts",
     "OpenSession.push_token": "push",
     "OpenSession.compression": "compression",
+    "OpenSession.prefix": "prefix_cache",
     "Step.hypo_ids": "beam_reorder",
     "Step.reorder_id": "beam_reorder",
     "Step.left_padding": "left_padding",

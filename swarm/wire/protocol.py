@@ -26,6 +26,7 @@ RPCs (see `BlockRPC`):
   server keeps nothing between the two calls: backward recomputes the span's forward from the inputs it is sent.
 - `rpc_info`: `ServerStats`.
 - `rpc_dht_traffic`: `DHTTrafficReport`, the server's DHT peer's traffic counters (`swarm.runtime.dht_traffic`).
+- `rpc_prefix_cache`: `PrefixCacheReport`, the server's prefix cache counters (`server.compute.prefix_cache`).
 
 Versions. Every message rejects unknown fields, so a reader parses exactly the fields of its own version. A field
 added to a message later is optional and never reaches a reader from before it: in a request it is left out
@@ -77,6 +78,7 @@ HANDLER_VERSION = 1
 MAX_SESSION_ID_LEN = 128
 MAX_TOKEN_LEN = 64  # push tokens (`OpenSession.push_token`)
 MAX_BATCH = 1024
+MAX_PREFIX_TOKENS = 1 << 17  # `PrefixDecl.tokens`
 
 M = TypeVar("M", bound="Message")
 
@@ -117,6 +119,15 @@ class Message(BaseModel):
         return data
 
 
+class PrefixDecl(Message):
+    """The prompt a session starts with, so that servers key its prefix pages (`server.compute.prefix_cache`)."""
+
+    salt: str = Field(max_length=128, description="pages of different salts are never shared (the gateway's: a "
+                                                  "hash of the API key)")
+    tokens: List[Annotated[int, Field(ge=0, lt=1 << 31)]] = Field(max_length=MAX_PREFIX_TOKENS,
+                                                                  description="the prompt's leading token ids")
+
+
 class OpenSession(Message):
     type: Literal["open"] = "open"
     session_id: str = Field(min_length=1, max_length=MAX_SESSION_ID_LEN)
@@ -137,6 +148,11 @@ class OpenSession(Message):
         default=None, exclude_if=lambda value: value is None,
         description="how this session's hidden states travel (steps, replies, pushes; swarm.wire.compression); "
                     "None: the server's --compression")
+    # (left out when None, as compression) the prompt whose prefix pages the server may hold: the reply to this
+    # OpenSession then says in `position` how many leading tokens the session holds already, with the span's
+    # outputs at them [batch, position, hidden] as its tensor; the client's first step starts at most there
+    prefix: Optional[PrefixDecl] = Field(default=None, exclude_if=lambda value: value is None,
+                                         description="the session's prompt for the server's prefix cache")
 
 
 class PushTarget(Message):
@@ -325,6 +341,19 @@ class DHTTrafficReport(Message):
     type: Literal["dht_traffic"] = "dht_traffic"
     traffic: Optional[DHTTraffic] = Field(default=None, description="None: not read yet (before the first "
                                                                     "announcement with blocks loaded)")
+
+
+class PrefixCacheReport(Message):
+    """`rpc_prefix_cache`'s reply: the server's prefix cache (`server.compute.prefix_cache`) since it started."""
+
+    type: Literal["prefix_cache"] = "prefix_cache"
+    enabled: bool
+    page_tokens: int = 0
+    pages_held: int = 0
+    pages_hit: int = Field(default=0, description="pages adopted by new sessions")
+    pages_computed: int = Field(default=0, description="pages stored after a session computed them")
+    pages_evicted: int = Field(default=0, description="pages dropped for room")
+    sessions_declined: int = Field(default=0, description="sessions that declared a prefix the cache declines")
 
 
 REQUEST_TYPES: Tuple[Type["Message"], ...] = (OpenSession, Step, PushStep, ForwardRequest, TrainForward, TrainBackward)
@@ -524,6 +553,9 @@ class BlockRPC(ServicerBase):
     async def rpc_dht_traffic(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         raise NotImplementedError
 
+    async def rpc_prefix_cache(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        raise NotImplementedError
+
 
 class ProvedStub:
     """A `BlockRPC` stub whose calls carry `proof` (a private swarm's membership proof, `swarm.runtime.swarm_key`)
@@ -548,6 +580,9 @@ class ProvedStub:
 
     async def rpc_dht_traffic(self, request: runtime_pb2.ExpertUID, **kwargs):
         return await self._stub.rpc_dht_traffic(self._proved(request), **kwargs)
+
+    async def rpc_prefix_cache(self, request: runtime_pb2.ExpertUID, **kwargs):
+        return await self._stub.rpc_prefix_cache(self._proved(request), **kwargs)
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, **kwargs):
         return await self._stub.rpc_forward(self._proved(request), **kwargs)
