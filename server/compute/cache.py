@@ -268,16 +268,17 @@ class CacheBudget:
         async with cond:
             if self.free_tokens < tokens and self.reclaim is not None:
                 self.reclaim(tokens - self.free_tokens)  # kept prefix pages go before a session waits
-            self.waiting += 1
-            try:
-                await asyncio.wait_for(cond.wait_for(lambda: self.free_tokens >= tokens), timeout=timeout)
-            except asyncio.TimeoutError:
-                raise OutOfCacheError(
-                    f"out of cache: session needs {tokens} tokens, {self.free_tokens} of {self.max_tokens} free "
-                    f"after waiting {timeout:.1f}s"
-                ) from None
-            finally:
-                self.waiting -= 1
+            if self.free_tokens < tokens:  # (asyncio.wait_for with a time-out of 0 fails even what is ready)
+                self.waiting += 1
+                try:
+                    await asyncio.wait_for(cond.wait_for(lambda: self.free_tokens >= tokens), timeout=timeout)
+                except asyncio.TimeoutError:
+                    raise OutOfCacheError(
+                        f"out of cache: session needs {tokens} tokens, {self.free_tokens} of {self.max_tokens} free "
+                        f"after waiting {timeout:.1f}s"
+                    ) from None
+                finally:
+                    self.waiting -= 1
             self.used_tokens += tokens
             self._sessions[handle] = tokens
 

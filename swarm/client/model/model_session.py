@@ -59,6 +59,11 @@ class ModelSession:
     def position(self) -> int:
         return self.session.position
 
+    @property
+    def adopted_tokens(self) -> int:
+        """Positions adopted from the servers' prefix caches (`prefix_salt`; shallow prompts never declare)."""
+        return self.session.adopted_tokens
+
     def reusable_prefix(self, input_ids: torch.Tensor, hypo_ids: Optional[List[int]] = None,
                         left_padding: Optional[List[int]] = None) -> Tuple[int, Optional[List[int]]]:
         """(how many leading tokens of `input_ids` the servers already hold, at most len - 1: the last token is

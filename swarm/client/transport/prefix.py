@@ -14,15 +14,12 @@ must not key other tokens' states by it.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 
 from swarm.client.transport.session_chain import BoundaryHistory
 from swarm.wire import protocol as P
-
-if TYPE_CHECKING:
-    from swarm.client.transport.session import InferenceSession
 
 
 def cut(prefix: Optional[P.PrefixDecl], position: int) -> Optional[P.PrefixDecl]:
@@ -32,10 +29,10 @@ def cut(prefix: Optional[P.PrefixDecl], position: int) -> Optional[P.PrefixDecl]
     return P.PrefixDecl(salt=prefix.salt, tokens=prefix.tokens[:position]) if position > 0 else None
 
 
-def adopt(session: "InferenceSession", hidden: torch.Tensor) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
-    """After the chain opened for the session's first step `hidden` [1, n, hidden] (at position 0): the last span's
-    outputs at the adopted positions [1, m, hidden] (None: none adopted) and the rest of `hidden` to send; the
-    boundary histories hold the adopted positions and the session's position is m."""
+def adopt(session: Any, hidden: torch.Tensor) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+    """After the chain of `session` (an `InferenceSession`) opened for its first step `hidden` [1, n, hidden] (at
+    position 0): the last span's outputs at the adopted positions [1, m, hidden] (None: none adopted) and the rest
+    of `hidden` to send; the boundary histories hold the adopted positions and the session's position is m."""
     streams = session._streams
     if not streams or session.position != 0 or hidden.shape[0] != 1:
         return None, hidden
