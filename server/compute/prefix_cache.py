@@ -71,7 +71,7 @@ class PrefixCounters:
     pages_hit: int = 0  # pages adopted by new sessions
     pages_computed: int = 0  # pages stored after a session computed them
     pages_evicted: int = 0  # pages dropped for room (or for a session that needed it)
-    pages_declined: int = 0  # sessions that declared a prefix the cache declines (`declines`)
+    sessions_declined: int = 0  # sessions that declared a prefix the cache declines (`declines`)
 
 
 class PrefixCache:

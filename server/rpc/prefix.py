@@ -24,12 +24,14 @@ from hivemind.proto import runtime_pb2
 
 from server.compute.blocks import BlockSpan
 from server.compute.prefix_cache import PageKey, PrefixCache, page_digests
+from server.rpc.limits import RpcLimits
 from swarm.runtime.swarm_key import NOT_A_MEMBER
 from swarm.runtime.taskpool import PRIORITY_PREFILL, TaskPool
 from swarm.wire import protocol as P
 
 logger = logging.getLogger(__name__)
 
+REPLY_ROOM = 64 << 10  # bytes of a reply kept for its metadata
 PREFIX_WAIT = 30.0  # longest wait (s) at an opening for the pages another session is computing
 
 
@@ -50,6 +52,7 @@ class PrefixHandler:
 
     span: BlockSpan
     pool: TaskPool
+    limits: RpcLimits
     prefix_cache: Optional[PrefixCache] = None
 
     def _admits(self, context: P2PContext, proof: str) -> bool:
@@ -62,7 +65,7 @@ class PrefixHandler:
             return None, None
         why = cache.declines(kv, opened.batch_size, opened.prompts, self.span.by_length)
         if why is not None:
-            cache.counters.pages_declined += 1
+            cache.counters.sessions_declined += 1
             logger.debug(f"prefix cache declines a session: {why}")
             return None, None
         size = cache.page_tokens
@@ -72,14 +75,21 @@ class PrefixHandler:
                                             decl.tokens[:limit])]
         state = PrefixState(keys=keys, limit=limit)
         count = await cache.wait_for(keys, PREFIX_WAIT) if keys else 0
+        # the adopted positions' outputs go in the reply: at most what one message may carry (float32 at most)
+        fits = (self.limits.max_message_bytes - REPLY_ROOM) // (4 * self.span.hidden_size) // size
+        count = min(count, max(fits, 0))
+        claimed = set(cache.claim(keys[count:]))  # (before the copy's wait: nobody else starts computing them)
+        state.claimed = [i for i in range(count, len(keys)) if keys[i] in claimed]
         outputs = None
         if count:
             pages = cache.pages_of(keys[:count])
-            outputs = await self.pool.submit(PRIORITY_PREFILL, cache.adopt, kv, pages, size)
+            try:
+                outputs = await self.pool.submit(PRIORITY_PREFILL, cache.adopt, kv, pages, size)
+            except BaseException:
+                self._prefix_close(state)  # (the stream never holds this state: its claims go now)
+                raise
             cache.counters.pages_hit += count
             state.next_page, state.written = count, count * size
-        claimed = set(cache.claim(keys[count:]))
-        state.claimed = [i for i in range(count, len(keys)) if keys[i] in claimed]
         return state, outputs
 
     async def _prefix_after_step(self, kv, state: Optional[PrefixState], start: int, held_before: int,
@@ -137,7 +147,7 @@ class PrefixHandler:
         c = cache.counters
         return P.PrefixCacheReport(enabled=True, page_tokens=cache.page_tokens, pages_held=len(cache.pages),
                                    pages_hit=c.pages_hit, pages_computed=c.pages_computed,
-                                   pages_evicted=c.pages_evicted, sessions_declined=c.pages_declined)
+                                   pages_evicted=c.pages_evicted, sessions_declined=c.sessions_declined)
 
     async def rpc_prefix_cache(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         if not self._admits(context, request.uid):

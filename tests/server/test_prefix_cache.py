@@ -12,6 +12,7 @@ import torch
 
 from server.compute.cache import CacheBudget, OutOfCacheError, SessionKV
 from server.compute.prefix_cache import PrefixCache, page_digests
+from server.rpc.limits import RpcLimits
 from server.rpc.prefix import PrefixHandler
 from swarm.runtime.taskpool import TaskPool
 from swarm.wire import protocol as P
@@ -86,7 +87,8 @@ def test_adoption_copies_a_pages_keys_values_and_outputs():
 
 def _handler(page_tokens: int) -> PrefixHandler:
     handler = PrefixHandler()
-    handler.span = SimpleNamespace(by_length=False)  # type: ignore[assignment]
+    handler.span = SimpleNamespace(by_length=False, hidden_size=8)  # type: ignore[assignment]
+    handler.limits = RpcLimits()
     handler.pool = TaskPool()
     handler.prefix_cache = PrefixCache(CacheBudget(4096), page_tokens)
     return handler
@@ -137,6 +139,34 @@ def test_a_session_stores_the_declared_prompts_pages_and_the_next_adopts_them():
         assert cache.counters.pages_computed == 4 and state3.limit == 13
         handler._prefix_close(state3)
         assert handler.prefix_report().pages_hit == 2 + 3
+        handler.pool.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_sessions_the_cache_cannot_serve_are_declined_and_run_as_before():
+    """Several rows (beams, n > 1), deep prompts, sliding-window blocks (ring buffers), a rotary that picks its factors
+    by length (LongRoPE): declined, counted, nothing adopted or claimed."""
+    async def scenario():
+        handler = _handler(page_tokens=4)
+        cache = handler.prefix_cache
+        assert cache is not None
+        first = _kv()
+        state, _ = await handler._prefix_open(first, _opened(TOKENS[:8]))
+        await _step(handler, first, state, 0, 8)
+        rows = P.OpenSession(session_id="y", start=0, end=2, max_length=64, batch_size=2,
+                             prefix=P.PrefixDecl(salt="s", tokens=TOKENS[:8]))
+        windowed = SessionKV(2, 1, 2, 8, 64, torch.float32, torch.device("cpu"), windows=[None, 16])
+        prompts = P.OpenSession(session_id="z", start=0, end=2, max_length=64, prompts=True,
+                                prefix=P.PrefixDecl(salt="s", tokens=TOKENS[:8]))
+        assert await handler._prefix_open(SessionKV(2, 2, 2, 8, 64, torch.float32, torch.device("cpu")), rows) \
+            == (None, None)
+        assert await handler._prefix_open(windowed, _opened(TOKENS[:8])) == (None, None)
+        assert await handler._prefix_open(_kv(), prompts) == (None, None)
+        handler.span = SimpleNamespace(by_length=True, hidden_size=8)  # type: ignore[assignment]
+        assert await handler._prefix_open(_kv(), _opened(TOKENS[:8])) == (None, None)
+        report = handler.prefix_report()
+        assert report.sessions_declined == 4 and report.pages_hit == 0 and report.pages_held == 2
         handler.pool.shutdown()
 
     asyncio.run(scenario())
