@@ -26,8 +26,9 @@ logger = logging.getLogger("swarmgate.gateway")
 
 @dataclass
 class Lease:
-    """A session lent to one generation. `cached_tokens`: leading prompt tokens the servers already held (0 for
-    a fresh session); `owner`: the pool namespace it may go back to (None: closed after the request)."""
+    """A session lent to one generation. `cached_tokens`: leading prompt tokens the servers already held (a pooled
+    session's, or a fresh session's adopted from the servers' prefix caches: `prefix_salt`; else 0); `owner`: the
+    pool namespace it may go back to (None: closed after the request)."""
 
     session: GenerationSession
     n: int
@@ -194,8 +195,10 @@ session whose chain includes a server that spot-checks distrusted since is close
         if lease.cached_tokens and self.metrics is not None:
             self.metrics.pool_reused_tokens.inc(lease.cached_tokens)
         adopted = getattr(lease.session, "adopted_tokens", 0)
-        if adopted and not lease.reused and self.metrics is not None:
-            self.metrics.prefix_adopted_tokens.inc(adopted)
+        if adopted and not lease.reused:  # the servers held them from an earlier conversation: cached too
+            lease.cached_tokens = adopted
+            if self.metrics is not None:
+                self.metrics.prefix_adopted_tokens.inc(adopted)
         return out
 
     @staticmethod

@@ -5,6 +5,7 @@ after an adopted prefix replays the outputs the servers returned for it and give
 from __future__ import annotations
 
 import threading
+import uuid
 
 import pytest
 import torch
@@ -58,17 +59,28 @@ def _generate(model, ids: torch.Tensor, salt: str):
     return out, session
 
 
-def test_a_later_conversation_adopts_the_shared_prompt(prefix_swarm, system_ids, tokenizer, reference_model):
+@pytest.fixture(scope="module")
+def shared_swarm(swarms, model_path):
+    """The session's 0:15 + 15:30 swarm (`tests/conftest.py`'s `swarms`: no servers of its own; their pages are the
+    default 64 tokens) and a client model on it."""
+    swarm = swarms.get(("0:15", "15:30"))
+    model = AutoDistributedModelForCausalLM.from_pretrained(model_path, initial_peers=swarm["initial_peers"],
+                                                            dht_prefix=swarm["prefix"])
+    yield model, swarm["servers"]
+    model.shutdown()
+
+
+def test_a_later_conversation_adopts_the_shared_prompt(shared_swarm, system_ids, tokenizer, reference_model):
     """The default tier's end-to-end check (the others are extended): a 256-token system prompt computed by one
     conversation, adopted by the next of the same salt and not by one of another salt; greedy tokens equal
     transformers' in all three."""
-    model, servers, _ = prefix_swarm
+    model, servers = shared_swarm
     system = system_ids[:4 * PAGE]
     prompts = [_prompt(tokenizer, system, question) for question in ("what is two plus two", "name a colour",
                                                                      "name a fruit")]
     before = _reports(model, servers)
-    runs = [_generate(model, prompts[0], "tenant-x"), _generate(model, prompts[1], "tenant-x"),
-            _generate(model, prompts[2], "tenant-y")]
+    x, y = f"tenant-x-{uuid.uuid4().hex}", f"tenant-y-{uuid.uuid4().hex}"  # (nothing kept from an earlier test)
+    runs = [_generate(model, prompts[0], x), _generate(model, prompts[1], x), _generate(model, prompts[2], y)]
     try:
         assert [session.session.adopted_tokens for _, session in runs] == [0, 4 * PAGE, 0]
         for (out, _), ids in zip(runs, prompts):
