@@ -104,7 +104,7 @@ class SessionChain:
     _history: Dict[int, BoundaryHistory]  # block index where a span starts -> inputs sent there
     _step_end: Optional[int]
     _step_id: int
-    prefix: Optional[P.PrefixDecl]  # the prompt declared to servers' prefix caches (`swarm.client.transport.prefix`)
+    prefix: Optional[P.PrefixDecl] = None  # the prompt declared to prefix caches (`swarm.client.transport.prefix`)
 
     async def _open_span(self, start: int, end: int, batch_size: int, wait: bool = True,
                          reasons: Sequence[str] = ()) -> List[SpanStream]:
