@@ -202,7 +202,8 @@ def _model_state(config: GatewayConfig, model, tokenizer, metrics: Metrics, *, a
         pool = SessionPool(config.pool_max_sessions, config.pool_max_tokens, config.pool_ttl,
                            on_evict=metrics.count_eviction)
         metrics.pool = pool
-    sessions = SessionProvider(model, pool, metrics, headroom=config.pool_headroom, context=context)
+    sessions = SessionProvider(model, pool, metrics, headroom=config.pool_headroom, context=context,
+                               prefix_sharing=config.prefix_sharing)
     engine = Engine(model, tokens, metrics, max_workers=config.max_concurrent, sessions=sessions,
                     verify_holdback=config.verify_holdback, engine_round=config.engine_round)
     state = GatewayState(config=config, model=model, tokens=tokens, engine=engine, admission=admission,

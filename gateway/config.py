@@ -83,6 +83,11 @@ class GatewayConfig(SwarmKeySettings):
     pool_headroom: int = Field(
         default=512, ge=0, description="tokens a pooled session reserves beyond prompt + max_tokens so that the "
                                        "next turns of the conversation fit in it (capped by the context length)")
+    prefix_sharing: Literal["per_key", "global", "off"] = Field(
+        default="per_key", description="which conversations may adopt the prompt prefixes the servers keep "
+                                       "(server --prefix_cache): per_key, those of the same API key (the default: a "
+                                       "shared cache tells, through the time to first token, which prompts others "
+                                       "sent); global, all of them; off, none (prompts are not declared)")
     responses_store_max: int = Field(
         default=1000, ge=0,
         description="most responses of the Responses API kept for previous_response_id and GET /v1/responses/{id} "

@@ -2,8 +2,10 @@
 
 Requests by endpoint and status, time to first token and inter-token latency histograms, prompt and
 completion token counters, active sessions, queue length, the conversation session pool (hits, misses, prompt
-tokens reused, evictions by reason, pooled sessions and the cache they reserve), speculative decoding's drafted and
-accepted tokens, requests and tokens by API key name and requests refused by a key's limits (`gateway.api.quota`),
+tokens reused, evictions by reason, pooled sessions and the cache they reserve), prompt tokens adopted from the
+servers' prefix caches (`--prefix_sharing`; each server's own pages hit, computed and evicted: `rpc_prefix_cache`),
+speculative decoding's drafted and accepted tokens, requests and tokens by API key name and requests refused by a
+key's limits (`gateway.api.quota`),
 the time spent building each inference chain (`swarmgate_route_seconds` by part: `view` is reading the swarm's DHT
 records and pinging servers when the client's view was due for a refresh, `search` is
 `find_inference_chain`, `total` both; a request builds one at admission and one per session it opens or fails
@@ -72,6 +74,9 @@ class Metrics:
                                       "pooled sessions closed, by reason (ttl, capacity, outgrown, superseded, "
                                       "out_of_cache, open_failed, failed, distrusted, shutdown)", ["reason"],
                                       registry=r)
+        self.prefix_adopted_tokens = Counter(
+            "swarmgate_prefix_adopted_tokens", "prompt tokens of fresh sessions that the servers held already from "
+            "earlier conversations' prefix pages (--prefix_sharing), not computed again", registry=r)
         self.pool_sessions = Gauge("swarmgate_pool_sessions", "idle sessions kept in the pool", registry=r)
         self.pool_cache_tokens = Gauge("swarmgate_pool_cache_tokens",
                                        "KV cache tokens the pooled sessions reserve on the servers (max_length each)",

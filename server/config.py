@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import ipaddress
-from typing import List, Optional
+from typing import List, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
@@ -92,6 +92,13 @@ class ServerConfig(SwarmKeySettings, RelaySettings):
         default=None, gt=0, description="KV cache budget in tokens (batch x length); default: up to 16384, less if "
                                         "memory is short")
     max_length: int = Field(default=8192, gt=0, description="longest session (tokens) accepted")
+    prefix_cache: Literal["on", "off"] = Field(
+        default="on", description="keep the KV of prompt prefixes in pages inside the cache budget after their "
+                                  "sessions end, for new sessions that start with the same tokens (same salt and "
+                                  "adapter) to adopt (server.compute.prefix_cache); evicted least recently used "
+                                  "before a session waits")
+    prefix_page_tokens: int = Field(default=64, gt=0, le=4096, description="tokens per prefix-cache page (a "
+                                                                           "prefix is shared in whole pages)")
     max_sessions_per_peer: int = Field(default=128, gt=0, description="most inference sessions one peer (client or "
                                                                        "gateway) may hold open on this server")
     max_streams: int = Field(default=512, gt=0, description="most inference streams open at once, all peers together")

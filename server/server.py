@@ -48,6 +48,7 @@ from hivemind.p2p import P2P
 from server.compute.blocks import BlockSpan
 from server.compute.cache import CacheBudget
 from server.compute.loading import resolve_dtype
+from server.compute.prefix_cache import PrefixCache
 from server.config import ServerConfig
 from server.network.identity import ServerNetwork
 from server.network.reachable import Unreachable
@@ -169,8 +170,9 @@ class Server:
         return self._stop.is_set()
 
     def _free_cache_tokens(self) -> int:
-        if self.handler is not None:
-            return self.handler.budget.free_tokens
+        if self.handler is not None:  # kept prefix pages are evicted for a session that needs their room
+            cache = self.handler.prefix_cache
+            return self.handler.budget.free_tokens + (cache.tokens if cache is not None else 0)
         return self.capacity.attn_cache_tokens if self.capacity is not None else 0
 
     async def announce(self, state: ServerState) -> None:
@@ -209,6 +211,8 @@ class Server:
                                      swarm_key=self.record.swarm_key,
                                      limits=limits)
         handler.compression = self.config.compression
+        if self.config.prefix_cache == "on":
+            handler.prefix_cache = PrefixCache(handler.budget, self.config.prefix_page_tokens)
         await handler.add_p2p_handlers(await self.network.handle())
         self.handler = handler
         logger.info(f"loaded and serving blocks {start}:{end} in {time.monotonic() - began:.1f}s")

@@ -59,6 +59,12 @@ EXTENDED = (
         "test_up_stops[SIGTERM-alone]", "test_up_stops[SIGINT-group]", "test_client_exits_quietly[exit]",
         # a group SIGTERM announcing offline (make test: the same with a group SIGINT, Ctrl-C)
         "test_a_group_stop_announces_offline_before_the_dht_child_goes[SIGTERM]")),
+    # eight conversations sharing a 1,024-token system prompt at once and a next turn, and a failover after an
+    # adopted prefix (about 3 min; make test: tests/e2e/test_prefix_cache.py's first test, a conversation adopting
+    # another's 256-token prompt end to end and one of another salt not, and the pages, budget eviction and rewind
+    # rule in tests/server/test_prefix_cache.py)
+    "tests/e2e/test_prefix_cache.py::test_concurrent_conversations_compute_the_shared_prompt_once",
+    "tests/e2e/test_prefix_cache.py::test_failover_after_an_adopted_prefix_gives_the_same_tokens",
     # the 2- and 3-hop topologies (make test: the 0:15 + 15:30 split, and every other e2e test on it)
     "tests/e2e/test_swarm_e2e.py::test_greedy_generation_matches_transformers[0:10+10:20+20:30]",
     "tests/e2e/test_swarm_e2e.py::test_greedy_generation_matches_transformers[0:20+10:30]",

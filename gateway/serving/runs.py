@@ -151,7 +151,7 @@ class GenerationRun:
         metrics.completion_tokens.inc(completion)
         if lease.cached_tokens:
             logger.info(f"request {job.request_id}: {lease.cached_tokens} of {prompt_len} prompt tokens were "
-                        f"already held by a pooled session")
+                        f"already held by {'a pooled session' if lease.reused else 'the servers (prefix pages)'}")
         self.emit(Done(prompt_len, completion, lease.cached_tokens, servers))
 
     def in_rounds(self, lease: Lease) -> bool:

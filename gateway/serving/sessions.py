@@ -9,6 +9,7 @@ A request for a LoRA adapter gets a session with that adapter; pooled sessions a
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from dataclasses import dataclass
@@ -25,8 +26,9 @@ logger = logging.getLogger("swarmgate.gateway")
 
 @dataclass
 class Lease:
-    """A session lent to one generation. `cached_tokens`: leading prompt tokens the servers already held (0 for
-    a fresh session); `owner`: the pool namespace it may go back to (None: closed after the request)."""
+    """A session lent to one generation. `cached_tokens`: leading prompt tokens the servers already held (a pooled
+    session's, or a fresh session's adopted from the servers' prefix caches: `prefix_salt`; else 0); `owner`: the
+    pool namespace it may go back to (None: closed after the request)."""
 
     session: GenerationSession
     n: int
@@ -51,6 +53,17 @@ class Lease:
 def pool_namespace(owner: str, adapter: Optional[str]) -> str:
     """The pool namespace of an owner's sessions with `adapter`: the base model's is the owner itself."""
     return owner if adapter is None else f"{owner}\x00lora:{adapter}"
+
+
+def prefix_salt(sharing: str, owner: Optional[str]) -> Optional[str]:
+    """The salt of a session's prefix pages on the servers under `--prefix_sharing` (None: its prompt is not
+    declared): per_key, a hash of the owner (a hash of the API key, `gateway.api.auth.owner_of`, with the adapter's
+    namespace), so that only the same key's conversations share pages; global, one salt for all."""
+    if sharing == "global":
+        return "global"
+    if sharing == "off" or owner is None:
+        return None
+    return "key:" + hashlib.sha256(owner.encode("utf-8")).hexdigest()[:32]
 
 
 def out_of_cache(error: BaseException) -> bool:
@@ -88,8 +101,12 @@ session whose chain includes a server that spot-checks distrusted since is close
     """
 
     def __init__(self, model: ClientModel, pool=None, metrics: Optional[Metrics] = None, headroom: int = 0,
-                 context: Optional[int] = None, sweep_interval: Optional[float] = None):
+                 context: Optional[int] = None, sweep_interval: Optional[float] = None,
+                 prefix_sharing: str = "per_key"):
+        """`prefix_sharing` (`--prefix_sharing`): which fresh sessions may adopt each other's prompt prefixes on the
+        servers (`prefix_salt`)."""
         self.model, self.pool, self.metrics = model, pool, metrics
+        self.prefix_sharing = prefix_sharing
         self.headroom, self.context = headroom, context
         self._stop = threading.Event()
         if pool is not None:
@@ -113,7 +130,7 @@ session whose chain includes a server that spot-checks distrusted since is close
         """A session for `n` rows of `prompt_ids` plus up to `max_tokens` new tokens each (with LoRA `adapter`)."""
         needed = len(prompt_ids) + max_tokens
         if self.pool is None or n != 1 or owner is None or self.pool.closed:
-            return Lease(self.open(needed, adapter), n, needed, adapter=adapter)
+            return Lease(self._fresh(needed, adapter, owner, n), n, needed, adapter=adapter)
         owner = pool_namespace(owner, adapter)
         found = self.pool.checkout(owner, prompt_ids, needed)
         if found is not None and distrusted_in(self.model, found.session):  # its states may be a liar's: drop it
@@ -128,7 +145,14 @@ session whose chain includes a server that spot-checks distrusted since is close
                          adapter=adapter)
         if self.metrics is not None:
             self.metrics.pool_misses.inc()
-        return Lease(self.open(self._pooled_length(needed), adapter), n, needed, owner, adapter=adapter)
+        return Lease(self._fresh(self._pooled_length(needed), adapter, owner, n), n, needed, owner, adapter=adapter)
+
+    def _fresh(self, max_length: int, adapter: Optional[str], owner: Optional[str], n: int) -> GenerationSession:
+        """A new session whose prompt is declared to the servers' prefix caches with the owner's salt (`prefix_salt`:
+        none for a session of several rows, nor without an owner under per_key)."""
+        session = self.open(max_length, adapter)
+        session.prefix_salt = prefix_salt(self.prefix_sharing, owner) if n == 1 else None
+        return session
 
     def _pooled_length(self, needed: int) -> int:
         length = needed + self.headroom
@@ -162,12 +186,19 @@ session whose chain includes a server that spot-checks distrusted since is close
             for peer in set(self.model.banned_peers()) - banned_before:
                 self.model.unban(peer)
             length = self._pooled_length(lease.needed) if lease.owner is not None else lease.needed
+            salt = getattr(lease.session, "prefix_salt", None)  # (the failed session's: same owner, same rows)
             lease.session = self.open(length, lease.adapter)
+            lease.session.prefix_salt = salt
             if check:
                 lease.session.check_next_step()
             out = self.step(lease, ids, pick, num_logits)
         if lease.cached_tokens and self.metrics is not None:
             self.metrics.pool_reused_tokens.inc(lease.cached_tokens)
+        adopted = getattr(lease.session, "adopted_tokens", 0)
+        if adopted and not lease.reused:  # the servers held them from an earlier conversation: cached too
+            lease.cached_tokens = adopted
+            if self.metrics is not None:
+                self.metrics.prefix_adopted_tokens.inc(adopted)
         return out
 
     @staticmethod

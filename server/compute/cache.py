@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -239,6 +239,10 @@ class CacheBudget:
         self.used_tokens = 0
         self._sessions: Dict[str, int] = {}
         self._changed: Optional[asyncio.Condition] = None
+        # tokens held outside sessions (`take`/`give`: the prefix cache's pages, `server.compute.prefix_cache`),
+        # and how to free some of them (returns the tokens freed) before a session waits or is refused
+        self.reclaim: Optional[Callable[[int], int]] = None
+        self.waiting = 0  # reservations waiting for room now
 
     @property
     def free_tokens(self) -> int:
@@ -262,15 +266,33 @@ class CacheBudget:
             raise ValueError(f"session {handle!r} is already open on this server")
         cond = self._condition()
         async with cond:
-            try:
-                await asyncio.wait_for(cond.wait_for(lambda: self.free_tokens >= tokens), timeout=timeout)
-            except asyncio.TimeoutError:
-                raise OutOfCacheError(
-                    f"out of cache: session needs {tokens} tokens, {self.free_tokens} of {self.max_tokens} free "
-                    f"after waiting {timeout:.1f}s"
-                ) from None
+            if self.free_tokens < tokens and self.reclaim is not None:
+                self.reclaim(tokens - self.free_tokens)  # kept prefix pages go before a session waits
+            if self.free_tokens < tokens:  # (asyncio.wait_for with a time-out of 0 fails even what is ready)
+                self.waiting += 1
+                try:
+                    await asyncio.wait_for(cond.wait_for(lambda: self.free_tokens >= tokens), timeout=timeout)
+                except asyncio.TimeoutError:
+                    raise OutOfCacheError(
+                        f"out of cache: session needs {tokens} tokens, {self.free_tokens} of {self.max_tokens} free "
+                        f"after waiting {timeout:.1f}s"
+                    ) from None
+                finally:
+                    self.waiting -= 1
             self.used_tokens += tokens
             self._sessions[handle] = tokens
+
+    def take(self, tokens: int) -> bool:
+        """Hold `tokens` outside any session if they are free now (never waits); False otherwise."""
+        if tokens > self.free_tokens:
+            return False
+        self.used_tokens += tokens
+        return True
+
+    def give(self, tokens: int) -> None:
+        """Give back tokens held with `take` (a session waiting for room is woken by the next `release` or
+        `reserve`; `reclaim` runs where it waits)."""
+        self.used_tokens -= tokens
 
     async def release(self, handle: str) -> None:
         cond = self._condition()

@@ -172,7 +172,9 @@ class BlockHandler(RoundHandler, TrainingHandler):
             version=self.version, model=self.model_name, start=self.span.start, end=self.span.end,
             num_blocks_total=self.span.config.num_hidden_layers, dtype=str(self.span.dtype).replace("torch.", ""),
             hidden_size=self.span.hidden_size, cache_tokens_total=self.budget.max_tokens,
-            cache_tokens_used=self.budget.used_tokens, sessions_open=self.budget.num_sessions,
+            # (sessions' reservations: kept prefix pages go for them, `rpc_prefix_cache` reports those)
+            cache_tokens_used=self.budget.used_tokens - (self.prefix_cache.tokens if self.prefix_cache else 0),
+            sessions_open=self.budget.num_sessions,
             streams_open=self.streams.streams,
             inference_tokens_processed=self.counters.inference_tokens, inference_steps=self.counters.inference_steps,
             forward_tokens_processed=self.counters.forward_tokens,

@@ -27,6 +27,7 @@ from hivemind.proto import runtime_pb2
 from server.compute.blocks import BlockSpan
 from server.compute.cache import CacheBudget, OutOfCacheError
 from server.rpc.limits import LimitError, RpcLimits, StreamLimiter
+from server.rpc.prefix import PrefixHandler
 from server.rpc.push import PushRouter, PushSender
 from server.rpc.refusal import Refused, refuse
 from swarm.runtime import malloc
@@ -73,6 +74,8 @@ class _Stream:
     version: Optional[int] = None
     busy: bool = False  # a step of this session is being computed (from its stream or a round)
     last_active: float = 0.0  # monotonic time of its last step from a round (`server.rpc.rounds`)
+    prefix: Any = None  # its use of the prefix cache (`server.rpc.prefix.PrefixState`), None: none
+    adopted: Optional[torch.Tensor] = None  # the outputs at the prefix positions adopted at the opening
 
 
 async def _pump(requests: AsyncIterator, inputs: asyncio.Queue) -> None:
@@ -88,7 +91,7 @@ async def _pump(requests: AsyncIterator, inputs: asyncio.Queue) -> None:
     await inputs.put(None)
 
 
-class InferenceHandler(P.BlockRPC):
+class InferenceHandler(PrefixHandler, P.BlockRPC):
     """The inference RPC of `server.rpc.handler.BlockHandler` (which sets the attributes below and defines the
     checks it shares with the other RPCs)."""
 
@@ -171,7 +174,11 @@ class InferenceHandler(P.BlockRPC):
                 async for reply in refuse(requests, e.code, str(e), stream.version):
                     yield reply
                 return
-            yield P.make_response(P.StepResult(position=0), version=stream.version)  # the session is open
+            # the session is open (holding the prefix positions it adopted, with their outputs)
+            yield P.make_response(P.StepResult(position=stream.kv.length),
+                                  [] if stream.adopted is None else [stream.adopted],
+                                  compression=stream.compression, version=stream.version)
+            stream.adopted = None
             assert stream.inputs is not None
             while True:
                 try:
@@ -235,6 +242,10 @@ class InferenceHandler(P.BlockRPC):
         self.open_parts[key] = stream
         stream.pump = asyncio.ensure_future(_pump(requests, stream.inputs))
         stream.compression = opened.compression or self.compression
+        try:
+            stream.prefix, stream.adopted = await self._prefix_open(stream.kv, opened)
+        except Exception:  # noqa: BLE001 - the session goes on without the prefix cache
+            logger.exception("prefix cache lookup failed")
 
     async def _step(self, stream: _Stream, source: str, request: runtime_pb2.ExpertRequest
                     ) -> Optional[runtime_pb2.ExpertResponse]:
@@ -290,8 +301,11 @@ class InferenceHandler(P.BlockRPC):
                 kv.set_padding(step.left_padding)
             # the client's step this message is part of ends here (LongRoPE picks its factors by it)
             kv.rope_length = step.rope_length if step.rope_length is not None else step.start_position + seq
+            held_before = kv.length
             output = await self._compute(hidden, step.start_position, kv, opened.start, opened.end,
                                          stream.prompts)
+            if stream.prefix is not None:  # the pages this step completed (`server.rpc.prefix`)
+                await self._prefix_after_step(kv, stream.prefix, step.start_position, held_before, output)
         except Exception as e:
             logger.exception("inference step failed")
             return P.error_response("internal", f"step failed: {type(e).__name__}: {e}", stream.version)
@@ -319,6 +333,7 @@ class InferenceHandler(P.BlockRPC):
         counts, the cache and its reservation, the push key, the pump), the caches' memory returned to the OS
         after the last session."""
         self.streams.exit_stream()
+        self._prefix_close(stream.prefix)
         if stream.peer is not None:
             self.streams.close_session(stream.peer)
         if stream.kv is not None:

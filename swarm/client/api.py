@@ -88,6 +88,13 @@ class GenerationSession(Protocol):
     """An inference session as a front end drives it (`swarm.client.model.model_session.ModelSession`)."""
 
     token_ids: Optional[torch.Tensor]  # [batch, n] the ids whose states the servers hold (None before a feed)
+    # set before the first feed: the prompt is declared to the servers' prefix caches with this salt (None: not)
+    prefix_salt: Optional[str]
+
+    @property
+    def adopted_tokens(self) -> int:
+        """Prompt positions the servers held already from earlier sessions' prefix pages (not computed again)."""
+        ...
 
     @property
     def max_length(self) -> int: ...

@@ -100,3 +100,16 @@ class DHTTrafficReport(Message):
     type: Literal["dht_traffic"] = "dht_traffic"
     traffic: Optional[DHTTraffic] = Field(default=None, description="None: not read yet (before the first "
                                                                     "announcement with blocks loaded)")
+
+
+class PrefixCacheReport(Message):
+    """`rpc_prefix_cache`'s reply: the server's prefix cache (`server.compute.prefix_cache`) since it started."""
+
+    type: Literal["prefix_cache"] = "prefix_cache"
+    enabled: bool
+    page_tokens: int = 0
+    pages_held: int = 0
+    pages_hit: int = Field(default=0, description="pages adopted by new sessions")
+    pages_computed: int = Field(default=0, description="pages stored after a session computed them")
+    pages_evicted: int = Field(default=0, description="pages dropped for room")
+    sessions_declined: int = Field(default=0, description="sessions that declared a prefix the cache declines")

@@ -10,6 +10,17 @@ from pydantic import Field, model_validator
 from swarm.wire import compression as wire_compression
 from swarm.wire.codec import MAX_BATCH, MAX_SESSION_ID_LEN, MAX_TOKEN_LEN, Message, ProtocolError
 
+MAX_PREFIX_TOKENS = 1 << 17  # `PrefixDecl.tokens`
+
+
+class PrefixDecl(Message):
+    """The prompt a session starts with, so that servers key its prefix pages (`server.compute.prefix_cache`)."""
+
+    salt: str = Field(max_length=128, description="pages of different salts are never shared (the gateway's: a "
+                                                  "hash of the API key)")
+    tokens: List[Annotated[int, Field(ge=0, lt=1 << 31)]] = Field(max_length=MAX_PREFIX_TOKENS,
+                                                                  description="the prompt's leading token ids")
+
 
 class OpenSession(Message):
     type: Literal["open"] = "open"
@@ -31,6 +42,11 @@ class OpenSession(Message):
         default=None, exclude_if=lambda value: value is None,
         description="how this session's hidden states travel (steps, replies, pushes; swarm.wire.compression); "
                     "None: the server's --compression")
+    # (left out when None, as compression) the prompt whose prefix pages the server may hold: the reply to this
+    # OpenSession then says in `position` how many leading tokens the session holds already, with the span's
+    # outputs at them [batch, position, hidden] as its tensor; the client's first step starts at most there
+    prefix: Optional[PrefixDecl] = Field(default=None, exclude_if=lambda value: value is None,
+                                         description="the session's prompt for the server's prefix cache")
 
 
 class PushTarget(Message):

@@ -34,6 +34,7 @@ RPCs (see `BlockRPC`):
   `rpc_round_stats`: `RoundStats`, the server's round counters.
 - `rpc_info`: `ServerStats`.
 - `rpc_dht_traffic`: `DHTTrafficReport`, the server's DHT peer's traffic counters (`swarm.runtime.dht_traffic`).
+- `rpc_prefix_cache`: `PrefixCacheReport`, the server's prefix cache counters (`server.compute.prefix_cache`).
 
 Versions. Every message rejects unknown fields, so a reader parses exactly the fields of its own version. A field
 added to a message later is optional and never reaches a reader from before it: in a request it is left out
@@ -63,6 +64,7 @@ from swarm.wire.call_messages import (
     DHTTrafficReport,
     ForwardRequest,
     ForwardResult,
+    PrefixCacheReport,
     ServerStats,
     TrainBackward,
     TrainForward,
@@ -87,7 +89,9 @@ from swarm.wire.codec import (
     serialize_tensor,
 )
 from swarm.wire.inference_messages import (
+    MAX_PREFIX_TOKENS,
     OpenSession,
+    PrefixDecl,
     PushStep,
     PushTarget,
     RowEdits,
@@ -102,7 +106,8 @@ __all__ = [
     "MAX_BATCH", "MAX_SESSION_ID_LEN", "MAX_TOKEN_LEN", "ErrorReply", "M", "Message", "ProtocolError",
     "RemoteError", "check_capabilities", "decode", "deserialize_tensor", "encode", "request_version",
     "serialize_tensor", "OpenSession", "PushStep", "PushTarget", "RowEdits", "RowIndex", "Step", "StepResult",
-    "check_row_edits", "stream_key", "DHTTrafficReport", "ForwardRequest", "ForwardResult", "ServerStats",
+    "check_row_edits", "stream_key", "MAX_PREFIX_TOKENS", "PrefixDecl", "PrefixCacheReport",
+    "DHTTrafficReport", "ForwardRequest", "ForwardResult", "ServerStats",
     "TrainBackward", "TrainForward", "TrainResult", "HANDLER_VERSION", "REQUEST_TYPES", "ReplyMessage",
     "decode_reply", "make_request", "make_response", "error_response", "unpack_reply", "BlockRPC", "ProvedStub",
     "parse_stats", "parse_dht_traffic",
@@ -205,6 +210,9 @@ class BlockRPC(ServicerBase):
     async def rpc_dht_traffic(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         raise NotImplementedError
 
+    async def rpc_prefix_cache(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        raise NotImplementedError
+
 
 class ProvedStub:
     """A `BlockRPC` stub whose calls carry `proof` (a private swarm's membership proof, `swarm.runtime.swarm_key`)
@@ -229,6 +237,9 @@ class ProvedStub:
 
     async def rpc_dht_traffic(self, request: runtime_pb2.ExpertUID, **kwargs):
         return await self._stub.rpc_dht_traffic(self._proved(request), **kwargs)
+
+    async def rpc_prefix_cache(self, request: runtime_pb2.ExpertUID, **kwargs):
+        return await self._stub.rpc_prefix_cache(self._proved(request), **kwargs)
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, **kwargs):
         return await self._stub.rpc_forward(self._proved(request), **kwargs)

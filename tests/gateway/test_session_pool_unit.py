@@ -389,3 +389,25 @@ def test_app_reports_cached_tokens_in_usage_and_metrics(pooled_app, tokenizer):
     assert "swarmgate_pool_hits_total 1.0" in metrics and "swarmgate_pool_misses_total 2.0" in metrics
     assert f"swarmgate_pool_reused_tokens_total {float(cached)}" in metrics
     assert "swarmgate_pool_sessions 2.0" in metrics
+
+
+# ---- shared prefixes (--prefix_sharing) ---------------------------------------------------------------------------
+def test_fresh_sessions_declare_their_prompt_with_the_owners_salt():
+    """per_key: a salt per API key (a shared cache's timing would tell one key which prompts another sent); global:
+    one salt; off, several rows, or no owner: nothing declared. Reused pooled sessions declare nothing new."""
+    from gateway.serving.sessions import prefix_salt
+
+    assert prefix_salt("per_key", "key:a") != prefix_salt("per_key", "key:b")
+    assert prefix_salt("per_key", "key:a") == prefix_salt("per_key", "key:a")
+    assert prefix_salt("per_key", "key:a") != prefix_salt("per_key", "key:a\x00lora:x")  # (servers key adapters too)
+    assert prefix_salt("global", "key:a") == prefix_salt("global", "key:b") == prefix_salt("global", None)
+    assert prefix_salt("off", "key:a") is None and prefix_salt("per_key", None) is None
+    for sharing, pool in (("per_key", None), ("per_key", SessionPool(max_sessions=4, max_tokens=10_000, ttl=60.0)),
+                          ("global", None), ("off", None)):
+        model = FakeModel()
+        provider = SessionProvider(model, pool, prefix_sharing=sharing)
+        one = provider.acquire([1, 2, 3], 1, 4, owner="key:a")
+        several = provider.acquire([1, 2, 3], 2, 4, owner="key:a")
+        assert one.session.prefix_salt == prefix_salt(sharing, "key:a")
+        assert several.session.prefix_salt is None
+        provider.shutdown()

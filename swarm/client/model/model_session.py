@@ -18,6 +18,7 @@ from swarm.client.transport.rounds import astep_round
 from swarm.client.transport.session import PUSH_MAX_TOKENS, InferenceSession
 from swarm.client.transport.verify import OutputsRetracted
 from swarm.runtime.taskpool import PRIORITY_DECODE, client_pool
+from swarm.wire import protocol as P
 
 # embeddings of fewer elements than this run in the caller's thread: below torch's parallel grain size (32768),
 # the lookup is serial and starts no OpenMP team there (`swarm.runtime.threads`)
@@ -46,6 +47,10 @@ class ModelSession:
                                         rope_lengths=rope_lengths)
         self.token_ids: Optional[torch.Tensor] = None
         self.left_padding: Optional[List[int]] = None
+        # set before the first feed: its prompt is declared to the servers' prefix caches with this salt, and the
+        # leading positions they hold already (same salt, adapter and tokens) are adopted, not computed
+        # (`swarm.client.transport.prefix`); None: not declared
+        self.prefix_salt: Optional[str] = None
 
     @property
     def max_length(self) -> int:
@@ -54,6 +59,11 @@ class ModelSession:
     @property
     def position(self) -> int:
         return self.session.position
+
+    @property
+    def adopted_tokens(self) -> int:
+        """Positions adopted from the servers' prefix caches (`prefix_salt`; shallow prompts never declare)."""
+        return self.session.adopted_tokens
 
     def reusable_prefix(self, input_ids: torch.Tensor, hypo_ids: Optional[List[int]] = None,
                         left_padding: Optional[List[int]] = None) -> Tuple[int, Optional[List[int]]]:
@@ -196,6 +206,9 @@ class ModelSession:
         if reuse + offset < self.session.position:
             self.session.rewind(reuse + offset)
         new_ids = input_ids[:, reuse:]
+        if self.prefix_salt is not None and self.session.batch_size is None and not offset and \
+                input_ids.shape[0] == 1 and not left_padding and hypo_ids is None:
+            self.session.prefix = P.PrefixDecl(salt=self.prefix_salt, tokens=input_ids[0].tolist())
         if new_ids.numel() * self.head.hidden_size < SMALL_EMBED_ELEMENTS:
             hidden = self.head.embed(new_ids)  # [batch, n, hidden]: serial kernels, no OpenMP team here
         else:

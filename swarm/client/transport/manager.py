@@ -393,6 +393,12 @@ class SwarmManager:
                                                             timeout=self.config.request_timeout)
         return P.parse_dht_traffic(response)
 
+    async def prefix_cache(self, peer_id: str) -> P.PrefixCacheReport:
+        """The server's prefix cache counters (`rpc_prefix_cache`); a server without `prefix_cache` fails the call."""
+        response = await self.stub(peer_id).rpc_prefix_cache(runtime_pb2.ExpertUID(uid=""),
+                                                             timeout=self.config.request_timeout)
+        return P.decode(response.serialized_info, P.PrefixCacheReport)
+
     def server_info(self, peer_id: str) -> P.ServerStats:
         return aio.run(self.info(peer_id), timeout=self.config.request_timeout + 5)
 

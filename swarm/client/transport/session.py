@@ -21,6 +21,7 @@ from typing import Collection, FrozenSet, List, Optional, Sequence
 
 import torch
 
+from swarm.client.transport import prefix as prefix_cache
 from swarm.client.transport.manager import SwarmManager, needs_for
 from swarm.client.transport.routing import RouteHop
 from swarm.client.transport.session_chain import BoundaryHistory, SessionChain
@@ -81,6 +82,10 @@ class InferenceSession(SessionChain):
         self._checks = BackgroundChecks(self._verifier) if self._verifier else None  # this session's, in flight
         self.verify_steps = True  # False: no spot-checks on this session's steps (beam search turns them off)
         self.check_all_next = False  # True: the next step checks every span (`check_next_step`; then reset)
+        # the prompt declared to the servers' prefix caches when the chain opens (set before the first step, batch
+        # 1: `swarm.client.transport.prefix`), and the positions adopted from them so far
+        self.prefix: Optional[P.PrefixDecl] = None
+        self.adopted_tokens = 0
 
     # ---- public, synchronous ------------------------------------------------------------------------------
     @property
@@ -113,6 +118,7 @@ class InferenceSession(SessionChain):
         if not 0 <= position <= self.position:
             raise ValueError(f"cannot rewind to {position}: the session holds {self.position} tokens")
         self.position = position
+        self.prefix = prefix_cache.cut(self.prefix, position)  # later positions may be other tokens
         if self._checks is not None:
             self._checks.rewound(position)
 
@@ -169,15 +175,23 @@ class InferenceSession(SessionChain):
         if hypo is not None and (hypo == list(range(batch)) or self.position == 0):
             hypo = None  # the identity, or nothing held: nothing to reorder
         step_needs = needs_for(left_padding=padding is not None, beam=hypo is not None)
+        adopted: Optional[torch.Tensor] = None  # the outputs at positions the servers held already
         if self.batch_size is None:
             # the first step follows the OpenSession messages at once: no round trip before it (a failed open
             # fails that step, which replaces the server like any step failure)
             self.needs |= step_needs
-            await self._open(batch, wait=False)
+            declared = self.prefix is not None and batch == 1 and hypo is None and padding is None
+            if not declared:
+                self.prefix = None
+            # a declared prompt waits for the servers' replies: what they hold of it is not sent again
+            await self._open(batch, wait=declared)
+            adopted, hidden = prefix_cache.adopt(self, hidden)
+            if adopted is not None:
+                seq = hidden.shape[1]
         else:
             await self._require(step_needs)
         await self._apply_checks()  # a check finished since found a server wrong: OutputsRetracted
-        outputs = []
+        outputs = [] if adopted is None else [adopted]
         chunk = self._chunk_len(hidden)
         self._step_end = self.position + seq  # each message's rotary factors are the whole step's (`_rope_length`)
         try:

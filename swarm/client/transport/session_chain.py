@@ -21,6 +21,7 @@ import torch
 from swarm.client.transport.manager import SwarmManager
 from swarm.client.transport.routing import RoutingError
 from swarm.client.transport.span_stream import SessionError, SpanStream
+from swarm.wire import protocol as P
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,25 @@ class BoundaryHistory:
         return self.buffer[:, :end]
 
 
+async def _open_in_order(streams: List[SpanStream]) -> list:
+    """Open `streams` one after the other (each result: None, its error, or "skipped" after an error).
+    A session that declares a prompt opens so: a server may hold its opening until another session has computed the
+    pages of that prompt (`server.rpc.prefix`), and one that opens every hop at once could wait at one server for a
+    session that waits for it at another; in chain order, the session computing a prefix page at a hop has opened
+    every hop before it, so none of them holds it."""
+    results: list = []
+    for stream in streams:
+        if any(isinstance(r, BaseException) for r in results):
+            results.append("skipped")
+            continue
+        try:
+            await stream.open(True)
+            results.append(None)
+        except Exception as e:  # noqa: BLE001 - returned as gather(return_exceptions=True) would
+            results.append(e)
+    return results
+
+
 class SessionChain:
     """The chain of an `InferenceSession` (which sets the attributes below): its streams, opened, replaced and
     replayed."""
@@ -84,6 +104,7 @@ class SessionChain:
     _history: Dict[int, BoundaryHistory]  # block index where a span starts -> inputs sent there
     _step_end: Optional[int]
     _step_id: int
+    prefix: Optional[P.PrefixDecl] = None  # the prompt declared to prefix caches (`swarm.client.transport.prefix`)
 
     async def _open_span(self, start: int, end: int, batch_size: int, wait: bool = True,
                          reasons: Sequence[str] = ()) -> List[SpanStream]:
@@ -111,8 +132,12 @@ class SessionChain:
                 await asyncio.sleep(min(1.0, config.ban_timeout))
                 continue
             streams = [SpanStream(self.manager, hop, self.session_id, self.max_length, batch_size, self.adapter,
-                                  None if self.prompts is None else self.prompts[hop.start:hop.end]) for hop in hops]
-            results = await asyncio.gather(*(s.open(wait) for s in streams), return_exceptions=True)
+                                  None if self.prompts is None else self.prompts[hop.start:hop.end], self.prefix)
+                       for hop in hops]
+            if self.prefix is not None and wait:
+                results = await _open_in_order(streams)
+            else:
+                results = await asyncio.gather(*(s.open(wait) for s in streams), return_exceptions=True)
             failed = [(s, r) for s, r in zip(streams, results) if isinstance(r, BaseException)]
             if not failed:
                 return streams

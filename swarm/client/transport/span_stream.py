@@ -28,8 +28,15 @@ class SpanStream:
     """The part of a session held by one server: blocks [hop.start, hop.end) over one bidirectional stream."""
 
     def __init__(self, manager: SwarmManager, hop: RouteHop, session_id: str, max_length: int, batch_size: int,
-                 adapter: Optional[str] = None, prompts: Optional[torch.Tensor] = None):
+                 adapter: Optional[str] = None, prompts: Optional[torch.Tensor] = None,
+                 prefix: Optional[P.PrefixDecl] = None):
+        """`prefix`: the session's prompt, declared to a server that announces `prefix_cache` (its prefix pages)."""
         self.manager, self.hop = manager, hop
+        self.prefix = prefix if prefix is not None and "prefix_cache" in hop.capabilities else None
+        # what the server held of the declared prompt when it opened (positions), with its outputs there
+        # [batch, held, hidden] (read only by an `open` that waits for the reply)
+        self.held = 0
+        self.held_outputs: Optional[torch.Tensor] = None
         self.prompts = prompts  # deep prompts of this hop's blocks [hop.length, 1, pre_seq_len, hidden], or None
         self.session_id, self.max_length, self.batch_size = session_id, max_length, batch_size
         self.adapter = adapter
@@ -111,11 +118,18 @@ class SpanStream:
         opened = P.OpenSession(session_id=self.session_id, start=self.hop.start, end=self.hop.end,
                                max_length=self.max_length, batch_size=self.batch_size, adapter=self.adapter,
                                prompts=self.prompts is not None, push_token=self.push_token if self.pushes else None,
-                               compression=self.compression)
+                               compression=self.compression, prefix=self.prefix)
         P.check_capabilities(opened, self.hop.capabilities, self.hop.peer_id)  # routing chose a server that takes it
         self._queue.put_nowait(P.make_request(opened, [] if self.prompts is None else [self.prompts]))
         if wait:
-            await self._next_reply()
+            reply, tensors = await self._next_reply()
+            held = getattr(reply, "position", 0)
+            if self.prefix is not None and held > 0:
+                if len(tensors) != 1 or tensors[0].ndim != 3 or list(tensors[0].shape[:2]) != [self.batch_size, held]:
+                    raise P.RemoteError("bad_reply", f"the server holds {held} prefix positions but sent outputs "
+                                                     f"{[list(t.shape) for t in tensors]}", self.hop.peer_id)
+                self.held, self.held_outputs = held, tensors[0]
+                self.position = held
         else:
             self.open_pending = True
 

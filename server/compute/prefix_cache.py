@@ -1,0 +1,211 @@
+"""The server's prefix cache: the KV of prompt prefixes kept in pages after their sessions end, so that a new session
+whose prompt starts the same way adopts them instead of computing them again (issue 47).
+
+A block's keys and values at a position depend only on the tokens before it (and the adapter), so a page, the KV of
+positions [i P, (i + 1) P) of one session's blocks [first, last), is named by a hash chain over the prompt's tokens:
+h_0 = H(version, salt, adapter, first, last, P), h_i+1 = H(h_i, token ids of page i) (`page_digests`). The salt comes
+from the client (the gateway's is a hash of the API key by default): pages of different salts or adapters are never
+shared. A page holds per layer its keys (and values, unless they are views of the keys: DeepSeek's latent cache)
+[1, kv_heads, P, head_dim], and the span's outputs at its positions [1, P, hidden]: a session that adopts pages
+returns those to its client, which keeps them as the next span's input history (failover replay, spot-checks).
+
+Pages live inside the server's cache budget (`server.compute.cache.CacheBudget`): a page costs P cache tokens (a
+position in every block of the span, the unit sessions reserve in). A page is stored only where the budget has room
+(evicting older pages first, never while a session waits for room), and the least recently used pages are evicted
+before a session would have to wait or be refused (`CacheBudget.reclaim`). Adoption copies the pages into the new
+session's own buffers (`adopt`): a session's KV stays one preallocated buffer per block (a slot of the decode arena
+on the CPU, `server.compute.kv_arena`), which every attention path reads as it is; the copy of a 1,024-token prefix
+of the bundled model's 30 blocks (46 MB) takes milliseconds against seconds of prefill.
+
+Several sessions that declare the same prefix at once: the first claims the pages it lacks (`claim`), the others
+wait for its pages (up to a bound) instead of computing them too (`wait_for`).
+
+Declined explicitly (`PrefixCache.declines`): sessions of more than one row (beams, batches), with deep prompts, over
+blocks with a sliding window (ring buffers), or of a model whose rotary picks its factors by the sequence's length
+(LongRoPE: the prefix's keys depend on the whole length).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import Dict, List, Optional, OrderedDict, Sequence, Tuple
+
+import torch
+
+from server.compute.cache import CacheBudget, SessionKV
+
+logger = logging.getLogger(__name__)
+
+DIGEST_VERSION = b"swarmgate-prefix-v1"
+PageKey = Tuple[int, int, bytes]  # (first block, last block, digest)
+
+
+def page_digests(salt: str, adapter: Optional[str], first: int, last: int, page_tokens: int,
+                 tokens: Sequence[int]) -> List[bytes]:
+    """The digests of the full pages of `tokens` (h_1 .. h_n, one per page of `page_tokens`)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(DIGEST_VERSION)
+    for part in (salt, adapter or "", f"{first}:{last}:{page_tokens}"):
+        h.update(len(part).to_bytes(4, "little") + part.encode())
+    digest = h.digest()
+    out = []
+    for i in range(len(tokens) // page_tokens):
+        page = torch.tensor(tokens[i * page_tokens:(i + 1) * page_tokens], dtype=torch.int64)
+        digest = hashlib.blake2b(digest + page.numpy().tobytes(), digest_size=16).digest()
+        out.append(digest)
+    return out
+
+
+@dataclass
+class Page:
+    keys: List[torch.Tensor]  # per layer (or shard) [1, kv_heads, P, head_dim]
+    values: Optional[List[torch.Tensor]]  # the same, None where the values are views of the keys
+    outputs: torch.Tensor  # the span's outputs at the page's positions [1, P, hidden]
+
+
+@dataclass
+class PrefixCounters:
+    pages_hit: int = 0  # pages adopted by new sessions
+    pages_computed: int = 0  # pages stored after a session computed them
+    pages_evicted: int = 0  # pages dropped for room (or for a session that needed it)
+    sessions_declined: int = 0  # sessions that declared a prefix the cache declines (`declines`)
+
+
+class PrefixCache:
+    """Pages of prompt prefixes by `PageKey`, least recently used first, their cache tokens held in `budget`."""
+
+    def __init__(self, budget: CacheBudget, page_tokens: int = 64):
+        if page_tokens <= 0:
+            raise ValueError("page_tokens must be positive")
+        self.budget, self.page_tokens = budget, page_tokens
+        self.pages: OrderedDict[PageKey, Page] = collections.OrderedDict()
+        self.counters = PrefixCounters()
+        self._claims: Dict[PageKey, asyncio.Event] = {}  # pages a session is computing now
+        budget.reclaim = self.evict
+
+    @property
+    def tokens(self) -> int:
+        return len(self.pages) * self.page_tokens
+
+    @staticmethod
+    def declines(kv: SessionKV, batch_size: int, prompts: bool, by_length: bool) -> Optional[str]:
+        """Why a session cannot use the prefix cache (None: it can)."""
+        if batch_size != 1:
+            return "sessions of more than one row"
+        if prompts:
+            return "deep prompts"
+        if any(window is not None for window in kv.windows):
+            return "sliding-window blocks"
+        if by_length:
+            return "a rotary that picks its factors by length"
+        return None
+
+    # ---- lookup and adoption --------------------------------------------------------------------------------
+    def held(self, keys: Sequence[PageKey]) -> int:
+        """How many leading pages of `keys` are cached (each touched: most recently used)."""
+        count = 0
+        for key in keys:
+            if key not in self.pages:
+                break
+            self.pages.move_to_end(key)
+            count += 1
+        return count
+
+    async def wait_for(self, keys: Sequence[PageKey], timeout: float) -> int:
+        """The leading pages of `keys` cached, after waiting (up to `timeout` s in all) for those that other
+        sessions are computing now."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            count = self.held(keys)
+            if count == len(keys) or keys[count] not in self._claims:
+                return count
+            left = deadline - loop.time()
+            if left <= 0:
+                return count
+            try:
+                await asyncio.wait_for(self._claims[keys[count]].wait(), left)
+            except asyncio.TimeoutError:
+                return self.held(keys)
+
+    def claim(self, keys: Sequence[PageKey]) -> List[PageKey]:
+        """Claim the pages of `keys` neither cached nor claimed: other sessions wait for them (`wait_for`)."""
+        claimed = [key for key in keys if key not in self.pages and key not in self._claims]
+        for key in claimed:
+            self._claims[key] = asyncio.Event()
+        return claimed
+
+    def unclaim(self, keys: Sequence[PageKey]) -> None:
+        """The claimant is done with `keys` (stored, or it will not compute them): waiters go on."""
+        for key in keys:
+            event = self._claims.pop(key, None)
+            if event is not None:
+                event.set()
+
+    def pages_of(self, keys: Sequence[PageKey]) -> List[Page]:
+        return [self.pages[key] for key in keys]
+
+    @staticmethod
+    @torch.inference_mode()
+    def adopt(kv: SessionKV, pages: Sequence[Page], page_tokens: int) -> torch.Tensor:
+        """Copy `pages` into the first positions of `kv` (which then holds them); returns their outputs
+        [1, len(pages) * P, hidden]. (Runs on the compute thread.)"""
+        for i, page in enumerate(pages):
+            lo, hi = i * page_tokens, (i + 1) * page_tokens
+            for buf, held in zip(kv.keys, page.keys):
+                buf[:, :, lo:hi].copy_(held)
+            if page.values is not None:
+                for buf, held in zip(kv.values, page.values):
+                    buf[:, :, lo:hi].copy_(held)
+        kv.begin_step(0)
+        kv.end_step(len(pages) * page_tokens)
+        return torch.cat([page.outputs for page in pages], dim=1)
+
+    # ---- storing and evicting -------------------------------------------------------------------------------
+    @staticmethod
+    @torch.inference_mode()
+    def cut(kv: SessionKV, index: int, page_tokens: int, outputs: torch.Tensor) -> Page:
+        """A copy of page `index` of `kv` (positions it holds) and of its outputs [1, >= P, hidden] at those
+        positions. (Runs on the compute thread.)"""
+        lo, hi = index * page_tokens, (index + 1) * page_tokens
+        return Page(keys=[buf[:, :, lo:hi].clone() for buf in kv.keys],
+                    values=None if kv.values_in_keys is not None else [buf[:, :, lo:hi].clone() for buf in kv.values],
+                    outputs=outputs[:, lo:hi].clone())
+
+    def room_for(self, count: int) -> int:
+        """How many of `count` new pages the budget takes now, evicting older pages for them (none while a session
+        waits for room: sessions come first)."""
+        if self.budget.waiting:
+            return 0
+        need = count * self.page_tokens
+        if self.budget.free_tokens < need:
+            self.evict(need - self.budget.free_tokens)
+        return min(count, self.budget.free_tokens // self.page_tokens)
+
+    def store(self, key: PageKey, page: Page) -> bool:
+        """Keep `page` under `key` (its tokens taken from the budget); False where there is no room."""
+        if key in self.pages:
+            self.pages.move_to_end(key)
+            return True
+        if not self.budget.take(self.page_tokens):
+            return False
+        self.pages[key] = page
+        self.counters.pages_computed += 1
+        return True
+
+    def evict(self, tokens: int) -> int:
+        """Drop least recently used pages until `tokens` cache tokens are free'd (or none is left); returns the
+        tokens freed."""
+        freed = 0
+        while freed < tokens and self.pages:
+            self.pages.popitem(last=False)
+            self.budget.give(self.page_tokens)
+            freed += self.page_tokens
+            self.counters.pages_evicted += 1
+        return freed
+
+    def clear(self) -> None:
+        self.evict(self.tokens)

@@ -1,0 +1,172 @@
+"""The prefix cache's parts without processes (issue 47): page keys by salt, adapter and tokens; pages inside the cache
+budget, evicted least recently used before a session waits or is refused; adoption copies a page's KV and outputs
+exactly; the stream side stores only positions that are still the declared prompt (a rewind ends it). The real
+swarm: tests/e2e/test_prefix_cache.py."""
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from server.compute.cache import CacheBudget, OutOfCacheError, SessionKV
+from server.compute.prefix_cache import PrefixCache, page_digests
+from server.rpc.limits import RpcLimits
+from server.rpc.prefix import PrefixHandler
+from swarm.runtime.taskpool import TaskPool
+from swarm.wire import protocol as P
+
+TOKENS = list(range(100, 164))
+
+
+def test_page_keys_differ_by_salt_adapter_and_blocks_and_chain_the_tokens():
+    base = page_digests("a", None, 0, 4, 16, TOKENS)
+    assert len(base) == 4 and base == page_digests("a", None, 0, 4, 16, TOKENS)
+    for other in (page_digests("b", None, 0, 4, 16, TOKENS), page_digests("a", "lora", 0, 4, 16, TOKENS),
+                  page_digests("a", None, 0, 3, 16, TOKENS), page_digests("a", None, 0, 4, 32, TOKENS)[:1]):
+        assert not set(other) & set(base)  # never shared
+    changed = TOKENS[:40] + [7] + TOKENS[41:]  # page 2 differs, so does every page after it
+    mixed = page_digests("a", None, 0, 4, 16, changed)
+    assert mixed[:2] == base[:2] and not set(mixed[2:]) & set(base)
+    assert page_digests("a", None, 0, 4, 16, TOKENS[:31]) == base[:1]  # full pages only
+
+
+def _kv(length: int = 64) -> SessionKV:
+    return SessionKV(2, 1, 2, 8, length, torch.float32, torch.device("cpu"))
+
+
+def _page(cache: PrefixCache, filled: SessionKV, index: int):
+    return cache.cut(filled, index, cache.page_tokens, torch.randn(1, 64, 8))
+
+
+def test_pages_are_evicted_least_recently_used_before_a_session_waits():
+    async def scenario():
+        budget = CacheBudget(256)
+        cache = PrefixCache(budget, page_tokens=64)
+        filled = _kv()
+        keys = [(0, 2, bytes([i])) for i in range(4)]
+        assert cache.room_for(4) == 4
+        for i, key in enumerate(keys):
+            assert cache.store(key, _page(cache, filled, 0))
+        assert budget.free_tokens == 0 and cache.room_for(1) == 1  # room: the oldest page went
+        cache.counters.pages_evicted = 0
+        cache.store((0, 2, b"new"), _page(cache, filled, 0))
+        assert cache.held([keys[1]]) == 1  # touched: now the most recently used
+        await budget.reserve("s", 128, timeout=0)  # no wait: two pages go for it
+        assert cache.counters.pages_evicted == 2 and keys[1] in cache.pages and keys[2] not in cache.pages
+        assert budget.used_tokens == 256 and len(cache.pages) == 2
+        with pytest.raises(OutOfCacheError):
+            await budget.reserve("t", 256, timeout=0.1)  # every page went, the session's 128 still held
+        assert len(cache.pages) == 0 and budget.used_tokens == 128
+        waiter = asyncio.create_task(budget.reserve("u", 256, timeout=5))
+        await asyncio.sleep(0.05)
+        assert budget.waiting == 1 and cache.room_for(1) == 0  # no page takes room while a session waits
+        await budget.release("s")
+        await waiter
+        assert budget.used_tokens == 256
+
+    asyncio.run(scenario())
+
+
+def test_adoption_copies_a_pages_keys_values_and_outputs():
+    cache = PrefixCache(CacheBudget(1024), page_tokens=16)
+    filled = _kv()
+    filled.begin_step(0)
+    for buf in filled.keys + filled.values:
+        buf.normal_()
+    filled.end_step(32)
+    outputs = torch.randn(1, 32, 8)
+    pages = [cache.cut(filled, i, 16, outputs) for i in range(2)]
+    fresh = _kv()
+    adopted = cache.adopt(fresh, pages, 16)
+    assert fresh.length == 32 and torch.equal(adopted, outputs)
+    for a, b in zip(fresh.keys + fresh.values, filled.keys + filled.values):
+        assert torch.equal(a[:, :, :32], b[:, :, :32])
+
+
+def _handler(page_tokens: int) -> PrefixHandler:
+    handler = PrefixHandler()
+    handler.span = SimpleNamespace(by_length=False, hidden_size=8)  # type: ignore[assignment]
+    handler.limits = RpcLimits()
+    handler.pool = TaskPool()
+    handler.prefix_cache = PrefixCache(CacheBudget(4096), page_tokens)
+    return handler
+
+
+def _opened(tokens, salt: str = "s") -> P.OpenSession:
+    return P.OpenSession(session_id="x", start=0, end=2, max_length=64, prefix=P.PrefixDecl(salt=salt, tokens=tokens))
+
+
+async def _step(handler: PrefixHandler, kv: SessionKV, state, start: int, seq: int) -> torch.Tensor:
+    """A step's effect on the session's cache (its positions' keys written) and the stream side's note of it."""
+    held = kv.length
+    kv.begin_step(start)
+    for buf in kv.keys + kv.values:
+        buf[:, :, start:start + seq].normal_()
+    kv.end_step(seq)
+    output = torch.randn(1, seq, 8)
+    await handler._prefix_after_step(kv, state, start, held, output)
+    return output
+
+
+def test_a_session_stores_the_declared_prompts_pages_and_the_next_adopts_them():
+    async def scenario():
+        handler = _handler(page_tokens=4)
+        cache = handler.prefix_cache
+        assert cache is not None
+        first = _kv()
+        state, adopted = await handler._prefix_open(first, _opened(TOKENS[:10]))
+        assert adopted is None and state is not None and len(state.claimed) == 2
+        out = await _step(handler, first, state, 0, 10)
+        assert cache.counters.pages_computed == 2 and state.claimed == []
+        second = _kv()
+        state2, adopted = await handler._prefix_open(second, _opened(TOKENS[:12]))
+        assert adopted is not None and torch.equal(adopted, out[:, :8]) and second.length == 8
+        assert torch.equal(second.keys[1][:, :, :8], first.keys[1][:, :, :8])
+        other, none = await handler._prefix_open(_kv(), _opened(TOKENS[:12], salt="t"))
+        assert none is None  # another salt: nothing shared
+        # the adopting session's first step starts before what it holds (the chain's least): not a rewind
+        await _step(handler, second, state2, 4, 8)
+        assert cache.counters.pages_computed == 3  # its third page
+        # a later rewind ends the declaration: positions from there may be other tokens
+        third = _kv()
+        state3, _ = await handler._prefix_open(third, _opened(TOKENS[:40]))
+        assert third.length == 12  # pages 0..2 adopted
+        await _step(handler, third, state3, 0, 18)  # its first step may start anywhere before: page 3 stored
+        assert cache.counters.pages_computed == 4
+        await _step(handler, third, state3, 13, 10)  # a rewind to 13: nothing after it is the prompt
+        assert cache.counters.pages_computed == 4 and state3.limit == 13
+        handler._prefix_close(state3)
+        assert handler.prefix_report().pages_hit == 2 + 3
+        handler.pool.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_sessions_the_cache_cannot_serve_are_declined_and_run_as_before():
+    """Several rows (beams, n > 1), deep prompts, sliding-window blocks (ring buffers), a rotary that picks its factors
+    by length (LongRoPE): declined, counted, nothing adopted or claimed."""
+    async def scenario():
+        handler = _handler(page_tokens=4)
+        cache = handler.prefix_cache
+        assert cache is not None
+        first = _kv()
+        state, _ = await handler._prefix_open(first, _opened(TOKENS[:8]))
+        await _step(handler, first, state, 0, 8)
+        rows = P.OpenSession(session_id="y", start=0, end=2, max_length=64, batch_size=2,
+                             prefix=P.PrefixDecl(salt="s", tokens=TOKENS[:8]))
+        windowed = SessionKV(2, 1, 2, 8, 64, torch.float32, torch.device("cpu"), windows=[None, 16])
+        prompts = P.OpenSession(session_id="z", start=0, end=2, max_length=64, prompts=True,
+                                prefix=P.PrefixDecl(salt="s", tokens=TOKENS[:8]))
+        assert await handler._prefix_open(SessionKV(2, 2, 2, 8, 64, torch.float32, torch.device("cpu")), rows) \
+            == (None, None)
+        assert await handler._prefix_open(windowed, _opened(TOKENS[:8])) == (None, None)
+        assert await handler._prefix_open(_kv(), prompts) == (None, None)
+        handler.span = SimpleNamespace(by_length=True, hidden_size=8)  # type: ignore[assignment]
+        assert await handler._prefix_open(_kv(), _opened(TOKENS[:8])) == (None, None)
+        report = handler.prefix_report()
+        assert report.sessions_declined == 4 and report.pages_hit == 0 and report.pages_held == 2
+        handler.pool.shutdown()
+
+    asyncio.run(scenario())
