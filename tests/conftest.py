@@ -13,7 +13,7 @@ import torch
 from launch.topology import start_bootstrap, start_servers, terminate_all
 
 # session-scoped processes shared by the test modules: registered here, once (tests/fixtures/shared_processes.py)
-from tests.fixtures.shared_processes import shared_gateway  # noqa: F401
+from tests.fixtures.shared_processes import quiet_swarm, shared_gateways  # noqa: F401
 
 MODEL = "smollm2-135m-instruct"
 
