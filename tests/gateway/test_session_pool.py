@@ -103,10 +103,10 @@ def swarm(swarms):
 
 
 @pytest.fixture(scope="module")
-def gateway(shared_gateways):
-    """The session's shared gateway (tests/fixtures/shared_processes.py) over `swarm`: each test's conversations
-    use an API key of their own, so that only their own pooled sessions can serve them."""
-    return shared_gateways.get()
+def gateway(swarm, model_path):
+    gw = start_gateway(model_path, swarm, "--max_concurrent", "4", name="gateway-pool")
+    yield gw
+    gw.proc.terminate()
 
 
 @pytest.fixture(scope="module")
