@@ -12,6 +12,9 @@ import torch
 
 from launch.topology import start_bootstrap, start_servers, terminate_all
 
+# session-scoped processes shared by the test modules: registered here, once (tests/fixtures/shared_processes.py)
+from tests.fixtures.shared_processes import quiet_swarm, shared_gateways  # noqa: F401
+
 MODEL = "smollm2-135m-instruct"
 
 # Gateways started by the tests (processes and in-process apps) keep their state (gateway.store) in a file of this

@@ -33,19 +33,22 @@ def quantized_reference(model_path: str, quant_type: str):
 
 @pytest.fixture(scope="module")
 def quantized(swarms, model_path):
-    """quant_type -> (swarm, client model, local reference), built once per type."""
+    """quant_type -> (swarm, client model, local reference), each built once per type; `get(quant_type,
+    reference=False)` leaves the reference (a whole model quantized locally) unbuilt, for tests that need none."""
     made: dict = {}
+    references: dict = {}
 
-    def get(quant_type: str):
+    def get(quant_type: str, reference: bool = True):
         if quant_type not in made:
             swarm = swarms.get(SPANS, ("--quant_type", quant_type))
-            model = AutoDistributedModelForCausalLM.from_pretrained(
-                model_path, initial_peers=swarm["initial_peers"], dht_prefix=swarm["prefix"])
-            made[quant_type] = (swarm, model, quantized_reference(model_path, quant_type))
-        return made[quant_type]
+            made[quant_type] = (swarm, AutoDistributedModelForCausalLM.from_pretrained(
+                model_path, initial_peers=swarm["initial_peers"], dht_prefix=swarm["prefix"]))
+        if reference and quant_type not in references:
+            references[quant_type] = quantized_reference(model_path, quant_type)
+        return (*made[quant_type], references.get(quant_type))
 
     yield get
-    for _, model, _ in made.values():
+    for _, model in made.values():
         model.shutdown()
 
 
@@ -111,7 +114,7 @@ def test_a_quantized_session_goes_on_across_turns(quant_type, quantized, tokeniz
 
 
 def test_clients_choose_the_weight_formats_they_accept(quantized, model_path):
-    swarm, _, _ = quantized("nf4")
+    swarm, _, _ = quantized("nf4", reference=False)
     strict = AutoDistributedModelForCausalLM.from_pretrained(
         model_path, initial_peers=swarm["initial_peers"], dht_prefix=swarm["prefix"], allowed_quant_types=["none"])
     try:

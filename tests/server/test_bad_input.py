@@ -15,13 +15,12 @@ from swarm.runtime import aio
 from swarm.wire import protocol as P
 from swarm.wire.records import ServerState, fetch_block_records, server_states
 
-SPANS = ("0:15", "15:30")
 HIDDEN = 576
 
 
 @pytest.fixture(scope="module")
-def manager(swarms):
-    swarm = swarms.get(SPANS)
+def manager(quiet_swarm):
+    swarm = quiet_swarm  # ("0:15", "15:30"), no shared gateway's pooled session on it: the tests count sessions
     m = SwarmManager(ClientConfig(initial_peers=swarm["initial_peers"]), swarm["prefix"], 30)
     yield m, swarm
     m.shutdown()
