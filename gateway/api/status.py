@@ -122,7 +122,8 @@ td.name{max-width:16em;overflow:hidden;text-overflow:ellipsis}
 <div class="muted"><span id="cov-text"></span></div>
 <h2>Servers</h2>
 <table><thead><tr><th>peer id</th><th>name</th><th>blocks</th><th>state</th><th>reach</th><th>steps/s</th>
-<th>free cache tokens</th><th>quant</th><th>adapters</th><th>release</th><th>protocol</th><th>RTT ms</th></tr></thead>
+<th>free cache tokens</th><th>quant</th><th>adapters</th><th>release</th><th>protocol</th><th>RTT ms</th>
+<th>prefix pages hit / computed / evicted</th></tr></thead>
 <tbody id="servers"></tbody></table>
 <h2>This gateway</h2>
 <div class="figures" id="figures"></div>
@@ -166,7 +167,9 @@ function render(data) {
       el("td", state, state), el("td", s.reachable), el("td", fmt(s.throughput, 1), "num"),
       el("td", s.cache_tokens_left, "num"),
       el("td", s.quant_type + " / " + s.dtype), el("td", s.adapters.length ? s.adapters.join(", ") : "-"),
-      el("td", s.version), el("td", s.protocol), el("td", s.rtt_ms === null ? "-" : fmt(s.rtt_ms, 1), "num"));
+      el("td", s.version), el("td", s.protocol), el("td", s.rtt_ms === null ? "-" : fmt(s.rtt_ms, 1), "num"),
+      el("td", s.prefix_pages ? s.prefix_pages.hit + " / " + s.prefix_pages.computed + " / " + s.prefix_pages.evicted
+        : "-", "num"));
     body.appendChild(row);
   }
   const g = data.gateway, figures = document.getElementById("figures");

@@ -12,6 +12,7 @@ import torch
 
 from launch.topology import start_server, start_servers
 from swarm import AutoDistributedModelForCausalLM
+from swarm.client.transport.status import collect_status
 from swarm.runtime import aio
 from tests.fixtures.swarm_checks import KillAfter
 
@@ -91,6 +92,11 @@ def test_a_later_conversation_adopts_the_shared_prompt(shared_swarm, system_ids,
             assert after[peer].pages_hit - before[peer].pages_hit == 4
             own = sum(p.shape[1] // PAGE for p in prompts) - 4  # every full page, but the 4 adopted
             assert after[peer].pages_computed - before[peer].pages_computed == own
+        # the swarm's status (`/status.json`, `swarmgate status`) shows each server's counters, as it reports them
+        shown = {s.peer_id: s.prefix_pages for s in collect_status(model.manager, "m").servers}
+        for peer, report in after.items():
+            assert shown[peer] is not None and shown[peer].page_tokens == PAGE
+            assert (shown[peer].hit, shown[peer].computed) == (report.pages_hit, report.pages_computed)
     finally:
         for _, session in runs:
             session.close()

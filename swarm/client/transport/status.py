@@ -4,13 +4,15 @@
 `SwarmStatus`: one `ServerStatus` per server still in the swarm (online or joining; a server that announced
 `offline` has left and is not listed; one that does not answer a ping is `unreachable`) and one `BlockStatus` per
 block (how many online, reachable servers hold it and their summed throughput). `collect_status(manager, model)`
-reads the records through a client's `SwarmManager` and pings each server from here (`SwarmStatusView`: the
-client model's `swarm_status`). The gateway's `/status` page
+reads the records through a client's `SwarmManager`, pings each server from here and asks each server with a prefix
+cache for its counters (`rpc_prefix_cache`: pages held, hit, computed, evicted; `SwarmStatusView`: the client
+model's `swarm_status`). The gateway's `/status` page
 and `/status.json` (`gateway.api.status`) and the `swarmgate status` command (`main` here: a table in the terminal,
 or `--json`) show the same snapshot. Every string in it comes from untrusted records: whoever renders it escapes it.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import sys
@@ -19,9 +21,19 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from pydantic import BaseModel, Field
 
+from swarm.runtime import aio
+from swarm.wire.call_messages import PrefixCacheReport
 from swarm.wire.records import ServerInfo, ServerState, online_spans
 
 UNREACHABLE = "unreachable"
+
+
+class PrefixPages(BaseModel):
+    page_tokens: int
+    held: int  # pages kept now
+    hit: int  # pages adopted by new sessions
+    computed: int  # pages stored after a session computed them
+    evicted: int  # pages dropped for room
 
 
 class ServerStatus(BaseModel):
@@ -39,6 +51,9 @@ class ServerStatus(BaseModel):
     protocol: str = "1"  # the protocol versions it speaks ("1", "1..2")
     rtt_ms: Optional[float] = None  # round trip of an info call from here; None: not measured or unreachable
     reachable: str = "direct"  # direct, or relayed: behind a NAT, dialed through a relay peer
+    # its prefix cache's counters since it started (`server.compute.prefix_cache`); None: no prefix cache, or it
+    # did not answer
+    prefix_pages: Optional[PrefixPages] = None
 
 
 class BlockStatus(BaseModel):
@@ -59,9 +74,11 @@ class SwarmStatus(BaseModel):
 
 
 def build_status(records: Sequence[Dict[str, ServerInfo]], model: str, prefix: str,
-                 rtts: Optional[Dict[str, float]] = None, now: Optional[float] = None) -> SwarmStatus:
-    """The snapshot of `records` (`fetch_block_records`' result); `rtts` (seconds, inf: no answer) per peer id."""
-    rtts = rtts or {}
+                 rtts: Optional[Dict[str, float]] = None, now: Optional[float] = None,
+                 prefix_reports: Optional[Dict[str, PrefixCacheReport]] = None) -> SwarmStatus:
+    """The snapshot of `records` (`fetch_block_records`' result); `rtts` (seconds, inf: no answer) per peer id;
+    `prefix_reports`: the prefix cache counters of the servers that answered `rpc_prefix_cache`."""
+    rtts, prefix_reports = rtts or {}, prefix_reports or {}
     num_blocks = len(records)
     servers: List[ServerStatus] = []
     per_block = [[0, 0.0] for _ in range(num_blocks)]
@@ -77,7 +94,8 @@ def build_status(records: Sequence[Dict[str, ServerInfo]], model: str, prefix: s
             dtype=info.dtype, adapters=list(info.adapters), version=info.version, reachable=info.reachable,
             protocol=(str(info.protocol) if info.min_protocol == info.protocol
                       else f"{info.min_protocol}..{info.protocol}"),
-            rtt_ms=None if rtt is None or math.isinf(rtt) else round(rtt * 1000, 2)))
+            rtt_ms=None if rtt is None or math.isinf(rtt) else round(rtt * 1000, 2),
+            prefix_pages=_pages(prefix_reports.get(span.peer_id))))
         if state == ServerState.ONLINE.value:
             for block in range(span.start, span.end):
                 per_block[block][0] += 1
@@ -88,17 +106,43 @@ def build_status(records: Sequence[Dict[str, ServerInfo]], model: str, prefix: s
                        missing=missing, servers=servers, blocks=blocks, updated=time.time() if now is None else now)
 
 
+def _pages(report: Optional[PrefixCacheReport]) -> Optional[PrefixPages]:
+    if report is None or not report.enabled:
+        return None
+    return PrefixPages(page_tokens=report.page_tokens, held=report.pages_held, hit=report.pages_hit,
+                       computed=report.pages_computed, evicted=report.pages_evicted)
+
+
 def collect_status(manager, model: str, ping: bool = True) -> SwarmStatus:
     """A fresh snapshot through a `swarm.client.transport.manager.SwarmManager` (its DHT peer), pinging every server
-    listed (a server that does not answer within 2 s is `unreachable`)."""
+    listed (a server that does not answer within 2 s is `unreachable`) and reading the prefix cache counters of those
+    that announce `prefix_cache`."""
     from swarm.wire.records import fetch_block_records
 
     records = fetch_block_records(manager.dht, manager.prefix, manager.num_blocks)
     rtts: Dict[str, float] = {}
+    reports: Dict[str, PrefixCacheReport] = {}
     if ping:
-        peers = [span.peer_id for span in online_spans(records, include_joining=True)]
-        rtts = manager.measure_rtts(peers)
-    return build_status(records, model, manager.prefix, rtts)
+        spans = online_spans(records, include_joining=True)
+        rtts = manager.measure_rtts([span.peer_id for span in spans])
+        with_cache = sorted({span.peer_id for span in spans if "prefix_cache" in span.info.capability_set
+                             and not math.isinf(rtts.get(span.peer_id, math.inf))})
+        reports = aio.run(_prefix_reports(manager, with_cache), timeout=PREFIX_REPORT_TIMEOUT + 10)
+    return build_status(records, model, manager.prefix, rtts, prefix_reports=reports)
+
+
+PREFIX_REPORT_TIMEOUT = 2.0  # seconds for each server's `rpc_prefix_cache` in a snapshot
+
+
+async def _prefix_reports(manager, peer_ids: List[str]) -> Dict[str, PrefixCacheReport]:
+    async def one(peer_id: str) -> Optional[PrefixCacheReport]:
+        try:
+            return await asyncio.wait_for(manager.prefix_cache(peer_id), PREFIX_REPORT_TIMEOUT)
+        except Exception:  # noqa: BLE001 - a status page lists what it could read
+            return None
+
+    found = await asyncio.gather(*(one(peer) for peer in peer_ids))
+    return {peer: report for peer, report in zip(peer_ids, found) if report is not None}
 
 
 class SwarmStatusView:
@@ -123,6 +167,10 @@ def coverage_bar(status: SwarmStatus) -> str:
     return "".join("." if b.servers == 0 else (str(b.servers) if b.servers < 10 else "+") for b in status.blocks)
 
 
+def _pages_cell(pages: Optional[PrefixPages]) -> str:
+    return "-" if pages is None else f"{pages.hit}/{pages.computed}/{pages.evicted}"
+
+
 def format_table(status: SwarmStatus) -> str:
     lines = [f"model {_clean(status.model, 80)} (DHT prefix {_clean(status.prefix, 60)}): "
              f"{status.blocks_covered}/{status.num_blocks} blocks served by {len(status.servers)} server(s)",
@@ -130,11 +178,12 @@ def format_table(status: SwarmStatus) -> str:
     if status.missing:
         lines.append(f"missing blocks: {', '.join(str(i) for i in status.missing)}")
     header = ("peer id", "name", "blocks", "state", "reach", "steps/s", "free cache", "quant", "adapters", "release",
-              "proto", "rtt ms")
+              "proto", "rtt ms", "prefix pages hit/computed/evicted")
     rows = [(_clean(s.peer_id, 56), _clean(s.public_name, 24), f"{s.start}:{s.end}", s.state, s.reachable,
              f"{s.throughput:.1f}",
              str(s.cache_tokens_left), _clean(s.quant_type, 8), _clean(",".join(s.adapters) or "-", 24),
-             _clean(s.version or "-", 16), s.protocol, "-" if s.rtt_ms is None else f"{s.rtt_ms:.1f}")
+             _clean(s.version or "-", 16), s.protocol, "-" if s.rtt_ms is None else f"{s.rtt_ms:.1f}",
+             _pages_cell(s.prefix_pages))
             for s in status.servers]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
