@@ -115,6 +115,11 @@ def test_an_old_server_and_a_new_one_under_a_new_gateway(old_first, model_path, 
             assert reply.status_code == 200, reply.text
             assert reply.json()["choices"][0]["message"]["content"] == reference_text(tokenizer, reference_model,
                                                                                       messages, 16)
+        # the client's own `generate` steps its session alone, with pushes: the old server pushes to the new one (the
+        # gateway's engine rounds step a chain that mixes releases hop by hop through the client: issue 46)
+        ids = tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
+        out = model.generate(ids, max_new_tokens=8, do_sample=False)
+        assert out.tolist() == reference_model.generate(ids, max_new_tokens=8, do_sample=False).tolist()
         assert model.manager.server_info(old.peer_id).pushes_sent > before  # old -> new pushes
         status = httpx.get(url + "/status.json", timeout=120).json()
         shown = {s["peer_id"]: s["version"] for s in status["servers"]}
