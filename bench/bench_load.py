@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
 import psutil  # noqa: E402
-from harness import Clock  # noqa: E402
+from harness import Clock, cpu_seconds  # noqa: E402
 from load_client import Stream, chunks_in, gaps_in, percentiles, stream_chat, wait_for, wave_stats  # noqa: E402
 from load_report import markdown, profile_summary, write_section  # noqa: E402
 
@@ -104,20 +104,6 @@ def local_limit(batches, tokens: int) -> dict:
 
 
 # ---- processes: CPU and memory --------------------------------------------------------------------------------------
-def cpu_seconds(pid: int, tree: bool = False) -> float:
-    try:
-        procs = [psutil.Process(pid)]
-        if tree:
-            procs += procs[0].children(recursive=True)
-        total = 0.0
-        for p in procs:
-            t = p.cpu_times()
-            total += t.user + t.system
-        return total
-    except psutil.Error:
-        return 0.0
-
-
 class Monitor:
     """CPU time snapshots of the gateway (process, process with children) and servers; the gateway's RSS sampled
     every 0.2 s (peak since the last `reset`)."""

@@ -37,9 +37,9 @@ from typing import Any, Dict, List
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import httpx  # noqa: E402
-import psutil  # noqa: E402
 import torch  # noqa: E402
 
+from bench.harness import cpu_seconds  # noqa: E402
 from bench.load_client import stream_chat  # noqa: E402
 from launch.topology import ManagedProcess, Topology  # noqa: E402
 from swarm.modeling.prepare import prepare_model  # noqa: E402
@@ -49,27 +49,10 @@ MODEL = "tiny-llama"  # the checkpoint directory's name: what the gateway serves
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def cpu_seconds(proc: ManagedProcess, children: bool = True) -> float:
-    """User + system CPU seconds of a process and (`children`) its descendants (the DHT child, p2pd)."""
-    try:
-        root = psutil.Process(proc.proc.pid)
-        members = [root, *root.children(recursive=True)] if children else [root]
-    except psutil.NoSuchProcess:
-        return 0.0
-    total = 0.0
-    for member in members:
-        try:
-            times = member.cpu_times()
-            total += times.user + times.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
 def cpu_now(gateway: ManagedProcess, servers: List[ManagedProcess]) -> Dict[str, float]:
     """CPU seconds so far: each process with its children, and the gateway's Python process alone."""
-    return {"gateway": cpu_seconds(gateway), "gateway_python": cpu_seconds(gateway, children=False),
-            **{f"server{i}": cpu_seconds(s) for i, s in enumerate(servers)}}
+    return {"gateway": cpu_seconds(gateway.proc.pid, tree=True), "gateway_python": cpu_seconds(gateway.proc.pid),
+            **{f"server{i}": cpu_seconds(s.proc.pid, tree=True) for i, s in enumerate(servers)}}
 
 
 def body(new_tokens: int) -> dict:

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
+from bench.harness import cpu_seconds  # noqa: E402
 from launch.topology import ManagedProcess, start_bootstrap, start_servers, terminate_all  # noqa: E402
 from swarm.client.transport import rounds  # noqa: E402
 from swarm.modeling.prepare import prepare_model  # noqa: E402
@@ -35,24 +36,12 @@ from tests.fixtures.tiny_checkpoints import save_tiny  # noqa: E402
 SPANS = ("0:2", "2:4")
 
 
-def cpu_seconds(proc: psutil.Process) -> float:
-    """CPU seconds of a process and its descendants (a server's DHT child and p2pd)."""
-    total = 0.0
-    for member in [proc, *proc.children(recursive=True)]:
-        try:
-            times = member.cpu_times()
-            total += times.user + times.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
 def run_mode(mode: str, sessions, head, rounds_n: int, servers: List[ManagedProcess], manager) -> Dict[str, float]:
     """`rounds_n` decode steps of every session in `mode` ("round": step_round; "astep": each session's astep, all at
     once on the client loop)."""
     x = head.embed(torch.tensor([[42]]))  # [1, 1, hidden]: the same token each step (compute is not measured)
     me = psutil.Process()
-    procs = [psutil.Process(s.proc.pid) for s in servers]
+    pids = [s.proc.pid for s in servers]
     peers = sorted({st.hop.peer_id for s in sessions for st in s.session._streams})
 
     def one_round() -> None:
@@ -69,13 +58,13 @@ def run_mode(mode: str, sessions, head, rounds_n: int, servers: List[ManagedProc
     for _ in range(3):  # warm-up
         one_round()
     stats0 = {p: aio.run(rounds.round_stats(manager, p)) for p in peers}
-    client0, servers0 = me.cpu_times(), [cpu_seconds(p) for p in procs]
+    client0, servers0 = me.cpu_times(), [cpu_seconds(pid, tree=True) for pid in pids]
     latencies = []
     for _ in range(rounds_n):
         began = time.perf_counter()
         one_round()
         latencies.append(time.perf_counter() - began)
-    client1, servers1 = me.cpu_times(), [cpu_seconds(p) for p in procs]
+    client1, servers1 = me.cpu_times(), [cpu_seconds(pid, tree=True) for pid in pids]
     stats1 = {p: aio.run(rounds.round_stats(manager, p)) for p in peers}
     tokens = rounds_n * len(sessions)
     latencies.sort()

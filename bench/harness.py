@@ -6,7 +6,8 @@ processes, last started first) on exit.
         url = swarm.start_gateway("bench-gateway").ready["url"]
         model = swarm.client_model()
 
-`Clock` is the streamer every benchmark times generation steps with.
+`Clock` is the streamer every benchmark times generation steps with; `cpu_seconds` the CPU time of a process (and
+its descendants: a server's DHT child and p2pd) that the benchmarks measuring CPU per token read.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import time
 from typing import Callable, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import psutil  # noqa: E402
 
 from launch.topology import ManagedProcess, Topology  # noqa: E402
 
@@ -64,3 +67,21 @@ class BenchSwarm(Topology):
             self.client.shutdown()
             self.client = None
         super().close()
+
+
+def cpu_seconds(pid: int, tree: bool = False) -> float:
+    """User + system CPU seconds of process `pid` and (`tree`) its descendants; a member that exits meanwhile counts
+    no more, a process already gone 0."""
+    try:
+        root = psutil.Process(pid)
+        members = [root, *root.children(recursive=True)] if tree else [root]
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for member in members:
+        try:
+            times = member.cpu_times()
+            total += times.user + times.system
+        except psutil.Error:
+            pass
+    return total
