@@ -22,7 +22,8 @@ too many entries or malformed digests are rejected); a record whose summary does
 from __future__ import annotations
 
 import hashlib
-from typing import Annotated, Dict, Iterable, List, Literal, Optional, Sequence, Tuple
+from functools import cached_property
+from typing import Annotated, Dict, FrozenSet, Iterable, Iterator, List, Literal, Optional, Sequence, Tuple, Union
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
@@ -37,20 +38,25 @@ MAX_PAGE_TOKENS = 4096  # (the server's `--prefix_page_tokens` bound)
 PageHex = Annotated[str, StringConstraints(pattern=f"^[0-9a-f]{{{DIGEST_HEX}}}$")]
 
 
-def page_digests(salt: str, adapter: Optional[str], first: int, last: int, page_tokens: int,
-                 tokens: Sequence[int]) -> List[bytes]:
-    """The digests of the full pages of `tokens` (h_1 .. h_n, one per page of `page_tokens`)."""
+def iter_page_digests(salt: str, adapter: Optional[str], first: int, last: int, page_tokens: int,
+                      tokens: Union[Sequence[int], np.ndarray]) -> Iterator[bytes]:
+    """The digests of the full pages of `tokens` (h_1 .. h_n, one per page of `page_tokens`), each computed when
+    asked for (`tokens`: a list, or an int64 array)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(DIGEST_VERSION)
     for part in (salt, adapter or "", f"{first}:{last}:{page_tokens}"):
         h.update(len(part).to_bytes(4, "little") + part.encode())
     digest = h.digest()
-    out = []
     for i in range(len(tokens) // page_tokens):
         page = np.asarray(tokens[i * page_tokens:(i + 1) * page_tokens], dtype=np.int64)
         digest = hashlib.blake2b(digest + page.tobytes(), digest_size=16).digest()
-        out.append(digest)
-    return out
+        yield digest
+
+
+def page_digests(salt: str, adapter: Optional[str], first: int, last: int, page_tokens: int,
+                 tokens: Sequence[int]) -> List[bytes]:
+    """The digests of the full pages of `tokens` (h_1 .. h_n, one per page of `page_tokens`)."""
+    return list(iter_page_digests(salt, adapter, first, last, page_tokens, tokens))
 
 
 class PrefixRange(BaseModel):
@@ -86,12 +92,13 @@ class PrefixSummary(BaseModel):
             raise ValueError("a prefix summary lists each block range once")
         return self
 
-    def pages_for(self, first: int, last: int) -> Optional[frozenset]:
+    @cached_property
+    def _by_range(self) -> Dict[Tuple[int, int], FrozenSet[str]]:
+        return {(held.first, held.last): frozenset(held.pages) for held in self.ranges}
+
+    def pages_for(self, first: int, last: int) -> Optional[FrozenSet[str]]:
         """The page digests (hex prefixes) held for sessions over blocks [first, last) (None: no such range)."""
-        for held in self.ranges:
-            if (held.first, held.last) == (first, last):
-                return frozenset(held.pages)
-        return None
+        return self._by_range.get((first, last))
 
 
 def summarize(keys: Iterable[Tuple[int, int, bytes]], page_tokens: int) -> Optional[PrefixSummary]:
@@ -115,13 +122,15 @@ def summarize(keys: Iterable[Tuple[int, int, bytes]], page_tokens: int) -> Optio
                          ranges=tuple(PrefixRange(first=f, last=t, pages=tuple(p)) for (f, t), p in ranges.items()))
 
 
-def held_pages(summary: Optional[PrefixSummary], first: int, last: int, digests: Sequence[bytes]) -> int:
-    """How many leading pages of `digests` (a prompt's `page_digests` for blocks [first, last) and the summary's
-    `page_tokens`) `summary` says are held."""
-    if summary is None:
+def held_pages(summary: Optional[PrefixSummary], first: int, last: int, digests: Iterable[bytes]) -> int:
+    """How many leading pages of `digests` (a prompt's page digests for blocks [first, last) and the summary's
+    `page_tokens`; read only up to the first page not held) `summary` says are held."""
+    pages = summary.pages_for(first, last) if summary is not None else None
+    if not pages:
         return 0
-    pages = summary.pages_for(first, last)
     count = 0
-    while pages and count < len(digests) and digests[count].hex()[:DIGEST_HEX] in pages:
+    for digest in digests:
+        if digest.hex()[:DIGEST_HEX] not in pages:
+            break
         count += 1
     return count

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Collection, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Collection, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
 
 from swarm.client.transport.coverage import usable_spans
 from swarm.client.transport.routing import (
@@ -41,7 +43,7 @@ from swarm.client.transport.routing import (
     find_inference_chain,
 )
 from swarm.wire import protocol as P
-from swarm.wire.prefix_pages import held_pages, page_digests
+from swarm.wire.prefix_pages import held_pages, iter_page_digests
 from swarm.wire.records import ServerSpan
 
 
@@ -53,15 +55,35 @@ class PrefixCosts:
     prefix_max_slowdown: float = 0.25  # a holder chain is never more than this fraction slower per step
 
 
+class _Digests:
+    """A prompt's page digests for one range and page size, computed as far as they are read (most servers' records
+    do not hold its first page: one hash each)."""
+
+    def __init__(self, pages: Iterator[bytes]):
+        self._pages, self._done = pages, []  # type: Tuple[Iterator[bytes], List[bytes]]
+
+    def __iter__(self) -> Iterator[bytes]:
+        index = 0
+        while True:
+            if index == len(self._done):
+                page = next(self._pages, None)
+                if page is None:
+                    return
+                self._done.append(page)
+            yield self._done[index]
+            index += 1
+
+
 class HeldPrefix:
     """How many leading tokens of one declared prompt a server holds for a block range (digests computed once per
-    range and page size)."""
+    range and page size, as far as they are read)."""
 
     def __init__(self, prefix: P.PrefixDecl, adapter: Optional[str], session_length: int):
         self.prefix, self.adapter = prefix, adapter
         # the server keys at most the session's length of the declaration (`server.rpc.prefix`)
-        self.tokens = prefix.tokens[:session_length] if session_length > 0 else prefix.tokens
-        self._digests: Dict[Tuple[int, int, int], List[bytes]] = {}
+        tokens = prefix.tokens[:session_length] if session_length > 0 else prefix.tokens
+        self.tokens = np.asarray(tokens, dtype=np.int64)
+        self._digests: Dict[Tuple[int, int, int], _Digests] = {}
 
     def held_tokens(self, span: ServerSpan, first: int, last: int) -> int:
         summary = span.info.prefixes
@@ -69,8 +91,8 @@ class HeldPrefix:
             return 0
         key = (first, last, summary.page_tokens)
         if key not in self._digests:
-            self._digests[key] = page_digests(self.prefix.salt, self.adapter, first, last, summary.page_tokens,
-                                              self.tokens)
+            self._digests[key] = _Digests(iter_page_digests(self.prefix.salt, self.adapter, first, last,
+                                                            summary.page_tokens, self.tokens))
         pages = held_pages(summary, first, last, self._digests[key])
         return min(pages * summary.page_tokens, len(self.tokens) - 1)
 
