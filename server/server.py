@@ -215,6 +215,7 @@ class Server:
             handler.prefix_cache = PrefixCache(handler.budget, self.config.prefix_page_tokens)
         await handler.add_p2p_handlers(await self.network.handle())
         self.handler = handler
+        self.record.prefix_summary = handler.prefix_summary  # (announced: clients route to holders of a prefix)
         logger.info(f"loaded and serving blocks {start}:{end} in {time.monotonic() - began:.1f}s")
 
     def _compute_pool(self) -> TaskPool:
@@ -227,6 +228,7 @@ class Server:
     async def unload_blocks(self) -> None:
         """Stop serving the span (its RPC handlers and push streams end) and free its memory."""
         handler, self.handler = self.handler, None
+        self.record.prefix_summary = lambda: None  # (its pages go with it)
         if handler is None:
             return
         handler.accepting = False
@@ -294,7 +296,8 @@ class Server:
                 next_balance = time.monotonic() + spans.jittered(self.config.balance_period, self.rng)
             since = time.monotonic() - self.record.last_announce
             budget = self.capacity.attn_cache_tokens if self.capacity is not None else None
-            if since >= period or (self.record.cache_changed(budget) and since >= period / 4):
+            changed = self.record.cache_changed(budget) or self.record.prefixes_changed()
+            if since >= period or (changed and since >= period / 4):
                 await self._heal()
                 if since >= period:
                     await self.record.measure_next_pings(self.p2p, self.peer_id)

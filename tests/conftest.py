@@ -68,6 +68,11 @@ EXTENDED = (
     # rule in tests/server/test_prefix_cache.py)
     "tests/e2e/test_prefix_cache.py::test_concurrent_conversations_compute_the_shared_prompt_once",
     "tests/e2e/test_prefix_cache.py::test_failover_after_an_adopted_prefix_gives_the_same_tokens",
+    # a new session routed to the replica whose record announces its prompt's pages (about 25 s: two tiny servers; make
+    # test: the routing rules on synthetic swarms, tests/swarm/client/test_prefix_routing_unit.py, the summary a
+    # server's handler and record make, tests/server/test_prefix_summary.py, and the record field,
+    # tests/swarm/wire/test_prefix_pages.py)
+    "tests/e2e/test_prefix_routing.py::",
     # the 2- and 3-hop topologies (make test: the 0:15 + 15:30 split, and every other e2e test on it)
     "tests/e2e/test_swarm_e2e.py::test_greedy_generation_matches_transformers[0:10+10:20+20:30]",
     "tests/e2e/test_swarm_e2e.py::test_greedy_generation_matches_transformers[0:20+10:30]",

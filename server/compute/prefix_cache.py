@@ -3,9 +3,10 @@ whose prompt starts the same way adopts them instead of computing them again (is
 
 A block's keys and values at a position depend only on the tokens before it (and the adapter), so a page, the KV of
 positions [i P, (i + 1) P) of one session's blocks [first, last), is named by a hash chain over the prompt's tokens:
-h_0 = H(version, salt, adapter, first, last, P), h_i+1 = H(h_i, token ids of page i) (`page_digests`). The salt comes
-from the client (the gateway's is a hash of the API key by default): pages of different salts or adapters are never
-shared. A page holds per layer its keys (and values, unless they are views of the keys: DeepSeek's latent cache)
+h_0 = H(version, salt, adapter, first, last, P), h_i+1 = H(h_i, token ids of page i) (`page_digests`, in
+`swarm.wire.prefix_pages`: clients compute it too, to read the servers' record summaries). The salt comes from the
+client (the gateway's is a hash of the API key by default): pages of different salts or adapters are never shared. A
+page holds per layer its keys (and values, unless they are views of the keys: DeepSeek's latent cache)
 [1, kv_heads, P, head_dim], and the span's outputs at its positions [1, P, hidden]: a session that adopts pages
 returns those to its client, which keeps them as the next span's input history (failover replay, spot-checks).
 
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
 import logging
 from dataclasses import dataclass
 from typing import Dict, List, Optional, OrderedDict, Sequence, Tuple
@@ -36,27 +36,11 @@ from typing import Dict, List, Optional, OrderedDict, Sequence, Tuple
 import torch
 
 from server.compute.cache import CacheBudget, SessionKV
+from swarm.wire.prefix_pages import DIGEST_VERSION, page_digests  # noqa: F401 - (shared with clients)
 
 logger = logging.getLogger(__name__)
 
-DIGEST_VERSION = b"swarmgate-prefix-v1"
 PageKey = Tuple[int, int, bytes]  # (first block, last block, digest)
-
-
-def page_digests(salt: str, adapter: Optional[str], first: int, last: int, page_tokens: int,
-                 tokens: Sequence[int]) -> List[bytes]:
-    """The digests of the full pages of `tokens` (h_1 .. h_n, one per page of `page_tokens`)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(DIGEST_VERSION)
-    for part in (salt, adapter or "", f"{first}:{last}:{page_tokens}"):
-        h.update(len(part).to_bytes(4, "little") + part.encode())
-    digest = h.digest()
-    out = []
-    for i in range(len(tokens) // page_tokens):
-        page = torch.tensor(tokens[i * page_tokens:(i + 1) * page_tokens], dtype=torch.int64)
-        digest = hashlib.blake2b(digest + page.numpy().tobytes(), digest_size=16).digest()
-        out.append(digest)
-    return out
 
 
 @dataclass

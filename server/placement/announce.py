@@ -5,7 +5,8 @@ RTTs to the next servers, the release, protocol versions and capabilities: `swar
 under each block the server holds, always with the full lifetime (`--expiration`, default twice `--update_period`),
 since the DHT keeps whichever value of a key expires later. `Announcer` keeps what was last announced, so that the
 supervisor refreshes the record every `--update_period`, or sooner when the free cache changed by a tenth of the
-budget; moving the span announces the blocks left behind as offline. A full read that finds servers of a newer
+budget or the prefix cache holds other pages (its summary, `swarm.wire.prefix_pages`, goes in the online record);
+moving the span announces the blocks left behind as offline. A full read that finds servers of a newer
 release logs one line, once. Reading the swarm back: `spans` (every block's key; the last result kept as `view`),
 `unserved` (a few blocks' keys: the hole watch between full reads), and the next servers' RTTs read block `end`'s
 key alone. While online, the server's model (`ModelRecord`) is also announced under the one `MODELS_KEY`, where a
@@ -18,7 +19,7 @@ import asyncio
 import logging
 import time
 from functools import partial
-from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, List, Optional, Protocol, Sequence, Tuple
 
 import hivemind
 import torch
@@ -28,6 +29,7 @@ from server.placement.pings import measure_next_pings
 from swarm import __version__
 from swarm.runtime.swarm_key import SwarmKey, proof_for
 from swarm.wire.capabilities import MIN_PROTOCOL_VERSION, OWN_CAPABILITIES, PROTOCOL_VERSION, parse_release
+from swarm.wire.prefix_pages import PrefixSummary
 from swarm.wire.reachability import Reachable
 from swarm.wire.records import (
     ModelRecord,
@@ -83,6 +85,9 @@ class Announcer:
         self.next_pings: Dict[str, float] = {}  # peer id -> RTT (s) to servers that can run block `end`
         self.limits: Optional[ServerLimits] = None  # the RPC limits this server enforces (set by the server)
         self.model: Optional[ModelRecord] = None  # announced under MODELS_KEY while online (set by the server)
+        # what the prefix cache holds now (`swarm.wire.prefix_pages`; set by the server), and the pages last announced
+        self.prefix_summary: Callable[[], Optional[PrefixSummary]] = lambda: None
+        self.announced_pages: FrozenSet[Tuple[int, int, str]] = frozenset()
         self.view: Optional[Tuple[float, List[ServerSpan]]] = None  # (monotonic time, spans) of the last full read
         self.newer_release_noted = False  # a newer release was seen in the swarm and logged (once)
         # observable counters (tests, logs) and what the last announcement said
@@ -106,7 +111,8 @@ class Announcer:
                           protocol=PROTOCOL_VERSION, min_protocol=MIN_PROTOCOL_VERSION, capabilities=OWN_CAPABILITIES,
                           dtype=str(self.dtype).replace("torch.", ""), quant_type=self.quant_type,
                           adapters=self.adapters, next_pings=dict(self.next_pings), limits=self.limits,
-                          tensor_parallel=self.tensor_parallel, reachable=self.reachable)
+                          tensor_parallel=self.tensor_parallel, reachable=self.reachable,
+                          prefixes=self.prefix_summary() if state == ServerState.ONLINE else None)
 
     async def declare(self, blocks: Sequence[int], info: ServerInfo) -> List[int]:
         """Store `info` under each of `blocks`; returns the blocks whose store no DHT node took."""
@@ -141,6 +147,7 @@ class Announcer:
         self.state = state
         self.announcements += 1
         self.announced_free = info.cache_tokens_left
+        self.announced_pages = self._pages(info.prefixes)
         self.last_announce = time.monotonic()
 
     async def leave_blocks(self, start: int, end: int) -> None:
@@ -199,6 +206,17 @@ class Announcer:
                                                        proof=proof_for(self.swarm_key, peer_id))
         except Exception as e:  # measuring is best effort; the record goes out anyway
             logger.debug(f"measuring next pings failed: {e}")
+
+    @staticmethod
+    def _pages(summary: Optional[PrefixSummary]) -> FrozenSet[Tuple[int, int, str]]:
+        if summary is None:
+            return frozenset()
+        return frozenset((r.first, r.last, page) for r in summary.ranges for page in r.pages)
+
+    def prefixes_changed(self) -> bool:
+        """Whether the prefix cache holds other pages than the last announcement said (a use of held pages, which
+        only reorders them, is no change)."""
+        return self._pages(self.prefix_summary()) != self.announced_pages
 
     def cache_changed(self, budget_tokens: Optional[int]) -> bool:
         """Whether the free cache moved by a tenth of the budget since the last announcement."""

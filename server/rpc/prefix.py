@@ -11,6 +11,8 @@ After each step (`_prefix_after_step`): the positions that are still the declare
 written in order from 0 by the session's steps; a step that starts before the session's end, after its first one,
 rewrites positions with what may be other tokens: the declaration ends there) have their outputs kept, and every
 page they complete is stored (where the budget has room). The stream's end gives up its claims.
+
+`prefix_summary`: what the cache holds, for the server's DHT record (clients' routing prefers holders of a prefix).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from server.rpc.limits import RpcLimits
 from swarm.runtime.swarm_key import NOT_A_MEMBER
 from swarm.runtime.taskpool import PRIORITY_PREFILL, TaskPool
 from swarm.wire import protocol as P
+from swarm.wire.prefix_pages import PrefixSummary, summarize
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +142,14 @@ class PrefixHandler:
         if self.prefix_cache is not None and state is not None:
             self.prefix_cache.unclaim([state.keys[i] for i in state.claimed])
             state.claimed = []
+
+    def prefix_summary(self) -> Optional[PrefixSummary]:
+        """What the cache holds, for the server's DHT record (`swarm.wire.prefix_pages`: the most recently used pages
+        first; None: nothing held, or the cache is off)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return None
+        return summarize(reversed(cache.pages), cache.page_tokens)
 
     def prefix_report(self) -> P.PrefixCacheReport:
         cache = self.prefix_cache

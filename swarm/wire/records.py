@@ -4,7 +4,8 @@ One DHT key per block of a model (`"{prefix}.{block_index}"`), one sub-key per s
 value is a `ServerInfo` dict: the server's state, its span, throughput, free KV cache, release (`version`), the
 protocol versions and named capabilities it supports (`swarm.wire.capabilities`), the RTTs it
 measured to servers that host its next blocks, its resource limits (`ServerLimits`) and whether peers dial it
-directly or through a relay (`reachable`, `swarm.wire.reachability`). Records expire unless
+directly or through a relay (`reachable`, `swarm.wire.reachability`) and what its prefix cache holds (`prefixes`,
+`swarm.wire.prefix_pages`). Records expire unless
 refreshed; a server going away stores `offline` with a short expiration. Records that fail validation, or that are
 "unknown" (a malformed release, no protocol version in common: `ServerInfo.problem`), are ignored with one log line
 per peer (a bad peer cannot break a reader). A reader ignores fields it does not know (`extra="ignore"`): fields are
@@ -13,8 +14,9 @@ added to records freely, and the first release reads this release's records (`do
 What a read costs (it grows with the swarm, so it is kept small): hivemind answers a find with the whole value
 of each key asked (every server's record under it) from every node visited that holds it, plus a list of that
 node's nearest neighbours. So:
-- a server's RTTs to the next servers (`next_pings`, more than half of a record's bytes) go only into the record
-  under its span's last block, the one routing reads them from (`online_spans` keeps each span's last record);
+- a server's RTTs to the next servers (`next_pings`, more than half of a record's bytes) and the summary of its
+  prefix cache (`prefixes`, `swarm.wire.prefix_pages`: at most about 2.5 KB) go only into the record under its span's
+  last block, the one routing reads them from (`online_spans` keeps each span's last record);
 - reads and stores visit at most `DHT_BEAM` nodes per key (hivemind's default is its bucket size, 20: every node
   of a small swarm), enough to reach the `num_replicas` (5) nodes nearest to a key that hold it;
 - the peers keep no DHT cache (`swarm.runtime.swarm_key.NO_DHT_CACHE`): every read asks for the latest values
@@ -33,7 +35,15 @@ from typing import Annotated, Dict, FrozenSet, List, Literal, Optional, Sequence
 from hivemind import DHT
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
 
 from swarm.wire.capabilities import (
     CAPABILITY_PATTERN,
@@ -42,6 +52,7 @@ from swarm.wire.capabilities import (
     protocol_problem,
     unknown_capabilities,
 )
+from swarm.wire.prefix_pages import PrefixSummary
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +114,19 @@ class ServerInfo(BaseModel):
     capabilities: Optional[Tuple[Annotated[str, StringConstraints(pattern=CAPABILITY_PATTERN)], ...]] = Field(
         default=None, max_length=128, description="the named features the server supports (swarm.wire.capabilities); "
                                                   "None: a first-release server (it supports the first release's)")
+    # added in 0.2.x (issue 47): what the server's prefix cache holds (`swarm.wire.prefix_pages`), only in the record
+    # under the span's last block; None: nothing (an older server, its cache off, or a summary this release does not
+    # read: a newer version or a malformed one is dropped, the record still counts)
+    prefixes: Optional[PrefixSummary] = Field(default=None, description="the prompt-prefix pages the server holds")
+
+    @field_validator("prefixes", mode="wrap")
+    @classmethod
+    def _readable_prefixes(cls, value: object, handler: ValidatorFunctionWrapHandler) -> Optional[PrefixSummary]:
+        try:
+            return handler(value)
+        except ValidationError as e:
+            logger.debug(f"a record's prefix summary is dropped: {str(e).splitlines()[0]}")
+            return None
 
     @property
     def capability_set(self) -> FrozenSet[str]:
@@ -189,17 +213,23 @@ async def _store_records(dht: DHT, node, *, keys, subkey, values, expiration_tim
                                  subkeys=[subkey] * len(keys), beam_size=DHT_BEAM)
 
 
+def record_values(info: ServerInfo, blocks: Sequence[int]) -> List[dict]:
+    """The value stored under each of `blocks`: `info`, without its `next_pings` and `prefixes` but under the span's
+    last block."""
+    full = info.model_dump(mode="json")
+    lean = info.model_copy(update={"next_pings": {}, "prefixes": None}).model_dump(mode="json")
+    return [full if index == info.end - 1 else lean for index in blocks]
+
+
 def declare_blocks(
     dht: DHT, prefix: str, blocks: Sequence[int], info: ServerInfo, expiration_time: float, wait: bool = True
 ):
-    """Store `info` under each block's key with this server's peer id as sub-key (its `next_pings` only under
-    the last block of its span, where routing reads them)."""
+    """Store `info` under each block's key with this server's peer id as sub-key (its `next_pings` and `prefixes`
+    only under the last block of its span, where routing reads them)."""
     blocks = list(blocks)
     keys = [block_key(prefix, i) for i in blocks]
     subkey = dht.peer_id.to_base58()
-    full = info.model_dump(mode="json")
-    lean = info.model_copy(update={"next_pings": {}}).model_dump(mode="json")
-    values = [full if index == info.end - 1 else lean for index in blocks]
+    values = record_values(info, blocks)
     coro = partial(_store_records, keys=keys, subkey=subkey, values=values, expiration_time=expiration_time)
     return dht.run_coroutine(coro, return_future=not wait)
 

@@ -1,7 +1,8 @@
 """The client's view of one model's swarm: its DHT peer, the servers' spans, bans, routing and stubs.
 
 `SwarmManager` joins the DHT as a client, reads the block records (refreshing them periodically, and at once
-when a route cannot be built), and turns them into chains of servers with `swarm.client.transport.routing`. Servers that
+when a route cannot be built), and turns them into chains of servers with `swarm.client.transport.routing` (and
+`swarm.client.transport.prefix_routing`, which prefers the servers that hold a session's declared prompt). Servers that
 failed are banned with exponential back-off so that routing avoids them for a while; but when every server of some block
 is banned and the failed ones are relayed servers that could not be reached (a server behind a NAT whose relay
 restarted: it renews its slot), they may be tried again after a short back-off (1, 2, 4, ... s, up to
@@ -43,6 +44,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from swarm.client.transport.prefix_routing import find_prefix_chain
 from swarm.client.transport.routing import (
     QUANT_TYPES,
     RouteHop,
@@ -315,7 +317,7 @@ class SwarmManager:
             except RoutingError:
                 return self._timed_route(spent, True, fn, start, end, **kwargs)
         finally:
-            if fn is find_inference_chain and self.on_route is not None:
+            if fn in (find_inference_chain, find_prefix_chain) and self.on_route is not None:
                 try:
                     self.on_route(RouteTiming(view_s=spent[0], search_s=spent[1]))
                 except Exception as e:  # an observer must never break routing
@@ -350,14 +352,19 @@ class SwarmManager:
 
     def make_inference_chain(self, start: int = 0, end: Optional[int] = None, cache_tokens_needed: int = 0,
                              adapter: Optional[str] = None, session_length: int = 0,
-                             needs: Collection[str] = ()) -> List[RouteHop]:
+                             needs: Collection[str] = (), prefix: Optional[P.PrefixDecl] = None) -> List[RouteHop]:
         """`adapter`: only through servers that hold this LoRA adapter (None: any server); `session_length`: only
         through servers whose announced limits take a session that long; `needs`: only through servers that
-        announce these capabilities too (`needs_for`)."""
+        announce these capabilities too (`needs_for`); `prefix`: the prompt the session declares, whose holders
+        are preferred where that is not slower (`swarm.client.transport.prefix_routing`)."""
         end = self.num_blocks if end is None else end
+        needs = needs_for(adapter=adapter) | frozenset(needs)
+        if prefix is not None:
+            return self._route(find_prefix_chain, start, end, cache_tokens_needed=cache_tokens_needed,
+                               client_rtts=dict(self.rtts), adapter=adapter, session_length=session_length,
+                               needs=needs, prefix=prefix)
         return self._route(find_inference_chain, start, end, cache_tokens_needed=cache_tokens_needed,
-                           client_rtts=dict(self.rtts), adapter=adapter, session_length=session_length,
-                           needs=needs_for(adapter=adapter) | frozenset(needs))
+                           client_rtts=dict(self.rtts), adapter=adapter, session_length=session_length, needs=needs)
 
     def make_forward_chain(self, start: int = 0, end: Optional[int] = None, adapter: Optional[str] = None,
                            needs: Collection[str] = ()) -> List[RouteHop]:

@@ -121,7 +121,7 @@ class SessionChain:
                     None, lambda: self.manager.make_inference_chain(start, end, batch_size * self.max_length,
                                                                     adapter=self.adapter,
                                                                     session_length=self.max_length,
-                                                                    needs=self.needs))
+                                                                    needs=self.needs, prefix=self.prefix))
             except RoutingError as e:
                 last_error = e
                 turn = self.manager.sole_retry_wait(start, end)
