@@ -17,8 +17,16 @@ session's own buffers (`adopt`): a session's KV stays one preallocated buffer pe
 on the CPU, `server.compute.kv_arena`), which every attention path reads as it is; the copy of a 1,024-token prefix
 of the bundled model's 30 blocks (46 MB) takes milliseconds against seconds of prefill.
 
-Several sessions that declare the same prefix at once: the first claims the pages it lacks (`claim`), the others
-wait for its pages (up to a bound) instead of computing them too (`wait_for`).
+Several sessions that declare the same prefix at once compute it once (single-flight): the first claims the pages
+it lacks (`claim`: "in flight"), the others wait for its pages instead of computing them too (`wait_for`), then adopt
+them. It never deadlocks: a waiter holds no claim while it waits at a server (it claims what is left after its wait),
+clients open their hops in chain order (so a session computing a page at one server never waits at an earlier one
+for a session that waits for it), the claimant's cache reservation was taken before its claim, and a page the budget
+has no room for is given up like any other (its waiters then compute it themselves). It never waits long for what it
+could compute itself: the wait is bounded (`wait`, the server's `--prefix_wait`), and a claim goes as soon as its
+claimant will not compute it (its stream ended, a step of it failed, a rewind cut its prompt before it): its waiters
+then compute the page themselves. `pages_computed` counts every page of a declared prompt a session computed (stored
+or not), so a page computed by two sessions counts twice.
 
 Declined explicitly (`PrefixCache.declines`): sessions of more than one row (beams, batches), with deep prompts, over
 blocks with a sliding window (ring buffers), or of a model whose rotary picks its factors by the sequence's length
@@ -69,7 +77,7 @@ class Page:
 @dataclass
 class PrefixCounters:
     pages_hit: int = 0  # pages adopted by new sessions
-    pages_computed: int = 0  # pages stored after a session computed them
+    pages_computed: int = 0  # pages of declared prompts that sessions computed (not adopted), stored or not
     pages_evicted: int = 0  # pages dropped for room (or for a session that needed it)
     sessions_declined: int = 0  # sessions that declared a prefix the cache declines (`declines`)
 
@@ -77,10 +85,13 @@ class PrefixCounters:
 class PrefixCache:
     """Pages of prompt prefixes by `PageKey`, least recently used first, their cache tokens held in `budget`."""
 
-    def __init__(self, budget: CacheBudget, page_tokens: int = 64):
+    def __init__(self, budget: CacheBudget, page_tokens: int = 64, wait: float = 30.0):
         if page_tokens <= 0:
             raise ValueError("page_tokens must be positive")
-        self.budget, self.page_tokens = budget, page_tokens
+        if wait < 0:
+            raise ValueError("wait must be >= 0")
+        # wait: longest wait (s) of an opening session for the pages other sessions are computing (0: never wait)
+        self.budget, self.page_tokens, self.wait = budget, page_tokens, wait
         self.pages: OrderedDict[PageKey, Page] = collections.OrderedDict()
         self.counters = PrefixCounters()
         self._claims: Dict[PageKey, asyncio.Event] = {}  # pages a session is computing now
@@ -193,7 +204,6 @@ class PrefixCache:
         if not self.budget.take(self.page_tokens):
             return False
         self.pages[key] = page
-        self.counters.pages_computed += 1
         return True
 
     def evict(self, tokens: int) -> int:

@@ -170,3 +170,65 @@ def test_sessions_the_cache_cannot_serve_are_declined_and_run_as_before():
         handler.pool.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_concurrent_sessions_wait_for_the_pages_in_flight_and_compute_them_once():
+    """Single-flight: sessions that open while another computes their prompt's pages wait for them (they do not
+    compute them too), then adopt them; the pages are computed (and counted) once."""
+    async def scenario():
+        handler = _handler(page_tokens=4)
+        cache = handler.prefix_cache
+        assert cache is not None
+        first = _kv()
+        state, _ = await handler._prefix_open(first, _opened(TOKENS[:10]))
+        assert state is not None and len(state.claimed) == 2  # its two full pages: in flight
+        waiters = [asyncio.ensure_future(handler._prefix_open(_kv(), _opened(TOKENS[:13]))) for _ in range(3)]
+        for _ in range(5):  # every task runs as far as it can: each waits for the event of the first's page 0
+            await asyncio.sleep(0)
+        assert not any(w.done() for w in waiters)
+        out = await _step(handler, first, state, 0, 10)
+        # the first waiter to go on adopts both pages and claims its third (the same prompt's: the others wait)
+        finished, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        done = list(finished)
+        assert len(done) == 1 and sum(not w.done() for w in waiters) == 2
+        leader, adopted = done[0].result()
+        assert adopted is not None and torch.equal(adopted, out[:, :8]) and leader.claimed == [2]
+        kv = _kv()
+        kv.begin_step(0)
+        kv.end_step(8)
+        out2 = await _step(handler, kv, leader, 8, 5)
+        for w in waiters:
+            if w is not done[0]:
+                state_w, adopted = await w
+                assert adopted is not None and state_w.claimed == [] and state_w.next_page == 3
+                assert torch.equal(adopted, torch.cat([out[:, :8], out2[:, :4]], dim=1))
+        assert cache.counters.pages_computed == 3 and cache.counters.pages_hit == 2 + 2 * 3
+        handler.pool.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_waiter_computes_the_pages_itself_when_their_claimant_will_not():
+    """The claimant's stream ends (or a step of it fails) before it computed its pages: its waiters go on at once and
+    the first of them claims and computes them; a claim nobody gives up is waited for `wait` s at most."""
+    async def scenario():
+        handler = _handler(page_tokens=4)
+        cache = handler.prefix_cache
+        assert cache is not None
+        state, _ = await handler._prefix_open(_kv(), _opened(TOKENS[:8]))
+        waiter = asyncio.ensure_future(handler._prefix_open(_kv(), _opened(TOKENS[:8])))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not waiter.done()
+        handler._prefix_close(state)  # the claimant's stream ended (or its step failed)
+        state2, adopted = await waiter
+        assert adopted is None and len(state2.claimed) == 2  # nothing held: it computes (and claims) the pages
+        cache.wait = 0.05  # a claim that is never given up: the waiter stops waiting and computes the page itself
+        third = _kv()
+        state3, adopted = await handler._prefix_open(third, _opened(TOKENS[:8]))
+        assert adopted is None and state3.claimed == []  # (still claimed by the second)
+        await _step(handler, third, state3, 0, 8)
+        assert cache.counters.pages_computed == 2 and len(cache.pages) == 2  # stored by whoever computed them
+        handler.pool.shutdown()
+
+    asyncio.run(scenario())
