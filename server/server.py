@@ -213,7 +213,7 @@ class Server:
         handler.compression = self.config.compression
         if self.config.prefix_cache == "on":
             handler.prefix_cache = PrefixCache(handler.budget, self.config.prefix_page_tokens,
-                                               self.config.prefix_wait)
+                                               self.config.prefix_wait, span.cache_bytes_per_token())
         await handler.add_p2p_handlers(await self.network.handle())
         self.handler = handler
         logger.info(f"loaded and serving blocks {start}:{end} in {time.monotonic() - began:.1f}s")

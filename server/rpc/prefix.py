@@ -123,9 +123,9 @@ class PrefixHandler:
         cache.counters.pages_computed += max(complete - state.next_page, 0)  # (stored below or not)
         todo = [i for i in range(state.next_page, complete) if state.keys[i] not in cache.pages]
         state.next_page = max(state.next_page, complete)
-        room = cache.room_for(len(todo))
+        outputs = state.outputs
+        room = cache.room_for(len(todo), cache.cost_in(kv, outputs) if todo and outputs is not None else None)
         if room:
-            outputs = state.outputs
             assert outputs is not None  # (pages complete only where the steps' outputs were kept)
             pages = await self.pool.submit(PRIORITY_PREFILL, lambda: [cache.cut(kv, i, size, outputs)
                                                                       for i in todo[:room]])

@@ -41,30 +41,37 @@ def _page(cache: PrefixCache, filled: SessionKV, index: int):
 
 
 def test_pages_are_evicted_least_recently_used_before_a_session_waits():
+    """Pages inside the budget, each charged its keys, values and outputs (here 64 positions' KV, 256 bytes each, and
+    outputs of 32 bytes each: 72 cache tokens), evicted least recently used before a session waits or is refused."""
     async def scenario():
-        budget = CacheBudget(256)
+        cost = 72
+        budget = CacheBudget(4 * cost)
         cache = PrefixCache(budget, page_tokens=64)
         filled = _kv()
+        assert cache.cost_in(filled, torch.zeros(1, 1, 8)) == cost
         keys = [(0, 2, bytes([i])) for i in range(4)]
-        assert cache.room_for(4) == 4
+        assert cache.room_for(4, cost) == 4
         for i, key in enumerate(keys):
             assert cache.store(key, _page(cache, filled, 0))
-        assert budget.free_tokens == 0 and cache.room_for(1) == 1  # room: the oldest page went
+        assert budget.free_tokens == 0 and cache.tokens == 4 * cost and cache.room_for(1, cost) == 1  # the oldest went
         cache.counters.pages_evicted = 0
         cache.store((0, 2, b"new"), _page(cache, filled, 0))
         assert cache.held([keys[1]]) == 1  # touched: now the most recently used
         await budget.reserve("s", 128, timeout=0)  # no wait: two pages go for it
         assert cache.counters.pages_evicted == 2 and keys[1] in cache.pages and keys[2] not in cache.pages
-        assert budget.used_tokens == 256 and len(cache.pages) == 2
+        assert budget.used_tokens == 2 * cost + 128 and len(cache.pages) == 2
         with pytest.raises(OutOfCacheError):
-            await budget.reserve("t", 256, timeout=0.1)  # every page went, the session's 128 still held
-        assert len(cache.pages) == 0 and budget.used_tokens == 128
-        waiter = asyncio.create_task(budget.reserve("u", 256, timeout=5))
+            await budget.reserve("t", 4 * cost, timeout=0.1)  # every page went, the session's 128 still held
+        assert len(cache.pages) == 0 and budget.used_tokens == 128 and cache.tokens == 0
+        waiter = asyncio.create_task(budget.reserve("u", 4 * cost, timeout=5))
         await asyncio.sleep(0.05)
-        assert budget.waiting == 1 and cache.room_for(1) == 0  # no page takes room while a session waits
+        assert budget.waiting == 1 and cache.room_for(1, cost) == 0  # no page takes room while a session waits
         await budget.release("s")
         await waiter
-        assert budget.used_tokens == 256
+        assert budget.used_tokens == 4 * cost
+        # with the span's bytes per cache token known, a page costs its bytes (a session part over fewer blocks
+        # than the span: fewer tokens than P)
+        assert PrefixCache(CacheBudget(1024), 64, token_bytes=512).page_cost(16384, 2048) == 36
 
     asyncio.run(scenario())
 
