@@ -366,3 +366,42 @@ def test_large_swarms_search_only_the_cheapest_servers_of_each_block(monkeypatch
     ours = find_inference_chain(small, 0, 24, client_rtts=rtts)
     monkeypatch.setattr(routing, "MAX_SERVERS_PER_BLOCK", 10**9)
     assert find_inference_chain(small, 0, 24, client_rtts=rtts) == ours
+
+
+def test_sessions_of_one_prefix_prefer_the_same_servers_where_not_slower():
+    """Prefix routing (issue 47): rendezvous hashing of a declared prompt's key over the covering servers within
+    `prefix_margin` of the cheapest block cost. The same key always gets the same chain; different keys spread over
+    the near-equal servers; a slower server (beyond the margin) or a far one is never picked for a key; the chain
+    costs at most the margin more than the cheapest; no key: the cheapest chain, as before."""
+    from swarm.client.transport.routing import prefix_routing_key
+    from swarm.wire.protocol import PrefixDecl
+
+    near = [make_span(f"near{i}", 0, 30, throughput=1.0 + 0.01 * i) for i in range(6)]  # within 5% of the best
+    slow = [make_span("slow", 0, 30, throughput=0.9)]  # 1/0.9 is 17% more per block than 1/1.05
+    far = [make_span("far", 0, 30, throughput=1.05)]  # as fast, but 200 ms away
+    spans = near + slow + far
+    rtts = {s.peer_id: 0.01 for s in near + slow} | {"far": 0.2}
+    cheapest = find_inference_chain(spans, 0, 30, client_rtts=rtts)
+    assert peers(cheapest) == ["near5"]  # the fastest near one
+    best = chain_cost(cheapest, spans, client_rtts=rtts)
+
+    keys = [prefix_routing_key(PrefixDecl(salt="tenant", tokens=list(range(i, i + 100)))) for i in range(60)]
+    picked = collections.Counter()
+    for key in keys:
+        chain = find_inference_chain(spans, 0, 30, client_rtts=rtts, prefix_key=key)
+        assert chain == find_inference_chain(spans, 0, 30, client_rtts=rtts, prefix_key=key)  # one key, one chain
+        assert_valid_chain(chain, spans, 0, 30)
+        assert chain_cost(chain, spans, client_rtts=rtts) <= best * (1 + RoutingCosts().prefix_margin)
+        picked[peers(chain)[0]] += 1
+    assert set(picked) <= {s.peer_id for s in near} and len(picked) >= 4, picked  # spread, never slow nor far
+
+    # two spans per chain: each block's server by the key, still one hop per span
+    halves = [make_span(f"a{i}", 0, 15) for i in range(3)] + [make_span(f"b{i}", 15, 30) for i in range(3)]
+    chains = {tuple(peers(find_inference_chain(halves, 0, 30, prefix_key=key))) for key in keys}
+    assert all(len(c) == 2 and c[0].startswith("a") and c[1].startswith("b") for c in chains) and len(chains) >= 5
+
+    # the key: salt and the first 64 tokens (a page); none for a shorter prompt
+    decl = PrefixDecl(salt="s", tokens=list(range(80)))
+    assert prefix_routing_key(decl) == prefix_routing_key(PrefixDecl(salt="s", tokens=list(range(64)) + [7]))
+    assert prefix_routing_key(decl) != prefix_routing_key(PrefixDecl(salt="t", tokens=list(range(80))))
+    assert prefix_routing_key(PrefixDecl(salt="s", tokens=list(range(63)))) is None and prefix_routing_key(None) is None
