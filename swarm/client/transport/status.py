@@ -33,7 +33,7 @@ class PrefixPages(BaseModel):
     page_tokens: int
     held: int  # pages kept now
     hit: int  # pages adopted by new sessions
-    computed: int  # pages stored after a session computed them
+    computed: int  # pages of declared prompts that sessions computed (stored or not)
     evicted: int  # pages dropped for room
 
 
