@@ -350,15 +350,14 @@ class SwarmManager:
 
     def make_inference_chain(self, start: int = 0, end: Optional[int] = None, cache_tokens_needed: int = 0,
                              adapter: Optional[str] = None, session_length: int = 0,
-                             needs: Collection[str] = (), prefix_key: Optional[bytes] = None) -> List[RouteHop]:
+                             needs: Collection[str] = ()) -> List[RouteHop]:
         """`adapter`: only through servers that hold this LoRA adapter (None: any server); `session_length`: only
         through servers whose announced limits take a session that long; `needs`: only through servers that
-        announce these capabilities too (`needs_for`); `prefix_key`: preferring the servers of that declared prefix
-        where not slower (`swarm.client.transport.prefix.routing_key`)."""
+        announce these capabilities too (`needs_for`)."""
         end = self.num_blocks if end is None else end
         return self._route(find_inference_chain, start, end, cache_tokens_needed=cache_tokens_needed,
                            client_rtts=dict(self.rtts), adapter=adapter, session_length=session_length,
-                           needs=needs_for(adapter=adapter) | frozenset(needs), prefix_key=prefix_key)
+                           needs=needs_for(adapter=adapter) | frozenset(needs))
 
     def make_forward_chain(self, start: int = 0, end: Optional[int] = None, adapter: Optional[str] = None,
                            needs: Collection[str] = ()) -> List[RouteHop]:

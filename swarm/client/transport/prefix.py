@@ -11,10 +11,6 @@ the caller's outputs (`astep` returns every position of its input) are unchanged
 
 A rewind before the end of the declared prompt cuts the declaration there (`cut`): a replacement server opened later
 must not key other tokens' states by it.
-
-Routing: a declared prompt of at least one page routes by a key of its salt and first page
-(`swarm.client.transport.routing.prefix_routing_key`), so that sessions which share a prefix prefer the same servers
-(rendezvous hashing, where that is not slower), which then hold its pages.
 """
 from __future__ import annotations
 

@@ -12,13 +12,7 @@ swarm announces (`swarm.wire.records.ServerSpan`). It is pure: no network, no DH
   - each hop into a server that announces `reachable: relayed` (dialed through a relay): + `relay_overhead`;
   - each block: 1/throughput of the server running it, plus `cache_penalty` per block run on a server whose
     free KV cache is smaller than `cache_tokens_needed` (so such servers are used only for blocks that
-    nothing else covers);
-  - with `prefix_key` (a session that declared its prompt to the servers' prefix caches: `prefix_routing_key`), at
-    each block the server ranked first for that key by rendezvous hashing (a hash ring without a ring: the highest
-    blake2b(key, peer id)), among the covering servers whose block cost is within `RoutingCosts.prefix_margin` of the
-    cheapest, costs as much as the cheapest: sessions that share a prefix go to the same servers, which then hold its
-    pages, wherever that is not slower (by more than the margin) and without any probe or record field (nothing to
-    read: only ids).
+    nothing else covers).
 
   The search is a shortest path over (server, block) nodes. Because blocks only move forward, the graph is
   layered by block boundary and is solved exactly layer by layer (Dijkstra on a DAG reduces to this). At
@@ -47,7 +41,6 @@ usable, and that error).
 """
 from __future__ import annotations
 
-import hashlib
 import heapq
 import itertools
 import math
@@ -69,7 +62,6 @@ __all__ = [
     "RouteHop",
     "RoutingCosts",
     "find_inference_chain",
-    "prefix_routing_key",
     "choose_forward_chain",
     "choose_training_chain",
     "chain_cost",
@@ -134,9 +126,6 @@ class RoutingCosts:
     # added to every hop into a server behind a NAT (`reachable: relayed`): its RTTs are measured through the relay
     # like any other link's, so this only makes a direct chain win when it is as fast
     relay_overhead: float = 0.001
-    # a block's server by a prefix's rendezvous hashing is used where its block cost is within this fraction of the
-    # cheapest covering server's (`prefix_key`)
-    prefix_margin: float = 0.05
 
 
 def _check_range(start: int, end: int) -> None:
@@ -168,39 +157,6 @@ def _relay_cost(span: ServerSpan, costs: RoutingCosts) -> float:
 def _half_client_rtt(peer_id: str, client_rtts: Mapping[str, float], costs: RoutingCosts) -> float:
     rtt = _clean_rtt(client_rtts.get(peer_id))
     return (costs.default_rtt if rtt is None else rtt) / 2
-
-
-PREFIX_ROUTING_TOKENS = 64  # the leading tokens a prefix routing key covers (the servers' default page)
-
-
-def prefix_routing_key(prefix) -> Optional[bytes]:
-    """The key sessions that share a declared prompt's (`swarm.wire.protocol.PrefixDecl`) salt and first
-    `PREFIX_ROUTING_TOKENS` tokens route by (None: no declared prompt, or a shorter one: nothing a server keeps)."""
-    if prefix is None or len(prefix.tokens) < PREFIX_ROUTING_TOKENS:
-        return None
-    h = hashlib.blake2b(digest_size=16)
-    h.update(len(prefix.salt).to_bytes(4, "little") + prefix.salt.encode())
-    h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in prefix.tokens[:PREFIX_ROUTING_TOKENS]))
-    return h.digest()
-
-
-def _rendezvous(key: bytes, peer_id: str) -> bytes:
-    return hashlib.blake2b(key + peer_id.encode(), digest_size=8).digest()
-
-
-def _prefix_costs(covering: List[List[str]], block_cost: Dict[str, float], key: Optional[bytes],
-                  margin: float) -> List[Optional[Tuple[str, float]]]:
-    """Per block offset: (the server rendezvous hashing ranks first for `key` among those within `margin` of the
-    cheapest block cost there, the cost it is given: the cheapest's), or None (no key)."""
-    if key is None:
-        return [None] * len(covering)
-    out: List[Optional[Tuple[str, float]]] = []
-    for peers in covering:
-        cheapest = min((block_cost[p] for p in peers), default=math.inf)
-        close = [p for p in peers if block_cost[p] <= cheapest * (1 + margin)]
-        # (a hair under the cheapest: a tie goes to the prefix's server)
-        out.append((max(close, key=lambda p: _rendezvous(key, p)), cheapest * (1 - 1e-9)) if close else None)
-    return out
 
 
 def _cheapest_per_block(usable: Dict[str, ServerSpan], start: int, end: int, cache_tokens_needed: int,
@@ -239,11 +195,9 @@ def find_inference_chain(
     adapter: Optional[str] = None,
     session_length: int = 0,
     needs: Collection[str] = (),
-    prefix_key: Optional[bytes] = None,
 ) -> List[RouteHop]:
     """The chain covering blocks [start, end) with the least expected time per decode step (see module doc).
-    Servers whose announced limits take no session of `session_length` tokens are skipped; with `prefix_key`, the
-    servers that rendezvous hashing picks for that prefix where they are not slower (module doc).
+    Servers whose announced limits take no session of `session_length` tokens are skipped.
 
     Consecutive hops are always on different servers. Ties are broken deterministically (fewer hops first,
     then peer id order). Raises RoutingError if a block is not covered by any ONLINE, non-banned server of an
@@ -263,7 +217,6 @@ def find_inference_chain(
             covering[offset].append(peer_id)
     block_cost = {peer_id: _block_cost(span, cache_tokens_needed, costs) for peer_id, span in usable.items()}
     relay_cost = {peer_id: _relay_cost(span, costs) for peer_id, span in usable.items()}
-    preferred = _prefix_costs(covering, block_cost, prefix_key, costs.prefix_margin)
 
     # incoming[t] = {s: measured RTT s->t}, only for usable s != t
     incoming: Dict[str, Dict[str, float]] = {}
@@ -312,9 +265,7 @@ def find_inference_chain(
                 enter[t] = best
                 parent[t] = source
         parents.append(parent)
-        pick = preferred[offset]
-        arrive = {t: cost + (pick[1] if pick is not None and t == pick[0] else block_cost[t])
-                  for t, cost in enter.items()}
+        arrive = {t: cost + block_cost[t] for t, cost in enter.items()}
 
     best_total, last = math.inf, None
     for peer_id in sorted(arrive):

@@ -19,7 +19,7 @@ from typing import Dict, FrozenSet, List, Optional, Sequence
 import torch
 
 from swarm.client.transport.manager import SwarmManager
-from swarm.client.transport.routing import RoutingError, prefix_routing_key
+from swarm.client.transport.routing import RoutingError
 from swarm.client.transport.span_stream import SessionError, SpanStream
 from swarm.wire import protocol as P
 
@@ -115,14 +115,13 @@ class SessionChain:
         server_errors: List[str] = list(reasons)  # what the servers said, kept when routing runs out of servers
         config, tries = self.manager.config, 0
         patience_ends = time.monotonic() + config.sole_retry_patience
-        key = prefix_routing_key(self.prefix)  # sessions of one prefix prefer the same servers (where not slower)
         while tries <= config.max_retries or self._patient(start, end, patience_ends):
             try:
                 hops = await asyncio.get_running_loop().run_in_executor(
                     None, lambda: self.manager.make_inference_chain(start, end, batch_size * self.max_length,
                                                                     adapter=self.adapter,
                                                                     session_length=self.max_length,
-                                                                    needs=self.needs, prefix_key=key))
+                                                                    needs=self.needs))
             except RoutingError as e:
                 last_error = e
                 turn = self.manager.sole_retry_wait(start, end)
