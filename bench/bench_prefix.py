@@ -13,12 +13,16 @@ other):
 2. `second`: the next user alone, with its own question after the same system prompt;
 3. `later`: users 3..16 at once, the same way: their time to first token (mean and max), and the aggregate generated
    tokens/s of those 14;
-4. `together`: 16 users at once with another fresh system prompt (nobody has computed it): aggregate tokens/s.
+4. `together`: 16 users at once with another fresh system prompt (nobody has computed it): aggregate tokens/s, and
+   the single-flight measures: the pages the servers computed (once: the later users wait for the pages in flight and
+   adopt them; `--prefix_wait 0` turns the waiting off), the time to first token of the user who computed the prompt
+   and the mean of those who adopted it, against the cold `first`.
 Time to first token is from the call to the first generated token. Prints one JSON object; the goal's measures
 (<= 0.3 with the cache on) are `ratio_second_over_first` (one user after another) and `ratio_mean_later_over_first`
 (14 at once, each also slowed by the other 13 on the same cores).
 
 Usage (from the repository root): .venv/bin/python bench/bench_prefix.py [--users 16] [--system_tokens 1000]
+    [--modes on,off] [--prefix_wait SECONDS]
 """
 from __future__ import annotations
 
@@ -85,6 +89,9 @@ def main() -> int:
     parser.add_argument("--users", type=int, default=16)
     parser.add_argument("--system_tokens", type=int, default=1000)
     parser.add_argument("--new_tokens", type=int, default=16)
+    parser.add_argument("--modes", default="on,off", help="which of on (prompts declared) and off to run")
+    parser.add_argument("--prefix_wait", type=float, default=None,
+                        help="the servers' --prefix_wait (default: theirs; 0: no single-flight waiting)")
     args = parser.parse_args()
 
     import torch
@@ -95,7 +102,10 @@ def main() -> int:
     from swarm.runtime import aio
 
     # room for 16 sessions of ~1,050 tokens at once beside the kept pages (the default budget is 16,384)
-    with BenchSwarm("bench-prefix", SPANS, ["--attn_cache_tokens", "32768"]) as swarm:
+    server_args = ["--attn_cache_tokens", "32768"]
+    if args.prefix_wait is not None:
+        server_args += ["--prefix_wait", str(args.prefix_wait)]
+    with BenchSwarm("bench-prefix", SPANS, server_args) as swarm:
         tokenizer = AutoTokenizer.from_pretrained(swarm.path)
         model = AutoDistributedModelForCausalLM.from_pretrained(swarm.path, initial_peers=swarm.initial_peers,
                                                                 dht_prefix=swarm.prefix, liveness_interval=None)
@@ -112,10 +122,12 @@ def main() -> int:
                 add_generation_prompt=True, return_dict=True)["input_ids"]]) for i in range(args.users)]
 
         result: dict = {"benchmark": "shared_prefix_ttft", "topology": SPANS, "users": args.users,
-                        "new_tokens": args.new_tokens}
+                        "new_tokens": args.new_tokens, "prefix_wait": args.prefix_wait}
         user_turn(model, torch.tensor([tokenizer("Say hi.")["input_ids"]]), None, 2)  # warm-up (not measured)
         try:
             for mode, salt in (("on", "bench-app"), ("off", None)):
+                if mode not in args.modes.split(","):
+                    continue
                 shared = prompts(system_prompt(tokenizer, args.system_tokens, f"{mode} shared"))
                 before = pages()
                 first = user_turn(model, shared[0], salt, args.new_tokens)
@@ -125,6 +137,9 @@ def main() -> int:
                 together, together_wall = at_once(
                     model, prompts(system_prompt(tokenizer, args.system_tokens, f"{mode} together")), salt,
                     args.new_tokens)
+                together_pages = pages()
+                computers = [r["ttft"] for r in together if r["adopted"] == 0]
+                adopters = [r["ttft"] for r in together if r["adopted"] > 0]
                 ttfts = [r["ttft"] for r in later]
                 result[mode] = {
                     "first_ttft_s": round(first["ttft"], 3),
@@ -138,6 +153,13 @@ def main() -> int:
                     "later_tokens_per_s": round(len(later) * args.new_tokens / wall, 2),
                     "together_tokens_per_s": round(len(together) * args.new_tokens / together_wall, 2),
                     "together_ttft_s_mean": round(statistics.mean(r["ttft"] for r in together), 3),
+                    "together_computers": len(computers),  # users who adopted nothing
+                    "together_computer_ttft_s_mean": round(statistics.mean(computers), 3) if computers else None,
+                    "together_adopters_ttft_s_mean": round(statistics.mean(adopters), 3) if adopters else None,
+                    "ratio_together_adopters_over_first":
+                        round(statistics.mean(adopters) / first["ttft"], 3) if adopters else None,
+                    "together_pages_computed": together_pages["computed"] - after["computed"],
+                    "together_pages_hit": together_pages["hit"] - after["hit"],
                     "pages_hit": after["hit"] - before["hit"],
                     "pages_computed": after["computed"] - before["computed"],
                 }

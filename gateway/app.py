@@ -210,6 +210,7 @@ def _model_state(config: GatewayConfig, model, tokenizer, metrics: Metrics, *, a
                          metrics=metrics, limits=limits, created=int(time.time()), store=store, quota=quota)
     metrics.coverage_source = state.coverage_numbers
     metrics.verify_source = model.verify_stats
+    metrics.prefix_source = model.server_prefix_caches
     model.observe_routes(metrics.observe_route)
     return state
 

@@ -3,7 +3,9 @@
 Requests by endpoint and status, time to first token and inter-token latency histograms, prompt and
 completion token counters, active sessions, queue length, the conversation session pool (hits, misses, prompt
 tokens reused, evictions by reason, pooled sessions and the cache they reserve), prompt tokens adopted from the
-servers' prefix caches (`--prefix_sharing`; each server's own pages hit, computed and evicted: `rpc_prefix_cache`),
+servers' prefix caches (`--prefix_sharing`) and each server's own prefix cache counters by `peer_id` (pages held, hit,
+computed, evicted; sessions declined: `rpc_prefix_cache` of every online server, read at a scrape and kept
+`PREFIX_SECONDS` so that many scrapers cost the servers one call each per period),
 speculative decoding's drafted and accepted tokens, requests and tokens by API key name and requests refused by a
 key's limits (`gateway.api.quota`),
 the time spent building each inference chain (`swarmgate_route_seconds` by part: `view` is reading the swarm's DHT
@@ -22,6 +24,9 @@ own series with a `model` label (with one model, the text is `render()`'s, witho
 """
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 from prometheus_client import (
@@ -35,6 +40,9 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+logger = logging.getLogger(__name__)
+
+PREFIX_SECONDS = 2.0  # how long one reading of the servers' prefix cache counters serves scrapes
 _ROUTE_BUCKETS = (0.0001, 0.0003, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10)
 # families counted once per gateway (on the first model's Metrics), not per model
 GATEWAY_WIDE = frozenset({"swarmgate_requests", "swarmgate_running_requests", "swarmgate_queue_length",
@@ -112,6 +120,10 @@ class Metrics:
         # () -> swarm.client.transport.verify.VerifyStats or None (off)
         self.verify_source: Optional[Callable[[], Any]] = None
         r.register(_VerifyCollector(self))
+        # () -> {peer id: swarm.wire.call_messages.PrefixCacheReport} (the client model's `server_prefix_caches`)
+        self.prefix_source: Optional[Callable[[], Dict[str, Any]]] = None
+        self.prefix_collector = _PrefixCollector(self)
+        r.register(self.prefix_collector)
         self.pool: Optional[Any] = None  # the SessionPool, read at each scrape
 
     def count_eviction(self, reason: str, count: int = 1) -> None:
@@ -219,3 +231,51 @@ class _VerifyCollector:
         yield GaugeMetricFamily("swarmgate_verify_largest_passed_divergence",
                                 "the largest divergence of a check that passed (how close honest servers are)",
                                 value=stats.largest_passed)
+
+
+_PREFIX_COUNTERS = (
+    ("pages_hit", "prefix pages a server's new sessions adopted (server.compute.prefix_cache)"),
+    ("pages_computed", "prefix pages of declared prompts a server's sessions computed (a page computed twice counts "
+                       "twice)"),
+    ("pages_evicted", "prefix pages a server dropped for room"),
+    ("sessions_declined", "sessions that declared a prefix a server's cache declines (beams, deep prompts, windows)"),
+)
+
+
+class _PrefixCollector:
+    """Each online server's prefix cache counters, labelled by `peer_id` (its `rpc_prefix_cache` since it started),
+    read at most once per `PREFIX_SECONDS` (nothing without a source, or while no server answers)."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+        self._lock = threading.Lock()
+        self._read: Optional[Tuple[float, Dict[str, Any]]] = None
+
+    def reports(self) -> Dict[str, Any]:
+        source = self.metrics.prefix_source
+        if source is None:
+            return {}
+        with self._lock:  # one reading at a time; concurrent scrapes share it
+            if self._read is None or time.monotonic() - self._read[0] > PREFIX_SECONDS:
+                try:
+                    reports = source()
+                except Exception as e:  # noqa: BLE001 - a scrape shows the rest; /status says what is wrong
+                    logger.warning(f"cannot read the servers' prefix cache counters: {e}")
+                    reports = {}
+                self._read = (time.monotonic(), reports)
+            return self._read[1]
+
+    def collect(self) -> Iterator[Any]:
+        reports = {peer: r for peer, r in self.reports().items() if r.enabled}
+        if not reports:
+            return
+        held = GaugeMetricFamily("swarmgate_server_prefix_pages_held", "prefix pages a server keeps now",
+                                 labels=["peer_id"])
+        for peer, report in sorted(reports.items()):
+            held.add_metric([peer], report.pages_held)
+        yield held
+        for name, help_text in _PREFIX_COUNTERS:
+            family = CounterMetricFamily(f"swarmgate_server_prefix_{name}", help_text, labels=["peer_id"])
+            for peer, report in sorted(reports.items()):
+                family.add_metric([peer], getattr(report, name))
+            yield family

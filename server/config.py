@@ -99,6 +99,10 @@ class ServerConfig(SwarmKeySettings, RelaySettings):
                                   "before a session waits")
     prefix_page_tokens: int = Field(default=64, gt=0, le=4096, description="tokens per prefix-cache page (a "
                                                                            "prefix is shared in whole pages)")
+    prefix_wait: float = Field(default=30.0, ge=0, le=600, description="longest wait (s) of a new session for the "
+                                                                       "prefix pages another session is computing "
+                                                                       "now, to adopt them instead of computing them "
+                                                                       "too (single-flight); 0: never wait")
     max_sessions_per_peer: int = Field(default=128, gt=0, description="most inference sessions one peer (client or "
                                                                        "gateway) may hold open on this server")
     max_streams: int = Field(default=512, gt=0, description="most inference streams open at once, all peers together")

@@ -212,7 +212,8 @@ class Server:
                                      limits=limits)
         handler.compression = self.config.compression
         if self.config.prefix_cache == "on":
-            handler.prefix_cache = PrefixCache(handler.budget, self.config.prefix_page_tokens)
+            handler.prefix_cache = PrefixCache(handler.budget, self.config.prefix_page_tokens,
+                                               self.config.prefix_wait, span.cache_bytes_per_token())
         await handler.add_p2p_handlers(await self.network.handle())
         self.handler = handler
         self.record.prefix_summary = handler.prefix_summary  # (announced: clients route to holders of a prefix)

@@ -10,16 +10,27 @@ page holds per layer its keys (and values, unless they are views of the keys: De
 [1, kv_heads, P, head_dim], and the span's outputs at its positions [1, P, hidden]: a session that adopts pages
 returns those to its client, which keeps them as the next span's input history (failover replay, spot-checks).
 
-Pages live inside the server's cache budget (`server.compute.cache.CacheBudget`): a page costs P cache tokens (a
-position in every block of the span, the unit sessions reserve in). A page is stored only where the budget has room
-(evicting older pages first, never while a session waits for room), and the least recently used pages are evicted
-before a session would have to wait or be refused (`CacheBudget.reclaim`). Adoption copies the pages into the new
-session's own buffers (`adopt`): a session's KV stays one preallocated buffer per block (a slot of the decode arena
-on the CPU, `server.compute.kv_arena`), which every attention path reads as it is; the copy of a 1,024-token prefix
-of the bundled model's 30 blocks (46 MB) takes milliseconds against seconds of prefill.
+Pages live inside the server's cache budget (`server.compute.cache.CacheBudget`): a page costs the cache tokens (a
+position in every block of the span, the unit sessions reserve in: `token_bytes` bytes) its tensors take, keys, values
+and outputs (`page_cost`; about P for its KV, and 10% more for the outputs of the bundled model's 15-block spans). A
+page is stored only where the budget has room (evicting older pages first, never while a session waits for room), and
+the least recently used pages are evicted before a session would have to wait or be refused (`CacheBudget.reclaim`).
+Adoption copies the pages into the new session's own buffers (`adopt`): a session's KV stays one preallocated buffer
+per block (a slot of the decode arena on the CPU, `server.compute.kv_arena`), which every attention path reads as it
+is; the copy of a 1,024-token prefix of the bundled model's 30 blocks (46 MB) takes milliseconds against seconds of
+prefill, and shared read-only pages measured slower here for any session that decodes more than 11 to 23 tokens
+(`bench/bench_prefix_pages.py`).
 
-Several sessions that declare the same prefix at once: the first claims the pages it lacks (`claim`), the others
-wait for its pages (up to a bound) instead of computing them too (`wait_for`).
+Several sessions that declare the same prefix at once compute it once (single-flight): the first claims the pages
+it lacks (`claim`: "in flight"), the others wait for its pages instead of computing them too (`wait_for`), then adopt
+them. It never deadlocks: a waiter holds no claim while it waits at a server (it claims what is left after its wait),
+clients open their hops in chain order (so a session computing a page at one server never waits at an earlier one
+for a session that waits for it), the claimant's cache reservation was taken before its claim, and a page the budget
+has no room for is given up like any other (its waiters then compute it themselves). It never waits long for what it
+could compute itself: the wait is bounded (`wait`, the server's `--prefix_wait`), and a claim goes as soon as its
+claimant will not compute it (its stream ended, a step of it failed, a rewind cut its prompt before it): its waiters
+then compute the page themselves. `pages_computed` counts every page of a declared prompt a session computed (stored
+or not), so a page computed by two sessions counts twice.
 
 Declined explicitly (`PrefixCache.declines`): sessions of more than one row (beams, batches), with deep prompts, over
 blocks with a sliding window (ring buffers), or of a model whose rotary picks its factors by the sequence's length
@@ -48,12 +59,13 @@ class Page:
     keys: List[torch.Tensor]  # per layer (or shard) [1, kv_heads, P, head_dim]
     values: Optional[List[torch.Tensor]]  # the same, None where the values are views of the keys
     outputs: torch.Tensor  # the span's outputs at the page's positions [1, P, hidden]
+    cost: int = 0  # cache tokens it holds in the budget (set when stored)
 
 
 @dataclass
 class PrefixCounters:
     pages_hit: int = 0  # pages adopted by new sessions
-    pages_computed: int = 0  # pages stored after a session computed them
+    pages_computed: int = 0  # pages of declared prompts that sessions computed (not adopted), stored or not
     pages_evicted: int = 0  # pages dropped for room (or for a session that needed it)
     sessions_declined: int = 0  # sessions that declared a prefix the cache declines (`declines`)
 
@@ -61,10 +73,18 @@ class PrefixCounters:
 class PrefixCache:
     """Pages of prompt prefixes by `PageKey`, least recently used first, their cache tokens held in `budget`."""
 
-    def __init__(self, budget: CacheBudget, page_tokens: int = 64):
+    def __init__(self, budget: CacheBudget, page_tokens: int = 64, wait: float = 30.0,
+                 token_bytes: Optional[int] = None):
         if page_tokens <= 0:
             raise ValueError("page_tokens must be positive")
-        self.budget, self.page_tokens = budget, page_tokens
+        if wait < 0:
+            raise ValueError("wait must be >= 0")
+        # wait: longest wait (s) of an opening session for the pages other sessions are computing (0: never wait)
+        self.budget, self.page_tokens, self.wait = budget, page_tokens, wait
+        # bytes of one cache token (the span's KV at one position: `BlockSpan.cache_bytes_per_token`); None: a
+        # page's own KV is P tokens' worth (what a session over the whole span holds)
+        self.token_bytes = token_bytes
+        self.held_tokens = 0  # cache tokens the pages hold
         self.pages: OrderedDict[PageKey, Page] = collections.OrderedDict()
         self.counters = PrefixCounters()
         self._claims: Dict[PageKey, asyncio.Event] = {}  # pages a session is computing now
@@ -72,7 +92,26 @@ class PrefixCache:
 
     @property
     def tokens(self) -> int:
-        return len(self.pages) * self.page_tokens
+        return self.held_tokens
+
+    def page_cost(self, kv_bytes: int, output_bytes: int) -> int:
+        """Cache tokens of a page whose KV takes `kv_bytes` and whose outputs take `output_bytes` (both over its P
+        positions): its bytes in cache tokens, rounded up (at least 1)."""
+        if self.token_bytes:
+            return max(1, -(-(kv_bytes + output_bytes) // self.token_bytes))
+        return max(1, -(-self.page_tokens * (kv_bytes + output_bytes) // max(kv_bytes, 1)))
+
+    def cost_in(self, kv: SessionKV, outputs: torch.Tensor) -> int:
+        """The cost of a page cut from `kv` with outputs like `outputs` [1, >= 1, hidden] (`page_cost`)."""
+        buffers = kv.keys + ([] if kv.values_in_keys is not None else kv.values)
+        kv_bytes = sum(buf.numel() // buf.shape[2] * buf.element_size() for buf in buffers) * self.page_tokens
+        return self.page_cost(kv_bytes, outputs.shape[-1] * outputs.element_size() * self.page_tokens)
+
+    @staticmethod
+    def bytes_of(page: Page) -> Tuple[int, int]:
+        """(its KV's bytes, its outputs' bytes)."""
+        tensors = page.keys + (page.values or [])
+        return sum(t.numel() * t.element_size() for t in tensors), page.outputs.numel() * page.outputs.element_size()
 
     @staticmethod
     def declines(kv: SessionKV, batch_size: int, prompts: bool, by_length: bool) -> Optional[str]:
@@ -159,25 +198,28 @@ class PrefixCache:
                     values=None if kv.values_in_keys is not None else [buf[:, :, lo:hi].clone() for buf in kv.values],
                     outputs=outputs[:, lo:hi].clone())
 
-    def room_for(self, count: int) -> int:
-        """How many of `count` new pages the budget takes now, evicting older pages for them (none while a session
-        waits for room: sessions come first)."""
-        if self.budget.waiting:
+    def room_for(self, count: int, cost: Optional[int] = None) -> int:
+        """How many of `count` new pages of `cost` cache tokens each (default: P) the budget takes now, evicting
+        older pages for them (none while a session waits for room: sessions come first)."""
+        if self.budget.waiting or count <= 0:
             return 0
-        need = count * self.page_tokens
+        cost = cost or self.page_tokens
+        need = count * cost
         if self.budget.free_tokens < need:
             self.evict(need - self.budget.free_tokens)
-        return min(count, self.budget.free_tokens // self.page_tokens)
+        return min(count, self.budget.free_tokens // cost)
 
     def store(self, key: PageKey, page: Page) -> bool:
-        """Keep `page` under `key` (its tokens taken from the budget); False where there is no room."""
+        """Keep `page` under `key` (its cost, `page_cost` of its tensors, taken from the budget); False where there is
+        no room."""
         if key in self.pages:
             self.pages.move_to_end(key)
             return True
-        if not self.budget.take(self.page_tokens):
+        page.cost = self.page_cost(*self.bytes_of(page))
+        if not self.budget.take(page.cost):
             return False
         self.pages[key] = page
-        self.counters.pages_computed += 1
+        self.held_tokens += page.cost
         return True
 
     def evict(self, tokens: int) -> int:
@@ -185,9 +227,10 @@ class PrefixCache:
         tokens freed."""
         freed = 0
         while freed < tokens and self.pages:
-            self.pages.popitem(last=False)
-            self.budget.give(self.page_tokens)
-            freed += self.page_tokens
+            _, page = self.pages.popitem(last=False)
+            self.budget.give(page.cost)
+            self.held_tokens -= page.cost
+            freed += page.cost
             self.counters.pages_evicted += 1
         return freed
 

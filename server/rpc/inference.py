@@ -308,6 +308,7 @@ class InferenceHandler(PrefixHandler, P.BlockRPC):
                 await self._prefix_after_step(kv, stream.prefix, step.start_position, held_before, output)
         except Exception as e:
             logger.exception("inference step failed")
+            self._prefix_close(stream.prefix)  # its claimed pages: waiters compute them rather than wait for a retry
             return P.error_response("internal", f"step failed: {type(e).__name__}: {e}", stream.version)
         finally:
             stream.busy = False

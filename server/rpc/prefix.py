@@ -3,14 +3,15 @@ prompt (`OpenSession.prefix`) adopts when it opens, which of its positions are s
 stores after its steps; and `rpc_prefix_cache`, the cache's counters.
 
 At the opening (`_prefix_open`): the session's page keys are computed from the declared tokens; the leading pages
-the cache holds (waiting, up to `PREFIX_WAIT` s, for pages that another session is computing now) are copied into
-the session's cache, and the session claims the pages nobody holds or computes. The reply to the OpenSession says
-how many positions the session holds (`StepResult.position`) and carries the span's outputs at them.
+the cache holds (waiting, up to the cache's `wait` s, for pages that another session is computing now: single-flight)
+are copied into the session's cache, and the session claims the pages nobody holds or computes. The reply to the
+OpenSession says how many positions the session holds (`StepResult.position`) and carries the span's outputs at them.
 
 After each step (`_prefix_after_step`): the positions that are still the declared prompt (`PrefixState.written`:
 written in order from 0 by the session's steps; a step that starts before the session's end, after its first one,
 rewrites positions with what may be other tokens: the declaration ends there) have their outputs kept, and every
-page they complete is stored (where the budget has room). The stream's end gives up its claims.
+page they complete is counted as computed and stored (where the budget has room). The stream's end, and a step of it
+that fails, give up its claims (`_prefix_close`): its waiters compute those pages themselves.
 
 `prefix_summary`: what the cache holds, for the server's DHT record (clients' routing prefers holders of a prefix).
 """
@@ -35,7 +36,6 @@ from swarm.wire.prefix_pages import PrefixSummary, summarize
 logger = logging.getLogger(__name__)
 
 REPLY_ROOM = 64 << 10  # bytes of a reply kept for its metadata
-PREFIX_WAIT = 30.0  # longest wait (s) at an opening for the pages another session is computing
 
 
 @dataclass
@@ -77,7 +77,7 @@ class PrefixHandler:
                                page_digests(decl.salt, opened.adapter, opened.start, opened.end, size,
                                             decl.tokens[:limit])]
         state = PrefixState(keys=keys, limit=limit)
-        count = await cache.wait_for(keys, PREFIX_WAIT) if keys else 0
+        count = await cache.wait_for(keys, cache.wait) if keys else 0
         # the adopted positions' outputs go in the reply: at most what one message may carry (float32 at most)
         fits = (self.limits.max_message_bytes - REPLY_ROOM) // (4 * self.span.hidden_size) // size
         count = min(count, max(fits, 0))
@@ -123,11 +123,12 @@ class PrefixHandler:
                     state.outputs = torch.empty(1, state.limit, output.shape[-1], dtype=output.dtype)
                 state.outputs[:, start:end] = output[:1, :end - start].to("cpu")
         complete = min(state.written // size, len(state.keys))
+        cache.counters.pages_computed += max(complete - state.next_page, 0)  # (stored below or not)
         todo = [i for i in range(state.next_page, complete) if state.keys[i] not in cache.pages]
         state.next_page = max(state.next_page, complete)
-        room = cache.room_for(len(todo))
+        outputs = state.outputs
+        room = cache.room_for(len(todo), cache.cost_in(kv, outputs) if todo and outputs is not None else None)
         if room:
-            outputs = state.outputs
             assert outputs is not None  # (pages complete only where the steps' outputs were kept)
             pages = await self.pool.submit(PRIORITY_PREFILL, lambda: [cache.cut(kv, i, size, outputs)
                                                                       for i in todo[:room]])
@@ -139,6 +140,8 @@ class PrefixHandler:
         state.claimed = [i for i in state.claimed if i not in done]
 
     def _prefix_close(self, state: Optional[PrefixState]) -> None:
+        """The session will not compute the pages it claimed (its stream ended, or a step failed and the client may
+        go elsewhere): sessions waiting for them go on and compute them themselves."""
         if self.prefix_cache is not None and state is not None:
             self.prefix_cache.unclaim([state.keys[i] for i in state.claimed])
             state.claimed = []

@@ -3,8 +3,9 @@ decode loop, and the value types and errors a front end handles.
 
 `ClientModel` is implemented by `swarm.client.model.causal_lm.DistributedModelForCausalLM`: its config, a route check
 (`check_route`: can a session of this size be served right now), which blocks the swarm serves and by which servers
-and weight formats (`coverage`), the servers that the client banned after failures (`banned_peers` / `unban`), the
-spot-checks' counters and distrusted servers (`verify_stats`), and `inference_session`, which opens a
+and weight formats (`coverage`), the servers' prefix cache counters (`server_prefix_caches`), the servers that the
+client banned after failures (`banned_peers` / `unban`), the spot-checks' counters and distrusted servers
+(`verify_stats`), and `inference_session`, which opens a
 `GenerationSession` (`swarm.client.model.model_session.ModelSession`): `feed` (make the servers hold exactly these ids,
 get the last position's logits), `feed_and_pick` (the same, with the next tokens chosen in the batched LM-head task;
 several positions' logits for speculative decoding), `rewind`, `close`, and the spot-checks' `check_next_step`,
@@ -15,7 +16,19 @@ stand in a small stub that implements these protocols.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, List, NamedTuple, Optional, Protocol, Sequence, Tuple, TypeVar
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    List,
+    NamedTuple,
+    Optional,
+    Protocol,
+    Sequence,
+    Tuple,
+    TypeVar,
+)
 
 import torch
 
@@ -184,6 +197,11 @@ class ClientModel(Protocol):
     def swarm_status(self, model_name: str) -> "SwarmStatus":
         """A fresh snapshot of the swarm for status pages (`swarm.client.transport.status`): every server with its RTT
         from here, and the coverage of each block."""
+        ...
+
+    def server_prefix_caches(self) -> Dict[str, Any]:
+        """Each online server's prefix cache counters (`swarm.wire.call_messages.PrefixCacheReport`) by peer id,
+        read from the servers now (those that answer in 2 s)."""
         ...
 
     def banned_peers(self) -> List[str]: ...

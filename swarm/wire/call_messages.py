@@ -110,6 +110,7 @@ class PrefixCacheReport(Message):
     page_tokens: int = 0
     pages_held: int = 0
     pages_hit: int = Field(default=0, description="pages adopted by new sessions")
-    pages_computed: int = Field(default=0, description="pages stored after a session computed them")
+    pages_computed: int = Field(default=0, description="pages of declared prompts that sessions computed (stored "
+                                                       "or not: a page two sessions computed counts twice)")
     pages_evicted: int = Field(default=0, description="pages dropped for room")
     sessions_declined: int = Field(default=0, description="sessions that declared a prefix the cache declines")

@@ -104,12 +104,17 @@ def test_a_later_conversation_adopts_the_shared_prompt(shared_swarm, system_ids,
 
 def test_concurrent_conversations_compute_the_shared_prompt_once(prefix_swarm, system_ids, tokenizer,
                                                                  reference_model):
+    """Eight users who send the same 1,024-token system prompt at the same instant (a barrier): the servers compute
+    it once (single-flight: the others wait for its pages in flight and adopt them; `pages_computed` counts every
+    page any session computed, stored or not), and greedy tokens equal transformers'."""
     model, servers, _ = prefix_swarm
     prompts = [_prompt(tokenizer, system_ids, f"what is {i} plus {i + 1}") for i in range(USERS)]
     results: dict = {}
+    barrier = threading.Barrier(USERS)
 
     def user(i: int) -> None:
         try:
+            barrier.wait(120)  # all arrive together: the later ones open while the first computes the prompt
             results[i] = _generate(model, prompts[i], salt="tenant-a")
         except BaseException as e:  # noqa: BLE001 - reported below
             results[i] = e
@@ -126,7 +131,7 @@ def test_concurrent_conversations_compute_the_shared_prompt_once(prefix_swarm, s
         for i in range(USERS):
             ref = reference_model.generate(prompts[i], max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
             assert results[i][0].tolist() == ref.tolist(), f"user {i}"
-        # one user computed the system prompt; the seven others adopted all of it
+        # one user computed the system prompt; the seven others adopted all of it (waiting for it, or after it)
         assert adopted == [0] + [SYSTEM_PAGES * PAGE] * (USERS - 1)
         own_pages = sum(p.shape[1] // PAGE - SYSTEM_PAGES for p in prompts)  # each prompt's own full pages
         for peer, report in _reports(model, servers).items():

@@ -425,3 +425,48 @@ def test_cancelled_stream_frees_the_servers_cache(client, gateway, side_gateways
     assert freed, (before, _unpooled_cache_used(swarm_model, swarm, gateways))
     metrics = httpx.get(gateway.url + "/metrics").text
     assert "swarmgate_active_sessions 0.0" in metrics  # cancelled generations are never pooled
+
+
+def test_metrics_show_each_servers_prefix_cache_counters(gateway, client):
+    """/metrics carries each server's prefix cache counters by peer id (`rpc_prefix_cache`, read at the scrape): a
+    fresh conversation whose prompt spans full pages makes each server of the swarm compute them; the numbers are the
+    ones /status.json reads from the servers."""
+    import uuid
+
+    peers = {p.peer_id for p in gateway.swarm["servers"]}
+
+    def scrape() -> dict:
+        values = {}
+        for line in httpx.get(gateway.url + "/metrics", timeout=60).text.splitlines():
+            if line.startswith("swarmgate_server_prefix_"):
+                name, value = line.rsplit(" ", 1)
+                values[name] = float(value)
+        return values
+
+    def computed(values: dict, peer: str) -> float:
+        return values.get(f'swarmgate_server_prefix_pages_computed_total{{peer_id="{peer}"}}', 0.0)
+
+    before = scrape()
+    tag = uuid.uuid4().hex  # a system prompt no earlier test sent: its pages are computed now
+    system = " ".join(f"Rule {i} ({tag}): answer briefly and politely about topic {i}." for i in range(30))
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": system}] + QUESTION,
+                                           temperature=0, max_tokens=1)
+    prompt_pages = reply.usage.prompt_tokens // 64  # the servers' default --prefix_page_tokens
+    assert prompt_pages >= 4
+    deadline = time.monotonic() + 60  # (a reading serves scrapes for 2 s: wait for one taken after the request)
+    while True:
+        after = scrape()
+        if all(computed(after, p) - computed(before, p) >= prompt_pages for p in peers) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    for peer in peers:
+        assert computed(after, peer) - computed(before, peer) >= prompt_pages, (peer, before, after)
+        assert after[f'swarmgate_server_prefix_pages_held{{peer_id="{peer}"}}'] >= prompt_pages
+        for name in ("pages_hit", "pages_evicted", "sessions_declined"):
+            assert f'swarmgate_server_prefix_{name}_total{{peer_id="{peer}"}}' in after
+    # the same counters as /status.json's (each read from the servers; nothing runs in between)
+    status = httpx.get(gateway.url + "/status.json", timeout=60).json()
+    again = scrape()
+    for server in status["servers"]:
+        if server["peer_id"] in peers:
+            assert server["prefix_pages"]["computed"] == computed(again, server["peer_id"])

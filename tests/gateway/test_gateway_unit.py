@@ -556,3 +556,40 @@ def test_admission_refuses_past_running_plus_queue_even_when_requests_arrive_tog
         assert admission.running == 0
 
     asyncio.run(scenario())
+
+
+def test_metrics_label_each_servers_prefix_cache_counters_and_read_them_once_per_period():
+    """`/metrics`' server prefix cache families (the real swarm: test_gateway.py): one sample per server by peer id,
+    servers without a cache left out, one reading of the servers shared by the scrapes of a period, a failed reading
+    leaves the rest of the scrape."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gateway.metrics import Metrics
+    from swarm.wire.call_messages import PrefixCacheReport
+
+    calls = []
+
+    def source():
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("no DHT")
+        return {"peerA": PrefixCacheReport(enabled=True, page_tokens=64, pages_held=3, pages_hit=5, pages_computed=7,
+                                           pages_evicted=1),
+                "peerB": PrefixCacheReport(enabled=False)}
+
+    metrics = Metrics()
+    assert b"swarmgate_server_prefix" not in metrics.render()  # no source: no family
+    metrics.prefix_source = source
+    samples = {(s.name, s.labels.get("peer_id")): s.value
+               for family in text_string_to_metric_families(metrics.render().decode())
+               for s in family.samples if s.name.startswith("swarmgate_server_prefix")}
+    assert samples == {("swarmgate_server_prefix_pages_held", "peerA"): 3,
+                       ("swarmgate_server_prefix_pages_hit_total", "peerA"): 5,
+                       ("swarmgate_server_prefix_pages_computed_total", "peerA"): 7,
+                       ("swarmgate_server_prefix_pages_evicted_total", "peerA"): 1,
+                       ("swarmgate_server_prefix_sessions_declined_total", "peerA"): 0}
+    metrics.render()
+    assert len(calls) == 1  # the same period: the servers were not asked again
+    metrics.prefix_collector._read = None  # the period is over
+    text = metrics.render()
+    assert len(calls) == 2 and b"swarmgate_server_prefix" not in text and b"swarmgate_requests" in text

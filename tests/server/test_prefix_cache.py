@@ -41,30 +41,37 @@ def _page(cache: PrefixCache, filled: SessionKV, index: int):
 
 
 def test_pages_are_evicted_least_recently_used_before_a_session_waits():
+    """Pages inside the budget, each charged its keys, values and outputs (here 64 positions' KV, 256 bytes each, and
+    outputs of 32 bytes each: 72 cache tokens), evicted least recently used before a session waits or is refused."""
     async def scenario():
-        budget = CacheBudget(256)
+        cost = 72
+        budget = CacheBudget(4 * cost)
         cache = PrefixCache(budget, page_tokens=64)
         filled = _kv()
+        assert cache.cost_in(filled, torch.zeros(1, 1, 8)) == cost
         keys = [(0, 2, bytes([i])) for i in range(4)]
-        assert cache.room_for(4) == 4
+        assert cache.room_for(4, cost) == 4
         for i, key in enumerate(keys):
             assert cache.store(key, _page(cache, filled, 0))
-        assert budget.free_tokens == 0 and cache.room_for(1) == 1  # room: the oldest page went
+        assert budget.free_tokens == 0 and cache.tokens == 4 * cost and cache.room_for(1, cost) == 1  # the oldest went
         cache.counters.pages_evicted = 0
         cache.store((0, 2, b"new"), _page(cache, filled, 0))
         assert cache.held([keys[1]]) == 1  # touched: now the most recently used
         await budget.reserve("s", 128, timeout=0)  # no wait: two pages go for it
         assert cache.counters.pages_evicted == 2 and keys[1] in cache.pages and keys[2] not in cache.pages
-        assert budget.used_tokens == 256 and len(cache.pages) == 2
+        assert budget.used_tokens == 2 * cost + 128 and len(cache.pages) == 2
         with pytest.raises(OutOfCacheError):
-            await budget.reserve("t", 256, timeout=0.1)  # every page went, the session's 128 still held
-        assert len(cache.pages) == 0 and budget.used_tokens == 128
-        waiter = asyncio.create_task(budget.reserve("u", 256, timeout=5))
+            await budget.reserve("t", 4 * cost, timeout=0.1)  # every page went, the session's 128 still held
+        assert len(cache.pages) == 0 and budget.used_tokens == 128 and cache.tokens == 0
+        waiter = asyncio.create_task(budget.reserve("u", 4 * cost, timeout=5))
         await asyncio.sleep(0.05)
-        assert budget.waiting == 1 and cache.room_for(1) == 0  # no page takes room while a session waits
+        assert budget.waiting == 1 and cache.room_for(1, cost) == 0  # no page takes room while a session waits
         await budget.release("s")
         await waiter
-        assert budget.used_tokens == 256
+        assert budget.used_tokens == 4 * cost
+        # with the span's bytes per cache token known, a page costs its bytes (a session part over fewer blocks
+        # than the span: fewer tokens than P)
+        assert PrefixCache(CacheBudget(1024), 64, token_bytes=512).page_cost(16384, 2048) == 36
 
     asyncio.run(scenario())
 
@@ -167,6 +174,68 @@ def test_sessions_the_cache_cannot_serve_are_declined_and_run_as_before():
         assert await handler._prefix_open(_kv(), _opened(TOKENS[:8])) == (None, None)
         report = handler.prefix_report()
         assert report.sessions_declined == 4 and report.pages_hit == 0 and report.pages_held == 2
+        handler.pool.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_concurrent_sessions_wait_for_the_pages_in_flight_and_compute_them_once():
+    """Single-flight: sessions that open while another computes their prompt's pages wait for them (they do not
+    compute them too), then adopt them; the pages are computed (and counted) once."""
+    async def scenario():
+        handler = _handler(page_tokens=4)
+        cache = handler.prefix_cache
+        assert cache is not None
+        first = _kv()
+        state, _ = await handler._prefix_open(first, _opened(TOKENS[:10]))
+        assert state is not None and len(state.claimed) == 2  # its two full pages: in flight
+        waiters = [asyncio.ensure_future(handler._prefix_open(_kv(), _opened(TOKENS[:13]))) for _ in range(3)]
+        for _ in range(5):  # every task runs as far as it can: each waits for the event of the first's page 0
+            await asyncio.sleep(0)
+        assert not any(w.done() for w in waiters)
+        out = await _step(handler, first, state, 0, 10)
+        # the first waiter to go on adopts both pages and claims its third (the same prompt's: the others wait)
+        finished, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        done = list(finished)
+        assert len(done) == 1 and sum(not w.done() for w in waiters) == 2
+        leader, adopted = done[0].result()
+        assert adopted is not None and torch.equal(adopted, out[:, :8]) and leader.claimed == [2]
+        kv = _kv()
+        kv.begin_step(0)
+        kv.end_step(8)
+        out2 = await _step(handler, kv, leader, 8, 5)
+        for w in waiters:
+            if w is not done[0]:
+                state_w, adopted = await w
+                assert adopted is not None and state_w.claimed == [] and state_w.next_page == 3
+                assert torch.equal(adopted, torch.cat([out[:, :8], out2[:, :4]], dim=1))
+        assert cache.counters.pages_computed == 3 and cache.counters.pages_hit == 2 + 2 * 3
+        handler.pool.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_waiter_computes_the_pages_itself_when_their_claimant_will_not():
+    """The claimant's stream ends (or a step of it fails) before it computed its pages: its waiters go on at once and
+    the first of them claims and computes them; a claim nobody gives up is waited for `wait` s at most."""
+    async def scenario():
+        handler = _handler(page_tokens=4)
+        cache = handler.prefix_cache
+        assert cache is not None
+        state, _ = await handler._prefix_open(_kv(), _opened(TOKENS[:8]))
+        waiter = asyncio.ensure_future(handler._prefix_open(_kv(), _opened(TOKENS[:8])))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not waiter.done()
+        handler._prefix_close(state)  # the claimant's stream ended (or its step failed)
+        state2, adopted = await waiter
+        assert adopted is None and len(state2.claimed) == 2  # nothing held: it computes (and claims) the pages
+        cache.wait = 0.05  # a claim that is never given up: the waiter stops waiting and computes the page itself
+        third = _kv()
+        state3, adopted = await handler._prefix_open(third, _opened(TOKENS[:8]))
+        assert adopted is None and state3.claimed == []  # (still claimed by the second)
+        await _step(handler, third, state3, 0, 8)
+        assert cache.counters.pages_computed == 2 and len(cache.pages) == 2  # stored by whoever computed them
         handler.pool.shutdown()
 
     asyncio.run(scenario())

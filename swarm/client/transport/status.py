@@ -6,7 +6,8 @@
 block (how many online, reachable servers hold it and their summed throughput). `collect_status(manager, model)`
 reads the records through a client's `SwarmManager`, pings each server from here and asks each server with a prefix
 cache for its counters (`rpc_prefix_cache`: pages held, hit, computed, evicted; `SwarmStatusView`: the client
-model's `swarm_status`). The gateway's `/status` page
+model's `swarm_status`; `prefix_cache_reports`: those counters alone, for the gateway's `/metrics`). The gateway's
+`/status` page
 and `/status.json` (`gateway.api.status`) and the `swarmgate status` command (`main` here: a table in the terminal,
 or `--json`) show the same snapshot. Every string in it comes from untrusted records: whoever renders it escapes it.
 """
@@ -32,7 +33,7 @@ class PrefixPages(BaseModel):
     page_tokens: int
     held: int  # pages kept now
     hit: int  # pages adopted by new sessions
-    computed: int  # pages stored after a session computed them
+    computed: int  # pages of declared prompts that sessions computed (stored or not)
     evicted: int  # pages dropped for room
 
 
@@ -145,6 +146,16 @@ async def _prefix_reports(manager, peer_ids: List[str]) -> Dict[str, PrefixCache
     return {peer: report for peer, report in zip(peer_ids, found) if report is not None}
 
 
+def prefix_cache_reports(manager) -> Dict[str, PrefixCacheReport]:
+    """The prefix cache counters (`rpc_prefix_cache`) of every online server that announces `prefix_cache`, by peer
+    id: those that answer within `PREFIX_REPORT_TIMEOUT` s (all asked at once)."""
+    from swarm.wire.records import fetch_block_records
+
+    records = fetch_block_records(manager.dht, manager.prefix, manager.num_blocks)
+    peers = sorted({span.peer_id for span in online_spans(records) if "prefix_cache" in span.info.capability_set})
+    return aio.run(_prefix_reports(manager, peers), timeout=PREFIX_REPORT_TIMEOUT + 10)
+
+
 class SwarmStatusView:
     """`ClientModel.swarm_status` for a client model holding a `SwarmManager` as `self.manager` (a mixin)."""
 
@@ -153,6 +164,10 @@ class SwarmStatusView:
     def swarm_status(self, model_name: str) -> SwarmStatus:
         """A fresh snapshot of the swarm (records read now, every server pinged) for status pages."""
         return collect_status(self.manager, model_name)
+
+    def server_prefix_caches(self) -> Dict[str, PrefixCacheReport]:
+        """Each online server's prefix cache counters by peer id, read now (`prefix_cache_reports`)."""
+        return prefix_cache_reports(self.manager)
 
 
 # ---- the terminal view ----------------------------------------------------------------------------------------------
