@@ -128,14 +128,21 @@ class PrefixCache:
 
     # ---- lookup and adoption --------------------------------------------------------------------------------
     def held(self, keys: Sequence[PageKey]) -> int:
-        """How many leading pages of `keys` are cached (each touched: most recently used)."""
+        """How many leading pages of `keys` are cached (those touched: `touch`)."""
         count = 0
         for key in keys:
             if key not in self.pages:
                 break
-            self.pages.move_to_end(key)
             count += 1
+        self.touch(keys[:count])
         return count
+
+    def touch(self, keys: Sequence[PageKey]) -> None:
+        """Mark the held pages of a chain `keys` most recently used, its first page last: eviction, least recently
+        used first, then drops a chain from its end, never a first page that the later ones need to be adopted."""
+        for key in reversed(keys):
+            if key in self.pages:
+                self.pages.move_to_end(key)
 
     async def wait_for(self, keys: Sequence[PageKey], timeout: float) -> int:
         """The leading pages of `keys` cached, after waiting (up to `timeout` s in all) for those that other

@@ -134,6 +134,7 @@ class PrefixHandler:
                                                                       for i in todo[:room]])
             for i, page in zip(todo[:room], pages):
                 cache.store(state.keys[i], page)
+            cache.touch(state.keys[:complete])  # (the chain's first page most recently used: evicted last)
         # claims this session has done with: stored, past its written positions, or past its declared prompt
         done = [i for i in state.claimed if i < complete or (i + 1) * size > state.limit]
         cache.unclaim([state.keys[i] for i in done])

@@ -76,6 +76,22 @@ def test_pages_are_evicted_least_recently_used_before_a_session_waits():
     asyncio.run(scenario())
 
 
+def test_a_chain_is_evicted_from_its_end_so_its_first_pages_stay_adoptable():
+    """A chain's pages are touched first page last (`touch`, `held`): eviction drops its last pages first, never a
+    first page whose absence would leave the later ones held but never adopted."""
+    cost = 72
+    budget = CacheBudget(4 * cost)
+    cache = PrefixCache(budget, page_tokens=64)
+    filled = _kv()
+    chain = [(0, 2, bytes([i])) for i in range(4)]
+    for key in chain:  # stored in prompt order, as a session's steps complete them
+        assert cache.store(key, _page(cache, filled, 0))
+    cache.touch(chain)
+    assert cache.evict(cost) == cost and set(cache.pages) == set(chain[:3]) and cache.held(chain) == 3
+    assert cache.evict(cost) == cost and cache.held(chain) == 2  # (held touched it again: still from the end)
+    assert set(cache.pages) == set(chain[:2])
+
+
 def test_adoption_copies_a_pages_keys_values_and_outputs():
     cache = PrefixCache(CacheBudget(1024), page_tokens=16)
     filled = _kv()
