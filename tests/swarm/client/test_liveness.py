@@ -155,8 +155,10 @@ def test_a_frozen_server_mid_generation_is_failed_over_on_loopback(model_path, b
     from tests.fixtures.swarm_checks import KillAfter
 
     prefix = "tfrozen"
+    # no CPU turns: a server frozen while it holds the machine-wide turn (`swarm.runtime.cpu_turns`) would stop the
+    # compute of every swarmgate process on the machine, the other server's included, until it is killed
     servers = start_servers(model_path, [bootstrap.maddr], ["0:30", "0:30"], prefix, ["--throughput", "100"],
-                            threads=1)
+                            threads=1, env={"SWARMGATE_CPU_TURNS": "0"})
     model = AutoDistributedModelForCausalLM.from_pretrained(model_path, initial_peers=[bootstrap.maddr],
                                                             dht_prefix=prefix)
     try:
