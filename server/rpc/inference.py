@@ -18,7 +18,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, AsyncIterator, Dict, Optional
+from typing import Any, AsyncGenerator, AsyncIterator, Dict, Optional
 
 import torch
 from hivemind.p2p import P2PContext
@@ -29,7 +29,7 @@ from server.compute.cache import CacheBudget, OutOfCacheError
 from server.rpc.limits import LimitError, RpcLimits, StreamLimiter
 from server.rpc.prefix import PrefixHandler
 from server.rpc.push import PushRouter, PushSender
-from server.rpc.refusal import Refused, refuse
+from server.rpc.refusal import Refused, admitted, refuse
 from swarm.runtime import malloc
 from swarm.runtime.swarm_key import NOT_A_MEMBER
 from swarm.runtime.taskpool import PRIORITY_DECODE, PRIORITY_PREFILL, TaskPool
@@ -150,13 +150,13 @@ class InferenceHandler(PrefixHandler, P.BlockRPC):
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """One inference session's stream: its opening (`_open_stream`), its steps (`_step`, one reply each) until
-        the client leaves or goes quiet for `step_timeout`, and its teardown (`_close_stream`), whatever ends it."""
-        try:
-            self.streams.enter_stream()
-        except LimitError as e:
-            async for reply in refuse(requests, "over_limit", str(e)):
-                yield reply
-            return
+        the client leaves or goes quiet for `step_timeout`, and its teardown (`_close_stream`), whatever ends it;
+        counted under `--max_streams` (`refusal.admitted`)."""
+        async for reply in admitted(self.streams, requests, lambda: self._session_stream(requests, context)):
+            yield reply
+
+    async def _session_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+                              ) -> AsyncGenerator[runtime_pb2.ExpertResponse, None]:
         stream = _Stream()
         try:
             try:
@@ -330,10 +330,9 @@ class InferenceHandler(PrefixHandler, P.BlockRPC):
                                [output], compression=stream.compression, version=stream.version)
 
     async def _close_stream(self, stream: _Stream) -> None:
-        """Teardown, however the stream ended: what `_open_stream` took is given back (the stream and session
-        counts, the cache and its reservation, the push key, the pump), the caches' memory returned to the OS
-        after the last session."""
-        self.streams.exit_stream()
+        """Teardown, however the stream ended: what `_open_stream` took is given back (the session count, the cache
+        and its reservation, the push key, the pump), the caches' memory returned to the OS after the last session
+        (the stream count drops after it, `refusal.admitted`)."""
         self._prefix_close(stream.prefix)
         if stream.peer is not None:
             self.streams.close_session(stream.peer)

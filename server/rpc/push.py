@@ -16,9 +16,11 @@ from typing import Dict, Optional, Tuple
 
 import torch
 from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
 
 from swarm.runtime.aio import iterate_queue
 from swarm.wire import protocol as P
+from swarm.wire.duplex import call_stream
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +110,11 @@ class PushSender:
 
     async def _run(self, peer_id: str, channel: _Channel) -> None:
         try:
-            stub = P.BlockRPC.get_stub(self.p2p, PeerID.from_base58(peer_id))
-            responses = await stub.rpc_push(iterate_queue(channel.queue))
+            # ends as soon as the next server's side closes (`swarm.wire.duplex`): later pushes are refused at once
+            # (the client sends its own copy) instead of vanishing into a dead stream
+            responses = await call_stream(self.p2p, PeerID.from_base58(peer_id),
+                                          P.BlockRPC._get_handle_name(None, "rpc_push"),
+                                          iterate_queue(channel.queue), runtime_pb2.ExpertResponse)
             async for response in responses:  # the receiver only answers to refuse a push
                 logger.warning(f"push to {peer_id} refused: {P.decode_reply(response.metadata)}")
         except Exception as e:

@@ -1,16 +1,18 @@
-"""How a block server refuses a streamed RPC: one `ErrorReply`, then what the caller already sent is read (bounded)
-before the stream closes, since closing at once may reset the stream before the caller has read the reply.
-
-Shared by the inference stream (`server.rpc.handler`) and the training calls (`server.rpc.training`): the
-over-limit refusal of a stream past `--max_streams`, and the refusals of a stream's opening request (`Refused`).
+"""How a block server admits and refuses a streamed RPC: `admitted` counts a stream under `--max_streams` while it
+runs and gives the over-limit refusal past it (the one admission of the inference, round and training streams:
+`server.rpc.inference`, `server.rpc.rounds`, `server.rpc.training`); a refusal is one `ErrorReply`, then what the
+caller already sent is read (bounded) before the stream closes, since closing at once may reset the stream before
+the caller has read the reply. `Refused`: the refusals of a stream's opening request.
 """
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Optional
+from contextlib import aclosing
+from typing import AsyncGenerator, AsyncIterator, Callable, Optional
 
 from hivemind.proto import runtime_pb2
 
+from server.rpc.limits import LimitError, StreamLimiter
 from swarm.wire import protocol as P
 
 
@@ -38,3 +40,23 @@ async def refuse(requests: AsyncIterator, code: str, message: str, version: Opti
     known), then the caller's requests drained."""
     yield P.error_response(code, message, version)
     await drain_refused(requests)
+
+
+async def admitted(streams: StreamLimiter, requests: AsyncIterator,
+                   serve: Callable[[], AsyncGenerator[runtime_pb2.ExpertResponse, None]]
+                   ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+    """A streamed RPC counted as one open stream (`--max_streams`) while it runs: past the cap, the `over_limit`
+    refusal (the handler never starts); else `serve()`'s replies, the stream counted out however it ends (the
+    handler closed first: its own teardown runs before the count drops)."""
+    try:
+        streams.enter_stream()
+    except LimitError as e:
+        async for reply in refuse(requests, "over_limit", str(e)):
+            yield reply
+        return
+    try:
+        async with aclosing(serve()) as replies:
+            async for reply in replies:
+                yield reply
+    finally:
+        streams.exit_stream()

@@ -24,7 +24,7 @@ import hmac
 import logging
 import time
 from collections import defaultdict
-from typing import AsyncIterator, Dict, List, Optional, Tuple
+from typing import AsyncGenerator, AsyncIterator, Dict, List, Optional, Tuple
 
 import torch
 from hivemind.p2p import P2PContext
@@ -32,7 +32,7 @@ from hivemind.proto import runtime_pb2
 
 from server.rpc.inference import InferenceHandler, _Stream
 from server.rpc.limits import LimitError
-from server.rpc.refusal import refuse
+from server.rpc.refusal import admitted
 from swarm.runtime.swarm_key import NOT_A_MEMBER
 from swarm.runtime.taskpool import PRIORITY_DECODE
 from swarm.wire import protocol as P
@@ -50,13 +50,12 @@ class RoundHandler(InferenceHandler):
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """One client's round stream: each `RoundStep` gets one `RoundResult` (or an `ErrorReply` for a malformed
-        message), in order, until the client closes it."""
-        try:
-            self.streams.enter_stream()
-        except LimitError as e:
-            async for reply in refuse(requests, "over_limit", str(e)):
-                yield reply
-            return
+        message), in order, until the client closes it; counted under `--max_streams` (`refusal.admitted`)."""
+        async for reply in admitted(self.streams, requests, lambda: self._round_stream(requests, context)):
+            yield reply
+
+    async def _round_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+                            ) -> AsyncGenerator[runtime_pb2.ExpertResponse, None]:
         self.counters.round_streams += 1
         peer = str(context.remote_id)
         attached: Dict[str, _Stream] = {}  # stream key -> the session part this stream may step
@@ -71,7 +70,6 @@ class RoundHandler(InferenceHandler):
                     admitted = True
                 yield await self._round(request, attached, peer, version)
         finally:
-            self.streams.exit_stream()
             self.counters.round_streams -= 1
 
     async def rpc_round_stats(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, List, Optional, Tuple
 
 import torch
 from hivemind.p2p import P2PContext
@@ -32,8 +32,8 @@ from hivemind.proto import runtime_pb2
 
 from server.compute.blocks import add_prompt
 from server.compute.decode import attention_backends
-from server.rpc.limits import LimitError, StreamLimiter
-from server.rpc.refusal import refuse
+from server.rpc.limits import StreamLimiter
+from server.rpc.refusal import admitted, refuse
 from swarm.modeling.layers import cache_attention, causal_mask
 from swarm.modeling.lora import adapt_layers
 from swarm.runtime.swarm_key import NOT_A_MEMBER
@@ -272,21 +272,13 @@ class TrainingHandler(P.BlockRPC):
         """One training call: admission (private swarms), the streamed request read and checked, `compute`, and
         its tensors streamed back; every failure is an error reply on this call only. A call counts as an open
         stream (`--max_streams`) while it runs, and its request must arrive whole within `step_timeout`."""
-        try:
-            self.streams.enter_stream()
-        except LimitError as e:
-            async for reply in refuse(requests, "over_limit", str(e)):
-                yield reply
-            return
-        try:
-            async for response in self._train_call(requests, context, message_type, name, compute):
-                yield response
-        finally:
-            self.streams.exit_stream()
+        async for response in admitted(self.streams, requests,
+                                       lambda: self._train_call(requests, context, message_type, name, compute)):
+            yield response
 
     async def _train_call(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext,
                           message_type: Any, name: str, compute: Callable[..., Awaitable[List[torch.Tensor]]]
-                          ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+                          ) -> AsyncGenerator[runtime_pb2.ExpertResponse, None]:
         async def read():
             admitted = await self._admitted(requests, context)
             return None if admitted is None else await self._read_train(admitted, message_type)

@@ -88,6 +88,7 @@ from swarm.wire.codec import (
     request_version,
     serialize_tensor,
 )
+from swarm.wire.duplex import call_stream
 from swarm.wire.inference_messages import (
     MAX_PREFIX_TOKENS,
     OpenSession,
@@ -244,14 +245,21 @@ class ProvedStub:
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, **kwargs):
         return await self._stub.rpc_forward(self._proved(request), **kwargs)
 
-    async def rpc_inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], **kwargs):
-        return await self._stub.rpc_inference(self._first_proved(requests), **kwargs)
+    async def rpc_inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]):
+        return await self._long_lived("rpc_inference", requests)
 
-    async def rpc_push(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], **kwargs):
-        return await self._stub.rpc_push(self._first_proved(requests), **kwargs)
+    async def rpc_push(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]):
+        return await self._long_lived("rpc_push", requests)
 
-    async def rpc_round(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], **kwargs):
-        return await self._stub.rpc_round(self._first_proved(requests), **kwargs)
+    async def rpc_round(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]):
+        return await self._long_lived("rpc_round", requests)
+
+    async def _long_lived(self, method: str, requests: AsyncIterator[runtime_pb2.ExpertRequest]):
+        """A session's, push or round stream: its replies end as soon as the server's side closes
+        (`swarm.wire.duplex`), not when this side's requests end too."""
+        stub = self._stub
+        return await call_stream(stub._p2p, stub._peer, BlockRPC._get_handle_name(stub._namespace, method),
+                                 self._first_proved(requests), runtime_pb2.ExpertResponse)
 
     async def rpc_round_stats(self, request: runtime_pb2.ExpertUID, **kwargs):
         return await self._stub.rpc_round_stats(self._proved(request), **kwargs)

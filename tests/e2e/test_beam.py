@@ -195,9 +195,7 @@ def manager(swarms):
 
 def _talk(manager: SwarmManager, peer_id: str, requests: list) -> list:
     """Send raw requests on one inference stream; (reply, tensors) per request, errors as ErrorReply. The request
-    stream ends after the last request: the server answers its queued steps in order before it sees the end (and
-    hivemind's reader waits for the request stream to end once the server closes, so a stream kept open would hang
-    a conversation the server ended early)."""
+    stream ends after the last request: the server answers its queued steps in order before it sees the end."""
     async def conversation():
         async def gen():
             for request in requests:

@@ -1,15 +1,18 @@
-"""The gateway's engine round (`gateway.serving.rounds`) on a real swarm: a tiny random Llama (4 blocks) on three
-real servers (0:2, 2:4, 2:4) and a real gateway. Concurrent generations stepped together in one round get the
+"""The gateway's engine round (`gateway.serving.rounds`) on a real swarm: a tiny random Llama (4 blocks) on four
+real servers (0:2 and three 2:4) and a real gateway. Concurrent generations stepped together in one round get the
 tokens each gets alone (greedy: transformers' own text; seeded sampling, n=2 and logprobs: the same request run
 alone); a stream cancelled mid-way and a bad request beside them change no one's tokens; 64 concurrent streams
-(256 in the extended tier) complete; a server killed mid-generation fails its sessions over and every stream's text
-is still its undisturbed one. The gateway's `swarmgate_round_rows` histogram shows that rows of several generations
-were picked in one round (else the test would not test rounds)."""
+(256 in the extended tier) complete; a server frozen mid-generation (found by the liveness pings) and one killed
+(its streams end at once) fail their sessions over and every stream's text is still its undisturbed one. The
+gateway's `swarmgate_round_rows` histogram shows that rows of several generations were picked in one round (else
+the test would not test rounds)."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import re
+import signal
 from typing import List, Optional
 
 import httpx
@@ -100,14 +103,16 @@ def tiny_swarm(bootstrap, model_path, tmp_path_factory):
     path = tmp_path_factory.mktemp("round46") / "tiny-round"
     reference = save_tiny("llama", path, model_path)
     prefix = "tround46"
-    servers = start_servers(str(path), [bootstrap.maddr], ["0:2", "2:4", "2:4"], prefix, threads=1,
-                            extra=["--max_sessions_per_peer", "600"])
+    # three 2:4 servers: one is frozen, one killed, the last takes their sessions; no CPU turns (a server frozen
+    # while it holds the machine-wide turn, `swarm.runtime.cpu_turns`, would stop every other process's compute)
+    servers = start_servers(str(path), [bootstrap.maddr], ["0:2", "2:4", "2:4", "2:4"], prefix, threads=1,
+                            extra=["--max_sessions_per_peer", "600"], env={"SWARMGATE_CPU_TURNS": "0"})
     swarm = {"prefix": prefix, "servers": servers, "initial_peers": [bootstrap.maddr]}
     gateway = None
     try:
         gateway = start_gateway(str(path), swarm, "--max_concurrent", "256", "--max_queue", "64")
         yield {"url": gateway.url, "model": path.name, "reference": reference, "servers": servers, "gateway": gateway,
-               "tokenizer": AutoTokenizer.from_pretrained(path), "bootstrap": bootstrap}
+               "tokenizer": AutoTokenizer.from_pretrained(path), "bootstrap": bootstrap, "frozen": []}
     finally:
         terminate_all(([gateway.proc] if gateway is not None else []) + servers)
 
@@ -189,28 +194,67 @@ def test_256_concurrent_streams_complete(tiny_swarm):
     concurrent_streams_complete(tiny_swarm, 256)
 
 
-def test_a_failover_in_one_generation_leaves_every_text_unchanged(tiny_swarm, alone):
-    """(Last: it kills a server.) A 2:4 server holding sessions dies mid-generation: its sessions replay onto the
-    other 2:4 server, and every stream's text is its undisturbed one."""
+def disturb_mid_generation(tiny_swarm, act) -> tuple:
+    """Four greedy streams of 40 tokens; after the first one's 4th chunk, `act(server)` on a live 2:4 server that
+    holds a session. Returns (what each stream got, its undisturbed text, the server, the gateway's log)."""
     url, model, servers = tiny_swarm["url"], tiny_swarm["model"], tiny_swarm["servers"]
     bodies = [chat(p, max_tokens=40) for p in PROMPTS]
     undisturbed = [run_all(url, model, [b])[0]["texts"] for b in bodies]
     manager = SwarmManager(ClientConfig(initial_peers=[tiny_swarm["bootstrap"].maddr]), "tround46", 30)
-    killed: list = []
+    victims: list = []
 
-    def kill_once(chunks: int) -> None:
-        if chunks == 4 and not killed:
-            busy = [s for s in servers[1:] if s.proc.poll() is None
+    def once(chunks: int) -> None:
+        if chunks == 4 and not victims:
+            busy = [s for s in servers[1:] if s.proc.poll() is None and s not in tiny_swarm["frozen"]
                     and manager.server_info(s.peer_id).sessions_open > 0]
             assert busy, "no 2:4 server holds a session"
-            busy[0].kill()
-            killed.append(busy[0])
+            act(busy[0])
+            victims.append(busy[0])
 
     try:
-        got = run_all(url, model, bodies, **{"0": {"on_chunk": kill_once}})
+        got = run_all(url, model, bodies, **{"0": {"on_chunk": once}})
     finally:
         manager.shutdown()
-    log = tiny_swarm["gateway"].proc.log_tail(60)
-    assert killed, "the streams ended before the server could be killed"
-    assert [g["errors"] for g in got] == [[]] * len(bodies), log
-    assert [g["texts"] for g in got] == undisturbed, log
+    assert victims, "the streams ended before a server could be disturbed"
+    log = tiny_swarm["gateway"].proc.log_path.read_text(errors="replace")
+    return got, undisturbed, victims[0], log
+
+
+def round_failures(log: str, peer_id: str) -> List[str]:
+    """The gateway's log lines of round messages to `peer_id` that failed (`swarm.client.transport.rounds`)."""
+    return [line for line in log.splitlines() if f"a round message to {peer_id} failed" in line]
+
+
+def test_a_frozen_server_fails_its_round_rows_over_by_liveness(tiny_swarm):
+    """A 2:4 server holding sessions freezes mid-generation (SIGSTOP to it and its p2pd: its connections stay open
+    and say nothing, as a frozen host's): the round message waiting on it is failed by the liveness pings (not by
+    the 120 s step time-out), its sessions fail over to another 2:4 server, and every stream's text is its
+    undisturbed one (transformers' own, `test_rows_of_many_generations_get_the_tokens_each_gets_alone`)."""
+    def freeze(server) -> None:
+        server.signal_tree(signal.SIGSTOP)
+        tiny_swarm["frozen"].append(server)
+        print(f"\nfroze {server.peer_id} at {datetime.datetime.now():%H:%M:%S.%f}")  # against the log's times
+
+    got, undisturbed, victim, log = disturb_mid_generation(tiny_swarm, freeze)
+    try:
+        assert [g["errors"] for g in got] == [[]] * len(got), log[-5000:]
+        assert [g["texts"] for g in got] == undisturbed, log[-5000:]
+        failures = round_failures(log, victim.peer_id)
+        assert failures and all("[unreachable] no reply for" in line for line in failures), failures
+        assert f"server {victim.peer_id} is unreachable" in log  # `swarm.client.transport.liveness`
+        print("\n" + "\n".join(line for line in log.splitlines() if victim.peer_id in line))
+    finally:
+        victim.kill()  # SIGKILL ends a stopped process too
+
+
+def test_a_failover_in_one_generation_leaves_every_text_unchanged(tiny_swarm):
+    """(Last: it kills a server.) A 2:4 server holding sessions dies mid-generation (SIGKILL to it and its p2pd):
+    its round stream ends at once (the connection closed, `swarm.wire.duplex`: no wait for a time-out or a ping),
+    its sessions replay onto another 2:4 server, and every stream's text is its undisturbed one."""
+    got, undisturbed, victim, log = disturb_mid_generation(tiny_swarm, lambda server: server.kill())
+    assert [g["errors"] for g in got] == [[]] * len(got), log[-5000:]
+    assert [g["texts"] for g in got] == undisturbed, log[-5000:]
+    failures = round_failures(log, victim.peer_id)
+    assert failures and "[closed] the server closed the round stream" in failures[0], failures
+    assert f"server {victim.peer_id} is unreachable" not in log  # seen at once, not by the liveness pings
+    print("\n" + "\n".join(line for line in log.splitlines() if victim.peer_id in line))

@@ -194,6 +194,8 @@ class SwarmManager:
         # servers outvoted by spot-checks (swarm.client.transport.verify): never routed to
         self.distrusted: Set[str] = set()
         self.rtts: Dict[str, float] = {}  # peer id -> client RTT in seconds, measured at each refresh
+        # late replies given up on because their server did not answer a liveness ping (`liveness.wait_while_alive`)
+        self.liveness_failures = 0
         self._lock = threading.Lock()
         self.on_route: Optional[Callable[[RouteTiming], None]] = None  # told how long each inference chain took
 

@@ -31,7 +31,8 @@ from typing import Any, Awaitable, Callable, Dict, List, Mapping, Optional, Sequ
 import torch
 from hivemind.proto import runtime_pb2
 
-from swarm.client.transport.manager import SwarmManager
+from swarm.client.transport.liveness import wait_while_alive
+from swarm.client.transport.manager import SwarmManager, unreachable
 from swarm.client.transport.session import InferenceSession
 from swarm.client.transport.session_chain import METADATA_ROOM, BoundaryHistory
 from swarm.client.transport.span_stream import SpanStream
@@ -63,8 +64,9 @@ class RoundStream:
 
     async def step(self, rows: Sequence[Row]) -> List[Outcome]:
         """One message with `rows` (all session parts on this server): per row its output [batch, seq, hidden] or
-        the `RemoteError` the server answered for that row. A failure of the whole message (the stream broke, no
-        reply within `step_timeout`, an error reply) raises, and the stream is closed (the next round reopens it)."""
+        the `RemoteError` the server answered for that row. A failure of the whole message (the stream ended or
+        broke, the server did not answer a liveness ping while the reply was late, no reply within `step_timeout`,
+        an error reply) raises, and the stream is closed (the next round reopens it)."""
         async with self._lock:
             try:
                 return await self._step(rows)
@@ -88,7 +90,16 @@ class RoundStream:
         flat = R.join_rows([x.to(wire_dtype) if wire_dtype is not None and x.is_floating_point() else x
                             for _, x, _, _ in rows])  # [sum(batch_i * seq_i), hidden]
         self._queue.put_nowait(P.make_request(message, [flat]))
-        response = await asyncio.wait_for(self._responses.__anext__(), timeout=self.manager.config.step_timeout)
+        # the reply, waited for while the server answers liveness pings (a frozen or cut-off server fails in about
+        # liveness_interval + liveness_timeout s); a server whose process died ends the stream at once
+        pending = asyncio.ensure_future(self._responses.__anext__())
+        try:
+            response = await wait_while_alive(self.manager, self.peer_id, pending)
+        except StopAsyncIteration:
+            raise P.RemoteError("closed", "the server closed the round stream", self.peer_id) from None
+        finally:
+            if not pending.done():
+                pending.cancel()  # the reply of a failed server is not read (the stream closes)
         kind = json.loads(response.metadata).get("type") if response.metadata else None
         if kind == "error":
             error = P.decode(response.metadata, P.ErrorReply)
@@ -320,6 +331,11 @@ async def _send_rows(manager: SwarmManager, peer_id: str, rows: List[Row]) -> Li
         try:
             outcomes += await round_stream(manager, peer_id).step(part)
         except Exception as e:  # noqa: BLE001 - the whole message failed (the stream closed): each item alone
+            logger.warning(f"a round message to {peer_id} failed ({type(e).__name__}: {e}); its {len(part)} "
+                           f"row(s) step on their sessions' own streams")
+            if unreachable(e):  # the server is gone: those sessions fail it over at once, not after another wait
+                for stream, _, _, _ in part:
+                    stream.failed = e
             outcomes += [e] * len(part)
     if not any(isinstance(outcome, BaseException) for outcome in outcomes):
         manager.mark_ok(peer_id)

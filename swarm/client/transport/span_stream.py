@@ -1,6 +1,7 @@
 """One server's part of a client inference session: `SpanStream` holds blocks [start, end) of the session on one
-server over one bidirectional stream (open, queue steps, read replies in order, the server's liveness while a
-reply is late, close); `SessionError` is what a session raises when it cannot go on.
+server over one bidirectional stream (open, queue steps, read replies in order, a late one waited for while the
+server answers liveness pings: `liveness.wait_while_alive`, close); `SessionError` is what a session raises when it
+cannot go on.
 
 `swarm.client.transport.session.InferenceSession` chains one `SpanStream` per server and replaces a failed one.
 """
@@ -11,8 +12,8 @@ import secrets
 from typing import AsyncGenerator, Optional
 
 import torch
-from hivemind.p2p import P2PHandlerError
 
+from swarm.client.transport.liveness import wait_while_alive
 from swarm.client.transport.manager import SwarmManager
 from swarm.client.transport.routing import RouteHop
 from swarm.runtime import aio
@@ -45,18 +46,24 @@ class SpanStream:
         self._responses: Optional[AsyncGenerator] = None
         self._pending: Optional[asyncio.Future] = None  # the next reply, possibly awaited across time-outs
         self.open_pending = False  # OpenSession sent, its reply not read yet (read before the first step's)
+        # the server was found gone on another stream (this part's round stream: `rounds.RoundStream`): the next
+        # reply raises it at once, so that the session fails the server over without waiting on it again
+        self.failed: Optional[BaseException] = None
         self.push_token = secrets.token_urlsafe(24)  # only the previous server of the chain learns it
         # hidden states go out in the server's dtype (what it computes in anyway): a bfloat16 server gets half the
         # bytes of the client's float32; None where the server announced none the wire knows (sent as they are)
         self.wire_dtype = DTYPES.get(hop.dtype) if hop.dtype else None
 
     async def _next_reply(self, timeout: Optional[float] = None):
+        if self.failed is not None:
+            self._abandon_pending()
+            raise self.failed
         if self._pending is None:
             assert self._responses is not None, "the stream is not open"
             self._pending = asyncio.ensure_future(self._responses.__anext__())
         try:
             if timeout is None:
-                response = await self._wait_while_alive(self._pending)
+                response = await wait_while_alive(self.manager, self.hop.peer_id, self._pending)
             else:
                 # shield: a short wait (for a push) that times out must not lose the reply still on its way
                 response = await asyncio.wait_for(asyncio.shield(self._pending), timeout=timeout)
@@ -79,35 +86,6 @@ class SpanStream:
         if self._pending is not None and not self._pending.done():
             self._pending.cancel()
         self._pending = None
-
-    async def _wait_while_alive(self, pending: asyncio.Future):
-        """The reply, waited for up to `step_timeout`. While it is late, the server is pinged (an info call on a new
-        stream) every `liveness_interval` seconds: a ping unanswered within `liveness_timeout` means the server is
-        unreachable (a cut link, a frozen host: no connection error ever comes), so the session fails over after
-        about interval + timeout seconds instead of the whole step time-out."""
-        config = self.manager.config
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + config.step_timeout
-        while True:
-            left = deadline - loop.time()
-            if left <= 0:
-                raise asyncio.TimeoutError(f"no reply within step_timeout={config.step_timeout:g}s")
-            interval = config.liveness_interval
-            await asyncio.wait({pending}, timeout=left if interval is None else min(left, interval))
-            if pending.done():
-                return pending.result()
-            if interval is not None and not await self._answers_ping() and not pending.done():
-                raise P.RemoteError("unreachable", f"no reply for {interval:g}s and no answer to a ping within "
-                                                   f"{config.liveness_timeout:g}s", self.hop.peer_id)
-
-    async def _answers_ping(self) -> bool:
-        try:
-            await asyncio.wait_for(self.manager.info(self.hop.peer_id), self.manager.config.liveness_timeout)
-        except P2PHandlerError:
-            return True  # the server answered, if with an error: it is reachable
-        except Exception:
-            return False
-        return True
 
     async def open(self, wait: bool = True) -> None:
         """Open the stream and the server's session. With `wait=False` the OpenSession reply is read before the

@@ -1,14 +1,18 @@
-"""The client's liveness check of a late step: first without processes (a stand-in manager whose info call answers
-or hangs, a reply stream that answers late or never), then on real processes, a server frozen mid-generation
-(`tests/e2e/test_multihost.py` cuts a real link between network namespaces)."""
+"""The client's liveness check of a late step (`swarm.client.transport.liveness`), on a session's own stream and on a
+round stream: first without processes (a stand-in manager whose info call answers or hangs, a reply stream that
+answers late, never, or ends), then on real processes, a server frozen mid-generation (`tests/e2e/test_multihost.py`
+cuts a real link between network namespaces; `tests/gateway/test_engine_round.py` freezes and kills servers under
+the gateway's engine rounds)."""
 from __future__ import annotations
 
 import asyncio
 import time
 
 import pytest
+import torch
 
 from swarm.client.transport.manager import ClientConfig
+from swarm.client.transport.rounds import RoundStream
 from swarm.client.transport.routing import RouteHop
 from swarm.client.transport.span_stream import SpanStream
 from swarm.wire import protocol as P
@@ -19,6 +23,7 @@ PEER = "12D3KooWQcDwdERqzANxK8BBxoXHhs5q31JtseSoksHmMw3bHuap"
 class Manager:
     def __init__(self, config: ClientConfig, ping_answers: bool):
         self.config, self.ping_answers, self.pings = config, ping_answers, 0
+        self.liveness_failures = 0
 
     async def info(self, peer_id: str):
         self.pings += 1
@@ -65,6 +70,73 @@ def test_without_liveness_pings_the_step_time_out_applies():
     assert isinstance(error, asyncio.TimeoutError) and pings == 0 and waited >= 0.5
 
 
+async def _silent():
+    await asyncio.sleep(3600)
+    yield  # pragma: no cover
+
+
+async def _ended():
+    return
+    yield  # pragma: no cover
+
+
+def _round(responses, ping_answers: bool, **config):
+    """One round message of two session parts on a stand-in server whose replies come from `responses`: (the
+    outcome or error, pings, liveness failures counted, whether the round stream closed)."""
+    async def run():
+        manager = Manager(ClientConfig(initial_peers=["x"], **config), ping_answers)
+        hop = RouteHop(peer_id=PEER, start=0, end=30)
+        parts = [SpanStream(manager, hop, f"s{i}", max_length=8, batch_size=1)  # type: ignore[arg-type]
+                 for i in range(2)]
+        stream = RoundStream(manager, PEER)  # type: ignore[arg-type]
+        stream._responses = responses
+        try:
+            outcome = await stream.step([(part, torch.zeros(1, 1, 8), 0, 1) for part in parts])
+        except Exception as e:  # noqa: BLE001
+            outcome = e
+        return outcome, manager.pings, manager.liveness_failures, stream.closed
+
+    return asyncio.run(run())
+
+
+def test_a_round_on_a_silent_server_fails_as_unreachable_after_interval_plus_ping_timeout():
+    error, pings, failures, closed = _round(_silent(), ping_answers=False, liveness_interval=0.2,
+                                            liveness_timeout=0.3, step_timeout=3600)
+    assert isinstance(error, P.RemoteError) and error.code == "unreachable" and pings == 1 and failures == 1
+    assert closed  # the next round opens a new stream
+
+
+def test_a_round_stream_that_ends_fails_at_once_without_a_ping():
+    error, pings, failures, closed = _round(_ended(), ping_answers=False, liveness_interval=0.2,
+                                            liveness_timeout=0.3, step_timeout=3600)
+    assert isinstance(error, P.RemoteError) and error.code == "closed" and pings == 0 and failures == 0 and closed
+
+
+def test_a_round_on_a_live_server_waits_for_the_step_time_out_without_liveness():
+    error, pings, failures, closed = _round(_silent(), ping_answers=True, liveness_interval=0.2,
+                                            liveness_timeout=0.3, step_timeout=1.0)
+    assert isinstance(error, asyncio.TimeoutError) and pings >= 2 and failures == 0 and closed
+
+
+def test_a_part_failed_on_its_round_stream_raises_at_its_next_reply():
+    """`astep_round` marks the session parts of a server found unreachable on a round stream: their next reply on
+    their own streams raises that error at once (the session fails over) instead of waiting on the server again."""
+    async def run():
+        manager = Manager(ClientConfig(initial_peers=["x"], liveness_interval=0.2, liveness_timeout=0.3), False)
+        part = SpanStream(manager, RouteHop(peer_id=PEER, start=0, end=30), "s", max_length=8,  # type: ignore
+                          batch_size=1)
+        part._responses = _silent()
+        part.failed = P.RemoteError("unreachable", "no answer to a ping", PEER)
+        try:
+            await part.receive(0, 1)
+        except P.RemoteError as e:
+            return e, manager.pings
+        raise AssertionError("no error")
+
+    error, pings = asyncio.run(run())
+    assert error.code == "unreachable" and pings == 0
+
+
 @pytest.mark.parametrize("value", [0, -1])
 def test_liveness_settings_are_validated(value):
     with pytest.raises(ValueError):
@@ -83,8 +155,10 @@ def test_a_frozen_server_mid_generation_is_failed_over_on_loopback(model_path, b
     from tests.fixtures.swarm_checks import KillAfter
 
     prefix = "tfrozen"
+    # no CPU turns: a server frozen while it holds the machine-wide turn (`swarm.runtime.cpu_turns`) would stop the
+    # compute of every swarmgate process on the machine, the other server's included, until it is killed
     servers = start_servers(model_path, [bootstrap.maddr], ["0:30", "0:30"], prefix, ["--throughput", "100"],
-                            threads=1)
+                            threads=1, env={"SWARMGATE_CPU_TURNS": "0"})
     model = AutoDistributedModelForCausalLM.from_pretrained(model_path, initial_peers=[bootstrap.maddr],
                                                             dht_prefix=prefix)
     try:

@@ -1,0 +1,58 @@
+"""A long-lived bidirectional protobuf stream to a peer's handler that ends as soon as the peer's side closes:
+`call_stream`, used for the session streams (`rpc_inference`), round streams (`rpc_round`) and push streams
+(`rpc_push`).
+
+hivemind's own stream call (`P2P.iterate_protobuf_handler`), on reading the end of the connection, first waits for
+the caller's request iterator to end before it ends the replies. A session's requests come from a queue that stays
+open while the session lives, so a stream whose server process died (p2pd closes the connection at once) would
+yield nothing until the step's time-out (120 s): the reader would wait on a writer that waits on the queue. Here
+the replies end the moment the connection does (the writer is cancelled), so a dead server is seen at once, as a
+stream that ended; a server that goes silent without closing anything (a frozen host, a cut link) is the
+liveness pings' case (`swarm.client.transport.liveness`).
+
+Framing and the end-of-stream mark are hivemind's (`P2P.send_protobuf` / `receive_protobuf`), so either side may
+be hivemind's own code.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Type
+
+from google.protobuf.message import Message
+from hivemind.p2p import P2P, P2PHandlerError, PeerID
+
+
+async def call_stream(p2p: P2P, peer_id: PeerID, handle_name: str, requests: AsyncIterator[Message],
+                      response_type: Type[Message]) -> AsyncIterator[Message]:
+    """Open a stream to `handle_name` at `peer_id`, write `requests` into it (then the end-of-stream mark), and
+    return the replies as an async iterator that ends when the peer closes its side (whatever is left to write is
+    dropped) and raises `P2PHandlerError` for an error the peer's handler reported. Close the iterator
+    (`aclose`) to close the stream early."""
+    _, reader, writer = await p2p.call_binary_stream_handler(peer_id, handle_name)
+
+    async def write() -> None:
+        async for request in requests:
+            await P2P.send_protobuf(request, writer)
+        await P2P.send_protobuf(P2P.END_OF_STREAM, writer)
+
+    writing = asyncio.ensure_future(write())
+    # its failure (writing into a connection the peer closed) is read here, or raised below once the replies end
+    writing.add_done_callback(lambda task: task.cancelled() or task.exception())
+
+    async def read() -> AsyncIterator[Message]:
+        try:
+            while True:
+                try:
+                    response, error = await P2P.receive_protobuf(response_type, reader)
+                except asyncio.IncompleteReadError:  # the peer closed its side: nothing more will come
+                    break
+                if error is not None:
+                    raise P2PHandlerError(f"Failed to call handler `{handle_name}` at {peer_id}: {error.message}")
+                yield response
+            if writing.done() and not writing.cancelled() and writing.exception() is not None:
+                raise writing.exception()  # type: ignore[misc]  # the requests' own failure, as hivemind's call
+        finally:
+            writing.cancel()
+            writer.close()
+
+    return read()

@@ -1,0 +1,117 @@
+"""`swarm.wire.duplex.call_stream` between two real p2p daemons: replies flow while the requests stream stays open,
+and when the connection closes (the serving peer's daemon dies: a server process killed with its p2pd; or the
+connection between two live peers is dropped) the replies end at once, while the caller's request queue is still
+open. hivemind's own call would wait for the requests to end first, and a session's never do until it closes: its
+step waited the whole `step_timeout` (120 s) for a reply that could not come, while the server, alive, answered
+every liveness ping on a new connection and logged nothing (the 120 s stalls of loaded test runs)."""
+from __future__ import annotations
+
+import asyncio
+
+from hivemind.p2p import P2P
+from hivemind.proto import runtime_pb2
+
+from swarm.runtime.aio import iterate_queue
+from swarm.wire.duplex import call_stream
+
+HANDLE = "test_duplex.echo"
+
+
+def test_replies_end_when_the_peer_dies_though_the_requests_go_on():
+    async def run():
+        server = await P2P.create()
+        client = await P2P.create(initial_peers=await server.get_visible_maddrs())
+        try:
+            async def echo(requests, context):
+                async for request in requests:
+                    yield runtime_pb2.ExpertResponse(metadata=request.metadata)
+
+            await server.add_protobuf_handler(HANDLE, echo, runtime_pb2.ExpertRequest, stream_input=True,
+                                              stream_output=True)
+            queue: asyncio.Queue = asyncio.Queue()
+            replies = await call_stream(client, server.peer_id, HANDLE, iterate_queue(queue),
+                                        runtime_pb2.ExpertResponse)
+            got = []
+            for i in range(3):  # a conversation: each reply comes while the requests are still open
+                queue.put_nowait(runtime_pb2.ExpertRequest(metadata=b"%d" % i))
+                got.append((await asyncio.wait_for(replies.__anext__(), 60)).metadata)
+            assert got == [b"0", b"1", b"2"]
+
+            await server.shutdown()  # its daemon goes: the connection closes
+            ended = False
+            try:  # (the wait is only a guard against a hang, far above any real detection)
+                await asyncio.wait_for(replies.__anext__(), 60)
+            except StopAsyncIteration:
+                ended = True
+            assert ended and queue.empty()  # the replies ended with the caller's requests still open
+            await replies.aclose()
+        finally:
+            await client.shutdown()
+            await server.shutdown()
+
+    asyncio.run(run())
+
+
+def test_replies_end_when_the_connection_between_live_peers_closes():
+    async def run():
+        server = await P2P.create()
+        client = await P2P.create(initial_peers=await server.get_visible_maddrs())
+        try:
+            async def echo(requests, context):
+                async for request in requests:
+                    yield runtime_pb2.ExpertResponse(metadata=request.metadata)
+
+            await server.add_protobuf_handler(HANDLE, echo, runtime_pb2.ExpertRequest, stream_input=True,
+                                              stream_output=True)
+            queue: asyncio.Queue = asyncio.Queue()
+            replies = await call_stream(client, server.peer_id, HANDLE, iterate_queue(queue),
+                                        runtime_pb2.ExpertResponse)
+            queue.put_nowait(runtime_pb2.ExpertRequest(metadata=b"0"))
+            assert (await asyncio.wait_for(replies.__anext__(), 60)).metadata == b"0"
+            await client._client.disconnect(server.peer_id)  # both daemons live on; their connection closes
+            ended = False
+            try:  # (a guard against a hang only)
+                await asyncio.wait_for(replies.__anext__(), 60)
+            except StopAsyncIteration:
+                ended = True
+            assert ended and queue.empty()
+            # the peer is still there: a new stream reaches it over a new connection
+            again = await call_stream(client, server.peer_id, HANDLE, iterate_queue(queue), runtime_pb2.ExpertResponse)
+            queue.put_nowait(runtime_pb2.ExpertRequest(metadata=b"1"))
+            assert (await asyncio.wait_for(again.__anext__(), 60)).metadata == b"1"
+            queue.put_nowait(None)
+            await again.aclose()
+        finally:
+            await client.shutdown()
+            await server.shutdown()
+
+    asyncio.run(run())
+
+
+def test_an_error_of_the_handler_is_raised():
+    async def run():
+        server = await P2P.create()
+        client = await P2P.create(initial_peers=await server.get_visible_maddrs())
+        try:
+            async def failing(requests, context):
+                async for _ in requests:
+                    raise ValueError("no such step")
+                yield  # pragma: no cover
+
+            await server.add_protobuf_handler(HANDLE, failing, runtime_pb2.ExpertRequest, stream_input=True,
+                                              stream_output=True)
+            queue: asyncio.Queue = asyncio.Queue()
+            replies = await call_stream(client, server.peer_id, HANDLE, iterate_queue(queue),
+                                        runtime_pb2.ExpertResponse)
+            queue.put_nowait(runtime_pb2.ExpertRequest(metadata=b"x"))
+            try:
+                await asyncio.wait_for(replies.__anext__(), 60)
+                raise AssertionError("no error raised")
+            except Exception as e:  # noqa: BLE001
+                assert "no such step" in str(e), e
+            queue.put_nowait(None)
+        finally:
+            await client.shutdown()
+            await server.shutdown()
+
+    asyncio.run(run())
