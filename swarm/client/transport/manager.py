@@ -246,10 +246,15 @@ class SwarmManager:
     def ban(self, peer_id: str, error: Optional[BaseException] = None) -> float:
         """Keep routing away from a failed server for `ban_timeout` x 2^(failures so far) seconds. A server that
         could not be reached (`error` a lost connection or a time-out, not an error reply) may be tried again
-        after a short back-off when nothing else serves some of its blocks (`sole_retry_wait`)."""
-        _, failures, _ = self._bans.get(peer_id, (0.0, 0, 0.0))
-        duration = self.config.ban_timeout * (2 ** failures)
+        after a short back-off when nothing else serves some of its blocks (`sole_retry_wait`). Failures reported
+        while the server is banned are the same incident (sessions whose steps were in flight on it when it failed:
+        a round's rows all fail together) and leave the ban as it is: only a failure of a later try counts again
+        (after the ban, or a sole server's retry after its back-off)."""
+        until, failures, retry_at = self._bans.get(peer_id, (0.0, 0, 0.0))
         now = time.monotonic()
+        if now < until and now < retry_at:
+            return until - now
+        duration = self.config.ban_timeout * (2 ** failures)
         retry = min(self.config.ban_timeout, SOLE_RETRY_BASE * 2 ** failures) if unreachable(error) else math.inf
         self._bans[peer_id] = (now + duration, failures + 1, now + retry)
         logger.warning(f"banning server {peer_id} for {duration:.0f}s")

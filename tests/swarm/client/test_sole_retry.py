@@ -44,6 +44,7 @@ def test_an_unreachable_sole_server_is_retried_after_a_short_back_off():
     assert "c" in manager.banned()  # still banned: routing prefers anyone else once there is someone
     # the back-off doubles with each failure, up to ban_timeout (the ban itself keeps doubling)
     for failures in range(2, 8):
+        due_now(manager, "c")  # retried after its back-off, and failed again
         manager.ban("c", ConnectionError())
         until, count, retry_at = manager._bans["c"]
         assert count == failures
@@ -69,3 +70,15 @@ def test_which_errors_mean_unreachable():
     assert unreachable(P.RemoteError("unreachable", "no answer to a ping"))
     assert not unreachable(P.RemoteError("out_of_cache", "no room")) and not unreachable(None)
     assert not unreachable(P.ProtocolError("bad reply"))
+
+
+def test_failures_of_one_incident_ban_once():
+    """Sessions whose steps were in flight on a server when it failed (a round's rows fail together) report it
+    one after another: the ban is not doubled for each; a failure of a later try counts again."""
+    manager = fake_manager([span("a", 0, 30), span("b", 0, 30)], None)
+    durations = [manager.ban("a", ConnectionError()) for _ in range(4)]
+    assert durations[0] == pytest.approx(15.0) and all(d <= 15.0 for d in durations)
+    assert manager._bans["a"][1] == 1
+    until, failures, retry_at = manager._bans["a"]
+    manager._bans["a"] = (time.monotonic() - 0.01, failures, retry_at)  # the ban ran out; the next try fails
+    assert manager.ban("a", ConnectionError()) == pytest.approx(30.0) and manager._bans["a"][1] == 2
