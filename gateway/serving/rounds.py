@@ -316,10 +316,8 @@ class EngineRounds:
                     failed.setdefault(k, choice)
                 else:
                     picks[k][i] = choice
-            start = 0
-            for k, (m, out) in enumerate(group):
-                part = logits[start:start + out.shape[0]]
-                start += out.shape[0]
+            parts = torch.split(logits, [out.shape[0] for _, out in group])  # each member's rows, views at once
+            for k, ((m, _), part) in enumerate(zip(group, parts)):
                 if k in failed:
                     self._leave(m, failed[k])
                     continue
