@@ -13,8 +13,9 @@ one intra-op thread each). For each N (`--streams`, default 1,16,64,256):
 - the ratio gateway / local, and CPU milliseconds per generated token of the gateway process and of each server
   process (each with its children: DHT process, p2pd; psutil `cpu_times` before and after the wave), and of the
   gateway's Python process alone (`gateway_python`: the rest of `gateway` is its p2pd and DHT child).
-`--model bundled`: the same waves on the bundled SmolLM2-135M (30 blocks on 2 servers, 0:15 and 15:30; local
-transformers in float32), where compute is no longer nothing (issue 46's goal there: 16 streams >= 0.9x local).
+`--model bundled`: the same waves on the bundled SmolLM2-135M (30 blocks on 2 servers, 0:15 and 15:30, each with a
+KV budget for every stream's session at once; local transformers in float32), where compute is no longer nothing
+(issue 46's goal there: 16 streams >= 0.9x local).
 Memory per open stream: each process tree's RSS (psutil, sampled every 0.1 s during the wave) at its peak, less its
 RSS after the one-stream warm-up, divided by N (`rss_mb`, `rss_kb_per_stream`: an upper bound for the waves smaller
 than the largest, whose warm-up already grew the processes' heaps, which they keep).
@@ -209,6 +210,9 @@ def main() -> None:
                                                         return_dict=False))
         top = max(counts)
         server_args = ["--max_sessions_per_peer", str(max(128, 2 * top))]
+        if args.model == "bundled":  # every stream's session at once (~600 tokens each: its prompt, max_tokens and
+            # the gateway's headroom), past the servers' default KV budget of 16384 tokens from ~27 streams on
+            server_args += ["--attn_cache_tokens", str(max(16384, 640 * top))]
         with Topology(str(path), spans, f"overhead-{os.getpid()}", server_args, name="bench-overhead",
                       threads=args.threads) as swarm:
             gateways = {mode: swarm.add_gateway(extra=["--max_concurrent", str(max(32, top)),
