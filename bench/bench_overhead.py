@@ -13,12 +13,19 @@ one intra-op thread each). For each N (`--streams`, default 1,16,64,256):
 - the ratio gateway / local, and CPU milliseconds per generated token of the gateway process and of each server
   process (each with its children: DHT process, p2pd; psutil `cpu_times` before and after the wave), and of the
   gateway's Python process alone (`gateway_python`: the rest of `gateway` is its p2pd and DHT child).
+`--model bundled`: the same waves on the bundled SmolLM2-135M (30 blocks on 2 servers, 0:15 and 15:30, each with a
+KV budget for every stream's session at once; local transformers in float32), where compute is no longer nothing
+(issue 46's goal there: 16 streams >= 0.9x local).
+Memory per open stream: each process tree's RSS (psutil, sampled every 0.1 s during the wave) at its peak, less its
+RSS after the one-stream warm-up, divided by N (`rss_mb`, `rss_kb_per_stream`: an upper bound for the waves smaller
+than the largest, whose warm-up already grew the processes' heaps, which they keep).
 Warm-up before the waves: one stream, then as many 2-token streams as the largest wave (a gateway that has
 served that many at once keeps their worker threads). Prints one JSON object. `--profile PATH`: py-spy records the
 gateway during each wave (collapsed stacks in PATH.<mode>.<streams>.txt); `--modes round,thread`: a gateway with engine
 rounds and one without (`--no-engine_round`), waves alternating between them, the same local figure for both.
 
 Usage (from the repository root): .venv/bin/python bench/bench_overhead.py [--streams 16,64] [--new_tokens 32]
+    [--model tiny|bundled]
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List
@@ -37,6 +45,7 @@ from typing import Any, Dict, List
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import httpx  # noqa: E402
+import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from bench.harness import cpu_seconds  # noqa: E402
@@ -45,7 +54,10 @@ from launch.topology import ManagedProcess, Topology  # noqa: E402
 from swarm.modeling.prepare import prepare_model  # noqa: E402
 from tests.fixtures.tiny_checkpoints import save_tiny  # noqa: E402
 
-MODEL = "tiny-llama"  # the checkpoint directory's name: what the gateway serves
+TINY = "tiny-llama"  # the tiny checkpoint directory's name (a gateway serves its directory's name)
+# --model: (description, block spans of the 2 servers)
+MODELS = {"tiny": ("tiny llama (hidden 64, 4 blocks)", ["0:2", "2:4"]),
+          "bundled": ("bundled smollm2-135m-instruct (hidden 576, 30 blocks)", ["0:15", "15:30"])}
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -55,16 +67,60 @@ def cpu_now(gateway: ManagedProcess, servers: List[ManagedProcess]) -> Dict[str,
             **{f"server{i}": cpu_seconds(s.proc.pid, tree=True) for i, s in enumerate(servers)}}
 
 
-def body(new_tokens: int) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "temperature": 0,
+def rss_now(gateway: ManagedProcess, servers: List[ManagedProcess]) -> Dict[str, float]:
+    """Resident memory (bytes) of each process tree: the gateway's, each server's (with its DHT child and p2pd)."""
+    def tree(pid: int) -> float:
+        try:
+            root = psutil.Process(pid)
+            members = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return 0.0
+        total = 0.0
+        for member in members:
+            try:
+                total += member.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+
+    return {"gateway": tree(gateway.proc.pid), **{f"server{i}": tree(s.proc.pid) for i, s in enumerate(servers)}}
+
+
+class PeakRss:
+    """Samples `rss_now` every `period` seconds on a thread while in the `with` block: the peak of each process."""
+
+    def __init__(self, gateway: ManagedProcess, servers: List[ManagedProcess], period: float = 0.1):
+        self.gateway, self.servers, self.period = gateway, servers, period
+        self.peak: Dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while True:
+            for name, value in rss_now(self.gateway, self.servers).items():
+                self.peak[name] = max(self.peak.get(name, 0.0), value)
+            if self._stop.wait(self.period):
+                return
+
+    def __enter__(self) -> "PeakRss":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def body(model: str, new_tokens: int) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": PROMPT}], "temperature": 0,
             "max_tokens": new_tokens, "ignore_eos": True, "stream_options": {"include_usage": True}}
 
 
-async def wave(url: str, n: int, new_tokens: int) -> Dict[str, Any]:
+async def wave(url: str, model: str, n: int, new_tokens: int) -> Dict[str, Any]:
     limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as http:
         start = time.perf_counter()
-        streams = await asyncio.gather(*(stream_chat(http, url, body(new_tokens)) for _ in range(n)))
+        streams = await asyncio.gather(*(stream_chat(http, url, body(model, new_tokens)) for _ in range(n)))
         elapsed = time.perf_counter() - start
     errors = [s.error for s in streams if s.error]
     tokens = sum(s.completion_tokens for s in streams)
@@ -86,15 +142,18 @@ def local_rate(reference, prompt_ids: List[int], n: int, new_tokens: int) -> Dic
     return {"seconds": elapsed, "tokens": tokens, "tokens_per_s": tokens / elapsed}
 
 
-def measure(gateway: ManagedProcess, servers: List[ManagedProcess], n: int, args, mode: str) -> Dict[str, Any]:
-    """One wave of n streams through `gateway`: its rate and the CPU it and the servers spent per token."""
+def measure(gateway: ManagedProcess, servers: List[ManagedProcess], n: int, args, mode: str,
+            idle_rss: Dict[str, float]) -> Dict[str, Any]:
+    """One wave of n streams through `gateway`: its rate, the CPU it and the servers spent per token, and their
+    peak memory (and its growth per open stream over `idle_rss`)."""
     assert gateway.ready is not None
     before = cpu_now(gateway, servers)
     spy = None if args.profile is None else subprocess.Popen(
         [os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "--format", "raw", "--gil",
          "--rate", "200", "--nonblocking", "-p", str(gateway.proc.pid), "-o", f"{args.profile}.{mode}.{n}.txt"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    got = asyncio.run(wave(gateway.ready["url"], n, args.new_tokens))
+    with PeakRss(gateway, servers) as rss:
+        got = asyncio.run(wave(gateway.ready["url"], args.served, n, args.new_tokens))
     if spy is not None:
         spy.send_signal(signal.SIGINT)
         spy.wait(60)
@@ -103,7 +162,10 @@ def measure(gateway: ManagedProcess, servers: List[ManagedProcess], n: int, args
     return {"streams": n, "mode": mode, "gateway_tokens": got["tokens"], "errors": got["errors"],
             "first_error": got["first_error"], "short_streams": got["short_streams"],
             "gateway_tokens_per_s": round(got["tokens"] / got["seconds"], 1),
-            "cpu_ms_per_token": {k: round(1000 * (after[k] - before[k]) / tokens, 3) for k in before}}
+            "cpu_ms_per_token": {k: round(1000 * (after[k] - before[k]) / tokens, 3) for k in before},
+            "rss_mb": {k: round(v / 2**20, 1) for k, v in rss.peak.items()},
+            "rss_kb_per_stream": {k: round(max(v - idle_rss.get(k, 0.0), 0.0) / 1024 / n, 1)
+                                  for k, v in rss.peak.items()}}
 
 
 def main() -> None:
@@ -112,6 +174,9 @@ def main() -> None:
     parser.add_argument("--new_tokens", type=int, default=32, help="tokens every stream generates")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of local transformers and of "
                                                                "each swarm process")
+    parser.add_argument("--model", default="tiny", choices=sorted(MODELS),
+                        help="tiny: a random Llama of hidden 64 and 4 blocks (compute nearly nothing); bundled: the "
+                             "bundled SmolLM2-135M (30 blocks, 0:15 and 15:30)")
     parser.add_argument("--skip_local", action="store_true", help="only the gateway side")
     parser.add_argument("--profile", default=None, help="py-spy the gateway during each wave: collapsed stacks "
                                                        "written to PROFILE.<mode>.<streams>.txt")
@@ -125,12 +190,19 @@ def main() -> None:
         parser.error("--modes takes round and/or thread")
     torch.set_num_threads(args.threads)
     waves: List[Dict[str, Any]] = []
-    result: Dict[str, Any] = {"bench": "overhead", "model": "tiny llama (hidden 64, 4 blocks)",
+    description, spans = MODELS[args.model]
+    result: Dict[str, Any] = {"bench": "overhead", "model": description,
                               "new_tokens": args.new_tokens, "threads": args.threads, "waves": waves}
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
-        path = Path(tmp) / MODEL
-        reference = save_tiny("llama", path, str(prepare_model("smollm2-135m-instruct")))
-        from transformers import AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if args.model == "bundled":
+            path = prepare_model()
+            reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        else:
+            path = Path(tmp) / TINY
+            reference = save_tiny("llama", path, str(prepare_model("smollm2-135m-instruct")))
+        args.served = path.name  # what the gateway serves: the checkpoint directory's name
 
         tokenizer = AutoTokenizer.from_pretrained(path)
         prompt_ids = list(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
@@ -138,22 +210,28 @@ def main() -> None:
                                                         return_dict=False))
         top = max(counts)
         server_args = ["--max_sessions_per_peer", str(max(128, 2 * top))]
-        with Topology(str(path), ["0:2", "2:4"], f"overhead-{os.getpid()}", server_args, name="bench-overhead",
+        if args.model == "bundled":  # every stream's session at once (~600 tokens each: its prompt, max_tokens and
+            # the gateway's headroom), past the servers' default KV budget of 16384 tokens from ~27 streams on
+            server_args += ["--attn_cache_tokens", str(max(16384, 640 * top))]
+        with Topology(str(path), spans, f"overhead-{os.getpid()}", server_args, name="bench-overhead",
                       threads=args.threads) as swarm:
             gateways = {mode: swarm.add_gateway(extra=["--max_concurrent", str(max(32, top)),
                                                        "--max_queue", str(max(64, top)),
                                                        *(["--no-engine_round"] if mode == "thread" else [])])
                         for mode in modes}
-            for gateway in gateways.values():
+            idle: Dict[str, Dict[str, float]] = {}  # mode -> RSS after one stream (what a stream adds is measured)
+            for mode, gateway in gateways.items():
                 assert gateway.ready is not None
                 for count in (1, top):  # warm-up: routes, streams, the head; as many worker threads as streams
-                    warm = asyncio.run(wave(gateway.ready["url"], count, 2))
+                    warm = asyncio.run(wave(gateway.ready["url"], args.served, count, 2))
                     if warm["errors"]:
                         raise RuntimeError(f"a warm-up stream failed: {warm['first_error']}")
+                    if count == 1:
+                        idle[mode] = rss_now(gateway, swarm.servers)
             for n in counts:
                 local = None if args.skip_local else local_rate(reference, prompt_ids, n, args.new_tokens)
                 for mode, gateway in gateways.items():
-                    row = measure(gateway, swarm.servers, n, args, mode)
+                    row = measure(gateway, swarm.servers, n, args, mode, idle[mode])
                     if local is not None:
                         row["local_tokens_per_s"] = round(local["tokens_per_s"], 1)
                         row["ratio"] = round(row["gateway_tokens_per_s"] / local["tokens_per_s"], 3)

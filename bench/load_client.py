@@ -59,6 +59,8 @@ async def stream_chat(http: httpx.AsyncClient, url: str, body: dict, progress: O
                     continue
                 now = time.perf_counter()
                 chunk = json.loads(line[6:])
+                if chunk.get("error"):  # a failure mid-stream: an error object, then [DONE]
+                    s.error = json.dumps(chunk["error"])[:300]
                 if chunk.get("usage"):
                     s.completion_tokens = chunk["usage"]["completion_tokens"]
                 for choice in chunk.get("choices") or ():

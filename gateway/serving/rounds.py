@@ -29,7 +29,6 @@ import functools
 import logging
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
 
@@ -66,62 +65,108 @@ class Member:
     error: Optional[BaseException] = None
     remaining: List[Optional[int]] = field(default_factory=list)
     hidden: Optional[torch.Tensor] = None  # this round's input [n, new, hidden]
-    step: Optional["Future[torch.Tensor]"] = None  # its step in flight (it may land in a later round)
+    step: Optional["Step"] = None  # its step in flight (it may land in a later round)
 
 
-def send_round(steps: Sequence[Tuple[RoundSession, torch.Tensor, torch.Tensor]]) -> List["Future[torch.Tensor]"]:
+class Step:
+    """One member's step in flight: its outcome (last states [n, hidden], or its error) once `landed`. Set on the
+    client's loop, read on the round thread after `Landing.wait` (no per-step lock nor condition: one per round)."""
+
+    __slots__ = ("landed", "outcome")
+
+    def __init__(self) -> None:
+        self.landed = False
+        self.outcome: Any = None
+
+    def result(self) -> torch.Tensor:
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+
+class Landing:
+    """Where the steps of the rounds land: the loop marks each step landed (`land`), the round thread waits until a
+    number of its steps have (`wait`). One condition for all steps, notified only when the waiter's count is
+    reached: a round of many rows costs one wake-up, not a lock, a condition and a notify per row (issue 46)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._watched: Set[int] = set()  # ids of the steps the round thread waits on (not landed yet), while it waits
+        self._missing = 0  # how many of them must still land to wake it
+
+    def land(self, step: Step, outcome: Any) -> None:
+        """From the client's loop: `step` ends with `outcome`."""
+        with self._cond:
+            step.outcome, step.landed = outcome, True
+            if id(step) in self._watched:
+                self._watched.discard(id(step))
+                self._missing -= 1
+                if self._missing <= 0:
+                    self._watched = set()
+                    self._cond.notify()
+
+    def wait(self, steps: Sequence[Step], need: int, timeout: Optional[float] = None) -> int:
+        """Until at least `need` of `steps` landed (or `timeout` seconds passed): how many have."""
+        with self._cond:
+            landed = sum(s.landed for s in steps)
+            if landed < need:
+                self._watched, self._missing = {id(s) for s in steps if not s.landed}, need - landed
+                self._cond.wait(timeout)
+                self._watched, self._missing = set(), 0
+                landed = sum(s.landed for s in steps)
+            return landed
+
+
+def send_round(steps: Sequence[Tuple[RoundSession, torch.Tensor, torch.Tensor]], landing: Landing) -> List[Step]:
     """Send every (session, ids [n, seq], hidden [n, new, hidden]) step of a round on the client's loop (one
-    hand-over for the round); each step's future gives its last states [n, hidden] or raises its error, as soon as
-    that step ends. The client's sessions go together (`swarm.client.api.astep_sessions`: the steps that share a
+    hand-over for the round); each `Step` lands (`landing`) with its last states [n, hidden] or its error, as soon
+    as that step ends. The client's sessions go together (`swarm.client.api.astep_sessions`: the steps that share a
     server travel in one message to it, issue 46's one message per server per round); a session of another kind
     (`round_step` only) steps on its own. The one place a round's steps are sent."""
-    futures: List["Future[torch.Tensor]"] = [Future() for _ in steps]
+    sent = [Step() for _ in steps]
     together = [n for n, (session, _, _) in enumerate(steps) if callable(getattr(session, "round_finish", None))]
-    alone = sorted(set(range(len(steps))) - set(together))
+    alone = sorted(set(range(len(steps))) - set(together)) if len(together) < len(steps) else []
+    riding = [sent[n] for n in together]
 
     def done(index: int, outcome: Any) -> None:
-        future = futures[together[index]]
-        if isinstance(outcome, BaseException):
-            future.set_exception(outcome)
-        else:
-            future.set_result(outcome)
+        landing.land(riding[index], outcome)
 
     def start() -> None:
         if together:
             round_task = asyncio.ensure_future(astep_sessions([cast(Any, steps[n]) for n in together], done))
             _running.add(round_task)  # (the loop holds tasks weakly: one nobody holds may vanish mid-step)
-            round_task.add_done_callback(functools.partial(_round_ended, [futures[n] for n in together]))
+            round_task.add_done_callback(functools.partial(_round_ended, landing, riding))
         for n in alone:
             session, ids, hidden = steps[n]
             task = asyncio.ensure_future(session.round_step(ids, hidden))
             _running.add(task)
-            task.add_done_callback(functools.partial(_settle, futures[n]))
+            task.add_done_callback(functools.partial(_settle, landing, sent[n]))
 
     if steps:
         aio.get_loop().call_soon_threadsafe(start)
-    return futures
+    return sent
 
 
-def _round_ended(futures: List["Future[torch.Tensor]"], task: "asyncio.Future[Any]") -> None:
+def _round_ended(landing: Landing, steps: List[Step], task: "asyncio.Future[Any]") -> None:
     """A round of the client's sessions ended: every step has its outcome (`done`), unless the round itself broke."""
     _running.discard(task)
     broken = (asyncio.CancelledError("the round was cancelled") if task.cancelled() else task.exception())
-    for future in futures:
-        if not future.done():
-            future.set_exception(broken or RuntimeError("the round ended without this step's outcome"))
+    for step in steps:
+        if not step.landed:
+            landing.land(step, broken or RuntimeError("the round ended without this step's outcome"))
 
 
 _running: Set["asyncio.Future[Any]"] = set()  # the steps in flight (touched on the client's loop only)
 
 
-def _settle(future: "Future[torch.Tensor]", task: "asyncio.Future[torch.Tensor]") -> None:
+def _settle(landing: Landing, step: Step, task: "asyncio.Future[torch.Tensor]") -> None:
     _running.discard(task)
     if task.cancelled():
-        future.set_exception(asyncio.CancelledError("the step was cancelled"))
+        landing.land(step, asyncio.CancelledError("the step was cancelled"))
     elif task.exception() is not None:
-        future.set_exception(cast(BaseException, task.exception()))
+        landing.land(step, cast(BaseException, task.exception()))
     else:
-        future.set_result(task.result())
+        landing.land(step, task.result())
 
 
 class EngineRounds:
@@ -134,6 +179,7 @@ class EngineRounds:
         self._wake = threading.Condition()
         self._thread: Optional[threading.Thread] = None
         self._stopped = False
+        self._landing = Landing()
         self.rounds = 0
         self.largest = 0
 
@@ -200,17 +246,18 @@ class EngineRounds:
                 stepping.append(m)
             except BaseException as e:  # noqa: BLE001 - this member's own end (cancelled, deadline, ...)
                 self._leave(m, e)
-        sent = send_round([(m.lease.session, m.ids, cast(torch.Tensor, m.hidden)) for m in stepping])
-        for m, future in zip(stepping, sent):
-            m.hidden, m.step = None, future
-        self._wait(sent, [cast(Future, m.step) for m in active if m.step is not None and m not in stepping])
+        earlier = [m.step for m in active if m.step is not None]  # (before this round's are set)
+        sent = send_round([(m.lease.session, m.ids, cast(torch.Tensor, m.hidden)) for m in stepping], self._landing)
+        for m, step in zip(stepping, sent):
+            m.hidden, m.step = None, step
+        self._wait(sent, earlier)
         stepped: List[Tuple[Member, torch.Tensor]] = []
         for m in active:
-            if m.step is None or not m.step.done():
+            if m.step is None or not m.step.landed:
                 continue
-            future, m.step = m.step, None
+            step, m.step = m.step, None
             try:
-                stepped.append((m, future.result()))
+                stepped.append((m, step.result()))
             except OutputsRetracted as retracted:  # a lying server caught: pick again from its position next round
                 m.ids = m.run.retract(retracted, m.ids)
             except BaseException as e:  # noqa: BLE001 - this member's step failed (failover exhausted, ...)
@@ -220,20 +267,20 @@ class EngineRounds:
         self.rounds += 1
         return [m for m in active if not m.done.is_set()]
 
-    def _wait(self, sent: List["Future[torch.Tensor]"], earlier: List["Future[torch.Tensor]"]) -> None:
+    def _wait(self, sent: List[Step], earlier: List[Step]) -> None:
         """Wait for this round's steps, but not for stragglers: once half of them landed, the rest get twice the
         time that took (at least `STRAGGLER_MIN_S`); a step still in flight then (a failover replaying a server's
         history, a slow server) lands in a later round, and never holds up the others' round longer than their
         own steps. With nothing sent this round, wait for any earlier step to land (or a new member)."""
         if not sent:
             if earlier:
-                wait(earlier, timeout=STRAGGLER_MIN_S, return_when=FIRST_COMPLETED)
+                self._landing.wait(earlier, 1, timeout=STRAGGLER_MIN_S)
             return
-        start, pending = time.monotonic(), set(sent)
-        while len(pending) > len(sent) // 2:
-            _, pending = wait(pending, return_when=FIRST_COMPLETED)
-        if pending:
-            wait(pending, timeout=max(STRAGGLER_MIN_S, 2 * (time.monotonic() - start)))
+        start, half = time.monotonic(), len(sent) - len(sent) // 2
+        while self._landing.wait(sent, half, timeout=1.0) < half:
+            pass
+        if half < len(sent):
+            self._landing.wait(sent, len(sent), timeout=max(STRAGGLER_MIN_S, 2 * (time.monotonic() - start)))
 
     def _pick_and_take(self, stepped: List[Tuple[Member, torch.Tensor]]) -> None:
         """One LM head per client head over every row, one pick over the rows still generating, then each member's
@@ -259,7 +306,9 @@ class EngineRounds:
                         rows.append((samplers[i], m.ids[i]))
                         where.append((k, i, start + i))
                 start += out.shape[0]
-            picked = pick_round(rows, logits[[r for _, _, r in where]]) if rows else []
+            # every row still generating (the usual round): the logits as they are, no gathered copy
+            chosen = logits if len(where) == logits.shape[0] else logits[[r for _, _, r in where]]
+            picked = pick_round(rows, chosen) if rows else []
             picks: List[List[Optional[TokenChoice]]] = [[None] * out.shape[0] for _, out in group]
             failed: Dict[int, BaseException] = {}
             for (k, i, _), choice in zip(where, picked):
@@ -267,10 +316,8 @@ class EngineRounds:
                     failed.setdefault(k, choice)
                 else:
                     picks[k][i] = choice
-            start = 0
-            for k, (m, out) in enumerate(group):
-                part = logits[start:start + out.shape[0]]
-                start += out.shape[0]
+            parts = torch.split(logits, [out.shape[0] for _, out in group])  # each member's rows, views at once
+            for k, ((m, _), part) in enumerate(zip(group, parts)):
                 if k in failed:
                     self._leave(m, failed[k])
                     continue

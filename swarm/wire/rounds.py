@@ -119,10 +119,14 @@ def split_rows(flat: torch.Tensor, shapes: Sequence[Tuple[int, int]]) -> List[to
     if flat.ndim != 2 or flat.shape[0] != sum(sizes):
         raise ProtocolError(f"round hidden states must be [{sum(sizes)}, hidden] (the rows' batch * seq), got "
                             f"{list(flat.shape)}")
+    if shapes and all(shape == shapes[0] for shape in shapes):  # a round of decode steps: one view, one unbind
+        return list(flat.view(len(shapes), shapes[0][0], shapes[0][1], flat.shape[1]).unbind(0))
     return [part.view(batch, seq, flat.shape[1])
             for part, (batch, seq) in zip(torch.split(flat, sizes), shapes)]
 
 
 def join_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """[batch_i, seq_i, hidden] each -> [sum(batch_i * seq_i), hidden] (the inverse of `split_rows`)."""
+    if tensors and all(t.ndim == 3 and t.shape[1] == tensors[0].shape[1] for t in tensors):  # one seq length: one cat
+        return torch.cat(list(tensors)).reshape(-1, tensors[0].shape[-1])
     return torch.cat([t.reshape(-1, t.shape[-1]) for t in tensors])

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from gateway.api.auth import key_matches
+from gateway.api.completions import TextChunks
 from gateway.api.state import format_ranges
 from gateway.config import GatewayConfig
+from gateway.schemas import ChatCompletionChunk, ChunkChoice, Delta
 from gateway.serving.textstream import StopMatcher, TextStream
 from swarm.client.api import Coverage
 from swarm.client.decoding.sampling import Sampler, SamplingParams
@@ -135,6 +137,21 @@ def test_seeded_draws_follow_the_distribution_exactly():
     one = torch.zeros(49152)
     one[-1] = 1.0  # all the mass on the last token; and on the first
     assert draw(one, generator) == 49151 and draw(torch.flip(one, [0]), generator) == 0
+
+
+@pytest.mark.parametrize("text", ["hello", " world", 'a "quoted" \\ back\\slash', "line\nbreak\ttab\r",
+                                  "\x00\x01\x1f\x7f control", "é ü 漢字 🙂", "\u2028\u2029", "</script>", "'"])
+def test_text_chunks_are_the_models_own_json(text):
+    """The stream's plain text chunks, filled into a template made once per choice, are byte for byte the JSON
+    that building and dumping the chunk models gives (what every token did before)."""
+    def make(index: int, content: str) -> str:
+        return ChatCompletionChunk(id="chatcmpl-x", created=1, model="m", choices=[
+            ChunkChoice(index=index, delta=Delta(content=content))]).model_dump_json(exclude={"swarm"})
+
+    chunks = TextChunks(make)
+    for index in (0, 3, 0):
+        assert chunks.json(index, text) == make(index, text)
+        assert json.loads(chunks.json(index, text))["choices"][0]["delta"] == {"content": text}
 
 
 def test_small_helpers():
