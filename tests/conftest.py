@@ -279,11 +279,16 @@ class SwarmFactory:
         self.model_path, self.bootstrap = model_path, bootstrap
         self.swarms: dict = {}
 
+    @staticmethod
+    def prefix(spans: tuple, extra: tuple = ()) -> str:
+        """The DHT prefix of that swarm (known before it starts: a process of the test's own can start beside it)."""
+        tag = "-x" + str(abs(hash(extra)) % 10**6) if extra else ""
+        return "t" + "-".join(s.replace(":", "_") for s in spans) + tag
+
     def get(self, spans: tuple, extra: tuple = ()) -> dict:
         key = (spans, extra)
         if key not in self.swarms:
-            tag = "-x" + str(abs(hash(extra)) % 10**6) if extra else ""
-            prefix = "t" + "-".join(s.replace(":", "_") for s in spans) + tag
+            prefix = self.prefix(spans, extra)
             servers = start_servers(self.model_path, [self.bootstrap.maddr], list(spans), prefix, list(extra),
                                     threads=1)
             self.swarms[key] = {"prefix": prefix, "servers": servers, "initial_peers": [self.bootstrap.maddr]}
