@@ -128,11 +128,18 @@ def test_sessions_per_peer_and_open_streams(capped):
         assert isinstance(refused, P.ErrorReply) and refused.code == "over_limit"
         assert "max_sessions_per_peer" in refused.message
         c.close()
+        # the refused stream's end reaches the server first: counted open still, it would let a fifth stream in
+        # (whose session is then refused for --max_sessions_per_peer instead)
+        deadline = time.monotonic() + 60  # a bound, not a timing: the server's own count is what is waited for
+        while m.server_info(server.peer_id).streams_open > 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert m.server_info(server.peer_id).streams_open == 2
         # two streams that have sent nothing yet still count against --max_streams 4: a fifth is refused
         idle = [Stream(m, server.peer_id).start() for _ in range(2)]
         deadline = time.monotonic() + 60  # until the server has them all (a fixed sleep raced a loaded machine)
         while m.server_info(server.peer_id).streams_open < 4 and time.monotonic() < deadline:
             time.sleep(0.2)
+        assert m.server_info(server.peer_id).streams_open == 4
         fifth = Stream(m, server.peer_id).start()
         refused = fifth.ask(_open("e"))
         assert isinstance(refused, P.ErrorReply) and refused.code == "over_limit" and "max_streams" in refused.message
