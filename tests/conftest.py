@@ -168,9 +168,9 @@ EXTENDED = (
     # a first-span server dying during beam search (make test: the last-span one on the same swarm; first-span
     # failover with speculative rewinds in tests/e2e/test_failover.py)
     "tests/e2e/test_beam.py::test_a_server_dying_during_beam_search_keeps_the_output[first-span]",
-    # Mixtral's session failover (make test: Qwen3-MoE's through the same check_failover in
-    # tests/swarm/modeling/test_family_open_models.py, SmolLM2's failover tests; Mixtral through a split swarm and a
-    # gateway)
+    # Mixtral's session failover (make test: Qwen3-MoE's through the same check_failover_replay at the end of its
+    # split swarm's test in tests/swarm/modeling/test_family_open_models.py, SmolLM2's failover tests; Mixtral
+    # through a split swarm and a gateway)
     "tests/e2e/test_family_swarms.py::test_failover_replays_a_session[mixtral]",
     # a Mixtral adapter on its experts through two servers (about 45 s; make test: the same adapter kinds against
     # peft in process on every mixture of experts, prefill and batched decode, in test_family_open_models.py, and
