@@ -31,11 +31,8 @@ NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def lora_dirs(model_path, tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora-swarm")
-    return {"alpha": make_adapter(model_path, root / "alpha", seed=11),
-            "beta": make_adapter(model_path, root / "beta", seed=12, targets=("q_proj", "k_proj", "v_proj", "o_proj"),
-                                 r=4, alpha=8, use_rslora=True)}
+def lora_dirs(lora_adapters):
+    return lora_adapters  # the session's (tests/fixtures/lora_fixtures.py), shared with tests/server/test_lora.py
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +51,8 @@ def lora_swarm(swarms, model_path, lora_dirs):
 
 
 @pytest.fixture(scope="module")
-def reference(model_path, lora_dirs):
-    torch.manual_seed(0)
-    return peft_reference(model_path, lora_dirs)
+def reference(lora_reference):
+    return lora_reference
 
 
 @pytest.fixture(scope="module")
