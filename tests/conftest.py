@@ -13,8 +13,10 @@ import torch
 from launch.topology import start_bootstrap, start_servers, terminate_all
 
 # session-scoped fixtures shared by the test modules, registered here, once: the LoRA adapters and their peft
-# reference (tests/fixtures/lora_fixtures.py), the processes (tests/fixtures/shared_processes.py)
+# reference (tests/fixtures/lora_fixtures.py), the bundled model quantized by transformers
+# (tests/fixtures/quant_reference.py), the processes (tests/fixtures/shared_processes.py)
 from tests.fixtures.lora_fixtures import lora_adapters, lora_reference  # noqa: F401
+from tests.fixtures.quant_reference import bundled_quantized  # noqa: F401
 from tests.fixtures.shared_processes import quiet_swarm, shared_gateways  # noqa: F401
 
 MODEL = "smollm2-135m-instruct"
