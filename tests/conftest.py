@@ -12,7 +12,11 @@ import torch
 
 from launch.topology import start_bootstrap, start_servers, terminate_all
 
-# session-scoped processes shared by the test modules: registered here, once (tests/fixtures/shared_processes.py)
+# session-scoped fixtures shared by the test modules, registered here, once: the LoRA adapters and their peft
+# reference (tests/fixtures/lora_fixtures.py), the bundled model quantized by transformers
+# (tests/fixtures/quant_reference.py), the processes (tests/fixtures/shared_processes.py)
+from tests.fixtures.lora_fixtures import lora_adapters, lora_reference  # noqa: F401
+from tests.fixtures.quant_reference import bundled_quantized  # noqa: F401
 from tests.fixtures.shared_processes import quiet_swarm, shared_gateways  # noqa: F401
 
 MODEL = "smollm2-135m-instruct"
@@ -177,9 +181,9 @@ EXTENDED = (
     # a first-span server dying during beam search (make test: the last-span one on the same swarm; first-span
     # failover with speculative rewinds in tests/e2e/test_failover.py)
     "tests/e2e/test_beam.py::test_a_server_dying_during_beam_search_keeps_the_output[first-span]",
-    # Mixtral's session failover (make test: Qwen3-MoE's through the same check_failover in
-    # tests/swarm/modeling/test_family_open_models.py, SmolLM2's failover tests; Mixtral through a split swarm and a
-    # gateway)
+    # Mixtral's session failover (make test: Qwen3-MoE's through the same check_failover_replay at the end of its
+    # split swarm's test in tests/swarm/modeling/test_family_open_models.py, SmolLM2's failover tests; Mixtral
+    # through a split swarm and a gateway)
     "tests/e2e/test_family_swarms.py::test_failover_replays_a_session[mixtral]",
     # a Mixtral adapter on its experts through two servers (about 45 s; make test: the same adapter kinds against
     # peft in process on every mixture of experts, prefill and batched decode, in test_family_open_models.py, and
@@ -288,11 +292,16 @@ class SwarmFactory:
         self.model_path, self.bootstrap = model_path, bootstrap
         self.swarms: dict = {}
 
+    @staticmethod
+    def prefix(spans: tuple, extra: tuple = ()) -> str:
+        """The DHT prefix of that swarm (known before it starts: a process of the test's own can start beside it)."""
+        tag = "-x" + str(abs(hash(extra)) % 10**6) if extra else ""
+        return "t" + "-".join(s.replace(":", "_") for s in spans) + tag
+
     def get(self, spans: tuple, extra: tuple = ()) -> dict:
         key = (spans, extra)
         if key not in self.swarms:
-            tag = "-x" + str(abs(hash(extra)) % 10**6) if extra else ""
-            prefix = "t" + "-".join(s.replace(":", "_") for s in spans) + tag
+            prefix = self.prefix(spans, extra)
             servers = start_servers(self.model_path, [self.bootstrap.maddr], list(spans), prefix, list(extra),
                                     threads=1)
             self.swarms[key] = {"prefix": prefix, "servers": servers, "initial_peers": [self.bootstrap.maddr]}

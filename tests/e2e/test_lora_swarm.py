@@ -19,7 +19,7 @@ import openai
 import pytest
 import torch
 
-from launch.topology import REPO, start_servers
+from launch.topology import REPO, start_server, start_servers
 from swarm.client.transport.session import SessionError
 from swarm.wire.records import fetch_block_records
 from tests.fixtures.gateway_fixtures import start_gateway
@@ -31,28 +31,28 @@ NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def lora_dirs(model_path, tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora-swarm")
-    return {"alpha": make_adapter(model_path, root / "alpha", seed=11),
-            "beta": make_adapter(model_path, root / "beta", seed=12, targets=("q_proj", "k_proj", "v_proj", "o_proj"),
-                                 r=4, alpha=8, use_rslora=True)}
+def lora_dirs(lora_adapters):
+    return lora_adapters  # the session's (tests/fixtures/lora_fixtures.py), shared with tests/server/test_lora.py
 
 
 @pytest.fixture(scope="module")
 def lora_swarm(swarms, model_path, lora_dirs):
     extra = ("--adapters", *(f"{name}={path}" for name, path in lora_dirs.items()))
-    swarm = swarms.get(SPANS, extra=extra)
     # a server over every block without adapters: the cheapest route for the base model (one hop), never usable
-    # for an adapter
-    plain = start_servers(model_path, swarm["initial_peers"], ["0:30"], swarm["prefix"], [], threads=1)[0]
-    yield {**swarm, "plain": plain}
-    plain.terminate()
+    # for an adapter; started while the adapters' swarm starts
+    plain = start_server(model_path, [swarms.bootstrap.maddr], "0:30", swarms.prefix(SPANS, extra),
+                         name="server-lora-plain", threads=1)
+    try:
+        swarm = swarms.get(SPANS, extra=extra)
+        plain.wait_ready(180)
+        yield {**swarm, "plain": plain}
+    finally:
+        plain.terminate()
 
 
 @pytest.fixture(scope="module")
-def reference(model_path, lora_dirs):
-    torch.manual_seed(0)
-    return peft_reference(model_path, lora_dirs)
+def reference(lora_reference):
+    return lora_reference
 
 
 @pytest.fixture(scope="module")

@@ -18,21 +18,8 @@ PROMPTS = [
 NEW_TOKENS = 16
 
 
-def quantized_reference(model_path: str, quant_type: str):
-    """The whole model quantized by transformers' bitsandbytes integration (LM head and embeddings stay float)."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    if quant_type == "int8":
-        config = BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=6.0)
-    else:
-        config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                    bnb_4bit_compute_dtype=torch.float32)
-    return AutoModelForCausalLM.from_pretrained(model_path, quantization_config=config, dtype=torch.float32,
-                                                device_map="cpu").eval()
-
-
 @pytest.fixture(scope="module")
-def quantized(swarms, model_path):
+def quantized(swarms, model_path, bundled_quantized):
     """quant_type -> (swarm, client model, local reference), each built once per type; `get(quant_type,
     reference=False)` leaves the reference (a whole model quantized locally) unbuilt, for tests that need none."""
     made: dict = {}
@@ -44,7 +31,7 @@ def quantized(swarms, model_path):
             made[quant_type] = (swarm, AutoDistributedModelForCausalLM.from_pretrained(
                 model_path, initial_peers=swarm["initial_peers"], dht_prefix=swarm["prefix"]))
         if reference and quant_type not in references:
-            references[quant_type] = quantized_reference(model_path, quant_type)
+            references[quant_type] = bundled_quantized(quant_type)  # the session's (tests/fixtures/quant_reference.py)
         return (*made[quant_type], references.get(quant_type))
 
     yield get

@@ -197,11 +197,18 @@ def test_server_stops(model_path, bootstrap, case):
 
 # ---- gateway --------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def gateway_swarm(model_path, bootstrap):
-    prefix = _prefix("gw")
+def steady_server(model_path, bootstrap):
+    """(prefix, server): one 0:30 server that stays for the whole module, under the gateways and clients stopped
+    here and beside the servers that leave in `test_a_group_stop_announces_offline_before_the_dht_child_goes`."""
+    prefix = _prefix("steady")
     server = _server(model_path, bootstrap, prefix)
-    yield prefix
+    yield prefix, server
     server.terminate()
+
+
+@pytest.fixture(scope="module")
+def gateway_swarm(steady_server):
+    return steady_server[0]
 
 
 @pytest.mark.parametrize("case", [(TERM, False, None), (TERM, True, None), (INT, True, None), (INT, False, None),
@@ -326,17 +333,16 @@ async def slow(_dht, _node, seconds: float) -> str:
 
 # ---- a group stop announces offline first (issue 45) ----------------------------------------------------------------
 @pytest.fixture(scope="module")
-def offline_swarm(model_path, bootstrap):
-    """A server that stays (0:30) and a client that watches the records from another DHT peer."""
+def offline_swarm(bootstrap, model_path, steady_server):
+    """A server that stays (0:30, the module's steady one) and a client that watches the records from another DHT
+    peer."""
     from swarm import AutoDistributedModelForCausalLM
 
-    prefix = _prefix("offline")
-    stays = _server(model_path, bootstrap, prefix)
+    prefix, stays = steady_server
     model = AutoDistributedModelForCausalLM.from_pretrained(model_path, initial_peers=[bootstrap.maddr],
                                                             dht_prefix=prefix, pad_head_rows=False)
     yield prefix, stays, model
     model.shutdown()
-    stays.terminate()
 
 
 @pytest.mark.parametrize("sig", [INT, TERM], ids=lambda sig: sig.name)

@@ -1,8 +1,9 @@
-"""The gateway under concurrency (issue 17), end to end on a real gateway (max_concurrent 8, max_queue 2) over the
-test swarm: greedy requests give the same text whether they run alone or with 7 others (streamed, not streamed,
-some of them finishing early on max_tokens or a stop string), the same as local `transformers`; past the
-admission limits the excess gets 429 with Retry-After at once, the queued requests complete correctly once slots
-free, and the gateway stays up. Speed is measured by bench/bench_load.py, not here."""
+"""The gateway under concurrency (issue 17), end to end on the session's shared gateway over the test swarm
+(max_concurrent 8, max_queue 2: tests/fixtures/shared_processes.py SHARED_FLAGS): greedy requests give the same
+text whether they run alone or with 7 others (streamed, not streamed, some of them finishing early on max_tokens or
+a stop string), the same as local `transformers`; past the admission limits the excess gets 429 with Retry-After at
+once, the queued requests complete correctly once slots free, and the gateway stays up. Speed is measured by
+bench/bench_load.py, not here."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from tests.fixtures.gateway_fixtures import SPANS, one_torch_thread, start_gateway, wait_until  # noqa: F401
+from tests.fixtures.gateway_fixtures import gateway, one_torch_thread, wait_until  # noqa: F401
 
 MODEL = "smollm2-135m-instruct"
 PROMPTS = ["Name a fruit that is yellow.", "What is the capital of France?", "Give me a word that rhymes with cat.",
@@ -78,14 +79,6 @@ def concurrently(calls) -> list:
 
 
 @pytest.fixture(scope="module")
-def gateway(swarms, model_path):
-    gw = start_gateway(model_path, swarms.get(SPANS), "--max_concurrent", "8", "--max_queue", "2",
-                       "--retry_after", "2", name="gateway-concurrency")
-    yield gw
-    gw.proc.terminate()
-
-
-@pytest.fixture(scope="module")
 def alone(gateway):
     """Each request's text run alone: {(i, max_tokens): text} for the full and the early-stopping lengths."""
     texts = {}
@@ -126,6 +119,9 @@ def test_overload_is_429_and_the_queued_requests_complete(gateway, alone):
     """8 long streams hold every slot and 2 requests wait: 3 more get 429 with Retry-After at once; once the long
     streams are closed, the 2 queued ones complete with their single-run text and the gateway serves on."""
     metrics = lambda: httpx.get(gateway.url + "/metrics").text  # noqa: E731
+    # the shared gateway: no earlier module's request still holds a slot or waits (a precondition, not a timing)
+    assert wait_until(lambda: "swarmgate_running_requests 0.0" in (m := metrics()) and
+                      "swarmgate_queue_length 0.0" in m, 120)
     http = httpx.Client(timeout=180)
     try:
         blockers = [http.send(http.build_request("POST", gateway.url + "/v1/chat/completions",

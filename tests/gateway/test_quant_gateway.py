@@ -6,16 +6,20 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from launch.topology import terminate_all
 from swarm.client.transport.routing import RoutingError
-from tests.fixtures.gateway_fixtures import SPANS, one_torch_thread, start_gateway  # noqa: F401
+from tests.fixtures.gateway_fixtures import SPANS, one_torch_thread, ready, spawn_gateway  # noqa: F401
 
 MODEL = "smollm2-135m-instruct"
 
 
 def test_gateway_health_and_routes_follow_allowed_quant_types(swarms, model_path):
     swarm = swarms.get(SPANS)
-    only_nf4 = start_gateway(model_path, swarm, "--allowed_quant_types", "nf4", "int8", name="gateway-nf4")
+    # both gateways start together (one start's wait instead of two)
+    procs = [spawn_gateway(model_path, swarm["initial_peers"], swarm["prefix"], "--allowed_quant_types", *types,
+                           name=f"gateway-{types[0]}") for types in (("nf4", "int8"), ("none",))]
     try:
+        only_nf4, floats = [ready(proc, swarm) for proc in procs]
         health = httpx.get(only_nf4.url + "/health", timeout=60)
         assert health.status_code == 503
         body = health.json()
@@ -26,10 +30,7 @@ def test_gateway_health_and_routes_follow_allowed_quant_types(swarms, model_path
         r = httpx.post(only_nf4.url + "/v1/chat/completions", timeout=60, json={
             "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]})
         assert r.status_code == 503 and "served only by none servers" in r.json()["error"]["message"]
-    finally:
-        only_nf4.proc.kill()
-    floats = start_gateway(model_path, swarm, "--allowed_quant_types", "none", name="gateway-none")
-    try:
+
         body = httpx.get(floats.url + "/health", timeout=60).json()
         assert body["status"] == "ok" and body["allowed_quant_types"] == ["none"]
         assert body["block_quant_types"] == [{"blocks": "0:30", "quant_types": ["none"]}]
@@ -38,7 +39,7 @@ def test_gateway_health_and_routes_follow_allowed_quant_types(swarms, model_path
                                                         messages=[{"role": "user", "content": "Hi"}])
         assert reply.choices[0].message.content
     finally:
-        floats.proc.kill()
+        terminate_all(procs)
 
 
 def test_python_client_with_allowed_quant_types(swarms, model_path):

@@ -23,6 +23,7 @@ from launch.topology import REPO
 from swarm.client.transport.status import build_status, coverage_bar, format_table
 from swarm.wire.records import ServerInfo, ServerState
 from tests.fixtures.browser import render
+from tests.fixtures.gateway_fixtures import SPANS
 
 EVIL_NAME = '<img src=x onerror="document.body.dataset.pwned=1"><b>evil</b>'
 PEERS = ["12D3KooWJkawrUGDBkU3Ses29pZVnhtnm2Hjy1rvW2Rkyww4RLXU", "12D3KooWKyvZ8PZyN8UiKdm4TSNsAN4QxBb6JBpSQxR2LTjtBMaL",
@@ -129,22 +130,19 @@ def _coverage(dom: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def status_swarm(model_path, bootstrap):
-    prefix = f"status-{os.getpid()}"
-    peers = [bootstrap.maddr]
-    servers = topology.start_servers(model_path, peers, ["0:15", "15:30"], prefix, threads=1)
-    extra = topology.start_server(model_path, peers, "0:15", prefix, ["--public_name", EVIL_NAME],
-                                  name=f"{prefix}-evil", threads=1)
-    gateway = None
+def status_swarm(swarms, shared_gateways, model_path):
+    """The session's ("0:15", "15:30") swarm and its shared gateway, with one more 0:15 server of a hostile public
+    name beside them for this module (the test stops it: a graceful stop announces it offline)."""
+    swarm = swarms.get(SPANS)
+    gateway = shared_gateways.get()
+    extra = topology.start_server(model_path, swarm["initial_peers"], "0:15", swarm["prefix"],
+                                  ["--public_name", EVIL_NAME], name="server-status-evil", threads=1)
     try:
         extra.wait_ready(180)
-        gateway = topology.start_gateway(model_path, peers, prefix, name=f"{prefix}-gateway", threads=1)
-        yield {"prefix": prefix, "servers": servers, "extra": extra, "gateway": gateway,
-               "url": gateway.ready["url"], "initial_peers": peers}
+        yield {"prefix": swarm["prefix"], "servers": swarm["servers"], "extra": extra, "url": gateway.url,
+               "initial_peers": swarm["initial_peers"]}
     finally:
-        for proc in [gateway, extra, *servers]:
-            if proc is not None:
-                proc.terminate()
+        extra.terminate()
 
 
 def _wait_status(url: str, predicate, timeout: float = 60) -> dict:

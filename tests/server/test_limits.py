@@ -10,7 +10,7 @@ import pytest
 import torch
 from hivemind.proto import runtime_pb2
 
-from launch.topology import start_servers, terminate_all
+from launch.topology import start_server
 from server.config import ServerConfig
 from swarm.client.transport.manager import ClientConfig, SwarmManager
 from swarm.runtime import aio
@@ -22,23 +22,33 @@ LIMITS = ("--max_sessions_per_peer", "2", "--max_streams", "4", "--max_message_b
 
 
 @pytest.fixture(scope="module")
-def limited(swarms):
+def servers(swarms, model_path, bootstrap):
+    """{'limited': the ("0:30",) server with every limit of LIMITS, 'capped': a server capping sessions per peer and
+    open streams only (with the default --step_timeout no stream or session of a test expires while it runs, however
+    slow the machine)}, started together."""
+    capped = start_server(model_path, [bootstrap.maddr], "0:30", "tcapped",
+                          ["--max_sessions_per_peer", "2", "--max_streams", "4"], threads=1)
+    try:
+        limited = swarms.get(("0:30",), extra=LIMITS)["servers"][0]
+        capped.wait_ready(180)
+        yield {"limited": limited, "capped": capped}
+    finally:
+        capped.terminate()
+
+
+@pytest.fixture(scope="module")
+def limited(swarms, servers):
     swarm = swarms.get(("0:30",), extra=LIMITS)
     m = SwarmManager(ClientConfig(initial_peers=swarm["initial_peers"]), swarm["prefix"], 30)
-    yield m, swarm["servers"][0]
+    yield m, servers["limited"]
     m.shutdown()
 
 
 @pytest.fixture(scope="module")
-def capped(model_path, bootstrap):
-    """A server capping sessions per peer and open streams only: with the default --step_timeout no stream or
-    session of a test expires while it runs, however slow the machine."""
-    servers = start_servers(model_path, [bootstrap.maddr], ["0:30"], "tcapped",
-                            ["--max_sessions_per_peer", "2", "--max_streams", "4"], threads=1)
+def capped(bootstrap, servers):
     m = SwarmManager(ClientConfig(initial_peers=[bootstrap.maddr]), "tcapped", 30)
-    yield m, servers[0]
+    yield m, servers["capped"]
     m.shutdown()
-    terminate_all(servers)
 
 
 def _open(session_id: str) -> runtime_pb2.ExpertRequest:
@@ -118,11 +128,18 @@ def test_sessions_per_peer_and_open_streams(capped):
         assert isinstance(refused, P.ErrorReply) and refused.code == "over_limit"
         assert "max_sessions_per_peer" in refused.message
         c.close()
+        # the refused stream's end reaches the server first: counted open still, it would let a fifth stream in
+        # (whose session is then refused for --max_sessions_per_peer instead)
+        deadline = time.monotonic() + 60  # a bound, not a timing: the server's own count is what is waited for
+        while m.server_info(server.peer_id).streams_open > 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert m.server_info(server.peer_id).streams_open == 2
         # two streams that have sent nothing yet still count against --max_streams 4: a fifth is refused
         idle = [Stream(m, server.peer_id).start() for _ in range(2)]
         deadline = time.monotonic() + 60  # until the server has them all (a fixed sleep raced a loaded machine)
         while m.server_info(server.peer_id).streams_open < 4 and time.monotonic() < deadline:
             time.sleep(0.2)
+        assert m.server_info(server.peer_id).streams_open == 4
         fifth = Stream(m, server.peer_id).start()
         refused = fifth.ask(_open("e"))
         assert isinstance(refused, P.ErrorReply) and refused.code == "over_limit" and "max_streams" in refused.message

@@ -21,16 +21,13 @@ END = 6  # the span: blocks 0:END
 
 
 @pytest.fixture(scope="module")
-def adapters(model_path, tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora")
-    return {"alpha": make_adapter(model_path, root / "alpha", seed=1),
-            "beta": make_adapter(model_path, root / "beta", seed=2, targets=("q_proj", "k_proj", "v_proj", "o_proj"),
-                                 r=4, alpha=8, use_rslora=True)}
+def adapters(lora_adapters):
+    return lora_adapters  # the session's (tests/fixtures/lora_fixtures.py), shared with test_lora_swarm
 
 
 @pytest.fixture(scope="module")
-def reference(model_path, adapters):
-    return peft_reference(model_path, adapters)
+def reference(lora_reference):
+    return lora_reference
 
 
 def _files(model_path, adapters):

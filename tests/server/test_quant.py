@@ -27,16 +27,11 @@ def quant_type(request):
 
 
 @pytest.fixture(scope="module")
-def reference(model_path, quant_type):
-    """transformers' quantized model: hidden states entering block A and leaving block B for the prompt, then for
-    each next token with the cache (incremental), and for the whole sequence in one pass."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    config = (BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=6.0) if quant_type == "int8" else
-              BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                 bnb_4bit_compute_dtype=torch.float32))
-    model = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=config, device_map="cpu",
-                                                 dtype=torch.float32).eval()
+def reference(bundled_quantized, quant_type):
+    """transformers' quantized model (the session's, tests/fixtures/quant_reference.py): hidden states entering
+    block A and leaving block B for the prompt, then for each next token with the cache (incremental), and for the
+    whole sequence in one pass."""
+    model = bundled_quantized(quant_type)
     steps = []
     with torch.inference_mode():
         out = model(torch.tensor([PROMPT]), use_cache=True, output_hidden_states=True)
@@ -120,16 +115,12 @@ OTHER_PROMPTS = [[1, 2683, 314, 253, 3458, 28, 4327, 30, 1567, 504, 357, 1345], 
 
 
 @pytest.fixture(scope="module")
-def int8_sessions(model_path, quant_type):
-    """transformers' int8 model, one session at a time: for PROMPT and OTHER_PROMPTS, the hidden states entering
-    block A and leaving block B for the prompt, then for each of NEXT with the cache."""
+def int8_sessions(bundled_quantized, quant_type):
+    """transformers' int8 model (the session's), one session at a time: for PROMPT and OTHER_PROMPTS, the hidden
+    states entering block A and leaving block B for the prompt, then for each of NEXT with the cache."""
     if quant_type != "int8":
         pytest.skip("nf4 quantizes weights only: rows of other sessions do not change a session's numbers")
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, device_map="cpu", dtype=torch.float32,
-                                                 quantization_config=BitsAndBytesConfig(load_in_8bit=True,
-                                                                                        llm_int8_threshold=6.0))
+    model = bundled_quantized("int8")
     sessions = []
     with torch.inference_mode():
         for prompt in [PROMPT] + OTHER_PROMPTS:
