@@ -106,6 +106,7 @@ class PrefixHandler:
         except Exception:  # noqa: BLE001 - the step's output stands; its pages are not kept
             logger.exception("storing prefix pages failed")
             state.limit = 0
+            self._prefix_close(state)  # nor will it compute them: its waiters go on
 
     async def _note_step(self, cache: PrefixCache, kv, state: PrefixState, start: int, held_before: int,
                          output: torch.Tensor) -> None:
@@ -127,12 +128,15 @@ class PrefixHandler:
         todo = [i for i in range(state.next_page, complete) if state.keys[i] not in cache.pages]
         state.next_page = max(state.next_page, complete)
         outputs = state.outputs
+        cache.touch(state.keys[:complete])  # the chain's held pages first: the room made below is others' pages
         room = cache.room_for(len(todo), cache.cost_in(kv, outputs) if todo and outputs is not None else None)
         if room:
             assert outputs is not None  # (pages complete only where the steps' outputs were kept)
             pages = await self.pool.submit(PRIORITY_PREFILL, lambda: [cache.cut(kv, i, size, outputs)
                                                                       for i in todo[:room]])
             for i, page in zip(todo[:room], pages):
+                if i > 0 and state.keys[i - 1] not in cache.pages:
+                    break  # a page after a gap could never be adopted: it would only hold budget
                 cache.store(state.keys[i], page)
             cache.touch(state.keys[:complete])  # (the chain's first page most recently used: evicted last)
         # claims this session has done with: stored, past its written positions, or past its declared prompt

@@ -112,6 +112,7 @@ class RoundHandler(InferenceHandler):
                 if not bool(ok.all()):
                     errors[i] = ("bad_request", "hidden states contain NaN or infinite values")
         started: List[int] = []  # rows whose sessions are marked busy
+        held_before: Dict[int, int] = {}  # row -> its session's length before the step (the prefix pages' notes)
         try:
             for i, row in enumerate(rows):
                 if i in errors:
@@ -127,6 +128,7 @@ class RoundHandler(InferenceHandler):
                 if row.start_position == 0:  # the rows start afresh, without padding (a padded step goes alone)
                     kv.set_padding(None)
                 kv.rope_length = row.start_position + row.seq
+                held_before[i] = kv.length
             outputs = await self._round_compute([(i, rows[i], parts[i], attached[rows[i].stream_key])
                                                  for i in started])
         finally:
@@ -138,6 +140,7 @@ class RoundHandler(InferenceHandler):
             output = outputs.get(i)
             if isinstance(output, BaseException):
                 logger.error(f"round step of {row.stream_key} failed: {type(output).__name__}: {output}")
+                self._prefix_close(attached[row.stream_key].prefix)  # its claimed pages: waiters compute them
                 errors[i] = ("internal", f"step failed: {type(output).__name__}: {output}")
             elif i not in errors and attached[row.stream_key].kv is None:  # its stream ended during the step
                 errors[i] = ("closed", f"session part {row.stream_key} closed during the step")
@@ -148,6 +151,8 @@ class RoundHandler(InferenceHandler):
                 continue
             assert isinstance(output, torch.Tensor)
             stream = attached[row.stream_key]
+            if stream.prefix is not None:  # as on its own stream: pages it completed, a rewind ends its prompt
+                await self._prefix_after_step(stream.kv, stream.prefix, row.start_position, held_before[i], output)
             stream.last_step_id = max(stream.last_step_id, row.step_id)
             stream.last_active = now
             results.append(R.RoundRowResult(stream_key=row.stream_key, step_id=row.step_id,
