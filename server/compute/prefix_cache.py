@@ -87,7 +87,8 @@ class PrefixCache:
         self.held_tokens = 0  # cache tokens the pages hold
         self.pages: OrderedDict[PageKey, Page] = collections.OrderedDict()
         self.counters = PrefixCounters()
-        self._claims: Dict[PageKey, asyncio.Event] = {}  # pages a session is computing now
+        # pages a session is computing now: their event (set when done) and when they were claimed (loop time)
+        self._claims: Dict[PageKey, Tuple[asyncio.Event, float]] = {}
         budget.reclaim = self.evict
 
     @property
@@ -146,34 +147,37 @@ class PrefixCache:
 
     async def wait_for(self, keys: Sequence[PageKey], timeout: float) -> int:
         """The leading pages of `keys` cached, after waiting (up to `timeout` s in all) for those that other
-        sessions are computing now."""
+        sessions are computing now; a claim older than `timeout` is not waited for (a claimant that stalls, or
+        steps slowly on purpose, holds up at most the newcomers of its first `timeout` seconds)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
             count = self.held(keys)
             if count == len(keys) or keys[count] not in self._claims:
                 return count
-            left = deadline - loop.time()
+            event, claimed_at = self._claims[keys[count]]
+            left = min(deadline, claimed_at + timeout) - loop.time()
             if left <= 0:
                 return count
             try:
-                await asyncio.wait_for(self._claims[keys[count]].wait(), left)
+                await asyncio.wait_for(event.wait(), left)
             except asyncio.TimeoutError:
                 return self.held(keys)
 
     def claim(self, keys: Sequence[PageKey]) -> List[PageKey]:
         """Claim the pages of `keys` neither cached nor claimed: other sessions wait for them (`wait_for`)."""
         claimed = [key for key in keys if key not in self.pages and key not in self._claims]
+        now = asyncio.get_running_loop().time()
         for key in claimed:
-            self._claims[key] = asyncio.Event()
+            self._claims[key] = (asyncio.Event(), now)
         return claimed
 
     def unclaim(self, keys: Sequence[PageKey]) -> None:
         """The claimant is done with `keys` (stored, or it will not compute them): waiters go on."""
         for key in keys:
-            event = self._claims.pop(key, None)
-            if event is not None:
-                event.set()
+            claim = self._claims.pop(key, None)
+            if claim is not None:
+                claim[0].set()
 
     def pages_of(self, keys: Sequence[PageKey]) -> List[Page]:
         return [self.pages[key] for key in keys]

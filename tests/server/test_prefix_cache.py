@@ -252,6 +252,16 @@ def test_a_waiter_computes_the_pages_itself_when_their_claimant_will_not():
         assert adopted is None and state3.claimed == []  # (still claimed by the second)
         await _step(handler, third, state3, 0, 8)
         assert cache.counters.pages_computed == 2 and len(cache.pages) == 2  # stored by whoever computed them
+        # a claim older than `wait` is not waited for at all (a claimant that stalls holds up only the newcomers
+        # of its first `wait` seconds)
+        cache.wait = 1000.0
+        stalled, _ = await handler._prefix_open(_kv(), _opened(TOKENS[:12]))
+        assert len(stalled.claimed) == 1  # the third page: the first two are held
+        event, _ = cache._claims[stalled.keys[2]]
+        cache._claims[stalled.keys[2]] = (event, asyncio.get_running_loop().time() - 2000.0)
+        # (it adopts the two pages and goes on: without the age rule it would wait the 1000 s)
+        late, _ = await asyncio.wait_for(handler._prefix_open(_kv(), _opened(TOKENS[:12])), 60)
+        assert late.claimed == []
         handler.pool.shutdown()
 
     asyncio.run(scenario())
