@@ -102,7 +102,8 @@ class ServerConfig(SwarmKeySettings, RelaySettings):
     prefix_wait: float = Field(default=30.0, ge=0, le=600, description="longest wait (s) of a new session for the "
                                                                        "prefix pages another session is computing "
                                                                        "now, to adopt them instead of computing them "
-                                                                       "too (single-flight); 0: never wait")
+                                                                       "too (single-flight); a claim older than this "
+                                                                       "is not waited for; 0: never wait")
     max_sessions_per_peer: int = Field(default=128, gt=0, description="most inference sessions one peer (client or "
                                                                        "gateway) may hold open on this server")
     max_streams: int = Field(default=512, gt=0, description="most inference streams open at once, all peers together")
