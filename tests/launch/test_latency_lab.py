@@ -59,8 +59,15 @@ def echo_port():
             except OSError:
                 return
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=lambda c=conn: [c.sendall(d) for d in iter(lambda: c.recv(1 << 16), b"")],
-                             daemon=True).start()
+            threading.Thread(target=echo, args=(conn,), daemon=True).start()
+
+    def echo(conn: socket.socket) -> None:
+        with conn:
+            try:
+                for data in iter(lambda: conn.recv(1 << 16), b""):
+                    conn.sendall(data)
+            except OSError:  # the client went away mid-echo (a reset): this connection ends, nothing else does
+                return
 
     threading.Thread(target=serve, daemon=True).start()
     yield server.getsockname()[1]
