@@ -7,6 +7,7 @@ every liveness ping on a new connection and logged nothing (the 120 s stalls of 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
@@ -17,92 +18,84 @@ from swarm.wire.duplex import call_stream
 HANDLE = "test_duplex.echo"
 
 
+async def _echo(requests, context):
+    async for request in requests:
+        yield runtime_pb2.ExpertResponse(metadata=request.metadata)
+
+
+@contextlib.asynccontextmanager
+async def _peers(handler=_echo):
+    """Two real p2p daemons, the server's with `handler` under HANDLE; both shut down after."""
+    server = await P2P.create()
+    client = await P2P.create(initial_peers=await server.get_visible_maddrs())
+    try:
+        await server.add_protobuf_handler(HANDLE, handler, runtime_pb2.ExpertRequest, stream_input=True,
+                                          stream_output=True)
+        yield server, client
+    finally:
+        await client.shutdown()
+        await server.shutdown()
+
+
+async def _open(client, server, queue: asyncio.Queue):
+    return await call_stream(client, server.peer_id, HANDLE, iterate_queue(queue), runtime_pb2.ExpertResponse)
+
+
+async def _ended(replies) -> bool:
+    """Whether the replies end (the wait is only a guard against a hang, far above any real detection)."""
+    try:
+        await asyncio.wait_for(replies.__anext__(), 60)
+    except StopAsyncIteration:
+        return True
+    return False
+
+
 def test_replies_end_when_the_peer_dies_though_the_requests_go_on():
     async def run():
-        server = await P2P.create()
-        client = await P2P.create(initial_peers=await server.get_visible_maddrs())
-        try:
-            async def echo(requests, context):
-                async for request in requests:
-                    yield runtime_pb2.ExpertResponse(metadata=request.metadata)
-
-            await server.add_protobuf_handler(HANDLE, echo, runtime_pb2.ExpertRequest, stream_input=True,
-                                              stream_output=True)
+        async with _peers() as (server, client):
             queue: asyncio.Queue = asyncio.Queue()
-            replies = await call_stream(client, server.peer_id, HANDLE, iterate_queue(queue),
-                                        runtime_pb2.ExpertResponse)
+            replies = await _open(client, server, queue)
             got = []
             for i in range(3):  # a conversation: each reply comes while the requests are still open
                 queue.put_nowait(runtime_pb2.ExpertRequest(metadata=b"%d" % i))
                 got.append((await asyncio.wait_for(replies.__anext__(), 60)).metadata)
             assert got == [b"0", b"1", b"2"]
-
             await server.shutdown()  # its daemon goes: the connection closes
-            ended = False
-            try:  # (the wait is only a guard against a hang, far above any real detection)
-                await asyncio.wait_for(replies.__anext__(), 60)
-            except StopAsyncIteration:
-                ended = True
-            assert ended and queue.empty()  # the replies ended with the caller's requests still open
+            assert await _ended(replies) and queue.empty()  # the replies ended with the requests still open
             await replies.aclose()
-        finally:
-            await client.shutdown()
-            await server.shutdown()
 
     asyncio.run(run())
 
 
 def test_replies_end_when_the_connection_between_live_peers_closes():
     async def run():
-        server = await P2P.create()
-        client = await P2P.create(initial_peers=await server.get_visible_maddrs())
-        try:
-            async def echo(requests, context):
-                async for request in requests:
-                    yield runtime_pb2.ExpertResponse(metadata=request.metadata)
-
-            await server.add_protobuf_handler(HANDLE, echo, runtime_pb2.ExpertRequest, stream_input=True,
-                                              stream_output=True)
+        async with _peers() as (server, client):
             queue: asyncio.Queue = asyncio.Queue()
-            replies = await call_stream(client, server.peer_id, HANDLE, iterate_queue(queue),
-                                        runtime_pb2.ExpertResponse)
+            replies = await _open(client, server, queue)
             queue.put_nowait(runtime_pb2.ExpertRequest(metadata=b"0"))
             assert (await asyncio.wait_for(replies.__anext__(), 60)).metadata == b"0"
             await client._client.disconnect(server.peer_id)  # both daemons live on; their connection closes
-            ended = False
-            try:  # (a guard against a hang only)
-                await asyncio.wait_for(replies.__anext__(), 60)
-            except StopAsyncIteration:
-                ended = True
-            assert ended and queue.empty()
+            assert await _ended(replies) and queue.empty()
             # the peer is still there: a new stream reaches it over a new connection
-            again = await call_stream(client, server.peer_id, HANDLE, iterate_queue(queue), runtime_pb2.ExpertResponse)
+            again = await _open(client, server, queue)
             queue.put_nowait(runtime_pb2.ExpertRequest(metadata=b"1"))
             assert (await asyncio.wait_for(again.__anext__(), 60)).metadata == b"1"
             queue.put_nowait(None)
             await again.aclose()
-        finally:
-            await client.shutdown()
-            await server.shutdown()
 
     asyncio.run(run())
 
 
 def test_an_error_of_the_handler_is_raised():
-    async def run():
-        server = await P2P.create()
-        client = await P2P.create(initial_peers=await server.get_visible_maddrs())
-        try:
-            async def failing(requests, context):
-                async for _ in requests:
-                    raise ValueError("no such step")
-                yield  # pragma: no cover
+    async def failing(requests, context):
+        async for _ in requests:
+            raise ValueError("no such step")
+        yield  # pragma: no cover
 
-            await server.add_protobuf_handler(HANDLE, failing, runtime_pb2.ExpertRequest, stream_input=True,
-                                              stream_output=True)
+    async def run():
+        async with _peers(failing) as (server, client):
             queue: asyncio.Queue = asyncio.Queue()
-            replies = await call_stream(client, server.peer_id, HANDLE, iterate_queue(queue),
-                                        runtime_pb2.ExpertResponse)
+            replies = await _open(client, server, queue)
             queue.put_nowait(runtime_pb2.ExpertRequest(metadata=b"x"))
             try:
                 await asyncio.wait_for(replies.__anext__(), 60)
@@ -110,8 +103,5 @@ def test_an_error_of_the_handler_is_raised():
             except Exception as e:  # noqa: BLE001
                 assert "no such step" in str(e), e
             queue.put_nowait(None)
-        finally:
-            await client.shutdown()
-            await server.shutdown()
 
     asyncio.run(run())
