@@ -45,10 +45,9 @@ from typing import Any, Dict, List
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import httpx  # noqa: E402
-import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from bench.harness import cpu_seconds  # noqa: E402
+from bench.harness import cpu_seconds, tree_rss  # noqa: E402
 from bench.load_client import stream_chat  # noqa: E402
 from launch.topology import ManagedProcess, Topology  # noqa: E402
 from swarm.modeling.prepare import prepare_model  # noqa: E402
@@ -70,18 +69,7 @@ def cpu_now(gateway: ManagedProcess, servers: List[ManagedProcess]) -> Dict[str,
 def rss_now(gateway: ManagedProcess, servers: List[ManagedProcess]) -> Dict[str, float]:
     """Resident memory (bytes) of each process tree: the gateway's, each server's (with its DHT child and p2pd)."""
     def tree(pid: int) -> float:
-        try:
-            root = psutil.Process(pid)
-            members = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            return 0.0
-        total = 0.0
-        for member in members:
-            try:
-                total += member.memory_info().rss
-            except psutil.Error:
-                pass
-        return total
+        return tree_rss(pid) or 0.0
 
     return {"gateway": tree(gateway.proc.pid), **{f"server{i}": tree(s.proc.pid) for i, s in enumerate(servers)}}
 

@@ -31,6 +31,8 @@ from typing import Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.harness import tree_rss  # noqa: E402
+
 SPANS = ["0:15", "0:15", "15:30", "15:30"]
 TOPICS = ["the moon", "a lighthouse", "bread", "rivers", "a bicycle", "winter", "bees", "a library", "tea",
           "volcanoes", "chess", "the sea", "trains", "autumn leaves", "a market", "clocks"]
@@ -38,20 +40,8 @@ TOPICS = ["the moon", "a lighthouse", "bread", "rivers", "a bicycle", "winter", 
 
 def tree_rss_mb(pid: int) -> Optional[float]:
     """RSS of a process and its descendants in MB (None if it is gone)."""
-    import psutil
-
-    try:
-        proc = psutil.Process(pid)
-        procs = [proc, *proc.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return None
-    total = 0
-    for p in procs:
-        try:
-            total += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return round(total / 2**20, 1)
+    total = tree_rss(pid)
+    return None if total is None else round(total / 2**20, 1)
 
 
 def own_rss_mb() -> float:

@@ -7,7 +7,8 @@ processes, last started first) on exit.
         model = swarm.client_model()
 
 `Clock` is the streamer every benchmark times generation steps with; `cpu_seconds` the CPU time of a process (and
-its descendants: a server's DHT child and p2pd) that the benchmarks measuring CPU per token read.
+its descendants: a server's DHT child and p2pd) that the benchmarks measuring CPU per token read; `tree_rss` the
+resident memory of a process and its descendants.
 """
 from __future__ import annotations
 
@@ -69,19 +70,32 @@ class BenchSwarm(Topology):
         super().close()
 
 
-def cpu_seconds(pid: int, tree: bool = False) -> float:
-    """User + system CPU seconds of process `pid` and (`tree`) its descendants; a member that exits meanwhile counts
-    no more, a process already gone 0."""
+def _sum_over(pid: int, tree: bool, read: Callable[[psutil.Process], float]) -> Optional[float]:
+    """`read` summed over process `pid` and (`tree`) its descendants; a member that exits meanwhile counts no more,
+    a process already gone None."""
     try:
         root = psutil.Process(pid)
         members = [root, *root.children(recursive=True)] if tree else [root]
     except psutil.Error:
-        return 0.0
+        return None
     total = 0.0
     for member in members:
         try:
-            times = member.cpu_times()
-            total += times.user + times.system
+            total += read(member)
         except psutil.Error:
             pass
     return total
+
+
+def cpu_seconds(pid: int, tree: bool = False) -> float:
+    """User + system CPU seconds of process `pid` and (`tree`) its descendants; a process already gone 0."""
+    def used(member: psutil.Process) -> float:
+        times = member.cpu_times()
+        return times.user + times.system
+
+    return _sum_over(pid, tree, used) or 0.0
+
+
+def tree_rss(pid: int) -> Optional[float]:
+    """Resident bytes of process `pid` and its descendants (None: it is gone)."""
+    return _sum_over(pid, True, lambda member: float(member.memory_info().rss))
