@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from swarm.client.decoding.round_pick import pick_round
+from swarm.client.decoding.round_pick import argmax_rows, pick_round
 from swarm.client.decoding.sampling import Sampler, SamplingParams
 
 VOCAB = 500
@@ -72,3 +72,22 @@ def test_a_row_whose_processors_raise_fails_alone():
     got = pick_round([(good, ids), (bad, ids), (good, ids)], logits)
     assert isinstance(got[1], ValueError)
     assert [got[0].token_id, got[2].token_id] == logits[[0, 2]].argmax(-1).tolist()  # type: ignore[union-attr]
+
+
+def test_the_round_argmax_is_torchs_on_ties_nan_and_views():
+    """`argmax_rows` (NumPy's on the CPU) gives torch's indices: the first of tied maxima, a NaN as the largest,
+    rows of -inf, float64, a column-cut view (the rounds' `[:, :vocab_size]`); and an all-greedy round (no gathered
+    copy) picks each row's argmax."""
+    torch.manual_seed(2)
+    logits = torch.randn(8, VOCAB)
+    logits[1, [3, 9, 400]] = 50.0  # ties: the first
+    logits[2, 17], logits[2, 5] = float("nan"), 99.0  # a NaN wins
+    logits[3, [4, 6]] = float("nan")  # the first NaN
+    logits[4] = float("-inf")
+    logits[5, VOCAB - 1] = 1e9  # cut off by the view below
+    for scores in (logits, logits.double(), logits[:, :VOCAB - 2], logits[::2]):
+        assert argmax_rows(scores) == scores.argmax(dim=-1).tolist()
+    assert argmax_rows(logits)[:5] == [int(logits[0].argmax()), 3, 17, 4, 0]
+    greedy = [Sampler(SamplingParams(max_tokens=4, temperature=0), 2, VOCAB) for _ in range(8)]
+    got = pick_round([(s, torch.zeros(2, dtype=torch.long)) for s in greedy], logits)
+    assert [c.token_id for c in got] == logits.argmax(dim=-1).tolist()  # type: ignore[union-attr]
