@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import re
@@ -353,6 +354,11 @@ def main(argv=None) -> int:
             loaded.append((load_model(config.for_model(path)), tokenizer))
         app = create_app(config, store=store, models=loaded)
         malloc.trim()
+        # what loading made (modules, the model, the tokenizer: hundreds of thousands of objects that live as long
+        # as the process) leaves the collector's generations: a full collection while serving then walks only what
+        # requests made since, ~0.2 s less each (they came every few waves of 64 streams: issue 46)
+        gc.collect()
+        gc.freeze()
         # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; with these handlers in place that only
         # returns here, so that the client model's DHT (a child process) is shut down instead of orphaned
         for sig in (signal.SIGTERM, signal.SIGINT):
