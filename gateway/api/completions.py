@@ -218,7 +218,10 @@ def sse_response(state: GatewayState, run: RequestRun, chunks: AsyncIterator[Uni
         finally:
             run.close()
 
-    return EventSourceResponse(body(), ping=state.config.sse_keepalive, sep="\n", background=BackgroundTask(run.close),
+    async def close() -> None:  # (a plain function would be called on a worker thread: a hop per request)
+        run.close()
+
+    return EventSourceResponse(body(), ping=state.config.sse_keepalive, sep="\n", background=BackgroundTask(close),
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
@@ -265,7 +268,7 @@ class ChatPlan:
 async def plan_chat(state: GatewayState, body: ChatCompletionRequest) -> ChatPlan:
     """Validate a chat request and render its prompt (every 400 is found here, before a slot is taken); used by
     `/v1/chat/completions` and by the Responses API (`gateway.responses`), which converts its requests to chat's."""
-    model_name, adapter = await run_in_threadpool(state.resolve_model, body.model, True)
+    model_name, adapter = await state.aresolve_model(body.model, True)
     check_chat_request(body)
     tool_choice = check_tools(body.tools, body.tool_choice)
     tools = body.tools if tool_choice != "none" else None
@@ -355,7 +358,7 @@ def _echo_texts(body: CompletionRequest, prompts: List[List[int]], state: Gatewa
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
     state = await _state(request, body.model)
-    model_name, adapter = await run_in_threadpool(state.resolve_model, body.model, True)
+    model_name, adapter = await state.aresolve_model(body.model, True)
     check_completion_request(body)
     prompts = await run_in_threadpool(completion_prompts, body, state.tokens)
     grammar, blame = request_grammar(body)

@@ -107,6 +107,13 @@ class GatewayState:
             logger.warning(f"cannot read the swarm's adapters: {e}")
             return []
 
+    async def aresolve_model(self, requested: Optional[str], required: bool = False) -> Tuple[str, Optional[str]]:
+        """`resolve_model` from the event loop: the base model's names answered here (no thread hop per request,
+        issue 46), an adapter's on a worker thread (it may read the swarm's view)."""
+        if not requested or requested in (self.config.model_name, self.config.model_path):
+            return self.resolve_model(requested, required)
+        return await run_in_threadpool(self.resolve_model, requested, required)
+
     def resolve_model(self, requested: Optional[str], required: bool = False) -> Tuple[str, Optional[str]]:
         """A request's `model` -> (the model id to answer with, the LoRA adapter to use or None). The base model's
         names, or an adapter the swarm serves (the view refreshed once before a 404). Runs on a worker thread."""

@@ -81,3 +81,32 @@ def test_key_comparison_checks_every_key():
     assert key_matches("k2", keys) and key_matches("ké", keys)
     assert not key_matches("k", keys) and not key_matches("k22", keys) and not key_matches("", keys)
     assert not key_matches("k1", [])
+
+
+def test_the_check_on_the_event_loop_agrees_with_the_worker_threads(tmp_path):
+    """`Authenticator.check_here` (no thread hop per request) answers as `check` where it needs no store, and
+    leaves to `check` a store key and a store due a look."""
+    from gateway.api.auth import RECHECK, Authenticator
+    from gateway.errors import APIError
+    from gateway.store import KeyLimits, open_store
+
+    store = open_store(f"sqlite:///{tmp_path / 'keys.db'}")
+    now = [100.0]
+    open_door = Authenticator([], store, clock=lambda: now[0])
+    assert open_door.check_here(None) is None  # whether the store holds keys is not known yet
+    assert open_door.check(None).name == "anonymous"  # (looked at now)
+    assert open_door.check_here(None).name == "anonymous" and open_door.check_here("nope").name == "anonymous"
+    now[0] += RECHECK
+    assert open_door.check_here(None) is None  # due another look
+    token = store.create_key("alice", KeyLimits())
+    assert open_door.check_here(token) is None and open_door.check(token).name == "alice"
+    with pytest.raises(APIError):
+        open_door.check(None)  # the store holds keys now: a key is required
+    with pytest.raises(APIError):
+        open_door.check_here(None)
+    keyed = Authenticator(["k1"], store, clock=lambda: now[0])
+    assert keyed.check_here("k1") == keyed.check("k1")
+    for wrong in (None, "k2"):
+        with pytest.raises(APIError):
+            keyed.check_here(wrong)
+    store.close()
