@@ -4,7 +4,8 @@ A generation (`gateway.serving.runs.GenerationRun`) sends its prompt on its own 
 fallbacks stay there), then `EngineRounds.run(member)` hands its decode steps to the round thread and waits for its
 end. Generations join and leave between rounds. Each round:
 1. every member's policy says whether it goes on (`DecodeLoop.ended`; `before_step`: a cancelled or late generation
-   leaves with its error), and its next input is embedded (`RoundSession.round_input`);
+   leaves with its error), and its next input is embedded (`swarm.client.api.round_inputs`: the decode steps'
+   tokens of every member in one lookup; `RoundSession.round_input` for a session of another kind);
 2. `send_round`: every member's step is sent on the client's loop, the steps that share a server in one message
    to it (`swarm.client.api.astep_sessions`, over `swarm.client.transport.rounds`);
    the round waits for its steps but not for stragglers (`EngineRounds._wait`): a step still in flight (a failover
@@ -43,6 +44,7 @@ from swarm.client.api import (
     TokenChoice,
     astep_sessions,
     pick_round,
+    round_inputs,
 )
 from swarm.runtime import aio
 from swarm.runtime.taskpool import PRIORITY_DECODE, client_pool
@@ -242,10 +244,17 @@ class EngineRounds:
                     continue
                 m.run.before_step()
                 m.remaining = m.loop.remaining(m.ids)
-                m.hidden = m.lease.session.round_input(m.ids)
                 stepping.append(m)
             except BaseException as e:  # noqa: BLE001 - this member's own end (cancelled, deadline, ...)
                 self._leave(m, e)
+        # every member's next input, the decode steps' tokens in one embedding lookup (`round_inputs`)
+        inputs = round_inputs([(m.lease.session, m.ids) for m in stepping])
+        for m, hidden in zip(stepping, inputs):
+            if isinstance(hidden, BaseException):
+                self._leave(m, hidden)  # its own error (a failed rewind, ...)
+            else:
+                m.hidden = hidden
+        stepping = [m for m in stepping if m.hidden is not None]
         earlier = [m.step for m in active if m.step is not None]  # (before this round's are set)
         sent = send_round([(m.lease.session, m.ids, cast(torch.Tensor, m.hidden)) for m in stepping], self._landing)
         for m, step in zip(stepping, sent):

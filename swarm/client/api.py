@@ -48,7 +48,7 @@ from swarm.client.decoding.loop import DecodeLoop, DecodePolicy
 from swarm.client.decoding.round_pick import pick_round
 from swarm.client.decoding.sampling import RowSamplers, Sampler, SamplingParams, TokenChoice
 from swarm.client.decoding.speculative import Speculator
-from swarm.client.model.model_session import astep_sessions
+from swarm.client.model.model_session import astep_sessions, round_inputs
 from swarm.client.transport.routing import RoutingError, normalize_quant_types
 from swarm.client.transport.session import SessionError
 from swarm.client.transport.verify import OutputsRetracted, VerifyStats
@@ -65,7 +65,7 @@ __all__ = [
     "RowSamplers", "Sampler", "SamplingParams", "ServerView", "SessionError", "SpeculativeConfig", "Speculator",
     "TokenChoice", "VerifyStats", "check_grammar", "choice_grammar", "closed_schema", "json_schema_grammar",
     "lark_grammar", "load_draft_model", "normalize_quant_types", "pick_round", "regex_grammar", "round_capable",
-    "styled_schema", "RoundSession", "astep_sessions",
+    "styled_schema", "RoundSession", "astep_sessions", "round_inputs",
 ]
 
 T = TypeVar("T")

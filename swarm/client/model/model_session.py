@@ -6,7 +6,7 @@ swarm manager and the prompts it was opened with, not the model."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, TypeVar, Union, cast
 
 import torch
 
@@ -198,6 +198,19 @@ class ModelSession:
         """(hidden states to send [batch, new, hidden], tokens reused, beam parents): the servers rewound to what
         `input_ids` shares with what they hold."""
         offset = self.offset  # shallow prompts (`swarm.client.model.ptune`) hold the first positions
+        new_ids, reuse, hypo_ids = self._rewind(input_ids, hypo_ids, left_padding)
+        hidden = _embed(self.head, new_ids)
+        if offset and self.session.position == 0:
+            assert self.ptune is not None
+            with torch.no_grad():  # the prompts [batch, pre_seq_len, hidden] in front of hidden [batch, n, hidden]
+                hidden = torch.cat([self.ptune.input_prompts(hidden.shape[0]).to(hidden.dtype), hidden], dim=1)
+        return hidden, reuse, hypo_ids
+
+    def _rewind(self, input_ids: torch.Tensor, hypo_ids: Optional[List[int]], left_padding: Optional[List[int]]
+                ) -> Tuple[torch.Tensor, int, Optional[List[int]]]:
+        """`_prepare` up to the embedding: (the ids to send [batch, new], tokens reused, beam parents), the servers
+        rewound to what `input_ids` shares with what they hold."""
+        offset = self.offset
         if offset and left_padding:
             raise ValueError("left-padded batches cannot be combined with shallow prompt tuning (ptune)")
         reuse, hypo_ids = self.reusable_prefix(input_ids, hypo_ids, left_padding)
@@ -205,19 +218,10 @@ class ModelSession:
             reuse, hypo_ids = 0, None  # (Phi-3's LongRoPE switching factors: everything again, as transformers)
         if reuse + offset < self.session.position:
             self.session.rewind(reuse + offset)
-        new_ids = input_ids[:, reuse:]
         if self.prefix_salt is not None and self.session.batch_size is None and not offset and \
                 input_ids.shape[0] == 1 and not left_padding and hypo_ids is None:
             self.session.prefix = P.PrefixDecl(salt=self.prefix_salt, tokens=input_ids[0].tolist())
-        if new_ids.numel() * self.head.hidden_size < SMALL_EMBED_ELEMENTS:
-            hidden = self.head.embed(new_ids)  # [batch, n, hidden]: serial kernels, no OpenMP team here
-        else:
-            hidden = client_pool().call(PRIORITY_DECODE, self.head.embed, new_ids)
-        if offset and self.session.position == 0:
-            assert self.ptune is not None
-            with torch.no_grad():  # the prompts [batch, pre_seq_len, hidden] in front of hidden [batch, n, hidden]
-                hidden = torch.cat([self.ptune.input_prompts(hidden.shape[0]).to(hidden.dtype), hidden], dim=1)
-        return hidden, reuse, hypo_ids
+        return input_ids[:, reuse:], reuse, hypo_ids
 
     def _feed(self, input_ids: torch.Tensor, pick, hypo_ids: Optional[List[int]],
               left_padding: Optional[List[int]], num_logits: int = 1) -> Tuple[torch.Tensor, Any]:
@@ -275,6 +279,44 @@ class ModelSession:
 
 
 RoundOutcome = Union[torch.Tensor, BaseException]
+
+
+def _embed(head: ClientHead, new_ids: torch.Tensor) -> torch.Tensor:
+    """[batch, n] -> [batch, n, hidden]: small lookups on this thread (serial kernels, no OpenMP team here), larger
+    ones on the client's compute thread."""
+    if new_ids.numel() * head.hidden_size < SMALL_EMBED_ELEMENTS:
+        return head.embed(new_ids)
+    return client_pool().call(PRIORITY_DECODE, head.embed, new_ids)
+
+
+def round_inputs(steps: Sequence[Tuple[Any, torch.Tensor]]) -> List[Union[torch.Tensor, BaseException]]:
+    """`round_input` of many sessions at once, (session, input_ids [batch, n]) each: each one's hidden states to
+    send [batch, new, hidden], or its own error (a session of another kind: its own `round_input`). The sessions
+    that share a head and send as many new tokens (an engine round's decode steps: one each) are embedded in ONE
+    lookup, not one per session (issue 46); the rows are `round_input`'s (an embedding, and a family's embedding
+    norm, are per position)."""
+    out: List[Union[torch.Tensor, BaseException, None]] = [None] * len(steps)
+    together: dict = {}  # (head, new tokens) -> [(index, new ids [batch, new])]
+    for k, (session, input_ids) in enumerate(steps):
+        try:
+            if not isinstance(session, ModelSession) or session.offset:  # (shallow prompts in front): its own way
+                out[k] = session.round_input(input_ids)
+                continue
+            new_ids = session._rewind(input_ids.cpu(), None, None)[0]
+            together.setdefault((id(session.head), new_ids.shape[1]), []).append((k, new_ids))
+        except BaseException as e:  # noqa: BLE001 - this session's own error
+            out[k] = e
+    for group in together.values():
+        head = steps[group[0][0]][0].head
+        try:
+            ids = [new_ids for _, new_ids in group]
+            hidden = _embed(head, torch.cat(ids) if len(ids) > 1 else ids[0])  # [sum batch, new, hidden]
+            for (k, _), part in zip(group, torch.split(hidden, [new_ids.shape[0] for new_ids in ids])):
+                out[k] = part
+        except BaseException as e:  # noqa: BLE001 - the lookup failed (never seen): each session's error
+            for k, _ in group:
+                out[k] = e
+    return cast(List[Union[torch.Tensor, BaseException]], out)
 
 
 async def astep_sessions(steps: Sequence[Tuple[ModelSession, torch.Tensor, torch.Tensor]],
