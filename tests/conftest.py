@@ -25,6 +25,12 @@ MODEL = "smollm2-135m-instruct"
 # test session, never in the user's cache directory (whose API keys would turn authentication on)
 os.environ["SWARMGATE_DATABASE_URL"] = f"sqlite:///{tempfile.mkdtemp(prefix='swarmgate-test-state-')}/gateway.sqlite3"
 
+# With parallel workers (pytest-xdist, `make test`), each worker's processes take CPU turns among themselves
+# (swarm.runtime.cpu_turns): with one thread each, the workers' swarms compute side by side on the two cores instead
+# of waiting for each other through one machine-wide lock
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("SWARMGATE_CPU_TURNS_DOMAIN", f"pytest-{os.getpid()}-{os.environ['PYTEST_XDIST_WORKER']}")
+
 # The servers under test run on the same two cores: one intra-op thread in the test process avoids
 # oversubscription (the reference model is about 10x slower with two threads under that load).
 torch.set_num_threads(1)
