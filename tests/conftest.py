@@ -25,6 +25,12 @@ MODEL = "smollm2-135m-instruct"
 # test session, never in the user's cache directory (whose API keys would turn authentication on)
 os.environ["SWARMGATE_DATABASE_URL"] = f"sqlite:///{tempfile.mkdtemp(prefix='swarmgate-test-state-')}/gateway.sqlite3"
 
+# With parallel workers (pytest-xdist, `make test`), each worker's processes take CPU turns among themselves
+# (swarm.runtime.cpu_turns): with one thread each, the workers' swarms compute side by side on the two cores instead
+# of waiting for each other through one machine-wide lock
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("SWARMGATE_CPU_TURNS_DOMAIN", f"pytest-{os.getpid()}-{os.environ['PYTEST_XDIST_WORKER']}")
+
 # The servers under test run on the same two cores: one intra-op thread in the test process avoids
 # oversubscription (the reference model is about 10x slower with two threads under that load).
 torch.set_num_threads(1)
@@ -286,36 +292,68 @@ def bootstrap():
 
 
 class SwarmFactory:
-    """Starts (once per test session) a set of servers for a topology under its own DHT prefix."""
+    """Starts sets of servers for a topology under its own DHT prefix, each once while it is kept.
+
+    The session's main swarm (`MAIN`: ("0:15", "15:30"), no extra flags: the shared gateway's, and most modules')
+    lives for the whole session. Any other swarm (other spans, extra flags) is stopped when the test module that
+    started it ends (`end_module`, by the autouse `_module_swarms`): it serves that module's tests, and with a
+    worker per core (`make test`) a session's every swarm alive at once would not fit in memory twice. A later
+    module that asks for it again gets a fresh one, under a prefix of its own (`prefix`)."""
+
+    MAIN = (("0:15", "15:30"), ())
 
     def __init__(self, model_path: str, bootstrap):
         self.model_path, self.bootstrap = model_path, bootstrap
         self.swarms: dict = {}
+        self.starts: dict = {}  # (spans, extra) -> how many times it was started
 
-    @staticmethod
-    def prefix(spans: tuple, extra: tuple = ()) -> str:
+    def prefix(self, spans: tuple, extra: tuple = ()) -> str:
         """The DHT prefix of that swarm (known before it starts: a process of the test's own can start beside it)."""
+        key = (tuple(spans), tuple(extra))
         tag = "-x" + str(abs(hash(extra)) % 10**6) if extra else ""
-        return "t" + "-".join(s.replace(":", "_") for s in spans) + tag
+        restarts = self.starts.get(key, 0) - (1 if key in self.swarms else 0)
+        again = f"-g{restarts}" if restarts > 0 else ""
+        return "t" + "-".join(s.replace(":", "_") for s in spans) + tag + again
 
     def get(self, spans: tuple, extra: tuple = ()) -> dict:
-        key = (spans, extra)
+        key = (tuple(spans), tuple(extra))
         if key not in self.swarms:
-            prefix = self.prefix(spans, extra)
+            prefix = self.prefix(*key)
             servers = start_servers(self.model_path, [self.bootstrap.maddr], list(spans), prefix, list(extra),
                                     threads=1)
+            self.starts[key] = self.starts.get(key, 0) + 1
             self.swarms[key] = {"prefix": prefix, "servers": servers, "initial_peers": [self.bootstrap.maddr]}
         return self.swarms[key]
 
+    def end_module(self) -> None:
+        """Stop every swarm but the main one (a module's own: see the class)."""
+        ended = [key for key in self.swarms if key != self.MAIN]
+        terminate_all([server for key in ended for server in self.swarms.pop(key)["servers"]])
+
     def close(self) -> None:
         terminate_all([server for swarm in self.swarms.values() for server in swarm["servers"]])
+        self.swarms.clear()
+
+
+_FACTORIES: list = []  # the session's SwarmFactory once `swarms` made it (for `_module_swarms`)
 
 
 @pytest.fixture(scope="session")
 def swarms(model_path, bootstrap):
     factory = SwarmFactory(model_path, bootstrap)
+    _FACTORIES.append(factory)
     yield factory
+    _FACTORIES.remove(factory)
     factory.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_swarms():
+    """At the end of each test module (after its own module fixtures, set up after this one), its swarms other than
+    the session's main one stop (`SwarmFactory.end_module`)."""
+    yield
+    for factory in _FACTORIES:
+        factory.end_module()
 
 
 @pytest.fixture(scope="session")

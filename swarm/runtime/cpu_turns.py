@@ -9,7 +9,9 @@ alone with all threads; a lone session's chain loses nothing, as its processes t
 `CpuTurns` is an exclusive `flock` on a file named after the user, in the temporary directory: held only while a
 compute thread runs one task, released by the kernel if the process dies. CUDA work does not take turns.
 `SWARMGATE_CPU_TURNS=0` turns it off for a process (for example on a machine whose other swarmgate processes
-must not be waited for).
+must not be waited for). `SWARMGATE_CPU_TURNS_DOMAIN=NAME` keeps a process's turns among the processes of the same
+domain only (its own lock file): swarms on one machine that should not wait for each other, such as the test
+suite's parallel workers (each worker's processes take turns among themselves; tests/conftest.py).
 """
 from __future__ import annotations
 
@@ -19,11 +21,12 @@ import tempfile
 from typing import Optional
 
 ENV = "SWARMGATE_CPU_TURNS"
+DOMAIN_ENV = "SWARMGATE_CPU_TURNS_DOMAIN"
 
 
 class CpuTurns:
     def __init__(self, path: Optional[str] = None):
-        self.path = path or os.path.join(tempfile.gettempdir(), f"swarmgate-cpu-{os.getuid()}.lock")
+        self.path = path or default_path()
         self._fd: Optional[int] = None
         self.turns = 0
 
@@ -42,6 +45,13 @@ class CpuTurns:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def default_path() -> str:
+    """The lock file of this user's turns, in `SWARMGATE_CPU_TURNS_DOMAIN`'s domain when set."""
+    domain = "".join(c for c in os.environ.get(DOMAIN_ENV, "") if c.isalnum() or c in "-_")
+    suffix = f"-{domain}" if domain else ""
+    return os.path.join(tempfile.gettempdir(), f"swarmgate-cpu-{os.getuid()}{suffix}.lock")
 
 
 def cpu_turns_enabled() -> bool:

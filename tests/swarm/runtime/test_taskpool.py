@@ -255,3 +255,14 @@ def test_other_work_is_not_held_up_by_a_wait_for_sources_on_their_way(monkeypatc
     _run_then_shut_down(pool, threads)
     # they did not sit out a's wait for b (about a second: they waited 0.94 s before this was fixed)
     assert waited["prompt"] < 0.5 and waited["call"] < 0.5, waited
+
+
+def test_turn_domains_have_their_own_lock_files(monkeypatch):
+    from swarm.runtime.cpu_turns import DOMAIN_ENV, CpuTurns
+
+    monkeypatch.delenv(DOMAIN_ENV, raising=False)
+    plain = CpuTurns().path
+    monkeypatch.setenv(DOMAIN_ENV, "gw0/../x")
+    assert CpuTurns().path == plain.replace(".lock", "-gw0x.lock")  # a name, never a path
+    monkeypatch.setenv(DOMAIN_ENV, "gw1")
+    assert CpuTurns().path != plain.replace(".lock", "-gw0x.lock")
