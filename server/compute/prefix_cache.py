@@ -8,7 +8,8 @@ h_0 = H(version, salt, adapter, first, last, P), h_i+1 = H(h_i, token ids of pag
 client (the gateway's is a hash of the API key by default): pages of different salts or adapters are never shared. A
 page holds per layer its keys (and values, unless they are views of the keys: DeepSeek's latent cache)
 [1, kv_heads, P, head_dim], and the span's outputs at its positions [1, P, hidden]: a session that adopts pages
-returns those to its client, which keeps them as the next span's input history (failover replay, spot-checks).
+keeps those (and returns them to its client, at the opening or when asked: `server.rpc.prefix`), which keeps them as
+the next span's input history (failover replay, spot-checks).
 
 Pages live inside the server's cache budget (`server.compute.cache.CacheBudget`): a page costs the cache tokens (a
 position in every block of the span, the unit sessions reserve in: `token_bytes` bytes) its tensors take, keys, values
@@ -184,9 +185,9 @@ class PrefixCache:
 
     @staticmethod
     @torch.inference_mode()
-    def adopt(kv: SessionKV, pages: Sequence[Page], page_tokens: int) -> torch.Tensor:
-        """Copy `pages` into the first positions of `kv` (which then holds them); returns their outputs
-        [1, len(pages) * P, hidden]. (Runs on the compute thread.)"""
+    def adopt(kv: SessionKV, pages: Sequence[Page], page_tokens: int) -> List[torch.Tensor]:
+        """Copy `pages` into the first positions of `kv` (which then holds them); returns their outputs, one
+        [1, P, hidden] per page (the pages' own tensors, never written: read-only). (Runs on the compute thread.)"""
         for i, page in enumerate(pages):
             lo, hi = i * page_tokens, (i + 1) * page_tokens
             for buf, held in zip(kv.keys, page.keys):
@@ -196,7 +197,7 @@ class PrefixCache:
                     buf[:, :, lo:hi].copy_(held)
         kv.begin_step(0)
         kv.end_step(len(pages) * page_tokens)
-        return torch.cat([page.outputs for page in pages], dim=1)
+        return [page.outputs for page in pages]
 
     # ---- storing and evicting -------------------------------------------------------------------------------
     @staticmethod

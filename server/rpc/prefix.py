@@ -5,7 +5,12 @@ stores after its steps; and `rpc_prefix_cache`, the cache's counters.
 At the opening (`_prefix_open`): the session's page keys are computed from the declared tokens; the leading pages
 the cache holds (waiting, up to the cache's `wait` s, for pages that another session is computing now: single-flight)
 are copied into the session's cache, and the session claims the pages nobody holds or computes. The reply to the
-OpenSession says how many positions the session holds (`StepResult.position`) and carries the span's outputs at them.
+OpenSession says how many positions the session holds (`StepResult.position`) and carries the span's outputs at them,
+unless the client asked for them later (`OpenSession.prefix_outputs` False): then the session keeps them (the pages'
+own output tensors, read-only: no copy) and `rpc_prefix_outputs` sends them to the peer that opened the session when
+it needs them (a failover replay of the next span, a caller that wants every position's output). Shipping them at
+every opening was most of an adopting session's cost (2.4 MB per server for the bundled model's 1,024 positions,
+serialized on both sides while other sessions wait: docs/benchmarks.md, bench_prefix).
 
 After each step (`_prefix_after_step`): the positions that are still the declared prompt (`PrefixState.written`:
 written in order from 0 by the session's steps; a step that starts before the session's end, after its first one,
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from hivemind.p2p import P2PContext
@@ -27,7 +32,7 @@ from hivemind.proto import runtime_pb2
 
 from server.compute.blocks import BlockSpan
 from server.compute.prefix_cache import PageKey, PrefixCache, page_digests
-from server.rpc.limits import RpcLimits
+from server.rpc.limits import LimitError, RpcLimits
 from swarm.runtime.swarm_key import NOT_A_MEMBER
 from swarm.runtime.taskpool import PRIORITY_PREFILL, TaskPool
 from swarm.wire import protocol as P
@@ -48,6 +53,9 @@ class PrefixState:
     next_page: int = 0  # the first page not stored (nor adopted) yet
     outputs: Optional[torch.Tensor] = None  # [1, limit, hidden]: the span's outputs at the declared positions
     stepped: bool = False  # a step ran since the opening
+    # the span's outputs at the positions adopted at the opening, one [1, P, hidden] per page (read-only), kept for
+    # `rpc_prefix_outputs` when the opening's reply did not carry them
+    adopted: List[torch.Tensor] = field(default_factory=list)
 
 
 class PrefixHandler:
@@ -58,11 +66,14 @@ class PrefixHandler:
     limits: RpcLimits
     prefix_cache: Optional[PrefixCache] = None
 
+    open_parts: Dict[str, Any]  # stream key -> the open session part (`server.rpc.inference._Stream`)
+
     def _admits(self, context: P2PContext, proof: str) -> bool:
         raise NotImplementedError
 
     async def _prefix_open(self, kv, opened: P.OpenSession) -> "tuple[Optional[PrefixState], Optional[torch.Tensor]]":
-        """(the session's prefix state, the outputs of the positions it adopted [1, held, hidden] or None)."""
+        """(the session's prefix state, the outputs of the positions it adopted [1, held, hidden] for the opening's
+        reply, or None: none adopted, or the client asked for them later: `PrefixState.adopted` keeps them)."""
         cache, decl = self.prefix_cache, opened.prefix
         if cache is None or decl is None:
             return None, None
@@ -87,12 +98,14 @@ class PrefixHandler:
         if count:
             pages = cache.pages_of(keys[:count])
             try:
-                outputs = await self.pool.submit(PRIORITY_PREFILL, cache.adopt, kv, pages, size)
+                state.adopted = await self.pool.submit(PRIORITY_PREFILL, cache.adopt, kv, pages, size)
             except BaseException:
                 self._prefix_close(state)  # (the stream never holds this state: its claims go now)
                 raise
             cache.counters.pages_hit += count
             state.next_page, state.written = count, count * size
+            if opened.prefix_outputs:  # sent in the reply: not kept
+                outputs, state.adopted = torch.cat(state.adopted, dim=1), []
         return state, outputs
 
     async def _prefix_after_step(self, kv, state: Optional[PrefixState], start: int, held_before: int,
@@ -172,3 +185,31 @@ class PrefixHandler:
         if not self._admits(context, request.uid):
             raise PermissionError(NOT_A_MEMBER)
         return runtime_pb2.ExpertInfo(serialized_info=P.encode(self.prefix_report()))
+
+    async def rpc_prefix_outputs(self, request: runtime_pb2.ExpertRequest, context: P2PContext
+                                 ) -> runtime_pb2.ExpertResponse:
+        """The outputs at the first `positions` positions that an open session part adopted at its opening
+        (`PrefixState.adopted`), for the peer that opened it; an `ErrorReply` for anything else."""
+        version = P.request_version(request.metadata)
+        if not self._admits(context, request.uid):
+            return P.error_response("forbidden", NOT_A_MEMBER, version)
+        try:
+            self.limits.check_message(request)
+            asked = P.decode(request.metadata, P.PrefixOutputsRequest)
+            if request.tensors:
+                raise P.ProtocolError(f"PrefixOutputsRequest carries no tensors, got {len(request.tensors)}")
+            stream = self.open_parts.get(asked.stream_key)
+            if stream is None or stream.peer != str(context.remote_id):
+                raise P.ProtocolError(f"no session part {asked.stream_key} of this peer is open here")
+            adopted = stream.prefix.adopted if stream.prefix is not None else []
+            held = sum(t.shape[1] for t in adopted)
+            if asked.positions > held:
+                raise P.ProtocolError(f"the session part kept the outputs of {held} adopted positions, not "
+                                      f"{asked.positions}")
+        except LimitError as e:
+            return P.error_response("over_limit", str(e), version)
+        except P.ProtocolError as e:
+            return P.error_response("bad_request", str(e), version)
+        outputs = torch.cat(adopted, dim=1)[:, :asked.positions]  # [1, positions, hidden]
+        return P.make_response(P.StepResult(position=asked.positions), [outputs], compression=stream.compression,
+                               version=version)

@@ -1,6 +1,6 @@
 """The messages of the one-shot calls (see `swarm.wire.protocol`): a forward pass through a block range
 (`rpc_forward`), the training passes (`rpc_train_forward` / `rpc_train_backward`), and the server's reports
-(`rpc_info`'s `ServerStats`, `rpc_dht_traffic`'s `DHTTrafficReport`).
+(`rpc_info`'s `ServerStats`, `rpc_dht_traffic`'s `DHTTrafficReport`), and `rpc_prefix_outputs`' `PrefixOutputsRequest`.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Annotated, List, Literal, Optional
 from pydantic import Field
 
 from swarm.runtime.dht_traffic import DHTTraffic
-from swarm.wire.codec import MAX_BATCH, Message
+from swarm.wire.codec import MAX_BATCH, MAX_SESSION_ID_LEN, Message
 from swarm.wire.records import ServerLimits
 
 
@@ -114,3 +114,15 @@ class PrefixCacheReport(Message):
                                                        "or not: a page two sessions computed counts twice)")
     pages_evicted: int = Field(default=0, description="pages dropped for room")
     sessions_declined: int = Field(default=0, description="sessions that declared a prefix the cache declines")
+
+
+class PrefixOutputsRequest(Message):
+    """`rpc_prefix_outputs`' request: the span's outputs at the prefix positions that an open session part adopted
+    when it opened with `OpenSession.prefix_outputs` False (the server kept them instead of sending them). The reply
+    is a `StepResult` (`position`: the positions sent) with those outputs [batch, positions, hidden] as its tensor;
+    only the peer that opened the session part may ask."""
+
+    type: Literal["prefix_outputs"] = "prefix_outputs"
+    stream_key: str = Field(min_length=1, max_length=MAX_SESSION_ID_LEN + 16, description="the session part's "
+                                                                                          "`stream_key`")
+    positions: int = Field(gt=0, description="positions [0, positions): at most those the session part adopted")

@@ -37,6 +37,8 @@ CAPABILITIES: Mapping[str, str] = {
     "left_padding": "left-padded batches (RowEdits.left_padding, ForwardRequest.left_padding)",
     "limits": "announced RPC limits (ServerInfo.limits, ServerStats.limits)",
     "prefix_cache": "prompt prefixes kept and adopted (OpenSession.prefix, rpc_prefix_cache)",
+    "prefix_outputs": "adopted prefix positions' outputs kept by the server, sent only when asked for "
+                      "(OpenSession.prefix_outputs, rpc_prefix_outputs: PrefixOutputsRequest)",
     "push": "server-to-server push (rpc_push, Step.push_chain, OpenSession.push_token)",
     "relay": "servers behind a NAT served through a relay (ServerInfo.reachable) and the dial-back check",
     "rope_length": "a step's rope length (RowEdits.rope_length, ForwardRequest.rope_length)",
@@ -125,6 +127,7 @@ FIELD_CAPABILITIES: Mapping[str, str] = {
     "OpenSession.push_token": "push",
     "OpenSession.compression": "compression",
     "OpenSession.prefix": "prefix_cache",
+    "OpenSession.prefix_outputs": "prefix_outputs",
     "Step.hypo_ids": "beam_reorder",
     "Step.reorder_id": "beam_reorder",
     "Step.left_padding": "left_padding",
@@ -144,13 +147,14 @@ FIELD_CAPABILITIES: Mapping[str, str] = {
 }
 # what a request of each type needs whatever its fields (its RPC): a server without it has no such handler
 MESSAGE_CAPABILITIES: Mapping[str, str] = {"PushStep": "push", "TrainForward": "training", "TrainBackward": "training",
-                                           "RoundStep": "rounds"}
+                                           "RoundStep": "rounds", "PrefixOutputsRequest": "prefix_outputs"}
 CORE_FIELDS: FrozenSet[str] = frozenset({
     "OpenSession.session_id", "OpenSession.start", "OpenSession.end", "OpenSession.max_length",
     "OpenSession.batch_size", "Step.start_position", "Step.step_id", "PushStep.stream_key", "PushStep.push_token",
     "PushStep.start_position", "PushStep.step_id", "PushStep.push_chain", "ForwardRequest.start",
     "ForwardRequest.end", "TrainForward.start", "TrainForward.end", "TrainBackward.start", "TrainBackward.end",
-    "RoundStep.round_id", "RoundStep.attach", "RoundStep.rows",
+    "RoundStep.round_id", "RoundStep.attach", "RoundStep.rows", "PrefixOutputsRequest.stream_key",
+    "PrefixOutputsRequest.positions",
 })
 
 

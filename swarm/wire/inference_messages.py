@@ -47,6 +47,11 @@ class OpenSession(Message):
     # outputs at them [batch, position, hidden] as its tensor; the client's first step starts at most there
     prefix: Optional[PrefixDecl] = Field(default=None, exclude_if=lambda value: value is None,
                                          description="the session's prompt for the server's prefix cache")
+    # (left out when True, the default) False: the reply to this OpenSession carries no outputs for the positions
+    # the session holds; the server keeps them for the session, and `rpc_prefix_outputs` sends them when the client
+    # needs them (a failover replay of the next span, a caller that asks for every position's output)
+    prefix_outputs: bool = Field(default=True, exclude_if=lambda value: value is True,
+                                 description="whether the opening's reply carries the adopted positions' outputs")
 
 
 class PushTarget(Message):

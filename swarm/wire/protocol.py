@@ -35,6 +35,8 @@ RPCs (see `BlockRPC`):
 - `rpc_info`: `ServerStats`.
 - `rpc_dht_traffic`: `DHTTrafficReport`, the server's DHT peer's traffic counters (`swarm.runtime.dht_traffic`).
 - `rpc_prefix_cache`: `PrefixCacheReport`, the server's prefix cache counters (`server.compute.prefix_cache`).
+- `rpc_prefix_outputs`: `PrefixOutputsRequest` -> `StepResult` and a tensor: the outputs at the prefix positions an
+  open session part adopted without receiving them (`OpenSession.prefix_outputs` False).
 
 Versions. Every message rejects unknown fields, so a reader parses exactly the fields of its own version. A field
 added to a message later is optional and never reaches a reader from before it: in a request it is left out
@@ -65,6 +67,7 @@ from swarm.wire.call_messages import (
     ForwardRequest,
     ForwardResult,
     PrefixCacheReport,
+    PrefixOutputsRequest,
     ServerStats,
     TrainBackward,
     TrainForward,
@@ -107,7 +110,7 @@ __all__ = [
     "MAX_BATCH", "MAX_SESSION_ID_LEN", "MAX_TOKEN_LEN", "ErrorReply", "M", "Message", "ProtocolError",
     "RemoteError", "check_capabilities", "decode", "deserialize_tensor", "encode", "request_version",
     "serialize_tensor", "OpenSession", "PushStep", "PushTarget", "RowEdits", "RowIndex", "Step", "StepResult",
-    "check_row_edits", "stream_key", "MAX_PREFIX_TOKENS", "PrefixDecl", "PrefixCacheReport",
+    "check_row_edits", "stream_key", "MAX_PREFIX_TOKENS", "PrefixDecl", "PrefixCacheReport", "PrefixOutputsRequest",
     "DHTTrafficReport", "ForwardRequest", "ForwardResult", "ServerStats",
     "TrainBackward", "TrainForward", "TrainResult", "HANDLER_VERSION", "REQUEST_TYPES", "ReplyMessage",
     "decode_reply", "make_request", "make_response", "error_response", "unpack_reply", "BlockRPC", "ProvedStub",
@@ -118,7 +121,8 @@ __all__ = [
 # messages' `v`, never in the names, or a newer peer's handlers would vanish for an older one
 HANDLER_VERSION = 1
 
-REQUEST_TYPES: Tuple[Type["Message"], ...] = (OpenSession, Step, PushStep, ForwardRequest, TrainForward, TrainBackward)
+REQUEST_TYPES: Tuple[Type["Message"], ...] = (OpenSession, Step, PushStep, ForwardRequest, TrainForward, TrainBackward,
+                                              PrefixOutputsRequest)
 
 ReplyMessage = Union[StepResult, ErrorReply]
 
@@ -214,6 +218,10 @@ class BlockRPC(ServicerBase):
     async def rpc_prefix_cache(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         raise NotImplementedError
 
+    async def rpc_prefix_outputs(self, request: runtime_pb2.ExpertRequest, context: P2PContext
+                                 ) -> runtime_pb2.ExpertResponse:
+        raise NotImplementedError
+
 
 class ProvedStub:
     """A `BlockRPC` stub whose calls carry `proof` (a private swarm's membership proof, `swarm.runtime.swarm_key`)
@@ -244,6 +252,9 @@ class ProvedStub:
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, **kwargs):
         return await self._stub.rpc_forward(self._proved(request), **kwargs)
+
+    async def rpc_prefix_outputs(self, request: runtime_pb2.ExpertRequest, **kwargs):
+        return await self._stub.rpc_prefix_outputs(self._proved(request), **kwargs)
 
     async def rpc_inference(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]):
         return await self._long_lived("rpc_inference", requests)

@@ -1,7 +1,8 @@
 """Shared prefixes on real processes (issue 47): conversations that start with one long system prompt adopt the pages
 of it that the servers keep (`server.compute.prefix_cache`) instead of computing it again, and their greedy tokens
 equal transformers'; a conversation's next turn is served from its own session; other salts never share; a failover
-after an adopted prefix replays the outputs the servers returned for it and gives the same tokens."""
+after an adopted prefix gives the same tokens: the servers keep their outputs at the adopted positions (not sent at
+the opening), fetched when a replay needs them, or recomputed where the server that kept them is the one that died."""
 from __future__ import annotations
 
 import threading
@@ -158,7 +159,8 @@ def test_concurrent_conversations_compute_the_shared_prompt_once(prefix_swarm, s
 def test_failover_after_an_adopted_prefix_gives_the_same_tokens(prefix_swarm, model_path, bootstrap, system_ids,
                                                                  tokenizer, reference_model):
     """The session adopts the system prompt from the servers, then its second span's server dies mid-generation:
-    a fresh server (no pages) replays the history, whose adopted positions are the outputs the servers returned."""
+    a fresh server (no pages) replays the history, whose adopted positions are the first server's outputs there,
+    which it kept (`rpc_prefix_outputs`): fetched for the replay, equal to transformers' hidden states."""
     model, servers, prefix = prefix_swarm
     ids = _prompt(tokenizer, system_ids, "what colour is the sky")
     session = model.inference_session(max_length=ids.shape[1] + 4 * NEW)
@@ -166,7 +168,12 @@ def test_failover_after_an_adopted_prefix_gives_the_same_tokens(prefix_swarm, mo
     spare = None
     try:
         session.feed(ids)  # opens and adopts the system prompt from both servers
-        assert session.session.adopted_tokens == SYSTEM_PAGES * PAGE
+        held = SYSTEM_PAGES * PAGE
+        assert session.session.adopted_tokens == held
+        boundary = session.session._history[15]
+        assert boundary.remote == held  # the first server kept its outputs there: none came with the opening
+        with pytest.raises(RuntimeError, match="held by a server"):
+            boundary.read(held)
         spare = start_server(model_path, [bootstrap.maddr], "15:30", prefix,
                              ["--update_period", "5", "--prefix_page_tokens", str(PAGE)], name="server-spare",
                              threads=1)
@@ -178,7 +185,60 @@ def test_failover_after_an_adopted_prefix_gives_the_same_tokens(prefix_swarm, mo
         assert session.session.failovers >= 1 and session.session.chain[-1].peer_id == spare.peer_id
         ref = reference_model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
         assert out.tolist() == ref.tolist()
+        assert boundary.remote == 0  # fetched for the replay: transformers' inputs to block 15
+        _assert_block_inputs(reference_model, ids, 15, boundary.read(held))
     finally:
         session.close()
         if spare is not None:
+            spare.kill()
+
+
+def _assert_block_inputs(reference_model, ids: torch.Tensor, block: int, got: torch.Tensor) -> None:
+    """`got` [1, n, hidden] are transformers' inputs to `block` at the first n positions of `ids`."""
+    with torch.no_grad():
+        want = reference_model(ids, output_hidden_states=True).hidden_states[block][:, :got.shape[1]]
+    assert got.shape == want.shape
+    assert ((got.float() - want).abs().max() / want.abs().max()).item() < 1e-3
+
+
+def test_failover_of_the_server_that_kept_the_prefix_outputs_recomputes_them(
+        prefix_swarm, model_path, bootstrap, system_ids, tokenizer, reference_model):
+    """The first span's server, which kept its outputs at the adopted positions (the second span's inputs there), dies
+    mid-generation: its replacement replays the client's own embeddings and its outputs are the second span's
+    history now (equal to transformers'), and the tokens equal transformers'. (Last in this file: the earlier test
+    killed the module's 15:30 server, so both spans get spares here.)"""
+    model, servers, prefix = prefix_swarm
+    extra = ["--update_period", "5", "--prefix_page_tokens", str(PAGE)]
+    spares = [start_server(model_path, [bootstrap.maddr], span, prefix, extra, name=f"server-kept-{i}", threads=1)
+              for i, span in enumerate(["0:15", "15:30"])]
+    ids = _prompt(tokenizer, system_ids, "how many legs has a spider")
+    session = model.inference_session(max_length=ids.shape[1] + 4 * NEW)
+    session.prefix_salt = "tenant-a"
+    try:
+        for spare in spares:
+            spare.wait_ready(300)
+        model.manager.update(force=True)
+        session.feed(ids)  # adopts the system prompt (written by the earlier tests' sessions on the 0:15 server)
+        held = SYSTEM_PAGES * PAGE
+        boundary = session.session._history[15]
+        first = session.session.chain[0].peer_id
+        if session.session.adopted_tokens != held:  # (routed to a spare with no pages: the next session adopts)
+            session.close()
+            session = model.inference_session(max_length=ids.shape[1] + 4 * NEW)
+            session.prefix_salt = "tenant-a"
+            session.feed(ids)
+            boundary, first = session.session._history[15], session.session.chain[0].peer_id
+        assert session.session.adopted_tokens == held and boundary.remote == held
+        assert boundary.remote_source is not None and boundary.remote_source.hop.peer_id == first
+        victim = next(s for s in [*servers, *spares] if s.peer_id == first)
+        out = model.generate(ids, session=session, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                             streamer=KillAfter(2, victim.kill))
+        assert session.session.failovers >= 1 and session.session.chain[0].peer_id != first
+        ref = reference_model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+        assert out.tolist() == ref.tolist()
+        assert boundary.remote == 0  # recomputed by the replacement's replay
+        _assert_block_inputs(reference_model, ids, 15, boundary.read(held))
+    finally:
+        session.close()
+        for spare in spares:
             spare.kill()

@@ -195,6 +195,45 @@ def test_bad_forward_requests(manager):
     assert isinstance(short, P.ErrorReply) and "rope_length" in short.message
 
 
+def test_bad_prefix_outputs_requests(manager):
+    """`rpc_prefix_outputs` answers only the peer's own open session part, for positions it adopted and kept."""
+    m, swarm = manager
+    peer = swarm["servers"][0].peer_id
+    stub = m.stub(peer)
+
+    async def ask(request):
+        return P.decode_reply((await stub.rpc_prefix_outputs(request, timeout=60)).metadata)
+
+    async def scenario():
+        queue: asyncio.Queue = asyncio.Queue()
+        responses = await stub.rpc_inference(aio.iterate_queue(queue))
+        queue.put_nowait(_open(session_id="po1"))  # open, nothing adopted (no prefix declared)
+        try:
+            assert isinstance(P.decode_reply((await responses.__anext__()).metadata), P.StepResult)
+            key = P.stream_key("po1", 0)
+            return [await ask(P.make_request(P.PrefixOutputsRequest(stream_key=key, positions=4))),
+                    await ask(P.make_request(P.PrefixOutputsRequest(stream_key="nobody:0", positions=4))),
+                    await ask(P.make_request(P.PrefixOutputsRequest(stream_key=key, positions=4),
+                                             [torch.randn(1, 4, HIDDEN)])),
+                    await ask(runtime_pb2.ExpertRequest(metadata=b'{"type": "prefix_outputs", "positions": -1}'))]
+        finally:
+            queue.put_nowait(None)
+
+    none_kept, unknown, with_tensor, malformed = aio.run(asyncio.wait_for(scenario(), 60))
+    assert isinstance(none_kept, P.ErrorReply) and "kept the outputs of 0 adopted positions" in none_kept.message
+    assert isinstance(unknown, P.ErrorReply) and "no session part nobody:0" in unknown.message
+    assert isinstance(with_tensor, P.ErrorReply) and "carries no tensors" in with_tensor.message
+    assert isinstance(malformed, P.ErrorReply) and malformed.code == "bad_request"
+    ok = _forward(m, swarm["servers"][0].peer_id)  # the server goes on
+    assert isinstance(ok, P.ForwardResult)
+
+
+def _forward(m, peer_id: str):
+    request = P.make_request(P.ForwardRequest(start=0, end=15), [torch.randn(1, 4, HIDDEN)])
+    response = aio.run(m.stub(peer_id).rpc_forward(request, timeout=60))
+    return P.decode_reply(response.metadata, forward=True)
+
+
 def test_sigterm_announces_offline_and_exits_zero(model_path, bootstrap):
     prefix = "tsigterm"
     [server] = start_servers(model_path, [bootstrap.maddr], ["0:30"], prefix, ["--update_period", "5"], threads=1)

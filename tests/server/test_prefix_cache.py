@@ -103,7 +103,9 @@ def test_adoption_copies_a_pages_keys_values_and_outputs():
     pages = [cache.cut(filled, i, 16, outputs) for i in range(2)]
     fresh = _kv()
     adopted = cache.adopt(fresh, pages, 16)
-    assert fresh.length == 32 and torch.equal(adopted, outputs)
+    # the pages' own outputs, one [1, P, hidden] per page (no copy: the session keeps them for rpc_prefix_outputs)
+    assert fresh.length == 32 and [a.data_ptr() for a in adopted] == [p.outputs.data_ptr() for p in pages]
+    assert torch.equal(torch.cat(adopted, dim=1), outputs)
     for a, b in zip(fresh.keys + fresh.values, filled.keys + filled.values):
         assert torch.equal(a[:, :, :32], b[:, :, :32])
 

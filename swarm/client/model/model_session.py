@@ -221,6 +221,8 @@ class ModelSession:
         if self.prefix_salt is not None and self.session.batch_size is None and not offset and \
                 input_ids.shape[0] == 1 and not left_padding and hypo_ids is None:
             self.session.prefix = P.PrefixDecl(salt=self.prefix_salt, tokens=input_ids[0].tolist())
+            # only the last positions' outputs are used (`_feed`, `round_finish`): the adopted ones stay on the servers
+            self.session.adopted_outputs = False
         return input_ids[:, reuse:], reuse, hypo_ids
 
     def _feed(self, input_ids: torch.Tensor, pick, hypo_ids: Optional[List[int]],
@@ -229,6 +231,8 @@ class ModelSession:
         input_ids = input_ids.cpu()  # the held ids live on the host (a GPU client's callers may pass theirs)
         hidden, reuse, hypo_ids = self._prepare(input_ids, hypo_ids, left_padding)
         new_ids = input_ids[:, reuse:]
+        if num_logits > 1:  # (more than the last position's: the adopted ones too, should the step adopt them)
+            self.session.adopted_outputs = True
         pool = client_pool()
         # A decode step's head (one token, or a speculative step's few, after held ones) is expected by concurrent
         # sessions' heads, which wait for it (`TaskPool` docstring); a prompt's head (the first token) waits for no

@@ -86,6 +86,10 @@ class InferenceSession(SessionChain):
         # 1: `swarm.client.transport.prefix`), and the positions adopted from them so far
         self.prefix: Optional[P.PrefixDecl] = None
         self.adopted_tokens = 0
+        # servers keep their outputs at adopted prefix positions until asked (none asked for when no spot-check
+        # compares them); `adopted_outputs` False: `astep` leaves those positions out of what it returns
+        self.prefix_outputs_later = self._verifier is None
+        self.adopted_outputs = True
 
     # ---- public, synchronous ------------------------------------------------------------------------------
     @property
@@ -96,7 +100,8 @@ class InferenceSession(SessionChain):
 
     def step(self, hidden: torch.Tensor, hypo_ids: Optional[Sequence[int]] = None,
              left_padding: Optional[Sequence[int]] = None) -> torch.Tensor:
-        """hidden [batch, seq, hidden] for positions position.. -> the last block's output, same shape.
+        """hidden [batch, seq, hidden] for positions position.. -> the last block's output, same shape (less the
+        positions adopted from the servers' prefix caches when `adopted_outputs` is False: those sent only).
         `hypo_ids` [batch]: first, row i of the held positions becomes row hypo_ids[i] (beam search's parents);
         `left_padding` [batch] (only at position 0): each row's leading padding positions."""
         return aio.run(self.astep(hidden, hypo_ids, left_padding))
@@ -185,9 +190,8 @@ class InferenceSession(SessionChain):
                 self.prefix = None
             # a declared prompt waits for the servers' replies: what they hold of it is not sent again
             await self._open(batch, wait=declared)
-            adopted, hidden = prefix_cache.adopt(self, hidden)
-            if adopted is not None:
-                seq = hidden.shape[1]
+            adopted, hidden = await prefix_cache.adopt(self, hidden)
+            seq = hidden.shape[1]
         else:
             await self._require(step_needs)
         await self._apply_checks()  # a check finished since found a server wrong: OutputsRetracted

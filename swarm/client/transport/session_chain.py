@@ -3,10 +3,11 @@
 
 Opening: `_open_span` routes blocks [start, end) and opens a stream on every hop (bounded retries, failed servers
 banned, patience while blocks whose only servers failed wait to be tried again). Failover: the session keeps, for
-every block boundary where a span starts, the hidden states it sent there (`BoundaryHistory`); `_replace` bans a
-failed server, re-routes only its span (possibly onto several servers) and replays that boundary's history from
-position 0 to rebuild the replacement's cache (`_replay`); `_replace_retrying` tries other replacements while
-they fail, up to `max_retries`. Messages are cut to the chain's limits (`_chunk_len`) and carry the step ids and
+every block boundary where a span starts, the hidden states it sent there (`BoundaryHistory`; positions adopted from
+a prefix cache may be held by the previous span's server instead, fetched when a replay needs them: `_resolve`);
+`_replace` bans a failed server, re-routes only its span (possibly onto several servers) and replays that boundary's
+history from position 0 to rebuild the replacement's cache (`_replay`); `_replace_retrying` tries other replacements
+while they fail, up to `max_retries`. Messages are cut to the chain's limits (`_chunk_len`) and carry the step ids and
 rotary lengths that a replay shares with the session's steps.
 """
 from __future__ import annotations
@@ -43,6 +44,23 @@ class BoundaryHistory:
         self.buffer = torch.empty(batch, min(max_length, self.MIN_CAPACITY), hidden_size, dtype=dtype)
         self.length = 0
         self.padding = padding
+        # positions [0, remote) are held by a server, not in the buffer: the outputs there of the span that ends at
+        # this boundary, which its server (`remote_source`'s) adopted from its prefix cache and kept
+        # (`swarm.client.transport.prefix`); `fill` writes them once fetched, `read` refuses them before
+        self.remote = 0
+        self.remote_source: Optional[SpanStream] = None
+
+    def hold_remote(self, length: int, source: SpanStream) -> None:
+        """Positions [0, length) are `source`'s outputs, kept by its server (not fetched)."""
+        self._grow(0, length)
+        self.remote, self.remote_source, self.length = length, source, length
+
+    def fill(self, hidden: torch.Tensor) -> None:
+        """The held positions' states, fetched (or recomputed): hidden [batch, n, hidden] (n < remote only after a
+        rewind before them: positions past the session's are never read before they are written again)."""
+        count = min(self.remote, hidden.shape[1])
+        self.buffer[:, :count] = hidden[:, :count]
+        self.remote, self.remote_source = 0, None
 
     def reorder(self, hypo_ids: List[int], length: int) -> None:
         """Row i of positions [0, length) becomes row hypo_ids[i], as the servers reordered their caches."""
@@ -51,18 +69,28 @@ class BoundaryHistory:
         if self.padding is not None:
             self.padding = [self.padding[i] for i in hypo_ids]
 
-    def write(self, start_position: int, hidden: torch.Tensor) -> None:
-        end = start_position + hidden.shape[1]
+    def _grow(self, keep: int, end: int) -> None:
+        """Room for positions [0, end); positions [0, keep) are kept (`astep` refuses steps past max_length)."""
         capacity = self.buffer.shape[1]
-        if end > capacity:  # positions [0, start_position) are kept (`astep` refuses steps past max_length)
+        if end > capacity:
             grown = torch.empty(self.buffer.shape[0], max(end, min(self.max_length, 2 * capacity)),
                                 self.buffer.shape[2], dtype=self.buffer.dtype)
-            grown[:, :start_position] = self.buffer[:, :start_position]
+            grown[:, :keep] = self.buffer[:, :keep]
             self.buffer = grown
+
+    def write(self, start_position: int, hidden: torch.Tensor) -> None:
+        end = start_position + hidden.shape[1]
+        self._grow(start_position, end)
         self.buffer[:, start_position:end] = hidden
         self.length = end
+        if start_position < self.remote:  # (a rewound session's new positions: the server's are stale there)
+            self.remote = start_position
+            self.remote_source = self.remote_source if start_position else None
 
     def read(self, end: int) -> torch.Tensor:
+        if min(end, self.remote) > 0:
+            raise RuntimeError(f"positions [0, {self.remote}) of this boundary are held by a server: fetch them "
+                               f"first (`SessionChain._resolve`)")
         return self.buffer[:, :end]
 
 
@@ -105,6 +133,8 @@ class SessionChain:
     _step_end: Optional[int]
     _step_id: int
     prefix: Optional[P.PrefixDecl] = None  # the prompt declared to prefix caches (`swarm.client.transport.prefix`)
+    # whether servers keep their outputs at the prefix positions they adopt until asked (`SpanStream.outputs_later`)
+    prefix_outputs_later: bool = False
 
     async def _open_span(self, start: int, end: int, batch_size: int, wait: bool = True,
                          reasons: Sequence[str] = ()) -> List[SpanStream]:
@@ -132,8 +162,8 @@ class SessionChain:
                 await asyncio.sleep(min(1.0, config.ban_timeout))
                 continue
             streams = [SpanStream(self.manager, hop, self.session_id, self.max_length, batch_size, self.adapter,
-                                  None if self.prompts is None else self.prompts[hop.start:hop.end], self.prefix)
-                       for hop in hops]
+                                  None if self.prompts is None else self.prompts[hop.start:hop.end], self.prefix,
+                                  self.prefix_outputs_later) for hop in hops]
             if self.prefix is not None and wait:
                 results = await _open_in_order(streams)
             else:
@@ -173,6 +203,9 @@ class SessionChain:
             self.manager.ban(failed.hop.peer_id, error)
         asyncio.ensure_future(failed.close())
         began = time.monotonic()
+        if self.position > 0:  # the inputs to replay, all here (from the previous span's server, or recomputed)
+            await self._resolve(failed.hop.start)
+            index = self._streams.index(failed)  # (a failover there may have split the previous span)
         replacement = await self._open_span(failed.hop.start, failed.hop.end, self.batch_size, reasons=[str(error)])
         if self.position > 0:
             x = self._history[failed.hop.start].read(self.position)  # [batch, position, hidden]
@@ -188,11 +221,31 @@ class SessionChain:
                     self.manager.ban(stream.hop.peer_id, replay_error)
                     await asyncio.gather(*(s.close() for s in replacement), return_exceptions=True)
                     raise
+            following = self._history.get(failed.hop.end)
+            if following is not None and following.remote:  # the failed server kept its prefix outputs: recomputed
+                following.fill(x)
         self._streams[index:index + 1] = replacement
         self.failovers += int(ban)  # a move to a server with a capability the session now needs is no failure
         self.moves += int(not ban)
         logger.info(f"blocks {failed.hop.start}:{failed.hop.end} re-routed to {[s.hop.peer_id for s in replacement]} "
                     f"and {self.position} positions replayed in {time.monotonic() - began:.1f}s")
+
+    async def _resolve(self, block: int) -> None:
+        """Fetch the positions of boundary `block`'s history that a server kept (`BoundaryHistory.remote`) from it;
+        where that server fails, its span fails over first (its replay recomputes them: `_replace`)."""
+        history = self._history.get(block)
+        if history is None or not history.remote:
+            return
+        source = history.remote_source
+        if source is None or source not in self._streams:
+            raise SessionError(f"the inputs of blocks from {block} were kept by a server no longer in the chain")
+        try:
+            history.fill(await source.held_outputs_now(history.remote))
+        except Exception as e:  # noqa: BLE001 - the server that kept them failed: its span fails over
+            logger.warning(f"cannot fetch the prefix outputs kept by {source.hop.peer_id}: {type(e).__name__}: {e}")
+            await self._replace_retrying(self._streams.index(source), e, 0)
+            if history.remote:
+                raise SessionError(f"the inputs of blocks from {block} were not recomputed") from e
 
     async def _replay(self, stream: SpanStream, x: torch.Tensor, padding: Optional[List[int]]) -> torch.Tensor:
         """Send positions [0, len) of `x` [batch, len, hidden] (rows left-padded by `padding`) through `stream` in

@@ -30,12 +30,16 @@ class SpanStream:
 
     def __init__(self, manager: SwarmManager, hop: RouteHop, session_id: str, max_length: int, batch_size: int,
                  adapter: Optional[str] = None, prompts: Optional[torch.Tensor] = None,
-                 prefix: Optional[P.PrefixDecl] = None):
-        """`prefix`: the session's prompt, declared to a server that announces `prefix_cache` (its prefix pages)."""
+                 prefix: Optional[P.PrefixDecl] = None, outputs_later: bool = False):
+        """`prefix`: the session's prompt, declared to a server that announces `prefix_cache` (its prefix pages);
+        `outputs_later`: the server keeps its outputs at the positions it holds of it (where it announces
+        `prefix_outputs`) until `held_outputs_now` asks for them, instead of sending them with the opening's reply."""
         self.manager, self.hop = manager, hop
         self.prefix = prefix if prefix is not None and "prefix_cache" in hop.capabilities else None
+        self.outputs_later = outputs_later and self.prefix is not None and "prefix_outputs" in hop.capabilities
         # what the server held of the declared prompt when it opened (positions), with its outputs there
-        # [batch, held, hidden] (read only by an `open` that waits for the reply)
+        # [batch, held, hidden] (read only by an `open` that waits for the reply; None where the server keeps them:
+        # `outputs_later`)
         self.held = 0
         self.held_outputs: Optional[torch.Tensor] = None
         self.prompts = prompts  # deep prompts of this hop's blocks [hop.length, 1, pre_seq_len, hidden], or None
@@ -96,20 +100,45 @@ class SpanStream:
         opened = P.OpenSession(session_id=self.session_id, start=self.hop.start, end=self.hop.end,
                                max_length=self.max_length, batch_size=self.batch_size, adapter=self.adapter,
                                prompts=self.prompts is not None, push_token=self.push_token if self.pushes else None,
-                               compression=self.compression, prefix=self.prefix)
+                               compression=self.compression, prefix=self.prefix,
+                               prefix_outputs=not self.outputs_later)
         P.check_capabilities(opened, self.hop.capabilities, self.hop.peer_id)  # routing chose a server that takes it
         self._queue.put_nowait(P.make_request(opened, [] if self.prompts is None else [self.prompts]))
         if wait:
             reply, tensors = await self._next_reply()
             held = getattr(reply, "position", 0)
             if self.prefix is not None and held > 0:
-                if len(tensors) != 1 or tensors[0].ndim != 3 or list(tensors[0].shape[:2]) != [self.batch_size, held]:
-                    raise P.RemoteError("bad_reply", f"the server holds {held} prefix positions but sent outputs "
-                                                     f"{[list(t.shape) for t in tensors]}", self.hop.peer_id)
-                self.held, self.held_outputs = held, tensors[0]
+                if self.outputs_later and tensors:
+                    raise P.RemoteError("bad_reply", "the server sent outputs with its opening's reply, asked to keep "
+                                                     "them", self.hop.peer_id)
+                if not self.outputs_later:
+                    self.held_outputs = self._checked_outputs(tensors, held)
+                self.held = held
                 self.position = held
         else:
             self.open_pending = True
+
+    def _checked_outputs(self, tensors: list, positions: int) -> torch.Tensor:
+        """The one tensor of a reply that carries this span's outputs at positions [0, positions)."""
+        if len(tensors) != 1 or tensors[0].ndim != 3 or list(tensors[0].shape[:2]) != [self.batch_size, positions]:
+            raise P.RemoteError("bad_reply", f"the server holds {positions} prefix positions but sent outputs "
+                                             f"{[list(t.shape) for t in tensors]}", self.hop.peer_id)
+        return tensors[0]
+
+    async def held_outputs_now(self, positions: int) -> torch.Tensor:
+        """This span's outputs at the first `positions` prefix positions its server adopted at the opening and kept
+        (`outputs_later`), from the server (`rpc_prefix_outputs`): [batch, positions, hidden]. Raises what the call
+        raises (the server gone, an error reply)."""
+        assert self.outputs_later and 0 < positions <= self.held, "the server kept no such outputs"
+        asked = P.PrefixOutputsRequest(stream_key=self.key, positions=positions)
+        P.check_capabilities(asked, self.hop.capabilities, self.hop.peer_id)
+        response = await self.manager.stub(self.hop.peer_id).rpc_prefix_outputs(
+            P.make_request(asked), timeout=self.manager.config.request_timeout)
+        reply, tensors = P.unpack_reply(response, self.hop.peer_id)
+        if getattr(reply, "position", None) != positions:
+            raise P.RemoteError("bad_reply", f"asked for {positions} positions' outputs, the reply says "
+                                             f"{getattr(reply, 'position', None)}", self.hop.peer_id)
+        return self._checked_outputs(tensors, positions)
 
     @property
     def pushes(self) -> bool:
