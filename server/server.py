@@ -71,7 +71,7 @@ from swarm.modeling.shape import ModelShape
 from swarm.modeling.tensor_parallel import TensorParallelError, check_splittable
 from swarm.runtime import lifecycle, malloc
 from swarm.runtime.config import parse_span
-from swarm.runtime.cpu_turns import CpuTurns, cpu_turns_enabled
+from swarm.runtime.cpu_turns import turns_for
 from swarm.runtime.dht_traffic import read_dht_traffic_async
 from swarm.runtime.swarm_key import proof_for
 from swarm.runtime.taskpool import PRIORITY_FORWARD, TaskPool
@@ -222,8 +222,7 @@ class Server:
     def _compute_pool(self) -> TaskPool:
         """The compute thread (a new one if it died): loading, measuring and inference all run on it."""
         if self.pool is None or not self.pool.is_alive():
-            turns = CpuTurns() if self.device.type == "cpu" and cpu_turns_enabled() else None
-            self.pool = TaskPool(gather_max=self.config.decode_gather_ms / 1000, turns=turns)
+            self.pool = TaskPool(gather_max=self.config.decode_gather_ms / 1000, turns=turns_for(self.device.type))
         return self.pool
 
     async def unload_blocks(self) -> None:

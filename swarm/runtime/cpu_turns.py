@@ -7,7 +7,9 @@ a step can take ten times as long. With turns, each pass (a batch of decode step
 alone with all threads; a lone session's chain loses nothing, as its processes take turns anyway.
 
 `CpuTurns` is an exclusive `flock` on a file named after the user, in the temporary directory: held only while a
-compute thread runs one task, released by the kernel if the process dies. CUDA work does not take turns.
+compute thread runs one task, released by the kernel if the process dies. CUDA work does not take turns, nor does a
+process with one intra-op thread (`turns_for`): its passes have no team to wait at barriers, and turns would only
+keep two such processes (a chain's servers, a test's or benchmark's one-thread swarm) off each other's idle core.
 `SWARMGATE_CPU_TURNS=0` turns it off for a process (for example on a machine whose other swarmgate processes
 must not be waited for). `SWARMGATE_CPU_TURNS_DOMAIN=NAME` keeps a process's turns among the processes of the same
 domain only (its own lock file): swarms on one machine that should not wait for each other, such as the test
@@ -52,6 +54,18 @@ def default_path() -> str:
     domain = "".join(c for c in os.environ.get(DOMAIN_ENV, "") if c.isalnum() or c in "-_")
     suffix = f"-{domain}" if domain else ""
     return os.path.join(tempfile.gettempdir(), f"swarmgate-cpu-{os.getuid()}{suffix}.lock")
+
+
+def turns_for(device_type: str = "cpu", threads: Optional[int] = None) -> Optional[CpuTurns]:
+    """The turns a compute thread takes for its tasks on `device_type` with `threads` intra-op threads (default:
+    torch's count now), or None: not on CUDA, not with one thread, not when `SWARMGATE_CPU_TURNS` is off."""
+    if device_type != "cpu" or not cpu_turns_enabled():
+        return None
+    if threads is None:
+        import torch
+
+        threads = torch.get_num_threads()
+    return CpuTurns() if threads > 1 else None
 
 
 def cpu_turns_enabled() -> bool:

@@ -42,7 +42,7 @@ from typing import Any, Callable, Hashable, List, Optional
 
 import torch
 
-from swarm.runtime.cpu_turns import CpuTurns, cpu_turns_enabled
+from swarm.runtime.cpu_turns import CpuTurns, turns_for
 from swarm.runtime.threads import FreeCores, set_threads_here
 
 logger = logging.getLogger(__name__)
@@ -358,7 +358,7 @@ def client_pool() -> TaskPool:
     global _shared
     with _shared_lock:
         if _shared is None or not _shared.is_alive():
-            _shared = TaskPool(name="client-compute", turns=CpuTurns() if cpu_turns_enabled() else None)
+            _shared = TaskPool(name="client-compute", turns=turns_for())
         return _shared
 
 

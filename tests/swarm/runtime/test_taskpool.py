@@ -266,3 +266,15 @@ def test_turn_domains_have_their_own_lock_files(monkeypatch):
     assert CpuTurns().path == plain.replace(".lock", "-gw0x.lock")  # a name, never a path
     monkeypatch.setenv(DOMAIN_ENV, "gw1")
     assert CpuTurns().path != plain.replace(".lock", "-gw0x.lock")
+
+
+def test_turns_only_for_cpu_teams(monkeypatch):
+    """A compute thread with one intra-op thread, or on CUDA, or with SWARMGATE_CPU_TURNS=0, takes no turns."""
+    from swarm.runtime.cpu_turns import ENV, CpuTurns, turns_for
+
+    monkeypatch.delenv(ENV, raising=False)
+    assert isinstance(turns_for("cpu", 2), CpuTurns)
+    assert turns_for("cpu", 1) is None
+    assert turns_for("cuda", 8) is None
+    monkeypatch.setenv(ENV, "0")
+    assert turns_for("cpu", 2) is None
