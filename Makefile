@@ -36,6 +36,9 @@ test: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/python tests/fixtures/browser.py
 	$(BIN)/python tests/fixtures/redis_server.py
+	@# the suite starts ~160 processes, each importing this project: its bytecode compiled once here, not in each
+	@# (where PYTHONDONTWRITEBYTECODE is set, as on this machine, nothing else would keep it)
+	$(BIN)/python -m compileall -q swarm server gateway launch tests > /dev/null
 	$(BIN)/python -m pytest -q --tb=short --durations=20 -n $(TEST_WORKERS) --dist loadfile -m "not extended" tests
 
 # the extended tier (tests/conftest.py EXTENDED): long scenarios and extra variants, about 10 minutes
