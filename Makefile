@@ -33,16 +33,13 @@ run: $(STAMP)
 # through apt-get when missing and run as root; otherwise those tests are skipped with the reason)
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python tests/fixtures/browser.py
 	$(BIN)/python tests/fixtures/redis_server.py
 	@# the suite starts ~160 processes, each importing this project: its bytecode compiled once here, not in each
 	@# (where PYTHONDONTWRITEBYTECODE is set, as on this machine, nothing else would keep it)
 	$(BIN)/python -m compileall -q swarm server gateway launch tests > /dev/null
-	@# mypy (one core, ~30 s) beside the suite's start; its report follows the suite's, and either failing fails
-	$(BIN)/mypy > .mypy.out 2>&1 & typing=$$!; \
-	$(BIN)/python -m pytest -q --tb=short --durations=20 -n $(TEST_WORKERS) --dist loadfile -m "not extended" tests; \
-	tests=$$?; wait $$typing; typed=$$?; echo "mypy:"; cat .mypy.out; rm -f .mypy.out; \
-	exit $$(( tests != 0 || typed != 0 ))
+	$(BIN)/python -m pytest -q --tb=short --durations=20 -n $(TEST_WORKERS) --dist loadfile -m "not extended" tests
 
 # the extended tier (tests/conftest.py EXTENDED): long scenarios and extra variants, about 10 minutes
 test-extended: $(STAMP)

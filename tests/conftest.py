@@ -255,10 +255,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if item.nodeid.startswith(EXTENDED):
             item.add_marker(pytest.mark.extended)
-    # the modules that start processes (the long ones) first, each module's tests in their order: parallel workers
-    # (`make test`, a module at a time) then end on short in-process modules, not one worker on a long one alone
-    slow_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_modules)
     # files named by node id (`file.py::test`) collect only what was named: they are not judged
     picked = {arg.split("::")[0] for arg in config.args if "::" in arg}
     stale = [prefix for prefix in stale_extended(EXTENDED, [item.nodeid for item in items], config.rootpath)
