@@ -3,3 +3,8 @@
 Start it with `swarmgate gateway MODEL --initial_peers ...` (`gateway.app.main`), or build the app in-process
 with `gateway.app.create_app(config, model=None, tokenizer=None)`.
 """
+
+# first, before anything imports torch or hivemind: swarm's package init sets GOMP_SPINCOUNT (swarm.runtime.threads)
+# and defers scipy.optimize (swarm.runtime.deferred_imports), which only work before those load; a process started
+# as `python -m launch.cli server ...` imports this package before swarm otherwise
+import swarm  # noqa: E402,F401

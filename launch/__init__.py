@@ -1,2 +1,7 @@
 """Launchers: the `swarmgate` command, the bootstrap peer, and the local topology (`swarmgate up`, test fixtures,
 benchmarks)."""
+
+# first, before anything imports torch or hivemind: swarm's package init sets GOMP_SPINCOUNT (swarm.runtime.threads)
+# and defers scipy.optimize (swarm.runtime.deferred_imports), which only work before those load; a process started
+# as `python -m launch.cli server ...` imports this package before swarm otherwise
+import swarm  # noqa: E402,F401

@@ -161,3 +161,16 @@ def test_a_block_server_needs_no_transformers_model_module(tmp_path):
         "print(json.dumps(heavy))\n"
     )
     assert json.loads(run_python(code)) == {family: [] for family in FAMILIES}
+
+
+@pytest.mark.parametrize("entry", ["server.server", "gateway.app", "launch.bootstrap"])
+def test_entry_points_defer_scipy_and_tune_openmp_before_torch_loads(entry):
+    """A process started as `python -m launch.cli <command>` imports `launch` and then the command's module, which
+    imports torch and hivemind at its top: the package inits import `swarm` first, so that scipy.optimize stays
+    deferred (320 ms and 35 MB per process) and GOMP_SPINCOUNT is set while it still takes effect."""
+    code = (
+        "import os, sys, launch.cli\n"
+        f"import {entry}\n"
+        "print(type(sys.modules.get('scipy.optimize')).__name__, os.environ.get('GOMP_SPINCOUNT') is not None)\n"
+    )
+    assert run_python(code, unset=["GOMP_SPINCOUNT"]) == "_Placeholder True"
