@@ -279,7 +279,25 @@ def fetch_block_records(dht: DHT, prefix: str, num_blocks: int,
                 if info.start <= index < info.end:
                     servers[subkey] = info
         result.append(servers)
+    unread = [i for i in wanted if found.get(keys[i]) is None]
+    if unread and len(unread) < len(wanted):
+        _fill_unread(result, unread)
     return result
+
+
+def _fill_unread(result: List[Dict[str, ServerInfo]], unread: Sequence[int]) -> None:
+    """Keys that no node answered for (a read on a loaded machine or network can time out on some keys of a batch
+    and not others) get the servers whose records under the span's other keys say they serve that block: one
+    announcement stores the same record under every key of a span, so a key not read is not a block unserved. A key
+    that was read keeps exactly what it holds (an offline record there replaces the online one)."""
+    claims: Dict[str, ServerInfo] = {}
+    for servers in result:
+        for peer_id, info in servers.items():
+            claims.setdefault(peer_id, info)
+    for index in unread:
+        for peer_id, info in claims.items():
+            if info.start <= index < info.end:
+                result[index][peer_id] = info
 
 
 _NOTED: Dict[tuple, None] = {}  # (peer id, kind) already logged (bounded: the oldest are forgotten)
