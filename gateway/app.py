@@ -119,7 +119,7 @@ def load_model(config: GatewayConfig):
 
 
 def load_tokenizer(config: GatewayConfig):
-    from transformers import AutoTokenizer
+    from transformers.models.auto import AutoTokenizer
 
     from swarm.modeling.checkpoint import Checkpoint
     from swarm.modeling.prepare import resolve_model

@@ -79,7 +79,8 @@ def package_dir(package_name: str) -> Path:
 
 def _convert(key: str, target: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
+    from transformers.models.auto import AutoModelForCausalLM, AutoTokenizer
 
     package_name, gguf_name = BUNDLED_MODELS[key]
     source_dir = str(package_dir(package_name))

@@ -110,7 +110,7 @@ class NgramDrafter:
 @functools.lru_cache(maxsize=4)
 def load_draft_model(path: str) -> torch.nn.Module:
     """A local causal LM for drafting, loaded once per process (float32, CPU, eval)."""
-    from transformers import AutoModelForCausalLM
+    from transformers.models.auto import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval().requires_grad_(False)
