@@ -165,9 +165,9 @@ def test_a_block_server_needs_no_transformers_model_module(tmp_path):
 
 @pytest.mark.parametrize("entry", ["server.server", "gateway.app", "launch.bootstrap"])
 def test_entry_points_defer_scipy_and_tune_openmp_before_torch_loads(entry):
-    """A process started as `python -m launch.cli <command>` imports `launch` and then the command's module, which
-    imports torch and hivemind at its top: the package inits import `swarm` first, so that scipy.optimize stays
-    deferred (320 ms and 35 MB per process) and GOMP_SPINCOUNT is set while it still takes effect."""
+    """Code that imports an entry module directly (not through `launch.cli.main`, which imports swarm first): the
+    module imports torch and hivemind at its top, and the package inits import `swarm` before, so that
+    scipy.optimize stays deferred (320 ms and 35 MB per process) and GOMP_SPINCOUNT is set while it takes effect."""
     code = (
         "import os, sys, launch.cli\n"
         f"import {entry}\n"
