@@ -22,7 +22,7 @@ Time to first token is from the call to the first generated token. Prints one JS
 (14 at once, each also slowed by the other 13 on the same cores).
 
 Usage (from the repository root): .venv/bin/python bench/bench_prefix.py [--users 16] [--system_tokens 1000]
-    [--modes on,off] [--prefix_wait SECONDS]
+    [--modes on,off] [--prefix_wait SECONDS] [--prefill_batch_tokens N]
 """
 from __future__ import annotations
 
@@ -92,6 +92,8 @@ def main() -> int:
     parser.add_argument("--modes", default="on,off", help="which of on (prompts declared) and off to run")
     parser.add_argument("--prefix_wait", type=float, default=None,
                         help="the servers' --prefix_wait (default: theirs; 0: no single-flight waiting)")
+    parser.add_argument("--prefill_batch_tokens", type=int, default=None,
+                        help="the servers' --prefill_batch_tokens (default: theirs)")
     args = parser.parse_args()
 
     import torch
@@ -105,6 +107,8 @@ def main() -> int:
     server_args = ["--attn_cache_tokens", "32768"]
     if args.prefix_wait is not None:
         server_args += ["--prefix_wait", str(args.prefix_wait)]
+    if args.prefill_batch_tokens is not None:
+        server_args += ["--prefill_batch_tokens", str(args.prefill_batch_tokens)]
     with BenchSwarm("bench-prefix", SPANS, server_args) as swarm:
         tokenizer = AutoTokenizer.from_pretrained(swarm.path)
         model = AutoDistributedModelForCausalLM.from_pretrained(swarm.path, initial_peers=swarm.initial_peers,
@@ -122,7 +126,8 @@ def main() -> int:
                 add_generation_prompt=True, return_dict=True)["input_ids"]]) for i in range(args.users)]
 
         result: dict = {"benchmark": "shared_prefix_ttft", "topology": SPANS, "users": args.users,
-                        "new_tokens": args.new_tokens, "prefix_wait": args.prefix_wait}
+                        "new_tokens": args.new_tokens, "prefix_wait": args.prefix_wait,
+                        "prefill_batch_tokens": args.prefill_batch_tokens}
         user_turn(model, torch.tensor([tokenizer("Say hi.")["input_ids"]]), None, 2)  # warm-up (not measured)
         try:
             for mode, salt in (("on", "bench-app"), ("off", None)):
@@ -148,6 +153,7 @@ def main() -> int:
                     "second_adopted_tokens": second["adopted"],
                     "later_ttft_s_mean": round(statistics.mean(ttfts), 3),
                     "later_ttft_s_max": round(max(ttfts), 3),
+                    "later_ttft_s_all": sorted(round(t, 2) for t in ttfts),
                     "ratio_mean_later_over_first": round(statistics.mean(ttfts) / first["ttft"], 3),
                     "later_adopted_tokens_mean": round(statistics.mean(r["adopted"] for r in later), 1),
                     "later_tokens_per_s": round(len(later) * args.new_tokens / wall, 2),

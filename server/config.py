@@ -24,6 +24,9 @@ from swarm.wire.compression import COMPRESSION_HELP, Compression
 from swarm.wire.dtypes import DTYPES
 from swarm.wire.quant import parse_quant_type
 
+PREFILL_BATCH_TOKENS_CPU = 128  # `--prefill_batch_tokens` defaults (see its help)
+PREFILL_BATCH_TOKENS_CUDA = 256
+
 
 class ServerConfig(SwarmKeySettings, RelaySettings):
     model: str = Field(description="model to serve: bundled name, local checkpoint directory or hub repo id")
@@ -104,6 +107,17 @@ class ServerConfig(SwarmKeySettings, RelaySettings):
                                                                        "now, to adopt them instead of computing them "
                                                                        "too (single-flight); a claim older than this "
                                                                        "is not waited for; 0: never wait")
+    prefill_batch_tokens: Optional[int] = Field(
+        default=None, gt=0, le=65536,
+        description="most tokens of several sessions' prefill chunks computed in one pass: a pass takes the queued "
+                    "chunks in arrival order up to this many (the first always goes; the rest wait for the next "
+                    "pass, after the decode steps of running sessions), and its sessions get their outputs when it "
+                    "ends. Default: " + str(PREFILL_BATCH_TOKENS_CPU) + " on the CPU (a pass costs nearly its "
+                    "tokens' compute, so passes of a few sessions give the first of them their outputs sooner; "
+                    "smaller ones lose batching and let more decode steps in between: docs/benchmarks.md, "
+                    "bench_prefix), " + str(PREFILL_BATCH_TOKENS_CUDA) + " on CUDA (the pass size of earlier "
+                    "releases, the default prefill chunk: not measured on a GPU yet; a GPU computes a bigger pass in "
+                    "little more time, so a larger budget may suit it)")
     max_sessions_per_peer: int = Field(default=128, gt=0, description="most inference sessions one peer (client or "
                                                                        "gateway) may hold open on this server")
     max_streams: int = Field(default=512, gt=0, description="most inference streams open at once, all peers together")
@@ -206,6 +220,13 @@ class ServerConfig(SwarmKeySettings, RelaySettings):
             parse_size(value)
             return str(value)
         return value
+
+    @property
+    def prefill_pass_tokens(self) -> int:
+        """`--prefill_batch_tokens`, or its default for the span's device."""
+        if self.prefill_batch_tokens is not None:
+            return self.prefill_batch_tokens
+        return PREFILL_BATCH_TOKENS_CUDA if self.span_device.startswith("cuda") else PREFILL_BATCH_TOKENS_CPU
 
     @property
     def span_device(self) -> str:

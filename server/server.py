@@ -209,7 +209,7 @@ class Server:
                                      self._compute_pool(), max_length=self.config.max_length,
                                      alloc_timeout=self.config.alloc_timeout, step_timeout=self.config.step_timeout,
                                      swarm_key=self.record.swarm_key,
-                                     limits=limits)
+                                     limits=limits, prefill_batch_tokens=self.config.prefill_pass_tokens)
         handler.compression = self.config.compression
         if self.config.prefix_cache == "on":
             handler.prefix_cache = PrefixCache(handler.budget, self.config.prefix_page_tokens,

@@ -42,7 +42,8 @@ class BlockHandler(RoundHandler, TrainingHandler):
 
     def __init__(self, span: BlockSpan, model_name: str, version: str, budget: CacheBudget, pool: TaskPool,
                  max_length: int, alloc_timeout: float, step_timeout: float, max_batch_tokens: int = 1 << 16,
-                 prefill_chunk: int = 256, swarm_key: Optional[SwarmKey] = None, limits: RpcLimits = RpcLimits()):
+                 prefill_chunk: int = 256, swarm_key: Optional[SwarmKey] = None, limits: RpcLimits = RpcLimits(),
+                 prefill_batch_tokens: int = 256):
         self.span, self.model_name, self.version = span, model_name, version
         self.swarm_key = swarm_key
         self.budget, self.pool = budget, pool
@@ -51,6 +52,7 @@ class BlockHandler(RoundHandler, TrainingHandler):
         # tokens per training call (`server.rpc.training`), under the inference steps' cap too
         self.max_batch_tokens = min(max_batch_tokens, limits.max_step_tokens)
         self.prefill_chunk = prefill_chunk
+        self.prefill_batch_tokens = prefill_batch_tokens  # `--prefill_batch_tokens`: most tokens in one prefill pass
         self.counters = Counters()
         self.dht_traffic: Optional[DHTTraffic] = None  # the server's DHT traffic at its last announcement
         self.accepting = True

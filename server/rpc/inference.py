@@ -8,7 +8,10 @@ back whatever the opening took, however the stream ended. A refused opening gets
 requests drained (`server.rpc.refusal`); a bad step gets an `ErrorReply` and leaves the session as it was.
 
 Scheduling (`_compute`): decode steps are batched with other sessions' at `PRIORITY_DECODE`; a long prefill runs in
-chunks of `prefill_chunk` tokens at `PRIORITY_PREFILL`, chunks of several sessions sharing a pass where they can.
+chunks of `prefill_chunk` tokens at `PRIORITY_PREFILL`, chunks of several sessions sharing a pass where they can, a
+pass taking the queued chunks in arrival order up to `prefill_batch_tokens` (`--prefill_batch_tokens`): each pass's
+sessions get their outputs (and go on to the next server) when that pass ends, not when every queued chunk is done,
+and decode steps of running sessions go between passes.
 """
 from __future__ import annotations
 
@@ -108,6 +111,7 @@ class InferenceHandler(PrefixHandler, P.BlockRPC):
     alloc_timeout: float
     step_timeout: float
     prefill_chunk: int
+    prefill_batch_tokens: int  # most tokens of prefill chunks in one pass (the first chunk always goes)
     accepting: bool
     compression: str
     open_parts: Dict[str, _Stream]  # stream key -> the open session part (rounds attach to it by key)
@@ -360,7 +364,8 @@ class InferenceHandler(PrefixHandler, P.BlockRPC):
                        prompts: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One step of a session: decode steps are batched with other sessions'; a long prefill runs in chunks
         of `prefill_chunk` tokens at a lower priority, so that other sessions' decode steps go in between, and
-        chunks of several sessions queued together share a pass (`_prefill_batch`; concurrent requests' prompts)."""
+        chunks of several sessions queued together share a pass of up to `prefill_batch_tokens` tokens
+        (`_prefill_batch`; concurrent requests' prompts), taken in arrival order."""
         seq = hidden.shape[1]
         if seq == 1 and self.span.can_batch and (prompts is None or start_position >= prompts.shape[2]):
             return await self.pool.submit_batchable(
@@ -370,10 +375,11 @@ class InferenceHandler(PrefixHandler, P.BlockRPC):
         batchable = prompts is None and self.span.can_batch_prefill(kv)
         for offset in range(0, seq, self.prefill_chunk):
             chunk = hidden[:, offset:offset + self.prefill_chunk]
-            if batchable:  # no source: a batch takes the chunks queued with it and waits for none
+            if batchable:  # no source: a pass takes the chunks queued with it, up to its budget, and waits for none
                 out = await self.pool.submit_batchable(
                     PRIORITY_PREFILL, ("prefill", id(self), first, last),
-                    partial(self._prefill_batch, first=first, last=last), (chunk, start_position + offset, kv))
+                    partial(self._prefill_batch, first=first, last=last), (chunk, start_position + offset, kv),
+                    cost=chunk.shape[1], budget=self.prefill_batch_tokens)
                 if isinstance(out, BaseException):  # this session's own failure (`_prefill_batch`)
                     raise out
             else:
@@ -383,13 +389,14 @@ class InferenceHandler(PrefixHandler, P.BlockRPC):
         return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
 
     def _prefill_batch(self, items: list, first: int, last: int) -> list:
-        """Prefill chunks of several sessions, in passes of at most `prefill_chunk` tokens together; a pass that
-        fails runs its chunks one by one, so that each session gets its own outcome (an output or its error)."""
+        """Prefill chunks of several sessions (items [(hidden [1, seq_i, hidden], start_i, kv_i)], what the task
+        pool took within `prefill_batch_tokens`), in passes of at most that many tokens together; a pass that fails
+        runs its chunks one by one, so that each session gets its own outcome (an output or its error)."""
         results: list = []
         group: list = []
         tokens = 0  # in `group`
         for item in items + [None]:
-            if group and (item is None or tokens + item[0].shape[1] > self.prefill_chunk):
+            if group and (item is None or tokens + item[0].shape[1] > self.prefill_batch_tokens):
                 try:
                     results += self.span.forward_prefill_batch(group, first, last)
                 except Exception:  # noqa: BLE001 - each chunk again alone: its own output or error

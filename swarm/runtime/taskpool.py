@@ -8,6 +8,10 @@ for a single pass at a time, so concurrent sessions do not thrash the cores, and
 process that starts OpenMP teams (`swarm.runtime.threads`). `submit_batchable` / `call_batchable` queue an item under a
 batch key: when the worker reaches such an item it takes every queued item with the same key and runs them
 through one call of the batch function (concurrent sessions' decode steps, or their LM heads, become one pass).
+An item may carry a cost and a budget (a prefill chunk: its tokens, and the server's `--prefill_batch_tokens`): a batch
+then takes the queued items in arrival order only while their costs fit the budget of its first item (the first
+always goes) and leaves the rest queued, so that each pass's results are delivered when that pass ends, other work
+(decode steps) goes between passes, and an item is never overtaken by later ones of its key (no starvation).
 
 Steps of concurrent sessions reach a process a little apart (pushed one by one from the previous server). An idle
 worker that started on the first alone would split the sessions into groups that then stay apart, each a pass
@@ -195,12 +199,15 @@ class TaskPool:
         return future
 
     def submit_batchable(self, priority: int, key: Hashable, batch_fn: Callable[[List[Any]], List[Any]],
-                         item: Any, source: Hashable = None) -> "asyncio.Future":
+                         item: Any, source: Hashable = None, cost: int = 1,
+                         budget: Optional[int] = None) -> "asyncio.Future":
         """Queue `item`; it runs as `batch_fn([items...])[i]` together with other queued items of `key`.
-        `source` (a session) lets the worker wait briefly for the other sources due in the same round."""
+        `source` (a session) lets the worker wait briefly for the other sources due in the same round. `budget`:
+        a batch that starts with this item takes the next queued items of `key` (in arrival order) only while the
+        sum of their `cost`s stays within it; None: every queued item (up to `max_batch`)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._queue.put((priority, next(self._counter), key, loop, future, batch_fn, (item, source), {}))
+        self._queue.put((priority, next(self._counter), key, loop, future, batch_fn, (item, source, cost, budget), {}))
         return future
 
     def call(self, priority: int, fn: Callable[..., Any], *args, **kwargs) -> Any:
@@ -212,21 +219,25 @@ class TaskPool:
         return future.result()
 
     def call_batchable(self, priority: int, key: Hashable, batch_fn: Callable[[List[Any]], List[Any]],
-                       item: Any, source: Hashable = None) -> Any:
-        """From plain code: `batch_fn([items...])[i]` with other queued items of `key` (blocks)."""
+                       item: Any, source: Hashable = None, cost: int = 1, budget: Optional[int] = None) -> Any:
+        """From plain code: `batch_fn([items...])[i]` with other queued items of `key` (blocks); `cost` and
+        `budget` as in `submit_batchable`."""
         if threading.current_thread() is self._thread:
             self.gatherer.unexpect(key, source)
             return batch_fn([item])[0]
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((priority, next(self._counter), key, None, future, batch_fn, (item, source), {}))
+        self._queue.put((priority, next(self._counter), key, None, future, batch_fn, (item, source, cost, budget), {}))
         self.gatherer.unexpect(key, source)  # it is here (a batch still waiting sees it as present)
         return future.result()
 
     def _take_batch(self, first) -> list:
         """`first` plus every queued task with the same batch key, waiting briefly for the sources due in this
-        round (others are put back)."""
+        round (others are put back); with a budget (`first`'s), only the tasks that fit it, in arrival order: the
+        first that does not fit and all after it stay queued."""
         key = first[2]
         batch, others = [first], []  # type: list, list
+        budget = first[6][3]
+        spent = first[6][2]  # of the budget (the first task always goes)
         missing: Optional[dict] = None
         short = deadline = 0.0
         tracked = self.gatherer.tracked(key)
@@ -253,7 +264,16 @@ class TaskPool:
                     task = self._queue.get(timeout=remaining)
                 except queue.Empty:
                     break
-            (batch if task[2] is not None and task[2] == key else others).append(task)
+            if task[2] is None or task[2] != key:
+                others.append(task)
+            elif budget is not None and spent + task[6][2] > budget:
+                # the budget is reached: neither this task nor any later one of the key (they come out of the queue
+                # in arrival order, so none overtakes it) joins this batch
+                others.append(task)
+                break
+            else:
+                batch.append(task)
+                spent += task[6][2]
         for task in others:
             self._queue.put(task)
         self.gatherer.note(key, [t[6][1] for t in batch], time.monotonic())

@@ -161,3 +161,54 @@ def test_a_batched_prefill_that_fails_leaves_every_session_able_to_go_on_alone(s
     for x, _, kv in (bad[0], bad[2]):
         assert span.forward(x, 4, kv).shape == (1, 2, hidden)
     assert [kv.length for kv in kvs] == [6, 4, 6]
+
+
+def test_queued_prefills_run_in_passes_within_the_token_budget_and_match_each_alone(span, monkeypatch):
+    """The server's scheduling of concurrent prefills (`InferenceHandler._compute` on a real `TaskPool`): chunks
+    queued together run in passes of at most `prefill_batch_tokens` tokens, in arrival order (a long prompt in
+    `prefill_chunk` pieces, its next piece queued after the pass of its previous one), and every session's output
+    and cache equal its prefill computed alone."""
+    import asyncio
+    import threading
+
+    from server.rpc.inference import InferenceHandler
+    from swarm.runtime.taskpool import PRIORITY_DECODE, TaskPool
+
+    torch.manual_seed(6)
+    handler = InferenceHandler.__new__(InferenceHandler)
+    handler.span, handler.prefill_chunk, handler.prefill_batch_tokens = span, 8, 12
+    handler.pool = TaskPool(adapt_threads=False)
+    passes = []
+    batched = span.forward_prefill_batch
+    monkeypatch.setattr(span, "forward_prefill_batch", lambda items, first, last: passes.append(
+        [x.shape[1] for x, _, _ in items]) or batched(items, first, last))
+    prompts = [torch.randn(1, n, span.hidden_size) for n in (5, 4, 20, 3)]
+    alone = [span.new_session_kv(1, 32, 1, 4) for _ in prompts]
+    together = [span.new_session_kv(1, 32, 1, 4) for _ in prompts]
+    expected = [span.forward(x, 0, kv, 1, 4) for x, kv in zip(prompts, alone)]
+
+    async def concurrently():
+        release = threading.Event()
+        blocker = threading.Thread(target=handler.pool.call, args=(PRIORITY_DECODE, release.wait, 30))
+        blocker.start()  # the worker is busy while the four prompts' first chunks queue up, in this order
+        while handler.pool._queue.qsize():
+            await asyncio.sleep(0.001)
+        tasks = []
+        for x, kv in zip(prompts, together):
+            tasks.append(asyncio.ensure_future(handler._compute(x, 0, kv, 1, 4)))
+            while handler.pool._queue.qsize() < len(tasks):
+                await asyncio.sleep(0.001)
+        release.set()
+        outputs = await asyncio.gather(*tasks)
+        blocker.join()
+        return outputs
+
+    try:
+        got = asyncio.run(concurrently())
+    finally:
+        handler.pool.shutdown()
+    assert passes == [[5, 4], [8, 3], [8], [4]]  # 9, then 11 of 12 tokens; the long prompt's chunks in turn
+    for e, g in zip(expected, got):
+        assert g.shape == e.shape
+        assert torch.allclose(g, e, atol=1e-5, rtol=1e-5), (g - e).abs().max()
+    assert [kv.length for kv in together] == [5, 4, 20, 3]

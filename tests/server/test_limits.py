@@ -116,6 +116,17 @@ def test_limit_flags_are_documented_and_checked():
     assert ServerConfig(model="m", packed_rows=[16, 8, 16]).packed_rows == [8, 16]
 
 
+def test_the_prefill_pass_budget_flag_defaults_by_device_and_is_checked():
+    from server.config import PREFILL_BATCH_TOKENS_CPU, PREFILL_BATCH_TOKENS_CUDA
+
+    assert ServerConfig.model_fields["prefill_batch_tokens"].description
+    assert ServerConfig(model="m").prefill_pass_tokens == PREFILL_BATCH_TOKENS_CPU
+    assert ServerConfig(model="m", device="cuda:1").prefill_pass_tokens == PREFILL_BATCH_TOKENS_CUDA
+    assert ServerConfig(model="m", device="cuda", prefill_batch_tokens=32).prefill_pass_tokens == 32
+    with pytest.raises(ValueError, match="prefill_batch_tokens"):
+        ServerConfig(model="m", prefill_batch_tokens=0)
+
+
 def test_sessions_per_peer_and_open_streams(capped):
     m, server = capped
     a, b = Stream(m, server.peer_id).start(), Stream(m, server.peer_id).start()

@@ -278,3 +278,104 @@ def test_turns_only_for_cpu_teams(monkeypatch):
     assert turns_for("cuda", 8) is None
     monkeypatch.setenv(ENV, "0")
     assert turns_for("cpu", 2) is None
+
+
+def _queued_behind_a_busy_worker(pool: TaskPool, calls: list) -> list:
+    """Start the `calls` (name, priority, cost, budget) one by one from threads while the worker is busy with a
+    task that waits until all are queued, so that they are queued in this order; returns the threads (started)."""
+    release = threading.Event()
+    blocker = threading.Thread(target=pool.call, args=(PRIORITY_DECODE, release.wait, 30))
+    blocker.start()
+    while pool._queue.qsize():  # the worker took the blocking task
+        time.sleep(0.001)
+    threads = [blocker]
+    for name, priority, fn, cost, budget in calls:
+        queued = pool._queue.qsize()
+        threads.append(threading.Thread(target=pool.call_batchable, args=(priority, "prefill", fn, name),
+                                        kwargs={"cost": cost, "budget": budget}))
+        threads[-1].start()
+        while pool._queue.qsize() == queued:  # in the queue before the next one starts
+            time.sleep(0.001)
+    release.set()
+    return threads
+
+
+def test_a_budget_takes_queued_items_in_arrival_order_up_to_it():
+    """A batch with a budget takes queued items of its key in arrival order while their costs fit (the first always
+    goes: a chunk longer than the budget runs alone, and the short ones queued after it do not overtake it)."""
+    pool = TaskPool(adapt_threads=False)
+    passes = []
+
+    def batch(items):
+        passes.append(list(items))
+        return items
+
+    costs = {"a": 30, "b": 30, "c": 30, "long": 100, "d": 10, "e": 10, "f": 50}
+    threads = _queued_behind_a_busy_worker(pool, [(n, taskpool.PRIORITY_PREFILL, batch, c, 64)
+                                                  for n, c in costs.items()])
+    for t in threads:
+        t.join()
+    pool.shutdown()
+    assert passes == [["a", "b"], ["c"], ["long"], ["d", "e"], ["f"]]
+
+
+def test_without_a_budget_a_batch_takes_every_queued_item():
+    pool = TaskPool(adapt_threads=False)
+    passes = []
+
+    def batch(items):
+        passes.append(list(items))
+        return items
+
+    threads = _queued_behind_a_busy_worker(pool, [(n, taskpool.PRIORITY_PREFILL, batch, 100, None) for n in "abc"])
+    for t in threads:
+        t.join()
+    pool.shutdown()
+    assert passes == [["a", "b", "c"]]
+
+
+def test_each_pass_delivers_at_its_end_and_decode_steps_go_between_passes():
+    """The items of a pass get their results when that pass ends (before the next pass runs), and a decode step
+    that arrives during a pass runs before the next pass of the queue."""
+    pool = TaskPool(adapt_threads=False)
+    order = []
+    first_pass_back = threading.Event()
+    decode_thread: list = []
+
+    def prefill(items):
+        order.append(list(items))
+        if items == ["a", "b"]:  # a running conversation's decode step arrives during the first pass
+            decode_thread.append(threading.Thread(target=pool.call_batchable, args=(
+                PRIORITY_DECODE, "decode", lambda xs: order.append(list(xs)) or xs, "step")))
+            decode_thread[0].start()
+            while pool._queue.qsize() < 2:
+                time.sleep(0.001)
+        else:  # the first pass's callers have their results before this pass computes
+            order.append("a and b back" if first_pass_back.wait(30) else "a and b still waiting")
+        return items
+
+    def caller(name):
+        assert pool.call_batchable(taskpool.PRIORITY_PREFILL, "prefill", prefill, name, cost=30, budget=64) == name
+        if name in "ab":
+            done.append(name)
+            if len(done) == 2:
+                first_pass_back.set()
+
+    done: list = []
+    release = threading.Event()
+    blocker = threading.Thread(target=pool.call, args=(PRIORITY_DECODE, release.wait, 30))
+    blocker.start()
+    while pool._queue.qsize():
+        time.sleep(0.001)
+    threads = []
+    for name in "abc":
+        queued = pool._queue.qsize()
+        threads.append(threading.Thread(target=caller, args=(name,)))
+        threads[-1].start()
+        while pool._queue.qsize() == queued:
+            time.sleep(0.001)
+    release.set()
+    for t in [blocker] + threads + decode_thread:
+        t.join()
+    pool.shutdown()
+    assert order == [["a", "b"], ["step"], ["c"], "a and b back"]
