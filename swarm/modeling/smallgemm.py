@@ -12,7 +12,10 @@ SmolLM2 blocks ([3072, 576] each) take 2.2 ms for 1 row, 6.9 ms for 8 and 6.2 ms
   lose their edge for a row or two and right after an idle spell (both ways then take longer), so the rule is
   fixed rather than timed at load: a CPU that was idle would time the wrong winner.
 - padding (no memory): where no pack applies, the rows padded with zeros to a multiple (16) when that product
-  was timed faster (`calibrate`, per row count, as each weight's product back to back).
+  was timed faster (`calibrate`, per row count, as each weight's product back to back). The timings are kept on
+  disk (`<swarmgate cache>/gemm-calibration.json`, keyed by the CPU, torch's version, the product's shape, thread
+  count and settings): every later process on the machine (each gateway start: ~0.5 s of CPU for SmolLM2's head)
+  takes them instead of timing again, and gets the same answer.
 Results differ from the plain product's in the last bits only (another summation order), as between batch sizes.
 
 `GemmGroup` makes the products (`gemm(weight, bias)` -> `SmallGemm`) of one compute thread (a server's span, a
@@ -25,7 +28,11 @@ large span does not stall one step (15 SmolLM2 blocks: about 0.4 s in all).
 """
 from __future__ import annotations
 
+import json
+import os
+import platform
 import time
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -34,6 +41,51 @@ import torch.nn.functional as F
 PLAIN, PADDED = 0, -1  # a row count's way: the plain product, padded to the multiple, or a pack's row count
 # `GemmGroup.calibrate`'s timings in this process: (weight shape, has bias, threads, settings) -> {rows: padded}
 _TIMED: Dict[tuple, Dict[int, bool]] = {}
+CALIBRATION_FILE = "gemm-calibration.json"
+
+
+def _calibration_path() -> Path:
+    from swarm.runtime.paths import cache_root
+
+    return cache_root() / CALIBRATION_FILE
+
+
+def _machine() -> str:
+    """The CPU (model name, cores) and torch's version: a timing holds for these only."""
+    name = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name}|{os.cpu_count()}cpus|torch {torch.__version__}"
+
+
+def _stored(key: tuple) -> Optional[Dict[int, bool]]:
+    """The timing kept on disk for `key` on this machine, if any (a damaged file: none)."""
+    try:
+        entry = json.loads(_calibration_path().read_text()).get(_machine(), {}).get(repr(key))
+        return {int(rows): bool(padded) for rows, padded in entry.items()} if isinstance(entry, dict) else None
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+
+
+def _store(key: tuple, padded: Dict[int, bool]) -> None:
+    """Add a timing to the file (read again first: other processes add theirs; written atomically)."""
+    path = _calibration_path()
+    try:
+        try:
+            data = json.loads(path.read_text())
+            data = data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            data = {}
+        data.setdefault(_machine(), {})[repr(key)] = {str(rows): value for rows, value in padded.items()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache: this process's timing stays its own
 
 
 def valid_packed_rows(value: Sequence[int]) -> List[int]:
@@ -164,12 +216,15 @@ class GemmGroup:
         """Time each member's product plain and padded for every row count from `min_rows` below the multiple
         that no pack takes, and remember which was faster (a client model does it at load: half a second for
         SmolLM2's head, rather than amid its first concurrent sessions). A product of the same shape, thread count
-        and settings timed before in this process takes that timing (`_TIMED`): a process that loads a model
-        again (tests, benchmarks) does not time it again."""
+        and settings timed before in this process (`_TIMED`) or on this machine (the file) takes that timing."""
         generator = torch.Generator().manual_seed(0)
         for member in self.members:
             key = (tuple(member.weight.shape), member.bias is not None, torch.get_num_threads(), min_rows,
                    self.multiple, self.trials, self.min_packed, self.packed_rows)
+            if key not in _TIMED:
+                stored = _stored(key)
+                if stored is not None:
+                    _TIMED[key] = stored
             if key in _TIMED:
                 member.padded.update(_TIMED[key])
                 continue
@@ -185,4 +240,5 @@ class GemmGroup:
                         best[way] = min(best[way], time.perf_counter() - began)
                 member.padded[rows] = best[PADDED] < best[PLAIN]
             _TIMED[key] = dict(member.padded)
+            _store(key, _TIMED[key])
         self._buffers = {}  # made again at the first padded product

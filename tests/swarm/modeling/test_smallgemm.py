@@ -61,6 +61,43 @@ def test_a_product_timed_before_in_this_process_takes_that_timing(monkeypatch):
     assert again.padded == timed.padded and sorted(again.padded) == [3, 4, 5, 6, 7]
 
 
+def test_a_product_timed_on_this_machine_before_takes_the_kept_timing(monkeypatch, tmp_path):
+    """Another process (here: this one with its in-process timings forgotten) reads the file instead of timing;
+    another CPU or torch, or a damaged file, times again."""
+    from swarm.modeling import smallgemm
+
+    monkeypatch.setenv("SWARMGATE_CACHE", str(tmp_path))
+    monkeypatch.setattr(smallgemm, "_TIMED", {})
+    first = GemmGroup([], multiple=8, trials=1)
+    timed = first.gemm(torch.randn(200, 40))
+    first.calibrate(min_rows=3)
+    assert (tmp_path / smallgemm.CALIBRATION_FILE).exists()
+
+    def again(product) -> SmallGemm:
+        monkeypatch.setattr(smallgemm, "_TIMED", {})
+        monkeypatch.setattr(SmallGemm, "product", product)
+        group = GemmGroup([], multiple=8, trials=1)
+        gemm = group.gemm(torch.randn(200, 40))
+        group.calibrate(min_rows=3)
+        return gemm
+
+    real = SmallGemm.product
+    assert again(lambda *args: pytest.fail("timed again")).padded == timed.padded
+    calls: list = []
+
+    def counted(self, x, way):
+        calls.append(way)
+        return real(self, x, way)
+
+    monkeypatch.setattr(smallgemm, "_machine", lambda: "another CPU|2cpus|torch 0")
+    assert sorted(again(counted).padded) == [3, 4, 5, 6, 7] and calls
+    monkeypatch.undo()
+    monkeypatch.setenv("SWARMGATE_CACHE", str(tmp_path))
+    (tmp_path / smallgemm.CALIBRATION_FILE).write_text("{not json")
+    calls.clear()
+    assert sorted(again(counted).padded) == [3, 4, 5, 6, 7] and calls
+
+
 def test_only_contiguous_float32_cpu_weights_and_positive_row_counts():
     with pytest.raises(ValueError, match="float32"):
         GemmGroup().gemm(torch.randn(10, 4, dtype=torch.bfloat16))
