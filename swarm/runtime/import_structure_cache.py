@@ -12,7 +12,9 @@ for a directory is kept in one pickle file per transformers version under the ca
 (`swarm.runtime.paths.cache_root()/import-structure/`), keyed by the directory's path, modification time and entry
 count, and read back by later processes. Anything unexpected (another transformers whose module lacks the function,
 an unreadable or stale file, a failed write) falls back to transformers' own scan; `SWARMGATE_IMPORT_CACHE=0`
-turns the hook off. Files are replaced atomically, so concurrent processes never read half a file.
+turns the hook off (for a transformers checkout being edited in place: a module's exports changed without a
+file added or removed and without a new version would not be seen). Files are replaced atomically, so concurrent
+processes never read half a file.
 """
 from __future__ import annotations
 
