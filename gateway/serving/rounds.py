@@ -2,7 +2,8 @@
 
 A generation (`gateway.serving.runs.GenerationRun`) sends its prompt on its own worker thread (the session pool's
 fallbacks stay there), then `EngineRounds.run(member)` hands its decode steps to the round thread and waits for its
-end. Generations join and leave between rounds. Each round:
+end; a member joins with its prompt's step landed (its last states), so its first pick is made in the round too.
+Generations join and leave between rounds. Each round:
 1. every member's policy says whether it goes on (`DecodeLoop.ended`; `before_step`: a cancelled or late generation
    leaves with its error), and its next input is embedded (`swarm.client.api.round_inputs`: the decode steps'
    tokens of every member in one lookup; `RoundSession.round_input` for a session of another kind);
@@ -76,9 +77,11 @@ class Step:
 
     __slots__ = ("landed", "outcome")
 
-    def __init__(self) -> None:
-        self.landed = False
-        self.outcome: Any = None
+    def __init__(self, outcome: Any = None, landed: bool = False) -> None:
+        """`Step(states, True)`: a step already landed (a prompt's, stepped on the generation's worker thread:
+        its first pick is made in the next round with the others', `EngineRounds.run`)."""
+        self.landed = landed
+        self.outcome: Any = outcome
 
     def result(self) -> torch.Tensor:
         if isinstance(self.outcome, BaseException):
@@ -187,7 +190,9 @@ class EngineRounds:
 
     def run(self, member: Member) -> torch.Tensor:
         """Step `member` in the rounds until it ends (called on its worker thread, which waits): its final ids
-        [n, seq]; raises its own error (cancelled, timed out, a failed step)."""
+        [n, seq]; raises its own error (cancelled, timed out, a failed step). A member may join with its prompt's
+        step landed (`member.step`: its last states [n, hidden], `member.remaining` set): the next round's LM head
+        and pick take its first tokens with every other row (no head of its own on the compute thread)."""
         with self._wake:
             if self._stopped:
                 raise RuntimeError("the engine is shutting down")

@@ -1,5 +1,7 @@
 """One generation: a request's n choices, run as one batched session ([n, len] per step) on a worker thread; its
-decode steps after the prompt run in the engine rounds (`gateway.serving.rounds`) when it can.
+decode steps after the prompt run in the engine rounds (`gateway.serving.rounds`) when it can. There the prompt is
+stepped on the worker thread for its last states only (`SessionProvider.prefill(states=True)`), and its first pick
+is made in the next round's one LM head and pick with every other row (no LM head of its own).
 
 `GenerationJob` describes the work (prompt, `SamplingParams`, n, deadline, pool owner, cancel flag);
 `GenerationRun(job, emit, sessions, tokens, metrics, vocab_size).run()` leases a session
@@ -27,7 +29,7 @@ import torch
 from gateway.errors import APIError
 from gateway.metrics import Metrics
 from gateway.serving.events import Cancelled, ChoiceDelta, Done
-from gateway.serving.rounds import EngineRounds, Member
+from gateway.serving.rounds import EngineRounds, Member, Step
 from gateway.serving.sessions import Lease, SessionProvider
 from gateway.serving.textstream import TextStream
 from gateway.serving.tokens import Tokens
@@ -127,10 +129,18 @@ class GenerationRun:
         try:
             loop = DecodeLoop(lease, feed, self, prompt_len, params.max_tokens, self.pad, self.speculator)
             if self.in_rounds(lease):
-                if not loop.ended(ids):
-                    ids = loop.step(ids)  # the prompt, on this thread (the session pool's fallbacks are here)
-                if self.in_rounds(lease):  # (prefill may have opened another session)
-                    ids = self.rounds.run(Member(self, lease, loop, ids))  # type: ignore[union-attr]
+                member = Member(self, lease, loop, ids)
+                if not loop.ended(ids):  # the prompt, on this thread (the session pool's fallbacks are here)
+                    if callable(getattr(lease.session, "feed_states", None)):
+                        # its states only: the first pick joins the next round's LM head and pick (issue 46)
+                        self.before_step()
+                        member.remaining = loop.remaining(ids)
+                        states, _ = sessions.prefill(lease, ids, states=True)  # [n, hidden]
+                        member.step = Step(states, landed=True)
+                    else:
+                        member.ids = ids = loop.step(ids)
+                if member.step is not None or self.in_rounds(lease):  # (a fallback's session is of the same kind)
+                    ids = self.rounds.run(member)  # type: ignore[union-attr]
                 lease.settle()
             else:
                 loop.run(ids)

@@ -13,13 +13,13 @@ import hashlib
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, cast
 
 import torch
 
 from gateway.metrics import Metrics
 from gateway.serving.verification import distrusted_in
-from swarm.client.api import ClientModel, GenerationSession, OutputsRetracted, RemoteError
+from swarm.client.api import ClientModel, GenerationSession, OutputsRetracted, RemoteError, RoundSession
 
 logger = logging.getLogger("swarmgate.gateway")
 
@@ -159,12 +159,13 @@ session whose chain includes a server that spot-checks distrusted since is close
         return max(needed, min(length, self.context)) if self.context else length
 
     def prefill(self, lease: Lease, ids: torch.Tensor, pick: Optional[Callable[[torch.Tensor], Any]] = None,
-                num_logits: int = 1) -> Tuple[torch.Tensor, Any]:
+                num_logits: int = 1, states: bool = False) -> Tuple[torch.Tensor, Any]:
         """The first step of a generation (the prompt), with the fallbacks described above: (logits [n, vocab],
-        what `pick(logits)` returned, or None without a pick). `num_logits` > 1: a speculative step's."""
+        what `pick(logits)` returned, or None without a pick). `num_logits` > 1: a speculative step's. `states`:
+        no LM head, (the last position's states [n, hidden], None) instead (`step`)."""
         banned_before = set(self.model.banned_peers()) if self.pool is not None else set()
         try:
-            out = self.step(lease, ids, pick, num_logits)
+            out = self.step(lease, ids, pick, num_logits, states)
         except OutputsRetracted:  # a lying server caught and left: the session is sound, the run picks again
             raise
         except Exception as e:
@@ -191,7 +192,7 @@ session whose chain includes a server that spot-checks distrusted since is close
             lease.session.prefix_salt = salt
             if check:
                 lease.session.check_next_step()
-            out = self.step(lease, ids, pick, num_logits)
+            out = self.step(lease, ids, pick, num_logits, states)
         if lease.cached_tokens and self.metrics is not None:
             self.metrics.pool_reused_tokens.inc(lease.cached_tokens)
         adopted = getattr(lease.session, "adopted_tokens", 0)
@@ -203,9 +204,13 @@ session whose chain includes a server that spot-checks distrusted since is close
 
     @staticmethod
     def step(lease: Lease, ids: torch.Tensor, pick: Optional[Callable[[torch.Tensor], Any]] = None,
-             num_logits: int = 1) -> Tuple[torch.Tensor, Any]:
+             num_logits: int = 1, states: bool = False) -> Tuple[torch.Tensor, Any]:
         """A later step: the servers hold `ids` [n, len]; (logits [n, vocab], pick(logits) or None). With
-        `num_logits` n > 1 (a speculative step: last token + drafts), `pick` gets the last n positions' logits."""
+        `num_logits` n > 1 (a speculative step: last token + drafts), `pick` gets the last n positions' logits.
+        `states`: no LM head: (the last position's states [n, hidden], None), whose head and pick an engine round
+        runs with its other rows (`ModelSession.feed_states`; `gateway.serving.runs`)."""
+        if states:
+            return cast(RoundSession, lease.session).feed_states(ids), None
         if num_logits > 1:
             return lease.session.feed_and_pick(ids, pick, num_logits=num_logits)
         if pick is None:

@@ -159,6 +159,11 @@ class RoundSession(GenerationSession, Protocol):
 
     async def round_step(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor: ...
 
+    def feed_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """A prompt's step without the LM head: its last states [batch, hidden] (the round picks its first tokens;
+        the gateway checks for it: a session without it steps its prompt with its own head)."""
+        ...
+
 
 def round_capable(session: Any) -> bool:
     """Whether `session` can step in an engine round (a `RoundSession`; a test's stub may not)."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gateway.api.auth import key_matches
-from gateway.api.completions import TextChunks
+from gateway.api.completions import StreamResponse, TextChunks
 from gateway.api.state import format_ranges
 from gateway.config import GatewayConfig
 from gateway.schemas import ChatCompletionChunk, ChunkChoice, Delta
@@ -152,6 +152,40 @@ def test_text_chunks_are_the_models_own_json(text):
     for index in (0, 3, 0):
         assert chunks.json(index, text) == make(index, text)
         assert json.loads(chunks.json(index, text))["choices"][0]["delta"] == {"content": text}
+
+
+def test_stream_response_sends_what_sse_starlette_sends():
+    """`StreamResponse` (no cancel scope per chunk without a send timeout) writes the bytes sse_starlette's own
+    response writes; with a send timeout, a send that never returns still ends the stream with its error."""
+    import anyio
+    from sse_starlette.sse import EventSourceResponse, SendTimeoutError
+
+    def body():
+        async def gen():
+            for data in ("one", {"data": "two"}, {"event": "done", "data": "[DONE]"}):
+                yield data
+        return gen()
+
+    async def serve(response, hang: bool = False):
+        sent = []
+
+        async def receive():
+            await anyio.sleep(3600)  # the client never disconnects
+
+        async def send(message):
+            if hang and message["type"] == "http.response.body":
+                await anyio.sleep(3600)
+            sent.append(message)
+
+        await response({"type": "http", "method": "POST", "headers": []}, receive, send)
+        return [(m["type"], m.get("body"), m.get("more_body")) for m in sent]
+
+    ours = anyio.run(serve, StreamResponse(body(), sep="\n"))
+    theirs = anyio.run(serve, EventSourceResponse(body(), sep="\n"))
+    assert ours == theirs and [b for _, b, _ in ours if b] == [b"data: one\n\n", b"data: two\n\n",
+                                                               b"event: done\ndata: [DONE]\n\n"]
+    with pytest.raises(SendTimeoutError):
+        anyio.run(serve, StreamResponse(body(), sep="\n", send_timeout=0.05), True)
 
 
 def test_small_helpers():

@@ -149,6 +149,18 @@ class ModelSession:
         (speculative decoding verifies a token's drafts this way: `swarm.client.decoding.speculative`)."""
         return self._feed(input_ids, pick, None, left_padding, num_logits)
 
+    def feed_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`feed` without the LM head (no beams, no padding): the servers made to hold `input_ids` [batch, n] on
+        this thread; returns the last position's states [batch, hidden], for a caller that runs the head over them
+        with other rows (an engine round takes a prompt's first pick so: `gateway.serving.rounds`, issue 46)."""
+        input_ids = input_ids.cpu()
+        hidden = self.round_input(input_ids)
+        try:
+            outcome: Union[torch.Tensor, BaseException] = self.session.step(hidden)
+        except BaseException as e:  # noqa: BLE001 - the held ids follow the servers first; raised by round_finish
+            outcome = e
+        return self.round_finish(input_ids, outcome)
+
     @contextlib.contextmanager
     def unverified(self) -> Iterator[None]:
         """No spot-checks on this session's steps meanwhile (beam search: its rows are reordered every step)."""

@@ -1,8 +1,10 @@
 """An engine round's inputs (`swarm.client.model.model_session.round_inputs`): the decode steps of many sessions
 embedded in one lookup give each session exactly what its own `round_input` gives (in process: the sessions' servers
-are never called, as a decode step sends only what the servers do not hold yet)."""
+are never called, as a decode step sends only what the servers do not hold yet); a prompt's `feed_states` (no LM
+head) against `feed`, with a stand-in for the servers."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -54,3 +56,31 @@ def test_a_session_that_fails_its_rewind_fails_alone():
     assert isinstance(got[1], RuntimeError)
     for k in (0, 2):
         assert isinstance(got[k], torch.Tensor) and torch.equal(got[k], head.embed(ids[:, 5:]))
+
+
+def test_a_prompts_states_give_the_logits_its_feed_gives():
+    """`feed_states` (an engine round's prompt: no LM head, the round runs it) returns the last position's states
+    whose head is `feed`'s logits, and holds the same ids afterwards; a failed step still leaves the held ids at the
+    servers' position. The servers are a stand-in here (`InferenceSession.step` returns a function of its input)."""
+    head = _head(False)
+    ids = torch.randint(0, VOCAB, (2, 7))
+
+    def fake_servers(session: ModelSession, fail: bool = False) -> ModelSession:
+        def step(hidden, hypo_ids=None, left_padding=None):
+            if fail:
+                session.session.position = 3
+                raise RuntimeError("a server failed")
+            session.session.position += hidden.shape[1]
+            return torch.tanh(hidden * 1.5)  # [batch, new, hidden]
+        session.session.step = step  # type: ignore[method-assign]
+        return session
+
+    states_session, feed_session = fake_servers(_session(head, ids, 0)), fake_servers(_session(head, ids, 0))
+    states = states_session.feed_states(ids)
+    assert tuple(states.shape) == (2, HIDDEN)
+    assert torch.equal(head.head(states), feed_session.feed(ids))
+    assert torch.equal(states_session.token_ids, ids) and torch.equal(feed_session.token_ids, ids)
+    failing = fake_servers(_session(head, ids, 0), fail=True)
+    with pytest.raises(RuntimeError, match="a server failed"):
+        failing.feed_states(ids)
+    assert torch.equal(failing.token_ids, ids[:, :3])
