@@ -188,15 +188,17 @@ class PrefixCache:
     def adopt(kv: SessionKV, pages: Sequence[Page], page_tokens: int) -> List[torch.Tensor]:
         """Copy `pages` into the first positions of `kv` (which then holds them); returns their outputs, one
         [1, P, hidden] per page (the pages' own tensors, never written: read-only). (Runs on the compute thread.)"""
-        for i, page in enumerate(pages):
-            lo, hi = i * page_tokens, (i + 1) * page_tokens
-            for buf, held in zip(kv.keys, page.keys):
-                buf[:, :, lo:hi].copy_(held)
-            if page.values is not None:
-                for buf, held in zip(kv.values, page.values):
-                    buf[:, :, lo:hi].copy_(held)
+        # one `cat` per layer into the buffer's first positions (16 pages x 15 blocks x K/V of the bundled model: 30
+        # calls, not 480 `copy_`s: ~1 ms less per adoption on one thread, bench/bench_prefix_pages.py)
+        held = len(pages) * page_tokens
+        if pages:
+            for buf, parts in zip(kv.keys, zip(*(page.keys for page in pages))):  # buf [1, kv_heads, length, dim]
+                torch.cat(parts, dim=2, out=buf[:, :, :held])  # parts: per page [1, kv_heads, P, head_dim]
+            if all(page.values is not None for page in pages):
+                for buf, parts in zip(kv.values, zip(*(page.values or [] for page in pages))):
+                    torch.cat(parts, dim=2, out=buf[:, :, :held])
         kv.begin_step(0)
-        kv.end_step(len(pages) * page_tokens)
+        kv.end_step(held)
         return [page.outputs for page in pages]
 
     # ---- storing and evicting -------------------------------------------------------------------------------
