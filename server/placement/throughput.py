@@ -12,9 +12,7 @@ announced as given.
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
 import platform
 import time
 from contextlib import contextmanager
@@ -24,7 +22,7 @@ from typing import Dict, Iterator, Optional, Sequence, Union
 import torch
 from filelock import FileLock
 
-from swarm.runtime.paths import cache_root
+from swarm.runtime.paths import cache_root, read_json, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -76,20 +74,6 @@ def _locked(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path.with_name(path.name + ".lock"))):
         yield
-
-
-def _read(path: Path) -> Dict[str, dict]:
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _write(path: Path, data: Dict[str, dict]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)  # atomic: readers see the old or the new file, never half of one
 
 
 def _sync(device: torch.device) -> None:
@@ -155,7 +139,7 @@ def get_throughput(mode: Union[str, float], checkpoint, device: str, dtype: torc
         key += "|tp=" + ",".join(device_key(d) for d in tensor_parallel)
     with _locked(path):  # one server of a machine measures at a time; the others then read its result
         if mode == "auto":
-            entry = _read(path).get(key)
+            entry = read_json(path).get(key)
             rate = entry.get("decode_rps") if isinstance(entry, dict) else None
             if isinstance(rate, (int, float)) and rate > 0:
                 return float(rate), "cache"
@@ -163,7 +147,7 @@ def get_throughput(mode: Union[str, float], checkpoint, device: str, dtype: torc
         result = measure(checkpoint, device, dtype_name, quant_type=quant_type, tensor_parallel=tensor_parallel)
         logger.info(f"measured throughput in {time.perf_counter() - began:.2f}s: {result['decode_rps']:.1f} decode "
                     f"steps/s and {result['forward_tps']:.0f} forward tokens/s per block ({key})")
-        data = _read(path)
+        data = read_json(path)
         data[key] = {**result, "measured_at": time.time()}
-        _write(path, data)
+        write_json(path, data)
         return result["decode_rps"], "measured"

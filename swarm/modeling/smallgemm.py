@@ -28,7 +28,7 @@ large span does not stall one step (15 SmolLM2 blocks: about 0.4 s in all).
 """
 from __future__ import annotations
 
-import json
+import functools
 import os
 import platform
 import time
@@ -38,6 +38,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from swarm.runtime.paths import cache_root, read_json, write_json
+
 PLAIN, PADDED = 0, -1  # a row count's way: the plain product, padded to the multiple, or a pack's row count
 # `GemmGroup.calibrate`'s timings in this process: (weight shape, has bias, threads, settings) -> {rows: padded}
 _TIMED: Dict[tuple, Dict[int, bool]] = {}
@@ -45,11 +47,10 @@ CALIBRATION_FILE = "gemm-calibration.json"
 
 
 def _calibration_path() -> Path:
-    from swarm.runtime.paths import cache_root
-
     return cache_root() / CALIBRATION_FILE
 
 
+@functools.lru_cache(maxsize=1)
 def _machine() -> str:
     """The CPU (model name, cores) and torch's version: a timing holds for these only."""
     name = platform.machine()
@@ -64,26 +65,22 @@ def _machine() -> str:
 def _stored(key: tuple) -> Optional[Dict[int, bool]]:
     """The timing kept on disk for `key` on this machine, if any (a damaged file: none)."""
     try:
-        entry = json.loads(_calibration_path().read_text()).get(_machine(), {}).get(repr(key))
+        entry = read_json(_calibration_path()).get(_machine(), {}).get(repr(key))
         return {int(rows): bool(padded) for rows, padded in entry.items()} if isinstance(entry, dict) else None
-    except (OSError, ValueError, AttributeError, TypeError):
+    except (ValueError, AttributeError, TypeError):
         return None
 
 
 def _store(key: tuple, padded: Dict[int, bool]) -> None:
-    """Add a timing to the file (read again first: other processes add theirs; written atomically)."""
+    """Add a timing to the file (read again first: other processes add theirs)."""
     path = _calibration_path()
+    data = read_json(path)
+    entries = data.get(_machine())
+    if not isinstance(entries, dict):
+        entries = data[_machine()] = {}
+    entries[repr(key)] = {str(rows): value for rows, value in padded.items()}
     try:
-        try:
-            data = json.loads(path.read_text())
-            data = data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            data = {}
-        data.setdefault(_machine(), {})[repr(key)] = {str(rows): value for rows, value in padded.items()}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        write_json(path, data)
     except OSError:
         pass  # a read-only cache: this process's timing stays its own
 

@@ -2,7 +2,7 @@
 
 `import transformers` (any `transformers.*` import runs the package's `__init__` first) builds the table of what
 each of its ~1,700 model modules exports by opening and scanning every one of them
-(`transformers.utils.import_utils.create_import_structure_from_path`): about 0.24 s of CPU in every process that
+(`transformers.utils.import_utils.create_import_structure_from_path`): 0.25-0.45 s of CPU in every process that
 imports transformers (each server, gateway and client; ~300 process starts in a run of the test suite), for a
 table that only changes when transformers does.
 
@@ -75,13 +75,16 @@ def _write(file: Path, table: Dict[tuple, bytes]) -> None:
 
 def cached(scan: Callable[[Any], Any], file: Path) -> Callable[[Any], Any]:
     """`scan` (a directory's import structure) answered from `file` where it holds the directory's current key.
-    Only the outermost call's result is kept (`scan` recurses into the subdirectories through this wrapper), as
-    pickled bytes: every answer is a fresh copy, whatever its caller does with it."""
+    Only the outermost call is looked up and kept (`scan` recurses into the subdirectories through this wrapper:
+    those calls go straight to it), as pickled bytes: every answer is a fresh copy, whatever its caller does with
+    it."""
     table: Optional[Dict[tuple, bytes]] = None
-    depth = 0
+    scanning = False
 
     def structure(module_path):
-        nonlocal table, depth
+        nonlocal table, scanning
+        if scanning:
+            return scan(module_path)
         try:
             key = _key(module_path)
         except OSError:
@@ -94,14 +97,13 @@ def cached(scan: Callable[[Any], Any], file: Path) -> Callable[[Any], Any]:
                 return pickle.loads(hit)
             except Exception:  # noqa: BLE001 - a damaged entry: scanned again below
                 pass
-        depth += 1
+        scanning = True
         try:
             result = scan(module_path)
         finally:
-            depth -= 1
-        if depth == 0:
-            table[key] = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
-            _write(file, table)
+            scanning = False
+        table[key] = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+        _write(file, table)
         return result
 
     return structure
