@@ -16,6 +16,13 @@ one intra-op thread each). For each N (`--streams`, default 1,16,64,256):
 `--model bundled`: the same waves on the bundled SmolLM2-135M (30 blocks on 2 servers, 0:15 and 15:30, each with a
 KV budget for every stream's session at once; local transformers in float32), where compute is no longer nothing
 (issue 46's goal there: 16 streams >= 0.9x local).
+`--model gpu` (a CUDA device; bench/gpu_session.sh's `overhead` part): random bfloat16 blocks in Llama-3-8B's shape
+(hidden 4096, 32 heads, 8 key-value heads, intermediate 14336; `--blocks`, default 8) with the bundled tokenizer's
+vocabulary, served by ONE server (all blocks, `--quant_type`, default nf4, CUDA graphs) and a gateway whose embeddings
+and head run on the GPU (`--device cuda`); local: transformers with the whole model on the GPU, quantized the same
+way (`BitsAndBytesConfig`, nf4 blocksize 64 without double quantization, bfloat16 compute), a batch of N (issue 46's
+goal: 16 streams >= 0.8x local nf4 batch-16). `--gateway_devices cuda,cpu` adds a gateway whose head runs on the CPU.
+`--shape '{"hidden_size": 256, ...}'` overrides the shape (a small dry run on the CPU with `--device cpu`).
 Memory per open stream: each process tree's RSS (psutil, sampled every 0.1 s during the wave) at its peak, less its
 RSS after the one-stream warm-up, divided by N (`rss_mb`, `rss_kb_per_stream`: an upper bound for the waves smaller
 than the largest, whose warm-up already grew the processes' heaps, which they keep).
@@ -56,7 +63,11 @@ from tests.fixtures.tiny_checkpoints import save_tiny  # noqa: E402
 TINY = "tiny-llama"  # the tiny checkpoint directory's name (a gateway serves its directory's name)
 # --model: (description, block spans of the 2 servers)
 MODELS = {"tiny": ("tiny llama (hidden 64, 4 blocks)", ["0:2", "2:4"]),
-          "bundled": ("bundled smollm2-135m-instruct (hidden 576, 30 blocks)", ["0:15", "15:30"])}
+          "bundled": ("bundled smollm2-135m-instruct (hidden 576, 30 blocks)", ["0:15", "15:30"]),
+          "gpu": ("llama-3-8b-shaped blocks, random bfloat16", [])}  # spans: one server of every block
+GPU_SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                 max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-5, bos_token_id=1,
+                 eos_token_id=2)
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -116,15 +127,59 @@ async def wave(url: str, model: str, n: int, new_tokens: int) -> Dict[str, Any]:
             "short_streams": sum(s.completion_tokens != new_tokens for s in streams)}
 
 
+def save_gpu_model(path: Path, tokenizer_dir: str, blocks: int, device: str, overrides: Dict[str, Any]) -> None:
+    """Random bfloat16 weights in Llama-3-8B's block shape (`overrides` on top), the tokenizer's vocabulary and
+    files, saved at `path` (built on `device`: seconds on a GPU)."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.fixtures.tiny_checkpoints import TOKENIZER_FILES, VOCAB
+
+    config = LlamaConfig(**{**GPU_SHAPE, "vocab_size": VOCAB, **overrides}, num_hidden_layers=blocks)
+    config.dtype = torch.bfloat16
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    del model
+    for name in TOKENIZER_FILES:
+        if (Path(tokenizer_dir) / name).is_file():
+            shutil.copy(Path(tokenizer_dir) / name, path / name)
+
+
+def load_gpu_reference(path: Path, device: str, quant: str):
+    """The whole model on `device` through transformers, quantized as the server quantizes it."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    kwargs: Dict[str, Any] = {}
+    if quant == "nf4":
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                           bnb_4bit_compute_dtype=torch.bfloat16,
+                                                           bnb_4bit_use_double_quant=False)
+    elif quant == "int8":
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=6.0)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map=device, **kwargs).eval()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @torch.inference_mode()
 def local_rate(reference, prompt_ids: List[int], n: int, new_tokens: int) -> Dict[str, float]:
-    """transformers `generate`, a batch of n copies of the prompt, greedy, every row `new_tokens` long."""
-    ids = torch.tensor([prompt_ids] * n, dtype=torch.long)
+    """transformers `generate`, a batch of n copies of the prompt, greedy, every row `new_tokens` long (on the
+    reference's device)."""
+    device = reference.device
+    ids = torch.tensor([prompt_ids] * n, dtype=torch.long, device=device)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                   attention_mask=torch.ones_like(ids), pad_token_id=reference.config.eos_token_id)
     reference.generate(ids[:, :], **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up
+    _sync(device)
     start = time.perf_counter()
     out = reference.generate(ids, **kwargs)
+    _sync(device)
     elapsed = time.perf_counter() - start
     tokens = (out.shape[1] - ids.shape[1]) * n
     return {"seconds": elapsed, "tokens": tokens, "tokens_per_s": tokens / elapsed}
@@ -171,11 +226,28 @@ def main() -> None:
     parser.add_argument("--modes", default="round", help="comma-separated gateways to compare, one process each: "
                                                          "round (engine rounds), thread (--no-engine_round: every "
                                                          "request on its own worker thread)")
+    parser.add_argument("--device", default="cuda", help="--model gpu: where the server, the gateway's head and "
+                                                         "local transformers run")
+    parser.add_argument("--gateway_devices", default=None, help="--model gpu: comma-separated devices of the "
+                                                                "gateways' heads (default: --device); each mode "
+                                                                "gets one gateway per device")
+    parser.add_argument("--quant_type", default="nf4", help="--model gpu: the server's and local weights")
+    parser.add_argument("--blocks", type=int, default=8, help="--model gpu: blocks of the model")
+    parser.add_argument("--shape", default="{}", help="--model gpu: JSON config values over the 8B shape")
+    parser.add_argument("--no-cuda_graphs", dest="cuda_graphs", action="store_false",
+                        help="--model gpu: the server steps eagerly")
+    parser.add_argument("--tokenizer", default=None, help="--model gpu: directory of the tokenizer files "
+                                                          "(default: the bundled model's)")
     args = parser.parse_args()
     counts = [int(c) for c in args.streams.split(",") if c]
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - {"round", "thread"}:
         parser.error("--modes takes round and/or thread")
+    gpu = args.model == "gpu"
+    if gpu and args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(json.dumps({"bench": "overhead", "model": MODELS["gpu"][0], "skipped": "no CUDA device"}))
+        return
+    heads = [d for d in (args.gateway_devices or args.device).split(",") if d] if gpu else ["cpu"]
     torch.set_num_threads(args.threads)
     waves: List[Dict[str, Any]] = []
     description, spans = MODELS[args.model]
@@ -187,6 +259,15 @@ def main() -> None:
         if args.model == "bundled":
             path = prepare_model()
             reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        elif gpu:
+            path = Path(tmp) / "llama-8b-shaped"
+            save_gpu_model(path, args.tokenizer or str(prepare_model("smollm2-135m-instruct")), args.blocks,
+                           args.device, json.loads(args.shape))
+            reference = None if args.skip_local else load_gpu_reference(path, args.device, args.quant_type)
+            spans = [f"0:{args.blocks}"]
+            result.update(device=torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
+                          quant_type=args.quant_type, blocks=args.blocks, cuda_graphs=args.cuda_graphs,
+                          torch=torch.__version__, shape={**GPU_SHAPE, **json.loads(args.shape)})
         else:
             path = Path(tmp) / TINY
             reference = save_tiny("llama", path, str(prepare_model("smollm2-135m-instruct")))
@@ -198,15 +279,22 @@ def main() -> None:
                                                         return_dict=False))
         top = max(counts)
         server_args = ["--max_sessions_per_peer", str(max(128, 2 * top))]
-        if args.model == "bundled":  # every stream's session at once (~600 tokens each: its prompt, max_tokens and
+        if args.model != "tiny":  # every stream's session at once (~600 tokens each: its prompt, max_tokens and
             # the gateway's headroom), past the servers' default KV budget of 16384 tokens from ~27 streams on
             server_args += ["--attn_cache_tokens", str(max(16384, 640 * top))]
+        if gpu:
+            server_args += ["--device", args.device, "--torch_dtype", "bfloat16", "--quant_type", args.quant_type,
+                            "--cuda_graphs" if args.cuda_graphs else "--no-cuda_graphs"]
         with Topology(str(path), spans, f"overhead-{os.getpid()}", server_args, name="bench-overhead",
-                      threads=args.threads) as swarm:
-            gateways = {mode: swarm.add_gateway(extra=["--max_concurrent", str(max(32, top)),
-                                                       "--max_queue", str(max(64, top)),
-                                                       *(["--no-engine_round"] if mode == "thread" else [])])
-                        for mode in modes}
+                      threads=args.threads, ready_timeout=600) as swarm:
+            gateways = {}
+            for mode in modes:
+                for head in heads:
+                    extra = ["--max_concurrent", str(max(32, top)), "--max_queue", str(max(64, top)),
+                             *(["--no-engine_round"] if mode == "thread" else [])]
+                    if gpu:  # (a head on the CPU in float32, a CPU gateway's default)
+                        extra += ["--device", head, "--torch_dtype", "float32" if head == "cpu" else "bfloat16"]
+                    gateways[mode if len(heads) == 1 else f"{mode}@{head}"] = swarm.add_gateway(extra=extra)
             idle: Dict[str, Dict[str, float]] = {}  # mode -> RSS after one stream (what a stream adds is measured)
             for mode, gateway in gateways.items():
                 assert gateway.ready is not None

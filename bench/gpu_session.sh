@@ -7,6 +7,9 @@
 #   tests: the CUDA tests (tests/server/test_graphs.py, tests/e2e/test_gpu_swarm.py: everything that skips without a device)
 #   spans: bench_gpu.py's in-process step times per quant type (and int8's capture error)
 #   full:  bench_gpu.py's swarm and local transformers runs
+#   overhead: bench_overhead.py --model gpu (issue 46): 16 and 64 gateway streams over one nf4 server with graphs vs
+#          local nf4 batches; the tokenizer's files travel in $TOKENIZER (default .gputok: tokenizer.json,
+#          tokenizer_config.json, chat_template.jinja of the bundled model)
 #   tp:    tensor parallelism on one GPU (two shards on cuda:0): tests/swarm/modeling/test_tensor_parallel.py's CUDA case and
 #          bench/bench_tensor_parallel.py on an 8B-shaped bfloat16 block (about a minute together)
 set -u -o pipefail
@@ -28,6 +31,9 @@ for part in "$@"; do
     full) timeout ${FULL_S:-540} python3 bench/bench_gpu.py ${FULL_ARGS:---parts local,swarm} > "$OUT/full.json" 2> "$OUT/full.err" \
             || status=1
           tail -20 "$OUT/full.err" | cut -c1-400; cat "$OUT/full.json" ;;
+    overhead) timeout ${OVERHEAD_S:-300} python3 bench/bench_overhead.py --model gpu --tokenizer "${TOKENIZER:-.gputok}" \
+                ${OVERHEAD_ARGS:---streams 16,64 --new_tokens 64} > "$OUT/overhead.json" 2> "$OUT/overhead.err" || status=1
+              grep -v "it/s\]" "$OUT/overhead.err" | tail -12 | cut -c1-600; cat "$OUT/overhead.json" ;;
     tp) timeout ${TP_S:-240} python3 -m pytest -q -p no:cacheprovider tests/swarm/modeling/test_tensor_parallel.py -k cuda 2>&1 \
           | tee "$OUT/tp_tests.log" | tail -15 || status=1
         timeout ${TP_S:-240} python3 bench/bench_tensor_parallel.py --devices cuda:0 cuda:0 > "$OUT/tp.json" \

@@ -101,12 +101,17 @@ class RequestContext:
 
 
 def load_model(config: GatewayConfig):
+    import torch
+
     from swarm import AutoDistributedModelForCausalLM
     from swarm.modeling.prepare import resolve_model
     from swarm.wire.records import dht_prefix_for
 
     if not config.initial_peers:
         raise ValueError("initial_peers is required: the multiaddr(s) of a peer of the swarm")
+    device = torch.device(config.device)
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"device {config.device!r}: no such CUDA device here")
     # a bundled name opens its prepared directory; the DHT prefix stays the one servers derive from the name
     return AutoDistributedModelForCausalLM.from_pretrained(
         resolve_model(config.model_path), initial_peers=config.initial_peers,
@@ -115,7 +120,7 @@ def load_model(config: GatewayConfig):
         allowed_quant_types=config.allowed_quant_types, swarm_key=config.swarm_key, compression=config.compression,
         swarm_key_file=config.swarm_key_file, verify=config.verify_rate > 0, verify_probability=config.verify_rate,
         head_packed_rows=config.head_packed_rows,  # padded head rows: ~3 MB; each pack: the head's size again
-        revision=config.revision, token=config.token)
+        revision=config.revision, token=config.token, device=device)
 
 
 def load_tokenizer(config: GatewayConfig):

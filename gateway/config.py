@@ -13,6 +13,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from swarm.client.api import MAX_DRAFT_TOKENS, normalize_quant_types
 from swarm.modeling.smallgemm import valid_packed_rows
+from swarm.runtime.config import parse_device
 from swarm.runtime.swarm_key import SwarmKeySettings
 from swarm.wire.compression import COMPRESSION_HELP, Compression
 from swarm.wire.dtypes import QUANT_TYPES, parse_dtype
@@ -130,6 +131,8 @@ class GatewayConfig(SwarmKeySettings):
     num_draft_tokens: int = Field(default=4, ge=1, le=MAX_DRAFT_TOKENS,
                                   description="most tokens drafted per step (adapted to the acceptance rate below it)")
     torch_dtype: str = Field(default="float32", description="dtype of the local embeddings and LM head")
+    device: str = Field(default="cpu", description="where the local embeddings, norm and LM head run (cpu, cuda, "
+                                                   "cuda:N); token ids and logits stay on the CPU")
     num_threads: Optional[int] = Field(default=None, gt=0, description="torch intra-op threads")
     log_level: str = Field(default="INFO", description="logging level")
 
@@ -168,6 +171,11 @@ class GatewayConfig(SwarmKeySettings):
     def _valid_dtype(cls, value: str) -> str:
         parse_dtype(value)  # ValueError naming the choices
         return value
+
+    @field_validator("device")
+    @classmethod
+    def _valid_device(cls, value: str) -> str:
+        return parse_device(value)
 
     @field_validator("head_packed_rows")
     @classmethod

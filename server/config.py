@@ -17,7 +17,7 @@ from swarm.modeling.lora_files import ADAPTERS_HELP, AdapterSource
 from swarm.modeling.quantize import QUANT_TYPE_HELP
 from swarm.modeling.smallgemm import valid_packed_rows
 from swarm.modeling.tensor_parallel import distinct_devices, parse_devices
-from swarm.runtime.config import parse_span
+from swarm.runtime.config import parse_device, parse_span
 from swarm.runtime.relays import RelaySettings
 from swarm.runtime.swarm_key import SwarmKeySettings
 from swarm.wire.compression import COMPRESSION_HELP, Compression
@@ -187,6 +187,11 @@ class ServerConfig(SwarmKeySettings, RelaySettings):
     @classmethod
     def _valid_packed_rows(cls, value):
         return valid_packed_rows(value)
+
+    @field_validator("device")
+    @classmethod
+    def _valid_device(cls, value: str) -> str:
+        return parse_device(value)
 
     @field_validator("tensor_parallel_devices")
     @classmethod

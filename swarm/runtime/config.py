@@ -168,3 +168,13 @@ def parse_span(text: str) -> tuple[int, int]:
     if not 0 <= start < end:
         raise ValueError(f"block range {text!r} must satisfy 0 <= start < end")
     return start, end
+
+
+def parse_device(text: str) -> str:
+    """A torch device name for `--device`: 'cpu', 'cuda' or 'cuda:N' (returned as given); a ValueError with a
+    readable message otherwise. Whether the device exists is checked where it is used (a process's start)."""
+    import re
+
+    if not isinstance(text, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise ValueError(f"unknown device {text!r}: use cpu, cuda or cuda:N")
+    return text

@@ -532,6 +532,34 @@ def test_load_model_passes_allowed_quant_types(monkeypatch):
     assert load_model(config) == "model" and seen["allowed_quant_types"] == ["int8"] and seen["name"] == "m"
     load_model(GatewayConfig(model="m", initial_peers=["/ip4/1"]))
     assert seen["allowed_quant_types"] is None
+    assert str(seen["device"]) == "cpu"
+
+
+def test_the_device_flag_is_checked_and_a_missing_gpu_is_a_clear_error(monkeypatch):
+    import torch
+
+    import swarm
+    from gateway.app import load_model
+    from swarm.runtime.config import ConfigError, build_parser, load_config
+
+    assert GatewayConfig.model_fields["device"].description
+    args = build_parser(GatewayConfig, "gw", "", positional="model").parse_args(["m", "--device", "cuda:1"])
+    assert load_config(GatewayConfig, args, environ={}).device == "cuda:1"
+    for bad in ("gpu", "cuda:x", "cuda:", ""):
+        with pytest.raises(ConfigError, match=r"device.*use cpu, cuda or cuda:N"):
+            load_config(GatewayConfig, None, environ={"SWARMGATE_MODEL": "m", "SWARMGATE_DEVICE": bad})
+    seen = {}
+    monkeypatch.setattr(swarm.AutoDistributedModelForCausalLM, "from_pretrained",
+                        staticmethod(lambda name, **kwargs: seen.update(kwargs) or "model"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="device 'cuda': no such CUDA device here"):
+        load_model(GatewayConfig(model="m", initial_peers=["/ip4/1"], device="cuda"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="device 'cuda:1': no such CUDA device here"):
+        load_model(GatewayConfig(model="m", initial_peers=["/ip4/1"], device="cuda:1"))
+    assert load_model(GatewayConfig(model="m", initial_peers=["/ip4/1"], device="cuda:0")) == "model"
+    assert seen["device"] == torch.device("cuda", 0)  # the embeddings, norm and head go there
 
 
 def test_health_shows_the_quant_type_of_servers(fake_app):

@@ -125,6 +125,8 @@ def test_the_prefill_pass_budget_flag_defaults_by_device_and_is_checked():
     assert ServerConfig(model="m", device="cuda", prefill_batch_tokens=32).prefill_pass_tokens == 32
     with pytest.raises(ValueError, match="prefill_batch_tokens"):
         ServerConfig(model="m", prefill_batch_tokens=0)
+    with pytest.raises(ValueError, match=r"unknown device 'gpu0': use cpu, cuda or cuda:N"):
+        ServerConfig(model="m", device="gpu0")
 
 
 def test_sessions_per_peer_and_open_streams(capped):
