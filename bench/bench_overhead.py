@@ -9,7 +9,8 @@ one intra-op thread each). For each N (`--streams`, default 1,16,64,256):
   `ignore_eos` so that every stream generates the same count), timed from the first request to the last stream's
   end; tokens/s = the completion tokens the gateway reported / that time;
 - local: transformers `generate` on the same checkpoint, a batch of N copies of the same prompt ids, greedy,
-  `min_new_tokens` = `max_new_tokens` (EOS never ends a row), one thread (`--threads`), timed end to end;
+  `min_new_tokens` = `max_new_tokens` (EOS never ends a row), one thread (`--threads`; `--model gpu`: torch's own
+  count), timed end to end;
 - the ratio gateway / local, and CPU milliseconds per generated token of the gateway process and of each server
   process (each with its children: DHT process, p2pd; psutil `cpu_times` before and after the wave), and of the
   gateway's Python process alone (`gateway_python`: the rest of `gateway` is its p2pd and DHT child).
@@ -40,6 +41,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -191,13 +193,20 @@ def measure(gateway: ManagedProcess, servers: List[ManagedProcess], n: int, args
     peak memory (and its growth per open stream over `idle_rss`)."""
     assert gateway.ready is not None
     before = cpu_now(gateway, servers)
-    spy = None if args.profile is None else subprocess.Popen(
-        [os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "--format", "raw", "--gil",
-         "--rate", "200", "--nonblocking", "-p", str(gateway.proc.pid), "-o", f"{args.profile}.{mode}.{n}.txt"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    spies = []
+    if args.profile is not None:
+        py_spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+        targets = [("gateway", gateway, ["--gil"])]  # the gateway: what holds the interpreter lock
+        if args.profile_servers:  # the servers: every thread on the CPU
+            targets += [(f"server{i}", s, []) for i, s in enumerate(servers)]
+        for name, proc, flags in targets:
+            out = f"{args.profile}.{mode}.{n}.txt" if name == "gateway" else f"{args.profile}.{name}.{mode}.{n}.txt"
+            spies.append(subprocess.Popen(
+                [py_spy, "record", "--format", "raw", *flags, "--rate", "200", "--nonblocking", "-p",
+                 str(proc.proc.pid), "-o", out], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     with PeakRss(gateway, servers) as rss:
         got = asyncio.run(wave(gateway.ready["url"], args.served, n, args.new_tokens))
-    if spy is not None:
+    for spy in spies:
         spy.send_signal(signal.SIGINT)
         spy.wait(60)
     after = cpu_now(gateway, servers)
@@ -223,6 +232,9 @@ def main() -> None:
     parser.add_argument("--skip_local", action="store_true", help="only the gateway side")
     parser.add_argument("--profile", default=None, help="py-spy the gateway during each wave: collapsed stacks "
                                                        "written to PROFILE.<mode>.<streams>.txt")
+    parser.add_argument("--profile_servers", action="store_true", help="with --profile: py-spy each server too "
+                                                                       "(PROFILE.server<i>.<mode>.<streams>.txt)")
+    parser.add_argument("--log_dir", default=None, help="keep the processes' logs there (default: temporary files)")
     parser.add_argument("--modes", default="round", help="comma-separated gateways to compare, one process each: "
                                                          "round (engine rounds), thread (--no-engine_round: every "
                                                          "request on its own worker thread)")
@@ -248,7 +260,8 @@ def main() -> None:
         print(json.dumps({"bench": "overhead", "model": MODELS["gpu"][0], "skipped": "no CUDA device"}))
         return
     heads = [d for d in (args.gateway_devices or args.device).split(",") if d] if gpu else ["cpu"]
-    torch.set_num_threads(args.threads)
+    if args.model != "gpu":  # (on a GPU, local transformers keeps torch's own thread count: its host-side work)
+        torch.set_num_threads(args.threads)
     waves: List[Dict[str, Any]] = []
     description, spans = MODELS[args.model]
     result: Dict[str, Any] = {"bench": "overhead", "model": description,
@@ -280,13 +293,14 @@ def main() -> None:
         top = max(counts)
         server_args = ["--max_sessions_per_peer", str(max(128, 2 * top))]
         if args.model != "tiny":  # every stream's session at once (~600 tokens each: its prompt, max_tokens and
-            # the gateway's headroom), past the servers' default KV budget of 16384 tokens from ~27 streams on
-            server_args += ["--attn_cache_tokens", str(max(16384, 640 * top))]
+            # the gateway's headroom), past the servers' default KV budget of 16384 tokens from ~27 streams on; each
+            # gateway's pool keeps its sessions between waves
+            server_args += ["--attn_cache_tokens", str(max(16384, 640 * top * len(modes) * len(heads)))]
         if gpu:
             server_args += ["--device", args.device, "--torch_dtype", "bfloat16", "--quant_type", args.quant_type,
                             "--cuda_graphs" if args.cuda_graphs else "--no-cuda_graphs"]
         with Topology(str(path), spans, f"overhead-{os.getpid()}", server_args, name="bench-overhead",
-                      threads=args.threads, ready_timeout=600) as swarm:
+                      threads=args.threads, ready_timeout=600, log_dir=args.log_dir) as swarm:
             gateways = {}
             for mode in modes:
                 for head in heads:

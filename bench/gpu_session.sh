@@ -16,9 +16,9 @@ set -u -o pipefail
 WHEELS=${WHEELS:-.gpuwhl}
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$WHEELS"/*.whl \
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
   2>&1 | tail -3
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SWARMGATE_CACHE=/tmp/swarmgate-cache
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SWARMGATE_CACHE=/tmp/swarmgate-cache PATH=$PATH:/tmp/site/bin
 python3 -c "import torch, transformers, bitsandbytes, hivemind; print(torch.__version__, torch.cuda.get_device_name(),
 'transformers', transformers.__version__, 'bitsandbytes', bitsandbytes.__version__, 'hivemind', hivemind.__version__)"
 status=0

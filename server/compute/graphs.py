@@ -233,6 +233,8 @@ class SpanGraphs:
                 torch.cuda.synchronize()
                 return None
             self.captures += 1
+            logger.info(f"captured a CUDA graph of {len(sessions)} session(s), blocks {first}:{last} ({self.captures} "
+                        f"captures, {self.replays} replays, {len(self._graphs) + 1} held)")
             if len(sessions) > 1:
                 self._last_capture = self.steps
             self._graphs[key] = graphed
