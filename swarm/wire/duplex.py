@@ -16,7 +16,7 @@ be hivemind's own code.
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Type
+from typing import AsyncIterator, Awaitable, Callable, Type
 
 from google.protobuf.message import Message
 from hivemind.p2p import P2P, P2PHandlerError, PeerID
@@ -39,6 +39,10 @@ async def call_stream(p2p: P2P, peer_id: PeerID, handle_name: str, requests: Asy
     # its failure (writing into a connection the peer closed) is read here, or raised below once the replies end
     writing.add_done_callback(lambda task: task.cancelled() or task.exception())
 
+    def end() -> None:
+        writing.cancel()
+        writer.close()
+
     async def read() -> AsyncIterator[Message]:
         try:
             while True:
@@ -52,7 +56,26 @@ async def call_stream(p2p: P2P, peer_id: PeerID, handle_name: str, requests: Asy
             if writing.done() and not writing.cancelled() and writing.exception() is not None:
                 raise writing.exception()  # type: ignore[misc]  # the requests' own failure, as hivemind's call
         finally:
-            writing.cancel()
-            writer.close()
+            end()
 
-    return read()
+    return _Replies(read(), end)
+
+
+class _Replies:
+    """`call_stream`'s replies: an async iterator whose `aclose` closes the stream even before the first reply was
+    asked for (an async generator that never started runs no `finally` when closed)."""
+
+    def __init__(self, replies: AsyncIterator[Message], end: Callable[[], None]):
+        self._replies, self._end = replies, end
+
+    def __aiter__(self) -> "_Replies":
+        return self
+
+    def __anext__(self) -> Awaitable[Message]:
+        return self._replies.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await self._replies.aclose()  # type: ignore[attr-defined]
+        finally:
+            self._end()

@@ -137,10 +137,23 @@ class RoundStream:
             here = asyncio.get_running_loop() is self._loop
         except RuntimeError:
             here = False
+        responses = self._responses
         if here or self._loop is None:  # (never opened: nobody waits on the queue)
             self._queue.put_nowait(None)
+            if responses is not None:
+                asyncio.ensure_future(_close_replies(responses))
         elif not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._queue.put_nowait, None)
+            if responses is not None:  # (after the end mark: the writer sends it first)
+                self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(_close_replies(responses)))
+
+
+async def _close_replies(responses: Any) -> None:
+    """Close a round stream's replies: its connection to the daemon goes now, not when the stream is collected."""
+    try:
+        await responses.aclose()
+    except Exception:  # noqa: BLE001 - a stream that broke on its own: nothing left to close
+        pass
 
 
 _STREAMS: "weakref.WeakKeyDictionary[SwarmManager, Dict[str, RoundStream]]" = weakref.WeakKeyDictionary()

@@ -105,3 +105,29 @@ def test_an_error_of_the_handler_is_raised():
             queue.put_nowait(None)
 
     asyncio.run(run())
+
+
+def test_closing_the_replies_before_the_first_closes_the_stream():
+    """`aclose` on replies never read (an async generator that never started runs no `finally`): the stream
+    closes, so the serving side's handler sees its requests end instead of holding the stream open."""
+    ended = asyncio.Event()
+
+    async def watching(requests, context):
+        try:
+            async for request in requests:
+                yield runtime_pb2.ExpertResponse(metadata=request.metadata)
+        finally:
+            ended.set()
+
+    async def run():
+        async with _peers(watching) as (server, client):
+            queue: asyncio.Queue = asyncio.Queue()  # stays open: only the close can end the stream
+            replies = await _open(client, server, queue)
+            queue.put_nowait(runtime_pb2.ExpertRequest(metadata=b"0"))
+            await asyncio.sleep(0)
+            await replies.aclose()
+            await asyncio.wait_for(ended.wait(), 60)  # (only a guard against a hang)
+            async for _ in replies:  # closed: nothing more comes
+                raise AssertionError("a reply after aclose")
+
+    asyncio.run(run())
