@@ -1,12 +1,14 @@
-"""The GPU default path end to end (CUDA only; CI has no GPU, so these skip there): real server processes on a CUDA
-device with a tiny random Llama checkpoint, the client model on the same device.
+"""The GPU default path end to end: real server processes with a tiny random Llama checkpoint, the client model on
+the same device. The half-precision case runs on the CPU too (CI has no GPU: the CUDA cases skip there).
 
-- bfloat16 and float16 servers with CUDA graphs against local transformers in the same dtype on the same GPU. The
-  kernels differ (the servers' fused projections and graphed attention over the whole cache, transformers' modules
-  and SDPA over the filled prefix), so results agree to rounding, not bit for bit. What is asserted: along
-  transformers' own greedy sequence, every step's logits within `ROUNDING_STEPS` units of the dtype's resolution at
-  the largest logit (bfloat16: 2^-7 of it; float16: 2^-10), and greedy tokens equal up to the first step whose top
-  two reference logits are closer than twice that bound (a tie within rounding can go either way);
+- bfloat16 and float16 servers (on CUDA: with CUDA graphs) against local transformers in the same dtype on the same
+  device. The kernels differ (the servers' fused projections and, on CUDA, graphed attention over the whole cache;
+  transformers' modules and SDPA over the filled prefix), so results agree to rounding, not bit for bit. What is
+  asserted: along transformers' own greedy sequence, every step's logits within `ROUNDING_STEPS` units of the
+  dtype's resolution at the largest logit (bfloat16: 2^-7 of it; float16: 2^-10); our pick equal to transformers'
+  wherever its top two logits are further apart than twice our measured difference at that step (at least half
+  the steps); and `generate`'s own greedy tokens equal up to the first step where they are not (a tie within
+  rounding can go either way);
 - nf4 servers (the CUDA default) with graphs against nf4 servers without: token for token, one session and four
   concurrent ones (same kernels for the weights; attention differs only in the last bits, float32 compute).
 """
@@ -20,7 +22,7 @@ import torch
 from launch.topology import start_servers, terminate_all
 from swarm import AutoDistributedModelForCausalLM
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 ROUNDING_STEPS = 8
 SHAPE = dict(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
@@ -42,45 +44,47 @@ def checkpoint(tmp_path_factory):
     return str(path)
 
 
-def _swarm(checkpoint, bootstrap, prefix, *extra):
+def _swarm(checkpoint, bootstrap, prefix, *extra, device="cuda"):
     return start_servers(checkpoint, [bootstrap.maddr], ["0:2", "2:4"], prefix,
-                         ["--device", "cuda", "--throughput", "1", *extra], threads=1)
+                         ["--device", device, "--throughput", "1", *extra], threads=1)
 
 
-def _client(checkpoint, bootstrap, prefix, dtype):
+def _client(checkpoint, bootstrap, prefix, dtype, device="cuda"):
     return AutoDistributedModelForCausalLM.from_pretrained(checkpoint, initial_peers=[bootstrap.maddr],
-                                                            dht_prefix=prefix, device="cuda", torch_dtype=dtype)
+                                                            dht_prefix=prefix, device=device, torch_dtype=dtype)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_servers_with_graphs_agree_with_transformers_to_rounding(checkpoint, bootstrap, dtype):
+def test_half_precision_servers_agree_with_transformers_to_rounding(checkpoint, bootstrap, dtype, device):
     from transformers import AutoModelForCausalLM
 
     name = str(dtype).replace("torch.", "")
-    prefix = f"gpu-{name}"
-    servers = _swarm(checkpoint, bootstrap, prefix, "--torch_dtype", name, "--quant_type", "none")
-    model = _client(checkpoint, bootstrap, prefix, dtype)
-    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).cuda().eval()
+    prefix = f"half-{device}-{name}"
+    servers = _swarm(checkpoint, bootstrap, prefix, "--torch_dtype", name, "--quant_type", "none", device=device)
+    model = _client(checkpoint, bootstrap, prefix, dtype, device)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
     try:
         assert all(s.ready["quant_type"] == "none" for s in servers)
         torch.manual_seed(1)
         for prompt in (torch.randint(2, 1000, (1, 9)), torch.randint(2, 1000, (1, 40))):
             with torch.no_grad():
-                ref = reference.generate(prompt.cuda(), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                ref = reference.generate(prompt.to(device), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                                          do_sample=False).cpu()
-                ref_logits = reference(ref.cuda()).logits[0, prompt.shape[1] - 1:-1].float().cpu()
-            ours = model.generate(prompt.cuda(), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                ref_logits = reference(ref.to(device)).logits[0, prompt.shape[1] - 1:-1].float().cpu()
+            ours = model.generate(prompt.to(device), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                                   do_sample=False).cpu()
-            rows = []  # our logits along the reference's sequence, a decode step at a time (the graphed path)
+            rows = []  # our logits along the reference's sequence, a decode step at a time (CUDA: the graphed path)
             with model.inference_session(max_length=ref.shape[1]) as session:
                 for end in range(prompt.shape[1], ref.shape[1]):
-                    rows.append(session.feed(ref[:, :end].cuda())[0].float().cpu())
+                    rows.append(session.feed(ref[:, :end].to(device))[0].float().cpu())
             logits = torch.stack(rows)  # [new_tokens, vocab]
             bound = ROUNDING_STEPS * torch.finfo(dtype).eps * ref_logits.abs().max().item()
             diff = (logits - ref_logits).abs().amax(dim=-1)  # [new_tokens]: each step's largest difference
             assert diff.max().item() <= bound
             # where the reference's top two are further apart than twice our difference, our pick must be its pick
-            # (random weights give near-ties everywhere at the rounding bound itself: 2026-11-28 on an H100)
+            # (random weights give near-ties everywhere at the rounding bound itself: 2026-11-28 on an H100 and
+            # on the CPU)
             top2 = ref_logits.topk(2, dim=-1).values
             clear = (top2[:, 0] - top2[:, 1]) > 2 * diff  # [new_tokens]
             assert int(clear.sum()) >= NEW_TOKENS // 2, "the checkpoint's logits should have clear greedy picks"
@@ -94,6 +98,7 @@ def test_half_precision_servers_with_graphs_agree_with_transformers_to_rounding(
         terminate_all(servers)
 
 
+@CUDA
 def test_nf4_servers_with_graphs_equal_nf4_servers_without_token_for_token(checkpoint, bootstrap):
     common = ("--torch_dtype", "float32", "--quant_type", "nf4")
     graphed = _swarm(checkpoint, bootstrap, "gpu-nf4-graphs", *common, "--cuda_graphs")
