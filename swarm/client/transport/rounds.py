@@ -140,7 +140,7 @@ class RoundStream:
         responses = self._responses
         if here or self._loop is None:  # (never opened: nobody waits on the queue)
             self._queue.put_nowait(None)
-            if responses is not None:
+            if responses is not None and here:
                 asyncio.ensure_future(_close_replies(responses))
         elif not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._queue.put_nowait, None)

@@ -183,3 +183,29 @@ def test_a_frozen_server_mid_generation_is_failed_over_on_loopback(model_path, b
         model.shutdown()
         for s in servers:
             s.kill()  # SIGKILL ends stopped processes too
+
+
+def test_closing_a_round_stream_closes_its_replies_at_once():
+    """Between rounds (no reply awaited), `close` ends the replies' stream then, not when the stream object is
+    collected (a dead server's entry in the manager's table never was)."""
+    ended = []
+
+    async def replies():
+        try:
+            yield P.make_response(P.StepResult(position=1), [])
+            await asyncio.sleep(3600)
+            yield P.make_response(P.StepResult(position=2), [])
+        finally:
+            ended.append(True)
+
+    async def run():
+        manager = Manager(ClientConfig(initial_peers=["x"]), ping_answers=True)
+        stream = RoundStream(manager, PEER)  # type: ignore[arg-type]
+        stream._loop, stream._responses = asyncio.get_running_loop(), replies()
+        await stream._responses.__anext__()  # a round answered; the stream waits for the next
+        stream.close()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return list(ended)
+
+    assert asyncio.run(run()) == [True]
