@@ -23,7 +23,8 @@ vocabulary, served by ONE server (all blocks, `--quant_type`, default nf4, CUDA 
 and head run on the GPU (`--device cuda`); local: transformers with the whole model on the GPU, quantized the same
 way (`BitsAndBytesConfig`, nf4 blocksize 64 without double quantization, bfloat16 compute), a batch of N (issue 46's
 goal: 16 streams >= 0.8x local nf4 batch-16). `--gateway_devices cuda,cpu` adds a gateway whose head runs on the CPU.
-`--shape '{"hidden_size": 256, ...}'` overrides the shape (a small dry run on the CPU with `--device cpu`).
+`--shape '{"hidden_size": 256, ...}'` overrides the shape (a small dry run on the CPU: `--device cpu --quant_type
+none`, bitsandbytes' nf4 being CUDA's here).
 Memory per open stream: each process tree's RSS (psutil, sampled every 0.1 s during the wave) at its peak, less its
 RSS after the one-stream warm-up, divided by N (`rss_mb`, `rss_kb_per_stream`: an upper bound for the waves smaller
 than the largest, whose warm-up already grew the processes' heaps, which they keep).
@@ -132,13 +133,13 @@ async def wave(url: str, model: str, n: int, new_tokens: int) -> Dict[str, Any]:
 def save_gpu_model(path: Path, tokenizer_dir: str, blocks: int, device: str, overrides: Dict[str, Any]) -> None:
     """Random bfloat16 weights in Llama-3-8B's block shape (`overrides` on top), the tokenizer's vocabulary and
     files, saved at `path` (built on `device`: seconds on a GPU)."""
-    import shutil
-
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tests.fixtures.tiny_checkpoints import TOKENIZER_FILES, VOCAB
 
-    config = LlamaConfig(**{**GPU_SHAPE, "vocab_size": VOCAB, **overrides}, num_hidden_layers=blocks)
+    if not (Path(tokenizer_dir) / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {tokenizer_dir} (--tokenizer: the tokenizer's files)")
+    config = LlamaConfig(**{**GPU_SHAPE, "vocab_size": VOCAB, **overrides, "num_hidden_layers": blocks})
     config.dtype = torch.bfloat16
     torch.manual_seed(0)
     with torch.device(device):
@@ -259,11 +260,15 @@ def main() -> None:
     if not modes or set(modes) - {"round", "thread"}:
         parser.error("--modes takes round and/or thread")
     gpu = args.model == "gpu"
-    args.local_runs = args.local_runs or (3 if gpu else 1)
+    args.local_runs = (3 if gpu else 1) if args.local_runs is None else args.local_runs
+    if args.local_runs < 1:
+        parser.error("--local_runs must be at least 1")
+    if args.profile_servers and args.profile is None:
+        parser.error("--profile_servers needs --profile")
     if gpu and args.device.startswith("cuda") and not torch.cuda.is_available():
         print(json.dumps({"bench": "overhead", "model": MODELS["gpu"][0], "skipped": "no CUDA device"}))
         return
-    heads = [d for d in (args.gateway_devices or args.device).split(",") if d] if gpu else ["cpu"]
+    heads = list(dict.fromkeys(d for d in (args.gateway_devices or args.device).split(",") if d)) if gpu else ["cpu"]
     if args.model != "gpu":  # (on a GPU, local transformers keeps torch's own thread count: its host-side work)
         torch.set_num_threads(args.threads)
     waves: List[Dict[str, Any]] = []

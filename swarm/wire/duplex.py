@@ -23,7 +23,7 @@ from hivemind.p2p import P2P, P2PHandlerError, PeerID
 
 
 async def call_stream(p2p: P2P, peer_id: PeerID, handle_name: str, requests: AsyncIterator[Message],
-                      response_type: Type[Message]) -> AsyncIterator[Message]:
+                      response_type: Type[Message]) -> "Replies":
     """Open a stream to `handle_name` at `peer_id`, write `requests` into it (then the end-of-stream mark), and
     return the replies as an async iterator that ends when the peer closes its side (whatever is left to write is
     dropped) and raises `P2PHandlerError` for an error the peer's handler reported. Close the iterator
@@ -58,17 +58,17 @@ async def call_stream(p2p: P2P, peer_id: PeerID, handle_name: str, requests: Asy
         finally:
             end()
 
-    return _Replies(read(), end)
+    return Replies(read(), end)
 
 
-class _Replies:
+class Replies:
     """`call_stream`'s replies: an async iterator whose `aclose` closes the stream even before the first reply was
     asked for (an async generator that never started runs no `finally` when closed)."""
 
     def __init__(self, replies: AsyncIterator[Message], end: Callable[[], None]):
         self._replies, self._end = replies, end
 
-    def __aiter__(self) -> "_Replies":
+    def __aiter__(self) -> "Replies":
         return self
 
     def __anext__(self) -> Awaitable[Message]:

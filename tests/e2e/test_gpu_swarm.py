@@ -89,8 +89,10 @@ def test_half_precision_servers_agree_with_transformers_to_rounding(checkpoint, 
             clear = (top2[:, 0] - top2[:, 1]) > 2 * diff  # [new_tokens]
             assert int(clear.sum()) >= NEW_TOKENS // 2, "the checkpoint's logits should have clear greedy picks"
             assert logits.argmax(-1)[clear].tolist() == ref_logits.argmax(-1)[clear].tolist()
-            unclear = (~clear).nonzero()
-            checked = int(unclear[0]) if len(unclear) else NEW_TOKENS  # generate's own tokens, up to a near-tie
+            # generate's own tokens (its own run, against transformers' cached decoding): up to the first step whose
+            # top two are within twice the rounding bound (often none in bfloat16: the picks above carry the test)
+            near_tie = ((top2[:, 0] - top2[:, 1]) <= 2 * bound).nonzero()
+            checked = int(near_tie[0]) if len(near_tie) else NEW_TOKENS
             new = prompt.shape[1]
             assert ours[0, new:new + checked].tolist() == ref[0, new:new + checked].tolist()
     finally:

@@ -80,6 +80,9 @@ class RoundStream:
         if self._responses is None:
             self._loop = asyncio.get_running_loop()
             self._responses = await self.manager.stub(self.peer_id).rpc_round(aio.iterate_queue(self._queue))
+            if self.closed:  # closed from another thread while it opened: nothing closed these replies
+                await _close_replies(self._responses)
+                raise P.RemoteError("closed", "the round stream is closed", self.peer_id)
         self._round_id += 1
         attach = [R.RoundAttach(stream_key=s.key, token=s.push_token) for s, _, _, _ in rows
                   if self._attached.get(s.key) != s.push_token]
@@ -96,7 +99,8 @@ class RoundStream:
         try:
             response = await wait_while_alive(self.manager, self.peer_id, pending)
         except StopAsyncIteration:
-            raise P.RemoteError("closed", "the server closed the round stream", self.peer_id) from None
+            who = "this client closed the round stream" if self.closed else "the server closed the round stream"
+            raise P.RemoteError("closed", who, self.peer_id) from None
         finally:
             if not pending.done():
                 pending.cancel()  # the reply of a failed server is not read (the stream closes)
@@ -143,9 +147,12 @@ class RoundStream:
             if responses is not None and here:
                 asyncio.ensure_future(_close_replies(responses))
         elif not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, None)
-            if responses is not None:  # (after the end mark: the writer sends it first)
-                self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(_close_replies(responses)))
+            try:
+                self._loop.call_soon_threadsafe(self._queue.put_nowait, None)
+                if responses is not None:  # (behind the end mark, which the writer may still send)
+                    self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(_close_replies(responses)))
+            except RuntimeError:  # the loop closed meanwhile: its streams went with it
+                pass
 
 
 async def _close_replies(responses: Any) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from typing import AsyncGenerator, Optional
+from typing import Optional
 
 import torch
 
@@ -19,6 +19,7 @@ from swarm.client.transport.routing import RouteHop
 from swarm.runtime import aio
 from swarm.wire import protocol as P
 from swarm.wire.dtypes import DTYPES
+from swarm.wire.duplex import Replies
 
 
 class SessionError(RuntimeError):
@@ -47,7 +48,7 @@ class SpanStream:
         self.adapter = adapter
         self.position = 0  # tokens the server holds for this session
         self._queue: "asyncio.Queue[Optional[object]]" = asyncio.Queue()
-        self._responses: Optional[AsyncGenerator] = None
+        self._responses: Optional[Replies] = None
         self._pending: Optional[asyncio.Future] = None  # the next reply, possibly awaited across time-outs
         self.open_pending = False  # OpenSession sent, its reply not read yet (read before the first step's)
         # the server was found gone on another stream (this part's round stream: `rounds.RoundStream`): the next
