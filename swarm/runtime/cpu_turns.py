@@ -14,37 +14,113 @@ keep two such processes (a chain's servers, a test's or benchmark's one-thread s
 must not be waited for). `SWARMGATE_CPU_TURNS_DOMAIN=NAME` keeps a process's turns among the processes of the same
 domain only (its own lock file): swarms on one machine that should not wait for each other, such as the test
 suite's parallel workers (each worker's processes take turns among themselves; tests/conftest.py).
+
+A task waits for its turn at most `SWARMGATE_CPU_TURN_WAIT` seconds (default 30): a holder that is stopped or frozen
+(SIGSTOP, a debugger, a host that hangs) would otherwise stop the compute of every other such process on the
+machine. The task then runs without a turn, and so do the process's next tasks, at once, until the holder lets go
+(a waiter thread keeps waiting for it and gives the turn back as soon as it gets it); turns are for speed only, so
+nothing is wrong meanwhile but the sharing of cores.
 """
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
+import queue
 import tempfile
+import threading
 from typing import Optional
 
 ENV = "SWARMGATE_CPU_TURNS"
 DOMAIN_ENV = "SWARMGATE_CPU_TURNS_DOMAIN"
+WAIT_ENV = "SWARMGATE_CPU_TURN_WAIT"
+DEFAULT_WAIT_S = 30.0
+
+logger = logging.getLogger(__name__)
+
+
+class _Request:
+    """One task's wait for the turn, handed to the waiter thread."""
+
+    def __init__(self) -> None:
+        self.granted = threading.Event()
+        self.abandoned = False  # the task gave up waiting (under `CpuTurns._guard`)
 
 
 class CpuTurns:
-    def __init__(self, path: Optional[str] = None):
+    """The machine-wide turn of one process's compute thread (`with turns:` around each task; one thread enters)."""
+
+    def __init__(self, path: Optional[str] = None, wait: Optional[float] = None):
         self.path = path or default_path()
+        self.wait = turn_wait() if wait is None else wait
         self._fd: Optional[int] = None
-        self.turns = 0
+        self.turns = 0  # tasks run under the turn
+        self.skipped = 0  # tasks run without it: the holder did not let go within `wait`
+        self._held = False
+        self._guard = threading.Lock()
+        self._stuck = False  # the waiter thread still waits for a turn a task gave up on
+        self._requests: "queue.Queue[_Request]" = queue.Queue()
+        self._waiter: Optional[threading.Thread] = None
 
     def __enter__(self) -> "CpuTurns":
         if self._fd is None:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        with self._guard:
+            stuck = self._stuck
+        if stuck:  # the holder has not let go since a task gave up on it: no waiting again
+            self.skipped += 1
+            return self
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not self._wait_for_turn():
+                self.skipped += 1
+                return self
+        self._held = True
         self.turns += 1
         return self
 
     def __exit__(self, *exc) -> None:
         assert self._fd is not None, "CpuTurns exited without entering"
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        if self._held:
+            self._held = False
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _wait_for_turn(self) -> bool:
+        """The turn within `wait` seconds (True), or False: the waiter thread keeps waiting for it and lets it go."""
+        if self._waiter is None:
+            self._waiter = threading.Thread(target=self._wait_loop, name="cpu-turn-waiter", daemon=True)
+            self._waiter.start()
+        request = _Request()
+        self._requests.put(request)
+        if request.granted.wait(self.wait):
+            return True
+        with self._guard:
+            if request.granted.is_set():
+                return True
+            request.abandoned = True
+            self._stuck = True
+        logger.warning(f"no CPU turn within {self.wait:g} s (a process holding {self.path} is stopped or frozen?): "
+                       f"computing without turns until it lets go")
+        return False
+
+    def _wait_loop(self) -> None:
+        while True:
+            request = self._requests.get()
+            assert self._fd is not None
+            fcntl.flock(self._fd, fcntl.LOCK_EX)  # (the lock belongs to the open file: the task's thread unlocks)
+            with self._guard:
+                if not request.abandoned:
+                    request.granted.set()
+                    continue
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                self._stuck = False
+            logger.warning("the CPU turn was let go: taking turns again")
 
     def close(self) -> None:
-        if self._fd is not None:
+        with self._guard:
+            stuck = self._stuck
+        if self._fd is not None and not stuck:  # (a waiter still blocked on the file keeps it)
             os.close(self._fd)
             self._fd = None
 
@@ -66,6 +142,21 @@ def turns_for(device_type: str = "cpu", threads: Optional[int] = None) -> Option
 
         threads = torch.get_num_threads()
     return CpuTurns() if threads > 1 else None
+
+
+def turn_wait() -> float:
+    """`SWARMGATE_CPU_TURN_WAIT` (seconds a task waits for its turn), else `DEFAULT_WAIT_S`; a bad value is an
+    error naming the variable."""
+    text = os.environ.get(WAIT_ENV, "").strip()
+    if not text:
+        return DEFAULT_WAIT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{WAIT_ENV} must be a positive number of seconds, got {text!r}")
+    return value
 
 
 def cpu_turns_enabled() -> bool:
