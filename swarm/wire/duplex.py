@@ -48,13 +48,16 @@ async def call_stream(p2p: P2P, peer_id: PeerID, handle_name: str, requests: Asy
             while True:
                 try:
                     response, error = await P2P.receive_protobuf(response_type, reader)
-                except asyncio.IncompleteReadError:  # the peer closed its side: nothing more will come
-                    break
+                except (asyncio.IncompleteReadError, ConnectionError):  # the peer closed its side (or the daemon
+                    break  # reset the connection): nothing more will come
                 if error is not None:
                     raise P2PHandlerError(f"Failed to call handler `{handle_name}` at {peer_id}: {error.message}")
                 yield response
-            if writing.done() and not writing.cancelled() and writing.exception() is not None:
-                raise writing.exception()  # type: ignore[misc]  # the requests' own failure, as hivemind's call
+            failure = writing.exception() if writing.done() and not writing.cancelled() else None
+            if failure is not None and not isinstance(failure, ConnectionError):
+                # the requests' own failure, as hivemind's call (writing into the connection the peer closed is
+                # not one: the replies just end, whichever side saw the close first)
+                raise failure
         finally:
             end()
 

@@ -67,6 +67,25 @@ def test_replies_end_when_the_peer_dies_though_the_requests_go_on():
     asyncio.run(run())
 
 
+def test_replies_just_end_when_requests_are_written_into_the_closed_connection():
+    """A request written after the peer died (a broken pipe or a reset for the writer, whichever side sees the
+    close first) does not turn the end of the replies into an error: a dead server reads the same every time."""
+    async def run():
+        async with _peers() as (server, client):
+            queue: asyncio.Queue = asyncio.Queue()
+            replies = await _open(client, server, queue)
+            queue.put_nowait(runtime_pb2.ExpertRequest(metadata=b"0"))
+            assert (await asyncio.wait_for(replies.__anext__(), 60)).metadata == b"0"
+            await server.shutdown()
+            for i in range(20):  # into the closed connection
+                queue.put_nowait(runtime_pb2.ExpertRequest(metadata=b"x" * 65536))
+                await asyncio.sleep(0.01)
+            assert await _ended(replies)
+            await replies.aclose()
+
+    asyncio.run(run())
+
+
 def test_replies_end_when_the_connection_between_live_peers_closes():
     async def run():
         async with _peers() as (server, client):
