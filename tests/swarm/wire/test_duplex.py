@@ -41,6 +41,14 @@ async def _open(client, server, queue: asyncio.Queue):
     return await call_stream(client, server.peer_id, HANDLE, iterate_queue(queue), runtime_pb2.ExpertResponse)
 
 
+async def _answered(client, server, queue: asyncio.Queue, metadata: bytes = b"0"):
+    """A stream opened and one request answered: its replies, still open."""
+    replies = await _open(client, server, queue)
+    queue.put_nowait(runtime_pb2.ExpertRequest(metadata=metadata))
+    assert (await asyncio.wait_for(replies.__anext__(), 60)).metadata == metadata
+    return replies
+
+
 async def _ended(replies) -> bool:
     """Whether the replies end (the wait is only a guard against a hang, far above any real detection)."""
     try:
@@ -73,11 +81,9 @@ def test_replies_just_end_when_requests_are_written_into_the_closed_connection()
     async def run():
         async with _peers() as (server, client):
             queue: asyncio.Queue = asyncio.Queue()
-            replies = await _open(client, server, queue)
-            queue.put_nowait(runtime_pb2.ExpertRequest(metadata=b"0"))
-            assert (await asyncio.wait_for(replies.__anext__(), 60)).metadata == b"0"
+            replies = await _answered(client, server, queue)
             await server.shutdown()
-            for i in range(20):  # into the closed connection
+            for _ in range(20):  # into the closed connection
                 queue.put_nowait(runtime_pb2.ExpertRequest(metadata=b"x" * 65536))
                 await asyncio.sleep(0.01)
             assert await _ended(replies)
@@ -90,9 +96,7 @@ def test_replies_end_when_the_connection_between_live_peers_closes():
     async def run():
         async with _peers() as (server, client):
             queue: asyncio.Queue = asyncio.Queue()
-            replies = await _open(client, server, queue)
-            queue.put_nowait(runtime_pb2.ExpertRequest(metadata=b"0"))
-            assert (await asyncio.wait_for(replies.__anext__(), 60)).metadata == b"0"
+            replies = await _answered(client, server, queue)
             await client._client.disconnect(server.peer_id)  # both daemons live on; their connection closes
             assert await _ended(replies) and queue.empty()
             # the peer is still there: a new stream reaches it over a new connection
