@@ -3,6 +3,8 @@ requests routed by their `model` field to per-model state (tokens, engine, metri
 real swarm's version is tests/gateway/test_gateway_models.py."""
 from __future__ import annotations
 
+import time
+
 import pytest
 from starlette.testclient import TestClient
 
@@ -109,7 +111,12 @@ def test_requests_route_by_model_to_that_models_state(two_models):
     assert answered.json()["output"][0]["content"][0]["text"] == "Alpha speaks here."
     assert answered.json()["model"] == "alpha"
     # usage is recorded per model
-    client.app.state.gateway.quota.shutdown()  # waits for the writes
+    gateway = client.app.state.gateway
+    deadline = time.monotonic() + 60  # (only a guard against a hang)
+    while gateway.admission.running:  # a slot is released (its usage handed to the writer) once its worker is done
+        assert time.monotonic() < deadline, "a request's slot was never released"
+        time.sleep(0.01)
+    gateway.quota.shutdown()  # waits for the writes
     by_model = {}
     for row in store.usage():
         by_model[row.model] = by_model.get(row.model, 0) + row.requests
