@@ -153,15 +153,11 @@ def save_gpu_model(path: Path, tokenizer_dir: str, blocks: int, device: str, ove
 
 def load_gpu_reference(path: Path, device: str, quant: str):
     """The whole model on `device` through transformers, quantized as the server quantizes it."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM
 
-    kwargs: Dict[str, Any] = {}
-    if quant == "nf4":
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                           bnb_4bit_compute_dtype=torch.bfloat16,
-                                                           bnb_4bit_use_double_quant=False)
-    elif quant == "int8":
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=6.0)
+    from tests.fixtures.quant_reference import bnb_config
+
+    kwargs: Dict[str, Any] = {} if quant == "none" else {"quantization_config": bnb_config(quant, torch.bfloat16)}
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map=device, **kwargs).eval()
 
 

@@ -4,7 +4,6 @@ Start it with `swarmgate gateway MODEL --initial_peers ...` (`gateway.app.main`)
 with `gateway.app.create_app(config, model=None, tokenizer=None)`.
 """
 
-# first, before anything imports torch or hivemind: swarm's package init sets GOMP_SPINCOUNT (swarm.runtime.threads)
-# and defers scipy.optimize (swarm.runtime.deferred_imports), which only work before those load (`swarmgate`'s
-# processes get it from launch.cli.main; this covers code that imports an entry module directly)
+# swarm's package init first, before torch and hivemind load (what it sets up: swarm/__init__.py), also for code that
+# imports an entry module directly rather than through `launch.cli.main`
 import swarm  # noqa: E402,F401

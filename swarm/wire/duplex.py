@@ -66,7 +66,8 @@ async def call_stream(p2p: P2P, peer_id: PeerID, handle_name: str, requests: Asy
 
 class Replies:
     """`call_stream`'s replies: an async iterator whose `aclose` closes the stream even before the first reply was
-    asked for (an async generator that never started runs no `finally` when closed)."""
+    asked for (an async generator that never started runs no `finally` when closed), and never fails: the stream is
+    closed whatever the generator's own close says (one still running, one that broke on its own)."""
 
     def __init__(self, replies: AsyncIterator[Message], end: Callable[[], None]):
         self._replies, self._end = replies, end
@@ -80,5 +81,7 @@ class Replies:
     async def aclose(self) -> None:
         try:
             await self._replies.aclose()  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - closed below all the same
+            pass
         finally:
             self._end()

@@ -81,7 +81,7 @@ class RoundStream:
             self._loop = asyncio.get_running_loop()
             self._responses = await self.manager.stub(self.peer_id).rpc_round(aio.iterate_queue(self._queue))
             if self.closed:  # closed from another thread while it opened: nothing closed these replies
-                await _close_replies(self._responses)
+                await self._responses.aclose()
                 raise P.RemoteError("closed", "the round stream is closed", self.peer_id)
         self._round_id += 1
         attach = [R.RoundAttach(stream_key=s.key, token=s.push_token) for s, _, _, _ in rows
@@ -144,23 +144,15 @@ class RoundStream:
         responses = self._responses
         if here or self._loop is None:  # (never opened: nobody waits on the queue)
             self._queue.put_nowait(None)
-            if responses is not None and here:
-                asyncio.ensure_future(_close_replies(responses))
+            if responses is not None and here:  # (`call_stream`'s replies: closing them never fails)
+                asyncio.ensure_future(responses.aclose())
         elif not self._loop.is_closed():
             try:
                 self._loop.call_soon_threadsafe(self._queue.put_nowait, None)
                 if responses is not None:  # (behind the end mark, which the writer may still send)
-                    self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(_close_replies(responses)))
+                    self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(responses.aclose()))
             except RuntimeError:  # the loop closed meanwhile: its streams went with it
                 pass
-
-
-async def _close_replies(responses: Any) -> None:
-    """Close a round stream's replies: its connection to the daemon goes now, not when the stream is collected."""
-    try:
-        await responses.aclose()
-    except Exception:  # noqa: BLE001 - a stream that broke on its own: nothing left to close
-        pass
 
 
 _STREAMS: "weakref.WeakKeyDictionary[SwarmManager, Dict[str, RoundStream]]" = weakref.WeakKeyDictionary()

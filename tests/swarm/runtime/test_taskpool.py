@@ -3,6 +3,7 @@ briefly for the sources (sessions) due in a round, so that sessions whose steps 
 instead of drifting into separate ones."""
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -280,24 +281,29 @@ def test_turns_only_for_cpu_teams(monkeypatch):
     assert turns_for("cpu", 2) is None
 
 
-def _queued_behind_a_busy_worker(pool: TaskPool, calls: list) -> list:
-    """Start the `calls` (name, priority, cost, budget) one by one from threads while the worker is busy with a
-    task that waits until all are queued, so that they are queued in this order; returns the threads (started)."""
+def _queued_behind_a_busy_worker(pool: TaskPool, callers: list) -> list:
+    """Start the `callers` (each a function that queues one task) one by one from threads while the worker is busy
+    with a task that waits until all are queued, so that they are queued in this order; returns the threads."""
     release = threading.Event()
     blocker = threading.Thread(target=pool.call, args=(PRIORITY_DECODE, release.wait, 30))
     blocker.start()
     while pool._queue.qsize():  # the worker took the blocking task
         time.sleep(0.001)
     threads = [blocker]
-    for name, priority, fn, cost, budget in calls:
+    for caller in callers:
         queued = pool._queue.qsize()
-        threads.append(threading.Thread(target=pool.call_batchable, args=(priority, "prefill", fn, name),
-                                        kwargs={"cost": cost, "budget": budget}))
+        threads.append(threading.Thread(target=caller))
         threads[-1].start()
         while pool._queue.qsize() == queued:  # in the queue before the next one starts
             time.sleep(0.001)
     release.set()
     return threads
+
+
+def _prefills(pool: TaskPool, batch, costs: dict, budget) -> list:
+    """A caller per item of `costs` (name -> cost): a prefill under the key "prefill" with `budget`."""
+    return [functools.partial(pool.call_batchable, taskpool.PRIORITY_PREFILL, "prefill", batch, name, cost=cost,
+                              budget=budget) for name, cost in costs.items()]
 
 
 def test_a_budget_takes_queued_items_in_arrival_order_up_to_it():
@@ -311,8 +317,7 @@ def test_a_budget_takes_queued_items_in_arrival_order_up_to_it():
         return items
 
     costs = {"a": 30, "b": 30, "c": 30, "long": 100, "d": 10, "e": 10, "f": 50}
-    threads = _queued_behind_a_busy_worker(pool, [(n, taskpool.PRIORITY_PREFILL, batch, c, 64)
-                                                  for n, c in costs.items()])
+    threads = _queued_behind_a_busy_worker(pool, _prefills(pool, batch, costs, 64))
     for t in threads:
         t.join()
     pool.shutdown()
@@ -327,7 +332,7 @@ def test_without_a_budget_a_batch_takes_every_queued_item():
         passes.append(list(items))
         return items
 
-    threads = _queued_behind_a_busy_worker(pool, [(n, taskpool.PRIORITY_PREFILL, batch, 100, None) for n in "abc"])
+    threads = _queued_behind_a_busy_worker(pool, _prefills(pool, batch, dict.fromkeys("abc", 100), None))
     for t in threads:
         t.join()
     pool.shutdown()
@@ -362,20 +367,8 @@ def test_each_pass_delivers_at_its_end_and_decode_steps_go_between_passes():
                 first_pass_back.set()
 
     done: list = []
-    release = threading.Event()
-    blocker = threading.Thread(target=pool.call, args=(PRIORITY_DECODE, release.wait, 30))
-    blocker.start()
-    while pool._queue.qsize():
-        time.sleep(0.001)
-    threads = []
-    for name in "abc":
-        queued = pool._queue.qsize()
-        threads.append(threading.Thread(target=caller, args=(name,)))
-        threads[-1].start()
-        while pool._queue.qsize() == queued:
-            time.sleep(0.001)
-    release.set()
-    for t in [blocker] + threads + decode_thread:
+    threads = _queued_behind_a_busy_worker(pool, [functools.partial(caller, name) for name in "abc"])
+    for t in threads + decode_thread:
         t.join()
     pool.shutdown()
     assert order == [["a", "b"], ["step"], ["c"], "a and b back"]
