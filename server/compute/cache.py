@@ -101,6 +101,21 @@ class SessionKV:
         # factors by it (`BlockSpan.rope_lengths`); None: each call by its own end
         self.rope_length: Optional[int] = None
         self.serial = next(_SERIALS)  # unique for the process's life (unlike id()): orders batches, keys graphs
+        # a fill of positions this session already holds, still to be written into its buffers (a prefix adoption's
+        # copy: `server.compute.prefix_cache.PrefixCache.adopt_later`), called with this cache by `ready`, which
+        # every step (`begin_step`) and reorder does first, on the compute thread
+        self.pending: Optional[Callable[["SessionKV"], None]] = None
+
+    def ready(self) -> None:
+        """Do the pending fill of the buffers, once (nothing if there is none). If it fails, the session holds nothing
+        (length 0: its client's next step is refused as past what it holds, and goes elsewhere)."""
+        fill, self.pending = self.pending, None
+        if fill is not None:
+            try:
+                fill(self)
+            except BaseException:
+                self.length = self._step_start = 0
+                raise
 
     def can_start_at(self, start_position: int) -> bool:
         """Whether a step may start at `start_position` (<= length): every ring still holds the positions its
@@ -125,6 +140,7 @@ class SessionKV:
     @torch.inference_mode()
     def reorder(self, hypo_ids: torch.Tensor, length: int) -> None:
         """Row i of positions [0, length) becomes what row hypo_ids[i] held, in every layer (beam search)."""
+        self.ready()
         hypo_ids = hypo_ids.to(self.keys[0].device)
         # (a tensor-parallel span's buffers may lie on several devices; values inside the keys move with them)
         for buf in self.keys + ([] if self.values_in_keys is not None else self.values):
@@ -144,6 +160,7 @@ class SessionKV:
     # ---- steps ----------------------------------------------------------------------------------------------
     def begin_step(self, start_position: int) -> None:
         """Start writing at `start_position` (<= length); positions after it are discarded."""
+        self.ready()
         assert 0 <= start_position <= self.length
         if not self.can_start_at(start_position):
             raise ValueError(f"cannot go back to position {start_position}: the sliding-window cache keeps only "

@@ -16,7 +16,8 @@ position in every block of the span, the unit sessions reserve in: `token_bytes`
 and outputs (`page_cost`; about P for its KV, and 10% more for the outputs of the bundled model's 15-block spans). A
 page is stored only where the budget has room (evicting older pages first, never while a session waits for room), and
 the least recently used pages are evicted before a session would have to wait or be refused (`CacheBudget.reclaim`).
-Adoption copies the pages into the new session's own buffers (`adopt`): a session's KV stays one preallocated buffer
+Adoption copies the pages into the new session's own buffers (`adopt`; at a server, `adopt_later`: the copy is done
+by the session's first step or in idle time, whichever comes first): a session's KV stays one preallocated buffer
 per block (a slot of the decode arena on the CPU, `server.compute.kv_arena`), which every attention path reads as it
 is; the copy of a 1,024-token prefix of the bundled model's 30 blocks (46 MB) takes milliseconds against seconds of
 prefill, and shared read-only pages measured slower here for any session that decodes more than 11 to 23 tokens
@@ -41,7 +42,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Optional, OrderedDict, Sequence, Tuple
 
@@ -184,21 +187,32 @@ class PrefixCache:
         return [self.pages[key] for key in keys]
 
     @staticmethod
-    @torch.inference_mode()
     def adopt(kv: SessionKV, pages: Sequence[Page], page_tokens: int) -> List[torch.Tensor]:
         """Copy `pages` into the first positions of `kv` (which then holds them); returns their outputs, one
         [1, P, hidden] per page (the pages' own tensors, never written: read-only). (Runs on the compute thread.)"""
-        # one `cat` per layer into the buffer's first positions (16 pages x 15 blocks x K/V of the bundled model: 30
-        # calls, not 480 `copy_`s: ~1 ms less per adoption on one thread, bench/bench_prefix_pages.py)
         held = len(pages) * page_tokens
-        if pages:
-            for buf, parts in zip(kv.keys, zip(*(page.keys for page in pages))):  # buf [1, kv_heads, length, dim]
-                torch.cat(parts, dim=2, out=buf[:, :, :held])  # parts: per page [1, kv_heads, P, head_dim]
-            if all(page.values is not None for page in pages):
-                for buf, parts in zip(kv.values, zip(*(page.values or [] for page in pages))):
-                    torch.cat(parts, dim=2, out=buf[:, :, :held])
+        _copy_pages(kv, list(pages), held)
         kv.begin_step(0)
         kv.end_step(held)
+        return [page.outputs for page in pages]
+
+    @staticmethod
+    def adopt_later(kv: SessionKV, pages: Sequence[Page], page_tokens: int) -> List[torch.Tensor]:
+        """`kv` holds `pages` from now on, their copy into its buffers left pending (`SessionKV.ready`: the session's
+        first step does it on the compute thread, unless `fill_when_idle` did it before); returns their outputs as
+        `adopt` does. (Any thread: it only notes the positions; the pages' tensors stay alive with the session until
+        the copy, even if the cache evicts them meanwhile.)
+
+        Why later: a session's opening then waits for no compute. When many sessions adopt at once (a burst of users
+        after a cached system prompt), a server copies for the sessions whose questions it computes now, in the same
+        pass, and the others' copies wait for idle time, instead of every opening's copy going before any question
+        (on the CPU most of a copy is the kernel's first touch of the slot's pages, ~16 ms for the bundled model's
+        1,024 positions on a 15-block span: docs/benchmarks.md, bench_prefix_pages)."""
+        held = len(pages) * page_tokens
+        kv.begin_step(0)
+        kv.end_step(held)
+        if pages:
+            kv.pending = functools.partial(_copy_pages, pages=list(pages), held=held)
         return [page.outputs for page in pages]
 
     # ---- storing and evicting -------------------------------------------------------------------------------
@@ -250,3 +264,29 @@ class PrefixCache:
 
     def clear(self) -> None:
         self.evict(self.tokens)
+
+
+@torch.inference_mode()
+def _copy_pages(kv: SessionKV, pages: List[Page], held: int) -> None:
+    """The pages' keys (and values) into positions [0, held) of `kv`'s buffers."""
+    # one `cat` per layer into the buffer's first positions (16 pages x 15 blocks x K/V of the bundled model: 30
+    # calls, not 480 `copy_`s: ~1 ms less per adoption on one thread, bench/bench_prefix_pages.py)
+    if not pages:
+        return
+    for buf, parts in zip(kv.keys, zip(*(page.keys for page in pages))):  # buf [1, kv_heads, length, dim]
+        torch.cat(parts, dim=2, out=buf[:, :, :held])  # parts: per page [1, kv_heads, P, head_dim]
+    if all(page.values is not None for page in pages):
+        for buf, parts in zip(kv.values, zip(*(page.values or [] for page in pages))):
+            torch.cat(parts, dim=2, out=buf[:, :, :held])
+
+
+def fill_when_idle(session: "weakref.ref[SessionKV]") -> None:
+    """A task for idle time (`PRIORITY_IDLE`): the pending fill of a session's cache, if the session is still open and
+    its first step has not done it (a failure is logged: that session holds nothing now, `SessionKV.ready`)."""
+    kv = session()
+    if kv is None:
+        return
+    try:
+        kv.ready()
+    except Exception:  # noqa: BLE001 - that session's next step is refused; the server goes on
+        logger.exception("copying an adopted prefix into a session's cache failed")

@@ -4,7 +4,8 @@ stores after its steps; and `rpc_prefix_cache`, the cache's counters.
 
 At the opening (`_prefix_open`): the session's page keys are computed from the declared tokens; the leading pages
 the cache holds (waiting, up to the cache's `wait` s, for pages that another session is computing now: single-flight)
-are copied into the session's cache, and the session claims the pages nobody holds or computes. The reply to the
+are the session's (copied into its cache by its first step, or in idle time before it: `PrefixCache.adopt_later`),
+and the session claims the pages nobody holds or computes. The reply to the
 OpenSession says how many positions the session holds (`StepResult.position`) and carries the span's outputs at them,
 unless the client asked for them later (`OpenSession.prefix_outputs` False): then the session keeps them (the pages'
 own output tensors, read-only: no copy) and `rpc_prefix_outputs` sends them to the peer that opened the session when
@@ -22,7 +23,9 @@ that fails, give up its claims (`_prefix_close`): its waiters compute those page
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -31,10 +34,10 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
 from server.compute.blocks import BlockSpan
-from server.compute.prefix_cache import PageKey, PrefixCache, page_digests
+from server.compute.prefix_cache import PageKey, PrefixCache, fill_when_idle, page_digests
 from server.rpc.limits import LimitError, RpcLimits
 from swarm.runtime.swarm_key import NOT_A_MEMBER
-from swarm.runtime.taskpool import PRIORITY_PREFILL, TaskPool
+from swarm.runtime.taskpool import PRIORITY_IDLE, PRIORITY_PREFILL, TaskPool
 from swarm.wire import protocol as P
 from swarm.wire.prefix_pages import PrefixSummary, summarize
 
@@ -56,6 +59,7 @@ class PrefixState:
     # the span's outputs at the positions adopted at the opening, one [1, P, hidden] per page (read-only), kept for
     # `rpc_prefix_outputs` when the opening's reply did not carry them
     adopted: List[torch.Tensor] = field(default_factory=list)
+    filling: Optional["asyncio.Future"] = None  # the idle-time copy of the adopted pages (`fill_when_idle`)
 
 
 class PrefixHandler:
@@ -96,12 +100,10 @@ class PrefixHandler:
         state.claimed = [i for i in range(count, len(keys)) if keys[i] in claimed]
         outputs = None
         if count:
-            pages = cache.pages_of(keys[:count])
-            try:
-                state.adopted = await self.pool.submit(PRIORITY_PREFILL, cache.adopt, kv, pages, size)
-            except BaseException:
-                self._prefix_close(state)  # (the stream never holds this state: its claims go now)
-                raise
+            # the session holds the pages now; their copy into its cache is done by its first step, or in idle time
+            # before it (`PrefixCache.adopt_later`): the opening's reply waits for no compute
+            state.adopted = cache.adopt_later(kv, cache.pages_of(keys[:count]), size)
+            state.filling = self.pool.submit(PRIORITY_IDLE, fill_when_idle, weakref.ref(kv))
             cache.counters.pages_hit += count
             state.next_page, state.written = count, count * size
             if opened.prefix_outputs:  # sent in the reply: not kept

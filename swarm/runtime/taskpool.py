@@ -55,6 +55,9 @@ PRIORITY_DECODE = 0
 PRIORITY_PREFILL = 1
 PRIORITY_FORWARD = 2
 PRIORITY_TRAINING = 3  # training forward/backward pieces (one block of a sub-batch each): below all inference
+# work that only fills idle time, because whoever needs it first does it on the spot (a prefix adoption's copy:
+# `server.compute.prefix_cache.PrefixCache.adopt_later`)
+PRIORITY_IDLE = 4
 PRIORITY_INFERENCE = PRIORITY_DECODE
 OVERLAP_MEMORY = 1.0  # seconds after tasks last overlapped during which threads adapt to the free cores
 GATHER_MAX = 0.020  # longest wait (seconds) for a batch's missing sources

@@ -5,13 +5,14 @@ swarm: tests/e2e/test_prefix_cache.py."""
 from __future__ import annotations
 
 import asyncio
+import weakref
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from server.compute.cache import CacheBudget, OutOfCacheError, SessionKV
-from server.compute.prefix_cache import PrefixCache, page_digests
+from server.compute.prefix_cache import PrefixCache, fill_when_idle, page_digests
 from server.rpc.limits import RpcLimits
 from server.rpc.prefix import PrefixHandler
 from swarm.runtime.taskpool import TaskPool
@@ -110,6 +111,67 @@ def test_adoption_copies_a_pages_keys_values_and_outputs():
         assert torch.equal(a[:, :, :32], b[:, :, :32])
 
 
+def test_a_copy_left_pending_is_done_once_by_the_first_step_or_in_idle_time(caplog):
+    """`adopt_later`: the session holds the pages at once; their copy is done by whatever touches its cache first (a
+    step's `begin_step`, a beam reorder) or by the idle-time task, once: the task after a step changes nothing. A
+    closed session's task does nothing; a failed copy leaves the session holding nothing (its next step refused)."""
+    cache = PrefixCache(CacheBudget(1024), page_tokens=16)
+    filled = _kv()
+    filled.begin_step(0)
+    for buf in filled.keys + filled.values:
+        buf.normal_()
+    filled.end_step(32)
+    outputs = torch.randn(1, 32, 8)
+    pages = [cache.cut(filled, i, 16, outputs) for i in range(2)]
+
+    def holds_pages(kv: SessionKV) -> bool:
+        return all(torch.equal(a[:, :, :32], b[:, :, :32]) for a, b in zip(kv.keys + kv.values,
+                                                                           filled.keys + filled.values))
+
+    stepped = _kv()
+    for buf in stepped.keys + stepped.values:
+        buf.fill_(float("nan"))  # (what uncopied positions would hold: not the pages)
+    adopted = cache.adopt_later(stepped, pages, 16)
+    assert stepped.length == 32 and stepped.pending is not None and not holds_pages(stepped)
+    assert [a.data_ptr() for a in adopted] == [p.outputs.data_ptr() for p in pages]
+    stepped.begin_step(32)  # the first step: the copy, then its own positions
+    assert stepped.pending is None and holds_pages(stepped)
+    for buf in stepped.keys + stepped.values:
+        buf[:, :, 32:40].normal_()
+    stepped.end_step(8)
+    own = [buf[:, :, 32:40].clone() for buf in stepped.keys + stepped.values]
+    fill_when_idle(weakref.ref(stepped))  # the idle task came after the step: nothing left to do
+    assert holds_pages(stepped) and stepped.length == 40
+    assert all(torch.equal(a, buf[:, :, 32:40]) for a, buf in zip(own, stepped.keys + stepped.values))
+
+    idle = _kv()
+    cache.adopt_later(idle, pages, 16)
+    fill_when_idle(weakref.ref(idle))
+    assert idle.pending is None and holds_pages(idle) and idle.length == 32
+    reordered = _kv()
+    cache.adopt_later(reordered, pages, 16)
+    reordered.reorder(torch.tensor([0]), 32)
+    assert reordered.pending is None and holds_pages(reordered)
+    closed = _kv()
+    cache.adopt_later(closed, pages, 16)
+    ref = weakref.ref(closed)
+    del closed
+    fill_when_idle(ref)  # (nothing: the session is gone)
+
+    def broken(kv: SessionKV) -> None:
+        raise RuntimeError("no memory")
+
+    failing = _kv()
+    cache.adopt_later(failing, pages, 16)
+    failing.pending = broken
+    with caplog.at_level("ERROR"):
+        fill_when_idle(weakref.ref(failing))
+    assert "adopted prefix" in caplog.text and failing.length == 0 and failing.pending is None
+    failing.pending = broken
+    with pytest.raises(RuntimeError):
+        failing.begin_step(0)  # on a step: its error
+
+
 def _handler(page_tokens: int) -> PrefixHandler:
     handler = PrefixHandler()
     handler.span = SimpleNamespace(by_length=False, hidden_size=8)  # type: ignore[assignment]
@@ -148,6 +210,7 @@ def test_a_session_stores_the_declared_prompts_pages_and_the_next_adopts_them():
         second = _kv()
         state2, adopted = await handler._prefix_open(second, _opened(TOKENS[:12]))
         assert adopted is not None and torch.equal(adopted, out[:, :8]) and second.length == 8
+        await state2.filling  # (the copy: in idle time, or by the session's first step)
         assert torch.equal(second.keys[1][:, :, :8], first.keys[1][:, :, :8])
         other, none = await handler._prefix_open(_kv(), _opened(TOKENS[:12], salt="t"))
         assert none is None  # another salt: nothing shared
