@@ -48,10 +48,18 @@ class Cancelled(Exception):
     """The client went away: the generation stops before its next step."""
 
 
+class ShuttingDown(RuntimeError):
+    """The gateway is stopping: a generation still running ends with a 503 error event that says so (not an
+    internal error: nothing failed)."""
+
+
 def swarm_error(e: BaseException) -> APIError:
     """The client-facing error for a failure of the swarm (routing, a server, a timeout)."""
     if isinstance(e, APIError):
         return e
+    if isinstance(e, ShuttingDown):
+        return unavailable("The gateway is shutting down; send the request again (to another gateway).",
+                           code="shutting_down")
     if isinstance(e, RoutingError):
         return unavailable(f"The swarm cannot serve this model right now: {e}", code="swarm_unavailable")
     if isinstance(e, (SessionError, RemoteError, P2PDaemonError, P2PHandlerError, TimeoutError, OSError)):

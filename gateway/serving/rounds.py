@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, ca
 
 import torch
 
-from gateway.serving.events import batched_events
+from gateway.serving.events import ShuttingDown, batched_events
 from swarm.client.api import (
     DecodeLoop,
     OutputsRetracted,
@@ -195,7 +195,7 @@ class EngineRounds:
         and pick take its first tokens with every other row (no head of its own on the compute thread)."""
         with self._wake:
             if self._stopped:
-                raise RuntimeError("the engine is shutting down")
+                raise ShuttingDown("the engine is shutting down")
             self._joining.append(member)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, name="engine-round", daemon=True)
@@ -223,7 +223,7 @@ class EngineRounds:
                     self._wake.wait()
                 if self._stopped:
                     for m in active + self._joining:
-                        self._leave(m, RuntimeError("the engine is shutting down"))
+                        self._leave(m, ShuttingDown("the engine is shutting down"))
                     self._joining.clear()
                     return
                 active += self._joining

@@ -672,3 +672,19 @@ def test_metrics_label_each_servers_prefix_cache_counters_and_read_them_once_per
     metrics.prefix_collector._read = None  # the period is over
     text = metrics.render()
     assert len(calls) == 2 and b"swarmgate_server_prefix" not in text and b"swarmgate_requests" in text
+
+
+def test_a_generation_ended_by_the_gateways_shutdown_is_a_503_that_says_so(caplog):
+    """A generation that joins the engine rounds after (or is in them when) the gateway starts stopping ends with
+    `ShuttingDown`: a 503 `shutting_down` error for its client, no traceback in the log (nothing failed)."""
+    from gateway.serving.events import ShuttingDown, swarm_error
+    from gateway.serving.rounds import EngineRounds
+
+    rounds = EngineRounds(vocab_size=8)
+    rounds.shutdown()
+    with pytest.raises(ShuttingDown) as raised:
+        rounds.run(object())  # type: ignore[arg-type]
+    with caplog.at_level("ERROR"):
+        error = swarm_error(raised.value)
+    assert (error.status, error.code) == (503, "shutting_down") and "shutting down" in error.message
+    assert caplog.text == ""
