@@ -57,7 +57,7 @@ from gateway.serving.sessions import SessionProvider
 from gateway.serving.tokens import Tokens
 from gateway.store import Store, StoreError, open_store
 from swarm.client.api import load_draft_model
-from swarm.runtime import malloc
+from swarm.runtime import aio, malloc
 from swarm.runtime.taskpool import stop_client_pool
 
 logger = logging.getLogger("swarmgate.gateway")
@@ -336,6 +336,7 @@ def main(argv=None) -> int:
     if not config.initial_peers:
         parser.error("--initial_peers is required: the multiaddr(s) of a peer of the swarm")
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    aio.use_loop(config.event_loop)  # (before the client model starts its loop)
     if config.num_threads:
         import torch
 
@@ -368,7 +369,7 @@ def main(argv=None) -> int:
         # returns here, so that the client model's DHT (a child process) is shut down instead of orphaned
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: None)
-        asyncio.run(_serve(app, config, sock))
+        aio.run_main(_serve(app, config, sock))
         logger.info("stopping: closing the swarm client")
         code = 0
     except (ValueError, RuntimeError, OSError) as e:

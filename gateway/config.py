@@ -13,6 +13,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from swarm.client.api import MAX_DRAFT_TOKENS, normalize_quant_types
 from swarm.modeling.smallgemm import valid_packed_rows
+from swarm.runtime.aio import parse_event_loop
 from swarm.runtime.config import parse_device
 from swarm.runtime.swarm_key import SwarmKeySettings
 from swarm.wire.compression import COMPRESSION_HELP, Compression
@@ -134,6 +135,8 @@ class GatewayConfig(SwarmKeySettings):
     device: str = Field(default="cpu", description="where the local embeddings, norm and LM head run (cpu, cuda, "
                                                    "cuda:N); token ids and logits stay on the CPU")
     num_threads: Optional[int] = Field(default=None, gt=0, description="torch intra-op threads")
+    event_loop: str = Field(default="auto", description="the event loops of the HTTP API and of the swarm client: "
+                                                        "auto (uvloop where installed), uvloop or asyncio")
     log_level: str = Field(default="INFO", description="logging level")
 
     @field_validator("model", mode="before")
@@ -176,6 +179,11 @@ class GatewayConfig(SwarmKeySettings):
     @classmethod
     def _valid_device(cls, value: str) -> str:
         return parse_device(value)
+
+    @field_validator("event_loop")
+    @classmethod
+    def _valid_event_loop(cls, value: str) -> str:
+        return parse_event_loop(value)
 
     @field_validator("head_packed_rows")
     @classmethod

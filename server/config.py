@@ -17,6 +17,7 @@ from swarm.modeling.lora_files import ADAPTERS_HELP, AdapterSource
 from swarm.modeling.quantize import QUANT_TYPE_HELP
 from swarm.modeling.smallgemm import valid_packed_rows
 from swarm.modeling.tensor_parallel import distinct_devices, parse_devices
+from swarm.runtime.aio import parse_event_loop
 from swarm.runtime.config import parse_device, parse_span
 from swarm.runtime.relays import RelaySettings
 from swarm.runtime.swarm_key import SwarmKeySettings
@@ -157,6 +158,8 @@ class ServerConfig(SwarmKeySettings, RelaySettings):
     max_disk_space: Optional[str] = Field(default=None, description="size limit of the download cache (e.g. 50GB); "
                                                                      "least recently used files are evicted")
     num_threads: Optional[int] = Field(default=None, gt=0, description="torch intra-op threads")
+    event_loop: str = Field(default="auto", description="the event loop of the server's RPCs: auto (uvloop where "
+                                                        "installed), uvloop or asyncio")
     public_name: str = Field(default="", max_length=128,
                              description="a name for this server shown on swarm status pages (e.g. who runs it)")
     log_level: str = Field(default="INFO", description="logging level")
@@ -192,6 +195,11 @@ class ServerConfig(SwarmKeySettings, RelaySettings):
     @classmethod
     def _valid_device(cls, value: str) -> str:
         return parse_device(value)
+
+    @field_validator("event_loop")
+    @classmethod
+    def _valid_event_loop(cls, value: str) -> str:
+        return parse_event_loop(value)
 
     @field_validator("tensor_parallel_devices")
     @classmethod

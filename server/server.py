@@ -69,7 +69,7 @@ from swarm.modeling.prepare import resolve_model
 from swarm.modeling.quantize import check_quant_support, resolve_quant_type
 from swarm.modeling.shape import ModelShape
 from swarm.modeling.tensor_parallel import TensorParallelError, check_splittable
-from swarm.runtime import lifecycle, malloc
+from swarm.runtime import aio, lifecycle, malloc
 from swarm.runtime.config import parse_span
 from swarm.runtime.cpu_turns import turns_for
 from swarm.runtime.dht_traffic import read_dht_traffic_async
@@ -416,7 +416,7 @@ def main(argv=None, server_class: Type[Server] = Server) -> int:
         torch.set_num_threads(config.num_threads)
     try:
         server = server_class(config)
-        return asyncio.run(server.run())
+        return aio.run_main(server.run(), config.event_loop)
     except TensorParallelError as e:  # a model or device list that cannot be split: a usage error, before the DHT
         logger.error(f"server failed: --tensor_parallel_devices: {e}")
         print(f"error: --tensor_parallel_devices: {e}", file=sys.stderr)
