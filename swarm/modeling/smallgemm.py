@@ -15,7 +15,9 @@ SmolLM2 blocks ([3072, 576] each) take 2.2 ms for 1 row, 6.9 ms for 8 and 6.2 ms
   was timed faster (`calibrate`, per row count, as each weight's product back to back). The timings are kept on
   disk (`<swarmgate cache>/gemm-calibration.json`, keyed by the CPU, torch's version, the product's shape, thread
   count and settings): every later process on the machine (each gateway start: ~0.5 s of CPU for SmolLM2's head)
-  takes them instead of timing again, and gets the same answer.
+  takes them instead of timing again, and gets the same answer. Processes starting at once may write the file
+  together: each write replaces it whole (`swarm.runtime.paths.write_json`), and a damaged file or entry is
+  timed again (one warning), never a failed start.
 Results differ from the plain product's in the last bits only (another summation order), as between batch sizes.
 
 `GemmGroup` makes the products (`gemm(weight, bias)` -> `SmallGemm`) of one compute thread (a server's span, a
@@ -29,6 +31,7 @@ large span does not stall one step (15 SmolLM2 blocks: about 0.4 s in all).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import platform
 import time
@@ -44,6 +47,8 @@ PLAIN, PADDED = 0, -1  # a row count's way: the plain product, padded to the mul
 # `GemmGroup.calibrate`'s timings in this process: (weight shape, has bias, threads, settings) -> {rows: padded}
 _TIMED: Dict[tuple, Dict[int, bool]] = {}
 CALIBRATION_FILE = "gemm-calibration.json"
+_WARNED_ENTRY = False  # a damaged entry of the file was warned of (once per process)
+logger = logging.getLogger(__name__)
 
 
 def _calibration_path() -> Path:
@@ -63,12 +68,30 @@ def _machine() -> str:
 
 
 def _stored(key: tuple) -> Optional[Dict[int, bool]]:
-    """The timing kept on disk for `key` on this machine, if any (a damaged file: none)."""
-    try:
-        entry = read_json(_calibration_path()).get(_machine(), {}).get(repr(key))
-        return {int(rows): bool(padded) for rows, padded in entry.items()} if isinstance(entry, dict) else None
-    except (ValueError, AttributeError, TypeError):
+    """The timing kept on disk for `key` on this machine, if any. A damaged file (unreadable, half-written, not the
+    shape `_store` writes) is none, with one warning (`read_json`'s, or this one for a damaged entry): the product
+    is timed again and the file's entry replaced."""
+    path = _calibration_path()
+    entries = read_json(path).get(_machine())
+    entry = entries.get(repr(key)) if isinstance(entries, dict) else None
+    if entry is None:
+        if entries is not None and not isinstance(entries, dict):
+            _damaged_entry(path, f"this machine's timings are a {type(entries).__name__}")
         return None
+    try:
+        if not isinstance(entry, dict) or not all(isinstance(v, bool) for v in entry.values()):
+            raise ValueError(f"not an object of true/false by row count: {entry!r:.80}")
+        return {int(rows): padded for rows, padded in entry.items()}
+    except ValueError as e:
+        _damaged_entry(path, e)
+        return None
+
+
+def _damaged_entry(path: Path, why: object) -> None:
+    global _WARNED_ENTRY
+    if not _WARNED_ENTRY:
+        _WARNED_ENTRY = True
+        logger.warning(f"{path}: a damaged timing ({why}): timed again")
 
 
 def _store(key: tuple, padded: Dict[int, bool]) -> None:

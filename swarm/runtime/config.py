@@ -171,10 +171,17 @@ def parse_span(text: str) -> tuple[int, int]:
 
 
 def parse_device(text: str) -> str:
-    """A torch device name for `--device`: 'cpu', 'cuda' or 'cuda:N' (returned as given); a ValueError with a
-    readable message otherwise. Whether the device exists is checked where it is used (a process's start)."""
-    import re
+    """A torch device name for `--device`: what `torch.device` accepts of type cpu or cuda ('cpu', 'cpu:N', 'cuda',
+    'cuda:N'; not 'cuda:01' or ' cuda', which torch refuses), as torch spells it, except that 'cpu:N' is 'cpu'
+    (torch has one CPU device: a CPU tensor's device is 'cpu' whatever index it was made with, so the name compares
+    equal to it); a ValueError with a readable message otherwise. Whether the device exists is checked where it is
+    used (a process's start)."""
+    import torch
 
-    if not isinstance(text, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+    try:
+        device = torch.device(text) if isinstance(text, str) else None
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
         raise ValueError(f"unknown device {text!r}: use cpu, cuda or cuda:N")
-    return text
+    return "cpu" if device.type == "cpu" else str(device)

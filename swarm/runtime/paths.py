@@ -4,14 +4,20 @@ The root is `SWARMGATE_CACHE` if set, else `~/.cache/swarmgate`. Under it: `mode
 converted by `swarm.modeling.prepare`) and the files of other owners (e.g. the throughput cache of
 `server.placement.throughput`). Hub downloads go to the Hugging Face cache or a given `cache_dir` instead
 (`swarm.modeling.disk_cache`). The owners' small JSON files are read and written through `read_json` and
-`write_json` (a missing or damaged file reads as empty; a write replaces the file atomically).
+`write_json` (a missing or damaged file reads as empty, a damaged one with a warning; a write replaces the file
+atomically, so that processes writing one file at once leave one of their files whole, never a mix).
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
+import uuid
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Set
+
+logger = logging.getLogger(__name__)
+_WARNED: Set[str] = set()  # damaged files already warned of in this process
 
 
 def cache_root() -> Path:
@@ -26,18 +32,43 @@ def models_root() -> Path:
 
 
 def read_json(path: Path) -> Dict[str, Any]:
-    """A JSON object file's contents; {} where it is missing, unreadable or not an object."""
+    """A JSON object file's contents; {} where it is missing, unreadable or not an object (a damaged file: its owner
+    starts afresh, and the next `write_json` replaces it), with one warning per file and process for a file that is
+    there but damaged."""
     try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
+        text = path.read_text()
+    except FileNotFoundError:
         return {}
+    except (OSError, ValueError) as e:  # (ValueError: not UTF-8)
+        return _damaged(path, e)
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        return _damaged(path, e)
+    return data if isinstance(data, dict) else _damaged(path, f"a JSON {type(data).__name__}, not an object")
+
+
+def _damaged(path: Path, why: object) -> Dict[str, Any]:
+    if str(path) not in _WARNED:
+        _WARNED.add(str(path))
+        logger.warning(f"{path} is unreadable ({why}): treated as absent (it is replaced at the next write)")
+    return {}
 
 
 def write_json(path: Path, data: Dict[str, Any]) -> None:
-    """Write `data` to `path` atomically (readers see the old or the new file, never half of one); creates the
-    directory. Raises OSError (a read-only cache: the caller decides)."""
+    """Write `data` to `path` atomically: into a temporary file of its own (unique to this call, so that threads and
+    processes writing at once never share one) in the same directory, then renamed over `path`, so readers see the
+    old or the new file, never half of one; the temporary file is removed if anything fails. Creates the directory.
+    Raises OSError (a read-only cache: the caller decides)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "x") as f:  # ("x": never another writer's file)
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

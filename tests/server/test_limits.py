@@ -129,6 +129,21 @@ def test_the_prefill_pass_budget_flag_defaults_by_device_and_is_checked():
         ServerConfig(model="m", device="gpu0")
 
 
+def test_the_device_flag_takes_what_torch_takes_of_cpu_and_cuda():
+    from swarm.runtime.config import parse_device
+
+    for name in ("cpu", "cpu:0", "cpu:3", "cuda", "cuda:0", "cuda:12"):
+        torch.device(name)  # torch takes each
+        assert ServerConfig(model="m", device=name).device == ("cpu" if name.startswith("cpu") else name)
+    # a CPU tensor's device is 'cpu' whatever index it was made with: the name compares equal to it
+    assert torch.zeros(1, device=parse_device("cpu:0")).device == torch.device(parse_device("cpu:0"))
+    for name in ("cuda:01", "cuda:", "cuda:-1", " cuda", "CUDA", "cuda:\u0663", "gpu0", "mps", "meta", "cuda:0:1"):
+        with pytest.raises(ValueError, match=r"unknown device .*: use cpu, cuda or cuda:N"):
+            parse_device(name)
+        with pytest.raises(ValueError, match="device"):
+            ServerConfig(model="m", device=name)
+
+
 def test_sessions_per_peer_and_open_streams(capped):
     m, server = capped
     a, b = Stream(m, server.peer_id).start(), Stream(m, server.peer_id).start()

@@ -393,6 +393,19 @@ class SwarmManager:
         return self._route(choose_training_chain, start, end, load=dict(load or {}), adapter=adapter,
                            needs=needs_for(adapter=adapter, training=True, prompts=prompts))
 
+    def training_route_without(self, peer_id: str, start: int, end: int, adapter: Optional[str] = None,
+                               prompts: bool = False) -> bool:
+        """Whether a training chain over blocks [start, end) (as `make_training_chain` asks) can be routed without
+        `peer_id` (nor the banned servers) in the view read again now (a server that left no longer counts, nor
+        does one that joined go unseen): False where it alone serves some of them. Blocks on a DHT read."""
+        try:
+            choose_training_chain(self.update(force=True), start, end, banned=[*self.banned(), peer_id],
+                                  allowed_quant_types=self.config.allowed_quant_types, adapter=adapter,
+                                  needs=needs_for(adapter=adapter, training=True, prompts=prompts))
+        except RoutingError:
+            return False
+        return True
+
     # ---- RPC ----------------------------------------------------------------------------------------------
     def stub(self, peer_id: str):
         """A stub for `peer_id` whose calls carry this peer's membership proof (private swarms). Made once per peer

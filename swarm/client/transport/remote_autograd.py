@@ -15,7 +15,10 @@ adapter, only servers that hold it are used, and each call names it (`TrainForwa
   (its record, read again at once, is no longer online) is dropped from the view instead, without a ban or a try
   (`SwarmManager.settle_failures`, the rule inference sessions and forward passes follow too). A call that ended
   without any reply (its stream or connection dropped: no answer, not an error from the server) is first sent once
-  more to the same server: a span's only server is not banned for a transport hiccup. In backward, a span whose
+  more to the same server: a span's only server is not banned for a transport hiccup. If the resend got no reply
+  either, the server is banned and failed over as above only where another server serves its blocks; where it
+  alone serves some of them (a ban would leave no route: the pass would fail on a server that may well be up) it
+  is not banned and the pass routes again, to it, as a try. In backward, a span whose
   server left is rerouted over whatever chain now covers it; the new chain's inner inputs are recomputed by
   training forwards before the gradients go back through it.
 """
@@ -128,18 +131,26 @@ class RemoteBlocks:
     def _route(self, start: int, end: int, adapter: Optional[str], prompts: bool = False) -> List[RouteHop]:
         return self.manager.make_training_chain(start, end, load=self.load, adapter=adapter, prompts=prompts)
 
-    async def _failed(self, hop: RouteHop, error: BaseException, tries: int) -> int:
+    async def _failed(self, hop: RouteHop, error: BaseException, tries: int, adapter: Optional[str],
+                      prompts: bool) -> int:
         """The tries of a pass after its call to `hop` failed with `error`: a server that left the swarm (its record
-        is no longer online) is dropped without a ban and costs no try; any other is banned and counted
-        (`SwarmManager.settle_failures`). Raises when the request itself is wrong or the tries run out."""
+        is no longer online) is dropped without a ban and costs no try; a call that got no reply (resent already)
+        from a server that alone serves some of its blocks is counted without a ban (the pass routes to it again);
+        any other is banned and counted (`SwarmManager.settle_failures`). Raises when the request itself is wrong
+        or the tries run out. `adapter`, `prompts`: the pass's (what a route without the server must take)."""
         logger.warning(f"training call to {hop.peer_id} (blocks {hop.start}:{hop.end}) failed: {error}")
         if isinstance(error, P.RemoteError) and error.code == "bad_request" and "not served here" not in error.message:
             raise error  # the request itself is wrong: another server would refuse it too
-        left = await asyncio.get_running_loop().run_in_executor(None, self.manager.settle_failures,
-                                                                [(hop.peer_id, None)])
-        if hop.peer_id in left:
-            return tries
-        self.failed.append(hop.peer_id)
+        loop = asyncio.get_running_loop()
+        if no_reply(error) and not await loop.run_in_executor(None, self.manager.training_route_without, hop.peer_id,
+                                                              hop.start, hop.end, adapter, prompts):
+            logger.info(f"{hop.peer_id} alone serves some of blocks {hop.start}:{hop.end}: not banned for a call "
+                        f"that got no reply; routing to it again")
+        else:
+            left = await loop.run_in_executor(None, self.manager.settle_failures, [(hop.peer_id, None)])
+            if hop.peer_id in left:
+                return tries
+            self.failed.append(hop.peer_id)
         if tries + 1 > self.manager.config.max_retries:
             raise TrainingError(f"training pass failed after {tries + 1} tries: {error}") from error
         return tries + 1
@@ -157,7 +168,7 @@ class RemoteBlocks:
                 try:
                     y = await self._forward_hop(hop, x, prompts, adapter)
                 except Exception as e:
-                    tries = await self._failed(hop, e, tries)
+                    tries = await self._failed(hop, e, tries, adapter, prompts is not None)
                     break  # route the rest again from this hop's first block
                 records.append((hop.start, hop.end, x))
                 x, position = y, hop.end
@@ -184,7 +195,7 @@ class RemoteBlocks:
                 grad_prompts = torch.cat(grads_p[::-1]) if prompts is not None else None
                 return g, grad_prompts
             except Exception as e:
-                tries = await self._failed(hop, e, tries)
+                tries = await self._failed(hop, e, tries, adapter, prompts is not None)
 
     async def _backward_rows(self, records: List[Record], grad: torch.Tensor, prompts: Optional[torch.Tensor],
                              adapter: Optional[str]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -130,3 +130,83 @@ def test_settle_failures_bans_only_the_servers_still_online_and_counts_all_when_
     manager = _swarm([make_span("gone", 0, 30)], [], max_retries=0)
     manager.update = unreadable
     assert manager.settle_failures([("gone", None)]) == set() and manager.banned() == ["gone"]
+
+
+class DroppingStub:
+    """A server's training RPCs that answer, in turn, with each of `script`: 'lost' (the connection reset before
+    the call reached the server: a `ConnectionResetError`), 'dropped' (the stream ended without any reply), or
+    'served' (the reply: the first request tensor + 1)."""
+
+    def __init__(self, script: List[str]):
+        self.script = list(script)
+        self.calls: List[str] = []
+
+    def __getattr__(self, rpc: str):
+        async def call(requests):
+            from hivemind.proto import runtime_pb2
+
+            from swarm.wire import protocol as P
+            from swarm.wire import streaming
+
+            sent = [request async for request in requests]
+            what = self.script.pop(0)
+            self.calls.append(what)
+            if what == "lost":
+                raise ConnectionResetError("the connection was reset")
+            _, parts = await streaming.collect(as_aiter(sent), 1 << 30)
+            first = streaming.unpack(parts)[0]
+            replies = [] if what == "dropped" else streaming.pack(runtime_pb2.ExpertResponse, P.TrainResult(),
+                                                                  [first + 1])
+            return as_aiter(replies)
+
+        return call
+
+
+def as_aiter(items):
+    async def gen():
+        for item in items:
+            yield item
+
+    return gen()
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["train_forward", "train_backward"])
+def test_a_sole_server_whose_call_and_resend_got_no_reply_is_called_again_not_banned(monkeypatch, backward: bool):
+    """The sequence ci19 met (`test_training_failover.py`, a span's only server dropping a call's reply once): the
+    call's connection was reset before it reached the server, then its resend was the call the server dropped.
+    Banning the only server left no route at all (RoutingError); it is called again instead, as a try."""
+    from swarm.client.transport import remote_autograd
+
+    monkeypatch.setattr(remote_autograd, "RESEND_PAUSE", 0.0)
+    only = make_span("only", 0, 30)
+    manager = _swarm([only], [only], max_retries=3)
+    stub = DroppingStub(["lost", "dropped", "served"])
+    manager.stub = lambda peer_id: stub  # type: ignore[method-assign]
+    blocks = RemoteBlocks(manager)
+    if backward:
+        grad, _ = asyncio.run(blocks._backward_span(0, 30, HIDDEN, HIDDEN, None, None))
+        assert torch.equal(grad, HIDDEN + 1)
+    else:
+        out, _ = asyncio.run(blocks._forward_rows(HIDDEN, None, None))
+        assert torch.equal(out, HIDDEN + 1)
+    assert stub.calls == ["lost", "dropped", "served"] and blocks.resent == 1 and blocks.calls == 3
+    assert manager.banned() == [] and blocks.failed == []
+
+    # a sole server that never answers: the pass ends after its tries (each a call and its resend), unbanned
+    stub = DroppingStub(["dropped"] * 4)
+    manager = _swarm([only], [only], max_retries=1)
+    manager.stub = lambda peer_id: stub  # type: ignore[method-assign]
+    with pytest.raises(TrainingError, match="after 2 tries"):
+        asyncio.run(RemoteBlocks(manager)._forward_rows(HIDDEN, None, None))
+    assert stub.calls == ["dropped"] * 4 and manager.banned() == []
+
+    # where another server serves the blocks (routing prefers `only`: the least load per throughput), the one whose
+    # call and resend got no reply is banned and failed over
+    stub, other = DroppingStub(["dropped", "dropped"]), DroppingStub(["served"])
+    spans = [only, make_span("other", 0, 30, throughput=1e-6)]
+    manager = _swarm(spans, spans, max_retries=1)
+    manager.stub = lambda peer_id: stub if peer_id == "only" else other  # type: ignore[method-assign]
+    blocks = RemoteBlocks(manager)
+    out, _ = asyncio.run(blocks._forward_rows(HIDDEN, None, None))
+    assert torch.equal(out, HIDDEN + 1) and other.calls == ["served"]
+    assert manager.banned() == ["only"] and blocks.failed == ["only"]

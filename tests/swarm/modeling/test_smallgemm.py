@@ -2,6 +2,8 @@
 (beyond the last bits), and packed spans decode as plain ones do."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -96,6 +98,92 @@ def test_a_product_timed_on_this_machine_before_takes_the_kept_timing(monkeypatc
     (tmp_path / smallgemm.CALIBRATION_FILE).write_text("{not json")
     calls.clear()
     assert sorted(again(counted).padded) == [3, 4, 5, 6, 7] and calls
+
+
+def test_a_damaged_calibration_file_is_timed_again_with_one_warning_and_replaced(monkeypatch, tmp_path, caplog):
+    """A torn (half-written), non-JSON, non-UTF-8 or wrongly shaped file reads as absent: the product is timed again,
+    one warning says so, the process starts all the same, and the file is written whole again."""
+    import json
+
+    from swarm.modeling import smallgemm
+    from swarm.runtime import paths
+
+    monkeypatch.setenv("SWARMGATE_CACHE", str(tmp_path))
+    monkeypatch.setattr(smallgemm, "_TIMED", {})
+    GemmGroup([], multiple=8, trials=1).gemm(torch.randn(200, 40)).group.calibrate(min_rows=3)
+    path = tmp_path / smallgemm.CALIBRATION_FILE
+    whole = path.read_text()
+    (key, entry), = json.loads(whole)[smallgemm._machine()].items()
+    damaged = [whole[:len(whole) // 2], "", b"\xff\xfe{".decode("latin-1"), "[1, 2]",
+               json.dumps({smallgemm._machine(): 7}), json.dumps({smallgemm._machine(): {key: {"3": "yes"}}}),
+               json.dumps({smallgemm._machine(): {key: {"three": True}}})]
+    for text in damaged:
+        monkeypatch.setattr(smallgemm, "_TIMED", {})
+        monkeypatch.setattr(smallgemm, "_WARNED_ENTRY", False)
+        monkeypatch.setattr(paths, "_WARNED", set())
+        path.write_bytes(text.encode("latin-1"))
+        caplog.clear()
+        timed: list = []
+        real = SmallGemm.product
+        monkeypatch.setattr(SmallGemm, "product", lambda self, x, way: timed.append(way) or real(self, x, way))
+        group = GemmGroup([], multiple=8, trials=1)
+        gemms = [group.gemm(torch.randn(200, 40)) for _ in range(2)]  # (the file is read again before the write)
+        with caplog.at_level("WARNING"):
+            group.calibrate(min_rows=3)
+        assert timed and all(sorted(g.padded) == [3, 4, 5, 6, 7] for g in gemms), text
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and str(path) in warnings[0].getMessage(), (text, caplog.text)
+        assert json.loads(path.read_text())[smallgemm._machine()][key].keys() == entry.keys(), text
+        monkeypatch.setattr(SmallGemm, "product", real)
+    assert [p.name for p in tmp_path.iterdir()] == [smallgemm.CALIBRATION_FILE]
+
+
+def test_the_calibration_file_is_written_whole_by_writers_at_once_and_leaves_no_temporary_file(monkeypatch, tmp_path):
+    """Threads of one process (as processes) writing the file at once: every write succeeds, the file is always one
+    writer's whole file (read while they write), and no temporary file stays, nor after a write that failed."""
+    import json
+    import os
+    import threading
+
+    from swarm.runtime.paths import read_json, write_json
+
+    path = tmp_path / "gemm-calibration.json"
+    errors: list = []
+    seen: list = []
+    done = threading.Event()
+
+    def write(n: int) -> None:
+        try:
+            for i in range(60):
+                write_json(path, {"writer": n, "i": i, "rows": {str(r): bool(r % 2) for r in range(400)}})
+        except Exception as e:  # noqa: BLE001 - collected for the assertion
+            errors.append(e)
+
+    def read() -> None:
+        while not done.is_set():
+            if path.exists():
+                seen.append(json.loads(path.read_text()))  # never half a file: a torn one would not parse
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    writers = [threading.Thread(target=write, args=(n,)) for n in range(6)]
+    for t in writers:
+        t.start()
+    for t in writers:
+        t.join()
+    done.set()
+    reader.join()
+    assert errors == []
+    assert seen and all(len(d["rows"]) == 400 for d in seen)
+    assert read_json(path)["i"] == 59 and [p.name for p in tmp_path.iterdir()] == [path.name]
+
+    def failing_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", failing_replace)
+    with pytest.raises(OSError, match="disk full"):
+        write_json(path, {"a": 1})
+    assert [p.name for p in tmp_path.iterdir()] == [path.name] and read_json(path)["i"] == 59
 
 
 def test_only_contiguous_float32_cpu_weights_and_positive_row_counts():
