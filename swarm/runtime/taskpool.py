@@ -358,8 +358,13 @@ def _deliver(loop: Optional[asyncio.AbstractEventLoop], future, result: Any, err
     """Complete an asyncio future on its loop, or a concurrent future (plain callers) right here."""
     if loop is None:
         _resolve(future, result, error)
-    else:
+        return
+    try:
         loop.call_soon_threadsafe(_resolve, future, result, error)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
+        # the loop is gone (its process or server is stopping): nobody awaits the result (say, an idle-time task's)
 
 
 def _resolve(future, result: Any, error: Optional[BaseException]) -> None:

@@ -372,3 +372,28 @@ def test_each_pass_delivers_at_its_end_and_decode_steps_go_between_passes():
         t.join()
     pool.shutdown()
     assert order == [["a", "b"], ["step"], ["c"], "a and b back"]
+
+
+def test_a_result_for_a_loop_that_closed_meanwhile_is_dropped():
+    """A task submitted from an event loop that closes before the task ends (a stopping server's idle-time task): its
+    result is dropped; the compute thread raises nothing and goes on with the next task."""
+    import asyncio
+
+    pool = TaskPool()
+    gate = threading.Event()
+    loop = asyncio.new_event_loop()
+
+    async def submit():
+        return pool.submit(PRIORITY_DECODE, gate.wait, 10)  # (not awaited: the loop closes first)
+
+    loop.run_until_complete(submit())
+    loop.close()
+    gate.set()
+    answers: list = []
+    caller = threading.Thread(target=lambda: answers.append(pool.call(PRIORITY_DECODE, lambda: "next")), daemon=True)
+    caller.start()
+    caller.join(30)  # (a dead compute thread would never answer: a bound, not a timing)
+    try:
+        assert answers == ["next"] and pool.is_alive()
+    finally:
+        pool.shutdown(wait=5)
