@@ -93,15 +93,20 @@ def test_a_chain_is_evicted_from_its_end_so_its_first_pages_stay_adoptable():
     assert set(cache.pages) == set(chain[:2])
 
 
-def test_adoption_copies_a_pages_keys_values_and_outputs():
+def _two_pages():
+    """A cache of 16-token pages, a session part filled with 32 random positions, its outputs there, its two pages."""
     cache = PrefixCache(CacheBudget(1024), page_tokens=16)
     filled = _kv()
     filled.begin_step(0)
     for buf in filled.keys + filled.values:
         buf.normal_()
     filled.end_step(32)
-    outputs = torch.randn(1, 32, 8)
-    pages = [cache.cut(filled, i, 16, outputs) for i in range(2)]
+    outputs = torch.randn(1, 32, 8)  # [1, positions, hidden]
+    return cache, filled, outputs, [cache.cut(filled, i, 16, outputs) for i in range(2)]
+
+
+def test_adoption_copies_a_pages_keys_values_and_outputs():
+    cache, filled, outputs, pages = _two_pages()
     fresh = _kv()
     adopted = cache.adopt(fresh, pages, 16)
     # the pages' own outputs, one [1, P, hidden] per page (no copy: the session keeps them for rpc_prefix_outputs)
@@ -115,14 +120,7 @@ def test_a_copy_left_pending_is_done_once_by_the_first_step_or_in_idle_time(capl
     """`adopt_later`: the session holds the pages at once; their copy is done by whatever touches its cache first (a
     step's `begin_step`, a beam reorder) or by the idle-time task, once: the task after a step changes nothing. A
     closed session's task does nothing; a failed copy leaves the session holding nothing (its next step refused)."""
-    cache = PrefixCache(CacheBudget(1024), page_tokens=16)
-    filled = _kv()
-    filled.begin_step(0)
-    for buf in filled.keys + filled.values:
-        buf.normal_()
-    filled.end_step(32)
-    outputs = torch.randn(1, 32, 8)
-    pages = [cache.cut(filled, i, 16, outputs) for i in range(2)]
+    cache, filled, outputs, pages = _two_pages()
 
     def holds_pages(kv: SessionKV) -> bool:
         return all(torch.equal(a[:, :, :32], b[:, :, :32]) for a, b in zip(kv.keys + kv.values,
