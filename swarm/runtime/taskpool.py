@@ -2,8 +2,8 @@
 
 A block server's RPC handlers live on the asyncio loop and must never block it; they `submit` a function with a
 priority (decode steps, then prefill chunks, then forward passes, then training passes cut
-into one-block pieces) and await its result. A client's
-threads (one per conversation in the gateway) `call` it and block. One worker keeps torch's intra-op threads
+into one-block pieces, then idle-time work that whoever needs it first does on the spot) and await its result. A
+client's threads (one per conversation in the gateway) `call` it and block. One worker keeps torch's intra-op threads
 for a single pass at a time, so concurrent sessions do not thrash the cores, and it is the only thread of the
 process that starts OpenMP teams (`swarm.runtime.threads`). `submit_batchable` / `call_batchable` queue an item under a
 batch key: when the worker reaches such an item it takes every queued item with the same key and runs them
