@@ -140,7 +140,8 @@ class SessionKV:
     @torch.inference_mode()
     def reorder(self, hypo_ids: torch.Tensor, length: int) -> None:
         """Row i of positions [0, length) becomes what row hypo_ids[i] held, in every layer (beam search)."""
-        self.ready()
+        if self.pending is not None:  # (a deferred adoption: `ready`)
+            self.ready()
         hypo_ids = hypo_ids.to(self.keys[0].device)
         # (a tensor-parallel span's buffers may lie on several devices; values inside the keys move with them)
         for buf in self.keys + ([] if self.values_in_keys is not None else self.values):
@@ -160,7 +161,8 @@ class SessionKV:
     # ---- steps ----------------------------------------------------------------------------------------------
     def begin_step(self, start_position: int) -> None:
         """Start writing at `start_position` (<= length); positions after it are discarded."""
-        self.ready()
+        if self.pending is not None:  # (a deferred adoption: `ready`)
+            self.ready()
         assert 0 <= start_position <= self.length
         if not self.can_start_at(start_position):
             raise ValueError(f"cannot go back to position {start_position}: the sliding-window cache keeps only "

@@ -190,11 +190,9 @@ class PrefixCache:
     def adopt(kv: SessionKV, pages: Sequence[Page], page_tokens: int) -> List[torch.Tensor]:
         """Copy `pages` into the first positions of `kv` (which then holds them); returns their outputs, one
         [1, P, hidden] per page (the pages' own tensors, never written: read-only). (Runs on the compute thread.)"""
-        held = len(pages) * page_tokens
-        _copy_pages(kv, list(pages), held)
-        kv.begin_step(0)
-        kv.end_step(held)
-        return [page.outputs for page in pages]
+        outputs = PrefixCache.adopt_later(kv, pages, page_tokens)
+        kv.ready()
+        return outputs
 
     @staticmethod
     def adopt_later(kv: SessionKV, pages: Sequence[Page], page_tokens: int) -> List[torch.Tensor]:
@@ -271,8 +269,6 @@ def _copy_pages(kv: SessionKV, pages: List[Page], held: int) -> None:
     """The pages' keys (and values) into positions [0, held) of `kv`'s buffers."""
     # one `cat` per layer into the buffer's first positions (16 pages x 15 blocks x K/V of the bundled model: 30
     # calls, not 480 `copy_`s: ~1 ms less per adoption on one thread, bench/bench_prefix_pages.py)
-    if not pages:
-        return
     for buf, parts in zip(kv.keys, zip(*(page.keys for page in pages))):  # buf [1, kv_heads, length, dim]
         torch.cat(parts, dim=2, out=buf[:, :, :held])  # parts: per page [1, kv_heads, P, head_dim]
     if all(page.values is not None for page in pages):

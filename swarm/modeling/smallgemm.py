@@ -31,7 +31,6 @@ large span does not stall one step (15 SmolLM2 blocks: about 0.4 s in all).
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import platform
 import time
@@ -41,14 +40,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from swarm.runtime.paths import cache_root, read_json, write_json
+from swarm.runtime.paths import cache_root, read_json, warn_damaged, write_json
 
 PLAIN, PADDED = 0, -1  # a row count's way: the plain product, padded to the multiple, or a pack's row count
 # `GemmGroup.calibrate`'s timings in this process: (weight shape, has bias, threads, settings) -> {rows: padded}
 _TIMED: Dict[tuple, Dict[int, bool]] = {}
 CALIBRATION_FILE = "gemm-calibration.json"
-_WARNED_ENTRY = False  # a damaged entry of the file was warned of (once per process)
-logger = logging.getLogger(__name__)
 
 
 def _calibration_path() -> Path:
@@ -88,10 +85,7 @@ def _stored(key: tuple) -> Optional[Dict[int, bool]]:
 
 
 def _damaged_entry(path: Path, why: object) -> None:
-    global _WARNED_ENTRY
-    if not _WARNED_ENTRY:
-        _WARNED_ENTRY = True
-        logger.warning(f"{path}: a damaged timing ({why}): timed again")
+    warn_damaged(path, f"holds a damaged timing ({why}): timed again")
 
 
 def _store(key: tuple, padded: Dict[int, bool]) -> None:

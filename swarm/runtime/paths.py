@@ -49,10 +49,15 @@ def read_json(path: Path) -> Dict[str, Any]:
 
 
 def _damaged(path: Path, why: object) -> Dict[str, Any]:
+    warn_damaged(path, f"is unreadable ({why}): treated as absent (it is replaced at the next write)")
+    return {}
+
+
+def warn_damaged(path: Path, what: str) -> None:
+    """One warning per file and process that `path` (a cache file) is damaged: `what` says how and what is done."""
     if str(path) not in _WARNED:
         _WARNED.add(str(path))
-        logger.warning(f"{path} is unreadable ({why}): treated as absent (it is replaced at the next write)")
-    return {}
+        logger.warning(f"{path} {what}")
 
 
 def write_json(path: Path, data: Dict[str, Any]) -> None:

@@ -119,7 +119,6 @@ def test_a_damaged_calibration_file_is_timed_again_with_one_warning_and_replaced
                json.dumps({smallgemm._machine(): {key: {"three": True}}})]
     for text in damaged:
         monkeypatch.setattr(smallgemm, "_TIMED", {})
-        monkeypatch.setattr(smallgemm, "_WARNED_ENTRY", False)
         monkeypatch.setattr(paths, "_WARNED", set())
         path.write_bytes(text.encode("latin-1"))
         caplog.clear()
