@@ -24,6 +24,7 @@ from hivemind.proto import runtime_pb2
 
 from server.compute.blocks import BlockSpan
 from server.compute.cache import CacheBudget
+from server.compute.decode import host_outputs
 from server.rpc.inference import Counters
 from server.rpc.limits import LimitError, RpcLimits, StreamLimiter
 from server.rpc.push import PushRefused, PushRouter, PushSender
@@ -157,11 +158,14 @@ class BlockHandler(RoundHandler, TrainingHandler):
             return error("over_limit", str(e))
         except P.ProtocolError as e:
             return error("bad_request", str(e))
+        rows_padding = None if padding is None else torch.tensor(padding)
+
+        def forward() -> torch.Tensor:  # on the compute thread, the output brought to the host there
+            return host_outputs([self.span.forward(hidden, 0, None, message.start, message.end, message.adapter,
+                                                   rows_padding, rope_length=message.rope_length)])[0]
+
         try:
-            output = await self.pool.submit(
-                PRIORITY_FORWARD, partial(self.span.forward, rope_length=message.rope_length), hidden, 0, None,
-                message.start, message.end, message.adapter, None if padding is None else torch.tensor(padding)
-            )
+            output = await self.pool.submit(PRIORITY_FORWARD, forward)
         except Exception as e:
             logger.exception("forward failed")
             return error("internal", f"forward failed: {type(e).__name__}: {e}")

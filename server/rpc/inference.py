@@ -29,6 +29,7 @@ from hivemind.proto import runtime_pb2
 
 from server.compute.blocks import BlockSpan
 from server.compute.cache import CacheBudget, OutOfCacheError
+from server.compute.decode import host_outputs
 from server.rpc.limits import LimitError, RpcLimits, StreamLimiter
 from server.rpc.prefix import PrefixHandler
 from server.rpc.push import PushRouter, PushSender
@@ -383,10 +384,15 @@ class InferenceHandler(PrefixHandler, P.BlockRPC):
                 if isinstance(out, BaseException):  # this session's own failure (`_prefill_batch`)
                     raise out
             else:
-                out = await self.pool.submit(PRIORITY_PREFILL, partial(self.span.forward, prompts=prompts), chunk,
-                                             start_position + offset, kv, first, last)
+                out = await self.pool.submit(PRIORITY_PREFILL, self._forward_to_host, chunk, start_position + offset,
+                                             kv, first, last, prompts)
             outputs.append(out)
         return torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+
+    def _forward_to_host(self, hidden: torch.Tensor, start: int, kv, first: int, last: int,
+                         prompts: Optional[torch.Tensor]) -> torch.Tensor:
+        """On the compute thread: one session's step alone (`BlockSpan.forward`), its output on the host."""
+        return host_outputs([self.span.forward(hidden, start, kv, first, last, prompts=prompts)])[0]
 
     def _prefill_batch(self, items: list, first: int, last: int) -> list:
         """Prefill chunks of several sessions (items [(hidden [1, seq_i, hidden], start_i, kv_i)], what the task
@@ -409,11 +415,11 @@ class InferenceHandler(PrefixHandler, P.BlockRPC):
             if item is not None:
                 group.append(item)
                 tokens += item[0].shape[1]
-        return results
+        return host_outputs(results)
 
     def _decode_batch(self, items: list, first: int, last: int) -> list:
         began = time.perf_counter()
         try:
-            return self.span.forward_batch(items, first, last)
+            return host_outputs(self.span.forward_batch(items, first, last))
         finally:
             self.counters.compute_seconds += time.perf_counter() - began

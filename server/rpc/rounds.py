@@ -30,6 +30,7 @@ import torch
 from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
+from server.compute.decode import host_outputs
 from server.rpc.inference import InferenceHandler, _Stream
 from server.rpc.limits import LimitError
 from server.rpc.refusal import admitted
@@ -240,7 +241,7 @@ class RoundHandler(InferenceHandler):
         began = time.perf_counter()
         try:
             try:
-                return self.span.forward_batch(items, first, last)
+                return host_outputs(self.span.forward_batch(items, first, last))
             except Exception:  # noqa: BLE001 - each session alone: its own output or error
                 outputs: list = []
                 for item in items:
@@ -248,7 +249,7 @@ class RoundHandler(InferenceHandler):
                         outputs.append(self.span.forward_batch([item], first, last)[0])
                     except Exception as e:  # noqa: BLE001 - delivered to that row
                         outputs.append(e)
-                return outputs
+                return host_outputs(outputs)
         finally:
             self.counters.compute_seconds += time.perf_counter() - began
             self.pool.batches_done += 1

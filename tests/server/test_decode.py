@@ -212,3 +212,23 @@ def test_queued_prefills_run_in_passes_within_the_token_budget_and_match_each_al
         assert g.shape == e.shape
         assert torch.allclose(g, e, atol=1e-5, rtol=1e-5), (g - e).abs().max()
     assert [kv.length for kv in together] == [5, 4, 20, 3]
+
+
+def test_host_outputs_leaves_host_tensors_and_errors_as_they_are():
+    from server.compute.decode import host_outputs
+
+    outputs = [torch.randn(2, 1, 8), ValueError("that row's pass failed"), torch.randn(1, 3, 8)]
+    assert all(a is b for a, b in zip(host_outputs(outputs), outputs))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the copy from it is what is checked)")
+def test_host_outputs_brings_a_batch_from_the_gpu_in_one_copy_with_each_rows_part():
+    from server.compute.decode import host_outputs
+
+    rows = [torch.randn(b, 1, 8, device="cuda") for b in (2, 1, 3)]
+    odd = torch.randn(1, 5, 8, device="cuda")  # another shape: copied alone
+    error = RuntimeError("failed")
+    got = host_outputs([rows[0], error, rows[1], odd, rows[2]])
+    assert got[1] is error
+    for g, e in zip([got[0], got[2], got[3], got[4]], [rows[0], rows[1], odd, rows[2]]):
+        assert g.device.type == "cpu" and torch.equal(g, e.cpu())
