@@ -15,9 +15,9 @@ SmolLM2 blocks ([3072, 576] each) take 2.2 ms for 1 row, 6.9 ms for 8 and 6.2 ms
   was timed faster (`calibrate`, per row count, as each weight's product back to back). The timings are kept on
   disk (`<swarmgate cache>/gemm-calibration.json`, keyed by the CPU, torch's version, the product's shape, thread
   count and settings): every later process on the machine (each gateway start: ~0.5 s of CPU for SmolLM2's head)
-  takes them instead of timing again, and gets the same answer. Processes starting at once may write the file
-  together: each write replaces it whole (`swarm.runtime.paths.write_json`), and a damaged file or entry is
-  timed again (one warning), never a failed start.
+  takes them instead of timing again, and gets the same answer. Processes starting at once add their entries one
+  at a time (a lock file beside it, `_store`), each write replaces the file whole (`swarm.runtime.paths.write_json`),
+  and a damaged file or entry is timed again (one warning), never a failed start.
 Results differ from the plain product's in the last bits only (another summation order), as between batch sizes.
 
 `GemmGroup` makes the products (`gemm(weight, bias)` -> `SmallGemm`) of one compute thread (a server's span, a
@@ -39,6 +39,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
+from filelock import FileLock, Timeout
 
 from swarm.runtime.paths import cache_root, read_json, warn_damaged, write_json
 
@@ -46,6 +47,7 @@ PLAIN, PADDED = 0, -1  # a row count's way: the plain product, padded to the mul
 # `GemmGroup.calibrate`'s timings in this process: (weight shape, has bias, threads, settings) -> {rows: padded}
 _TIMED: Dict[tuple, Dict[int, bool]] = {}
 CALIBRATION_FILE = "gemm-calibration.json"
+STORE_LOCK_TIMEOUT = 10.0  # seconds to wait for another process's write of the file
 
 
 def _calibration_path() -> Path:
@@ -89,17 +91,19 @@ def _damaged_entry(path: Path, why: object) -> None:
 
 
 def _store(key: tuple, padded: Dict[int, bool]) -> None:
-    """Add a timing to the file (read again first: other processes add theirs)."""
+    """Add a timing to the file: read again and written under a lock file beside it, so that processes adding theirs
+    at once keep each other's (each would otherwise write back what it read, without the other's new entry)."""
     path = _calibration_path()
-    data = read_json(path)
-    entries = data.get(_machine())
-    if not isinstance(entries, dict):
-        entries = data[_machine()] = {}
-    entries[repr(key)] = {str(rows): value for rows, value in padded.items()}
     try:
-        write_json(path, data)
-    except OSError:
-        pass  # a read-only cache: this process's timing stays its own
+        with FileLock(str(path.with_name(f".{path.name}.lock")), timeout=STORE_LOCK_TIMEOUT):
+            data = read_json(path)
+            entries = data.get(_machine())
+            if not isinstance(entries, dict):
+                entries = data[_machine()] = {}
+            entries[repr(key)] = {str(rows): value for rows, value in padded.items()}
+            write_json(path, data)
+    except (OSError, Timeout):
+        pass  # a read-only cache, or a writer that holds the lock too long: this process's timing stays its own
 
 
 def valid_packed_rows(value: Sequence[int]) -> List[int]:

@@ -134,7 +134,40 @@ def test_a_damaged_calibration_file_is_timed_again_with_one_warning_and_replaced
         assert len(warnings) == 1 and str(path) in warnings[0].getMessage(), (text, caplog.text)
         assert json.loads(path.read_text())[smallgemm._machine()][key].keys() == entry.keys(), text
         monkeypatch.setattr(SmallGemm, "product", real)
-    assert [p.name for p in tmp_path.iterdir()] == [smallgemm.CALIBRATION_FILE]
+    assert [p.name for p in tmp_path.iterdir() if p.suffix != ".lock"] == [smallgemm.CALIBRATION_FILE]
+
+
+def test_processes_adding_timings_at_once_keep_each_others(monkeypatch, tmp_path):
+    """Two writers add their entries at once: the first reads the file, and the second adds its entry before the
+    first writes (the first waits for it, at most 2 s): both entries are in the file after (the first, holding the
+    file's lock, keeps the second out until it has written). Without the lock the first wrote back what it had
+    read, and the second's entry was lost."""
+    import json
+    import threading
+
+    from swarm.modeling import smallgemm
+
+    monkeypatch.setenv("SWARMGATE_CACHE", str(tmp_path))
+    read_once, second_done = threading.Event(), threading.Event()
+    real_read = smallgemm.read_json
+
+    def slow_first_read(path):
+        data = real_read(path)
+        if not read_once.is_set():  # the first writer: it lets the second go, then waits for it
+            read_once.set()
+            second_done.wait(2.0)
+        return data
+
+    monkeypatch.setattr(smallgemm, "read_json", slow_first_read)
+    first = threading.Thread(target=smallgemm._store, args=(("first",), {3: True}))
+    first.start()
+    read_once.wait(10)
+    second = threading.Thread(target=lambda: (smallgemm._store(("second",), {4: False}), second_done.set()))
+    second.start()
+    first.join()
+    second.join()
+    entries = json.loads((tmp_path / smallgemm.CALIBRATION_FILE).read_text())[smallgemm._machine()]
+    assert entries == {repr(("first",)): {"3": True}, repr(("second",)): {"4": False}}
 
 
 def test_the_calibration_file_is_written_whole_by_writers_at_once_and_leaves_no_temporary_file(monkeypatch, tmp_path):
