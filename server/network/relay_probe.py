@@ -96,6 +96,13 @@ class SlotProbe(Protocol):
     async def close(self) -> None: ...
 
 
+class _ProbeP2P(P2P):
+    """hivemind's p2pd handle, with a mode hivemind lacks: no libp2p DHT at all (`dht_mode="none"`; a DHT client
+    would join the libp2p DHT through the relay and connect to the swarm's peers)."""
+
+    DHT_MODE_MAPPING = {**P2P.DHT_MODE_MAPPING, "none": {}}
+
+
 class RelayProbe:
     """Dials a relayed server through its relays from a p2pd of its own (see the module docstring)."""
 
@@ -107,8 +114,8 @@ class RelayProbe:
     async def _prober(self) -> P2P:
         if self._p2p is None:
             self._p2p = await asyncio.wait_for(
-                P2P.create(host_maddrs=[], no_listen=True, auto_nat=False, nat_port_map=False, use_relay=True,
-                           dht_mode="client", conn_manager=False), self.timeout)
+                _ProbeP2P.create(host_maddrs=[], no_listen=True, auto_nat=False, nat_port_map=False, use_relay=True,
+                                 dht_mode="none", conn_manager=False), self.timeout)
         return self._p2p
 
     async def probe(self, peer_id: PeerID, circuits: Sequence[str]) -> Verdict:

@@ -14,8 +14,9 @@ A home server whose relay reservation comes late (`tests.fixtures.late_addrs_ser
 answers "No multiaddrs found for peer <own id>", as p2pd does until the reservation is in place) waits for it and
 serves: its record appears, `relayed`, and it stays up (issue 52: it exited 1).
 Last, the relay (the bootstrap peer, at a fixed port with a fixed identity) is SIGKILLed and started again: the
-home server renews its slot (`server.network.relay_watch`) and a chat sent at once, which the gateway holds while it
-retries the span's only server (`SwarmManager.sole_retry_wait`), equals transformers.
+home server's relay watch, which until then got through on every dial through the relay (no slot found lost),
+renews its slot (`server.network.relay_watch`) and a chat sent at once, which the gateway holds while it retries the
+span's only server (`SwarmManager.sole_retry_wait`), equals transformers.
 Skips, saying why, where network namespaces are not permitted.
 """
 from __future__ import annotations
@@ -50,6 +51,7 @@ LATE_PREFIX = "tnatlate"  # the late home server's own swarm: the gateway never 
 NO_ADDRS_FOR = 6  # asks for its own addresses answered "No multiaddrs found" on each p2pd handle of it
 BOOT_PORT = 31337
 DIRECT_AT = re.compile(r"not reachable directly at /ip4/([\d.]+)/tcp/(\d+)")
+LOST = "relay: this server has no relay slot any more"  # the relay watch's line when it finds the slot lost
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +201,8 @@ def test_a_relayed_chain_survives_the_relays_restart(nat_lab, tokenizer, referen
     expected = reference_text(tokenizer, reference_model, MESSAGES, MAX_TOKENS)
     home = nat_lab.servers["home"]
     assert _chat(nat_lab.url) == expected  # the chain through the relay is up
+    # until now the watch dialed the home server through the relay every check and got through: no slot lost
+    assert LOST not in home.log_path.read_text(errors="replace"), home.log_tail(30)
     nat_lab.boot.kill()  # SIGKILL: the relay vanishes with every reservation and relayed connection
     began = time.monotonic()
     boot = start_bootstrap(nat_lab.hosts["public"].address, BOOT_PORT, name="nat-dht-restarted",
@@ -212,7 +216,8 @@ def test_a_relayed_chain_survives_the_relays_restart(nat_lab, tokenizer, referen
     renewed = re.findall(r"relay: serving through relay (\S+) again \(slot lost for ([\d.]+)s, renewed in ([\d.]+)s",
                          log)
     retried = nat_lab.gateway.log_path.read_text(errors="replace").count("nothing else serves some of blocks")
+    lost = [line.split(LOST, 1)[1][:160] for line in log.splitlines() if LOST in line]
     print(f"\nrelay restarted in {restarted - began:.1f}s; the next chat answered {answered - restarted:.1f}s later; "
-          f"home server: {renewed}; the gateway retried its only server {retried} time(s)")
+          f"home server: {renewed}, found lost{lost}; the gateway retried its only server {retried} time(s)")
     assert renewed and renewed[-1][0] == boot.peer_id, home.log_tail(30)
     assert home.proc.poll() is None
