@@ -2,9 +2,11 @@
 
 A relayed server's own circuit addresses are no reliable sign that its relay still holds its slot: go-libp2p 0.32's
 autorelay (hivemind 1.1.12's p2pd) drops a relay's circuit address only when it sees every connection to that relay
-end, and when the relay restarts, the peer may be connected to it again (its DHT reconnects as a plain peer) before
-the old connection's end is noticed; the address then stays for as long as the reservation would have lasted (an
-hour) while the relay holds no slot for it. Being connected to the relay is no sign either, for that same reason.
+end. When the relay restarts, the peer may never see the old connection end (its FIN and RST lost, as behind a
+router that dropped the connection's state: tests/e2e/test_nat.py, where the address alone said "held" for as long
+as the drop lasted), or be connected to the relay again (its DHT reconnects as a plain peer) before it does; the
+address then stays until the reservation is due for refreshing (about an hour) while the relay holds no slot for it.
+Being connected to the relay is no sign either, for that same reason.
 
 The one reliable sign is what a client does: dial the server at its circuit address. A p2pd cannot dial itself, so
 the probe keeps a small p2pd of its own (`hivemind.P2P.create`, listening nowhere, no DHT; started at the first

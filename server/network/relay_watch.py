@@ -6,9 +6,10 @@ not reserve it again: go-libp2p 0.32's autorelay puts every relay it reserved wi
 static relay that is back is skipped (measured: no new slot within 140 s). So `RelayWatch.check`, called by the
 serving loop every `--relay_check_period` seconds, asks whether the slot is still there:
 - the peer's own addresses have no relay circuit address: the slot is lost (p2pd saw its relay's connection end);
-- they have one: that is no proof (p2pd keeps the circuit address of a relay that restarted when its DHT peer was
-  connected to the relay again before the old connection's end was seen, and the DHT reconnects to a restarted relay
-  as a plain peer, so "connected to the relay" is no proof either), so the watch dials the server through its
+- they have one: that is no proof (p2pd keeps the circuit address of a relay that restarted while it never saw the
+  old connection end, its FIN and RST lost as behind a router that dropped the connection's state, or was connected
+  to the relay again before it did: the DHT reconnects to a restarted relay as a plain peer, so "connected to the
+  relay" is no proof either; tests/e2e/test_nat.py makes the first case), so the watch dials the server through its
   relays as a client would (`server.network.relay_probe.RelayProbe`, a small p2pd of the watch's own): a relayed
   connection made: the slot is held; every relay refused (NO_RESERVATION, CONNECTION_FAILED): lost; anything else
   (a relay that does not answer, a timeout): not known, and lost only after `UNSURE_LIMIT` such checks in a row.
