@@ -165,10 +165,12 @@ EXTENDED = (
     "tests/gateway/test_tools.py::test_forced_call_cut_by_max_tokens_is_a_partial_call[named]",
     "tests/gateway/test_tools.py::test_strict_tool_arguments_have_every_property_and_no_other[closed]",
     # a volunteer behind a NAT in three network namespaces, a home server whose relay reservation comes late, its
-    # relay restarted at the end, about 3-5 min (make test: the dial-back check against the bootstrap peer on
-    # loopback, the relay arguments and flags, routing's preference for direct servers, in
-    # tests/swarm/wire/test_reachability.py; sole-server retries in tests/swarm/client/test_sole_retry.py; a server
-    # whose own addresses and first record stores fail at first, on loopback, in tests/server/test_own_addrs.py)
+    # relay restarted at the end (twice: the second time unheard of by the home server), about 3-5 min (make test:
+    # the dial-back check against the bootstrap peer on loopback, the relay arguments and flags, routing's
+    # preference for direct servers, in tests/swarm/wire/test_reachability.py; sole-server retries in
+    # tests/swarm/client/test_sole_retry.py; a server whose own addresses and first record stores fail at first, on
+    # loopback, in tests/server/test_own_addrs.py; the relay watch's renewal and its probe's refused and silent
+    # dials through the bootstrap peer, in tests/server/test_network.py)
     "tests/e2e/test_nat.py::",
     # speculation asked per request on the scripted gateway (make test: through a real gateway in test_gateway.py)
     "tests/swarm/client/test_speculative.py::test_gateway_speculative_requests_match_plain_ones",

@@ -166,8 +166,13 @@ class ServerNetwork:
 
     # ---- closing ---------------------------------------------------------------------------------------------
     async def close(self) -> None:
-        """Close the dial-back service, our p2pd handle and the DHT process (each bounded), and remove a relayed
-        peer's own key file."""
+        """Close the relay watch's probe, the dial-back service, our p2pd handle and the DHT process (each bounded),
+        and remove a relayed peer's own key file."""
+        if self.relay_watch is not None:
+            try:  # the relay probe's own p2pd
+                await asyncio.wait_for(self.relay_watch.close(), CLOSE_TIMEOUT)
+            except Exception:
+                pass
         if self.dial_back is not None:
             try:  # the probe p2pd of the dial-back checks it answered
                 await asyncio.wait_for(self.dial_back.close(), CLOSE_TIMEOUT)

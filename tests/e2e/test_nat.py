@@ -14,8 +14,9 @@ A home server whose relay reservation comes late (`tests.fixtures.late_addrs_ser
 answers "No multiaddrs found for peer <own id>", as p2pd does until the reservation is in place) waits for it and
 serves: its record appears, `relayed`, and it stays up (issue 52: it exited 1).
 Last, the relay (the bootstrap peer, at a fixed port with a fixed identity) is SIGKILLed and started again: the
-home server renews its slot (`server.network.relay_watch`) and a chat sent at once, which the gateway holds while it
-retries the span's only server (`SwarmManager.sole_retry_wait`), equals transformers.
+home server's relay watch, which until then got through on every dial through the relay (no slot found lost),
+renews its slot (`server.network.relay_watch`) and a chat sent at once, which the gateway holds while it retries the
+span's only server (`SwarmManager.sole_retry_wait`), equals transformers.
 Skips, saying why, where network namespaces are not permitted.
 """
 from __future__ import annotations
@@ -50,6 +51,7 @@ LATE_PREFIX = "tnatlate"  # the late home server's own swarm: the gateway never 
 NO_ADDRS_FOR = 6  # asks for its own addresses answered "No multiaddrs found" on each p2pd handle of it
 BOOT_PORT = 31337
 DIRECT_AT = re.compile(r"not reachable directly at /ip4/([\d.]+)/tcp/(\d+)")
+LOST = "relay: this server has no relay slot any more"  # the relay watch's line when it finds the slot lost
 
 
 @pytest.fixture(scope="module")
@@ -192,19 +194,22 @@ def test_a_home_server_whose_reservation_is_late_serves_once_it_is_in_place(nat_
 
 
 def test_a_relayed_chain_survives_the_relays_restart(nat_lab, tokenizer, reference_model):
-    """Last in the module: the bootstrap peer (the home server's relay) is killed and started again at the same
+    """Next to last in the module: the bootstrap peer (the home server's relay) is killed and started again at the same
     address with the same identity; the home server notices its lost slot and renews it
     (`server.network.relay_watch`), and a chat sent at once waits for it (the gateway retries a span's only server)
     and equals transformers."""
     expected = reference_text(tokenizer, reference_model, MESSAGES, MAX_TOKENS)
     home = nat_lab.servers["home"]
     assert _chat(nat_lab.url) == expected  # the chain through the relay is up
+    # until now the watch dialed the home server through the relay every check and got through: no slot lost
+    assert LOST not in home.log_path.read_text(errors="replace"), home.log_tail(30)
     nat_lab.boot.kill()  # SIGKILL: the relay vanishes with every reservation and relayed connection
     began = time.monotonic()
     boot = start_bootstrap(nat_lab.hosts["public"].address, BOOT_PORT, name="nat-dht-restarted",
                            **nat_lab.boot_args)
     nat_lab.procs.append(boot)
     assert boot.peer_id == nat_lab.boot.peer_id
+    nat_lab.boot = boot
     restarted = time.monotonic()
     assert _chat(nat_lab.url) == expected  # sent at once: the home server has no slot yet
     answered = time.monotonic()
@@ -212,7 +217,58 @@ def test_a_relayed_chain_survives_the_relays_restart(nat_lab, tokenizer, referen
     renewed = re.findall(r"relay: serving through relay (\S+) again \(slot lost for ([\d.]+)s, renewed in ([\d.]+)s",
                          log)
     retried = nat_lab.gateway.log_path.read_text(errors="replace").count("nothing else serves some of blocks")
+    lost = [line.split(LOST, 1)[1][:160] for line in log.splitlines() if LOST in line]
     print(f"\nrelay restarted in {restarted - began:.1f}s; the next chat answered {answered - restarted:.1f}s later; "
-          f"home server: {renewed}; the gateway retried its only server {retried} time(s)")
+          f"home server: {renewed}, found lost{lost}; the gateway retried its only server {retried} time(s)")
     assert renewed and renewed[-1][0] == boot.peer_id, home.log_tail(30)
+    assert home.proc.poll() is None
+
+
+def _drop_closes(host, source: str, drop: bool) -> None:
+    """In `host`'s namespace, drop (or pass again) every TCP segment from `source` with RST or FIN set, as a home
+    router that lost a connection's state does: the home server never hears that its relay's connection ended. A
+    `tc` filter of its own (prio 2) next to `refuse_inbound`'s, into the same sink."""
+    tc = ["ip", "netns", "exec", host.netns, "tc", "filter"]
+    if not drop:
+        subprocess.run(tc + ["del", "dev", "eth0", "parent", "ffff:", "prio", "2"], check=True, timeout=30)
+        return
+    for flag in ("0x04", "0x01"):  # RST, FIN (TCP flags: byte 33 behind a 20-byte IPv4 header)
+        subprocess.run(tc + ["add", "dev", "eth0", "parent", "ffff:", "protocol", "ip", "prio", "2", "u32",
+                             "match", "u8", "0x45", "0xff", "at", "0", "match", "ip", "protocol", "6", "0xff",
+                             "match", "ip", "src", f"{source}/32", "match", "u8", flag, flag, "at", "33",
+                             "action", "mirred", "egress", "redirect", "dev", "sgsink0"], check=True, timeout=30)
+
+
+def test_a_relay_restart_the_home_server_never_heard_of_is_found_by_a_dial_through_the_relay(
+        nat_lab, tokenizer, reference_model):
+    """Last in the module: the relay is SIGKILLed and started again while the home host drops every RST and FIN
+    from it, so the home server's p2pd still takes the dead connection for open and keeps listing its circuit
+    address although the new relay holds no slot for it (the address alone said "held"). The relay watch's dial
+    through the relay gets NO_RESERVATION: the slot is found lost while the address is still listed, and renewed;
+    the drop is lifted then (a router's lost state is transient: the new DHT peer's dial from the same port needs
+    the old connection's end), and a chat through the home server equals transformers."""
+    expected = reference_text(tokenizer, reference_model, MESSAGES, MAX_TOKENS)
+    home, relay_host = nat_lab.servers["home"], nat_lab.hosts["public"]
+    seen = len(home.log_path.read_text(errors="replace"))
+    _drop_closes(nat_lab.hosts["home"], relay_host.address, True)
+    try:
+        nat_lab.boot.kill()
+        boot = start_bootstrap(relay_host.address, BOOT_PORT, name="nat-dht-restarted-again", **nat_lab.boot_args)
+        nat_lab.procs.append(boot)
+        nat_lab.boot = boot
+        deadline = time.monotonic() + 120
+        while LOST not in home.log_path.read_text(errors="replace")[seen:]:
+            assert time.monotonic() < deadline and home.proc.poll() is None, home.log_tail(30)
+            time.sleep(0.5)
+    finally:
+        _drop_closes(nat_lab.hosts["home"], relay_host.address, False)
+    assert _chat(nat_lab.url) == expected
+    log = home.log_path.read_text(errors="replace")[seen:]
+    lost = [line for line in log.splitlines() if LOST in line]
+    renewed = re.findall(r"relay: serving through relay (\S+) again \(slot lost for ([\d.]+)s, renewed in ([\d.]+)s",
+                         log)
+    print(f"\nhome server: found lost: {[line.split(LOST, 1)[1][:200] for line in lost]}; renewed: {renewed}")
+    assert len(lost) == 1 and "refused a dial to it although p2pd still lists the circuit address" in lost[0], log
+    assert "NO_RESERVATION" in log.split(LOST, 1)[1], log
+    assert renewed and renewed[-1][0] == boot.peer_id, log
     assert home.proc.poll() is None
