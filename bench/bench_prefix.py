@@ -22,7 +22,9 @@ Time to first token is from the call to the first generated token. Prints one JS
 (14 at once, each also slowed by the other 13 on the same cores).
 
 Usage (from the repository root): .venv/bin/python bench/bench_prefix.py [--users 16] [--system_tokens 1000]
-    [--modes on,off] [--prefix_wait SECONDS] [--prefill_batch_tokens N]
+    [--modes on,off] [--repeats 1] [--prefix_wait SECONDS] [--prefill_batch_tokens N]
+With `--repeats R` steps 1-3 run R times, each on a system prompt of its own (the runs' spread on a shared machine is
+larger than most changes: compare medians).
 """
 from __future__ import annotations
 
@@ -90,6 +92,10 @@ def main() -> int:
     parser.add_argument("--system_tokens", type=int, default=1000)
     parser.add_argument("--new_tokens", type=int, default=16)
     parser.add_argument("--modes", default="on,off", help="which of on (prompts declared) and off to run")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="first, second and later users this many times, each on a system prompt of its own "
+                             "(the single figures are the repetition with the median later/first ratio; `repeats` "
+                             "lists each)")
     parser.add_argument("--prefix_wait", type=float, default=None,
                         help="the servers' --prefix_wait (default: theirs; 0: no single-flight waiting)")
     parser.add_argument("--prefill_batch_tokens", type=int, default=None,
@@ -133,12 +139,17 @@ def main() -> int:
             for mode, salt in (("on", "bench-app"), ("off", None)):
                 if mode not in args.modes.split(","):
                     continue
-                shared = prompts(system_prompt(tokenizer, args.system_tokens, f"{mode} shared"))
                 before = pages()
-                first = user_turn(model, shared[0], salt, args.new_tokens)
-                second = user_turn(model, shared[1], salt, args.new_tokens)
-                later, wall = at_once(model, shared[2:], salt, args.new_tokens)
+                runs = []  # per repetition: (first, second, later, wall), each on a system prompt of its own
+                for r in range(args.repeats):
+                    shared = prompts(system_prompt(tokenizer, args.system_tokens, f"{mode} shared {r}"))
+                    first = user_turn(model, shared[0], salt, args.new_tokens)
+                    second = user_turn(model, shared[1], salt, args.new_tokens)
+                    runs.append((first, second, *at_once(model, shared[2:], salt, args.new_tokens)))
                 after = pages()
+                # the repetition whose later/first ratio is the median one gives the single figures below
+                ratios = [statistics.mean(u["ttft"] for u in later) / first["ttft"] for first, _, later, _ in runs]
+                first, second, later, wall = runs[sorted(range(len(runs)), key=ratios.__getitem__)[len(runs) // 2]]
                 together, together_wall = at_once(
                     model, prompts(system_prompt(tokenizer, args.system_tokens, f"{mode} together")), salt,
                     args.new_tokens)
@@ -166,6 +177,11 @@ def main() -> int:
                         round(statistics.mean(adopters) / first["ttft"], 3) if adopters else None,
                     "together_pages_computed": together_pages["computed"] - after["computed"],
                     "together_pages_hit": together_pages["hit"] - after["hit"],
+                    "repeats": [{"first_ttft_s": round(f["ttft"], 3), "second_ttft_s": round(sec["ttft"], 3),
+                                 "later_ttft_s_mean": round(statistics.mean(u["ttft"] for u in lat), 3),
+                                 "later_ttft_s_max": round(max(u["ttft"] for u in lat), 3),
+                                 "ratio_mean_later_over_first": round(ratio, 3)}
+                                for (f, sec, lat, _), ratio in zip(runs, ratios)],
                     "pages_hit": after["hit"] - before["hit"],
                     "pages_computed": after["computed"] - before["computed"],
                 }
