@@ -4,7 +4,8 @@
 # The machine has torch, transformers and peft but not this project's other dependencies: their cp312 wheels travel
 # with the working tree in $WHEELS (hivemind, bitsandbytes, pydantic, fastapi, ...; see docs/benchmarks-gpu.md) and
 # are unpacked into /tmp/site first. Results go to $OUT (the device tool brings that folder back).
-#   tests: the CUDA tests (tests/server/test_graphs.py, tests/e2e/test_gpu_swarm.py: everything that skips without a device)
+#   tests: the CUDA tests (tests/server/test_graphs.py, tests/e2e/test_gpu_swarm.py, test_decode.py's host copy: everything
+#          that skips without a device)
 #   spans: bench_gpu.py's in-process step times per quant type (and int8's capture error)
 #   full:  bench_gpu.py's swarm and local transformers runs
 #   overhead: bench_overhead.py --model gpu (issue 46): 16 and 64 gateway streams over one nf4 server with graphs vs
@@ -25,7 +26,9 @@ status=0
 for part in "$@"; do
   case "$part" in
     tests) timeout ${TESTS_S:-420} python3 -m pytest -q -p no:cacheprovider --timeout 300 -k "not cpu" \
-             tests/server/test_graphs.py tests/e2e/test_gpu_swarm.py 2>&1 | tee "$OUT/tests.log" | tail -40 || status=1 ;;
+             tests/server/test_graphs.py tests/e2e/test_gpu_swarm.py \
+             tests/server/test_decode.py::test_host_outputs_brings_a_batch_from_the_gpu_in_one_copy_with_each_rows_part \
+             2>&1 | tee "$OUT/tests.log" | tail -40 || status=1 ;;
     spans) timeout ${SPANS_S:-300} python3 bench/bench_gpu.py --parts spans ${SPANS_ARGS:-} > "$OUT/spans.json" 2> "$OUT/spans.err" || status=1
            tail -5 "$OUT/spans.err"; cat "$OUT/spans.json" ;;
     full) timeout ${FULL_S:-540} python3 bench/bench_gpu.py ${FULL_ARGS:---parts local,swarm} > "$OUT/full.json" 2> "$OUT/full.err" \
