@@ -32,6 +32,7 @@ import enum
 import logging
 from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
+import varint  # (hivemind's multiaddr encodes lengths with it)
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.multiaddr.protocols import protocol_with_name
@@ -61,15 +62,6 @@ def relay_circuits(circuits: Sequence[str]) -> Dict[str, str]:
     return out
 
 
-def _uvarint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
 def dialable_circuit(circuit: str) -> Multiaddr:
     """`/TRANSPORT/p2p/RELAY/p2p-circuit` as p2pd reads it. Written from text, hivemind's `Multiaddr` encodes a /p2p/
     peer id as a CIDv1, which p2pd (go-multiaddr) rejects ("length greater than remaining number of bytes in
@@ -77,7 +69,7 @@ def dialable_circuit(circuit: str) -> Multiaddr:
     transport, relay = circuit.split("/p2p-circuit")[0].rsplit("/p2p/", 1)
     peer = PeerID.from_base58(relay).to_bytes()
     p2p, hop = protocol_with_name("p2p"), protocol_with_name("p2p-circuit")
-    return Multiaddr(Multiaddr(transport).to_bytes() + p2p.vcode + _uvarint(len(peer)) + peer + hop.vcode)
+    return Multiaddr(Multiaddr(transport).to_bytes() + p2p.vcode + varint.encode(len(peer)) + peer + hop.vcode)
 
 
 def judge(outcomes: Sequence[Verdict]) -> Verdict:
