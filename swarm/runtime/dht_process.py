@@ -37,7 +37,7 @@ import hivemind
 import psutil
 from hivemind.utils.mpfuture import MPFuture
 
-from swarm.runtime import dht_traffic
+from swarm.runtime import dht_traffic, p2p_listen
 
 logger = logging.getLogger("swarmgate.dht")
 
@@ -133,6 +133,7 @@ class DHTProcess(hivemind.DHT):
 
     def __init__(self, *args, start: bool, await_ready: bool = True, p2pd_extra: Optional[Dict[str, Any]] = None,
                  **kwargs):
+        p2p_listen.install()  # a burst of incoming streams is not reset by p2pd (its module docstring)
         super().__init__(*args, start=False, **kwargs)
         self._p2pd_extra = dict(p2pd_extra or {})  # p2pd flags hivemind does not expose (swarm.runtime.relays)
         # before the child starts: its watcher may fail the calls (readiness included) as soon as it has started
