@@ -16,6 +16,7 @@ adapter's rows are one contiguous group).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from typing import TYPE_CHECKING, Dict, Optional, Sequence, Union
 
@@ -144,9 +145,14 @@ class BlockSpan(nn.Module):
         span.adapters.update(loaded.adapters)
         return span
 
+    def span_layers(self, first: int, last: int):
+        """The layers of blocks [first, last), in order (an iterator: a slice of the `ModuleList` would build a new
+        module, ~30 us, at every session's opening and every single-session pass)."""
+        return itertools.islice(self.layers, first - self.start, last - self.start)
+
     def windows(self, first: int, last: int) -> list:
         """The sliding window of each block in [first, last) (None: full attention)."""
-        return [getattr(layer, "sliding_window", None) for layer in self.layers[first - self.start:last - self.start]]
+        return [getattr(layer, "sliding_window", None) for layer in self.span_layers(first, last)]
 
     def new_session_kv(self, batch_size: int, max_length: int, first: int, last: int,
                        adapter: Optional[str] = None) -> SessionKV:
@@ -414,7 +420,7 @@ class BlockSpan(nn.Module):
     def _layers(self, hidden, masks, position_ids, position_embeddings, kv, first: int, last: int,
                 prompts: Optional[torch.Tensor] = None, start_position: int = 0) -> torch.Tensor:
         mask, window_mask = masks  # full causal, and with the sliding window (for the layers that have one)
-        for i, layer in enumerate(self.layers[first - self.start:last - self.start]):
+        for i, layer in enumerate(self.span_layers(first, last)):
             if prompts is not None:
                 hidden = add_prompt(hidden, prompts[i], start_position)
             layer_mask = window_mask if getattr(layer, "sliding_window", None) else mask
