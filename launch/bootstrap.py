@@ -3,7 +3,9 @@
 It listens on `--host_maddrs` (optionally with a fixed `--identity_path`, so its address is known in advance),
 prints `SWARMGATE_READY {json}` with the multiaddrs others join with, and runs until SIGINT/SIGTERM (then stops
 its DHT process and p2pd: `swarm.runtime.lifecycle`). It offers relay service to peers behind a NAT (unless
-`--no_relay`; `swarm.runtime.relays`) and dial-back checks to starting servers (`swarm.wire.reachability`).
+`--no_relay`; `swarm.runtime.relays`), with our limits: before it prints READY it reads which relay service its
+p2pd serves with and restarts the DHT peer while it is libp2p's defaults (`server.network.relay_limits`; about 0.2 s
+a restart), and dial-back checks to starting servers (`swarm.wire.reachability`).
 """
 from __future__ import annotations
 
@@ -13,10 +15,12 @@ import logging
 import os
 import sys
 import threading
-from typing import List, Optional
+from typing import Any, Callable, List, Optional
 
 from pydantic import Field
 
+from server.network.relay_limits import ensure_our_limits, local_maddrs, our_limit, read_limit
+from server.network.relay_probe import RelayProbe
 from swarm.runtime import lifecycle
 from swarm.runtime.config import config_from_argv, setup_logging
 from swarm.runtime.relays import RelaySettings, relay_dht_kwargs
@@ -48,15 +52,24 @@ def main(argv=None) -> int:
         logger.info(f"private swarm: DHT requests need the swarm key (fingerprint {key.fingerprint})")
     stop = threading.Event()
     lifecycle.on_stop_signals(stop.set)
+
+    def start(restart: bool = False) -> Any:  # (a restart: the peer id was ours a moment ago)
+        return join_dht(key, host_maddrs=config.host_maddrs, announce_maddrs=config.announce_maddrs or None,
+                        identity_path=config.identity_path, initial_peers=config.initial_peers,
+                        **({"check_if_identity_free": False} if restart else {}),
+                        **relay_dht_kwargs(config, offer=True, reserve=False))
+
+    loop = asyncio.new_event_loop()  # our relay limits' check, then the dial-back checks starting servers ask for
+    threading.Thread(target=loop.run_forever, name="dial-back", daemon=True).start()
     try:
-        dht = join_dht(key, host_maddrs=config.host_maddrs, announce_maddrs=config.announce_maddrs or None,
-                       identity_path=config.identity_path, initial_peers=config.initial_peers,
-                       **relay_dht_kwargs(config, offer=True, reserve=False))
+        dht = start()
+        if not config.no_relay:
+            dht = asyncio.run_coroutine_threadsafe(_with_our_relay_limits(dht, lambda: start(restart=True), config),
+                                                   loop).result()
     except Exception as e:
         print(f"error: cannot start the DHT peer: {e}", file=sys.stderr)
+        loop.call_soon_threadsafe(loop.stop)
         return 1
-    loop = asyncio.new_event_loop()  # the dial-back checks starting servers ask for (swarm.wire.reachability)
-    threading.Thread(target=loop.run_forever, name="dial-back", daemon=True).start()
     checks = DialBackService()
     p2p = asyncio.run_coroutine_threadsafe(_serve_dial_backs(dht, checks), loop).result(CHECKS_START_TIMEOUT)
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
@@ -81,6 +94,28 @@ def main(argv=None) -> int:
         loop.call_soon_threadsafe(loop.stop)
         dht.shutdown()
     return 0
+
+
+async def _with_our_relay_limits(dht: Any, start: Callable[[], Any], config: BootstrapConfig) -> Any:
+    """Restart the DHT peer (`start`) while its p2pd's relay service serves with a limit not ours
+    (`server.network.relay_limits`); the DHT peer now. The relay probe's small p2pd reads it, and ends after."""
+    loop = asyncio.get_running_loop()
+    probe = RelayProbe()
+
+    async def read():
+        maddrs = await loop.run_in_executor(None, dht.get_visible_maddrs)
+        return await read_limit(await probe.prober(), dht.peer_id, local_maddrs(maddrs, config.host_maddrs))
+
+    async def restart() -> None:
+        nonlocal dht
+        await loop.run_in_executor(None, dht.shutdown)
+        dht = await loop.run_in_executor(None, start)
+
+    try:
+        await ensure_our_limits(read, restart, our_limit(config))
+    finally:
+        await probe.close()
+    return dht
 
 
 async def _serve_dial_backs(dht, checks: DialBackService):

@@ -4,6 +4,9 @@ It owns the DHT peer (`start_dht`) and this process's handle on its p2pd, how th
 `relayed` behind a NAT: `settle`, `server.network.reachable`), the dial-back checks it offers others when directly
 reachable, a relayed peer's key file (its peer id survives p2pd restarts), the relay watch
 (`server.network.relay_watch`) and the restart as a relayed DHT client (`restart_relayed`), and closing all of it.
+A directly reachable server that offers relay service is restarted, before it announces anything, while its p2pd's
+relay service serves with libp2p's defaults instead of ours (`server.network.relay_limits`; same peer id with
+`--identity_path`, else a new one: nobody was told the old one but its initial peers' DHT).
 Only this object replaces the DHT peer or the p2pd handle; the others read them through `dht` / `p2p` when they use
 them (the record through `server.placement.announce.DHTPeer`; the serving side is handed the new p2pd by the relay
 watch, `Rehost`), so that a relayed restart reaches everyone at once.
@@ -28,6 +31,8 @@ from server.network.reachable import (
     own_maddrs,
     relay_ids,
 )
+from server.network.relay_limits import ensure_our_limits, local_maddrs, our_limit, read_limit
+from server.network.relay_probe import RelayProbe
 from server.network.relay_watch import Rehost, RelayWatch
 from swarm.runtime.relays import relay_dht_kwargs
 from swarm.runtime.swarm_key import join_dht
@@ -38,19 +43,20 @@ logger = logging.getLogger("swarmgate.server")
 CLOSE_TIMEOUT = 1.0  # seconds to close the dial-back service's probe p2pd, and our handle on p2pd
 
 
-def start_dht(config: ServerConfig, relayed: bool = False, identity_path: Optional[str] = None) -> hivemind.DHT:
+def start_dht(config: ServerConfig, relayed: bool = False, identity_path: Optional[str] = None,
+              restart: bool = False) -> hivemind.DHT:
     """The server's DHT peer: joins `--initial_peers`, or starts a new swarm with `--new_swarm`. Directly
     reachable (`relayed=False`): a full DHT peer that offers relay service (`swarm.runtime.relays`); `relayed`: a
     DHT client that reserves a slot on a relay (its initial peers) and is dialed through it. `identity_path`: the
-    private key file (default `--identity_path`)."""
+    private key file (default `--identity_path`); `restart`: it replaces a peer of the same identity."""
     if not config.new_swarm and not config.initial_peers:
         raise ValueError("give --initial_peers to join a swarm, or --new_swarm to start one")
     return join_dht(
         config.load_swarm_key(), initial_peers=[] if config.new_swarm else config.initial_peers,
         host_maddrs=config.listen_maddrs(), announce_maddrs=config.announced_maddrs() or None,
         identity_path=identity_path or config.identity_path, client_mode=relayed,
-        # a relayed restart reuses the identity of the peer it replaces, which other peers may still know
-        **({"check_if_identity_free": False} if relayed else {}),
+        # a restart reuses the identity of the peer it replaces, which other peers may still know
+        **({"check_if_identity_free": False} if relayed or restart else {}),
         **relay_dht_kwargs(config, offer=not relayed, reserve=relayed, relays=config.initial_peers),
     )
 
@@ -112,6 +118,8 @@ class ServerNetwork:
         p2p = await self.handle()
         verdict = await dial_back(p2p, self.config)
         if verdict.reached is not False:
+            if not self.config.no_relay:
+                p2p = await self._with_our_relay_limits()
             self.dial_back = DialBackService()
             await self.dial_back.add_p2p_handlers(p2p)
             self.reachable = DIRECT
@@ -129,6 +137,38 @@ class ServerNetwork:
         self.relay_watch = RelayWatch(self.config.relay_check_period, self.config.initial_peers)
         return self.reachable
 
+    async def _with_our_relay_limits(self) -> P2P:
+        """Restart the (direct) DHT peer while its relay service serves with a limit not ours
+        (`server.network.relay_limits`, read by the relay probe's small p2pd, ended after); the p2pd handle now."""
+        probe = RelayProbe()
+
+        async def read():
+            p2p = await self.handle()
+            maddrs = local_maddrs(await own_maddrs(p2p), self.config.listen_maddrs())
+            return await read_limit(await probe.prober(), p2p.peer_id, maddrs)
+
+        async def restart() -> None:
+            await self._drop_dht()
+            self._dht = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: start_dht(self.config, restart=True))
+
+        try:
+            await ensure_our_limits(read, restart, our_limit(self.config))
+        finally:
+            await probe.close()
+        return await self.handle()
+
+    async def _drop_dht(self) -> None:
+        """End our p2pd handle and the DHT peer (bounded)."""
+        if self._p2p is not None:
+            try:
+                await asyncio.wait_for(self._p2p.shutdown(), 5)
+            except Exception:  # its p2pd may be gone already
+                pass
+            self._p2p = None
+        if self._dht is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._dht.shutdown)
+
     async def restart_relayed(self, timeout: float = RELAY_WAIT) -> List[str]:
         """Replace the DHT peer (and p2pd) by a DHT client that reserves a slot on a relay, with the same peer id
         (`--identity_path`, else a key file of this process's own: `relay_identity`); returns its circuit addresses
@@ -140,14 +180,7 @@ class ServerNetwork:
             self.relay_identity = self.config.identity_path or os.path.join(
                 tempfile.mkdtemp(prefix="swarmgate-identity-"), "relayed.key")
         identity = self.relay_identity
-        if self._p2p is not None:
-            try:
-                await asyncio.wait_for(self._p2p.shutdown(), 5)
-            except Exception:  # its p2pd may be gone already
-                pass
-            self._p2p = None
-        if self._dht is not None:
-            await loop.run_in_executor(None, self._dht.shutdown)
+        await self._drop_dht()
         self._dht = await loop.run_in_executor(
             None, lambda: start_dht(self.config, relayed=True, identity_path=identity))
         return await own_maddrs(await self.handle(), relayed=True, timeout=timeout)

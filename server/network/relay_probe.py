@@ -107,7 +107,8 @@ class RelayProbe:
         self._p2p: Optional[P2P] = None
         self.last_error = ""  # why the last probe was not HELD (logs)
 
-    async def _prober(self) -> P2P:
+    async def prober(self) -> P2P:
+        """The probe p2pd (started at the first call; `close` ends it)."""
         if self._p2p is None:
             self._p2p = await asyncio.wait_for(
                 _ProbeP2P.create(host_maddrs=[], no_listen=True, auto_nat=False, nat_port_map=False, use_relay=True,
@@ -119,7 +120,7 @@ class RelayProbe:
         outcomes: List[Verdict] = []
         errors: List[str] = []
         try:
-            prober = await self._prober()
+            prober = await self.prober()
         except Exception as e:  # e.g. p2pd cannot start on a loaded machine: nothing can be told now
             self.last_error = f"the probe p2pd did not start ({type(e).__name__}: {e})"
             return Verdict.UNKNOWN

@@ -7,6 +7,8 @@ Here (hivemind 1.1.12's p2pd, circuit relay v2):
   `-relayService` with `--relay_max_circuits` relayed connections per peer and `--relay_data_limit` bytes per
   connection and direction; libp2p starts the service only on a peer that considers itself publicly reachable,
   so such a peer forces its reachability to `public` (its reachability was checked, or it is a bootstrap peer);
+  hivemind 1.1.12's p2pd also installs a relay service with libp2p's defaults (128 KiB per relayed connection) that
+  may serve instead: `server.network.relay_limits` checks which one does, and restarts the peer until ours does;
 - *using* a relay (an unreachable server, unless `--no_relay` or `--no_auto_relay`): `use_auto_relay` with the
   reachability forced to `private` and its initial peers as static relays (p2pd's `-trustedRelays`, with relay
   discovery off), so that it reserves a slot at once (with discovery, libp2p waits up to 3 minutes for 4

@@ -246,7 +246,9 @@ def test_a_relay_restart_the_home_server_never_heard_of_is_found_by_a_dial_throu
     address although the new relay holds no slot for it (the address alone said "held"). The relay watch's dial
     through the relay gets NO_RESERVATION: the slot is found lost while the address is still listed, and renewed;
     the drop is lifted then (a router's lost state is transient: the new DHT peer's dial from the same port needs
-    the old connection's end), and a chat through the home server equals transformers."""
+    the old connection's end), and a chat through the home server equals transformers. The first loss found is that
+    refused dial; a second one may follow (and is renewed too): a starting relay restarts its p2pd while libp2p's
+    default relay service serves (`server.network.relay_limits`), and a slot renewed on the p2pd that goes is lost."""
     expected = reference_text(tokenizer, reference_model, MESSAGES, MAX_TOKENS)
     home, relay_host = nat_lab.servers["home"], nat_lab.hosts["public"]
     seen = len(home.log_path.read_text(errors="replace"))
@@ -268,7 +270,7 @@ def test_a_relay_restart_the_home_server_never_heard_of_is_found_by_a_dial_throu
     renewed = re.findall(r"relay: serving through relay (\S+) again \(slot lost for ([\d.]+)s, renewed in ([\d.]+)s",
                          log)
     print(f"\nhome server: found lost: {[line.split(LOST, 1)[1][:200] for line in lost]}; renewed: {renewed}")
-    assert len(lost) == 1 and "refused a dial to it although p2pd still lists the circuit address" in lost[0], log
+    assert lost and "refused a dial to it although p2pd still lists the circuit address" in lost[0], log
     assert "NO_RESERVATION" in log.split(LOST, 1)[1], log
     assert renewed and renewed[-1][0] == boot.peer_id, log
     assert home.proc.poll() is None

@@ -1,7 +1,9 @@
 """The server's network identity, `server.network`: one `ServerNetwork` owns the DHT peer and p2pd, and the record
-reads them from it; a relayed server's `RelayWatch` renews a lost slot in order (handlers off the old p2pd, a
-relayed restart, handlers on the new p2pd, the record announced again) and backs off when a renewal fails; a
-circuit address p2pd still lists counts as a slot only while a dial through the relay gets through (`RelayProbe`).
+reads them from it; settled direct, its relay service serves with our limits (`server.network.relay_limits`: the
+relay probe's RESERVE reads them); a relayed server's `RelayWatch` renews a lost slot in order (handlers off the
+old p2pd, a relayed restart, handlers on the new p2pd, the record announced again) and backs off when a renewal
+fails; a circuit address p2pd still lists counts as a slot only while a dial through the relay gets through
+(`RelayProbe`).
 
 Real processes: the network joins the session's bootstrap peer (`swarmgate dht`, which answers its dial-back check
 and offers relay service) on loopback; the watch looks at a real p2pd's own addresses (no relay slot: no circuit
@@ -21,6 +23,7 @@ from hivemind.p2p import P2P, PeerID
 
 from server.config import ServerConfig
 from server.network.identity import ServerNetwork
+from server.network.relay_limits import local_maddrs, our_limit, read_limit
 from server.network.relay_probe import RelayProbe, Verdict, dialable_circuit, judge, relay_circuits
 from server.network.relay_watch import UNSURE_LIMIT, RelayWatch
 from server.placement.announce import Announcer
@@ -72,6 +75,12 @@ def test_the_network_joins_settles_direct_and_the_record_reads_it(model_path, bo
         await network.start()
         try:
             assert await network.settle() == "direct"  # the bootstrap peer dialed it back (or could not tell)
+            probe = RelayProbe()  # (settling restarted it while libp2p's defaults served relayed connections)
+            try:
+                maddrs = local_maddrs(await network.own_maddrs(), [])
+                assert await read_limit(await probe.prober(), network.started_dht.peer_id, maddrs) == our_limit(config)
+            finally:
+                await probe.close()
             assert network.dial_back is not None and network.relay_watch is None and network.p2p is not None
             assert record.dht is network.dht and record.reachable == "direct"
             assert record.info(record.state, 0, 1).reachable == "direct"
