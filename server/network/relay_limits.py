@@ -2,7 +2,7 @@
 
 hivemind 1.1.12's p2pd (go-libp2p 0.32) installs two circuit relay v2 services for the one hop protocol
 (`HOP_PROTOCOL`) on a peer that offers relay service (`swarm.runtime.relays`): ours, from `-relayService` with
-`--relay_data_limit` and p2pd's 30-minute `-relayTimeLimit` (`OUR_DURATION`), which libp2p's relay manager starts in a
+`--relay_data_limit` and `--relay_time_limit` (p2pd's `-relayTimeLimit`), which libp2p's relay manager starts in a
 goroutine once it sees the peer's (forced) reachability `public`; and, because `-relay` is on, one from
 `relay.New(host)` right after the host is made, with libp2p's defaults (`LIBP2P_DEFAULT`: 128 KiB per direction and
 2 minutes per relayed connection). Each sets the protocol's stream handler, so the one that comes second serves for
@@ -46,7 +46,6 @@ logger = logging.getLogger("swarmgate.relay")
 HOP_PROTOCOL = "/libp2p/circuit/relay/0.2.0/hop"
 READ_TIMEOUT = 5.0  # seconds to connect, reserve and read the answer
 MAX_RESTARTS = 20  # restarts after a limit not ours is read (the defaults served in 22 of 36 starts: measured)
-OUR_DURATION = 30 * 60  # p2pd's -relayTimeLimit default (s), which `relay_dht_kwargs` leaves as it is
 STATUS_OK = 100  # circuit v2 Status.OK
 RESERVE, STATUS = 0, 2  # HopMessage.Type
 
@@ -66,7 +65,7 @@ LIBP2P_DEFAULT = RelayLimit(duration=120, data=128 << 10)  # go-libp2p 0.32 rela
 
 def our_limit(settings: RelaySettings) -> RelayLimit:
     """The limit our relay service (`-relayService`) announces with these settings."""
-    return RelayLimit(duration=OUR_DURATION, data=settings.relay_data_limit)
+    return RelayLimit(duration=settings.relay_time_limit, data=settings.relay_data_limit)
 
 
 def _hop_message() -> Any:

@@ -4,9 +4,10 @@ A peer behind a NAT cannot be dialed; it can still serve if it keeps a connectio
 peer of the swarm) and announces a `/p2p/RELAY/p2p-circuit` address: others then dial it through that relay.
 Here (hivemind 1.1.12's p2pd, circuit relay v2):
 - *offering* relay service (`swarmgate dht` and every directly reachable server, unless `--no_relay`): p2pd's
-  `-relayService` with `--relay_max_circuits` relayed connections per peer and `--relay_data_limit` bytes per
-  connection and direction; libp2p starts the service only on a peer that considers itself publicly reachable,
-  so such a peer forces its reachability to `public` (its reachability was checked, or it is a bootstrap peer);
+  `-relayService` with `--relay_max_circuits` relayed connections per peer, `--relay_data_limit` bytes per
+  connection and direction and `--relay_time_limit` seconds per connection; libp2p starts the service only on a
+  peer that considers itself publicly reachable, so such a peer forces its reachability to `public` (its
+  reachability was checked, or it is a bootstrap peer);
   hivemind 1.1.12's p2pd also installs a relay service with libp2p's defaults (128 KiB per relayed connection) that
   may serve instead: `server.network.relay_limits` checks which one does, and restarts the peer until ours does;
 - *using* a relay (an unreachable server, unless `--no_relay` or `--no_auto_relay`): `use_auto_relay` with the
@@ -35,6 +36,10 @@ class RelaySettings(ProcessConfig):
     relay_data_limit: int = Field(default=4 << 30, gt=0,
                                   description="relay service: most bytes relayed in each direction of one relayed "
                                               "connection before it is reset")
+    relay_time_limit: int = Field(default=24 * 3600, gt=0, le=(1 << 32) - 1,
+                                  description="relay service: most seconds one relayed connection lasts before it is "
+                                              "reset (p2pd's own default, 30 minutes, cut every client's connection "
+                                              "to a relayed server, and the sessions on it, twice an hour)")
 
 
 def relay_dht_kwargs(settings: RelaySettings, *, offer: bool, reserve: bool,
@@ -54,6 +59,7 @@ def relay_dht_kwargs(settings: RelaySettings, *, offer: bool, reserve: bool,
     elif offer:
         kwargs["force_reachability"] = "public"
     if offer:
-        extra.update(relayMaxCircuits=settings.relay_max_circuits, relayDataLimit=settings.relay_data_limit)
+        extra.update(relayMaxCircuits=settings.relay_max_circuits, relayDataLimit=settings.relay_data_limit,
+                     relayTimeLimit=f"{settings.relay_time_limit}s")
     kwargs["p2pd_extra"] = extra
     return kwargs

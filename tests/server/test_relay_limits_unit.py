@@ -49,8 +49,9 @@ def ensure(relay: Relay, max_restarts: int = 5):
     return asyncio.run(ensure_our_limits(relay.read, relay.restart, OURS, max_restarts))
 
 
-def test_our_limit_is_the_data_limit_and_p2pds_time_limit():
-    assert OURS == RelayLimit(duration=1800, data=1 << 30) and OURS != LIBP2P_DEFAULT
+def test_our_limit_is_the_data_and_time_limits():
+    assert OURS == RelayLimit(duration=24 * 3600, data=1 << 30) and OURS != LIBP2P_DEFAULT
+    assert our_limit(RelaySettings(relay_time_limit=600)).duration == 600
     # the same data limit as libp2p's defaults is still told apart, by the duration
     assert our_limit(RelaySettings(relay_data_limit=128 << 10)) != LIBP2P_DEFAULT
 

@@ -40,7 +40,8 @@ def test_relay_arguments():
     on, off = RelaySettings(), RelaySettings(no_relay=True)
     offer = relay_dht_kwargs(on, offer=True, reserve=False)
     assert offer["force_reachability"] == "public" and offer["use_relay"] and not offer["use_auto_relay"]
-    assert offer["p2pd_extra"] == {"relayService": True, "relayMaxCircuits": 16, "relayDataLimit": 4 << 30}
+    assert offer["p2pd_extra"] == {"relayService": True, "relayMaxCircuits": 16, "relayDataLimit": 4 << 30,
+                                   "relayTimeLimit": "86400s"}
     reserve = relay_dht_kwargs(on, offer=False, reserve=True, relays=["/ip4/1.2.3.4/tcp/5/p2p/" + PEER])
     assert reserve["force_reachability"] == "private" and reserve["use_auto_relay"]
     assert reserve["trusted_relays"] == ["/ip4/1.2.3.4/tcp/5/p2p/" + PEER]
