@@ -19,7 +19,7 @@ from typing import Any, Callable, List, Optional
 
 from pydantic import Field
 
-from server.network.relay_limits import ensure_our_limits, local_maddrs, our_limit, read_limit
+from server.network.relay_limits import ensure_our_limits, local_maddrs, our_limit, read_limit, should_check
 from server.network.relay_probe import RelayProbe
 from swarm.runtime import lifecycle
 from swarm.runtime.config import config_from_argv, setup_logging
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     threading.Thread(target=loop.run_forever, name="dial-back", daemon=True).start()
     try:
         dht = start()
-        if not config.no_relay:
+        if should_check(config, list(config.host_maddrs) + list(config.announce_maddrs or [])):
             dht = asyncio.run_coroutine_threadsafe(_with_our_relay_limits(dht, lambda: start(restart=True), config),
                                                    loop).result()
     except Exception as e:

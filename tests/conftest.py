@@ -288,7 +288,9 @@ def model_path():
 
 @pytest.fixture(scope="session")
 def bootstrap():
-    proc = start_bootstrap(threads=1)
+    # (on loopback the relay limits check is skipped by default: the session's relay checks them, which
+    # tests/server/test_relay_limits.py reads)
+    proc = start_bootstrap(threads=1, extra=["--relay_limits_check", "on"])
     yield proc
     proc.terminate()
 

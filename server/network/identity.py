@@ -31,7 +31,7 @@ from server.network.reachable import (
     own_maddrs,
     relay_ids,
 )
-from server.network.relay_limits import ensure_our_limits, local_maddrs, our_limit, read_limit
+from server.network.relay_limits import ensure_our_limits, local_maddrs, our_limit, read_limit, should_check
 from server.network.relay_probe import RelayProbe
 from server.network.relay_watch import Rehost, RelayWatch
 from swarm.runtime.relays import relay_dht_kwargs
@@ -118,7 +118,7 @@ class ServerNetwork:
         p2p = await self.handle()
         verdict = await dial_back(p2p, self.config)
         if verdict.reached is not False:
-            if not self.config.no_relay:
+            if should_check(self.config, self.config.listen_maddrs() + self.config.announced_maddrs()):
                 p2p = await self._with_our_relay_limits()
             self.dial_back = DialBackService()
             await self.dial_back.add_p2p_handlers(p2p)

@@ -24,8 +24,9 @@ fails (no answer, a refusal) restarts nothing: it is logged. Cost, measured for 
 starts in 0.13 s (~45 MiB resident until it ends after the check), a reading takes 0.07 s, a restart 0.2-0.4 s;
 ready in 2.2 s instead of 1.8 s (median of 10 starts).
 `swarmgate dht` (`launch.bootstrap`) and directly reachable servers (`server.network.identity.ServerNetwork.settle`)
-run it before they announce anything. The circuit v2 messages are built field by field with protobuf's descriptor
-API (`_hop_message`), as libp2p's `circuit.proto` defines them.
+run it before they announce anything, when `should_check` says so (`--relay_limits_check auto`: a peer that listens
+and announces on loopback only is reached by no peer that would need a relay, and skips it). The circuit v2 messages
+are built field by field with protobuf's descriptor API (`_hop_message`), as libp2p's `circuit.proto` defines them.
 """
 from __future__ import annotations
 
@@ -61,6 +62,28 @@ class RelayLimit:
 
 
 LIBP2P_DEFAULT = RelayLimit(duration=120, data=128 << 10)  # go-libp2p 0.32 relay.DefaultLimit
+
+
+def should_check(settings: RelaySettings, maddrs: Sequence[str]) -> bool:
+    """Whether a peer offering relay service with `settings`, listening on and announcing `maddrs`, checks which
+    service serves (`--relay_limits_check`): `auto` when some address reaches beyond loopback (no address: p2pd's
+    default, every interface). A relay that only loopback reaches relays for nobody: the peers on its own host dial
+    each other directly."""
+    if settings.no_relay or settings.relay_limits_check == "off":
+        return False
+    if settings.relay_limits_check == "on" or not maddrs:
+        return True
+    return any(not _loopback(m) for m in maddrs)
+
+
+def _loopback(maddr: str) -> bool:
+    parts = maddr.split("/")
+    host = parts[2] if len(parts) > 2 else ""
+    if parts[1:2] == ["ip4"]:
+        return host.startswith("127.")
+    if parts[1:2] == ["ip6"]:
+        return host in ("::1", "0:0:0:0:0:0:0:1")
+    return parts[1:2] in (["dns"], ["dns4"], ["dns6"]) and host == "localhost"
 
 
 def our_limit(settings: RelaySettings) -> RelayLimit:

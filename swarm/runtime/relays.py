@@ -21,7 +21,7 @@ them into `hivemind.DHT` arguments (the extra p2pd flags go through `swarm.runti
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Sequence
+from typing import Any, Dict, Literal, Sequence
 
 from pydantic import Field
 
@@ -36,6 +36,11 @@ class RelaySettings(ProcessConfig):
     relay_data_limit: int = Field(default=4 << 30, gt=0,
                                   description="relay service: most bytes relayed in each direction of one relayed "
                                               "connection before it is reset")
+    relay_limits_check: Literal["auto", "on", "off"] = Field(
+        default="auto", description="at start, check that the relay service serves with these limits and not "
+                                    "libp2p's defaults (128 KiB, 2 minutes; hivemind's p2pd runs both), restarting "
+                                    "the DHT peer until it does: auto: when the peer listens or announces beyond "
+                                    "loopback (a relay only loopback reaches relays for nobody), on, off")
     relay_time_limit: int = Field(default=24 * 3600, gt=0, le=(1 << 32) - 1,
                                   description="relay service: most seconds one relayed connection lasts before it is "
                                               "reset (p2pd's own default, 30 minutes, cut every client's connection "

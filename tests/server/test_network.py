@@ -65,7 +65,8 @@ class Relayed:
 
 
 def test_the_network_joins_settles_direct_and_the_record_reads_it(model_path, bootstrap):
-    config = ServerConfig(model=model_path, initial_peers=[bootstrap.maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    config = ServerConfig(model=model_path, initial_peers=[bootstrap.maddr], host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                          relay_limits_check="on")  # (on loopback alone, `auto` would skip it)
 
     async def run():
         network = ServerNetwork(config)

@@ -21,6 +21,7 @@ from server.network.relay_limits import (
     limit_of,
     local_maddrs,
     our_limit,
+    should_check,
 )
 from swarm.runtime.relays import RelaySettings
 
@@ -109,3 +110,15 @@ def test_the_probe_dials_visible_addresses_then_fixed_wildcard_ports_on_loopback
     visible = ["/ip4/203.0.113.7/tcp/31337/p2p/QmPeer", "/ip4/127.0.0.1/tcp/31337/p2p/QmPeer"]
     assert local_maddrs(visible, ["/ip4/0.0.0.0/tcp/31337", "/ip6/::/tcp/31338", "/ip4/0.0.0.0/tcp/0"]) == [
         "/ip4/203.0.113.7/tcp/31337", "/ip4/127.0.0.1/tcp/31337", "/ip6/::1/tcp/31338"]
+
+
+def test_the_check_runs_where_a_peer_reaches_beyond_loopback_unless_told():
+    auto = RelaySettings()
+    assert not should_check(auto, ["/ip4/127.0.0.1/tcp/0", "/ip6/::1/tcp/5"])  # only its own host reaches it
+    assert should_check(auto, ["/ip4/127.0.0.1/tcp/0", "/ip4/10.0.0.2/tcp/31337"])
+    assert should_check(auto, ["/ip4/0.0.0.0/tcp/0"]) and should_check(auto, [])  # every interface
+    assert should_check(auto, ["/dns4/relay.example.org/tcp/31337"])
+    assert not should_check(auto, ["/dns/localhost/tcp/1"])
+    assert should_check(RelaySettings(relay_limits_check="on"), ["/ip4/127.0.0.1/tcp/0"])
+    assert not should_check(RelaySettings(relay_limits_check="off"), ["/ip4/10.0.0.2/tcp/1"])
+    assert not should_check(RelaySettings(no_relay=True, relay_limits_check="on"), ["/ip4/10.0.0.2/tcp/1"])
