@@ -249,9 +249,11 @@ def fetch_block_records(dht: DHT, prefix: str, num_blocks: int,
     found = dht.run_coroutine(partial(_get_records, keys=[keys[i] for i in wanted])) if wanted else {}
     now = get_dht_time()
     result: List[Dict[str, ServerInfo]] = []
+    stamps: List[Dict[str, float]] = []  # per block: peer id -> its record's expiration time
     for index, key in enumerate(keys):
         entry = found.get(key)
         servers: Dict[str, ServerInfo] = {}
+        stamps.append({})
         if entry is not None and isinstance(entry.value, dict):
             for subkey, item in entry.value.items():
                 if item.expiration_time < now:
@@ -278,11 +280,36 @@ def fetch_block_records(dht: DHT, prefix: str, num_blocks: int,
                                                        f"{', '.join(unknown[:8])} (ignored)", level=logging.DEBUG)
                 if info.start <= index < info.end:
                     servers[subkey] = info
+                    stamps[-1][subkey] = item.expiration_time
         result.append(servers)
+    _newest_announcement(result, stamps)
     unread = [i for i in wanted if found.get(keys[i]) is None]
     if unread and len(unread) < len(wanted):
         _fill_unread(result, unread)
     return result
+
+
+def _newest_announcement(result: List[Dict[str, ServerInfo]], stamps: List[Dict[str, float]]) -> None:
+    """One announcement stores the same record, with one expiration time, under every key of a server's span; a
+    store that timed out on some keys (a loaded machine) leaves the previous announcement there until the next
+    refresh (`update_period`): a JOINING record under some keys of a server ONLINE under the others, which split its
+    span (routing saw blocks 15:20 served and 20:30 not). A server's record with the latest expiration is its
+    current announcement: an older record of it under another key is replaced by it where that announcement's span
+    holds the block, and dropped where it does not (a span that moved). A key without any record of the server
+    keeps what it holds (`_fill_unread` fills keys not read at all)."""
+    newest: Dict[str, Tuple[float, bool, ServerInfo]] = {}  # peer -> (expiration, from its span's last key, record)
+    for index, (servers, times) in enumerate(zip(result, stamps)):
+        for peer_id, info in servers.items():
+            candidate = (times[peer_id], index == info.end - 1, info)
+            if peer_id not in newest or candidate[:2] > newest[peer_id][:2]:
+                newest[peer_id] = candidate
+    for index, (servers, times) in enumerate(zip(result, stamps)):
+        for peer_id in [p for p in servers if times[p] < newest[p][0]]:
+            info = newest[peer_id][2]
+            if info.start <= index < info.end:
+                servers[peer_id] = info
+            else:
+                del servers[peer_id]
 
 
 def _fill_unread(result: List[Dict[str, ServerInfo]], unread: Sequence[int]) -> None:

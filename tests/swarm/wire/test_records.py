@@ -82,3 +82,33 @@ def test_a_key_read_keeps_what_it_holds(dht):
         records = fetch_block_records(LossyReads(dht, lost, PARTIAL), PARTIAL, NUM_BLOCKS)
         assert _spans(records) == [(0, 3), (3, 6)], lost
         assert [sorted(servers) for servers in records] == [[c]] * 3 + [[d]] * 3, lost
+
+
+STALE = "records-stale"
+
+
+def test_a_store_that_missed_some_keys_reads_as_the_newest_announcement():
+    """A server announced JOINING on every key of its span, then ONLINE, but the second store reached only some keys
+    (it timed out on the others on a loaded machine): the newest announcement (latest expiration) counts on every
+    key of its span, so the span is not split; and a span that moved drops the older record's other blocks."""
+    node = hivemind.DHT(start=True)
+    try:
+        mover, steady = Server(node, "mover"), Server(node, "steady")
+        now = get_dht_time()
+        joining = ServerInfo(state=ServerState.JOINING, start=0, end=6, throughput=1.0, cache_tokens_left=10)
+        declare_blocks(steady, STALE, range(0, 6), joining, now + 600)
+        declare_blocks(steady, STALE, range(0, 3), joining.model_copy(update={"state": ServerState.ONLINE}),
+                       now + 700)  # (keys 3..5 still hold JOINING)
+        records = fetch_block_records(node, STALE, NUM_BLOCKS)
+        assert [servers[steady.peer_id.to_base58()].state for servers in records] == [ServerState.ONLINE] * 6
+        assert _spans(records) == [(0, 6)]
+
+        declare_blocks(mover, PARTIAL + "-moved", range(0, 6), joining.model_copy(
+            update={"state": ServerState.ONLINE}), now + 600)
+        declare_blocks(mover, PARTIAL + "-moved", range(3, 6), joining.model_copy(
+            update={"state": ServerState.ONLINE, "start": 3}), now + 700)  # it moved to 3:6; keys 0..2 hold 0:6
+        moved = fetch_block_records(node, PARTIAL + "-moved", NUM_BLOCKS)
+        assert [sorted(servers) for servers in moved] == [[]] * 3 + [[mover.peer_id.to_base58()]] * 3
+        assert _spans(moved) == [(3, 6)]
+    finally:
+        node.shutdown()
