@@ -64,12 +64,16 @@ def main(argv=None) -> int:
     try:
         dht = start()
         if should_check(config, list(config.host_maddrs) + list(config.announce_maddrs or [])):
-            dht = asyncio.run_coroutine_threadsafe(_with_our_relay_limits(dht, lambda: start(restart=True), config),
-                                                   loop).result()
+            dht = asyncio.run_coroutine_threadsafe(_with_our_relay_limits(dht, lambda: start(restart=True), config,
+                                                                          stop.is_set), loop).result()
     except Exception as e:
         print(f"error: cannot start the DHT peer: {e}", file=sys.stderr)
         loop.call_soon_threadsafe(loop.stop)
         return 1
+    if stop.is_set():  # a stop signal during the relay limits check: no READY from a peer that is ending
+        loop.call_soon_threadsafe(loop.stop)
+        dht.shutdown()
+        return 0
     checks = DialBackService()
     p2p = asyncio.run_coroutine_threadsafe(_serve_dial_backs(dht, checks), loop).result(CHECKS_START_TIMEOUT)
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
@@ -96,7 +100,8 @@ def main(argv=None) -> int:
     return 0
 
 
-async def _with_our_relay_limits(dht: Any, start: Callable[[], Any], config: BootstrapConfig) -> Any:
+async def _with_our_relay_limits(dht: Any, start: Callable[[], Any], config: BootstrapConfig,
+                                 stopping: Callable[[], bool]) -> Any:
     """Restart the DHT peer (`start`) while its p2pd's relay service serves with a limit not ours
     (`server.network.relay_limits`); the DHT peer now. The relay probe's small p2pd reads it, and ends after."""
     loop = asyncio.get_running_loop()
@@ -112,7 +117,7 @@ async def _with_our_relay_limits(dht: Any, start: Callable[[], Any], config: Boo
         dht = await loop.run_in_executor(None, start)
 
     try:
-        await ensure_our_limits(read, restart, our_limit(config))
+        await ensure_our_limits(read, restart, our_limit(config), stopping=stopping)
     finally:
         await probe.close()
     return dht

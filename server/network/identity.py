@@ -6,7 +6,8 @@ reachable, a relayed peer's key file (its peer id survives p2pd restarts), the r
 (`server.network.relay_watch`) and the restart as a relayed DHT client (`restart_relayed`), and closing all of it.
 A directly reachable server that offers relay service is restarted, before it announces anything, while its p2pd's
 relay service serves with libp2p's defaults instead of ours (`server.network.relay_limits`; same peer id with
-`--identity_path`, else a new one: nobody was told the old one but its initial peers' DHT).
+`--identity_path`, else a new one: no record, proof or READY line named the old one yet; DHT peers that met it
+drop it as a dead contact).
 Only this object replaces the DHT peer or the p2pd handle; the others read them through `dht` / `p2p` when they use
 them (the record through `server.placement.announce.DHTPeer`; the serving side is handed the new p2pd by the relay
 watch, `Rehost`), so that a relayed restart reaches everyone at once.

@@ -170,11 +170,15 @@ async def read_limit(prober: P2P, relay: PeerID, maddrs: Sequence[str], timeout:
 
 
 async def ensure_our_limits(read: Callable[[], Awaitable[RelayLimit]], restart: Callable[[], Awaitable[None]],
-                            ours: RelayLimit, max_restarts: int = MAX_RESTARTS) -> Optional[RelayLimit]:
-    """Read the serving limit (`read`) and `restart` the peer while it is not `ours`, at most `max_restarts` times.
-    Returns the last limit read (None: the reading failed, nothing restarted); logs a warning unless it is ours."""
+                            ours: RelayLimit, max_restarts: int = MAX_RESTARTS,
+                            stopping: Callable[[], bool] = lambda: False) -> Optional[RelayLimit]:
+    """Read the serving limit (`read`) and `restart` the peer while it is not `ours`, at most `max_restarts` times
+    and not once `stopping()` (a stop signal came: the process ends instead). Returns the last limit read (None: the
+    reading failed, nothing restarted; or the process is stopping); logs a warning unless it is ours."""
     restarts = 0
     while True:
+        if stopping():
+            return None
         try:
             seen = await read()
         except Exception as e:

@@ -13,12 +13,26 @@ and retries or fails. `install()` makes that listen use `STREAM_BACKLOG` pending
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
+
+logger = logging.getLogger(__name__)
 
 STREAM_BACKLOG = 4096
+HIVEMIND_VERSION = "1.1.12"  # whose `ControlClient.listen` this reproduces, backlog aside
+SOMAXCONN = "/proc/sys/net/core/somaxconn"
 
 _installed = False
+
+
+def kernel_cap() -> Optional[int]:
+    """The kernel's cap on any listen backlog (`net.core.somaxconn`), where it can be read."""
+    try:
+        with open(SOMAXCONN) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def install() -> None:
@@ -26,7 +40,16 @@ def install() -> None:
     global _installed
     if _installed:
         return
+    import hivemind
     from hivemind.p2p.p2p_daemon_bindings import control
+
+    if hivemind.__version__ != HIVEMIND_VERSION:
+        logger.warning(f"hivemind {hivemind.__version__}: its stream listener is replaced by the one of hivemind "
+                       f"{HIVEMIND_VERSION} with a backlog of {STREAM_BACKLOG} (swarm.runtime.p2p_listen); check it")
+    cap = kernel_cap()
+    if cap is not None and cap < STREAM_BACKLOG:
+        logger.warning(f"net.core.somaxconn is {cap}: more than {cap} streams arriving at once may be reset by p2pd "
+                       f"(raise it to {STREAM_BACKLOG})")
     from hivemind.utils.multiaddr import protocols
 
     @asynccontextmanager

@@ -122,3 +122,10 @@ def test_the_check_runs_where_a_peer_reaches_beyond_loopback_unless_told():
     assert should_check(RelaySettings(relay_limits_check="on"), ["/ip4/127.0.0.1/tcp/0"])
     assert not should_check(RelaySettings(relay_limits_check="off"), ["/ip4/10.0.0.2/tcp/1"])
     assert not should_check(RelaySettings(no_relay=True, relay_limits_check="on"), ["/ip4/10.0.0.2/tcp/1"])
+
+
+def test_a_stop_signal_ends_the_restarts():
+    relay = Relay([LIBP2P_DEFAULT] * 10)
+    stop_after = iter([False, True])  # the signal comes during the first restart
+    seen = asyncio.run(ensure_our_limits(relay.read, relay.restart, OURS, 5, stopping=lambda: next(stop_after)))
+    assert seen is None and relay.restarts == 1

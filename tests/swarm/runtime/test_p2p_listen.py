@@ -81,3 +81,30 @@ def test_a_burst_of_streams_over_the_default_backlog_all_reach_the_handler():
     failed = [r for r in replies if not isinstance(r, bytes)]
     assert not failed, f"{len(failed)} of {BURST} streams failed, e.g. {failed[0]!r}"
     assert replies == [b"stream %d" % i for i in range(BURST)]
+
+
+def test_the_listener_asks_for_the_backlog(monkeypatch, tmp_path):
+    """Deterministic: the patched listen passes `STREAM_BACKLOG` to asyncio (the burst above needs p2pd to dial
+    every connection while the receiver is held, which a slow machine may not do in time)."""
+    from hivemind.p2p.p2p_daemon_bindings import control
+    from hivemind.utils.multiaddr import Multiaddr
+
+    p2p_listen.install()
+    asked = {}
+    real = asyncio.start_unix_server
+
+    async def spy(*args, **kwargs):
+        asked.update(kwargs)
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "start_unix_server", spy)
+    client = control.ControlClient.__new__(control.ControlClient)
+    client.listen_maddr = Multiaddr(f"/unix{tmp_path}/listen.sock")
+    client.handlers = {}
+
+    async def listen_once() -> None:
+        async with client.listen():
+            pass
+
+    asyncio.run(listen_once())
+    assert asked["backlog"] == p2p_listen.STREAM_BACKLOG

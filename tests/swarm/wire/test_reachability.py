@@ -58,7 +58,8 @@ def test_volunteer_flags_from_cli_yaml_and_environment(tmp_path, capsys):
         main(["--help"])
     shown = capsys.readouterr().out
     for flag in ("--public_ip", "--no_relay", "--no_auto_relay", "--skip_reachability_check",
-                 "--relay_max_circuits", "--relay_data_limit"):
+                 "--relay_max_circuits", "--relay_data_limit",
+                 "--relay_time_limit", "--relay_limits_check"):
         assert flag in shown
     config = ServerConfig(model="m", port=31338, public_ip="203.0.113.7")
     assert config.announced_maddrs() == ["/ip4/203.0.113.7/tcp/31338"]
