@@ -110,9 +110,11 @@ class RelayProbe:
     async def prober(self) -> P2P:
         """The probe p2pd (started at the first call; `close` ends it)."""
         if self._p2p is None:
-            self._p2p = await asyncio.wait_for(
-                _ProbeP2P.create(host_maddrs=[], no_listen=True, auto_nat=False, nat_port_map=False, use_relay=True,
-                                 dht_mode="none", conn_manager=False), self.timeout)
+            # (hivemind's own start-up bound: it ends a daemon that did not start, which cancelling `create` from
+            # outside, as `wait_for` did, left running until this process exits)
+            self._p2p = await _ProbeP2P.create(host_maddrs=[], no_listen=True, auto_nat=False, nat_port_map=False,
+                                               use_relay=True, dht_mode="none", conn_manager=False,
+                                               startup_timeout=self.timeout)
         return self._p2p
 
     async def probe(self, peer_id: PeerID, circuits: Sequence[str]) -> Verdict:
