@@ -19,8 +19,7 @@ from typing import Any, Callable, List, Optional
 
 from pydantic import Field
 
-from server.network.relay_limits import ensure_our_limits, local_maddrs, our_limit, read_limit, should_check
-from server.network.relay_probe import RelayProbe
+from server.network.relay_limits import keep_our_limits, should_check
 from swarm.runtime import lifecycle
 from swarm.runtime.config import config_from_argv, setup_logging
 from swarm.runtime.relays import RelaySettings, relay_dht_kwargs
@@ -105,21 +104,16 @@ async def _with_our_relay_limits(dht: Any, start: Callable[[], Any], config: Boo
     """Restart the DHT peer (`start`) while its p2pd's relay service serves with a limit not ours
     (`server.network.relay_limits`); the DHT peer now. The relay probe's small p2pd reads it, and ends after."""
     loop = asyncio.get_running_loop()
-    probe = RelayProbe()
 
-    async def read():
-        maddrs = await loop.run_in_executor(None, dht.get_visible_maddrs)
-        return await read_limit(await probe.prober(), dht.peer_id, local_maddrs(maddrs, config.host_maddrs))
+    async def where():
+        return dht.peer_id, await loop.run_in_executor(None, dht.get_visible_maddrs)
 
     async def restart() -> None:
         nonlocal dht
         await loop.run_in_executor(None, dht.shutdown)
         dht = await loop.run_in_executor(None, start)
 
-    try:
-        await ensure_our_limits(read, restart, our_limit(config), stopping=stopping)
-    finally:
-        await probe.close()
+    await keep_our_limits(config, where, config.host_maddrs, restart, stopping)
     return dht
 
 

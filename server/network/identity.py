@@ -32,8 +32,7 @@ from server.network.reachable import (
     own_maddrs,
     relay_ids,
 )
-from server.network.relay_limits import ensure_our_limits, local_maddrs, our_limit, read_limit, should_check
-from server.network.relay_probe import RelayProbe
+from server.network.relay_limits import keep_our_limits, should_check
 from server.network.relay_watch import Rehost, RelayWatch
 from swarm.runtime.relays import relay_dht_kwargs
 from swarm.runtime.swarm_key import join_dht
@@ -141,22 +140,16 @@ class ServerNetwork:
     async def _with_our_relay_limits(self) -> P2P:
         """Restart the (direct) DHT peer while its relay service serves with a limit not ours
         (`server.network.relay_limits`, read by the relay probe's small p2pd, ended after); the p2pd handle now."""
-        probe = RelayProbe()
-
-        async def read():
+        async def where():
             p2p = await self.handle()
-            maddrs = local_maddrs(await own_maddrs(p2p), self.config.listen_maddrs())
-            return await read_limit(await probe.prober(), p2p.peer_id, maddrs)
+            return p2p.peer_id, await own_maddrs(p2p)
 
         async def restart() -> None:
             await self._drop_dht()
             self._dht = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: start_dht(self.config, restart=True))
 
-        try:
-            await ensure_our_limits(read, restart, our_limit(self.config))
-        finally:
-            await probe.close()
+        await keep_our_limits(self.config, where, self.config.listen_maddrs(), restart)
         return await self.handle()
 
     async def _drop_dht(self) -> None:

@@ -33,14 +33,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, List, Optional, Sequence
+from typing import Any, Awaitable, Callable, List, Optional, Sequence, Tuple
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import read_pbmsg_safe, write_pbmsg
 from hivemind.utils.multiaddr import Multiaddr
 
+from server.network.relay_probe import RelayProbe
 from swarm.runtime.relays import RelaySettings
+from swarm.wire.reachability import dialable_maddrs
 
 logger = logging.getLogger("swarmgate.relay")
 
@@ -138,7 +140,7 @@ def local_maddrs(visible: Sequence[Any], host_maddrs: Sequence[str]) -> List[str
     wildcard listen address on loopback (a peer announcing only a public address may not be reachable at it from
     inside its own network)."""
     out: List[str] = []
-    for text in [str(m).split("/p2p/")[0] for m in visible] + [
+    for text in dialable_maddrs(visible) + [
             m.replace("/ip4/0.0.0.0/", "/ip4/127.0.0.1/").replace("/ip6/::/", "/ip6/::1/") for m in host_maddrs
             if not m.endswith("/tcp/0") and "/tcp/0/" not in m and "/udp/0/" not in m]:
         if text not in out:
@@ -199,3 +201,21 @@ async def ensure_our_limits(read: Callable[[], Awaitable[RelayLimit]], restart: 
         logger.info(f"relay: this peer's relay service serves with {which} ({seen}), not ours ({ours}): "
                     f"restarting its p2pd ({restarts}/{max_restarts}; hivemind 1.1.12's p2pd races two services)")
         await restart()
+
+
+async def keep_our_limits(settings: RelaySettings, where: Callable[[], Awaitable[Tuple[PeerID, Sequence[Any]]]],
+                          host_maddrs: Sequence[str], restart: Callable[[], Awaitable[None]],
+                          stopping: Callable[[], bool] = lambda: False) -> Optional[RelayLimit]:
+    """`ensure_our_limits` for a peer offering relay service with `settings`: each reading dials the peer at
+    `where()` (its current peer id and visible addresses; `local_maddrs` with its `host_maddrs`) from the relay
+    probe's small p2pd, which ends after the check."""
+    probe = RelayProbe()
+
+    async def read() -> RelayLimit:
+        peer, visible = await where()
+        return await read_limit(await probe.prober(), peer, local_maddrs(visible, host_maddrs))
+
+    try:
+        return await ensure_our_limits(read, restart, our_limit(settings), stopping=stopping)
+    finally:
+        await probe.close()
