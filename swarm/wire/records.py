@@ -282,21 +282,21 @@ def fetch_block_records(dht: DHT, prefix: str, num_blocks: int,
                     servers[subkey] = info
                     stamps[-1][subkey] = item.expiration_time
         result.append(servers)
-    _newest_announcement(result, stamps)
+    newest = _newest_announcement(result, stamps)
     unread = [i for i in wanted if found.get(keys[i]) is None]
     if unread and len(unread) < len(wanted):
-        _fill_unread(result, unread)
+        _fill_unread(result, unread, newest)
     return result
 
 
-def _newest_announcement(result: List[Dict[str, ServerInfo]], stamps: List[Dict[str, float]]) -> None:
+def _newest_announcement(result: List[Dict[str, ServerInfo]], stamps: List[Dict[str, float]]) -> Dict[str, ServerInfo]:
     """One announcement stores the same record, with one expiration time, under every key of a server's span; a
     store that timed out on some keys (a loaded machine) leaves the previous announcement there until the next
     refresh (`update_period`): a JOINING record under some keys of a server ONLINE under the others, which split its
     span (routing saw blocks 15:20 served and 20:30 not). A server's record with the latest expiration is its
     current announcement: an older record of it under another key is replaced by it where that announcement's span
     holds the block, and dropped where it does not (a span that moved). A key without any record of the server
-    keeps what it holds (`_fill_unread` fills keys not read at all)."""
+    keeps what it holds (`_fill_unread` fills keys not read at all). Returns each server's newest record."""
     newest: Dict[str, Tuple[float, bool, ServerInfo]] = {}  # peer -> (expiration, from its span's last key, record)
     for index, (servers, times) in enumerate(zip(result, stamps)):
         for peer_id, info in servers.items():
@@ -310,17 +310,15 @@ def _newest_announcement(result: List[Dict[str, ServerInfo]], stamps: List[Dict[
                 servers[peer_id] = info
             else:
                 del servers[peer_id]
+    return {peer_id: info for peer_id, (_, _, info) in newest.items()}
 
 
-def _fill_unread(result: List[Dict[str, ServerInfo]], unread: Sequence[int]) -> None:
+def _fill_unread(result: List[Dict[str, ServerInfo]], unread: Sequence[int], claims: Dict[str, ServerInfo]) -> None:
     """Keys that no node answered for (a read on a loaded machine or network can time out on some keys of a batch
     and not others) get the servers whose records under the span's other keys say they serve that block: one
     announcement stores the same record under every key of a span, so a key not read is not a block unserved. A key
-    that was read keeps exactly what it holds (an offline record there replaces the online one)."""
-    claims: Dict[str, ServerInfo] = {}
-    for servers in result:
-        for peer_id, info in servers.items():
-            claims.setdefault(peer_id, info)
+    that was read keeps exactly what it holds (an offline record there replaces the online one). `claims`: each
+    server's newest record (`_newest_announcement`)."""
     for index in unread:
         for peer_id, info in claims.items():
             if info.start <= index < info.end:
