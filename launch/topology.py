@@ -35,6 +35,9 @@ REPO = Path(__file__).resolve().parents[1]
 CLI = "launch.cli"
 LOCALHOST = "127.0.0.1"
 STOP_TIMEOUT = 8.0  # seconds `Topology.close` gives its processes before SIGKILL
+# where a process started without a `log_dir` logs (a fresh `swarmgate-<name>-*.log` file there; default: the system's
+# temporary directory); the test suite points it into its own directory, removed after a run that passed
+LOG_DIR_ENV = "SWARMGATE_LOG_DIR"
 
 
 class ManagedProcess:
@@ -51,7 +54,12 @@ class ManagedProcess:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
             self.log_path = Path(log_dir) / f"{name}.log"
         else:
-            self.log_path = Path(tempfile.mkstemp(prefix=f"swarmgate-{name}-", suffix=".log")[1])
+            directory = os.environ.get(LOG_DIR_ENV) or None
+            if directory:
+                Path(directory).mkdir(parents=True, exist_ok=True)
+            fd, path = tempfile.mkstemp(prefix=f"swarmgate-{name}-", suffix=".log", dir=directory)
+            os.close(fd)
+            self.log_path = Path(path)
         self._log = open(self.log_path, "w")
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         command = [*wrap, sys.executable, "-m", module or CLI, *args]

@@ -5,12 +5,13 @@ cores with them."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import pytest
 import torch
 
-from launch.topology import start_bootstrap, start_servers, terminate_all
+from launch.topology import LOG_DIR_ENV, start_bootstrap, start_servers, terminate_all
 
 # session-scoped fixtures shared by the test modules, registered here, once: the LoRA adapters and their peft
 # reference (tests/fixtures/lora_fixtures.py), the bundled model quantized by transformers
@@ -21,9 +22,14 @@ from tests.fixtures.shared_processes import quiet_swarm, shared_gateways  # noqa
 
 MODEL = "smollm2-135m-instruct"
 
-# Gateways started by the tests (processes and in-process apps) keep their state (gateway.store) in a file of this
-# test session, never in the user's cache directory (whose API keys would turn authentication on)
-os.environ["SWARMGATE_DATABASE_URL"] = f"sqlite:///{tempfile.mkdtemp(prefix='swarmgate-test-state-')}/gateway.sqlite3"
+# What this test session (each xdist worker: its own) writes outside pytest's tmp_path lives in one directory, removed
+# at the end of a session whose tests all passed (kept after a failure, for its process logs): the logs of the
+# processes the fixtures start (`launch.topology.LOG_DIR_ENV`, unless the caller chose a directory), and the state
+# (gateway.store) of the gateways the tests start (processes and in-process apps), never in the user's cache
+# directory (whose API keys would turn authentication on)
+SESSION_DIR = tempfile.mkdtemp(prefix="swarmgate-tests-")
+os.environ.setdefault(LOG_DIR_ENV, os.path.join(SESSION_DIR, "logs"))
+os.environ["SWARMGATE_DATABASE_URL"] = f"sqlite:///{SESSION_DIR}/gateway.sqlite3"
 
 # With parallel workers (pytest-xdist, `make test`), each worker's processes take CPU turns among themselves
 # (swarm.runtime.cpu_turns): with one thread each, the workers' swarms compute side by side on the two cores instead
@@ -249,6 +255,13 @@ EXTENDED = (
     # test_gateway_models.py)
     "tests/gateway/test_gateway_models.py::test_model_all_serves_every_model_the_swarm_announces",
 )
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Remove this session's directory (`SESSION_DIR`) after a run that passed; after a failure it stays, with the
+    logs of the processes that took part."""
+    if exitstatus == 0:
+        shutil.rmtree(SESSION_DIR, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

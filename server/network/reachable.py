@@ -23,12 +23,14 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 from hivemind.p2p import P2P
 
-from server.config import ServerConfig
 from swarm.wire.reachability import check_reachability, checker_peers, dialable_maddrs
+
+if TYPE_CHECKING:  # (only annotations: `swarmgate dht`, which imports this module, loads no model code)
+    from server.config import ServerConfig
 
 logger = logging.getLogger("swarmgate.server")
 

@@ -37,3 +37,15 @@ def test_bootstrap_is_ready_and_a_failing_server_is_reported(tmp_path):
         server.terminate()
     finally:
         assert dht.terminate() == 0
+
+
+def test_the_bootstrap_peer_loads_no_model_code():
+    """`swarmgate dht` serves no blocks: its module (and the relay-limits check it runs) must not import the model
+    families or transformers (about 0.7 s more at every start of a bootstrap peer)."""
+    import subprocess
+    import sys
+
+    code = "import sys, launch.bootstrap; print(sorted(m for m in ('transformers', 'server.config') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
