@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from swarm.modeling.smallgemm import PADDED, PLAIN, GemmGroup, SmallGemm, packing_available
+from swarm.modeling.smallgemm import COLUMN_BLOCK, COLUMN_MIN_OUT, COLUMNS, PADDED, PLAIN, GemmGroup, SmallGemm, \
+    packing_available
 
 needs_packing = pytest.mark.skipif(not packing_available(), reason="this torch has no MKL packed GEMM")
 
@@ -27,6 +28,50 @@ def test_every_way_of_a_product_gives_the_plain_rows():
             assert out.shape == (rows, 3000), way
             torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(gemm(x), reference, rtol=1e-5, atol=1e-4)  # the group's own way
+
+
+def test_a_wide_product_in_column_blocks_gives_the_plain_rows():
+    """Column blocks (a last block shorter than the others here) compute each output as the plain product does."""
+    torch.manual_seed(0)
+    out_features = COLUMN_MIN_OUT + COLUMN_BLOCK // 2 + 3
+    weight, bias = torch.randn(out_features, 48), torch.randn(out_features)
+    gemm = GemmGroup([]).gemm(weight)
+    with_bias = GemmGroup([]).gemm(weight, bias)
+    for rows in (1, 16, 64):
+        x = torch.randn(rows, 48)
+        out = gemm.product(x, COLUMNS)
+        assert out.shape == (rows, out_features) and out.is_contiguous()
+        torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(with_bias.product(x, COLUMNS), F.linear(x, weight, bias), rtol=1e-6, atol=1e-5)
+
+
+def test_column_blocks_apply_from_the_multiple_up_where_timed_faster(monkeypatch, tmp_path):
+    from swarm.modeling import smallgemm
+
+    group = GemmGroup([], multiple=16)
+    assert [group.by_columns(rows, {16: False, 64: True}) for rows in (8, 16, 63, 64, 500)] == \
+        [False, False, False, True, True]
+    assert [group.by_columns(rows, {16: True, 64: False}) for rows in (15, 16, 63, 64)] == [False, True, True, False]
+    assert not group.by_columns(64, {})  # never timed: plain
+    monkeypatch.setenv("SWARMGATE_CACHE", str(tmp_path))
+    monkeypatch.setattr(smallgemm, "_TIMED", {})
+    narrow, wide = group.gemm(torch.randn(COLUMN_MIN_OUT - 1, 16)), group.gemm(torch.randn(COLUMN_MIN_OUT, 16))
+    group.calibrate()
+    assert narrow.columns == {} and sorted(wide.columns) == [16, 64]
+    wide.columns = {16: True, 64: True}
+    ways: list = []
+    real = SmallGemm.product
+    monkeypatch.setattr(SmallGemm, "product", lambda self, x, way: (ways.append(way), real(self, x, way))[1])
+    x = torch.randn(20, 16)
+    torch.testing.assert_close(wide(x), F.linear(x, wide.weight), rtol=1e-6, atol=1e-5)
+    wide(torch.randn(3, 16))  # below the multiple: as before (plain or padded)
+    assert ways[0] == COLUMNS and ways[1] in (PLAIN, PADDED)
+    again = GemmGroup([], multiple=16)  # another process on this machine: the kept timing, not timed again
+    kept = again.gemm(torch.randn(COLUMN_MIN_OUT, 16))
+    monkeypatch.setattr(smallgemm, "_TIMED", {})
+    monkeypatch.setattr(SmallGemm, "product", lambda *args: pytest.fail("timed again"))
+    again.calibrate()
+    assert sorted(kept.columns) == [16, 64]
 
 
 @needs_packing
