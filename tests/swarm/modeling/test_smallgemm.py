@@ -8,8 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from swarm.modeling.smallgemm import COLUMN_BLOCK, COLUMN_MIN_OUT, COLUMNS, PADDED, PLAIN, GemmGroup, SmallGemm, \
-    packing_available
+from swarm.modeling.smallgemm import (
+    COLUMN_BLOCK,
+    COLUMN_MIN_OUT,
+    COLUMNS,
+    PADDED,
+    PLAIN,
+    GemmGroup,
+    SmallGemm,
+    packing_available,
+)
 
 needs_packing = pytest.mark.skipif(not packing_available(), reason="this torch has no MKL packed GEMM")
 
