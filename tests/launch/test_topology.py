@@ -45,7 +45,8 @@ def test_the_bootstrap_peer_loads_no_model_code():
     import subprocess
     import sys
 
-    code = "import sys, launch.bootstrap; print(sorted(m for m in ('transformers', 'server.config') if m in sys.modules))"
+    code = ("import sys, launch.bootstrap; "
+            "print(sorted(m for m in ('transformers', 'server.config') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
