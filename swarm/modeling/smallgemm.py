@@ -22,8 +22,8 @@ SmolLM2 blocks ([3072, 576] each) take 2.2 ms for 1 row, 6.9 ms for 8 and 6.2 ms
   in blocks of `COLUMN_BLOCK` outputs (`torch.mm` into column views of one output), each block's output still in
   cache while it is written: on a 2-core AMD EPYC (one thread), 64 rows against SmolLM2's head 60 -> 48 ms, 16 rows
   27 -> 21 ms, against a hidden-64 head 10 -> 7 ms; the values are the plain product's, bit for bit (each output
-  is the same dot product). Used from `multiple` rows up where `calibrate` timed it faster (at `multiple` and at
-  four times it; kept in the same file); wide weights only (`COLUMN_MIN_OUT`).
+  is the same dot product). Used from `multiple` rows up where `calibrate` timed it faster and found the plain
+  product's bits (at `multiple` and at four times it; kept in the same file); wide weights only (`COLUMN_MIN_OUT`).
 Results differ from the plain product's in the last bits only (another summation order), as between batch sizes.
 
 `GemmGroup` makes the products (`gemm(weight, bias)` -> `SmallGemm`) of one compute thread (a server's span, a
@@ -289,10 +289,10 @@ class GemmGroup:
 
     def _calibrate_columns(self, member: SmallGemm, generator: torch.Generator) -> None:
         """Time a wide weight's product plain and in column blocks at the multiple and four times it (kept like the
-        padding's timings, under their own key)."""
+        padding's timings, under their own key); column blocks are taken where faster and bit for bit the same."""
         if member.weight.shape[0] < COLUMN_MIN_OUT:
             return
-        key = (tuple(member.weight.shape), member.bias is not None, torch.get_num_threads(), "columns", COLUMN_BLOCK,
+        key = (tuple(member.weight.shape), member.bias is not None, torch.get_num_threads(), "columns, exact", COLUMN_BLOCK,
                self.multiple, self.trials)
         if key not in _TIMED:
             _TIMED[key] = _stored(key) or {}
@@ -306,6 +306,8 @@ class GemmGroup:
                         began = time.perf_counter()
                         member.product(x, way)
                         best[way] = min(best[way], time.perf_counter() - began)
-                _TIMED[key][rows] = best[COLUMNS] < best[PLAIN]
+                # (only where its values are the plain product's, bit for bit: a near-tie's pick never moves)
+                same = torch.equal(member.product(x, COLUMNS), member.product(x, PLAIN))
+                _TIMED[key][rows] = same and best[COLUMNS] < best[PLAIN]
             _store(key, _TIMED[key])
         member.columns.update(_TIMED[key])
