@@ -292,8 +292,8 @@ class GemmGroup:
         padding's timings, under their own key); column blocks are taken where faster and bit for bit the same."""
         if member.weight.shape[0] < COLUMN_MIN_OUT:
             return
-        key = (tuple(member.weight.shape), member.bias is not None, torch.get_num_threads(), "columns, exact", COLUMN_BLOCK,
-               self.multiple, self.trials)
+        key = (tuple(member.weight.shape), member.bias is not None, torch.get_num_threads(), "columns, exact",
+               COLUMN_BLOCK, self.multiple, self.trials)
         if key not in _TIMED:
             _TIMED[key] = _stored(key) or {}
         if not _TIMED[key]:
