@@ -17,13 +17,20 @@ still be gone first (killed on their own, by an OOM killer or a supervisor that 
   (freeing a loaded model and C++ destructors took ~4 s on a busy machine, after everything had stopped).
 - `on_stop_signals(callback)`: SIGTERM and SIGINT call `callback` once; a second signal means "now": the process
   reaps its descendants and exits at once with status 1.
+
+Temporary directories go with the process: the `torch-shm-dir-*` of a reaped `torch_shm_manager` (the daemon torch
+starts for hivemind's shared-memory futures, which leaves its directory behind when it ends) and multiprocessing's
+own `pymp-*` (removed by an exit hook that `os._exit` skips). Until they were, every server, gateway and bootstrap
+start left two directories in /tmp (a test run: ~400).
 """
 from __future__ import annotations
 
 import asyncio
 import ctypes
 import logging
+import multiprocessing
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -56,11 +63,29 @@ def descendants() -> List[psutil.Process]:
         return []
 
 
+def shm_manager_dirs(procs: List[psutil.Process]) -> List[str]:
+    """The directories of the `torch_shm_manager` daemons among `procs` (where each listens)."""
+    dirs = set()
+    for proc in procs:
+        try:
+            if proc.name() != "torch_shm_manager":
+                continue
+            for connection in proc.net_connections(kind="unix"):
+                path = connection.laddr if isinstance(connection.laddr, str) else ""
+                if os.path.basename(os.path.dirname(path)).startswith("torch-shm-dir-"):
+                    dirs.add(os.path.dirname(path))
+        except psutil.Error:
+            continue
+    return sorted(dirs)
+
+
 def reap_descendants(timeout: float = 2.0) -> int:
-    """Terminate every descendant still running (SIGKILL after `timeout` s) and reap them; returns how many."""
+    """Terminate every descendant still running (SIGKILL after `timeout` s) and reap them, removing the directories
+    of the torch shared-memory managers among them; returns how many."""
     procs = descendants()
     if not procs:
         return 0
+    leftovers = shm_manager_dirs(procs)
     for proc in procs:
         try:
             proc.terminate()
@@ -75,7 +100,16 @@ def reap_descendants(timeout: float = 2.0) -> int:
     if alive:
         psutil.wait_procs(alive, timeout=1.0)
         logger.warning(f"killed {len(alive)} child process(es) that did not exit on SIGTERM")
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
     return len(procs)
+
+
+def remove_multiprocessing_tempdir() -> None:
+    """Remove multiprocessing's temporary directory of this process, if it made one (its exit hook would have)."""
+    tempdir = getattr(multiprocessing.current_process(), "_config", {}).get("tempdir")
+    if tempdir and os.path.basename(tempdir).startswith("pymp-"):
+        shutil.rmtree(tempdir, ignore_errors=True)
 
 
 def on_stop_signals(callback: Callable[[], None]) -> None:
@@ -87,6 +121,7 @@ def on_stop_signals(callback: Callable[[], None]) -> None:
         if received.is_set():
             logger.warning(f"second {signal.Signals(signum).name}: exiting now")
             reap_descendants(timeout=1.0)
+            remove_multiprocessing_tempdir()
             os._exit(1)
         received.set()
         callback()
@@ -117,6 +152,7 @@ def finish(code: int, timeout: float = 2.0) -> NoReturn:
                  and t is not threading.current_thread()]
     if lingering:
         logger.warning(f"threads still running at exit ({', '.join(lingering)}): exiting without waiting for them")
+    remove_multiprocessing_tempdir()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
