@@ -28,10 +28,13 @@ none`, bitsandbytes' nf4 being CUDA's here).
 Memory per open stream: each process tree's RSS (psutil, sampled every 0.1 s during the wave) at its peak, less its
 RSS after the one-stream warm-up, divided by N (`rss_mb`, `rss_kb_per_stream`: an upper bound for the waves smaller
 than the largest, whose warm-up already grew the processes' heaps, which they keep).
-Warm-up before the waves: one stream, then as many 2-token streams as the largest wave (a gateway that has
-served that many at once keeps their worker threads). Prints one JSON object. `--profile PATH`: py-spy records the
-gateway during each wave (collapsed stacks in PATH.<mode>.<streams>.txt); `--modes round,thread`: a gateway with engine
-rounds and one without (`--no-engine_round`), waves alternating between them, the same local figure for both.
+Warm-up before the waves: one 2-token stream, then a whole wave of the largest size (a gateway that has served that
+many at once keeps their worker threads; servers pack their weights for small batches during their first ones,
+`--packed_rows`, about 0.4 s of a SmolLM2 server's CPU, and first touch their caches), so that a measured wave is the
+steady state, as local transformers' best of `--local_runs` is. Prints one JSON object. `--profile PATH`: py-spy
+records the gateway during each wave (collapsed stacks in PATH.<mode>.<streams>.txt); `--modes round,thread`: a
+gateway with engine rounds and one without (`--no-engine_round`), waves alternating between them, the same local
+figure for both.
 
 Usage (from the repository root): .venv/bin/python bench/bench_overhead.py [--streams 16,64] [--new_tokens 32]
     [--model tiny|bundled]
@@ -317,8 +320,10 @@ def main() -> None:
             idle: Dict[str, Dict[str, float]] = {}  # mode -> RSS after one stream (what a stream adds is measured)
             for mode, gateway in gateways.items():
                 assert gateway.ready is not None
-                for count in (1, top):  # warm-up: routes, streams, the head; as many worker threads as streams
-                    warm = asyncio.run(wave(gateway.ready["url"], args.served, count, 2))
+                for count in (1, top):  # warm-up: routes, streams, the head; as many worker threads as streams;
+                    # the servers' packs for small batches (module docstring)
+                    warm = asyncio.run(wave(gateway.ready["url"], args.served, count,
+                                            2 if count == 1 else args.new_tokens))
                     if warm["errors"]:
                         raise RuntimeError(f"a warm-up stream failed: {warm['first_error']}")
                     if count == 1:
