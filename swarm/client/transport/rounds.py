@@ -90,8 +90,9 @@ class RoundStream:
             R.RoundRow(stream_key=s.key, start_position=start, step_id=step_id, batch=x.shape[0], seq=x.shape[1])
             for s, x, start, step_id in rows])
         wire_dtype = rows[0][0].wire_dtype  # the server's dtype (one server: one dtype)
-        flat = R.join_rows([x.to(wire_dtype) if wire_dtype is not None and x.is_floating_point() else x
-                            for _, x, _, _ in rows])  # [sum(batch_i * seq_i), hidden]
+        flat = R.join_rows([x for _, x, _, _ in rows])  # [sum(batch_i * seq_i), hidden]
+        if wire_dtype is not None and flat.is_floating_point():
+            flat = flat.to(wire_dtype)  # (one conversion for every row)
         self._queue.put_nowait(P.make_request(message, [flat]))
         # the reply, waited for while the server answers liveness pings (a frozen or cut-off server fails in about
         # liveness_interval + liveness_timeout s); a server whose process died ends the stream at once
@@ -194,7 +195,8 @@ def round_ready(session: InferenceSession, hidden: torch.Tensor, options: Option
     sent = session._history.get(session._streams[0].hop.start)
     if sent is not None and sent.buffer.shape[-1] != hidden.shape[-1]:
         return False  # not this model's hidden size: astep says so
-    if session.position + hidden.shape[1] > session.max_length or hidden.shape[1] > session._chunk_len(hidden):
+    if session.position + hidden.shape[1] > session.max_length or \
+            (hidden.shape[1] > 1 and hidden.shape[1] > session._chunk_len(hidden)):  # (one position always fits)
         return False
     return (all(s.compression is None and not s.open_pending for s in session._streams)
             and any(in_rounds(s) for s in session._streams))

@@ -45,6 +45,7 @@ class SpanStream:
         self.held_outputs: Optional[torch.Tensor] = None
         self.prompts = prompts  # deep prompts of this hop's blocks [hop.length, 1, pre_seq_len, hidden], or None
         self.session_id, self.max_length, self.batch_size = session_id, max_length, batch_size
+        self.key = P.stream_key(session_id, hop.start)  # the part's name on its server
         self.adapter = adapter
         self.position = 0  # tokens the server holds for this session
         self._queue: "asyncio.Queue[Optional[object]]" = asyncio.Queue()
@@ -154,9 +155,6 @@ class SpanStream:
         wanted = self.manager.config.compression
         return wanted if wanted is not None and "compression" in self.hop.capabilities else None
 
-    @property
-    def key(self) -> str:
-        return P.stream_key(self.session_id, self.hop.start)
 
     def send(self, hidden: torch.Tensor, start_position: int, step_id: int, push_chain=(),
              edits: Optional[dict] = None) -> None:
