@@ -155,7 +155,6 @@ class SpanStream:
         wanted = self.manager.config.compression
         return wanted if wanted is not None and "compression" in self.hop.capabilities else None
 
-
     def send(self, hidden: torch.Tensor, start_position: int, step_id: int, push_chain=(),
              edits: Optional[dict] = None) -> None:
         """Queue a step: hidden [batch, seq, hidden] for positions start_position.. (returns at once); `edits`:
