@@ -276,13 +276,7 @@ class GemmGroup:
                 if self.way(rows, {}) != PLAIN:
                     continue  # a pack takes it
                 x = torch.randn(rows, member.weight.shape[1], generator=generator)
-                best = {PLAIN: float("inf"), PADDED: float("inf")}
-                for _ in range(self.trials):
-                    for way in (PLAIN, PADDED):
-                        began = time.perf_counter()
-                        member.product(x, way)
-                        best[way] = min(best[way], time.perf_counter() - began)
-                member.padded[rows] = best[PADDED] < best[PLAIN]
+                member.padded[rows] = self._faster(member, x, PADDED)
             _TIMED[key] = dict(member.padded)
             _store(key, _TIMED[key])
         self._buffers = {}  # made again at the first padded product
@@ -300,14 +294,18 @@ class GemmGroup:
             for rows in (self.multiple, 4 * self.multiple):
                 x = torch.randn(rows, member.weight.shape[1], generator=generator)
                 member.product(x, PLAIN)  # (the weight into the caches first: the first way timed is not cold)
-                best = {PLAIN: float("inf"), COLUMNS: float("inf")}
-                for _ in range(self.trials):
-                    for way in (PLAIN, COLUMNS):
-                        began = time.perf_counter()
-                        member.product(x, way)
-                        best[way] = min(best[way], time.perf_counter() - began)
                 # (only where its values are the plain product's, bit for bit: a near-tie's pick never moves)
                 same = torch.equal(member.product(x, COLUMNS), member.product(x, PLAIN))
-                _TIMED[key][rows] = same and best[COLUMNS] < best[PLAIN]
+                _TIMED[key][rows] = same and self._faster(member, x, COLUMNS)
             _store(key, _TIMED[key])
         member.columns.update(_TIMED[key])
+
+    def _faster(self, member: SmallGemm, x: torch.Tensor, way: int) -> bool:
+        """Whether the product `way` of `x` beat the plain one (each's best of `trials`, alternating)."""
+        best = {PLAIN: float("inf"), way: float("inf")}
+        for _ in range(self.trials):
+            for each in (PLAIN, way):
+                began = time.perf_counter()
+                member.product(x, each)
+                best[each] = min(best[each], time.perf_counter() - began)
+        return best[way] < best[PLAIN]
