@@ -53,7 +53,7 @@ def setup(swarms, model_path, tmp_path_factory):
     except BaseException:
         for proc in procs.values():
             proc.kill()
-        server.stop()
+        server.close()
         raise
     model = httpx.get(gateways["a"].base_url + "/models", headers={"Authorization": f"Bearer {CONFIG_KEY}"}
                       ).json()["data"][0]["id"]
@@ -61,7 +61,7 @@ def setup(swarms, model_path, tmp_path_factory):
     yield {"redis": server, "sqlite_url": sqlite_url, "keys": keys, "swarm": swarm, **gateways}
     for proc in procs.values():
         proc.kill() if proc.proc.poll() is None else None
-    server.stop()
+    server.close()
 
 
 def _post(gateway, path, key, body):

@@ -247,4 +247,4 @@ def test_redis_unreachable_newer_lost_and_back(redis_server):
         assert store.get_response("o", "r") == {"back": True}
         store.close()
     finally:
-        own.stop()
+        own.close()
