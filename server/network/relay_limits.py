@@ -31,6 +31,7 @@ are built field by field with protobuf's descriptor API (`_hop_message`), as lib
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, List, Optional, Sequence, Tuple
@@ -80,12 +81,13 @@ def should_check(settings: RelaySettings, maddrs: Sequence[str]) -> bool:
 
 def _loopback(maddr: str) -> bool:
     parts = maddr.split("/")
-    host = parts[2] if len(parts) > 2 else ""
-    if parts[1:2] == ["ip4"]:
-        return host.startswith("127.")
-    if parts[1:2] == ["ip6"]:
-        return host in ("::1", "0:0:0:0:0:0:0:1")
-    return parts[1:2] in (["dns"], ["dns4"], ["dns6"]) and host == "localhost"
+    protocol, host = (parts[1], parts[2]) if len(parts) > 2 else ("", "")
+    if protocol in ("ip4", "ip6"):
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False
+    return protocol in ("dns", "dns4", "dns6") and host == "localhost"
 
 
 def our_limit(settings: RelaySettings) -> RelayLimit:

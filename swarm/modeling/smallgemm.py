@@ -149,7 +149,7 @@ class SmallGemm:
             return F.linear(x, self.weight, self.bias)
         way = self.group.way(x.shape[0], self.padded)
         if way == PLAIN or (way > 0 and way not in self.packs):
-            way = COLUMNS if self.group.by_columns(x.shape[0], self.columns) else PLAIN
+            way = COLUMNS if self.columns and self.group.by_columns(x.shape[0], self.columns) else PLAIN
         return self.product(x, way)
 
     def product(self, x: torch.Tensor, way: int) -> torch.Tensor:
