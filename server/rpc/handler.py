@@ -1,6 +1,7 @@
 """The RPC handlers of a block server: `BlockHandler`, its request checks, the push stream, forward passes and the
 info calls (the inference stream is `server.rpc.inference.InferenceHandler`'s, the round stream that steps many of its
-sessions in one message `server.rpc.rounds.RoundHandler`'s, the training passes `server.rpc.training.TrainingHandler`'s:
+sessions in one message `server.rpc.rounds.RoundHandler`'s, the channel that carries many sessions' streams in one
+`server.rpc.channel.ChannelHandler`'s, the training passes `server.rpc.training.TrainingHandler`'s:
 this class extends them).
 
 Every request is validated before any tensor work (message schema and version, block range, tensor dtype and
@@ -25,6 +26,7 @@ from hivemind.proto import runtime_pb2
 from server.compute.blocks import BlockSpan
 from server.compute.cache import CacheBudget
 from server.compute.decode import host_outputs
+from server.rpc.channel import ChannelHandler
 from server.rpc.inference import Counters
 from server.rpc.limits import LimitError, RpcLimits, StreamLimiter
 from server.rpc.push import PushRefused, PushRouter, PushSender
@@ -38,7 +40,7 @@ from swarm.wire import protocol as P
 logger = logging.getLogger(__name__)
 
 
-class BlockHandler(RoundHandler, TrainingHandler):
+class BlockHandler(RoundHandler, ChannelHandler, TrainingHandler):
     compression = "none"  # hidden states of sessions that do not ask (`--compression`, swarm.wire.compression)
 
     def __init__(self, span: BlockSpan, model_name: str, version: str, budget: CacheBudget, pool: TaskPool,

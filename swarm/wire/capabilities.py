@@ -43,6 +43,8 @@ CAPABILITIES: Mapping[str, str] = {
     "relay": "servers behind a NAT served through a relay (ServerInfo.reachable) and the dial-back check",
     "rope_length": "a step's rope length (RowEdits.rope_length, ForwardRequest.rope_length)",
     "rounds": "many sessions' steps in one message per server (rpc_round: RoundStep, RoundResult; rpc_round_stats)",
+    "session_channels": "many session parts' streams in one stream per client (rpc_sessions: frames of "
+                        "swarm.wire.channel)",
     "tensor_parallel": "blocks split across devices (ServerInfo.tensor_parallel)",
     "train_adapters": "training through a LoRA adapter (TrainForward/TrainBackward.adapter)",
     "training": "training passes (rpc_train_forward, rpc_train_backward)",

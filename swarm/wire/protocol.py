@@ -32,6 +32,8 @@ RPCs (see `BlockRPC`):
 - `rpc_round`: a long-lived stream per (client, server) carrying `RoundStep`s: the steps of many sessions opened on
   `rpc_inference` streams, one message per round, each row tagged with its session part (`swarm.wire.rounds`);
   `rpc_round_stats`: `RoundStats`, the server's round counters.
+- `rpc_sessions`: a long-lived stream per (client, server) carrying many sessions' `rpc_inference` streams as
+  virtual streams, each message behind a frame header naming its part (`swarm.wire.channel`).
 - `rpc_info`: `ServerStats`.
 - `rpc_dht_traffic`: `DHTTrafficReport`, the server's DHT peer's traffic counters (`swarm.runtime.dht_traffic`).
 - `rpc_prefix_cache`: `PrefixCacheReport`, the server's prefix cache counters (`server.compute.prefix_cache`).
@@ -209,6 +211,12 @@ class BlockRPC(ServicerBase):
     async def rpc_round_stats(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         raise NotImplementedError
 
+    async def rpc_sessions(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError
+        yield  # pragma: no cover
+
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         raise NotImplementedError
 
@@ -264,6 +272,9 @@ class ProvedStub:
 
     async def rpc_round(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]):
         return await self._long_lived("rpc_round", requests)
+
+    async def rpc_sessions(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]):
+        return await self._long_lived("rpc_sessions", requests)
 
     async def _long_lived(self, method: str, requests: AsyncIterator[runtime_pb2.ExpertRequest]):
         """A session's, push or round stream: its replies end as soon as the server's side closes

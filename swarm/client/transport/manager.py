@@ -106,6 +106,8 @@ class ClientConfig(BaseModel):
     measure_rtt: bool = Field(default=True, description="ping servers at each refresh and route by latency")
     max_pings: int = Field(default=64, gt=0, description="most servers pinged per refresh")
     use_push: bool = Field(default=True, description="servers push decode steps straight to the next server")
+    session_channels: bool = Field(default=True, description="open sessions' parts in one stream per server (a "
+                                   "session channel, where the server announces it) instead of a stream each")
     push_timeout: float = Field(default=1.0, gt=0, description="seconds to wait for a pushed decode step before "
                                                                 "sending it to the next server directly")
     training_sub_batch_tokens: int = Field(default=1024, gt=0, description="most tokens per training sub-batch: "

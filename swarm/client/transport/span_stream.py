@@ -1,6 +1,7 @@
 """One server's part of a client inference session: `SpanStream` holds blocks [start, end) of the session on one
 server over one bidirectional stream (open, queue steps, read replies in order, a late one waited for while the
-server answers liveness pings: `liveness.wait_while_alive`, close); `SessionError` is what a session raises when it
+server answers liveness pings: `liveness.wait_while_alive`, close), that stream being a part of the client's
+session channel to the server where it has one (`channel`); `SessionError` is what a session raises when it
 cannot go on.
 
 `swarm.client.transport.session.InferenceSession` chains one `SpanStream` per server and replaces a failed one.
@@ -9,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
 
+from swarm.client.transport.channel import Part, session_channel
 from swarm.client.transport.liveness import wait_while_alive
 from swarm.client.transport.manager import SwarmManager
 from swarm.client.transport.routing import RouteHop
@@ -49,7 +51,8 @@ class SpanStream:
         self.adapter = adapter
         self.position = 0  # tokens the server holds for this session
         self._queue: "asyncio.Queue[Optional[object]]" = asyncio.Queue()
-        self._responses: Optional[Replies] = None
+        self._put: Callable[[Optional[object]], None] = self._queue.put_nowait  # a message out (None: the end)
+        self._responses: Optional[Union[Replies, Part]] = None
         self._pending: Optional[asyncio.Future] = None  # the next reply, possibly awaited across time-outs
         self.open_pending = False  # OpenSession sent, its reply not read yet (read before the first step's)
         # the server was found gone on another stream (this part's round stream: `rounds.RoundStream`): the next
@@ -97,15 +100,18 @@ class SpanStream:
         """Open the stream and the server's session. With `wait=False` the OpenSession reply is read before the
         first step's reply instead (the step goes out without waiting a round trip); its error, if any, then
         surfaces as that step's failure."""
-        stub = self.manager.stub(self.hop.peer_id)
-        self._responses = await stub.rpc_inference(aio.iterate_queue(self._queue))
+        if self.in_channel:  # a part of the client's session channel to this server (`channel`)
+            part = await session_channel(self.manager, self.hop.peer_id).open_part()
+            self._responses, self._put = part, part.put
+        else:
+            self._responses = await self.manager.stub(self.hop.peer_id).rpc_inference(aio.iterate_queue(self._queue))
         opened = P.OpenSession(session_id=self.session_id, start=self.hop.start, end=self.hop.end,
                                max_length=self.max_length, batch_size=self.batch_size, adapter=self.adapter,
                                prompts=self.prompts is not None, push_token=self.push_token if self.pushes else None,
                                compression=self.compression, prefix=self.prefix,
                                prefix_outputs=not self.outputs_later)
         P.check_capabilities(opened, self.hop.capabilities, self.hop.peer_id)  # routing chose a server that takes it
-        self._queue.put_nowait(P.make_request(opened, [] if self.prompts is None else [self.prompts]))
+        self._put(P.make_request(opened, [] if self.prompts is None else [self.prompts]))
         if wait:
             reply, tensors = await self._next_reply()
             held = getattr(reply, "position", 0)
@@ -143,6 +149,12 @@ class SpanStream:
         return self._checked_outputs(tensors, positions)
 
     @property
+    def in_channel(self) -> bool:
+        """Whether this part goes in the client's session channel to its server (it announces `session_channels`
+        and the client's `session_channels` option is on) rather than on a stream of its own."""
+        return self.manager.config.session_channels and "session_channels" in self.hop.capabilities
+
+    @property
     def pushes(self) -> bool:
         """Whether the server takes part in server-to-server push (it announces `push`): only then does its session
         get a push token and its steps a push chain, and only then is it a push's target."""
@@ -163,7 +175,7 @@ class SpanStream:
         P.check_capabilities(step, self.hop.capabilities, self.hop.peer_id)  # the session keeps to servers with it
         if self.wire_dtype is not None and hidden.is_floating_point():
             hidden = hidden.to(self.wire_dtype)
-        self._queue.put_nowait(P.make_request(step, [hidden], compression=self.compression or "none"))
+        self._put(P.make_request(step, [hidden], compression=self.compression or "none"))
 
     async def receive(self, start_position: int, seq: int, timeout: Optional[float] = None):
         """The reply to the step at start_position: (output [batch, seq, hidden], pushed)."""
@@ -183,7 +195,7 @@ class SpanStream:
         return output
 
     async def close(self) -> None:
-        self._queue.put_nowait(None)
+        self._put(None)
         if self._pending is not None:
             self._pending.cancel()
         if self._responses is not None:
