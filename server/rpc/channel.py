@@ -3,11 +3,11 @@
 A client that opens many sessions keeps one `rpc_sessions` stream to this server (`swarm.wire.channel`: each
 message behind a frame header naming its part). Each part is run exactly as a session on its own `rpc_inference`
 stream (`InferenceHandler._session_stream`, under the same `--max_streams` admission): a part's first frame is its
-`OpenSession`, its replies go back framed with its number, and its stream ends with an `END` frame either way (the
-client's: the session closes; the server's: the session was refused, timed out or ended). Parts run side by side,
-each in its own task, so one part's wait (an opening held for another session's prefix pages, a cache reservation,
-a long prefill) never holds another's frames. When the channel ends (the client closes it, or the connection
-breaks), every part's stream ends with it and the sessions free what they hold.
+`OpenSession`, its replies go back framed with its number, and its stream ends with an `END` frame from either side
+(the client's: the session closes, and no `END` comes back; the server's: the session was refused, timed out or
+ended). Parts run side by side, each in its own task, so one part's wait (an opening held for another session's
+prefix pages, a cache reservation, a long prefill) never holds another's frames. When the channel ends (the client
+closes it, or the connection breaks), every part's stream ends with it and the sessions free what they hold.
 
 The channel's first frame proves the caller's membership (a private swarm) for the channel and all its parts. A
 malformed frame gets an `ErrorReply` on part 0 and the channel goes on; a frame for a part that has ended is
@@ -42,6 +42,7 @@ class _Part:
         self.inputs: "asyncio.Queue[Optional[runtime_pb2.ExpertRequest]]" = asyncio.Queue()
         self.task: Optional[asyncio.Task] = None
         self.ended = False  # its end was put into `inputs`
+        self.client_ended = False  # by the client's END frame (which then needs no END back)
 
 
 class ChannelHandler(InferenceHandler):
@@ -110,7 +111,7 @@ class ChannelHandler(InferenceHandler):
                 if part.ended:
                     continue
                 if header.kind == C.END:
-                    part.ended = True
+                    part.ended = part.client_ended = True
                     part.inputs.put_nowait(None)
                 elif part.inputs.qsize() >= self.limits.max_queued_steps:  # a client that does not wait for replies
                     part.ended = True
@@ -144,7 +145,8 @@ class ChannelHandler(InferenceHandler):
             logger.exception(f"session channel part {number} failed")
         finally:
             parts.pop(number, None)
-            replies.put_nowait(self._end_frame(number))
+            if not part.client_ended:  # (the client that ended it has forgotten it)
+                replies.put_nowait(self._end_frame(number))
 
     @staticmethod
     def _framed(number: int, reply: runtime_pb2.ExpertResponse) -> runtime_pb2.ExpertResponse:

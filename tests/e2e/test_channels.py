@@ -124,7 +124,8 @@ def _data(part: int, message: P.Message, tensors=()) -> runtime_pb2.ExpertReques
 
 def test_a_bad_frame_or_a_refused_part_leaves_the_channel_and_its_other_parts_going(clients):
     """Raw frames on one channel: garbage and part 0 get errors on part 0; a part refused at its opening gets its
-    error and its END; the good part beside them opens, steps, and ends when asked; the server holds nothing after."""
+    error and its END; the good part beside them opens, steps, and ends when asked, and the channel goes on; the server
+holds nothing after the channel closes."""
     with_channels, _ = clients
     peer = _peers(with_channels)[(0, 15)]
     base = _stats_when(with_channels, peer, lambda s: s.sessions_open == 0)
@@ -154,9 +155,11 @@ def test_a_bad_frame_or_a_refused_part_leaves_the_channel_and_its_other_parts_go
             assert (h.part, reply.position) == (1, 2) and list(tensors[0].shape) == [1, 2, HIDDEN], reply
             assert torch.isfinite(tensors[0]).all()
             queue.put_nowait(_data(2, P.Step(start_position=0), [hidden]))  # a part that ended: dropped
-            queue.put_nowait(runtime_pb2.ExpertRequest(metadata=C.frame(C.END, 1)))
+            queue.put_nowait(runtime_pb2.ExpertRequest(metadata=C.frame(C.END, 1)))  # (no END comes back)
+            queue.put_nowait(_data(3, P.OpenSession(session_id=session + "y", start=0, end=15, max_length=16,
+                                                    batch_size=1)))  # the channel goes on
             (h, reply, _), = await _read_frames(responses, 1)
-            assert (h.part, h.kind) == (1, C.END)
+            assert (h.part, h.kind, reply.position) == (3, C.DATA, 0), reply
         finally:
             queue.put_nowait(None)
             await responses.aclose()

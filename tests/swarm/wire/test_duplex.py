@@ -154,3 +154,29 @@ def test_closing_the_replies_before_the_first_closes_the_stream():
                 raise AssertionError("a reply after aclose")
 
     asyncio.run(run())
+
+
+class _Writer:
+    """A stream writer that keeps what is written, one entry per write."""
+
+    def __init__(self):
+        self.writes = []
+
+    def write(self, data) -> None:
+        self.writes.append(bytes(data))
+
+    async def drain(self) -> None:
+        pass
+
+
+def test_one_write_carries_hivemind_s_bytes():
+    """`send_protobuf` writes exactly what hivemind's writes, in one write below ONE_WRITE_BYTES."""
+    from swarm.wire.duplex import ONE_WRITE_BYTES, send_protobuf
+
+    for size in (0, 100, ONE_WRITE_BYTES + 10):
+        message = runtime_pb2.ExpertRequest(uid="u", metadata=b"x" * size)
+        ours, theirs = _Writer(), _Writer()
+        asyncio.run(send_protobuf(message, ours))
+        asyncio.run(P2P.send_protobuf(message, theirs))
+        assert b"".join(ours.writes) == b"".join(theirs.writes)
+        assert len(ours.writes) == (1 if size < ONE_WRITE_BYTES else len(theirs.writes))
