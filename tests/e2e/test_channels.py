@@ -1,7 +1,9 @@
 """Session channels (`rpc_sessions`, issue 46) on real processes: the bundled model split 0:15 and 15:30 over two
 servers. Sessions whose parts travel in one channel per server give the outputs of sessions on streams of their own;
 closing a channel frees its sessions on the servers; a malformed frame or a refused part leaves the channel and its
-other parts going; a server that does not announce the capability gets a stream per part."""
+other parts going; a server that does not announce the capability gets a stream per part; a peer's ninth channel is
+refused with its reason; a client that dies leaves no session nor stream behind. (The outbox's bound and the
+teardown of a cancelled channel: tests/server/test_channel_unit.py.)"""
 from __future__ import annotations
 
 import asyncio
@@ -190,3 +192,73 @@ def test_a_server_without_session_channels_gets_a_stream_per_part(clients):
 
     kinds, shapes = aio.run(both(), timeout=120)
     assert kinds == [True, False] and shapes == [[1, 1, HIDDEN]] * 2
+
+
+def test_a_peer_holds_at_most_eight_channels_and_the_ninth_is_refused_with_its_reason(clients):
+    """Eight channels of one peer to a server (the client's own among them): the ninth is refused on its part 0
+    (`over_limit`), and a session part opened in it fails with that reason, not as a stream that merely ended."""
+    from server.rpc.channel import MAX_CHANNELS_PER_PEER
+
+    with_channels, _ = clients
+    manager = with_channels.manager
+    peer = _peers(with_channels)[(0, 15)]
+    hop = manager.make_inference_chain(0, 15)[0]
+
+    async def channels():
+        mine = client_channel.session_channel(manager, peer)
+        await mine.open_part()  # the client's own channel (one of the eight), opened if it was not
+        others = []
+        try:
+            for _ in range(MAX_CHANNELS_PER_PEER - 1):
+                queue: asyncio.Queue = asyncio.Queue()
+                queue.put_nowait(_data(1, P.OpenSession(session_id=uuid.uuid4().hex, start=0, end=15, max_length=8,
+                                                        batch_size=1)))
+                responses = await manager.stub(peer).rpc_sessions(aio.iterate_queue(queue))
+                (h, reply, _), = await _read_frames(responses, 1)
+                assert (h.part, reply.position) == (1, 0), reply  # each one serves
+                others.append((queue, responses))
+            ninth = SpanStream(manager, hop, uuid.uuid4().hex, 16, 1)
+            ninth_channel = client_channel.SessionChannel(manager, peer)  # (outside the registry)
+            part = await ninth_channel.open_part()
+            ninth._responses, ninth._put = part, part.put
+            ninth._put(P.make_request(P.OpenSession(session_id=ninth.session_id, start=0, end=15, max_length=16,
+                                                    batch_size=1)))
+            with pytest.raises(P.RemoteError) as refused:
+                await ninth._next_reply()
+            return refused.value.code
+        finally:
+            for queue, responses in others:
+                queue.put_nowait(None)
+                await responses.aclose()
+
+    assert aio.run(channels(), timeout=120) == "over_limit"
+
+
+def test_a_client_whose_process_dies_leaves_no_session_nor_stream_on_the_server(clients, quiet_swarm):
+    """A peer of its own (its own p2pd) opens three parts in a channel and dies (its daemon shut down): the server
+    frees the sessions, and its open streams are back where they were."""
+    from hivemind.p2p import P2P, PeerID
+
+    with_channels, _ = clients
+    peer = _peers(with_channels)[(0, 15)]
+    server = next(s for s in quiet_swarm["servers"] if s.peer_id == peer)
+    base = _stats_when(with_channels, peer, lambda s: s.sessions_open == 0)
+
+    async def doomed():
+        p2p = await P2P.create(initial_peers=[server.maddr])
+        try:
+            stub = P.BlockRPC.get_stub(p2p, PeerID.from_base58(peer))
+            queue: asyncio.Queue = asyncio.Queue()
+            responses = await stub.rpc_sessions(aio.iterate_queue(queue))
+            for n in (1, 2, 3):
+                queue.put_nowait(_data(n, P.OpenSession(session_id=uuid.uuid4().hex, start=0, end=15, max_length=16,
+                                                        batch_size=1)))
+            frames = await _read_frames(responses, 3)
+            assert sorted(h.part for h, _, _ in frames) == [1, 2, 3]
+        finally:
+            await p2p.shutdown()  # its daemon goes, with the connection: no END, no end of stream
+
+    aio.run(doomed(), timeout=60)
+    stats = _stats_when(with_channels, peer, lambda s: s.sessions_open == 0 and s.streams_open <= base.streams_open)
+    held = (stats.sessions_open, stats.cache_tokens_used, stats.streams_open)
+    assert held == (0, base.cache_tokens_used, base.streams_open), stats

@@ -19,6 +19,7 @@ from hivemind.proto import runtime_pb2
 from launch.topology import Topology, start_gateway, start_server
 from swarm import AutoDistributedModelForCausalLM
 from swarm.runtime.swarm_key import SwarmKey
+from swarm.wire import channel as C
 from swarm.wire import protocol as P
 
 pytestmark = pytest.mark.slow
@@ -141,6 +142,18 @@ async def _direct_calls(server_maddr: str, server_peer: str, proof_for_me) -> di
         reply = P.decode_reply((await asyncio.wait_for(responses.__anext__(), 10)).metadata)
         results["session"] = reply.code if isinstance(reply, P.ErrorReply) else "opened"
         await responses.aclose()
+
+        async def frames():  # the same opening as a part of a session channel (`swarm.wire.channel`)
+            request = P.make_request(P.OpenSession(session_id="outsider2", start=0, end=15, max_length=8), uid=proof)
+            request.metadata = C.frame(C.DATA, 1, request.metadata)
+            yield request
+            await asyncio.sleep(3)
+
+        responses = await stub.rpc_sessions(frames())
+        header, body = C.unframe((await asyncio.wait_for(responses.__anext__(), 10)).metadata)
+        reply = P.decode_reply(body)
+        results["channel"] = (header.part, reply.code if isinstance(reply, P.ErrorReply) else "opened")
+        await responses.aclose()
     finally:
         await p2p.shutdown()
     return results
@@ -158,6 +171,7 @@ def test_block_rpcs_need_a_proof_for_the_callers_own_peer_id(private, key_file):
     results = {name: asyncio.run(_direct_calls(server.maddr, server.peer_id, make)) for name, make in cases.items()}
     for name in ("none", "wrong key", "another peer's proof"):
         assert results[name]["session"] == "forbidden", (name, results[name])
+        assert results[name]["channel"] == (0, "forbidden"), (name, results[name])  # on the channel's own part
         assert str(results[name]["info"]).startswith("refused") and "private swarm" in results[name]["info"]
-    assert results["member"] == {"info": 0, "session": "opened"}
+    assert results["member"] == {"info": 0, "session": "opened", "channel": (1, "opened")}
     assert "refused an RPC" in server.log_path.read_text()

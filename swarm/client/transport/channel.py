@@ -8,14 +8,17 @@ part) and its replies come back through `Part` (an async iterator, as a stream's
 ends the part or the channel ends). Everything else about a session part (its opening, steps, pushes, liveness
 pings, failover) is as on its own stream: a channel that breaks ends every part in it, as a server that died ends
 each of their streams, and each session fails over on its own. A channel is opened on first use and kept; one that
-ended is replaced by the next part's opening.
+ended is replaced by the next part's opening. A server that refuses a whole channel (a private swarm's outsider,
+a peer past its channels) says why on part 0, and every part of it fails with that reason. A session that finds its
+server unreachable ends the channel (`SpanStream.drop_channel`): its other parts fail over at once, and the next
+opening there does not wait on a frozen server again.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import weakref
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 from hivemind.proto import runtime_pb2
 
@@ -26,6 +29,8 @@ from swarm.wire import protocol as P
 
 logger = logging.getLogger(__name__)
 
+REFUSALS = ("forbidden", "over_limit")  # a server's reasons to refuse a whole channel (sent on part 0)
+
 
 class Part:
     """One session part's stream in a channel: `put(request)` sends a message (None: ends the part's stream);
@@ -33,7 +38,8 @@ class Part:
 
     def __init__(self, channel: "SessionChannel", number: int):
         self.channel, self.number = channel, number
-        self.replies: "asyncio.Queue[Optional[runtime_pb2.ExpertResponse]]" = asyncio.Queue()
+        # its replies; None: its end; an exception: the channel's end, with the server's reason (raised)
+        self.replies: "asyncio.Queue[Union[None, runtime_pb2.ExpertResponse, BaseException]]" = asyncio.Queue()
         self.sent_end = False
         self.ended = False  # the server's END (or the channel's end) was read
 
@@ -54,8 +60,10 @@ class Part:
         if self.ended:
             raise StopAsyncIteration
         reply = await self.replies.get()
-        if reply is None:
+        if reply is None or isinstance(reply, BaseException):
             self.ended = True
+            if reply is not None:
+                raise reply
             raise StopAsyncIteration
         return reply
 
@@ -77,17 +85,23 @@ class SessionChannel:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.closed = False
         self._ended = False
+        self.exhausted = False  # its part numbers ran out: new parts go to a new channel (this one ends when idle)
+        self._error: Optional[P.RemoteError] = None  # the server's last error on part 0 (its reason to end it)
 
     async def open_part(self) -> Part:
         """A new part of this channel (the channel's stream opened first if it is not yet); raises what opening the
         stream raises (the session then fails this server over, as for its own stream)."""
+        if self.closed or self.exhausted:
+            raise P.RemoteError("closed", "the session channel is closed", self.peer_id)
         if self._opening is None:
             self._loop = asyncio.get_running_loop()
             self._opening = asyncio.ensure_future(self._open())
         await asyncio.shield(self._opening)
         if self.closed:
-            raise P.RemoteError("closed", "the session channel is closed", self.peer_id)
+            raise self._error or P.RemoteError("closed", "the session channel is closed", self.peer_id)
         self._last += 1
+        if self._last >= C.MAX_PART:
+            self.exhausted = True
         part = self._parts[self._last] = Part(self, self._last)
         return part
 
@@ -98,6 +112,8 @@ class SessionChannel:
             self._end()
             raise
         self._reader = asyncio.ensure_future(self._read(responses))
+        if self.closed:  # closed from another thread while it opened: nothing else ends its stream
+            self._end()
 
     async def _read(self, responses) -> None:
         """Hand the server's frames to their parts until the channel ends; then end every part."""
@@ -108,14 +124,21 @@ class SessionChannel:
                 except P.ProtocolError as e:
                     logger.warning(f"a malformed frame from {self.peer_id} on its session channel: {e}")
                     continue
-                if header.part == 0:  # the channel's own: an error reply about a frame of ours
-                    logger.warning(f"session channel to {self.peer_id}: {body[:500]!r}")
+                if header.part == 0:  # the channel's own: an error reply about a frame of ours, or why it ends
+                    try:
+                        error = P.decode(body, P.ErrorReply)
+                    except P.ProtocolError as e:
+                        logger.warning(f"a malformed reply from {self.peer_id} on its session channel: {e}")
+                        continue
+                    logger.warning(f"session channel to {self.peer_id}: {error.code}: {error.message}")
+                    if error.code in REFUSALS:  # the server refuses the channel, then ends it
+                        self._error = P.RemoteError(error.code, error.message, self.peer_id)
                     continue
                 part = self._parts.get(header.part)
                 if part is None:
                     continue  # a part this side already closed
                 if header.kind == C.END:
-                    del self._parts[header.part]
+                    self.forget(header.part)
                     part.replies.put_nowait(None)
                 else:
                     response.metadata = body
@@ -135,6 +158,8 @@ class SessionChannel:
 
     def forget(self, number: int) -> None:
         self._parts.pop(number, None)
+        if self.exhausted and not self._parts:
+            self._end()
 
     def _end(self) -> None:
         """The channel ended (on the client loop): no part gets more replies; the next opening takes a new one."""
@@ -142,8 +167,8 @@ class SessionChannel:
             return
         self._ended = self.closed = True
         self._queue.put_nowait(None)
-        for part in self._parts.values():
-            part.replies.put_nowait(None)
+        for part in self._parts.values():  # (the server's reason, if it gave one: a refused channel)
+            part.replies.put_nowait(self._error)
         self._parts.clear()
         channels = _CHANNELS.get(self.manager)
         if channels is not None and channels.get(self.peer_id) is self:
@@ -177,7 +202,7 @@ def session_channel(manager: SwarmManager, peer_id: str) -> SessionChannel:
         channels = _CHANNELS[manager] = {}
         manager.on_shutdown.append(lambda: close_session_channels(manager))
     channel = channels.get(peer_id)
-    if channel is None or channel.closed:
+    if channel is None or channel.closed or channel.exhausted:
         channel = channels[peer_id] = SessionChannel(manager, peer_id)
     return channel
 

@@ -19,7 +19,7 @@ from typing import Dict, FrozenSet, List, Optional, Sequence
 
 import torch
 
-from swarm.client.transport.manager import SwarmManager
+from swarm.client.transport.manager import SwarmManager, unreachable
 from swarm.client.transport.routing import RoutingError
 from swarm.client.transport.span_stream import SessionError, SpanStream
 from swarm.wire import protocol as P
@@ -201,6 +201,8 @@ class SessionChain:
                        f"{failed.hop.start}:{failed.hop.end}: {type(error).__name__}: {error}; re-routing that span")
         if ban:
             self.manager.ban(failed.hop.peer_id, error)
+            if unreachable(error):
+                failed.drop_channel()
         asyncio.ensure_future(failed.close())
         began = time.monotonic()
         if self.position > 0:  # the inputs to replay, all here (from the previous span's server, or recomputed)

@@ -148,6 +148,12 @@ class SpanStream:
                                              f"{getattr(reply, 'position', None)}", self.hop.peer_id)
         return self._checked_outputs(tensors, positions)
 
+    def drop_channel(self) -> None:
+        """End the session channel this part is in (its server did not answer: every part in it fails over at once,
+        and the next opening there takes a new channel rather than one that waits on a frozen server)."""
+        if isinstance(self._responses, Part):
+            self._responses.channel.close()
+
     @property
     def in_channel(self) -> bool:
         """Whether this part goes in the client's session channel to its server (it announces `session_channels`
