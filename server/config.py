@@ -121,7 +121,8 @@ class ServerConfig(SwarmKeySettings, RelaySettings):
                     "little more time, so a larger budget may suit it)")
     max_sessions_per_peer: int = Field(default=128, gt=0, description="most inference sessions one peer (client or "
                                                                        "gateway) may hold open on this server")
-    max_streams: int = Field(default=512, gt=0, description="most inference streams open at once, all peers together")
+    max_streams: int = Field(default=512, gt=0, description="most inference streams open at once, all peers "
+                             "together (a session in a session channel counts as one; the channel itself does not)")
     max_message_bytes: int = Field(default=64 << 20, gt=0, description="largest RPC message accepted (metadata and "
                                                                       "tensors, bytes); clients send long inputs in "
                                                                       "chunks")
