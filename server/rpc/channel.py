@@ -37,7 +37,7 @@ from swarm.wire import protocol as P
 logger = logging.getLogger(__name__)
 
 EXTRA_PARTS = 64  # live parts a channel may hold past --max_sessions_per_peer (parts still being refused, closing)
-MAX_CHANNELS_PER_PEER = 8  # a client keeps one per server (per swarm manager)
+MAX_CHANNELS_PER_PEER = 64  # a client keeps one per server and swarm manager (a process may run several)
 OUTBOX_REPLIES = 64  # replies waiting to go out before the parts (and the frame reader) wait for the client
 
 

@@ -1,8 +1,8 @@
 """Session channels (`rpc_sessions`, issue 46) on real processes: the bundled model split 0:15 and 15:30 over two
 servers. Sessions whose parts travel in one channel per server give the outputs of sessions on streams of their own;
 closing a channel frees its sessions on the servers; a malformed frame or a refused part leaves the channel and its
-other parts going; a server that does not announce the capability gets a stream per part; a peer's ninth channel is
-refused with its reason; a client that dies leaves no session nor stream behind. (The outbox's bound and the
+other parts going; a server that does not announce the capability gets a stream per part; a peer's channel past the
+cap is refused with its reason; a client that dies leaves no session nor stream behind. (The outbox's bound and the
 teardown of a cancelled channel: tests/server/test_channel_unit.py.)"""
 from __future__ import annotations
 
@@ -194,9 +194,10 @@ def test_a_server_without_session_channels_gets_a_stream_per_part(clients):
     assert kinds == [True, False] and shapes == [[1, 1, HIDDEN]] * 2
 
 
-def test_a_peer_holds_at_most_eight_channels_and_the_ninth_is_refused_with_its_reason(clients):
-    """Eight channels of one peer to a server (the client's own among them): the ninth is refused on its part 0
-    (`over_limit`), and a session part opened in it fails with that reason, not as a stream that merely ended."""
+def test_a_peer_s_channel_past_the_cap_is_refused_with_its_reason(clients):
+    """`MAX_CHANNELS_PER_PEER` channels of one peer to a server (the client's own among them): the next is refused on
+    its part 0 (`over_limit`), and a session part opened in it fails with that reason, not as a stream that merely
+    ended."""
     from server.rpc.channel import MAX_CHANNELS_PER_PEER
 
     with_channels, _ = clients
@@ -205,27 +206,28 @@ def test_a_peer_holds_at_most_eight_channels_and_the_ninth_is_refused_with_its_r
     hop = manager.make_inference_chain(0, 15)[0]
 
     async def channels():
-        mine = client_channel.session_channel(manager, peer)
-        await mine.open_part()  # the client's own channel (one of the eight), opened if it was not
         others = []
         try:
-            for _ in range(MAX_CHANNELS_PER_PEER - 1):
+            while True:  # raw channels until one is refused (the client's own channel there, if any, counts too)
                 queue: asyncio.Queue = asyncio.Queue()
-                queue.put_nowait(_data(1, P.OpenSession(session_id=uuid.uuid4().hex, start=0, end=15, max_length=8,
-                                                        batch_size=1)))
+                queue.put_nowait(runtime_pb2.ExpertRequest(metadata=b"?"))  # answered on part 0: the channel is up
                 responses = await manager.stub(peer).rpc_sessions(aio.iterate_queue(queue))
-                (h, reply, _), = await _read_frames(responses, 1)
-                assert (h.part, reply.position) == (1, 0), reply  # each one serves
                 others.append((queue, responses))
-            ninth = SpanStream(manager, hop, uuid.uuid4().hex, 16, 1)
-            ninth_channel = client_channel.SessionChannel(manager, peer)  # (outside the registry)
-            part = await ninth_channel.open_part()
-            ninth._responses, ninth._put = part, part.put
-            ninth._put(P.make_request(P.OpenSession(session_id=ninth.session_id, start=0, end=15, max_length=16,
+                (h, reply, _), = await _read_frames(responses, 1)
+                if reply.code == "over_limit":
+                    break
+                assert (h.part, reply.code) == (0, "bad_request"), reply
+                assert len(others) <= MAX_CHANNELS_PER_PEER
+            assert len(others) - 1 in (MAX_CHANNELS_PER_PEER - 1, MAX_CHANNELS_PER_PEER), len(others)
+            last = SpanStream(manager, hop, uuid.uuid4().hex, 16, 1)
+            refused = client_channel.SessionChannel(manager, peer)  # (outside the registry)
+            part = await refused.open_part()
+            last._responses, last._put = part, part.put
+            last._put(P.make_request(P.OpenSession(session_id=last.session_id, start=0, end=15, max_length=16,
                                                     batch_size=1)))
-            with pytest.raises(P.RemoteError) as refused:
-                await ninth._next_reply()
-            return refused.value.code
+            with pytest.raises(P.RemoteError) as raised:
+                await last._next_reply()
+            return raised.value.code
         finally:
             for queue, responses in others:
                 queue.put_nowait(None)

@@ -1,8 +1,8 @@
 """A block server's session channel (`server.rpc.channel.ChannelHandler`) in one event loop, with each part's session
 replaced by an echo (`_session_stream`): a client that reads no reply stops the work behind its replies at the
 outbox's bound; a channel that ends (its stream closed, its handler cancelled) ends every part and lets each
-part's teardown run to its end; a peer's ninth channel is refused on part 0; malformed frames get part-0 errors.
-The real server's behaviour is in tests/e2e/test_channels.py."""
+part's teardown run to its end; a peer's channel past `MAX_CHANNELS_PER_PEER` is refused on part 0; malformed
+frames get part-0 errors. The real server's behaviour is in tests/e2e/test_channels.py."""
 from __future__ import annotations
 
 import asyncio
@@ -148,7 +148,7 @@ def test_an_outsider_s_channel_is_refused_on_part_0():
     asyncio.run(run())
 
 
-def test_a_peer_s_ninth_channel_is_refused():
+def test_a_peer_s_channel_past_the_cap_is_refused():
     async def run():
         handler, hold = EchoChannels(), asyncio.Event()
         open_ = [handler.rpc_sessions(frames([data(1)], hold), CONTEXT) for _ in range(MAX_CHANNELS_PER_PEER)]
