@@ -15,10 +15,8 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 import uuid
-from pathlib import Path
 from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,12 +24,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from bench.harness import cpu_seconds  # noqa: E402
+from bench.harness import cpu_seconds, tiny_checkpoint  # noqa: E402
 from launch.topology import ManagedProcess, start_bootstrap, start_servers, terminate_all  # noqa: E402
 from swarm.client.transport import rounds  # noqa: E402
-from swarm.modeling.prepare import prepare_model  # noqa: E402
 from swarm.runtime import aio  # noqa: E402
-from tests.fixtures.tiny_checkpoints import save_tiny  # noqa: E402
 
 SPANS = ("0:2", "2:4")
 
@@ -86,9 +82,7 @@ def main() -> int:
     parser.add_argument("--sessions", type=int, nargs="+", default=[16, 64], help="concurrent sessions, per run")
     parser.add_argument("--rounds", type=int, default=30, help="measured decode rounds per mode")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="bench-round-"))
-    path = work / "tiny-llama"
-    save_tiny("llama", path, str(prepare_model("smollm2-135m-instruct")))  # hidden 64, 4 blocks
+    work, path = tiny_checkpoint("round")
     prefix = f"round-{uuid.uuid4().hex[:8]}"
     boot = start_bootstrap(threads=1, log_dir=str(work))
     servers: List[ManagedProcess] = []

@@ -14,10 +14,8 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 import uuid
-from pathlib import Path
 from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,11 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from bench.harness import cpu_seconds  # noqa: E402
+from bench.harness import cpu_seconds, tiny_checkpoint  # noqa: E402
 from launch.topology import ManagedProcess, start_bootstrap, start_servers, terminate_all  # noqa: E402
 from swarm.client.transport import rounds  # noqa: E402
-from swarm.modeling.prepare import prepare_model  # noqa: E402
-from tests.fixtures.tiny_checkpoints import save_tiny  # noqa: E402
 
 SPANS = ("0:2", "2:4")
 MODES = {"channel": True, "stream": False}  # mode -> the client's session_channels
@@ -62,16 +58,14 @@ def main() -> int:
     parser.add_argument("--waves", type=int, default=10, help="measured waves per mode (alternating)")
     parser.add_argument("--prompt_tokens", type=int, default=20, help="tokens of each session's prompt")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="bench-open-"))
-    path = work / "tiny-llama"
-    save_tiny("llama", path, str(prepare_model("smollm2-135m-instruct")))  # hidden 64, 4 blocks
-    prefix = f"open-{uuid.uuid4().hex[:8]}"
-    boot = start_bootstrap(threads=1, log_dir=str(work))
-    servers: List[ManagedProcess] = []
-    models: Dict[str, object] = {}
     result: dict = {"bench": "session_open", "model": "tiny random llama (hidden 64, 4 blocks)", "spans": list(SPANS),
                     "sessions": args.sessions, "waves": args.waves, "prompt_tokens": args.prompt_tokens,
                     "torch_threads_per_process": 1}
+    work, path = tiny_checkpoint("open")
+    prefix = f"open-{uuid.uuid4().hex[:8]}"
+    models: Dict[str, object] = {}
+    servers: List[ManagedProcess] = []
+    boot = start_bootstrap(threads=1, log_dir=str(work))
     try:
         servers = start_servers(str(path), [boot.maddr], list(SPANS), prefix,
                                 ["--max_sessions_per_peer", str(4 * args.sessions)], threads=1, log_dir=str(work))

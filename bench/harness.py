@@ -8,14 +8,17 @@ processes, last started first) on exit.
 
 `Clock` is the streamer every benchmark times generation steps with; `cpu_seconds` the CPU time of a process (and
 its descendants: a server's DHT child and p2pd) that the benchmarks measuring CPU per token read; `tree_rss` the
-resident memory of a process and its descendants.
+resident memory of a process and its descendants; `tiny_checkpoint` the tiny random Llama (hidden 64, 4 blocks, the
+bundled tokenizer) that the overhead benchmarks run on, where compute is nearly nothing.
 """
 from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
-from typing import Callable, List, Optional, Sequence
+from pathlib import Path
+from typing import Callable, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -99,3 +102,14 @@ def cpu_seconds(pid: int, tree: bool = False) -> float:
 def tree_rss(pid: int) -> Optional[float]:
     """Resident bytes of process `pid` and its descendants (None: it is gone)."""
     return _sum_over(pid, True, lambda member: float(member.memory_info().rss))
+
+
+def tiny_checkpoint(tag: str) -> Tuple[Path, Path]:
+    """(a new temporary directory named after `tag`, the tiny random Llama saved in it)."""
+    from swarm.modeling.prepare import prepare_model
+    from tests.fixtures.tiny_checkpoints import save_tiny
+
+    work = Path(tempfile.mkdtemp(prefix=f"bench-{tag}-"))
+    path = work / "tiny-llama"
+    save_tiny("llama", path, str(prepare_model("smollm2-135m-instruct")))  # hidden 64, 4 blocks
+    return work, path

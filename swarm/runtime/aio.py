@@ -130,3 +130,19 @@ async def iterate_queue(queue: "asyncio.Queue"):
         if item is None:
             return
         yield item
+
+
+def call_on(loop: asyncio.AbstractEventLoop, fn: Callable[[], Any]) -> None:
+    """Run `fn` on `loop`: at once from the loop's own thread, else scheduled there (thread-safe); nothing once the
+    loop has closed (whatever `fn` would end went with it)."""
+    try:
+        here = asyncio.get_running_loop() is loop
+    except RuntimeError:
+        here = False
+    if here:
+        fn()
+    elif not loop.is_closed():
+        try:
+            loop.call_soon_threadsafe(fn)
+        except RuntimeError:  # closed meanwhile
+            pass

@@ -78,10 +78,10 @@ def test_sessions_in_channels_give_the_outputs_of_sessions_on_their_own_streams(
                 last.append(out[:, -1])
         assert all(isinstance(s._responses, Part) for sa in a for s in sa.session._streams)
         assert not any(isinstance(s._responses, Part) for sb in b for s in sb.session._streams)
-        channels = client_channel._CHANNELS[with_channels.manager]
+        channels = client_channel.CHANNELS.current(with_channels.manager)
         assert sorted(channels) == sorted({s.hop.peer_id for sa in a for s in sa.session._streams})
         assert {s._responses.channel for sa in a for s in sa.session._streams} == set(channels.values())
-        assert without.manager not in client_channel._CHANNELS
+        assert not client_channel.CHANNELS.current(without.manager)
     finally:
         for s in a + b:
             s.close()

@@ -77,7 +77,8 @@ def test_rounds_give_each_session_its_lone_outputs_in_one_message_per_server(mod
             # this client's rounds opened one stream here (the swarm is the session's: other modules' clients, such
             # as the shared gateway, may hold round streams of their own there)
             assert after[peer].round_streams - before[peer].round_streams == 1
-        streams = rounds._STREAMS[model.manager]  # one round stream per server, the rounds' every message on it
+        # one round stream per server, the rounds' every message on it
+        streams = rounds.ROUND_STREAMS.current(model.manager)
         assert sorted(streams) == peers and not any(stream.closed for stream in streams.values())
         assert all(s.session.position == p.shape[1] + steps for s, p in zip(together, ids))
     finally:

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import weakref
 from typing import Any, Dict, Optional, Union
 
 from hivemind.proto import runtime_pb2
 
 from swarm.client.transport.manager import SwarmManager
+from swarm.client.transport.per_peer import PerPeer
 from swarm.runtime import aio
 from swarm.wire import channel as C
 from swarm.wire import protocol as P
@@ -170,44 +170,25 @@ class SessionChannel:
         for part in self._parts.values():  # (the server's reason, if it gave one: a refused channel)
             part.replies.put_nowait(self._error)
         self._parts.clear()
-        channels = _CHANNELS.get(self.manager)
-        if channels is not None and channels.get(self.peer_id) is self:
-            del channels[self.peer_id]
+        CHANNELS.drop(self.manager, self.peer_id, self)
 
     def close(self) -> None:
         """End the channel (its parts' sessions close on the server); from any thread."""
         if self.closed or self._loop is None:
             self.closed = True
             return
-        try:
-            here = asyncio.get_running_loop() is self._loop
-        except RuntimeError:
-            here = False
-        if here:
-            self._end()
-        elif not self._loop.is_closed():
-            try:
-                self._loop.call_soon_threadsafe(self._end)
-            except RuntimeError:  # the loop closed meanwhile: its streams went with it
-                pass
+        aio.call_on(self._loop, self._end)
 
 
-_CHANNELS: "weakref.WeakKeyDictionary[SwarmManager, Dict[str, SessionChannel]]" = weakref.WeakKeyDictionary()
+CHANNELS: PerPeer[SessionChannel] = PerPeer(SessionChannel, lambda channel: not (channel.closed or channel.exhausted),
+                                            SessionChannel.close)
 
 
 def session_channel(manager: SwarmManager, peer_id: str) -> SessionChannel:
     """The manager's session channel to `peer_id` (a new one if there is none or it ended)."""
-    channels = _CHANNELS.get(manager)
-    if channels is None:
-        channels = _CHANNELS[manager] = {}
-        manager.on_shutdown.append(lambda: close_session_channels(manager))
-    channel = channels.get(peer_id)
-    if channel is None or channel.closed or channel.exhausted:
-        channel = channels[peer_id] = SessionChannel(manager, peer_id)
-    return channel
+    return CHANNELS.get(manager, peer_id)
 
 
 def close_session_channels(manager: SwarmManager) -> None:
     """End the manager's session channels (`SwarmManager.shutdown` does); from any thread."""
-    for channel in list(_CHANNELS.pop(manager, {}).values()):
-        channel.close()
+    CHANNELS.close_all(manager)

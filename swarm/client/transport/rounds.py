@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -33,6 +32,7 @@ from hivemind.proto import runtime_pb2
 
 from swarm.client.transport.liveness import wait_while_alive
 from swarm.client.transport.manager import SwarmManager, unreachable
+from swarm.client.transport.per_peer import PerPeer
 from swarm.client.transport.session import InferenceSession
 from swarm.client.transport.session_chain import METADATA_ROOM, BoundaryHistory
 from swarm.client.transport.span_stream import SpanStream
@@ -138,37 +138,25 @@ class RoundStream:
         if self.closed:
             return
         self.closed = True
-        try:
-            here = asyncio.get_running_loop() is self._loop
-        except RuntimeError:
-            here = False
-        responses = self._responses
-        if here or self._loop is None:  # (never opened: nobody waits on the queue)
+        if self._loop is None:  # never opened: nobody waits on the queue
             self._queue.put_nowait(None)
-            if responses is not None and here:  # (`call_stream`'s replies: closing them never fails)
+            return
+        responses = self._responses
+
+        def end() -> None:
+            self._queue.put_nowait(None)
+            if responses is not None:  # (behind the end mark; `call_stream`'s replies: closing them never fails)
                 asyncio.ensure_future(responses.aclose())
-        elif not self._loop.is_closed():
-            try:
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, None)
-                if responses is not None:  # (behind the end mark, which the writer may still send)
-                    self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(responses.aclose()))
-            except RuntimeError:  # the loop closed meanwhile: its streams went with it
-                pass
+
+        aio.call_on(self._loop, end)
 
 
-_STREAMS: "weakref.WeakKeyDictionary[SwarmManager, Dict[str, RoundStream]]" = weakref.WeakKeyDictionary()
+ROUND_STREAMS: PerPeer[RoundStream] = PerPeer(RoundStream, lambda stream: not stream.closed, RoundStream.close)
 
 
 def round_stream(manager: SwarmManager, peer_id: str) -> RoundStream:
     """The manager's round stream to `peer_id` (a new one if there is none or it was closed)."""
-    streams = _STREAMS.get(manager)
-    if streams is None:
-        streams = _STREAMS[manager] = {}
-        manager.on_shutdown.append(lambda: close_round_streams(manager))
-    stream = streams.get(peer_id)
-    if stream is None or stream.closed:
-        stream = streams[peer_id] = RoundStream(manager, peer_id)
-    return stream
+    return ROUND_STREAMS.get(manager, peer_id)
 
 
 async def round_stats(manager: SwarmManager, peer_id: str) -> R.RoundStats:
@@ -180,8 +168,7 @@ async def round_stats(manager: SwarmManager, peer_id: str) -> R.RoundStats:
 
 def close_round_streams(manager: SwarmManager) -> None:
     """End the manager's round streams (`SwarmManager.shutdown` does); from any thread."""
-    for stream in _STREAMS.pop(manager, {}).values():
-        stream.close()
+    ROUND_STREAMS.close_all(manager)
 
 
 def round_ready(session: InferenceSession, hidden: torch.Tensor, options: Optional[Mapping[str, Any]]) -> bool:
