@@ -98,7 +98,7 @@ class SessionChannel:
             self._opening = asyncio.ensure_future(self._open())
         await asyncio.shield(self._opening)
         if self.closed:
-            raise self._error or P.RemoteError("closed", "the session channel is closed", self.peer_id)
+            raise self._refusal() or P.RemoteError("closed", "the session channel is closed", self.peer_id)
         self._last += 1
         if self._last >= C.MAX_PART:
             self.exhausted = True
@@ -167,10 +167,15 @@ class SessionChannel:
             return
         self._ended = self.closed = True
         self._queue.put_nowait(None)
-        for part in self._parts.values():  # (the server's reason, if it gave one: a refused channel)
-            part.replies.put_nowait(self._error)
+        for part in self._parts.values():  # the server's reason, if it gave one (a refused channel)
+            part.replies.put_nowait(self._refusal())
         self._parts.clear()
         CHANNELS.drop(self.manager, self.peer_id, self)
+
+    def _refusal(self) -> Optional[P.RemoteError]:
+        """The server's reason to refuse this channel, as a new error (each part raises its own), or None."""
+        error = self._error
+        return None if error is None else P.RemoteError(error.code, error.message, self.peer_id)
 
     def close(self) -> None:
         """End the channel (its parts' sessions close on the server); from any thread."""
