@@ -28,6 +28,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
 from server.rpc.inference import InferenceHandler
+from server.rpc.limits import LimitError, StreamLimiter
 from server.rpc.refusal import admitted, drain_refused
 from swarm.runtime import aio
 from swarm.runtime.swarm_key import NOT_A_MEMBER
@@ -37,7 +38,7 @@ from swarm.wire import protocol as P
 logger = logging.getLogger(__name__)
 
 EXTRA_PARTS = 64  # live parts a channel may hold past --max_sessions_per_peer (parts still being refused, closing)
-MAX_CHANNELS_PER_PEER = 64  # a client keeps one per server and swarm manager (a process may run several)
+MAX_CHANNELS_PER_PEER = StreamLimiter.MAX_CHANNELS_PER_PEER
 OUTBOX_REPLIES = 64  # replies waiting to go out before the parts (and the frame reader) wait for the client
 
 
@@ -82,30 +83,29 @@ class _Outbox:
 class ChannelHandler(InferenceHandler):
     """The session channel RPC of `server.rpc.handler.BlockHandler`."""
 
-    channels: Dict[str, int]  # peer -> its channels open here
-
     async def rpc_sessions(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """One client's session channel: up to `MAX_CHANNELS_PER_PEER` per peer; not counted under `--max_streams`
         itself (an idle channel holds nothing), each of its parts is."""
         peer = str(context.remote_id)
-        if self.channels.get(peer, 0) >= MAX_CHANNELS_PER_PEER:
-            yield self._channel_error("over_limit", f"peer {peer} already has {MAX_CHANNELS_PER_PEER} session "
-                                                    f"channels open on this server")
+        try:
+            self.streams.open_channel(peer)
+        except LimitError as e:
+            yield self._channel_error("over_limit", str(e))
             await drain_refused(requests)
             return
-        self.channels[peer] = self.channels.get(peer, 0) + 1
         try:
             async with aclosing(self._channel(requests, context)) as replies:
                 async for reply in replies:
                     yield reply
         finally:
-            held = self.channels.get(peer, 0) - 1
-            if held > 0:
-                self.channels[peer] = held
-            else:
-                self.channels.pop(peer, None)
+            self.streams.close_channel(peer)
+
+    @property
+    def channels(self) -> Dict[str, int]:
+        """peer -> its session channels open here"""
+        return self.streams.channels
 
     async def _channel(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                        ) -> AsyncGenerator[runtime_pb2.ExpertResponse, None]:

@@ -61,7 +61,6 @@ class BlockHandler(RoundHandler, ChannelHandler, TrainingHandler):
         self.accepting = True
         self.push_router = PushRouter()
         self.open_parts = {}  # stream key -> open session part (`server.rpc.rounds` attaches to them)
-        self.channels = {}  # peer -> its session channels open here (`server.rpc.channel`)
         self.pusher: Optional[PushSender] = None
 
     # ---- validation -------------------------------------------------------------------------------------

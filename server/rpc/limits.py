@@ -2,9 +2,9 @@
 
 `RpcLimits` carries the caps (from `ServerConfig`: `--max_sessions_per_peer`, `--max_streams`,
 `--max_message_bytes`, `--max_step_tokens`, `--max_queued_steps`); `StreamLimiter` counts the open inference
-streams of the whole server and the open sessions of each peer. Over a cap a request gets a clear error
-(`LimitError`, code `over_limit`) before any tensor is built or any cache reserved, so that no peer can grow the
-server's memory past what the caps allow. The caps are announced (`announced`: the DHT record and `rpc_info`
+streams of the whole server and the open sessions and session channels of each peer. Over a cap a request gets a
+clear error (`LimitError`, code `over_limit`) before any tensor is built or any cache reserved, so that no peer can
+grow the server's memory past what the caps allow. The caps are announced (`announced`: the DHT record and `rpc_info`
 carry a `ServerLimits`) so that clients chunk their inputs to fit them.
 """
 from __future__ import annotations
@@ -49,12 +49,16 @@ class RpcLimits:
 
 
 class StreamLimiter:
-    """Open inference streams (all peers) and open sessions per peer, each under its cap."""
+    """Open inference streams (all peers), and per peer its open sessions and session channels, each under its cap."""
+
+    MAX_CHANNELS_PER_PEER = 64  # session channels (`server.rpc.channel`): a client keeps one per server and swarm
+    # manager (a process may run several)
 
     def __init__(self, limits: RpcLimits):
         self.limits = limits
         self.streams = 0
         self.sessions: Dict[str, int] = {}  # peer id -> sessions open
+        self.channels: Dict[str, int] = {}  # peer id -> session channels open
 
     def enter_stream(self) -> None:
         if self.streams >= self.limits.max_streams:
@@ -65,15 +69,28 @@ class StreamLimiter:
         self.streams -= 1
 
     def open_session(self, peer: str) -> None:
-        held = self.sessions.get(peer, 0)
-        if held >= self.limits.max_sessions_per_peer:
-            raise LimitError(f"peer {peer} already has {held} sessions open on this server "
-                             f"(--max_sessions_per_peer)")
-        self.sessions[peer] = held + 1
+        _enter(self.sessions, peer, self.limits.max_sessions_per_peer, "sessions", " (--max_sessions_per_peer)")
 
     def close_session(self, peer: str) -> None:
-        held = self.sessions.get(peer, 0) - 1
-        if held > 0:
-            self.sessions[peer] = held
-        else:
-            self.sessions.pop(peer, None)
+        _leave(self.sessions, peer)
+
+    def open_channel(self, peer: str) -> None:
+        _enter(self.channels, peer, self.MAX_CHANNELS_PER_PEER, "session channels", "")
+
+    def close_channel(self, peer: str) -> None:
+        _leave(self.channels, peer)
+
+
+def _enter(counts: Dict[str, int], peer: str, cap: int, what: str, flag: str) -> None:
+    held = counts.get(peer, 0)
+    if held >= cap:
+        raise LimitError(f"peer {peer} already has {held} {what} open on this server{flag}")
+    counts[peer] = held + 1
+
+
+def _leave(counts: Dict[str, int], peer: str) -> None:
+    held = counts.get(peer, 0) - 1
+    if held > 0:
+        counts[peer] = held
+    else:
+        counts.pop(peer, None)

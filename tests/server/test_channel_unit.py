@@ -25,7 +25,6 @@ class EchoChannels(ChannelHandler):
     def __init__(self):
         self.limits = RpcLimits()
         self.streams = StreamLimiter(self.limits)
-        self.channels = {}
         self.computed = 0
         self.torn_down = 0
 

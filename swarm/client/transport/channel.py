@@ -92,13 +92,13 @@ class SessionChannel:
         """A new part of this channel (the channel's stream opened first if it is not yet); raises what opening the
         stream raises (the session then fails this server over, as for its own stream)."""
         if self.closed or self.exhausted:
-            raise P.RemoteError("closed", "the session channel is closed", self.peer_id)
+            raise self._closed_error()
         if self._opening is None:
             self._loop = asyncio.get_running_loop()
             self._opening = asyncio.ensure_future(self._open())
         await asyncio.shield(self._opening)
         if self.closed:
-            raise self._refusal() or P.RemoteError("closed", "the session channel is closed", self.peer_id)
+            raise self._closed_error()
         self._last += 1
         if self._last >= C.MAX_PART:
             self.exhausted = True
@@ -176,6 +176,9 @@ class SessionChannel:
         """The server's reason to refuse this channel, as a new error (each part raises its own), or None."""
         error = self._error
         return None if error is None else P.RemoteError(error.code, error.message, self.peer_id)
+
+    def _closed_error(self) -> P.RemoteError:
+        return self._refusal() or P.RemoteError("closed", "the session channel is closed", self.peer_id)
 
     def close(self) -> None:
         """End the channel (its parts' sessions close on the server); from any thread."""
