@@ -61,6 +61,7 @@ class BlockHandler(RoundHandler, ChannelHandler, TrainingHandler):
         self.accepting = True
         self.push_router = PushRouter()
         self.open_parts = {}  # stream key -> open session part (`server.rpc.rounds` attaches to them)
+        self.round_routes = {}  # stream key -> the round stream it is attached to (`server.rpc.rounds`)
         self.pusher: Optional[PushSender] = None
 
     # ---- validation -------------------------------------------------------------------------------------

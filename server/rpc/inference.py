@@ -78,6 +78,7 @@ class _Stream:
     version: Optional[int] = None
     busy: bool = False  # a step of this session is being computed (from its stream or a round)
     last_active: float = 0.0  # monotonic time of its last step from a round (`server.rpc.rounds`)
+    pushed_step_id: int = -1  # its last step computed from a round push (the client's late copy is a duplicate)
     prefix: Any = None  # its use of the prefix cache (`server.rpc.prefix.PrefixState`), None: none
     adopted: Optional[torch.Tensor] = None  # the outputs at the prefix positions adopted at the opening
 

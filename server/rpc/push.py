@@ -92,33 +92,44 @@ class _Channel:
 
 
 class PushSender:
-    """One push stream per next server, opened on first use and reopened after a failure."""
+    """One push stream per next server and kind (`rpc_push`: a session's step; `rpc_round_push`: a round's rows),
+    opened on first use and reopened after a failure."""
 
     def __init__(self, p2p: P2P, proof: str = ""):
         self.p2p = p2p
         self.proof = proof  # this server's membership proof in a private swarm (sent with each push)
-        self._channels: Dict[str, _Channel] = {}
+        self._channels: Dict[Tuple[str, str], _Channel] = {}  # (rpc, peer id) -> its stream
         self.closed = False
 
-    def _channel(self, peer_id: str) -> _Channel:
-        channel = self._channels.get(peer_id)
+    def _send(self, rpc: str, peer_id: str, message: P.Message, tensors: list, compression: str = "none") -> bool:
+        """Queue one push on the stream of `rpc` to `peer_id`; False if no live stream took it."""
+        if self.closed:
+            return False  # the span is no longer served here; the client's copy of the step goes on
+        channel = self._channels.get((rpc, peer_id))
         if channel is None or not channel.alive:
+            try:
+                PeerID.from_base58(peer_id)  # checked once per stream, not per push
+            except Exception:
+                return False
             channel = _Channel()
-            channel.task = asyncio.ensure_future(self._run(peer_id, channel))
-            self._channels[peer_id] = channel
-        return channel
+            channel.task = asyncio.ensure_future(self._run(rpc, peer_id, channel))
+            self._channels[(rpc, peer_id)] = channel
+        if not channel.alive:
+            return False
+        channel.queue.put_nowait(P.make_request(message, tensors, uid=self.proof, compression=compression))
+        return True
 
-    async def _run(self, peer_id: str, channel: _Channel) -> None:
+    async def _run(self, rpc: str, peer_id: str, channel: _Channel) -> None:
         try:
             # ends as soon as the next server's side closes (`swarm.wire.duplex`): later pushes are refused at once
             # (the client sends its own copy) instead of vanishing into a dead stream
             responses = await call_stream(self.p2p, PeerID.from_base58(peer_id),
-                                          P.BlockRPC._get_handle_name(None, "rpc_push"),
+                                          P.BlockRPC._get_handle_name(None, rpc),
                                           iterate_queue(channel.queue), runtime_pb2.ExpertResponse)
             async for response in responses:  # the receiver only answers to refuse a push
                 logger.warning(f"push to {peer_id} refused: {P.decode_reply(response.metadata)}")
         except Exception as e:
-            logger.debug(f"push stream to {peer_id} ended: {e}")
+            logger.debug(f"{rpc} stream to {peer_id} ended: {e}")
         finally:
             channel.alive = False
 
@@ -126,23 +137,16 @@ class PushSender:
              row_edits: Optional[dict] = None, compression: str = "none") -> bool:
         """Queue the output for chain[0] (telling it the rest of the chain and the step's row edits: beam parents,
         padding, `P.RowEdits`); False if no live stream took it."""
-        if self.closed:
-            return False  # the span is no longer served here; the client's copy of the step goes on
         target = chain[0]
-        channel = self._channels.get(target.peer_id)
-        if channel is None or not channel.alive:
-            try:
-                PeerID.from_base58(target.peer_id)  # checked once per stream, not per push
-            except Exception:
-                return False
-            channel = self._channel(target.peer_id)
-        if not channel.alive:
-            return False
         message = P.PushStep(stream_key=target.stream_key, push_token=target.push_token,
                              start_position=start_position, step_id=step_id, push_chain=list(chain[1:]),
                              **(row_edits or {}))
-        channel.queue.put_nowait(P.make_request(message, [output], uid=self.proof, compression=compression))
-        return True
+        return self._send("rpc_push", target.peer_id, message, [output], compression)
+
+    def push_round(self, peer_id: str, message: P.Message, hidden: torch.Tensor) -> bool:
+        """Queue a `RoundPush` (its rows' hidden states [tokens, hidden]) for `peer_id`; False if no live stream
+        took it."""
+        return self._send("rpc_round_push", peer_id, message, [hidden])
 
     def close(self) -> None:
         """End every push stream (the handler stops serving); later pushes are refused."""

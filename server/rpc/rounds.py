@@ -14,6 +14,16 @@ error that concerns that row alone (a bad row, or a pass that failed for that se
 again session by session, so that each row gets its own outcome). A malformed message as a whole (not JSON, over
 the message limit, a tensor of the wrong size) gets one `ErrorReply` and the stream goes on.
 
+Round pushes (capability `round_push`): a row may name its session's part on the next server (`RoundRow.push`).
+After the round, the rows' outputs go on in ONE `RoundPush` per next server (`rpc_round_push`, `PushSender`), and
+the row's result says so (`pushed`). The next server checks each pushed row's push token, hands the rows to the
+round stream their parts are attached to (`round_routes`), runs them there as one batch like a client's message,
+and answers the client on that stream (`RoundResult.pushed`): a decode step crosses a chain of k servers in k + 1
+network hops instead of 2k. The client keeps the previous server's output (its history for failover) and sends the
+row itself only when the pushed result is late (`push_timeout`); a copy already computed from the push is answered
+`duplicate`, and a push that comes after the client's copy is dropped (by step id). A round stream takes at most
+`MAX_PUSHES_WAITING` pushed batches ahead of its own messages; more are dropped (the client's copy will do).
+
 Round steps carry no push chain and no row edits (beam parents, padding, rope lengths): a client sends those steps
 on the session's own stream, as before. `rpc_round_stats` reports the round counters (`RoundStats`).
 """
@@ -38,14 +48,45 @@ from swarm.runtime.swarm_key import NOT_A_MEMBER
 from swarm.runtime.taskpool import PRIORITY_DECODE
 from swarm.wire import protocol as P
 from swarm.wire import rounds as R
+from swarm.wire.capabilities import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
 
 RowError = Tuple[str, str]  # (code, message)
+MAX_PUSHES_WAITING = 8  # pushed batches a round stream holds ahead of its processing; more are dropped
+MAX_CLIENT_WAITING = 4  # a client's messages read ahead of their processing; then the stream is not read
+
+
+class _Inbox:
+    """A round stream's input in arrival order: ("client", request), ("push", rows, parts), or None at its end."""
+
+    def __init__(self) -> None:
+        self.queue: "asyncio.Queue[Optional[tuple]]" = asyncio.Queue()
+        self.pushes = 0  # pushed batches waiting
+        self.client = 0  # client messages waiting
+        self.room = asyncio.Event()  # set while the client may send more
+        self.room.set()
+        self.failure: Optional[BaseException] = None  # how the client's requests ended, if they broke
+
+    async def pump(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
+        """The client's messages into the queue, at most `MAX_CLIENT_WAITING` ahead (a flood is not read)."""
+        try:
+            async for request in requests:
+                self.client += 1
+                self.queue.put_nowait(("client", request))
+                if self.client >= MAX_CLIENT_WAITING:
+                    self.room.clear()
+                    await self.room.wait()
+        except Exception as e:  # noqa: BLE001 - the stream broke: raised where the replies are made
+            self.failure = e
+        finally:
+            self.queue.put_nowait(None)
 
 
 class RoundHandler(InferenceHandler):
     """The round RPCs of `server.rpc.handler.BlockHandler`."""
+
+    round_routes: Dict[str, _Inbox]  # stream key -> the inbox of the round stream it is attached to (pushes go there)
 
     async def rpc_round(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
@@ -60,18 +101,80 @@ class RoundHandler(InferenceHandler):
         self.counters.round_streams += 1
         peer = str(context.remote_id)
         attached: Dict[str, _Stream] = {}  # stream key -> the session part this stream may step
+        inbox = _Inbox()
+        pump = asyncio.ensure_future(inbox.pump(requests))
         admitted = False
+        version = PROTOCOL_VERSION  # of the client's last message (pushed results are answered in it)
         try:
-            async for request in requests:
+            while (item := await inbox.queue.get()) is not None:
+                if item[0] == "push":
+                    inbox.pushes -= 1
+                    reply = await self._pushed_round(item[1], item[2], attached, version)
+                    if reply is not None:
+                        yield reply
+                    continue
+                inbox.client -= 1
+                inbox.room.set()
+                request = item[1]
                 version = P.request_version(request.metadata)
                 if not admitted:  # the first message proves membership for the whole stream
                     if not self._admits(context, request.uid):
                         yield P.error_response("forbidden", NOT_A_MEMBER, version)
                         return
                     admitted = True
-                yield await self._round(request, attached, peer, version)
+                yield await self._round(request, attached, peer, version, inbox)
+            if inbox.failure is not None:
+                raise inbox.failure
         finally:
+            pump.cancel()
+            for key in attached:
+                if self.round_routes.get(key) is inbox:
+                    del self.round_routes[key]
             self.counters.round_streams -= 1
+
+    async def rpc_round_push(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """A previous server's round pushes: each row goes, with the others for the same round stream, to the round
+        stream its part is attached to, if it carries that part's push token. A row with a wrong token is refused
+        (one `forbidden` reply per message; the stream goes on); a row whose part is gone or not attached to a
+        round stream, or whose stream holds too many pushes already, is dropped (the client sends its own copy)."""
+        admitted = False
+        async for request in requests:
+            if not admitted:  # the first push of a stream proves membership for the whole stream
+                if not self._admits(context, request.uid):
+                    return
+                admitted = True
+            try:
+                self.limits.check_message(request)
+                message = P.decode(request.metadata, R.RoundPush)
+                flat, parts = self._round_rows(request, message)
+            except (P.ProtocolError, LimitError) as e:
+                logger.warning(f"malformed round push from {context.remote_id}: {e}")
+                continue
+            groups: Dict[int, Tuple[_Inbox, list, list]] = {}
+            refused = []
+            for row, part in zip(message.rows, parts):
+                stream, inbox = self.open_parts.get(row.stream_key), self.round_routes.get(row.stream_key)
+                if stream is None or inbox is None or stream.opened is None:
+                    continue  # gone, or not on a round stream: the client's own copy will do
+                expected = stream.opened.push_token
+                if expected is None or not hmac.compare_digest(expected.encode(), row.token.encode()):
+                    refused.append(row.stream_key)
+                    continue
+                group = groups.setdefault(id(inbox), (inbox, [], []))
+                group[1].append(row)
+                group[2].append(part)
+            for inbox, rows, hidden in groups.values():
+                if inbox.pushes < MAX_PUSHES_WAITING:
+                    inbox.pushes += 1
+                    inbox.queue.put_nowait(("push", rows, hidden))
+            if refused:
+                self.counters.pushes_refused += len(refused)
+                logger.warning(f"refused {len(refused)} round push row(s) from {context.remote_id}: wrong push token")
+                yield P.error_response("forbidden", f"round push refused for {', '.join(refused[:4])}: the push token "
+                                       f"does not match (only the previous server of a session's chain may push to "
+                                       f"it)", P.request_version(request.metadata))
 
     async def rpc_round_stats(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         if not self._admits(context, request.uid):
@@ -82,21 +185,26 @@ class RoundHandler(InferenceHandler):
         return runtime_pb2.ExpertInfo(serialized_info=P.encode(stats))
 
     # ---- one round ------------------------------------------------------------------------------------------
+    def _round_rows(self, request: runtime_pb2.ExpertRequest, message) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        """A round's (or a push's) one tensor, checked: [tokens, hidden] flat and one [batch, seq, hidden] view per
+        row. ProtocolError / LimitError."""
+        if len(request.tensors) != 1:
+            raise P.ProtocolError(f"a round carries exactly 1 tensor (the rows' hidden states), got "
+                                  f"{len(request.tensors)}")
+        tokens = message.tokens
+        self.limits.check_step_tokens(tokens)
+        flat = P.deserialize_tensor(request.tensors[0], max_elements=tokens * self.span.hidden_size)
+        if flat.ndim != 2 or flat.shape[1] != self.span.hidden_size:
+            raise P.ProtocolError(f"round hidden states must be [tokens, {self.span.hidden_size}], got "
+                                  f"{list(flat.shape)}")
+        return flat, R.split_rows(flat, [(row.batch, row.seq) for row in message.rows])  # [batch_i, seq_i, hidden]
+
     async def _round(self, request: runtime_pb2.ExpertRequest, attached: Dict[str, _Stream], peer: str,
-                     version: int) -> runtime_pb2.ExpertResponse:
+                     version: int, inbox: Optional[_Inbox] = None) -> runtime_pb2.ExpertResponse:
         try:
             self.limits.check_message(request)
             message = P.decode(request.metadata, R.RoundStep)
-            if len(request.tensors) != 1:
-                raise P.ProtocolError(f"a round carries exactly 1 tensor (the rows' hidden states), got "
-                                      f"{len(request.tensors)}")
-            tokens = message.tokens
-            self.limits.check_step_tokens(tokens)
-            flat = P.deserialize_tensor(request.tensors[0], max_elements=tokens * self.span.hidden_size)
-            if flat.ndim != 2 or flat.shape[1] != self.span.hidden_size:
-                raise P.ProtocolError(f"round hidden states must be [tokens, {self.span.hidden_size}], got "
-                                      f"{list(flat.shape)}")
-            parts = R.split_rows(flat, [(row.batch, row.seq) for row in message.rows])  # [batch_i, seq_i, hidden]
+            flat, parts = self._round_rows(request, message)
         except LimitError as e:
             return P.error_response("over_limit", str(e), version)
         except P.ProtocolError as e:
@@ -104,11 +212,78 @@ class RoundHandler(InferenceHandler):
         rows = message.rows
         self.counters.round_messages += 1
         self.counters.round_rows += len(rows)
-        errors: Dict[int, RowError] = {}
         refused = {a.stream_key: problem for a in message.attach
-                   if (problem := self._attach(a, attached, peer)) is not None}
-        finite = torch.isfinite(flat).all(dim=1)  # [tokens]
-        if not bool(finite.all()):
+                   if (problem := self._attach(a, attached, peer, inbox)) is not None}
+        errors: Dict[int, RowError] = {i: refused[row.stream_key] for i, row in enumerate(rows)
+                                       if row.stream_key in refused}
+        for i, row in enumerate(rows):  # the client's copy of a step already computed from a push
+            stream = attached.get(row.stream_key)
+            if i not in errors and stream is not None and row.step_id and row.step_id == stream.pushed_step_id:
+                errors[i] = ("duplicate", f"step {row.step_id} was computed from the previous server's push")
+        results, outputs = await self._run_rows(rows, parts, flat, attached, errors)
+        pushed = self._push_on(rows, results, outputs)
+        tensors = [output for output in outputs if output is not None]
+        if pushed:
+            results = [result.model_copy(update={"pushed": True}) if i in pushed else result
+                       for i, result in enumerate(results)]
+        reply = R.RoundResult(round_id=message.round_id, rows=results)
+        return P.make_response(reply, [R.join_rows(tensors)] if tensors else [], version=version)
+
+    async def _pushed_round(self, rows: List[R.RoundPushRow], parts: List[torch.Tensor], attached: Dict[str, _Stream],
+                            version: int) -> Optional[runtime_pb2.ExpertResponse]:
+        """Rows pushed by the previous server, run as one round of this stream; the reply to its client, or None
+        when none is left (parts detached, or steps the client's own copies already took)."""
+        keep = [i for i, row in enumerate(rows) if (stream := attached.get(row.stream_key)) is not None
+                and not (row.step_id <= stream.last_step_id)]
+        if not keep:
+            return None
+        rows, parts = [rows[i] for i in keep], [parts[i] for i in keep]
+        self.counters.round_rows += len(rows)
+        results, outputs = await self._run_rows(rows, parts, None, attached, {})
+        for row, output in zip(rows, outputs):
+            if output is not None:
+                attached[row.stream_key].pushed_step_id = row.step_id
+        self.counters.steps_from_push += sum(output is not None for output in outputs)
+        tensors = [output for output in outputs if output is not None]
+        reply = R.RoundResult(rows=results, pushed=True)
+        return P.make_response(reply, [R.join_rows(tensors)] if tensors else [], version=version)
+
+    def _push_on(self, rows, results: List[R.RoundRowResult], outputs: List[Optional[torch.Tensor]]) -> set:
+        """The outputs of rows that name a push target, one `RoundPush` per next server; the indexes pushed."""
+        targets: Dict[str, List[int]] = defaultdict(list)
+        for i, row in enumerate(rows):
+            if getattr(row, "push", None) is not None and outputs[i] is not None:
+                targets[row.push.peer_id].append(i)
+        pushed: set = set()
+        if not targets or self.pusher is None:
+            return pushed
+        for peer_id, indexes in targets.items():
+            try:
+                message = R.RoundPush(rows=[
+                    R.RoundPushRow(stream_key=rows[i].push.stream_key, token=rows[i].push.push_token,
+                                   start_position=rows[i].start_position, step_id=rows[i].step_id,
+                                   batch=rows[i].batch, seq=rows[i].seq) for i in indexes])
+            except ValueError as e:  # a target the next server would refuse (a short token, a key twice)
+                logger.debug(f"not pushing to {peer_id}: {e}")
+                continue
+            hidden = R.join_rows([t for i in indexes if (t := outputs[i]) is not None])  # [tokens, hidden]
+            if self.pusher.push_round(peer_id, message, hidden):
+                pushed.update(indexes)
+                self.counters.pushes_sent += len(indexes)
+        return pushed
+
+    async def _run_rows(self, rows: list, parts: List[torch.Tensor], flat: Optional[torch.Tensor],
+                        attached: Dict[str, _Stream], errors: Dict[int, RowError]
+                        ) -> Tuple[List[R.RoundRowResult], List[Optional[torch.Tensor]]]:
+        """Check, compute and note the rows (`RoundRow`s or `RoundPushRow`s, with their hidden states `parts`); per
+        row its result and its output [batch, seq, hidden] (None for a row that failed). `errors`: rows already
+        answered (their problem)."""
+        finite = torch.isfinite(flat).all(dim=1) if flat is not None else None  # [tokens]
+        if finite is None:
+            for i, part in enumerate(parts):
+                if not bool(torch.isfinite(part).all()):
+                    errors[i] = ("bad_request", "hidden states contain NaN or infinite values")
+        elif not bool(finite.all()):
             for i, ok in enumerate(torch.split(finite, [row.batch * row.seq for row in rows])):
                 if not bool(ok.all()):
                     errors[i] = ("bad_request", "hidden states contain NaN or infinite values")
@@ -118,7 +293,7 @@ class RoundHandler(InferenceHandler):
             for i, row in enumerate(rows):
                 if i in errors:
                     continue
-                problem = refused.get(row.stream_key) or self._row_problem(row, attached.get(row.stream_key))
+                problem = self._row_problem(row, attached.get(row.stream_key))
                 if problem is not None:
                     errors[i] = problem
                     continue
@@ -130,15 +305,16 @@ class RoundHandler(InferenceHandler):
                     kv.set_padding(None)
                 kv.rope_length = row.start_position + row.seq
                 held_before[i] = kv.length
-            outputs = await self._round_compute([(i, rows[i], parts[i], attached[rows[i].stream_key])
-                                                 for i in started])
+            computed = await self._round_compute([(i, rows[i], parts[i], attached[rows[i].stream_key])
+                                                  for i in started])
         finally:
             for i in started:
                 attached[rows[i].stream_key].busy = False
         now = time.monotonic()
-        results, tensors = [], []
+        results: List[R.RoundRowResult] = []
+        outputs: List[Optional[torch.Tensor]] = []
         for i, row in enumerate(rows):
-            output = outputs.get(i)
+            output = computed.get(i)
             if isinstance(output, BaseException):
                 logger.error(f"round step of {row.stream_key} failed: {type(output).__name__}: {output}")
                 self._prefix_close(attached[row.stream_key].prefix)  # its claimed pages: waiters compute them
@@ -149,6 +325,7 @@ class RoundHandler(InferenceHandler):
                 code, text = errors[i]
                 results.append(R.RoundRowResult(stream_key=row.stream_key, step_id=row.step_id, code=code,
                                                 message=text[:4096]))
+                outputs.append(None)
                 continue
             assert isinstance(output, torch.Tensor)
             stream = attached[row.stream_key]
@@ -158,20 +335,23 @@ class RoundHandler(InferenceHandler):
             stream.last_active = now
             results.append(R.RoundRowResult(stream_key=row.stream_key, step_id=row.step_id,
                                             position=stream.kv.length))
-            tensors.append(output)
-        self.counters.round_row_errors += len(errors)
+            outputs.append(output)
+        self.counters.round_row_errors += sum(code != "duplicate" for code, _ in errors.values())
         if len(attached) > 2 * len(self.open_parts) + 64:  # parts closed since they were attached: let them go
             for key in [key for key, stream in attached.items() if stream.kv is None]:
                 del attached[key]
-        self.counters.inference_steps += len(tensors)
-        self.counters.inference_tokens += sum(t.shape[0] * t.shape[1] for t in tensors)
-        reply = R.RoundResult(round_id=message.round_id, rows=results)
-        return P.make_response(reply, [R.join_rows(tensors)] if tensors else [], version=version)
+                if key in self.round_routes and self.open_parts.get(key) is None:
+                    del self.round_routes[key]
+        done = [output for output in outputs if output is not None]
+        self.counters.inference_steps += len(done)
+        self.counters.inference_tokens += sum(t.shape[0] * t.shape[1] for t in done)
+        return results, outputs
 
-    def _attach(self, entry: R.RoundAttach, attached: Dict[str, _Stream], peer: str) -> Optional[RowError]:
-        """Bind a session part to the round stream: it must be open here, opened by this stream's peer, and the
-        entry must carry its push token. The problem otherwise (the same words for a part that does not exist and
-        another client's: no probing)."""
+    def _attach(self, entry: R.RoundAttach, attached: Dict[str, _Stream], peer: str,
+                inbox: Optional[_Inbox] = None) -> Optional[RowError]:
+        """Bind a session part to the round stream (and route the pushes for it there): it must be open here,
+        opened by this stream's peer, and the entry must carry its push token. The problem otherwise (the same
+        words for a part that does not exist and another client's: no probing)."""
         stream = self.open_parts.get(entry.stream_key)
         if stream is None or stream.peer != peer or stream.opened is None:
             return "bad_request", f"no session part {entry.stream_key} of yours is open here"
@@ -179,6 +359,8 @@ class RoundHandler(InferenceHandler):
         if expected is None or not hmac.compare_digest(expected.encode(), entry.token.encode()):
             return "forbidden", f"session part {entry.stream_key}: the token does not match the one it was opened with"
         attached[entry.stream_key] = stream
+        if inbox is not None:
+            self.round_routes[entry.stream_key] = inbox
         return None
 
     def _row_problem(self, row: R.RoundRow, stream: Optional[_Stream]) -> Optional[RowError]:

@@ -42,6 +42,8 @@ CAPABILITIES: Mapping[str, str] = {
     "push": "server-to-server push (rpc_push, Step.push_chain, OpenSession.push_token)",
     "relay": "servers behind a NAT served through a relay (ServerInfo.reachable) and the dial-back check",
     "rope_length": "a step's rope length (RowEdits.rope_length, ForwardRequest.rope_length)",
+    "round_push": "a round's rows pushed server to server, one message per next server (RoundRow.push, "
+                  "rpc_round_push: RoundPush; RoundRowResult.pushed, RoundResult.pushed)",
     "rounds": "many sessions' steps in one message per server (rpc_round: RoundStep, RoundResult; rpc_round_stats)",
     "session_channels": "many session parts' streams in one stream per client (rpc_sessions: frames of "
                         "swarm.wire.channel)",
@@ -149,13 +151,14 @@ FIELD_CAPABILITIES: Mapping[str, str] = {
 }
 # what a request of each type needs whatever its fields (its RPC): a server without it has no such handler
 MESSAGE_CAPABILITIES: Mapping[str, str] = {"PushStep": "push", "TrainForward": "training", "TrainBackward": "training",
-                                           "RoundStep": "rounds", "PrefixOutputsRequest": "prefix_outputs"}
+                                           "RoundStep": "rounds", "PrefixOutputsRequest": "prefix_outputs",
+                                           "RoundPush": "round_push"}
 CORE_FIELDS: FrozenSet[str] = frozenset({
     "OpenSession.session_id", "OpenSession.start", "OpenSession.end", "OpenSession.max_length",
     "OpenSession.batch_size", "Step.start_position", "Step.step_id", "PushStep.stream_key", "PushStep.push_token",
     "PushStep.start_position", "PushStep.step_id", "PushStep.push_chain", "ForwardRequest.start",
     "ForwardRequest.end", "TrainForward.start", "TrainForward.end", "TrainBackward.start", "TrainBackward.end",
-    "RoundStep.round_id", "RoundStep.attach", "RoundStep.rows", "PrefixOutputsRequest.stream_key",
+    "RoundStep.round_id", "RoundStep.attach", "RoundStep.rows", "RoundPush.rows", "PrefixOutputsRequest.stream_key",
     "PrefixOutputsRequest.positions",
 })
 

@@ -32,6 +32,10 @@ RPCs (see `BlockRPC`):
 - `rpc_round`: a long-lived stream per (client, server) carrying `RoundStep`s: the steps of many sessions opened on
   `rpc_inference` streams, one message per round, each row tagged with its session part (`swarm.wire.rounds`);
   `rpc_round_stats`: `RoundStats`, the server's round counters.
+- `rpc_round_push`: a long-lived stream from one server to the next carrying `RoundPush`es: the outputs of a
+  round's rows whose next hop is that server (each row with its part's push token), in one message; the receiver
+  steps them on the client's round stream and answers the client there (`RoundResult.pushed`). Like `rpc_push`,
+  its only replies are refusals.
 - `rpc_sessions`: a long-lived stream per (client, server) carrying many sessions' `rpc_inference` streams as
   virtual streams, each message behind a frame header naming its part (`swarm.wire.channel`).
 - `rpc_info`: `ServerStats`.
@@ -211,6 +215,12 @@ class BlockRPC(ServicerBase):
     async def rpc_round_stats(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         raise NotImplementedError
 
+    async def rpc_round_push(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError
+        yield  # pragma: no cover
+
     async def rpc_sessions(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
@@ -275,6 +285,9 @@ class ProvedStub:
 
     async def rpc_sessions(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]):
         return await self._long_lived("rpc_sessions", requests)
+
+    async def rpc_round_push(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]):
+        return await self._long_lived("rpc_round_push", requests)
 
     async def _long_lived(self, method: str, requests: AsyncIterator[runtime_pb2.ExpertRequest]):
         """A session's, push or round stream: its replies end as soon as the server's side closes

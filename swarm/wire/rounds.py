@@ -29,7 +29,7 @@ from typing import List, Literal, Optional, Sequence, Tuple
 import torch
 from pydantic import Field, model_validator
 
-from swarm.wire.protocol import MAX_BATCH, MAX_SESSION_ID_LEN, MAX_TOKEN_LEN, Message, ProtocolError
+from swarm.wire.protocol import MAX_BATCH, MAX_SESSION_ID_LEN, MAX_TOKEN_LEN, Message, ProtocolError, PushTarget
 
 MAX_ROUND_ROWS = 4096  # session parts in one round message
 STREAM_KEY_LEN = MAX_SESSION_ID_LEN + 16  # `protocol.stream_key`
@@ -52,6 +52,9 @@ class RoundRow(Message):
     step_id: int = Field(default=0, ge=0)
     batch: int = Field(gt=0, le=MAX_BATCH)
     seq: int = Field(gt=0)
+    # capability `round_push`: after the step, push the output to this session part on the next server (left out
+    # of the JSON while unset: an older server never sees it)
+    push: Optional[PushTarget] = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class RoundStep(Message):
@@ -82,6 +85,8 @@ class RoundRowResult(Message):
     position: Optional[int] = Field(default=None, ge=0)
     code: Optional[str] = Field(default=None, max_length=64)
     message: Optional[str] = Field(default=None, max_length=4096)
+    # `round_push`: the output also went to the row's push target (only for a row that named one)
+    pushed: bool = Field(default=False, exclude_if=lambda value: not value)
 
     @model_validator(mode="after")
     def _one_outcome(self):
@@ -96,6 +101,39 @@ class RoundResult(Message):
     type: Literal["round_result"] = "round_result"
     round_id: int = Field(default=0, ge=0)
     rows: List[RoundRowResult] = Field(max_length=MAX_ROUND_ROWS)
+    # `round_push`: this result answers rows that the previous server pushed here (round_id 0), not a message of
+    # the client's (only a client whose rows asked for pushes gets one)
+    pushed: bool = Field(default=False, exclude_if=lambda value: not value)
+
+
+class RoundPushRow(Message):
+    """One pushed row: the output of the previous server for this server's session part `stream_key`."""
+
+    type: Literal["push_row"] = "push_row"
+    stream_key: str = Field(min_length=1, max_length=STREAM_KEY_LEN)
+    token: str = Field(min_length=16, max_length=MAX_TOKEN_LEN, description="the part's OpenSession.push_token")
+    start_position: int = Field(ge=0)
+    step_id: int = Field(ge=0)
+    batch: int = Field(gt=0, le=MAX_BATCH)
+    seq: int = Field(gt=0)
+
+
+class RoundPush(Message):
+    """Server -> next server (`rpc_round_push`): a round's rows whose next hop is that server, in one message.
+    tensors: their hidden states [sum(batch_i * seq_i), hidden], in row order."""
+
+    type: Literal["round_push"] = "round_push"
+    rows: List[RoundPushRow] = Field(min_length=1, max_length=MAX_ROUND_ROWS)
+
+    @model_validator(mode="after")
+    def _distinct_rows(self):
+        if len({row.stream_key for row in self.rows}) != len(self.rows):
+            raise ValueError("a session part appears twice in one push")
+        return self
+
+    @property
+    def tokens(self) -> int:
+        return sum(row.batch * row.seq for row in self.rows)
 
 
 class RoundStats(Message):
@@ -109,7 +147,7 @@ class RoundStats(Message):
     round_streams: int = Field(default=0, ge=0, description="round streams open now")
 
 
-ROUND_REQUEST_TYPES = (RoundStep,)
+ROUND_REQUEST_TYPES = (RoundStep, RoundPush)
 
 
 def split_rows(flat: torch.Tensor, shapes: Sequence[Tuple[int, int]]) -> List[torch.Tensor]:

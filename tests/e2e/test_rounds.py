@@ -58,6 +58,8 @@ def test_rounds_give_each_session_its_lone_outputs_in_one_message_per_server(mod
         peers = sorted({peer for s in together for peer in _chain_peers(s)})
         assert len(peers) == 2
         before = {peer: aio.run(rounds.round_stats(model.manager, peer)) for peer in peers}
+        pushed_before = {peer: getattr(rounds.ROUND_STREAMS.peek(model.manager, peer), "pushed_rows", 0)
+                         for peer in peers}
         last = [out[:, -1] for out in first]  # [1, hidden]
         steps = 3
         for _ in range(steps):
@@ -68,8 +70,15 @@ def test_rounds_give_each_session_its_lone_outputs_in_one_message_per_server(mod
                 assert_close_at_scale(out, s.session.step(head.embed(t)), what="decode")
             last = [out[:, -1] for out in outs]
         after = {peer: aio.run(rounds.round_stats(model.manager, peer)) for peer in peers}
+        first_hop, second_hop = _chain_peers(together[0])
+        streams = rounds.ROUND_STREAMS.current(model.manager)
+        # one message per round to the first server; the second got the first round's (which attached its parts),
+        # then every row pushed by the first server (`round_push`), its results sent back on the client's stream
+        assert after[first_hop].messages - before[first_hop].messages == steps
+        assert after[second_hop].messages - before[second_hop].messages == 1
+        assert streams[second_hop].pushed_rows - pushed_before[second_hop] == 8 * (steps - 1)
+        assert streams[first_hop].pushed_rows == pushed_before[first_hop]
         for peer in peers:
-            assert after[peer].messages - before[peer].messages == steps  # one message per server per round
             assert after[peer].rows - before[peer].rows == 8 * steps
             assert after[peer].row_errors == before[peer].row_errors
             # the twins' lone steps went on their own streams; the round's sessions sent none
@@ -78,7 +87,6 @@ def test_rounds_give_each_session_its_lone_outputs_in_one_message_per_server(mod
             # as the shared gateway, may hold round streams of their own there)
             assert after[peer].round_streams - before[peer].round_streams == 1
         # one round stream per server, the rounds' every message on it
-        streams = rounds.ROUND_STREAMS.current(model.manager)
         assert sorted(streams) == peers and not any(stream.closed for stream in streams.values())
         assert all(s.session.position == p.shape[1] + steps for s, p in zip(together, ids))
     finally:
@@ -126,9 +134,9 @@ def test_a_bad_row_errors_only_its_session(model, prompts):
         thief = SpanStream(model.manager, first.hop, twin.session.session_id, 48, 1)  # twin's key, another token
         stream = rounds.round_stream(model.manager, peer)
         position = good.session.position
-        outcomes = aio.run(stream.step([(first, x, position, good.session._next_step_id()),
-                                        (bad_stream, x, position + 3, bad.session._next_step_id()),
-                                        (ghost, x, 0, 1), (thief, x, position, 10 ** 6)]))
+        outcomes, _ = aio.run(stream.step([(first, x, position, good.session._next_step_id()),
+                                           (bad_stream, x, position + 3, bad.session._next_step_id()),
+                                           (ghost, x, 0, 1), (thief, x, position, 10 ** 6)]))
         assert isinstance(outcomes[0], torch.Tensor)
         lone = aio.run(twin.session._streams[0].step(x, position, twin.session._next_step_id()))
         assert_close_at_scale(outcomes[0], lone)
@@ -256,7 +264,7 @@ def test_another_client_cannot_step_a_session_even_with_its_token(model, prompts
         stolen = SpanStream(other, part.hop, session.session.session_id, 48, 1)
         stolen.push_token = part.push_token
         x = head.embed(torch.tensor([[3]]))
-        [outcome] = aio.run(rounds.round_stream(other, part.hop.peer_id).step(
+        [outcome], _ = aio.run(rounds.round_stream(other, part.hop.peer_id).step(
             [(stolen, x, session.session.position, 10 ** 6)]))
         assert isinstance(outcome, P.RemoteError) and "no session part" in outcome.message, outcome
         [out, lone] = rounds.step_round([(session.session, x, None)]) + [twin.session.step(x)]

@@ -4,7 +4,7 @@ usable; `close_all` closes them (the manager's shutdown does, from any thread)."
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Dict, Generic, TypeVar
+from typing import Callable, Dict, Generic, Optional, TypeVar
 
 from swarm.client.transport.manager import SwarmManager
 
@@ -28,6 +28,11 @@ class PerPeer(Generic[T]):
         if one is None or not self._usable(one):
             one = held[peer_id] = self._make(manager, peer_id)
         return one
+
+    def peek(self, manager: SwarmManager, peer_id: str) -> Optional[T]:
+        """The usable one for `peer_id` if there is one (none is made)."""
+        one = self._by_manager.get(manager, {}).get(peer_id)
+        return one if one is not None and self._usable(one) else None
 
     def current(self, manager: SwarmManager) -> Dict[str, T]:
         """The manager's ones now, by server (a copy)."""

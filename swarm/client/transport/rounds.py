@@ -49,32 +49,50 @@ Outcome = Union[torch.Tensor, BaseException]
 Row = Tuple[SpanStream, torch.Tensor, int, int]
 
 
+MAX_PUSHED_KEPT = 4096  # pushed results kept for rows not waited for yet; the oldest go first
+_END = object()  # the end of a round stream's replies
+
+
 class RoundStream:
-    """One client's round stream to one server: rounds go one at a time (a lock), each answered in order."""
+    """One client's round stream to one server: rounds go one at a time (a lock), each answered in order. With
+    `round_push`, the server also sends results of rows the previous server pushed to it (`RoundResult.pushed`):
+    its reader keeps them by (session part, step id) for `wait_pushed`."""
 
     def __init__(self, manager: SwarmManager, peer_id: str):
         self.manager, self.peer_id = manager, peer_id
         self._queue: "asyncio.Queue[Optional[object]]" = asyncio.Queue()
         self._responses: Any = None
+        self._replies: "asyncio.Queue[Any]" = asyncio.Queue()  # (response, its JSON) answering own messages, or _END
+        self._reader: Optional["asyncio.Future[None]"] = None
+        self._pushed: Dict[Tuple[str, int], Tuple[R.RoundRowResult, Optional[torch.Tensor]]] = {}
+        self._waiters: Dict[Tuple[str, int], "asyncio.Future[Any]"] = {}
         self._lock = asyncio.Lock()
         self._attached: Dict[str, str] = {}  # stream key -> the token it was attached with
         self._round_id = 0
         self.closed = False
+        self.pushed_rows = 0  # results of rows that came pushed (the client did not send them here)
         self._loop: Optional[asyncio.AbstractEventLoop] = None  # the client loop, once the stream opens there
 
-    async def step(self, rows: Sequence[Row]) -> List[Outcome]:
-        """One message with `rows` (all session parts on this server): per row its output [batch, seq, hidden] or
-        the `RemoteError` the server answered for that row. A failure of the whole message (the stream ended or
-        broke, the server did not answer a liveness ping while the reply was late, no reply within `step_timeout`,
-        an error reply) raises, and the stream is closed (the next round reopens it)."""
+    def attached(self, stream: SpanStream) -> bool:
+        """Whether the session part is attached to this stream with its current token (pushes for it land here)."""
+        return not self.closed and self._reader is not None and self._attached.get(stream.key) == stream.push_token
+
+    async def step(self, rows: Sequence[Row], pushes: Optional[Sequence[Optional[P.PushTarget]]] = None
+                   ) -> Tuple[List[Outcome], set]:
+        """One message with `rows` (all session parts on this server), each pushed on to its `pushes` target if
+        any: per row its output [batch, seq, hidden] or the `RemoteError` the server answered for that row, and the
+        indexes of the rows the server pushed on. A failure of the whole message (the stream ended or broke, the
+        server did not answer a liveness ping while the reply was late, no reply within `step_timeout`, an error
+        reply) raises, and the stream is closed (the next round reopens it)."""
         async with self._lock:
             try:
-                return await self._step(rows)
+                return await self._step(rows, pushes)
             except BaseException:
                 self.close()
                 raise
 
-    async def _step(self, rows: Sequence[Row]) -> List[Outcome]:
+    async def _step(self, rows: Sequence[Row], pushes: Optional[Sequence[Optional[P.PushTarget]]]
+                    ) -> Tuple[List[Outcome], set]:
         if self.closed:
             raise P.RemoteError("closed", "the round stream is closed", self.peer_id)
         if self._responses is None:
@@ -83,12 +101,16 @@ class RoundStream:
             if self.closed:  # closed from another thread while it opened: nothing closed these replies
                 await self._responses.aclose()
                 raise P.RemoteError("closed", "the round stream is closed", self.peer_id)
+        if self._reader is None:
+            self._reader = asyncio.ensure_future(self._read(self._responses))
         self._round_id += 1
         attach = [R.RoundAttach(stream_key=s.key, token=s.push_token) for s, _, _, _ in rows
                   if self._attached.get(s.key) != s.push_token]
+        targets = pushes if pushes is not None else [None] * len(rows)
         message = R.RoundStep(round_id=self._round_id, attach=attach, rows=[
-            R.RoundRow(stream_key=s.key, start_position=start, step_id=step_id, batch=x.shape[0], seq=x.shape[1])
-            for s, x, start, step_id in rows])
+            R.RoundRow(stream_key=s.key, start_position=start, step_id=step_id, batch=x.shape[0], seq=x.shape[1],
+                       push=target)
+            for (s, x, start, step_id), target in zip(rows, targets)])
         wire_dtype = rows[0][0].wire_dtype  # the server's dtype (one server: one dtype)
         flat = R.join_rows([x for _, x, _, _ in rows])  # [sum(batch_i * seq_i), hidden]
         if wire_dtype is not None and flat.is_floating_point():
@@ -96,17 +118,18 @@ class RoundStream:
         self._queue.put_nowait(P.make_request(message, [flat]))
         # the reply, waited for while the server answers liveness pings (a frozen or cut-off server fails in about
         # liveness_interval + liveness_timeout s); a server whose process died ends the stream at once
-        pending = asyncio.ensure_future(self._responses.__anext__())
+        pending = asyncio.ensure_future(self._replies.get())
         try:
-            response = await wait_while_alive(self.manager, self.peer_id, pending)
-        except StopAsyncIteration:
-            who = "this client closed the round stream" if self.closed else "the server closed the round stream"
-            raise P.RemoteError("closed", who, self.peer_id) from None
+            reply = await wait_while_alive(self.manager, self.peer_id, pending)
         finally:
             if not pending.done():
                 pending.cancel()  # the reply of a failed server is not read (the stream closes)
-        kind = json.loads(response.metadata).get("type") if response.metadata else None
-        if kind == "error":
+        if reply is _END:
+            self._replies.put_nowait(_END)  # (for any later reader of a stream that ended)
+            who = "this client closed the round stream" if self.closed else "the server closed the round stream"
+            raise P.RemoteError("closed", who, self.peer_id)
+        response, raw = reply
+        if raw.get("type") == "error":
             error = P.decode(response.metadata, P.ErrorReply)
             raise P.RemoteError(error.code, error.message, self.peer_id)
         result = P.decode(response.metadata, R.RoundResult)
@@ -122,8 +145,11 @@ class RoundStream:
             flat_out = P.deserialize_tensor(response.tensors[0], max_elements=1 << 31)
             outputs = iter(R.split_rows(flat_out, [(x.shape[0], x.shape[1]) for _, (_, x, _, _) in done]))
         outcomes: List[Outcome] = []
-        for row, (stream, x, start, _) in zip(result.rows, rows):
-            if row.code is not None:
+        pushed = set()
+        for n, (row, (stream, x, start, step_id)) in enumerate(zip(result.rows, rows)):
+            if row.code == "duplicate":  # taken from the previous server's push, answered before this reply
+                outcomes.append(self._duplicate(stream, x, start, step_id))
+            elif row.code is not None:
                 self._attached.pop(stream.key, None)  # attached again next time (a closed part, a new token)
                 outcomes.append(P.RemoteError(row.code, row.message or "", self.peer_id))
             elif row.position != start + x.shape[1]:
@@ -131,7 +157,91 @@ class RoundStream:
             else:
                 stream.position = row.position
                 outcomes.append(next(outputs))
-        return outcomes
+                if row.pushed and targets[n] is not None:
+                    pushed.add(n)
+        return outcomes, pushed
+
+    def _duplicate(self, stream: SpanStream, x: torch.Tensor, start: int, step_id: int) -> Outcome:
+        kept = self._pushed.pop((stream.key, step_id), None)
+        if kept is None:
+            return P.RemoteError("bad_reply", "a step answered as pushed came with no pushed result", self.peer_id)
+        return self._pushed_outcome(stream, x.shape[1], start, *kept)
+
+    def _pushed_outcome(self, stream: SpanStream, seq: int, start: int, row: R.RoundRowResult,
+                        output: Optional[torch.Tensor]) -> Outcome:
+        if row.code is not None or output is None:
+            return P.RemoteError(row.code or "bad_reply", row.message or "", self.peer_id)
+        if row.position != start + seq or output.shape[1] != seq:
+            return P.RemoteError("bad_reply", f"server reported position {row.position}", self.peer_id)
+        stream.position = row.position
+        return output
+
+    async def wait_pushed(self, stream: SpanStream, seq: int, start: int, step_id: int, timeout: float
+                          ) -> Optional[Outcome]:
+        """The result of the step `step_id` of `stream`'s part that the previous server pushed here: its output
+        [batch, seq, hidden] or this server's error for it; None if none came within `timeout` seconds (or the
+        stream ended): the caller sends the step itself."""
+        key = (stream.key, step_id)
+        kept = self._pushed.pop(key, None)
+        if kept is None:
+            if self.closed or self._reader is None or self._reader.done():
+                return None
+            waiter = self._waiters[key] = asyncio.get_running_loop().create_future()
+            try:
+                kept = await asyncio.wait_for(waiter, timeout)
+            except asyncio.TimeoutError:
+                return None
+            finally:
+                if self._waiters.get(key) is waiter:
+                    del self._waiters[key]
+            if kept is None:
+                return None
+        return self._pushed_outcome(stream, seq, start, *kept)
+
+    async def _read(self, responses: Any) -> None:
+        """Every reply of the stream: those to this client's messages in order into `_replies`, the results of
+        pushed rows to their waiters (or kept for them)."""
+        try:
+            async for response in responses:
+                raw = json.loads(response.metadata) if response.metadata else {}
+                if isinstance(raw, dict) and raw.get("pushed") is True and raw.get("type") == "round_result":
+                    self._take_pushed(response)
+                else:
+                    self._replies.put_nowait((response, raw if isinstance(raw, dict) else {}))
+        except Exception as e:  # noqa: BLE001 - a broken stream reads as an ended one
+            logger.debug(f"round stream to {self.peer_id} ended: {type(e).__name__}: {e}")
+        finally:
+            self._replies.put_nowait(_END)
+            for waiter in self._waiters.values():
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    def _take_pushed(self, response: Any) -> None:
+        try:
+            result = P.decode(response.metadata, R.RoundResult)
+            done = [row for row in result.rows if row.code is None]
+            outputs: List[Optional[torch.Tensor]] = [None] * len(result.rows)
+            if done:
+                if len(response.tensors) != 1:
+                    raise P.ProtocolError("a pushed result carries no outputs")
+                flat = P.deserialize_tensor(response.tensors[0], max_elements=1 << 31)
+                if flat.ndim != 2 or flat.shape[0] != len(done):  # pushed rows are single tokens (`pushable`)
+                    raise P.ProtocolError(f"pushed outputs of shape {list(flat.shape)} for {len(done)} rows")
+                parts = iter(flat.view(len(done), 1, 1, flat.shape[1]).unbind(0))  # [1, 1, hidden] each
+                outputs = [next(parts) if row.code is None else None for row in result.rows]
+        except P.ProtocolError as e:
+            logger.warning(f"a malformed pushed result from {self.peer_id}: {e}")
+            return
+        for row, output in zip(result.rows, outputs):
+            key = (row.stream_key, row.step_id)
+            waiter = self._waiters.pop(key, None)
+            self.pushed_rows += row.code is None
+            if waiter is not None and not waiter.done():
+                waiter.set_result((row, output))
+                continue
+            self._pushed[key] = (row, output)
+            if len(self._pushed) > MAX_PUSHED_KEPT:  # rows nobody waits for any more (their sessions moved on)
+                del self._pushed[next(iter(self._pushed))]
 
     def close(self) -> None:
         """End the stream (the server lets go of its attachments); from any thread."""
@@ -203,6 +313,7 @@ class _Flight:
     x: torch.Tensor  # the current hop's input
     step_id: int
     hop: int = 0
+    pushed: bool = False  # the previous server pushed x to the current hop's server (its result comes there)
 
 
 def step_round(items: Sequence[RoundItem]) -> List[Outcome]:
@@ -272,8 +383,9 @@ async def astep_round(items: Sequence[RoundItem], on_outcome: Optional[OnOutcome
             results = await asyncio.gather(*(_send_group(manager, peer, group)
                                              for (manager, peer, _), group in groups.items()))
             flights = []
-            for group, outputs in zip(groups.values(), results):
-                for flight, output in zip(group, outputs):
+            for group, (outputs, pushed) in zip(groups.values(), results):
+                for n, (flight, output) in enumerate(zip(group, outputs)):
+                    flight.pushed = n in pushed
                     if isinstance(output, BaseException):
                         logger.debug(f"round step of session {flight.session.session_id} failed ({output}); "
                                      f"stepping it on its own streams")
@@ -292,11 +404,14 @@ async def astep_round(items: Sequence[RoundItem], on_outcome: Optional[OnOutcome
     return [outcome if outcome is not None else RuntimeError("no outcome") for outcome in outcomes]
 
 
-async def _send_group(manager: SwarmManager, peer_id: str, group: List[_Flight]) -> List[Outcome]:
+async def _send_group(manager: SwarmManager, peer_id: str, group: List[_Flight]) -> Tuple[List[Outcome], set]:
     """The rows of `group` (their current hops are all on `peer_id`, all in rounds or none) in as few messages as
     the server's limits allow (one, unless the round is larger than a message), or each on its part's own stream;
-    each boundary's history records the inputs, as `InferenceSession._step_chunk` does."""
-    rows: List[Row] = []
+    each boundary's history records the inputs, as `InferenceSession._step_chunk` does. Rows that the previous
+    server pushed here are not sent: their results are waited for on the round stream (`push_timeout`), and only
+    those that do not come are sent. Per row its outcome, and the indexes of the rows pushed on to their next hop."""
+    sent: List[int] = []  # index in group of each row sent now
+    awaited: List[int] = []  # rows pushed here by the previous server
     failed: Dict[int, BaseException] = {}  # index in group -> what went wrong before anything was sent
     for n, flight in enumerate(group):
         session, stream = flight.session, flight.session._streams[flight.hop]
@@ -312,46 +427,99 @@ async def _send_group(manager: SwarmManager, peer_id: str, group: List[_Flight])
         except Exception as e:  # noqa: BLE001 - this item's own error (astep gives it again, or its own)
             failed[n] = e
             continue
-        rows.append((stream, flight.x, session.position, flight.step_id))
-    if failed:
-        sent = iter(await _send_rows(manager, peer_id, rows) if rows else [])
-        return [failed[n] if n in failed else next(sent) for n in range(len(group))]
-    return await _send_rows(manager, peer_id, rows)
+        (awaited if flight.pushed else sent).append(n)
+    outcomes: Dict[int, Outcome] = dict(failed)
+    pushed: set = set()
+
+    def row(n: int) -> Row:
+        flight = group[n]
+        return flight.session._streams[flight.hop], flight.x, flight.session.position, flight.step_id
+
+    async def send(indexes: List[int]) -> None:
+        if not indexes:
+            return
+        targets = [_push_target(group[n]) for n in indexes]
+        got, on = await _send_rows(manager, peer_id, [row(n) for n in indexes], targets)
+        outcomes.update(zip(indexes, got))
+        pushed.update(indexes[i] for i in on)
+
+    async def collect(indexes: List[int]) -> None:
+        if not indexes:
+            return
+        stream = round_stream(manager, peer_id)
+        timeout = manager.config.push_timeout
+        got = await asyncio.gather(*(stream.wait_pushed(*_wait_args(group[n]), timeout) for n in indexes))
+        late = [n for n, outcome in zip(indexes, got) if outcome is None]
+        outcomes.update((n, outcome) for n, outcome in zip(indexes, got) if outcome is not None)
+        if late:  # the push got lost (or is that late): deliver those steps ourselves
+            logger.debug(f"{len(late)} pushed step(s) did not come back from {peer_id}; sending them")
+            for n in late:
+                group[n].pushed = False
+            await send(late)
+
+    await asyncio.gather(send(sent), collect(awaited))
+    return [outcomes[n] for n in range(len(group))], pushed
 
 
-async def _send_rows(manager: SwarmManager, peer_id: str, rows: List[Row]) -> List[Outcome]:
+def _wait_args(flight: _Flight) -> Tuple[SpanStream, int, int, int]:
+    return flight.session._streams[flight.hop], flight.x.shape[1], flight.session.position, flight.step_id
+
+
+def _push_target(flight: _Flight) -> Optional[P.PushTarget]:
+    """Where the current hop's server may push this row's output (`round_push`): the session part of the next hop,
+    if both servers announce `round_push`, the row is one token, and that part is attached to the client's round
+    stream to its server (its result comes back there); else None (the client sends it on itself)."""
+    session = flight.session
+    streams = session._streams
+    if not session.manager.config.use_push or flight.hop + 1 >= len(streams) or flight.x.shape[:2] != (1, 1):
+        return None
+    here, after = streams[flight.hop], streams[flight.hop + 1]
+    if "round_push" not in here.hop.capabilities or "round_push" not in after.hop.capabilities \
+            or not in_rounds(after):
+        return None
+    stream = ROUND_STREAMS.peek(session.manager, after.hop.peer_id)
+    if stream is None or not stream.attached(after):
+        return None
+    return P.PushTarget(peer_id=after.hop.peer_id, stream_key=after.key, push_token=after.push_token)
+
+
+async def _send_rows(manager: SwarmManager, peer_id: str, rows: List[Row],
+                     targets: Sequence[Optional[P.PushTarget]]) -> Tuple[List[Outcome], set]:
     if not in_rounds(rows[0][0]):  # an older server: each session's step on its own stream, one message each
-        outcomes = await asyncio.gather(*(stream.step(x, start, step_id) for stream, x, start, step_id in rows),
-                                        return_exceptions=True)
-        if not any(isinstance(outcome, BaseException) for outcome in outcomes):
+        alone = await asyncio.gather(*(stream.step(x, start, step_id) for stream, x, start, step_id in rows),
+                                     return_exceptions=True)
+        if not any(isinstance(outcome, BaseException) for outcome in alone):
             manager.mark_ok(peer_id)
-        return list(outcomes)
+        return list(alone), set()
     limits = rows[0][0].hop.limits
-    outcomes = []
+    outcomes: List[Outcome] = []
+    pushed: set = set()
     for part in _messages(rows, limits, manager.config.max_chunk_bytes):
         try:
-            outcomes += await round_stream(manager, peer_id).step(part)
+            got, on = await round_stream(manager, peer_id).step([rows[i] for i in part], [targets[i] for i in part])
+            pushed.update(part[i] for i in on)
+            outcomes += got
         except Exception as e:  # noqa: BLE001 - the whole message failed (the stream closed): each item alone
             logger.warning(f"a round message to {peer_id} failed ({type(e).__name__}: {e}); its {len(part)} "
                            f"row(s) step on their sessions' own streams")
             if unreachable(e):  # the server is gone: those sessions fail it over at once, not after another wait
-                for stream, _, _, _ in part:
-                    stream.failed = e
+                for i in part:
+                    rows[i][0].failed = e
             outcomes += [e] * len(part)
     if not any(isinstance(outcome, BaseException) for outcome in outcomes):
         manager.mark_ok(peer_id)
-    return outcomes
+    return outcomes, pushed
 
 
-def _messages(rows: List[Row], limits, max_bytes: int) -> List[List[Row]]:
-    """`rows` cut into messages under the server's announced `max_step_tokens` and `max_message_bytes` and the
-    client's `max_chunk_bytes` (a round of decode steps is one message)."""
+def _messages(rows: List[Row], limits, max_bytes: int) -> List[List[int]]:
+    """The indexes of `rows` cut into messages under the server's announced `max_step_tokens` and
+    `max_message_bytes` and the client's `max_chunk_bytes` (a round of decode steps is one message)."""
     max_tokens = limits.max_step_tokens if limits is not None else None
     if limits is not None:
         max_bytes = min(max_bytes, limits.max_message_bytes - METADATA_ROOM)
-    parts: List[List[Row]] = [[]]
+    parts: List[List[int]] = [[]]
     tokens = size = 0
-    for row in rows:
+    for i, row in enumerate(rows):
         x = row[1]
         row_tokens = x.shape[0] * x.shape[1]
         row_bytes = x.numel() * x.element_size()
@@ -359,7 +527,7 @@ def _messages(rows: List[Row], limits, max_bytes: int) -> List[List[Row]]:
         if parts[-1] and (over_tokens or size + row_bytes > max_bytes):
             parts.append([])
             tokens = size = 0
-        parts[-1].append(row)
+        parts[-1].append(i)
         tokens += row_tokens
         size += row_bytes
     return parts
