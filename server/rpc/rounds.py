@@ -14,12 +14,13 @@ error that concerns that row alone (a bad row, or a pass that failed for that se
 again session by session, so that each row gets its own outcome). A malformed message as a whole (not JSON, over
 the message limit, a tensor of the wrong size) gets one `ErrorReply` and the stream goes on.
 
-Round pushes (capability `round_push`): a row may name its session's part on the next server (`RoundRow.push`).
-After the round, the rows' outputs go on in ONE `RoundPush` per next server (`rpc_round_push`, `PushSender`), and
-the row's result says so (`pushed`). The next server checks each pushed row's push token, hands the rows to the
-round stream their parts are attached to (`round_routes`), runs them there as one batch like a client's message,
-and answers the client on that stream (`RoundResult.pushed`): a decode step crosses a chain of k servers in k + 1
-network hops instead of 2k. The client keeps the previous server's output (its history for failover) and sends the
+Round pushes (capability `round_push`): a row may name its session's parts on the next servers
+(`RoundRow.push_chain`). After the round, the rows' outputs go on in ONE `RoundPush` per next server
+(`rpc_round_push`, `PushSender`), each row with the rest of its chain, and the row's result says so (`pushed`). The
+next server checks each pushed row's push token, hands the rows to the round stream their parts are attached to
+(`round_routes`), runs them there as one batch like a client's message, answers the client on that stream
+(`RoundResult.pushed`) and pushes them on likewise: a decode step crosses a chain of k servers in k + 1 network
+hops instead of 2k. The client keeps the previous server's output (its history for failover) and sends the
 row itself only when the pushed result is late (`push_timeout`); a copy already computed from the push is answered
 `duplicate`, and a push that comes after the client's copy is dropped (by step id). A round stream takes at most
 `MAX_PUSHES_WAITING` pushed batches ahead of its own messages; more are dropped (the client's copy will do).
@@ -221,11 +222,8 @@ class RoundHandler(InferenceHandler):
             if i not in errors and stream is not None and row.step_id and row.step_id == stream.pushed_step_id:
                 errors[i] = ("duplicate", f"step {row.step_id} was computed from the previous server's push")
         results, outputs = await self._run_rows(rows, parts, flat, attached, errors)
-        pushed = self._push_on(rows, results, outputs)
+        results = self._push_on(rows, results, outputs)
         tensors = [output for output in outputs if output is not None]
-        if pushed:
-            results = [result.model_copy(update={"pushed": True}) if i in pushed else result
-                       for i, result in enumerate(results)]
         reply = R.RoundResult(round_id=message.round_id, rows=results)
         return P.make_response(reply, [R.join_rows(tensors)] if tensors else [], version=version)
 
@@ -244,25 +242,29 @@ class RoundHandler(InferenceHandler):
             if output is not None:
                 attached[row.stream_key].pushed_step_id = row.step_id
         self.counters.steps_from_push += sum(output is not None for output in outputs)
+        results = self._push_on(rows, results, outputs)
         tensors = [output for output in outputs if output is not None]
         reply = R.RoundResult(rows=results, pushed=True)
         return P.make_response(reply, [R.join_rows(tensors)] if tensors else [], version=version)
 
-    def _push_on(self, rows, results: List[R.RoundRowResult], outputs: List[Optional[torch.Tensor]]) -> set:
-        """The outputs of rows that name a push target, one `RoundPush` per next server; the indexes pushed."""
+    def _push_on(self, rows, results: List[R.RoundRowResult], outputs: List[Optional[torch.Tensor]]
+                 ) -> List[R.RoundRowResult]:
+        """The outputs of rows with a push chain go on, one `RoundPush` per next server (each row with the rest of
+        its chain); `results` with those rows marked `pushed`."""
         targets: Dict[str, List[int]] = defaultdict(list)
         for i, row in enumerate(rows):
-            if getattr(row, "push", None) is not None and outputs[i] is not None:
-                targets[row.push.peer_id].append(i)
-        pushed: set = set()
+            if row.push_chain and outputs[i] is not None:
+                targets[row.push_chain[0].peer_id].append(i)
         if not targets or self.pusher is None:
-            return pushed
+            return results
+        pushed: set = set()
         for peer_id, indexes in targets.items():
             try:
                 message = R.RoundPush(rows=[
-                    R.RoundPushRow(stream_key=rows[i].push.stream_key, token=rows[i].push.push_token,
+                    R.RoundPushRow(stream_key=rows[i].push_chain[0].stream_key, token=rows[i].push_chain[0].push_token,
                                    start_position=rows[i].start_position, step_id=rows[i].step_id,
-                                   batch=rows[i].batch, seq=rows[i].seq) for i in indexes])
+                                   batch=rows[i].batch, seq=rows[i].seq, push_chain=rows[i].push_chain[1:])
+                    for i in indexes])
             except ValueError as e:  # a target the next server would refuse (a short token, a key twice)
                 logger.debug(f"not pushing to {peer_id}: {e}")
                 continue
@@ -270,7 +272,8 @@ class RoundHandler(InferenceHandler):
             if self.pusher.push_round(peer_id, message, hidden):
                 pushed.update(indexes)
                 self.counters.pushes_sent += len(indexes)
-        return pushed
+        return [result.model_copy(update={"pushed": True}) if i in pushed else result
+                for i, result in enumerate(results)]
 
     async def _run_rows(self, rows: list, parts: List[torch.Tensor], flat: Optional[torch.Tensor],
                         attached: Dict[str, _Stream], errors: Dict[int, RowError]

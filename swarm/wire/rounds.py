@@ -52,9 +52,9 @@ class RoundRow(Message):
     step_id: int = Field(default=0, ge=0)
     batch: int = Field(gt=0, le=MAX_BATCH)
     seq: int = Field(gt=0)
-    # capability `round_push`: after the step, push the output to this session part on the next server (left out
-    # of the JSON while unset: an older server never sees it)
-    push: Optional[PushTarget] = Field(default=None, exclude_if=lambda value: value is None)
+    # capability `round_push`: after the step, push the output to push_chain[0] (the session's part on the next
+    # server), which pushes on along the rest (left out of the JSON while empty: an older server never sees it)
+    push_chain: List[PushTarget] = Field(default_factory=list, max_length=256, exclude_if=lambda value: not value)
 
 
 class RoundStep(Message):
@@ -85,7 +85,7 @@ class RoundRowResult(Message):
     position: Optional[int] = Field(default=None, ge=0)
     code: Optional[str] = Field(default=None, max_length=64)
     message: Optional[str] = Field(default=None, max_length=4096)
-    # `round_push`: the output also went to the row's push target (only for a row that named one)
+    # `round_push`: the output also went on to the row's next server (only for a row with a push chain)
     pushed: bool = Field(default=False, exclude_if=lambda value: not value)
 
     @model_validator(mode="after")
@@ -116,6 +116,7 @@ class RoundPushRow(Message):
     step_id: int = Field(ge=0)
     batch: int = Field(gt=0, le=MAX_BATCH)
     seq: int = Field(gt=0)
+    push_chain: List[PushTarget] = Field(default_factory=list, max_length=256, description="where its output goes on")
 
 
 class RoundPush(Message):

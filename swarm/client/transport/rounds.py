@@ -77,21 +77,21 @@ class RoundStream:
         """Whether the session part is attached to this stream with its current token (pushes for it land here)."""
         return not self.closed and self._reader is not None and self._attached.get(stream.key) == stream.push_token
 
-    async def step(self, rows: Sequence[Row], pushes: Optional[Sequence[Optional[P.PushTarget]]] = None
+    async def step(self, rows: Sequence[Row], chains: Optional[Sequence[List[P.PushTarget]]] = None
                    ) -> Tuple[List[Outcome], set]:
-        """One message with `rows` (all session parts on this server), each pushed on to its `pushes` target if
-        any: per row its output [batch, seq, hidden] or the `RemoteError` the server answered for that row, and the
-        indexes of the rows the server pushed on. A failure of the whole message (the stream ended or broke, the
-        server did not answer a liveness ping while the reply was late, no reply within `step_timeout`, an error
-        reply) raises, and the stream is closed (the next round reopens it)."""
+        """One message with `rows` (all session parts on this server), each pushed on along its push chain in
+        `chains` if any: per row its output [batch, seq, hidden] or the `RemoteError` the server answered for that
+        row, and the indexes of the rows the server pushed on. A failure of the whole message (the stream ended or
+        broke, the server did not answer a liveness ping while the reply was late, no reply within `step_timeout`,
+        an error reply) raises, and the stream is closed (the next round reopens it)."""
         async with self._lock:
             try:
-                return await self._step(rows, pushes)
+                return await self._step(rows, chains)
             except BaseException:
                 self.close()
                 raise
 
-    async def _step(self, rows: Sequence[Row], pushes: Optional[Sequence[Optional[P.PushTarget]]]
+    async def _step(self, rows: Sequence[Row], chains: Optional[Sequence[List[P.PushTarget]]]
                     ) -> Tuple[List[Outcome], set]:
         if self.closed:
             raise P.RemoteError("closed", "the round stream is closed", self.peer_id)
@@ -106,11 +106,11 @@ class RoundStream:
         self._round_id += 1
         attach = [R.RoundAttach(stream_key=s.key, token=s.push_token) for s, _, _, _ in rows
                   if self._attached.get(s.key) != s.push_token]
-        targets = pushes if pushes is not None else [None] * len(rows)
+        chains = chains if chains is not None else [[]] * len(rows)
         message = R.RoundStep(round_id=self._round_id, attach=attach, rows=[
             R.RoundRow(stream_key=s.key, start_position=start, step_id=step_id, batch=x.shape[0], seq=x.shape[1],
-                       push=target)
-            for (s, x, start, step_id), target in zip(rows, targets)])
+                       push_chain=chain)
+            for (s, x, start, step_id), chain in zip(rows, chains)])
         wire_dtype = rows[0][0].wire_dtype  # the server's dtype (one server: one dtype)
         flat = R.join_rows([x for _, x, _, _ in rows])  # [sum(batch_i * seq_i), hidden]
         if wire_dtype is not None and flat.is_floating_point():
@@ -148,7 +148,10 @@ class RoundStream:
         pushed = set()
         for n, (row, (stream, x, start, step_id)) in enumerate(zip(result.rows, rows)):
             if row.code == "duplicate":  # taken from the previous server's push, answered before this reply
-                outcomes.append(self._duplicate(stream, x, start, step_id))
+                outcome, pushed_on = self._duplicate(stream, x, start, step_id)
+                outcomes.append(outcome)
+                if pushed_on:
+                    pushed.add(n)
             elif row.code is not None:
                 self._attached.pop(stream.key, None)  # attached again next time (a closed part, a new token)
                 outcomes.append(P.RemoteError(row.code, row.message or "", self.peer_id))
@@ -157,30 +160,31 @@ class RoundStream:
             else:
                 stream.position = row.position
                 outcomes.append(next(outputs))
-                if row.pushed and targets[n] is not None:
+                if row.pushed and chains[n]:
                     pushed.add(n)
         return outcomes, pushed
 
-    def _duplicate(self, stream: SpanStream, x: torch.Tensor, start: int, step_id: int) -> Outcome:
+    def _duplicate(self, stream: SpanStream, x: torch.Tensor, start: int, step_id: int) -> Tuple[Outcome, bool]:
         kept = self._pushed.pop((stream.key, step_id), None)
         if kept is None:
-            return P.RemoteError("bad_reply", "a step answered as pushed came with no pushed result", self.peer_id)
+            return P.RemoteError("bad_reply", "a step answered as pushed came with no pushed result",
+                                 self.peer_id), False
         return self._pushed_outcome(stream, x.shape[1], start, *kept)
 
     def _pushed_outcome(self, stream: SpanStream, seq: int, start: int, row: R.RoundRowResult,
-                        output: Optional[torch.Tensor]) -> Outcome:
+                        output: Optional[torch.Tensor]) -> Tuple[Outcome, bool]:
         if row.code is not None or output is None:
-            return P.RemoteError(row.code or "bad_reply", row.message or "", self.peer_id)
+            return P.RemoteError(row.code or "bad_reply", row.message or "", self.peer_id), False
         if row.position != start + seq or output.shape[1] != seq:
-            return P.RemoteError("bad_reply", f"server reported position {row.position}", self.peer_id)
+            return P.RemoteError("bad_reply", f"server reported position {row.position}", self.peer_id), False
         stream.position = row.position
-        return output
+        return output, row.pushed
 
     async def wait_pushed(self, stream: SpanStream, seq: int, start: int, step_id: int, timeout: float
-                          ) -> Optional[Outcome]:
+                          ) -> Optional[Tuple[Outcome, bool]]:
         """The result of the step `step_id` of `stream`'s part that the previous server pushed here: its output
-        [batch, seq, hidden] or this server's error for it; None if none came within `timeout` seconds (or the
-        stream ended): the caller sends the step itself."""
+        [batch, seq, hidden] or this server's error for it, and whether this server pushed it on; None if none came
+        within `timeout` seconds (or the stream ended): the caller sends the step itself."""
         key = (stream.key, step_id)
         kept = self._pushed.pop(key, None)
         if kept is None:
@@ -255,6 +259,8 @@ class RoundStream:
 
         def end() -> None:
             self._queue.put_nowait(None)
+            if self._reader is not None:  # it stops reading (its end wakes whoever waits on this stream)
+                self._reader.cancel()
             if responses is not None:  # (behind the end mark; `call_stream`'s replies: closing them never fails)
                 asyncio.ensure_future(responses.aclose())
 
@@ -438,8 +444,8 @@ async def _send_group(manager: SwarmManager, peer_id: str, group: List[_Flight])
     async def send(indexes: List[int]) -> None:
         if not indexes:
             return
-        targets = [_push_target(group[n]) for n in indexes]
-        got, on = await _send_rows(manager, peer_id, [row(n) for n in indexes], targets)
+        chains = [_push_chain(group[n]) for n in indexes]
+        got, on = await _send_rows(manager, peer_id, [row(n) for n in indexes], chains)
         outcomes.update(zip(indexes, got))
         pushed.update(indexes[i] for i in on)
 
@@ -449,8 +455,12 @@ async def _send_group(manager: SwarmManager, peer_id: str, group: List[_Flight])
         stream = round_stream(manager, peer_id)
         timeout = manager.config.push_timeout
         got = await asyncio.gather(*(stream.wait_pushed(*_wait_args(group[n]), timeout) for n in indexes))
-        late = [n for n, outcome in zip(indexes, got) if outcome is None]
-        outcomes.update((n, outcome) for n, outcome in zip(indexes, got) if outcome is not None)
+        late = [n for n, kept in zip(indexes, got) if kept is None]
+        for n, kept in zip(indexes, got):
+            if kept is not None:
+                outcomes[n] = kept[0]
+                if kept[1]:
+                    pushed.add(n)
         if late:  # the push got lost (or is that late): deliver those steps ourselves
             logger.debug(f"{len(late)} pushed step(s) did not come back from {peer_id}; sending them")
             for n in late:
@@ -465,26 +475,28 @@ def _wait_args(flight: _Flight) -> Tuple[SpanStream, int, int, int]:
     return flight.session._streams[flight.hop], flight.x.shape[1], flight.session.position, flight.step_id
 
 
-def _push_target(flight: _Flight) -> Optional[P.PushTarget]:
-    """Where the current hop's server may push this row's output (`round_push`): the session part of the next hop,
-    if both servers announce `round_push`, the row is one token, and that part is attached to the client's round
-    stream to its server (its result comes back there); else None (the client sends it on itself)."""
+def _push_chain(flight: _Flight) -> List[P.PushTarget]:
+    """Where the current hop's server may push this row's output on (`round_push`): the session's parts of the next
+    hops, as far as each server announces `round_push` and each part is attached to the client's round stream to
+    its server (its result comes back there), for a row of one token; empty: the client sends it on itself."""
     session = flight.session
     streams = session._streams
-    if not session.manager.config.use_push or flight.hop + 1 >= len(streams) or flight.x.shape[:2] != (1, 1):
-        return None
-    here, after = streams[flight.hop], streams[flight.hop + 1]
-    if "round_push" not in here.hop.capabilities or "round_push" not in after.hop.capabilities \
-            or not in_rounds(after):
-        return None
-    stream = ROUND_STREAMS.peek(session.manager, after.hop.peer_id)
-    if stream is None or not stream.attached(after):
-        return None
-    return P.PushTarget(peer_id=after.hop.peer_id, stream_key=after.key, push_token=after.push_token)
+    chain: List[P.PushTarget] = []
+    if not session.manager.config.use_push or flight.x.shape[:2] != (1, 1) \
+            or "round_push" not in streams[flight.hop].hop.capabilities:
+        return chain
+    for after in streams[flight.hop + 1:]:
+        if "round_push" not in after.hop.capabilities or not in_rounds(after):
+            break
+        stream = ROUND_STREAMS.peek(session.manager, after.hop.peer_id)
+        if stream is None or not stream.attached(after):
+            break
+        chain.append(P.PushTarget(peer_id=after.hop.peer_id, stream_key=after.key, push_token=after.push_token))
+    return chain
 
 
 async def _send_rows(manager: SwarmManager, peer_id: str, rows: List[Row],
-                     targets: Sequence[Optional[P.PushTarget]]) -> Tuple[List[Outcome], set]:
+                     chains: Sequence[List[P.PushTarget]]) -> Tuple[List[Outcome], set]:
     if not in_rounds(rows[0][0]):  # an older server: each session's step on its own stream, one message each
         alone = await asyncio.gather(*(stream.step(x, start, step_id) for stream, x, start, step_id in rows),
                                      return_exceptions=True)
@@ -496,7 +508,7 @@ async def _send_rows(manager: SwarmManager, peer_id: str, rows: List[Row],
     pushed: set = set()
     for part in _messages(rows, limits, manager.config.max_chunk_bytes):
         try:
-            got, on = await round_stream(manager, peer_id).step([rows[i] for i in part], [targets[i] for i in part])
+            got, on = await round_stream(manager, peer_id).step([rows[i] for i in part], [chains[i] for i in part])
             pushed.update(part[i] for i in on)
             outcomes += got
         except Exception as e:  # noqa: BLE001 - the whole message failed (the stream closed): each item alone

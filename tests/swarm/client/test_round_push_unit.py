@@ -1,0 +1,186 @@
+"""A round stream's pushed results (`swarm.client.transport.rounds.RoundStream`, capability `round_push`), without
+processes: a stand-in server whose replies are scripted. The server answers rows that the previous server pushed
+to it with results the client did not ask for (`RoundResult.pushed`); the stream's reader keeps each for the row
+that waits for it (`wait_pushed`), whether it came before the wait or during it; a client's late copy of a pushed
+step is answered `duplicate` and takes the pushed output; a wait with nothing coming ends after `push_timeout` (the
+client then sends the step itself), and at once when the stream has ended. The same on real processes:
+`tests/e2e/test_rounds.py` (counts) and `tests/e2e/test_round_push.py`."""
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from swarm.client.transport.manager import ClientConfig
+from swarm.client.transport.rounds import RoundStream
+from swarm.client.transport.routing import RouteHop
+from swarm.client.transport.span_stream import SpanStream
+from swarm.wire import protocol as P
+from swarm.wire import rounds as R
+
+PEER = "12D3KooWQcDwdERqzANxK8BBxoXHhs5q31JtseSoksHmMw3bHuap"
+HIDDEN = 8
+S0, S1 = P.stream_key("s0", 15), P.stream_key("s1", 15)  # the parts' keys (`_parts`)
+
+
+class Manager:
+    def __init__(self):
+        self.config = ClientConfig(initial_peers=["x"], liveness_interval=None, step_timeout=30)
+
+
+def _parts(manager, count: int):
+    hop = RouteHop(peer_id=PEER, start=15, end=30, capabilities=("rounds", "push", "round_push"))
+    return [SpanStream(manager, hop, f"s{i}", max_length=8, batch_size=1) for i in range(count)]  # type: ignore
+
+
+def _pushed(rows, values) -> object:
+    """A pushed result: (stream key, step id, position or error code) per row, one [1, hidden] value per row done."""
+    results = [R.RoundRowResult(stream_key=key, step_id=step, position=outcome) if isinstance(outcome, int)
+               else R.RoundRowResult(stream_key=key, step_id=step, code=outcome, message="no") for key, step, outcome
+               in rows]
+    tensors = [torch.stack(values)] if values else []
+    return P.make_response(R.RoundResult(rows=results, pushed=True), tensors)
+
+
+def _stream(script):
+    """A round stream on a stand-in server whose replies are `script()`'s (an async generator)."""
+    manager = Manager()
+    stream = RoundStream(manager, PEER)  # type: ignore[arg-type]
+    stream._loop = asyncio.get_running_loop()
+    stream._responses = script()
+    stream._reader = asyncio.ensure_future(stream._read(stream._responses))
+    return manager, stream
+
+
+def test_pushed_results_reach_their_rows_whether_they_come_before_or_during_the_wait():
+    later = asyncio.Event()
+
+    async def script():
+        yield _pushed([(S0, 7, 4)], [torch.full((HIDDEN,), 1.0)])  # before anyone waits
+        await later.wait()
+        yield _pushed([(S1, 9, 4)], [torch.full((HIDDEN,), 2.0)])  # while s1 waits
+        await asyncio.sleep(3600)
+
+    async def run():
+        manager, stream = _stream(script)
+        a, b = _parts(manager, 2)
+        await asyncio.sleep(0.01)
+        first, _ = await stream.wait_pushed(a, 1, 3, 7, timeout=5)
+        waiting = asyncio.ensure_future(stream.wait_pushed(b, 1, 3, 9, timeout=5))
+        await asyncio.sleep(0.01)
+        later.set()
+        second, _ = await waiting
+        stream.close()
+        return first, second, a.position, b.position, stream.pushed_rows
+
+    first, second, pos_a, pos_b, count = asyncio.run(run())
+    assert torch.equal(first, torch.full((1, 1, HIDDEN), 1.0)) and torch.equal(second, torch.full((1, 1, HIDDEN), 2.0))
+    assert (pos_a, pos_b, count) == (4, 4, 2)
+
+
+def test_a_pushed_row_error_and_a_wrong_position_are_that_rows_errors():
+    async def script():
+        yield _pushed([(S0, 7, "closed"), (S1, 9, 6)], [torch.zeros(HIDDEN)])
+        await asyncio.sleep(3600)
+
+    async def run():
+        manager, stream = _stream(script)
+        a, b = _parts(manager, 2)
+        got = [(await stream.wait_pushed(a, 1, 3, 7, timeout=5))[0],
+               (await stream.wait_pushed(b, 1, 3, 9, timeout=5))[0]]
+        stream.close()
+        return got
+
+    closed, wrong = asyncio.run(run())
+    assert isinstance(closed, P.RemoteError) and closed.code == "closed"
+    assert isinstance(wrong, P.RemoteError) and wrong.code == "bad_reply" and "position 6" in wrong.message
+
+
+def test_a_late_copy_answered_duplicate_takes_the_pushed_output():
+    """The client waited too little and sent its own copy; the server had computed the push already: the pushed
+    result comes first on the stream, then the reply to the copy says `duplicate` for that row."""
+    async def script():
+        await asyncio.sleep(0.2)  # after the client's wait gave up
+        yield _pushed([(S0, 7, 4)], [torch.full((HIDDEN,), 3.0)])
+        yield P.make_response(R.RoundResult(round_id=1, rows=[
+            R.RoundRowResult(stream_key=S0, step_id=7, code="duplicate", message="computed from the push"),
+            R.RoundRowResult(stream_key=S1, step_id=9, position=4)]), [torch.full((1, HIDDEN), 5.0)])
+        await asyncio.sleep(3600)
+
+    async def run():
+        manager, stream = _stream(script)
+        a, b = _parts(manager, 2)
+        late = await stream.wait_pushed(a, 1, 3, 7, timeout=0.05)
+        outcomes, pushed = await stream.step([(a, torch.zeros(1, 1, HIDDEN), 3, 7),
+                                              (b, torch.zeros(1, 1, HIDDEN), 3, 9)])
+        stream.close()
+        return late, outcomes, pushed, a.position, b.position
+
+    late, outcomes, pushed, pos_a, pos_b = asyncio.run(run())
+    assert late is None and pushed == set()
+    assert torch.equal(outcomes[0], torch.full((1, 1, HIDDEN), 3.0))
+    assert torch.equal(outcomes[1], torch.full((1, 1, HIDDEN), 5.0))
+    assert (pos_a, pos_b) == (4, 4)
+
+
+def test_a_duplicate_without_its_pushed_result_is_an_error_of_that_row():
+    async def script():
+        yield P.make_response(R.RoundResult(round_id=1, rows=[
+            R.RoundRowResult(stream_key=S0, step_id=7, code="duplicate", message="computed from the push")]))
+        await asyncio.sleep(3600)
+
+    async def run():
+        manager, stream = _stream(script)
+        [a] = _parts(manager, 1)
+        outcomes, _ = await stream.step([(a, torch.zeros(1, 1, HIDDEN), 3, 7)])
+        stream.close()
+        return outcomes[0]
+
+    outcome = asyncio.run(run())
+    assert isinstance(outcome, P.RemoteError) and outcome.code == "bad_reply"
+
+
+def test_a_wait_ends_after_the_timeout_and_at_once_on_an_ended_stream():
+    async def silent():
+        await asyncio.sleep(3600)
+        yield  # pragma: no cover
+
+    async def ended():
+        yield _pushed([("other", 1, 4)], [torch.zeros(HIDDEN)])  # someone else's row, then the end
+
+    async def run():
+        manager, stream = _stream(silent)
+        [a] = _parts(manager, 1)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        timed_out = await stream.wait_pushed(a, 1, 3, 7, timeout=0.1)
+        waited = loop.time() - began
+        stream.close()
+        manager, stream = _stream(ended)
+        [a] = _parts(manager, 1)
+        await asyncio.sleep(0.01)
+        began = loop.time()
+        at_end = await stream.wait_pushed(a, 1, 3, 7, timeout=30)
+        return timed_out, waited, at_end, loop.time() - began
+
+    timed_out, waited, at_end, ended_after = asyncio.run(run())
+    assert timed_out is None and waited >= 0.1
+    assert at_end is None and ended_after < 30
+
+
+def test_a_malformed_pushed_result_is_dropped_and_the_stream_goes_on():
+    async def script():
+        yield _pushed([(S0, 7, 4), (S1, 9, 4)], [torch.zeros(HIDDEN)])  # two rows done, one output
+        yield _pushed([(S1, 9, 4)], [torch.full((HIDDEN,), 4.0)])
+        await asyncio.sleep(3600)
+
+    async def run():
+        manager, stream = _stream(script)
+        a, b = _parts(manager, 2)
+        got, _ = await stream.wait_pushed(b, 1, 3, 9, timeout=5)
+        missing = await stream.wait_pushed(a, 1, 3, 7, timeout=0.05)
+        stream.close()
+        return got, missing
+
+    got, missing = asyncio.run(run())
+    assert torch.equal(got, torch.full((1, 1, HIDDEN), 4.0)) and missing is None
