@@ -34,7 +34,8 @@ many at once keeps their worker threads; servers pack their weights for small ba
 steady state, as local transformers' best of `--local_runs` is. Prints one JSON object. `--profile PATH`: py-spy
 records the gateway during each wave (collapsed stacks in PATH.<mode>.<streams>.txt); `--modes round,thread`: a
 gateway with engine rounds and one without (`--no-engine_round`), waves alternating between them, the same local
-figure for both.
+figure for both; `relay`: engine rounds with `--no-push` (the gateway relays every hop; `round` has the servers push
+the rows on).
 
 Usage (from the repository root): .venv/bin/python bench/bench_overhead.py [--streams 16,64] [--new_tokens 32]
     [--model tiny|bundled]
@@ -240,7 +241,8 @@ def main() -> None:
     parser.add_argument("--log_dir", default=None, help="keep the processes' logs there (default: temporary files)")
     parser.add_argument("--modes", default="round", help="comma-separated gateways to compare, one process each: "
                                                          "round (engine rounds), thread (--no-engine_round: every "
-                                                         "request on its own worker thread)")
+                                                         "request on its own worker thread), relay (engine rounds, "
+                                                         "--no-push)")
     parser.add_argument("--device", default="cuda", help="--model gpu: where the server, the gateway's head and "
                                                          "local transformers run")
     parser.add_argument("--gateway_devices", default=None, help="--model gpu: comma-separated devices of the "
@@ -256,8 +258,8 @@ def main() -> None:
     args = parser.parse_args()
     counts = [int(c) for c in args.streams.split(",") if c]
     modes = [m for m in args.modes.split(",") if m]
-    if not modes or set(modes) - {"round", "thread"}:
-        parser.error("--modes takes round and/or thread")
+    if not modes or set(modes) - {"round", "thread", "relay"}:
+        parser.error("--modes takes round, thread and/or relay")
     gpu = args.model == "gpu"
     args.local_runs = (3 if gpu else 1) if args.local_runs is None else args.local_runs
     if args.local_runs < 1:
@@ -313,7 +315,8 @@ def main() -> None:
             for mode in modes:
                 for head in heads:
                     extra = ["--max_concurrent", str(max(32, top)), "--max_queue", str(max(64, top)),
-                             *(["--no-engine_round"] if mode == "thread" else [])]
+                             *(["--no-engine_round"] if mode == "thread" else []),
+                             *(["--no-push"] if mode == "relay" else [])]
                     if gpu:  # (a head on the CPU in float32, a CPU gateway's default)
                         extra += ["--device", head, "--torch_dtype", "float32" if head == "cpu" else "bfloat16"]
                     gateways[mode if len(heads) == 1 else f"{mode}@{head}"] = swarm.add_gateway(extra=extra)

@@ -3,6 +3,12 @@ token for 1 and 8 concurrent sessions, 2 and 3 servers, one-way latencies of 5, 
 and without server-to-server push; and the routing choice when two chains of different latency serve the same
 blocks. Needs root (network namespaces). Prints one JSON object.
 
+Two modes (`--modes`): `generate`, each session's own `generate` on its own thread (its steps on its own streams,
+pushed with `Step.push_chain`); `rounds`, every session stepped together in one round per token (`step_round`, as
+the gateway's engine does: one message per server per round, the rows pushed server to server in one `RoundPush`
+with `round_push`). In rounds mode a row's first round opens its sessions, its second attaches them on every
+server's round stream, and the rest are pushed.
+
 Each topology's swarm starts once; the relays' latencies change between cells (`LatencyLab.set_links`). Each
 cell is measured right after the same cell at 0 ms (the same relays, no delay: loopback), whose ms per token is the
 cell's `compute` (paired, because the load of a shared machine drifts over minutes); `hops_per_token` is
@@ -56,11 +62,13 @@ class Variant(NamedTuple):
     label: str  # the row key's part, e.g. "push"
     client: dict  # `from_pretrained` kwargs of its client model
     generate: dict  # extra `generate` kwargs
+    rounds: bool = False  # every session in one round per token (`step_round`) instead of its own `generate`
 
 
 def variants(args) -> List[Variant]:
     """The client settings each row compares."""
-    return [Variant("push" if push else "no_push", {"use_push": push}, {}) for push in args.push]
+    return [Variant(("push" if push else "no_push") + ("_rounds" if mode == "rounds" else ""), {"use_push": push},
+                    {}, mode == "rounds") for mode in args.modes for push in args.push]
 
 
 def generate_kwargs(args, variant: Optional[Variant] = None) -> dict:
@@ -81,12 +89,46 @@ def one_session(model, args, prompt: torch.Tensor, variant: Optional[Variant], b
             "gaps": [b - a for a, b in zip(new, new[1:])]}
 
 
-def run_cell(model, args, sessions: int, variant: Optional[Variant] = None) -> dict:
-    """Aggregate decode tokens/s (after each session's first new token, over the wall time), the median and the
-    longest gap between two tokens of a session, and the median TTFT of `sessions` concurrent generations."""
+def _prompts(sessions: int) -> List[torch.Tensor]:
     prompts = [PROMPT.clone() for _ in range(sessions)]
     for i, p in enumerate(prompts):
         p[0, 1] = 504 + i  # different sessions, different contents
+    return prompts
+
+
+def run_round_cell(model, args, sessions: int) -> dict:
+    """`run_cell` for `sessions` stepped together, one `step_round` per token (greedy picks on the client)."""
+    from swarm.client.transport import rounds
+
+    opened = [model.inference_session(max_length=PROMPT.shape[1] + args.tokens + 1) for _ in range(sessions)]
+    try:
+        head = opened[0].head
+        inputs = [head.embed(p) for p in _prompts(sessions)]
+        start = time.perf_counter()
+        times = []
+        for _ in range(args.tokens):
+            outs = rounds.step_round([(s.session, x, None) for s, x in zip(opened, inputs)])
+            bad = [out for out in outs if isinstance(out, BaseException)]
+            if bad:
+                raise RuntimeError(f"a round failed: {bad[0]!r}")
+            tokens = head.head(torch.cat([out[:, -1] for out in outs])).argmax(-1)  # [sessions]
+            times.append(time.perf_counter())
+            inputs = [head.embed(t.view(1, 1)) for t in tokens]
+    finally:
+        for s in opened:
+            s.close()
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return {"tokens_per_s": round(sessions * len(gaps) / (times[-1] - times[0]), 2),
+            "ms_per_token": round(1000 * statistics.median(gaps), 1), "min_gap_ms": round(1000 * min(gaps), 1),
+            "max_gap_ms": round(1000 * max(gaps), 1), "ttft_ms": round(1000 * (times[0] - start), 1)}
+
+
+def run_cell(model, args, sessions: int, variant: Optional[Variant] = None) -> dict:
+    """Aggregate decode tokens/s (after each session's first new token, over the wall time), the median and the
+    longest gap between two tokens of a session, and the median TTFT of `sessions` concurrent generations."""
+    if variant is not None and variant.rounds:
+        return run_round_cell(model, args, sessions)
+    prompts = _prompts(sessions)
     if sessions == 1:
         runs = [one_session(model, args, prompts[0], variant)]
     else:
@@ -197,6 +239,8 @@ def main(argv=None) -> int:
     parser.add_argument("--servers", default="2,3", help="numbers of servers (2: 0:15/15:30; 3: thirds)")
     parser.add_argument("--sessions", default="1,8", help="concurrent sessions per row, comma-separated")
     parser.add_argument("--push", default="on,off", help="push settings to measure: on, off or on,off")
+    parser.add_argument("--modes", default="generate,rounds",
+                        help="generate (each session alone), rounds (all in one round per token) or both")
     parser.add_argument("--tokens", type=int, default=16, help="new tokens per generation")
     parser.add_argument("--no-routing", dest="routing", action="store_false", help="skip the routing case")
     parser.add_argument("--quick", action="store_true", help="2 servers, 25 ms, 8 tokens (overrides the above)")
@@ -207,6 +251,9 @@ def main(argv=None) -> int:
     args.servers = [int(x) for x in args.servers.split(",") if x]
     args.sessions = [int(x) for x in args.sessions.split(",") if x]
     args.push = [{"on": True, "off": False}[x] for x in args.push.split(",") if x]
+    args.modes = [x for x in args.modes.split(",") if x]
+    if not args.modes or any(mode not in ("generate", "rounds") for mode in args.modes):
+        parser.error("--modes: generate, rounds or generate,rounds")
     if any(s not in TOPOLOGIES for s in args.servers):
         parser.error(f"--servers: choose among {sorted(TOPOLOGIES)}")
     why = LatencyLab.unavailable()

@@ -119,6 +119,7 @@ def load_model(config: GatewayConfig):
         torch_dtype=config.torch_dtype, step_timeout=config.step_timeout, request_timeout=config.rpc_timeout,
         allowed_quant_types=config.allowed_quant_types, swarm_key=config.swarm_key, compression=config.compression,
         swarm_key_file=config.swarm_key_file, verify=config.verify_rate > 0, verify_probability=config.verify_rate,
+        use_push=config.push,
         head_packed_rows=config.head_packed_rows,  # padded head rows: ~3 MB; each pack: the head's size again
         revision=config.revision, token=config.token, device=device)
 

@@ -70,6 +70,10 @@ class GatewayConfig(SwarmKeySettings):
         default=True, description="decode every generation's steps together in one engine round (one LM head, one "
                                   "pick, one hand-over of events per round; gateway.serving.rounds); "
                                   "--no-engine_round: each request decodes on its own worker thread")
+    push: bool = Field(
+        default=True, description="servers hand decode steps (a session's, a round's rows) straight to the next server "
+                                  "of the chain, k + 1 network hops for k servers instead of 2k; --no-push: the "
+                                  "gateway relays every hop")
     session_pool: bool = Field(
         default=True, description="keep each conversation's inference session open between requests, so that a new "
                                   "turn sends only its new tokens (n=1 requests; --no-session_pool: a fresh session "

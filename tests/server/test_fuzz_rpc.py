@@ -242,13 +242,54 @@ def round_message(draw) -> runtime_pb2.ExpertRequest:
                                    st.integers(1, 4)), min_size=1, max_size=5, unique_by=lambda row: row[0]))
     attach = [R.RoundAttach(stream_key=key, token=draw(st.text(min_size=16, max_size=20)))
               for key, *_ in rows if draw(st.booleans())]
+    chains = [[P.PushTarget(peer_id=draw(st.text(min_size=1, max_size=60)), stream_key="x:0",
+                            push_token=draw(st.text(max_size=20)))] if draw(st.booleans()) else [] for _ in rows]
     message = R.RoundStep(round_id=draw(st.integers(0, 9)), attach=attach, rows=[
-        R.RoundRow(stream_key=key, start_position=start, batch=batch, seq=seq) for key, start, batch, seq in rows])
+        R.RoundRow(stream_key=key, start_position=start, batch=batch, seq=seq, push_chain=chain)
+        for (key, start, batch, seq), chain in zip(rows, chains)])
     tokens = message.tokens + draw(st.sampled_from([0, 0, 1, -1]))
     request = P.make_request(message, [torch.randn(max(tokens, 0), HIDDEN)])
     if draw(st.booleans()):
         request.tensors.append(_tensor(draw))
     return request
+
+
+@st.composite
+def round_push_message(draw) -> runtime_pb2.ExpertRequest:
+    """A round push (`rpc_round_push`) into session parts that do not exist, with tensors that fit the rows or not."""
+    rows = draw(st.lists(st.tuples(st.text(min_size=1, max_size=12), st.integers(0, 40), st.integers(1, 3)),
+                         min_size=1, max_size=5, unique_by=lambda row: row[0]))
+    message = R.RoundPush(rows=[R.RoundPushRow(stream_key=key, token=draw(st.text(min_size=16, max_size=20)),
+                                               start_position=start, step_id=start, batch=1, seq=seq)
+                                for key, start, seq in rows])
+    tokens = message.tokens + draw(st.sampled_from([0, 0, 1, -1]))
+    return P.make_request(message, [torch.randn(max(tokens, 0), HIDDEN)])
+
+
+def test_fuzzed_round_push_streams(fuzz_env, honest_reference):
+    """Garbage and round pushes into parts that do not exist are dropped without a reply (a refusal answers only a
+    wrong token for a live part); the server serves on, and honest sessions keep their tokens."""
+    manager, swarm, model = fuzz_env
+    peer = swarm["servers"][1].peer_id
+    ids, expected = honest_reference
+
+    @FUZZ
+    @given(st.lists(st.one_of(garbage_message(), round_push_message()), max_size=8))
+    def fuzz(requests):
+        async def push():
+            async def gen():
+                for request in requests:
+                    yield request
+
+            return [r async for r in await manager.stub(peer).rpc_round_push(gen())]
+
+        assert aio.run(asyncio.wait_for(push(), 60)) == []
+
+    with HonestSessions(model, ids) as honest:
+        fuzz()
+    assert honest.error is None, honest.error
+    assert all(out == expected for out in honest.outputs)
+    assert manager.server_info(peer).start == 15
 
 
 def test_fuzzed_round_streams(fuzz_env, honest_reference):

@@ -33,11 +33,12 @@ def _parts(manager, count: int):
     return [SpanStream(manager, hop, f"s{i}", max_length=8, batch_size=1) for i in range(count)]  # type: ignore
 
 
-def _pushed(rows, values) -> object:
-    """A pushed result: (stream key, step id, position or error code) per row, one [1, hidden] value per row done."""
-    results = [R.RoundRowResult(stream_key=key, step_id=step, position=outcome) if isinstance(outcome, int)
-               else R.RoundRowResult(stream_key=key, step_id=step, code=outcome, message="no") for key, step, outcome
-               in rows]
+def _pushed(rows, values, pushed_on=()) -> object:
+    """A pushed result: (stream key, step id, position or error code) per row, one [1, hidden] value per row done;
+    the rows of `pushed_on` (keys) went on to the next server."""
+    results = [R.RoundRowResult(stream_key=key, step_id=step, position=outcome, pushed=key in pushed_on)
+               if isinstance(outcome, int) else R.RoundRowResult(stream_key=key, step_id=step, code=outcome,
+                                                                  message="no") for key, step, outcome in rows]
     tensors = [torch.stack(values)] if values else []
     return P.make_response(R.RoundResult(rows=results, pushed=True), tensors)
 
@@ -58,23 +59,24 @@ def test_pushed_results_reach_their_rows_whether_they_come_before_or_during_the_
     async def script():
         yield _pushed([(S0, 7, 4)], [torch.full((HIDDEN,), 1.0)])  # before anyone waits
         await later.wait()
-        yield _pushed([(S1, 9, 4)], [torch.full((HIDDEN,), 2.0)])  # while s1 waits
+        yield _pushed([(S1, 9, 4)], [torch.full((HIDDEN,), 2.0)], pushed_on=[S1])  # while s1 waits
         await asyncio.sleep(3600)
 
     async def run():
         manager, stream = _stream(script)
         a, b = _parts(manager, 2)
         await asyncio.sleep(0.01)
-        first, _ = await stream.wait_pushed(a, 1, 3, 7, timeout=5)
+        first, first_on = await stream.wait_pushed(a, 1, 3, 7, timeout=5)
         waiting = asyncio.ensure_future(stream.wait_pushed(b, 1, 3, 9, timeout=5))
         await asyncio.sleep(0.01)
         later.set()
-        second, _ = await waiting
+        second, second_on = await waiting
         stream.close()
-        return first, second, a.position, b.position, stream.pushed_rows
+        return first, second, (first_on, second_on), a.position, b.position, stream.pushed_rows
 
-    first, second, pos_a, pos_b, count = asyncio.run(run())
+    first, second, pushed_on, pos_a, pos_b, count = asyncio.run(run())
     assert torch.equal(first, torch.full((1, 1, HIDDEN), 1.0)) and torch.equal(second, torch.full((1, 1, HIDDEN), 2.0))
+    assert pushed_on == (False, True)  # the second went on to its next server: its result comes there
     assert (pos_a, pos_b, count) == (4, 4, 2)
 
 
