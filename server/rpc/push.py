@@ -137,6 +137,8 @@ class PushSender:
              row_edits: Optional[dict] = None, compression: str = "none") -> bool:
         """Queue the output for chain[0] (telling it the rest of the chain and the step's row edits: beam parents,
         padding, `P.RowEdits`); False if no live stream took it."""
+        if self.closed:
+            return False  # the span is no longer served here; the client's copy of the step goes on
         target = chain[0]
         message = P.PushStep(stream_key=target.stream_key, push_token=target.push_token,
                              start_position=start_position, step_id=step_id, push_chain=list(chain[1:]),
