@@ -164,8 +164,10 @@ def bench_topology(path: str, servers: int, args) -> Dict[str, dict]:
                                                                       dht_prefix=lab.prefix, **v.client))
                   for v in variants(args)]
         try:
-            for _, model in models:
+            for variant, model in models:
                 model.generate(PROMPT, max_new_tokens=3)  # warm-up: connections, routes
+                if variant.rounds:  # and batches of every size: servers pack their weights for them at first
+                    run_round_cell(model, args, max(args.sessions))
             for latency in args.latencies:
                 for variant, model in models:
                     for sessions in args.sessions:
