@@ -29,7 +29,7 @@ from server.compute.decode import host_outputs
 from server.rpc.channel import ChannelHandler
 from server.rpc.inference import Counters
 from server.rpc.limits import LimitError, RpcLimits, StreamLimiter
-from server.rpc.push import PushRefused, PushRouter, PushSender
+from server.rpc.push import PushRefused, PushRouter, PushSender, proven_pushes
 from server.rpc.rounds import RoundHandler
 from server.rpc.training import TrainingHandler
 from swarm.runtime.dht_traffic import DHTTraffic
@@ -117,18 +117,12 @@ class BlockHandler(RoundHandler, ChannelHandler, TrainingHandler):
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Pushes from a previous server: each goes to the input queue of the session part it names if it carries
         that part's push token; a push with a wrong token gets a `forbidden` reply (the stream goes on)."""
-        admitted = False
-        async for request in requests:
-            if not admitted:  # the first push of a stream proves membership for the whole stream
-                if not self._admits(context, request.uid):
-                    return
-                admitted = True
-            try:
-                self.limits.check_message(request)
-                pushed = P.decode(request.metadata, P.PushStep)
-            except (P.ProtocolError, LimitError) as e:
-                logger.warning(f"malformed push from {context.remote_id}: {e}")
-                continue
+        def parse(request: runtime_pb2.ExpertRequest) -> P.PushStep:
+            self.limits.check_message(request)
+            return P.decode(request.metadata, P.PushStep)
+
+        async for request, pushed in proven_pushes(requests, context.remote_id,
+                                                   lambda uid: self._admits(context, uid), parse, "push"):
             try:
                 self.push_router.deliver(pushed.stream_key, pushed.push_token, request)  # unknown keys: ended
             except PushRefused as e:

@@ -12,17 +12,39 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from typing import Dict, Optional, Tuple
+from typing import AsyncIterator, Callable, Dict, Optional, Tuple, TypeVar
 
 import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
+from server.rpc.limits import LimitError
 from swarm.runtime.aio import iterate_queue
 from swarm.wire import protocol as P
 from swarm.wire.duplex import call_stream
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+async def proven_pushes(requests: AsyncIterator[runtime_pb2.ExpertRequest], peer: object,
+                        admits: Callable[[str], bool], parse: Callable[[runtime_pb2.ExpertRequest], T], what: str
+                        ) -> AsyncIterator[Tuple[runtime_pb2.ExpertRequest, T]]:
+    """A push stream's requests with what `parse` makes of them: nothing unless the first one's uid proves
+    membership (`admits(uid)`, for the whole stream); one that `parse` refuses (`P.ProtocolError`, `LimitError`)
+    is logged as a malformed `what` and skipped, and the stream goes on."""
+    admitted = False
+    async for request in requests:
+        if not admitted:
+            if not admits(request.uid):
+                return
+            admitted = True
+        try:
+            parsed = parse(request)
+        except (P.ProtocolError, LimitError) as e:
+            logger.warning(f"malformed {what} from {peer}: {e}")
+            continue
+        yield request, parsed
 
 
 class PushRefused(ValueError):

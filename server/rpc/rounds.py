@@ -44,6 +44,7 @@ from hivemind.proto import runtime_pb2
 from server.compute.decode import host_outputs
 from server.rpc.inference import InferenceHandler, _Stream
 from server.rpc.limits import LimitError
+from server.rpc.push import proven_pushes
 from server.rpc.refusal import admitted
 from swarm.runtime.swarm_key import NOT_A_MEMBER
 from swarm.runtime.taskpool import PRIORITY_DECODE
@@ -140,19 +141,14 @@ class RoundHandler(InferenceHandler):
         stream its part is attached to, if it carries that part's push token. A row with a wrong token is refused
         (one `forbidden` reply per message; the stream goes on); a row whose part is gone or not attached to a
         round stream, or whose stream holds too many pushes already, is dropped (the client sends its own copy)."""
-        admitted = False
-        async for request in requests:
-            if not admitted:  # the first push of a stream proves membership for the whole stream
-                if not self._admits(context, request.uid):
-                    return
-                admitted = True
-            try:
-                self.limits.check_message(request)
-                message = P.decode(request.metadata, R.RoundPush)
-                flat, parts = self._round_rows(request, message)
-            except (P.ProtocolError, LimitError) as e:
-                logger.warning(f"malformed round push from {context.remote_id}: {e}")
-                continue
+        def parse(request: runtime_pb2.ExpertRequest) -> Tuple[R.RoundPush, List[torch.Tensor]]:
+            self.limits.check_message(request)
+            message = P.decode(request.metadata, R.RoundPush)
+            return message, self._round_rows(request, message)[1]
+
+        async for request, (message, parts) in proven_pushes(requests, context.remote_id,
+                                                             lambda uid: self._admits(context, uid), parse,
+                                                             "round push"):
             groups: Dict[int, Tuple[_Inbox, list, list]] = {}
             refused = []
             for row, part in zip(message.rows, parts):

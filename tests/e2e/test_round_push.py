@@ -7,8 +7,6 @@ on every push at once (`push_timeout` of a microsecond, so its own copies race t
 a peer that knows a live part's key but not its push token cannot push rows into it."""
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 
@@ -17,7 +15,8 @@ from swarm.client.transport import rounds
 from swarm.runtime import aio
 from swarm.wire import protocol as P
 from swarm.wire import rounds as R
-from tests.fixtures.rpc_fuzzing import HIDDEN, fuzz_env  # noqa: F401  (fuzz_env: a fixture)
+from tests.fixtures.round_checks import greedy_rounds
+from tests.fixtures.rpc_fuzzing import HIDDEN, fuzz_env, push_replies  # noqa: F401  (fuzz_env: a fixture)
 
 SPANS = ("0:10", "10:20", "20:30")
 PROMPTS = ["The history of the Roman Empire begins", "Hi", "def fibonacci(n):", "Once upon a time"]
@@ -35,25 +34,10 @@ def _client(model_path, swarm, **config):
 
 
 def _greedy_rounds(model, prompts) -> list:
-    """Each prompt's greedy continuation, all of them stepped together in rounds (`step_round`)."""
-    sessions = [model.inference_session(max_length=48) for _ in prompts]
-    try:
-        head = sessions[0].head
-        ids = [p.clone() for p in prompts]
-        inputs = [head.embed(p) for p in ids]
-        for _ in range(NEW):
-            outs = rounds.step_round([(s.session, x, None) for s, x in zip(sessions, inputs)])
-            tokens = []
-            for out in outs:
-                assert not isinstance(out, BaseException), out
-                tokens.append(head.head(out[:, -1]).argmax(-1, keepdim=True))  # [1, 1]
-            ids = [torch.cat([i, t], dim=1) for i, t in zip(ids, tokens)]
-            inputs = [head.embed(t) for t in tokens]
-        assert all(len(s.session._streams) == len(SPANS) for s in sessions)
-        return [i.tolist() for i in ids]
-    finally:
-        for s in sessions:
-            s.close()
+    """Each prompt's greedy continuation, all of them stepped together in rounds, over the three servers."""
+    ids, chains = greedy_rounds(model, prompts, NEW)
+    assert chains == [len(SPANS)] * len(prompts)
+    return ids
 
 
 def test_rows_pushed_along_a_chain_of_three_give_transformers_tokens(chain, model_path, tokenizer, reference_model):
@@ -117,16 +101,7 @@ def _round_push(manager, peer_id: str, key: str, token: str, position: int) -> l
                                                                 step_id=10 ** 9, batch=1, seq=2)]),
                                [torch.full((1, HIDDEN), 50.0)])  # one token's states for two
 
-    async def run():
-        async def gen():
-            yield forged
-            yield malformed
-            yield forged
-            await asyncio.sleep(2)  # keep the stream open while the refusals come back
-
-        return [P.decode_reply(r.metadata) async for r in await manager.stub(peer_id).rpc_round_push(gen())]
-
-    return aio.run(asyncio.wait_for(run(), 60), timeout=90)
+    return push_replies(manager, peer_id, "rpc_round_push", [forged, malformed, forged])
 
 
 def test_an_outsider_cannot_push_round_rows_into_a_live_session(fuzz_env, tokenizer, reference_model):  # noqa: F811

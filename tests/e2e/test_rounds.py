@@ -15,6 +15,7 @@ from swarm.client.transport.span_stream import SpanStream
 from swarm.runtime import aio
 from swarm.wire import protocol as P
 from tests.fixtures.numerics import assert_close_at_scale
+from tests.fixtures.round_checks import greedy_rounds
 
 SPANS = ("0:15", "15:30")
 PROMPTS = ["The history of the Roman Empire begins", "Hi", "def fibonacci(n):", "Three things every gardener",
@@ -96,25 +97,10 @@ def test_rounds_give_each_session_its_lone_outputs_in_one_message_per_server(mod
 
 def test_greedy_generation_through_rounds_equals_transformers(model, prompts, reference_model):
     new = 8
-    sessions = _sessions(model, 4)
-    try:
-        head = sessions[0].head
-        ids = [p.clone() for p in prompts[:4]]
-        inputs = [head.embed(p) for p in ids]
-        for _ in range(new):
-            outs = rounds.step_round([(s.session, x, None) for s, x in zip(sessions, inputs)])
-            tokens = []
-            for out in outs:
-                assert not isinstance(out, BaseException), out
-                tokens.append(head.head(out[:, -1]).argmax(-1, keepdim=True))  # [1, 1]
-            ids = [torch.cat([i, t], dim=1) for i, t in zip(ids, tokens)]
-            inputs = [head.embed(t) for t in tokens]
-    finally:
-        for s in sessions:
-            s.close()
-    for prompt, ours in zip(prompts[:4], ids):
+    ours, _ = greedy_rounds(model, prompts[:4], new)
+    for prompt, ids in zip(prompts[:4], ours):
         ref = reference_model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False)
-        assert ours.tolist() == ref.tolist()
+        assert ids == ref.tolist()
 
 
 def test_a_bad_row_errors_only_its_session(model, prompts):

@@ -15,7 +15,7 @@ import torch
 
 from swarm.runtime import aio
 from swarm.wire import protocol as P
-from tests.fixtures.rpc_fuzzing import HIDDEN, fuzz_env  # noqa: F401  (fuzz_env: a fixture)
+from tests.fixtures.rpc_fuzzing import HIDDEN, fuzz_env, push_replies  # noqa: F401  (fuzz_env: a fixture)
 
 PROMPT = "A short list of colors:"
 
@@ -24,16 +24,7 @@ def _push(manager, peer_id: str, key: str, token: str, position: int) -> list:
     """The replies to two forged pushes (step ids far ahead of the session's) on one push stream."""
     forged = [P.make_request(P.PushStep(stream_key=key, push_token=token, start_position=position,
                                         step_id=10**9 + i), [torch.full((1, 1, HIDDEN), 50.0)]) for i in range(2)]
-
-    async def run():
-        async def gen():
-            for request in forged:
-                yield request
-            await asyncio.sleep(2)  # keep the stream open while the refusals come back
-
-        return [P.decode_reply(r.metadata) async for r in await manager.stub(peer_id).rpc_push(gen())]
-
-    return aio.run(asyncio.wait_for(run(), 60), timeout=90)
+    return push_replies(manager, peer_id, "rpc_push", forged)
 
 
 def test_an_outsider_cannot_push_into_a_live_session(fuzz_env, tokenizer, reference_model):  # noqa: F811
