@@ -20,6 +20,8 @@ import torch
 from launch.latency_lab import CLIENT, LabConfig, LatencyLab, parse_link
 from launch.relay import LinkTable, RelayConfig
 from launch.topology import ManagedProcess
+from swarm.client.transport import rounds
+from tests.fixtures.round_checks import greedy_rounds
 
 ROUNDS = 25
 
@@ -182,8 +184,9 @@ def test_a_hivemind_ping_through_the_lab_takes_the_configured_round_trip(tmp_pat
 @pytest.mark.slow
 @pytest.mark.skipif(LatencyLab.unavailable() is not None, reason=str(LatencyLab.unavailable()))
 def test_greedy_generation_through_delayed_links_matches_transformers(tmp_path, model_path, reference_model):
-    """Two servers behind 5 ms links (s0 -> s1: 15 ms): the same greedy tokens as transformers, and the RTTs that
-    routing uses (the client's pings, the servers' `next_pings` in the DHT) include the links' delay."""
+    """Two servers behind 5 ms links (s0 -> s1: 15 ms): the same greedy tokens as transformers, alone and in rounds
+    whose rows s1 pushes on to s0 through their relays (`round_push`), and the RTTs that routing uses (the client's
+    pings, the servers' `next_pings` in the DHT) include the links' delay."""
     from swarm import AutoDistributedModelForCausalLM
 
     prompt = torch.tensor([[1, 504, 3458, 314, 4086, 28, 260, 1345, 2024, 30]])
@@ -197,6 +200,11 @@ def test_greedy_generation_through_delayed_links_matches_transformers(tmp_path, 
             ours = model.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False)
             ref = reference_model.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False)
             assert ours.tolist() == ref.tolist()
+            # the same in rounds (the gateway's engine), whose rows s1 pushes to s0 across the delayed link
+            together, _ = greedy_rounds(model, [prompt, prompt[:, :6]], 6)
+            shorter = reference_model.generate(prompt[:, :6], max_new_tokens=6, min_new_tokens=6, do_sample=False)
+            assert together == [ref.tolist(), shorter.tolist()]
+            assert rounds.ROUND_STREAMS.current(model.manager)[lab.peers["s0"].peer_id].pushed_rows == 2 * 4
             assert model.manager.rtts and min(model.manager.rtts.values()) >= 2 * 0.005
             deadline = time.monotonic() + 30
             while True:  # s1 refreshes its record every 3 s
