@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from swarm.client.transport.manager import ClientConfig
-from swarm.client.transport.rounds import RoundStream
+from swarm.client.transport.round_stream import RoundStream
 from swarm.client.transport.routing import RouteHop
 from swarm.client.transport.span_stream import SpanStream
 from swarm.wire import protocol as P

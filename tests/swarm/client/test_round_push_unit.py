@@ -1,4 +1,4 @@
-"""A round stream's pushed results (`swarm.client.transport.rounds.RoundStream`, capability `round_push`), without
+"""A round stream's pushed results (`swarm.client.transport.round_stream.RoundStream`, capability `round_push`), without
 processes: a stand-in server whose replies are scripted. The server answers rows that the previous server pushed
 to it with results the client did not ask for (`RoundResult.pushed`); the stream's reader keeps each for the row
 that waits for it (`wait_pushed`), whether it came before the wait or during it; a client's late copy of a pushed
@@ -12,7 +12,7 @@ import asyncio
 import torch
 
 from swarm.client.transport.manager import ClientConfig
-from swarm.client.transport.rounds import RoundStream
+from swarm.client.transport.round_stream import RoundStream
 from swarm.client.transport.routing import RouteHop
 from swarm.client.transport.span_stream import SpanStream
 from swarm.wire import protocol as P
