@@ -79,6 +79,7 @@ class _Stream:
     busy: bool = False  # a step of this session is being computed (from its stream or a round)
     last_active: float = 0.0  # monotonic time of its last step from a round (`server.rpc.rounds`)
     pushed_step_id: int = -1  # its last step computed from a round push (the client's late copy is a duplicate)
+    pushed_output: Any = None  # that step's output [batch, 1, hidden], the answer to the client's late copy
     prefix: Any = None  # its use of the prefix cache (`server.rpc.prefix.PrefixState`), None: none
     adopted: Optional[torch.Tensor] = None  # the outputs at the prefix positions adopted at the opening
 
@@ -117,6 +118,7 @@ class InferenceHandler(PrefixHandler, P.BlockRPC):
     accepting: bool
     compression: str
     open_parts: Dict[str, _Stream]  # stream key -> the open session part (rounds attach to it by key)
+    round_routes: Dict[str, Any]  # stream key -> the round stream its pushes go to (`server.rpc.rounds`)
 
     def _admits(self, context: P2PContext, proof: str) -> bool:
         raise NotImplementedError
@@ -349,6 +351,7 @@ class InferenceHandler(PrefixHandler, P.BlockRPC):
             self.push_router.unregister(stream.key, stream.inputs)
             if self.open_parts.get(stream.key) is stream:
                 del self.open_parts[stream.key]
+                self.round_routes.pop(stream.key, None)  # its pushes have nowhere to go (`server.rpc.rounds`)
         if stream.pump is not None:
             stream.pump.cancel()
         if stream.handle is not None:

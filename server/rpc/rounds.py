@@ -22,11 +22,12 @@ next server checks each pushed row's push token, hands the rows to the round str
 (`RoundResult.pushed`) and pushes them on likewise: a decode step crosses a chain of k servers in k + 1 network
 hops instead of 2k. The client keeps the previous server's output (its history for failover) and sends the
 row itself only when the pushed result is late (`push_timeout`); a copy already computed from the push is answered
-`duplicate`, and a push that comes after the client's copy is dropped (by step id). A round stream takes at most
+with the output kept from it (`_Stream.pushed_output`, not computed again), and a push that comes after the client's
+copy is dropped (by step id). A round stream takes at most
 `MAX_PUSHES_WAITING` pushed batches ahead of its own messages; more are dropped (the client's copy will do).
 
-Round steps carry no push chain and no row edits (beam parents, padding, rope lengths): a client sends those steps
-on the session's own stream, as before. `rpc_round_stats` reports the round counters (`RoundStats`).
+Round steps carry no row edits (beam parents, padding, rope lengths): a client sends those steps on the session's
+own stream, as before. `rpc_round_stats` reports the round counters (`RoundStats`).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ import hmac
 import logging
 import time
 from collections import defaultdict
-from typing import AsyncGenerator, AsyncIterator, Dict, List, Optional, Tuple
+from typing import AsyncGenerator, AsyncIterator, Collection, Dict, List, Optional, Tuple
 
 import torch
 from hivemind.p2p import P2PContext
@@ -213,12 +214,15 @@ class RoundHandler(InferenceHandler):
                    if (problem := self._attach(a, attached, peer, inbox)) is not None}
         errors: Dict[int, RowError] = {i: refused[row.stream_key] for i, row in enumerate(rows)
                                        if row.stream_key in refused}
-        for i, row in enumerate(rows):  # the client's copy of a step already computed from a push
+        ready: Dict[int, torch.Tensor] = {}  # the client's copies of steps already computed from a push
+        for i, row in enumerate(rows):
             stream = attached.get(row.stream_key)
-            if i not in errors and stream is not None and row.step_id and row.step_id == stream.pushed_step_id:
-                errors[i] = ("duplicate", f"step {row.step_id} was computed from the previous server's push")
-        results, outputs = await self._run_rows(rows, parts, flat, attached, errors)
-        results = self._push_on(rows, results, outputs)
+            if i not in errors and stream is not None and row.step_id and row.step_id == stream.pushed_step_id \
+                    and stream.pushed_output is not None and stream.kv is not None \
+                    and stream.kv.length == row.start_position + row.seq:
+                ready[i] = stream.pushed_output
+        results, outputs = await self._run_rows(rows, parts, flat, attached, errors, ready)
+        results = self._push_on(rows, results, outputs, ready)
         tensors = [output for output in outputs if output is not None]
         reply = R.RoundResult(round_id=message.round_id, rows=results)
         return P.make_response(reply, [R.join_rows(tensors)] if tensors else [], version=version)
@@ -236,20 +240,22 @@ class RoundHandler(InferenceHandler):
         results, outputs = await self._run_rows(rows, parts, None, attached, {})
         for row, output in zip(rows, outputs):
             if output is not None:
-                attached[row.stream_key].pushed_step_id = row.step_id
+                stream = attached[row.stream_key]
+                stream.pushed_step_id, stream.pushed_output = row.step_id, output.clone()  # (not the batch's view)
         self.counters.steps_from_push += sum(output is not None for output in outputs)
         results = self._push_on(rows, results, outputs)
         tensors = [output for output in outputs if output is not None]
         reply = R.RoundResult(rows=results, pushed=True)
         return P.make_response(reply, [R.join_rows(tensors)] if tensors else [], version=version)
 
-    def _push_on(self, rows, results: List[R.RoundRowResult], outputs: List[Optional[torch.Tensor]]
-                 ) -> List[R.RoundRowResult]:
+    def _push_on(self, rows, results: List[R.RoundRowResult], outputs: List[Optional[torch.Tensor]],
+                 ready: Collection[int] = ()) -> List[R.RoundRowResult]:
         """The outputs of rows with a push chain go on, one `RoundPush` per next server (each row with the rest of
-        its chain); `results` with those rows marked `pushed`."""
+        its chain); `results` with those rows marked `pushed`. Not the `ready` rows: a pushed step went on when it
+        was computed."""
         targets: Dict[str, List[int]] = defaultdict(list)
         for i, row in enumerate(rows):
-            if row.push_chain and outputs[i] is not None:
+            if row.push_chain and outputs[i] is not None and i not in ready:
                 targets[row.push_chain[0].peer_id].append(i)
         if not targets or self.pusher is None:
             return results
@@ -272,11 +278,13 @@ class RoundHandler(InferenceHandler):
                 for i, result in enumerate(results)]
 
     async def _run_rows(self, rows: list, parts: List[torch.Tensor], flat: Optional[torch.Tensor],
-                        attached: Dict[str, _Stream], errors: Dict[int, RowError]
+                        attached: Dict[str, _Stream], errors: Dict[int, RowError],
+                        ready: Optional[Dict[int, torch.Tensor]] = None
                         ) -> Tuple[List[R.RoundRowResult], List[Optional[torch.Tensor]]]:
         """Check, compute and note the rows (`RoundRow`s or `RoundPushRow`s, with their hidden states `parts`); per
         row its result and its output [batch, seq, hidden] (None for a row that failed). `errors`: rows already
-        answered (their problem)."""
+        answered (their problem); `ready`: rows whose output is already known (not computed again)."""
+        ready = ready or {}
         finite = torch.isfinite(flat).all(dim=1) if flat is not None else None  # [tokens]
         if finite is None:
             for i, part in enumerate(parts):
@@ -290,7 +298,7 @@ class RoundHandler(InferenceHandler):
         held_before: Dict[int, int] = {}  # row -> its session's length before the step (the prefix pages' notes)
         try:
             for i, row in enumerate(rows):
-                if i in errors:
+                if i in errors or i in ready:
                     continue
                 problem = self._row_problem(row, attached.get(row.stream_key))
                 if problem is not None:
@@ -313,7 +321,7 @@ class RoundHandler(InferenceHandler):
         results: List[R.RoundRowResult] = []
         outputs: List[Optional[torch.Tensor]] = []
         for i, row in enumerate(rows):
-            output = computed.get(i)
+            output = ready[i] if i in ready else computed.get(i)
             if isinstance(output, BaseException):
                 logger.error(f"round step of {row.stream_key} failed: {type(output).__name__}: {output}")
                 self._prefix_close(attached[row.stream_key].prefix)  # its claimed pages: waiters compute them
@@ -328,20 +336,18 @@ class RoundHandler(InferenceHandler):
                 continue
             assert isinstance(output, torch.Tensor)
             stream = attached[row.stream_key]
-            if stream.prefix is not None:  # as on its own stream: pages it completed, a rewind ends its prompt
+            if stream.prefix is not None and i not in ready:  # as on its own stream: pages it completed, a rewind
                 await self._prefix_after_step(stream.kv, stream.prefix, row.start_position, held_before[i], output)
             stream.last_step_id = max(stream.last_step_id, row.step_id)
             stream.last_active = now
             results.append(R.RoundRowResult(stream_key=row.stream_key, step_id=row.step_id,
                                             position=stream.kv.length))
             outputs.append(output)
-        self.counters.round_row_errors += sum(code != "duplicate" for code, _ in errors.values())
+        self.counters.round_row_errors += len(errors)
         if len(attached) > 2 * len(self.open_parts) + 64:  # parts closed since they were attached: let them go
             for key in [key for key, stream in attached.items() if stream.kv is None]:
                 del attached[key]
-                if key in self.round_routes and self.open_parts.get(key) is None:
-                    del self.round_routes[key]
-        done = [output for output in outputs if output is not None]
+        done = [output for i, output in enumerate(outputs) if output is not None and i not in ready]
         self.counters.inference_steps += len(done)
         self.counters.inference_tokens += sum(t.shape[0] * t.shape[1] for t in done)
         return results, outputs

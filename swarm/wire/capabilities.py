@@ -42,7 +42,7 @@ CAPABILITIES: Mapping[str, str] = {
     "push": "server-to-server push (rpc_push, Step.push_chain, OpenSession.push_token)",
     "relay": "servers behind a NAT served through a relay (ServerInfo.reachable) and the dial-back check",
     "rope_length": "a step's rope length (RowEdits.rope_length, ForwardRequest.rope_length)",
-    "round_push": "a round's rows pushed server to server, one message per next server (RoundRow.push, "
+    "round_push": "a round's rows pushed server to server, one message per next server (RoundRow.push_chain, "
                   "rpc_round_push: RoundPush; RoundRowResult.pushed, RoundResult.pushed)",
     "rounds": "many sessions' steps in one message per server (rpc_round: RoundStep, RoundResult; rpc_round_stats)",
     "session_channels": "many session parts' streams in one stream per client (rpc_sessions: frames of "

@@ -70,8 +70,8 @@ def test_rows_pushed_along_a_chain_of_three_give_transformers_tokens(chain, mode
 def test_a_client_that_sends_its_own_copy_of_every_pushed_row_gets_the_same_tokens(chain, model_path, tokenizer,
                                                                                    reference_model):
     """With `push_timeout` of a microsecond the client sends every pushed row itself at once: each server takes
-    whichever copy comes first; a copy that comes second is a duplicate (answered from the pushed result) or dropped
-    (a push behind the client's own copy). Which one wins varies; the tokens may not."""
+    whichever copy comes first; a copy that comes second is answered with the output the server kept from the
+    push, or dropped (a push behind the client's own copy). Which one wins varies; the tokens may not."""
     prompts = [tokenizer(text, return_tensors="pt")["input_ids"] for text in PROMPTS]
     expected = [reference_model.generate(p, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False).tolist()
                 for p in prompts]
@@ -83,7 +83,7 @@ def test_a_client_that_sends_its_own_copy_of_every_pushed_row_gets_the_same_toke
         assert _greedy_rounds(impatient, prompts) == expected
         after = [impatient.manager.server_info(peer) for peer in peers]
         rows_after = [aio.run(rounds.round_stats(impatient.manager, peer)) for peer in peers]
-        # a second copy is never an error: a duplicate is answered from the push, a late push is dropped
+        # a second copy is never an error: a late copy is answered from the push, a late push is dropped
         assert [a.row_errors - b.row_errors for b, a in zip(rows_before, rows_after)] == [0, 0, 0]
         # no step ran twice on a server: each server's steps are the rounds' (one per session and round)
         steps = [a.inference_steps - b.inference_steps for b, a in zip(before, after)]

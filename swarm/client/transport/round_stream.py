@@ -5,8 +5,10 @@ closed). Rounds on it go one at a time (a lock), each `RoundStep` answered in or
 `ErrorReply`). Its session parts are attached with their push tokens (`RoundAttach`) the first time they ride it.
 With `round_push`, a row names the rest of its chain (`RoundRow.push_chain`) and the server also sends results of
 rows the previous server pushed to it (`RoundResult.pushed`), which the stream's reader keeps by (session part,
-step id) for `wait_pushed`; a copy of a pushed step that the client sent anyway is answered `duplicate` and takes
-the pushed output. A late reply is waited for while the server answers liveness pings (`liveness.py`).
+step id) for `wait_pushed`; a copy of a pushed step that the client sent anyway is answered with the output the
+server kept from the push. The reader takes replies only to messages sent (a server that sends more is cut off) and
+keeps at most `MAX_PUSHED_KEPT` pushed results nobody waits for yet. A late reply is waited for while the server
+answers liveness pings (`liveness.py`).
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ Outcome = Union[torch.Tensor, BaseException]
 # a row of one server's round: (session part, hidden [batch, seq, hidden], start position, step id)
 Row = Tuple[SpanStream, torch.Tensor, int, int]
 
-MAX_PUSHED_KEPT = 4096  # pushed results kept for rows not waited for yet; the oldest go first
+MAX_PUSHED_KEPT = 1024  # pushed results kept for rows not waited for yet (one token each); the oldest go first
 _END = object()  # the end of a round stream's replies
 
 
@@ -49,6 +51,7 @@ class RoundStream:
         self._reader: Optional["asyncio.Future[None]"] = None
         self._pushed: Dict[Tuple[str, int], Tuple[R.RoundRowResult, Optional[torch.Tensor]]] = {}
         self._waiters: Dict[Tuple[str, int], "asyncio.Future[Any]"] = {}
+        self._unanswered = 0  # messages sent whose replies the reader has not taken yet
         self._lock = asyncio.Lock()
         self._attached: Dict[str, str] = {}  # stream key -> the token it was attached with
         self._round_id = 0
@@ -56,9 +59,14 @@ class RoundStream:
         self.pushed_rows = 0  # results of rows that came pushed (the client did not send them here)
         self._loop: Optional[asyncio.AbstractEventLoop] = None  # the client loop, once the stream opens there
 
+    @property
+    def usable(self) -> bool:
+        """Not closed, and its replies still read (a stream the server ended is made anew: `ROUND_STREAMS`)."""
+        return not self.closed and (self._reader is None or not self._reader.done())
+
     def attached(self, stream: SpanStream) -> bool:
         """Whether the session part is attached to this stream with its current token (pushes for it land here)."""
-        return not self.closed and self._reader is not None and self._attached.get(stream.key) == stream.push_token
+        return self._reader is not None and self.usable and self._attached.get(stream.key) == stream.push_token
 
     async def step(self, rows: Sequence[Row], chains: Optional[Sequence[List[P.PushTarget]]] = None
                    ) -> Tuple[List[Outcome], set]:
@@ -98,6 +106,7 @@ class RoundStream:
         flat = R.join_rows([x for _, x, _, _ in rows])  # [sum(batch_i * seq_i), hidden]
         if wire_dtype is not None and flat.is_floating_point():
             flat = flat.to(wire_dtype)  # (one conversion for every row)
+        self._unanswered += 1
         self._queue.put_nowait(P.make_request(message, [flat]))
         # the reply, waited for while the server answers liveness pings (a frozen or cut-off server fails in about
         # liveness_interval + liveness_timeout s); a server whose process died ends the stream at once
@@ -130,12 +139,7 @@ class RoundStream:
         outcomes: List[Outcome] = []
         pushed = set()
         for n, (row, (stream, x, start, step_id)) in enumerate(zip(result.rows, rows)):
-            if row.code == "duplicate":  # taken from the previous server's push, answered before this reply
-                outcome, pushed_on = self._duplicate(stream, x, start, step_id)
-                outcomes.append(outcome)
-                if pushed_on:
-                    pushed.add(n)
-            elif row.code is not None:
+            if row.code is not None:
                 self._attached.pop(stream.key, None)  # attached again next time (a closed part, a new token)
                 outcomes.append(P.RemoteError(row.code, row.message or "", self.peer_id))
             elif row.position != start + x.shape[1]:
@@ -143,16 +147,10 @@ class RoundStream:
             else:
                 stream.position = row.position
                 outcomes.append(next(outputs))
+                self._pushed.pop((stream.key, step_id), None)  # a pushed result that came too late for its row
                 if row.pushed and chains[n]:
                     pushed.add(n)
         return outcomes, pushed
-
-    def _duplicate(self, stream: SpanStream, x: torch.Tensor, start: int, step_id: int) -> Tuple[Outcome, bool]:
-        kept = self._pushed.pop((stream.key, step_id), None)
-        if kept is None:
-            return P.RemoteError("bad_reply", "a step answered as pushed came with no pushed result",
-                                 self.peer_id), False
-        return self._pushed_outcome(stream, x.shape[1], start, *kept)
 
     def _pushed_outcome(self, stream: SpanStream, seq: int, start: int, row: R.RoundRowResult,
                         output: Optional[torch.Tensor]) -> Tuple[Outcome, bool]:
@@ -193,8 +191,14 @@ class RoundStream:
                 raw = json.loads(response.metadata) if response.metadata else {}
                 if isinstance(raw, dict) and raw.get("pushed") is True and raw.get("type") == "round_result":
                     self._take_pushed(response)
-                else:
-                    self._replies.put_nowait((response, raw if isinstance(raw, dict) else {}))
+                    continue
+                if self._unanswered <= 0:
+                    logger.warning(f"round stream to {self.peer_id}: a reply to no message; the stream is ended")
+                    return
+                self._unanswered -= 1
+                self._replies.put_nowait((response, raw if isinstance(raw, dict) else {}))
+        except ValueError as e:
+            logger.warning(f"round stream to {self.peer_id}: a reply that is not JSON ({e}); the stream is ended")
         except Exception as e:  # noqa: BLE001 - a broken stream reads as an ended one
             logger.debug(f"round stream to {self.peer_id} ended: {type(e).__name__}: {e}")
         finally:
@@ -215,7 +219,8 @@ class RoundStream:
                 if flat.ndim != 2 or flat.shape[0] != len(done):  # pushed rows are single tokens (`pushable`)
                     raise P.ProtocolError(f"pushed outputs of shape {list(flat.shape)} for {len(done)} rows")
                 parts = iter(flat.view(len(done), 1, 1, flat.shape[1]).unbind(0))  # [1, 1, hidden] each
-                outputs = [next(parts) if row.code is None else None for row in result.rows]
+                # a copy each: a kept row must not hold the whole message
+                outputs = [next(parts).clone() if row.code is None else None for row in result.rows]
         except P.ProtocolError as e:
             logger.warning(f"a malformed pushed result from {self.peer_id}: {e}")
             return
@@ -250,7 +255,7 @@ class RoundStream:
         aio.call_on(self._loop, end)
 
 
-ROUND_STREAMS: PerPeer[RoundStream] = PerPeer(RoundStream, lambda stream: not stream.closed, RoundStream.close)
+ROUND_STREAMS: PerPeer[RoundStream] = PerPeer(RoundStream, lambda stream: stream.usable, RoundStream.close)
 
 
 def round_stream(manager: SwarmManager, peer_id: str) -> RoundStream:
