@@ -23,8 +23,8 @@ next server checks each pushed row's push token, hands the rows to the round str
 hops instead of 2k. The client keeps the previous server's output (its history for failover) and sends the
 row itself only when the pushed result is late (`push_timeout`); a copy already computed from the push is answered
 with the output kept from it (`_Stream.pushed_output`, not computed again), and a push that comes after the client's
-copy is dropped (by step id). A round stream takes at most
-`MAX_PUSHES_WAITING` pushed batches ahead of its own messages; more are dropped (the client's copy will do).
+copy is dropped (by step id). A round stream takes at most `MAX_PUSHES_WAITING` pushed batches ahead of its own
+messages; more are dropped (the client's copy will do).
 
 Round steps carry no row edits (beam parents, padding, rope lengths): a client sends those steps on the session's
 own stream, as before. `rpc_round_stats` reports the round counters (`RoundStats`).
