@@ -61,7 +61,7 @@ class RoundStream:
 
     @property
     def usable(self) -> bool:
-        """Not closed, and its replies still read (a stream the server ended is made anew: `ROUND_STREAMS`)."""
+        """Not closed, and its replies still read (pushed results can still come on it)."""
         return not self.closed and (self._reader is None or not self._reader.done())
 
     def attached(self, stream: SpanStream) -> bool:
@@ -255,7 +255,9 @@ class RoundStream:
         aio.call_on(self._loop, end)
 
 
-ROUND_STREAMS: PerPeer[RoundStream] = PerPeer(RoundStream, lambda stream: stream.usable, RoundStream.close)
+# a stream the server ended is handed out until a round on it fails ("the server closed the round stream": the
+# rows fail over at once) and closes it; no push chain goes through it meanwhile (`attached`)
+ROUND_STREAMS: PerPeer[RoundStream] = PerPeer(RoundStream, lambda stream: not stream.closed, RoundStream.close)
 
 
 def round_stream(manager: SwarmManager, peer_id: str) -> RoundStream:
