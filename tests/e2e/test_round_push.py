@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from launch.topology import start_bootstrap, start_servers, terminate_all
 from swarm import AutoDistributedModelForCausalLM
 from swarm.client.transport import rounds
 from swarm.runtime import aio
@@ -24,8 +25,16 @@ NEW = 8
 
 
 @pytest.fixture(scope="module")
-def chain(swarms):
-    return swarms.get(SPANS)
+def chain(model_path):
+    """The three servers in a DHT of their own: a module swarm in the session's DHT holds replicas of the main
+    swarm's records while it runs, and takes them along when it ends (until their servers store them again)."""
+    boot = start_bootstrap(threads=1)
+    servers = []
+    try:
+        servers = start_servers(model_path, [boot.maddr], list(SPANS), "tpush3", [], threads=1)
+        yield {"prefix": "tpush3", "servers": servers, "initial_peers": [boot.maddr]}
+    finally:
+        terminate_all(servers + [boot])
 
 
 def _client(model_path, swarm, **config):
