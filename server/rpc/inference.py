@@ -21,7 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, AsyncGenerator, AsyncIterator, Dict, Optional
+from typing import Any, AsyncGenerator, AsyncIterator, Dict, Optional, Tuple
 
 import torch
 from hivemind.p2p import P2PContext
@@ -78,8 +78,9 @@ class _Stream:
     version: Optional[int] = None
     busy: bool = False  # a step of this session is being computed (from its stream or a round)
     last_active: float = 0.0  # monotonic time of its last step from a round (`server.rpc.rounds`)
-    pushed_step_id: int = -1  # its last step computed from a round push (the client's late copy is a duplicate)
-    pushed_output: Any = None  # that step's output [batch, 1, hidden], the answer to the client's late copy
+    # its last step computed from a round push: (step id, its output [batch, 1, hidden]), the answer to the client's
+    # late copy of that step (`server.rpc.rounds`)
+    pushed_step: Optional[Tuple[int, torch.Tensor]] = None
     prefix: Any = None  # its use of the prefix cache (`server.rpc.prefix.PrefixState`), None: none
     adopted: Optional[torch.Tensor] = None  # the outputs at the prefix positions adopted at the opening
 

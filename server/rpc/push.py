@@ -27,6 +27,12 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def token_matches(expected: Optional[str], given: str) -> bool:
+    """Whether `given` is a session part's push token (`OpenSession.push_token`; a part opened without one takes
+    none), compared in constant time."""
+    return expected is not None and hmac.compare_digest(expected.encode(), given.encode())
+
+
 async def proven_pushes(requests: AsyncIterator[runtime_pb2.ExpertRequest], peer: object,
                         admits: Callable[[str], bool], parse: Callable[[runtime_pb2.ExpertRequest], T], what: str
                         ) -> AsyncIterator[Tuple[runtime_pb2.ExpertRequest, T]]:
@@ -86,7 +92,7 @@ class PushRouter:
         queue, expected, _ = entry
         if expected is None:
             raise PushRefused(f"session part {key} takes no pushes (its client gave no push token)")
-        if not hmac.compare_digest(expected.encode(), token.encode()):
+        if not token_matches(expected, token):
             raise PushRefused(f"push into session part {key} refused: its push token does not match (only the "
                               f"previous server of the session's chain may push to it)")
         try:

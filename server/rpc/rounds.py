@@ -22,7 +22,7 @@ next server checks each pushed row's push token, hands the rows to the round str
 (`RoundResult.pushed`) and pushes them on likewise: a decode step crosses a chain of k servers in k + 1 network
 hops instead of 2k. The client keeps the previous server's output (its history for failover) and sends the
 row itself only when the pushed result is late (`push_timeout`); a copy already computed from the push is answered
-with the output kept from it (`_Stream.pushed_output`, not computed again), and a push that comes after the client's
+with the output kept from it (`_Stream.pushed_step`, not computed again), and a push that comes after the client's
 copy is dropped (by step id). A round stream takes at most `MAX_PUSHES_WAITING` pushed batches ahead of its own
 messages; more are dropped (the client's copy will do).
 
@@ -32,7 +32,6 @@ own stream, as before. `rpc_round_stats` reports the round counters (`RoundStats
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections import defaultdict
@@ -45,7 +44,7 @@ from hivemind.proto import runtime_pb2
 from server.compute.decode import host_outputs
 from server.rpc.inference import InferenceHandler, _Stream
 from server.rpc.limits import LimitError
-from server.rpc.push import proven_pushes
+from server.rpc.push import proven_pushes, token_matches
 from server.rpc.refusal import admitted
 from swarm.runtime.swarm_key import NOT_A_MEMBER
 from swarm.runtime.taskpool import PRIORITY_DECODE
@@ -58,6 +57,12 @@ logger = logging.getLogger(__name__)
 RowError = Tuple[str, str]  # (code, message)
 MAX_PUSHES_WAITING = 8  # pushed batches a round stream holds ahead of its processing; more are dropped
 MAX_CLIENT_WAITING = 4  # a client's messages read ahead of their processing; then the stream is not read
+
+
+def _reply(result: R.RoundResult, outputs: List[Optional[torch.Tensor]], version: int) -> runtime_pb2.ExpertResponse:
+    """A round's (or a pushed round's) reply: its result and the outputs of the rows that have one, in row order."""
+    tensors = [output for output in outputs if output is not None]
+    return P.make_response(result, [R.join_rows(tensors)] if tensors else [], version=version)
 
 
 class _Inbox:
@@ -156,8 +161,7 @@ class RoundHandler(InferenceHandler):
                 stream, inbox = self.open_parts.get(row.stream_key), self.round_routes.get(row.stream_key)
                 if stream is None or inbox is None or stream.opened is None:
                     continue  # gone, or not on a round stream: the client's own copy will do
-                expected = stream.opened.push_token
-                if expected is None or not hmac.compare_digest(expected.encode(), row.token.encode()):
+                if not token_matches(stream.opened.push_token, row.token):
                     refused.append(row.stream_key)
                     continue
                 group = groups.setdefault(id(inbox), (inbox, [], []))
@@ -217,15 +221,13 @@ class RoundHandler(InferenceHandler):
         ready: Dict[int, torch.Tensor] = {}  # the client's copies of steps already computed from a push
         for i, row in enumerate(rows):
             stream = attached.get(row.stream_key)
-            if i not in errors and stream is not None and row.step_id and row.step_id == stream.pushed_step_id \
-                    and stream.pushed_output is not None and stream.kv is not None \
+            if i not in errors and stream is not None and row.step_id and stream.pushed_step is not None \
+                    and stream.pushed_step[0] == row.step_id and stream.kv is not None \
                     and stream.kv.length == row.start_position + row.seq:
-                ready[i] = stream.pushed_output
+                ready[i] = stream.pushed_step[1]
         results, outputs = await self._run_rows(rows, parts, flat, attached, errors, ready)
         results = self._push_on(rows, results, outputs, ready)
-        tensors = [output for output in outputs if output is not None]
-        reply = R.RoundResult(round_id=message.round_id, rows=results)
-        return P.make_response(reply, [R.join_rows(tensors)] if tensors else [], version=version)
+        return _reply(R.RoundResult(round_id=message.round_id, rows=results), outputs, version)
 
     async def _pushed_round(self, rows: List[R.RoundPushRow], parts: List[torch.Tensor], attached: Dict[str, _Stream],
                             version: int) -> Optional[runtime_pb2.ExpertResponse]:
@@ -240,13 +242,10 @@ class RoundHandler(InferenceHandler):
         results, outputs = await self._run_rows(rows, parts, None, attached, {})
         for row, output in zip(rows, outputs):
             if output is not None:
-                stream = attached[row.stream_key]
-                stream.pushed_step_id, stream.pushed_output = row.step_id, output.clone()  # (not the batch's view)
+                attached[row.stream_key].pushed_step = (row.step_id, output.clone())  # (not the batch's view)
         self.counters.steps_from_push += sum(output is not None for output in outputs)
         results = self._push_on(rows, results, outputs)
-        tensors = [output for output in outputs if output is not None]
-        reply = R.RoundResult(rows=results, pushed=True)
-        return P.make_response(reply, [R.join_rows(tensors)] if tensors else [], version=version)
+        return _reply(R.RoundResult(rows=results, pushed=True), outputs, version)
 
     def _push_on(self, rows, results: List[R.RoundRowResult], outputs: List[Optional[torch.Tensor]],
                  ready: Collection[int] = ()) -> List[R.RoundRowResult]:
@@ -360,8 +359,7 @@ class RoundHandler(InferenceHandler):
         stream = self.open_parts.get(entry.stream_key)
         if stream is None or stream.peer != peer or stream.opened is None:
             return "bad_request", f"no session part {entry.stream_key} of yours is open here"
-        expected = stream.opened.push_token
-        if expected is None or not hmac.compare_digest(expected.encode(), entry.token.encode()):
+        if not token_matches(stream.opened.push_token, entry.token):
             return "forbidden", f"session part {entry.stream_key}: the token does not match the one it was opened with"
         attached[entry.stream_key] = stream
         if inbox is not None:

@@ -118,6 +118,11 @@ def _parse(data: bytes) -> dict:
     return raw
 
 
+def decode_parsed(raw: dict, message_type: Type[M]) -> M:
+    """`decode` of metadata already parsed from JSON (a reader that looked at its `type` first parses it once)."""
+    return _validate(raw, message_type)
+
+
 def _validate(raw: dict, message_type: Type[M]) -> M:
     version = _check_version(raw.get("v"))
     if version < SPOKEN[1]:

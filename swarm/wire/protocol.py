@@ -92,6 +92,7 @@ from swarm.wire.codec import (
     _validate,
     check_capabilities,
     decode,
+    decode_parsed,
     deserialize_tensor,
     encode,
     request_version,
@@ -114,7 +115,7 @@ from swarm.wire.inference_messages import (
 
 __all__ = [
     "MAX_BATCH", "MAX_SESSION_ID_LEN", "MAX_TOKEN_LEN", "ErrorReply", "M", "Message", "ProtocolError",
-    "RemoteError", "check_capabilities", "decode", "deserialize_tensor", "encode", "request_version",
+    "RemoteError", "check_capabilities", "decode", "decode_parsed", "deserialize_tensor", "encode", "request_version",
     "serialize_tensor", "OpenSession", "PushStep", "PushTarget", "RowEdits", "RowIndex", "Step", "StepResult",
     "check_row_edits", "stream_key", "MAX_PREFIX_TOKENS", "PrefixDecl", "PrefixCacheReport", "PrefixOutputsRequest",
     "DHTTrafficReport", "ForwardRequest", "ForwardResult", "ServerStats",

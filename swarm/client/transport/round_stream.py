@@ -122,9 +122,9 @@ class RoundStream:
             raise P.RemoteError("closed", who, self.peer_id)
         response, raw = reply
         if raw.get("type") == "error":
-            error = P.decode(response.metadata, P.ErrorReply)
+            error = P.decode_parsed(raw, P.ErrorReply)
             raise P.RemoteError(error.code, error.message, self.peer_id)
-        result = P.decode(response.metadata, R.RoundResult)
+        result = P.decode_parsed(raw, R.RoundResult)
         if result.round_id != message.round_id or [r.stream_key for r in result.rows] != [r.stream_key for r in
                                                                                             message.rows]:
             raise P.RemoteError("bad_reply", "the round's reply does not answer its rows", self.peer_id)
@@ -139,21 +139,20 @@ class RoundStream:
         outcomes: List[Outcome] = []
         pushed = set()
         for n, (row, (stream, x, start, step_id)) in enumerate(zip(result.rows, rows)):
+            outcome, on = self._outcome(stream, x.shape[1], start, row, next(outputs) if row.code is None else None)
+            outcomes.append(outcome)
             if row.code is not None:
                 self._attached.pop(stream.key, None)  # attached again next time (a closed part, a new token)
-                outcomes.append(P.RemoteError(row.code, row.message or "", self.peer_id))
-            elif row.position != start + x.shape[1]:
-                outcomes.append(P.RemoteError("bad_reply", f"server reported position {row.position}", self.peer_id))
-            else:
-                stream.position = row.position
-                outcomes.append(next(outputs))
+            elif isinstance(outcome, torch.Tensor):
                 self._pushed.pop((stream.key, step_id), None)  # a pushed result that came too late for its row
-                if row.pushed and chains[n]:
+                if on and chains[n]:
                     pushed.add(n)
         return outcomes, pushed
 
-    def _pushed_outcome(self, stream: SpanStream, seq: int, start: int, row: R.RoundRowResult,
-                        output: Optional[torch.Tensor]) -> Tuple[Outcome, bool]:
+    def _outcome(self, stream: SpanStream, seq: int, start: int, row: R.RoundRowResult,
+                 output: Optional[torch.Tensor]) -> Tuple[Outcome, bool]:
+        """A row's result: its output [batch, seq, hidden] (the part's position moved on) or its error, and whether
+        the server pushed it on."""
         if row.code is not None or output is None:
             return P.RemoteError(row.code or "bad_reply", row.message or "", self.peer_id), False
         if row.position != start + seq or output.shape[1] != seq:
@@ -181,7 +180,7 @@ class RoundStream:
                     del self._waiters[key]
             if kept is None:
                 return None
-        return self._pushed_outcome(stream, seq, start, *kept)
+        return self._outcome(stream, seq, start, *kept)
 
     async def _read(self, responses: Any) -> None:
         """Every reply of the stream: those to this client's messages in order into `_replies`, the results of
@@ -190,7 +189,7 @@ class RoundStream:
             async for response in responses:
                 raw = json.loads(response.metadata) if response.metadata else {}
                 if isinstance(raw, dict) and raw.get("pushed") is True and raw.get("type") == "round_result":
-                    self._take_pushed(response)
+                    self._take_pushed(response, raw)
                     continue
                 if self._unanswered <= 0:
                     logger.warning(f"round stream to {self.peer_id}: a reply to no message; the stream is ended")
@@ -207,19 +206,18 @@ class RoundStream:
                 if not waiter.done():
                     waiter.set_result(None)
 
-    def _take_pushed(self, response: Any) -> None:
+    def _take_pushed(self, response: Any, raw: dict) -> None:
         try:
-            result = P.decode(response.metadata, R.RoundResult)
+            result = P.decode_parsed(raw, R.RoundResult)
             done = [row for row in result.rows if row.code is None]
             outputs: List[Optional[torch.Tensor]] = [None] * len(result.rows)
             if done:
                 if len(response.tensors) != 1:
                     raise P.ProtocolError("a pushed result carries no outputs")
                 flat = P.deserialize_tensor(response.tensors[0], max_elements=1 << 31)
-                if flat.ndim != 2 or flat.shape[0] != len(done):  # pushed rows are single tokens (`pushable`)
-                    raise P.ProtocolError(f"pushed outputs of shape {list(flat.shape)} for {len(done)} rows")
-                parts = iter(flat.view(len(done), 1, 1, flat.shape[1]).unbind(0))  # [1, 1, hidden] each
-                # a copy each: a kept row must not hold the whole message
+                # pushed rows are single tokens (`rounds._push_chain`): [1, 1, hidden] each, a copy each (a kept
+                # row must not hold the whole message)
+                parts = iter(R.split_rows(flat, [(1, 1)] * len(done)))
                 outputs = [next(parts).clone() if row.code is None else None for row in result.rows]
         except P.ProtocolError as e:
             logger.warning(f"a malformed pushed result from {self.peer_id}: {e}")

@@ -203,15 +203,11 @@ async def _send_group(manager: SwarmManager, peer_id: str, group: List[_Flight])
     outcomes: Dict[int, Outcome] = dict(failed)
     pushed: set = set()
 
-    def row(n: int) -> Row:
-        flight = group[n]
-        return flight.session._streams[flight.hop], flight.x, flight.session.position, flight.step_id
-
     async def send(indexes: List[int]) -> None:
         if not indexes:
             return
         chains = [_push_chain(group[n]) for n in indexes]
-        got, on = await _send_rows(manager, peer_id, [row(n) for n in indexes], chains)
+        got, on = await _send_rows(manager, peer_id, [_row(group[n]) for n in indexes], chains)
         outcomes.update(zip(indexes, got))
         pushed.update(indexes[i] for i in on)
 
@@ -220,7 +216,9 @@ async def _send_group(manager: SwarmManager, peer_id: str, group: List[_Flight])
             return
         stream = round_stream(manager, peer_id)
         timeout = manager.config.push_timeout
-        got = await asyncio.gather(*(stream.wait_pushed(*_wait_args(group[n]), timeout) for n in indexes))
+        rows = [_row(group[n]) for n in indexes]
+        got = await asyncio.gather(*(stream.wait_pushed(part, x.shape[1], start, step_id, timeout)
+                                     for part, x, start, step_id in rows))
         late = [n for n, kept in zip(indexes, got) if kept is None]
         for n, kept in zip(indexes, got):
             if kept is not None:
@@ -237,8 +235,9 @@ async def _send_group(manager: SwarmManager, peer_id: str, group: List[_Flight])
     return [outcomes[n] for n in range(len(group))], pushed
 
 
-def _wait_args(flight: _Flight) -> Tuple[SpanStream, int, int, int]:
-    return flight.session._streams[flight.hop], flight.x.shape[1], flight.session.position, flight.step_id
+def _row(flight: _Flight) -> Row:
+    """The flight's row at its current hop: (session part, x [batch, seq, hidden], start position, step id)."""
+    return flight.session._streams[flight.hop], flight.x, flight.session.position, flight.step_id
 
 
 def _push_chain(flight: _Flight) -> List[P.PushTarget]:
@@ -257,7 +256,7 @@ def _push_chain(flight: _Flight) -> List[P.PushTarget]:
         stream = ROUND_STREAMS.peek(session.manager, after.hop.peer_id)
         if stream is None or not stream.attached(after):
             break
-        chain.append(P.PushTarget(peer_id=after.hop.peer_id, stream_key=after.key, push_token=after.push_token))
+        chain.append(after.push_target)
     return chain
 
 

@@ -262,8 +262,7 @@ class InferenceSession(SessionChain):
             try:
                 if not delivered:
                     rest = self._streams[index + 1:]
-                    chain = [P.PushTarget(peer_id=s.hop.peer_id, stream_key=s.key, push_token=s.push_token)
-                             for s in rest]
+                    chain = [s.push_target for s in rest]
                     # push decode steps (prefill goes through the client), once the next servers have opened
                     use_push = (config.use_push and seq <= PUSH_MAX_TOKENS and not checks
                                 and not any(s.open_pending for s in rest) and all(s.pushes for s in [stream, *rest]))

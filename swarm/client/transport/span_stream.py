@@ -59,6 +59,7 @@ class SpanStream:
         # reply raises it at once, so that the session fails the server over without waiting on it again
         self.failed: Optional[BaseException] = None
         self.push_token = secrets.token_urlsafe(24)  # only the previous server of the chain learns it
+        self._push_target: Optional[P.PushTarget] = None
         # hidden states go out in the server's dtype (what it computes in anyway): a bfloat16 server gets half the
         # bytes of the client's float32; None where the server announced none the wire knows (sent as they are)
         self.wire_dtype = DTYPES.get(hop.dtype) if hop.dtype else None
@@ -165,6 +166,15 @@ class SpanStream:
         """Whether the server takes part in server-to-server push (it announces `push`): only then does its session
         get a push token and its steps a push chain, and only then is it a push's target."""
         return "push" in self.hop.capabilities
+
+    @property
+    def push_target(self) -> P.PushTarget:
+        """This part as the previous server's push target (made once per token: a round names it at every step)."""
+        target = self._push_target
+        if target is None or target.push_token != self.push_token:
+            target = self._push_target = P.PushTarget(peer_id=self.hop.peer_id, stream_key=self.key,
+                                                      push_token=self.push_token)
+        return target
 
     @property
     def compression(self):
